@@ -1,0 +1,47 @@
+# Two commands for a newcomer:
+#   make lab    set up if needed, then train the digits CNN on 1 process, DDP on 2, FSDP on 2
+#   make test   set up if needed, then run every test
+#
+# The virtual environment (about 5 GB: torch ships its CUDA libraries) lives outside the clone,
+# in $(VENV_CACHE)/<hash of pyproject.toml + constraints.txt>, so a second clone or a rerun
+# reuses it; `.venv` in the clone is a link to it.
+
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV_CACHE ?= $(HOME)/.cache/course-venvs
+DEPS_HASH := $(shell cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
+VENV_DIR := $(VENV_CACHE)/$(DEPS_HASH)
+PY := .venv/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: setup lab test test-fast clean-results
+
+setup:
+	@set -euo pipefail; \
+	mkdir -p "$(VENV_CACHE)"; \
+	exec 9>"$(VENV_DIR).lock"; flock 9; \
+	if [ ! -f "$(VENV_DIR)/.complete" ]; then \
+	  "$(PYTHON)" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python 3.11 or newer is needed: set PYTHON=/path/to/python3.11")'; \
+	  echo "Creating the virtual environment in $(VENV_DIR) (once; about a minute on a fast network)"; \
+	  rm -rf "$(VENV_DIR)"; \
+	  "$(PYTHON)" -m venv "$(VENV_DIR)"; \
+	  "$(VENV_DIR)/bin/pip" install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'; \
+	  touch "$(VENV_DIR)/.complete"; \
+	fi; \
+	ln -sfn "$(VENV_DIR)" .venv; \
+	if [ "$$($(PY) -c 'import course_lib, pathlib; print(pathlib.Path(course_lib.__file__).parent.parent)')" != "$(CURDIR)" ]; then \
+	  $(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e . ; \
+	fi
+
+lab: setup
+	$(PY) -m course_lib.lab
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Everything but the multi-minute parts (notebooks, Slurm, slides): the inner loop while editing.
+test-fast: setup
+	$(PY) -m pytest -m "not slow and not notebooks and not slurm and not slides" $(PYTEST_ARGS)
+
+clean-results:
+	rm -rf results checkpoints

@@ -1,0 +1,218 @@
+"""Datasets, and how a global batch is split across ranks.
+
+Three datasets, all of them usable on a machine without internet:
+
+- ``digits``: scikit-learn's bundled 8x8 handwritten digits (1797 images, 10 classes). It ships
+  inside the package, so it is the default: the lab runs anywhere in seconds.
+- ``cifar10``: 32x32 colour images, read from ``--data-dir``. Compute nodes usually have no
+  internet, so it is never downloaded during training: fetch it once on a login node with
+  ``python -m course_lib.data download cifar10 --data-dir DIR``.
+- ``synthetic``: random CIFAR-shaped tensors from a seed, for throughput studies where the
+  numbers learned do not matter.
+
+Splitting the batch (data parallelism). With a *global* batch of B samples and N ranks, each
+rank computes on B / N samples per step. A ``DistributedSampler`` gives every rank a disjoint
+slice of the same shuffled order (``set_epoch`` reshuffles it each epoch; forgetting it repeats
+the first epoch's order forever). Rank r takes positions r, r + N, r + 2N, ... so the union of
+the N per-rank batches of step k is exactly the single-process batch k. That is why a fixed
+global batch gives the same training on 1, 2, 3 or 4 ranks: the strong-scaling invariant.
+
+Two details keep that invariant exact:
+
+- An epoch has ``len(train) // B`` steps on every world size, so no step ever contains the
+  padding that ``DistributedSampler`` adds to make the dataset divide by N.
+- Validation keeps the padding (every rank must run the same number of batches: with FSDP each
+  forward is a collective), but the padded samples are masked out of the metrics, so each
+  validation sample is counted exactly once. See ``trainer.evaluate``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
+
+from .errors import UserError
+
+DATASETS = ("digits", "cifar10", "synthetic")
+INPUT_SHAPES = {"digits": (1, 8, 8), "cifar10": (3, 32, 32), "synthetic": (3, 32, 32)}
+VALIDATION_FRACTION = 0.2
+SPLIT_SEED = 1234  # the train/validation split does not change with --seed
+SYNTHETIC_SIZES = (2048, 512)  # train, validation
+CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+
+
+@dataclass
+class DataBundle:
+    """A dataset ready for training: both splits and the shape of one sample."""
+
+    name: str
+    train: Dataset
+    val: Dataset
+    num_classes: int
+    input_shape: tuple[int, int, int]  # channels, height, width
+
+
+def _split(images: torch.Tensor, labels: torch.Tensor) -> tuple[TensorDataset, TensorDataset]:
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(SPLIT_SEED))
+    n_val = int(round(len(labels) * VALIDATION_FRACTION))
+    val_idx, train_idx = order[:n_val], order[n_val:]
+    return TensorDataset(images[train_idx], labels[train_idx]), TensorDataset(images[val_idx], labels[val_idx])
+
+
+def load_digits_bundle() -> DataBundle:
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0  # pixels are 0..16
+    images = (images - 0.5) / 0.5
+    labels = torch.tensor(digits.target, dtype=torch.long)
+    train, val = _split(images, labels)
+    return DataBundle("digits", train, val, num_classes=10, input_shape=(1, 8, 8))
+
+
+def load_synthetic_bundle(seed: int = 0) -> DataBundle:
+    generator = torch.Generator().manual_seed(seed)
+    n_train, n_val = SYNTHETIC_SIZES
+    images = torch.randn(n_train + n_val, 3, 32, 32, generator=generator)
+    labels = torch.randint(0, 10, (n_train + n_val,), generator=generator)
+    train = TensorDataset(images[:n_train], labels[:n_train])
+    val = TensorDataset(images[n_train:], labels[n_train:])
+    return DataBundle("synthetic", train, val, num_classes=10, input_shape=(3, 32, 32))
+
+
+def cifar10_missing_message(data_dir: Path) -> str:
+    return (
+        f"CIFAR-10 was not found in {data_dir} (compute nodes have no internet, so it is never downloaded "
+        f"during training): on a login node run `python -m course_lib.data download cifar10 --data-dir {data_dir}`, "
+        "then pass the same --data-dir"
+    )
+
+
+def load_cifar10_bundle(data_dir: str | Path) -> DataBundle:
+    import torchvision
+    from torchvision import transforms
+
+    data_dir = Path(data_dir)
+    if not (data_dir / "cifar-10-batches-py").is_dir():
+        raise UserError(cifar10_missing_message(data_dir))
+    normalize = transforms.Normalize(CIFAR10_MEAN, CIFAR10_STD)
+    augment = transforms.Compose(
+        [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip(), transforms.ToTensor(), normalize]
+    )
+    plain = transforms.Compose([transforms.ToTensor(), normalize])
+    try:
+        train = torchvision.datasets.CIFAR10(str(data_dir), train=True, transform=augment, download=False)
+        val = torchvision.datasets.CIFAR10(str(data_dir), train=False, transform=plain, download=False)
+    except RuntimeError as error:  # torchvision checks the files' checksums
+        raise UserError(f"{cifar10_missing_message(data_dir)} ({error})") from None
+    return DataBundle("cifar10", train, val, num_classes=10, input_shape=(3, 32, 32))
+
+
+def load_dataset(name: str, data_dir: str | Path = "data", seed: int = 0) -> DataBundle:
+    if name == "digits":
+        return load_digits_bundle()
+    if name == "synthetic":
+        return load_synthetic_bundle(seed)
+    if name == "cifar10":
+        return load_cifar10_bundle(data_dir)
+    raise UserError(f"unknown dataset {name!r}: choose one of {', '.join(DATASETS)}")
+
+
+def check_data_available(name: str, data_dir: str | Path) -> None:
+    """Fail fast, before any rank waits for another, when a dataset is unknown or its files are missing."""
+    if name not in DATASETS:
+        raise UserError(f"unknown dataset {name!r}: choose one of {', '.join(DATASETS)}")
+    if name == "cifar10" and not (Path(data_dir) / "cifar-10-batches-py").is_dir():
+        raise UserError(cifar10_missing_message(Path(data_dir)))
+
+
+def per_rank_batch_size(global_batch_size: int, world_size: int, grad_accum_steps: int = 1) -> int:
+    """Samples one rank feeds through the model in one forward (a *micro-batch*)."""
+    if global_batch_size < 1:
+        raise UserError(f"--global-batch-size must be positive, got {global_batch_size}")
+    if grad_accum_steps < 1:
+        raise UserError(f"--grad-accum must be at least 1, got {grad_accum_steps}")
+    shards = world_size * grad_accum_steps
+    if global_batch_size % shards:
+        lower = max(shards, global_batch_size // shards * shards)
+        raise UserError(
+            f"global batch size {global_batch_size} does not divide into {world_size} rank(s) x "
+            f"{grad_accum_steps} accumulation step(s): use a multiple of {shards}, e.g. "
+            f"--global-batch-size {lower} or {lower + shards}"
+        )
+    return global_batch_size // shards
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """A ``DistributedSampler`` that can start an epoch part-way through.
+
+    After a resume from a checkpoint written mid-epoch, the first ``skip`` samples of this rank's
+    share of the epoch are the ones already trained on; skipping them (instead of replaying the
+    data loader) costs nothing.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.skip = 0
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        super().set_epoch(epoch)
+        self.skip = skip
+
+    def __iter__(self):
+        indices = list(super().__iter__())
+        return iter(indices[self.skip:])
+
+    def __len__(self) -> int:
+        return self.num_samples - self.skip
+
+
+def train_loader(dataset: Dataset, micro_batch_size: int, rank: int, world_size: int, seed: int,
+                 workers: int = 0, pin_memory: bool = False) -> DataLoader:
+    sampler = ResumableDistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
+    return DataLoader(dataset, batch_size=micro_batch_size, sampler=sampler, drop_last=True,
+                      num_workers=workers, pin_memory=pin_memory, persistent_workers=workers > 0)
+
+
+def validation_loader(dataset: Dataset, batch_size: int, rank: int, world_size: int, workers: int = 0,
+                      pin_memory: bool = False) -> DataLoader:
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, pin_memory=pin_memory)
+
+
+def download(name: str, data_dir: str | Path) -> Path:
+    """Fetch a dataset's files (needs internet: run it on a login node, not in a job)."""
+    if name != "cifar10":
+        raise UserError(f"only cifar10 is downloaded; {name!r} needs no files")
+    import torchvision
+
+    data_dir = Path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    for train in (True, False):
+        torchvision.datasets.CIFAR10(str(data_dir), train=train, download=True)
+    return data_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m course_lib.data", description=download.__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    fetch = sub.add_parser("download", help="download a dataset into --data-dir")
+    fetch.add_argument("dataset", choices=["cifar10"])
+    fetch.add_argument("--data-dir", default="data")
+    args = parser.parse_args(argv)
+    try:
+        path = download(args.dataset, args.data_dir)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"{args.dataset} is in {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,20 @@
+"""The one exception type for mistakes a user can fix.
+
+Training code raises ``UserError`` with a message that names the fix ("pass --global-batch-size 66,
+a multiple of 3"). The command line prints that message as a single line, once, and exits with
+``EXIT_USER_ERROR``. Every other exception is a bug or a crash and keeps its traceback.
+
+Most user errors are found before the processes meet (the world size is known from the
+environment alone), so every rank raises the same error at the same moment and none is left
+waiting for a partner that already left.
+"""
+
+EXIT_USER_ERROR = 2
+"""Exit status for a mistake in flags, data or checkpoints (the same status argparse uses)."""
+
+EXIT_CRASH = 1
+"""Exit status for an unexpected failure on this rank or on another one."""
+
+
+class UserError(Exception):
+    """A mistake in the input (flag, environment, data, checkpoint) that the message tells how to fix."""

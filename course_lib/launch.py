@@ -1,0 +1,183 @@
+"""Run one Python function on N local processes, and get every rank's result back.
+
+``torchrun`` is how real jobs start, but it needs a terminal and a script file. In a notebook
+or a test we want to write a function and see it run on 4 processes right there:
+
+>>> from course_lib.launch import launch
+>>> def hello():
+...     from course_lib import runtime
+...     return runtime.rank() * 10
+>>> launch(hello, nprocs=4)
+[0, 10, 20, 30]
+
+How it works, and why:
+
+- *fork*, not spawn: a forked child already has the notebook's functions in memory, so
+  nothing must be pickled or re-imported (spawn cannot pickle a function defined in a notebook).
+- One CPU thread per child, set before the child runs any torch operation. A child forked from
+  a parent that already used OpenMP threads hangs in its first multi-threaded op; one thread
+  avoids that, and N processes on N cores should not each start N threads anyway.
+- Each child gets the same environment variables torchrun would set (RANK, WORLD_SIZE,
+  MASTER_ADDR=127.0.0.1, a free MASTER_PORT) and calls ``runtime.init()``, so the function runs
+  through exactly the code path of a real job.
+- Results and exceptions come back through one pipe per child. When a rank fails, the others
+  are stopped at once and its exception is raised here with the child's traceback attached;
+  an error that only says "another rank died" is never shown in place of the real cause.
+- Children end with ``os._exit`` after ``runtime.shutdown()``: no interpreter teardown, so
+  no abort at exit.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+from . import runtime
+
+ROOT_CAUSE_GRACE_S = 2.0
+"""After a first failure, how long to wait for the other ranks' reports to find the root cause."""
+
+
+class ChildFailedError(RuntimeError):
+    """A rank failed in a way that could not be re-raised as its own exception."""
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nobody listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _child(rank: int, nprocs: int, port: int, fn: Callable, args: tuple, kwargs: dict,
+           connection, backend: str, timeout_s: float) -> None:
+    import torch
+
+    torch.set_num_threads(1)  # first torch call in the child: see the module docstring
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    exit_code = 0
+    try:
+        runtime.init(backend=backend, timeout_s=timeout_s, num_threads=1)
+        result = fn(*args, **kwargs)
+        try:
+            connection.send(("ok", result))
+        except Exception as error:  # the result could not be pickled
+            connection.send(("error", None, f"rank {rank} returned a value that cannot be sent back: {error}"))
+            exit_code = 1
+    except BaseException as error:  # noqa: BLE001 (report everything, including KeyboardInterrupt)
+        text = traceback.format_exc()
+        try:
+            connection.send(("error", error, text))
+        except Exception:  # the exception itself is not picklable: send its text only
+            connection.send(("error", None, text))
+        exit_code = 1
+    finally:
+        runtime.shutdown()
+        connection.close()
+        runtime.flush_and_exit(exit_code)
+
+
+def _stop(processes: list) -> None:
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + 5
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            os.kill(process.pid, signal.SIGKILL)
+            process.join()
+
+
+def _raise_failure(failures: dict[int, tuple[BaseException | None, str]]) -> None:
+    # Prefer a rank whose error is its own (or that died silently) over ranks that only saw a peer disappear.
+    def is_root_cause(item):
+        error = item[1][0]
+        return error is None or not runtime.is_peer_failure(error)
+
+    rank, (error, text) = sorted(failures.items(), key=lambda item: (not is_root_cause(item), item[0]))[0]
+    others = sorted(set(failures) - {rank})
+    context = f"raised on rank {rank}" + (f" (ranks {others} failed after it)" if others else "")
+    if isinstance(error, Exception):
+        error.add_note(f"{context}; the child's traceback:\n{text}")
+        raise error
+    raise ChildFailedError(f"{context}:\n{text}")
+
+
+def launch(fn: Callable, nprocs: int, *args: Any, backend: str = "gloo", timeout_s: float = 300,
+           **kwargs: Any) -> list:
+    """Run ``fn(*args, **kwargs)`` on ``nprocs`` forked processes; return the results in rank order.
+
+    Each process has joined a process group (``runtime.init``) before ``fn`` starts. If any rank
+    raises, the others are stopped and the exception is raised here. If they do not all finish
+    within ``timeout_s`` seconds, they are stopped and ``TimeoutError`` is raised.
+    """
+    if nprocs < 1:
+        raise ValueError(f"nprocs must be at least 1, got {nprocs}")
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise RuntimeError(
+            "launch() was called from a process that already joined a process group; forked children "
+            "would inherit its sockets. Call course_lib.runtime.shutdown() first, or restart the kernel."
+        )
+    context = multiprocessing.get_context("fork")
+    port = free_port()
+    processes, pending = [], {}
+    for rank in range(nprocs):
+        receive_end, send_end = context.Pipe(duplex=False)
+        process = context.Process(
+            target=_child, name=f"rank{rank}",
+            args=(rank, nprocs, port, fn, args, kwargs, send_end, backend, timeout_s),
+        )
+        process.start()
+        send_end.close()  # only the child writes; closing our copy lets us see EOF if it dies
+        processes.append(process)
+        pending[receive_end] = rank
+
+    results: dict[int, Any] = {}
+    failures: dict[int, tuple[BaseException | None, str]] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while pending:
+            if failures:  # give the other ranks a moment to report, then stop them
+                wait_s = min(ROOT_CAUSE_GRACE_S, deadline - time.monotonic())
+            else:
+                wait_s = deadline - time.monotonic()
+            ready = multiprocessing.connection.wait(list(pending), timeout=max(0.0, wait_s))
+            if not ready:
+                if failures:
+                    break
+                raise TimeoutError(
+                    f"ranks {sorted(pending.values())} of {nprocs} did not finish within {timeout_s} s; "
+                    "they were stopped (a rank waiting in a collective that another rank never called?)"
+                )
+            for receive_end in ready:
+                rank = pending.pop(receive_end)
+                try:
+                    message = receive_end.recv()
+                except EOFError:
+                    processes[rank].join(5)
+                    message = ("error", None, f"rank {rank} exited with code {processes[rank].exitcode} "
+                                              "without reporting (killed, or a crash in native code)")
+                receive_end.close()
+                if message[0] == "ok":
+                    results[rank] = message[1]
+                else:
+                    failures[rank] = (message[1], message[2])
+    finally:
+        _stop(processes)
+        for receive_end in pending:
+            receive_end.close()
+    if failures:
+        _raise_failure(failures)
+    return [results[rank] for rank in range(nprocs)]

@@ -1,0 +1,124 @@
+"""The networks of the lab, sized so that a laptop trains them in seconds to minutes.
+
+=============  ===========  ============  ================================================
+name           input        parameters    what it is for
+=============  ===========  ============  ================================================
+digits_cnn     1 x 8 x 8        35,173    the default: learns sklearn's digits in seconds
+cifar_cnn      3 x 32 x 32     765,887    CIFAR-10 / synthetic: enough compute to scale
+resnet18       3 x 32 x 32  11,173,962    torchvision's ResNet-18, adapted to 32x32 images
+=============  ===========  ============  ================================================
+
+Layer widths are chosen so that parameter counts do *not* divide evenly by 2, 3 or 4 ranks
+(35,173 is odd and not a multiple of 3): sharding code must handle the remainder.
+
+Why no BatchNorm. BatchNorm normalises with statistics of the batch *on this rank*. Split a
+global batch of 256 over 4 ranks and each normalises over 64 samples: the result changes with
+the number of ranks, and each rank's running statistics drift apart (DDP only averages
+gradients, not buffers). ``SyncBatchNorm`` fixes that with an extra all-reduce in every forward
+of every normalisation layer, and needs a GPU. We use GroupNorm instead: it normalises each
+sample on its own, so there is nothing to synchronise, and training is identical on 1 or N
+ranks (the property the strong-scaling study needs). ResNet-18 therefore gets
+``GroupNorm(32 groups)`` in place of each BatchNorm.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .errors import UserError
+
+MODELS = ("digits_cnn", "cifar_cnn", "resnet18")
+
+
+class DigitsCNN(nn.Sequential):
+    """Two convolutions and two linear layers for 1x8x8 digits (35,173 parameters)."""
+
+    input_shape = (1, 8, 8)
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__(
+            nn.Sequential(nn.Conv2d(1, 15, 3, padding=1), nn.ReLU()),
+            nn.Sequential(nn.Conv2d(15, 30, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)),  # -> 30 x 4 x 4
+            nn.Sequential(nn.Flatten(), nn.Linear(30 * 4 * 4, 63), nn.ReLU()),
+            nn.Linear(63, num_classes),
+        )
+
+
+class CifarCNN(nn.Sequential):
+    """A VGG-style CNN for 3x32x32 images (765,887 parameters), no normalisation layers."""
+
+    input_shape = (3, 32, 32)
+
+    def __init__(self, num_classes: int = 10):
+        def block(c_in, c_out, pool):
+            layers = [nn.Conv2d(c_in, c_out, 3, padding=1), nn.ReLU()]
+            return nn.Sequential(*layers, nn.MaxPool2d(2)) if pool else nn.Sequential(*layers)
+
+        super().__init__(
+            block(3, 32, pool=False),
+            block(32, 64, pool=True),     # -> 16 x 16
+            block(64, 128, pool=True),    # -> 8 x 8
+            block(128, 128, pool=True),   # -> 4 x 4
+            nn.Sequential(nn.Flatten(), nn.Linear(128 * 4 * 4, 255), nn.ReLU()),
+            nn.Linear(255, num_classes),
+        )
+
+
+def resnet18_cifar(num_classes: int = 10) -> nn.Module:
+    """torchvision's ResNet-18 for 32x32 inputs: a 3x3 stem, no max-pool, GroupNorm for BatchNorm."""
+    from torchvision.models import resnet18
+
+    model = resnet18(num_classes=num_classes, norm_layer=lambda channels: nn.GroupNorm(32, channels))
+    model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    model.maxpool = nn.Identity()
+    model.input_shape = (3, 32, 32)
+    return model
+
+
+def build_model(name: str, num_classes: int = 10) -> nn.Module:
+    if name == "digits_cnn":
+        return DigitsCNN(num_classes)
+    if name == "cifar_cnn":
+        return CifarCNN(num_classes)
+    if name == "resnet18":
+        return resnet18_cifar(num_classes)
+    raise UserError(f"unknown model {name!r}: choose one of {', '.join(MODELS)}")
+
+
+def model_input_shape(name: str) -> tuple[int, int, int]:
+    return {"digits_cnn": DigitsCNN.input_shape, "cifar_cnn": CifarCNN.input_shape, "resnet18": (3, 32, 32)}[name]
+
+
+def check_model_fits_data(model_name: str, dataset_name: str, input_shape: tuple[int, int, int]) -> None:
+    if model_name not in MODELS:
+        raise UserError(f"unknown model {model_name!r}: choose one of {', '.join(MODELS)}")
+    expected = model_input_shape(model_name)
+    if tuple(expected) != tuple(input_shape):
+        fitting = [m for m in MODELS if model_input_shape(m) == tuple(input_shape)]
+        raise UserError(
+            f"model {model_name} expects {'x'.join(map(str, expected))} images but dataset {dataset_name} has "
+            f"{'x'.join(map(str, input_shape))}: use --model {' or --model '.join(fitting)}"
+        )
+
+
+def sharding_units(model: nn.Module) -> list[nn.Module]:
+    """The submodules FSDP treats as one unit each: one all-gather before, one reduce-scatter after.
+
+    Our CNNs are sequences of blocks, so each block with parameters is a unit; for ResNet-18 each
+    residual block is one. Smaller units mean less memory held at once, but more, smaller messages.
+    """
+    from torchvision.models import ResNet
+
+    if isinstance(model, ResNet):
+        return [block for layer in (model.layer1, model.layer2, model.layer3, model.layer4) for block in layer]
+    return [child for child in model.children() if any(True for _ in child.parameters())]
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def flat_parameters(state_dict: dict[str, torch.Tensor]) -> torch.Tensor:
+    """All tensors of a state dict as one vector, in key order: handy for comparing two models."""
+    return torch.cat([state_dict[key].detach().reshape(-1).float().cpu() for key in sorted(state_dict)])

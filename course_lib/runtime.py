@@ -1,0 +1,315 @@
+"""How a process learns who it is: rank, world size, device, backend.
+
+A distributed job is N copies of one program. Before they can exchange a single tensor, each
+copy must learn four things: its *rank* (0 .. N-1), the *world size* N, the device it owns,
+and where rank 0 listens so that all of them can meet (the *rendezvous*). Launchers say it in
+different words:
+
+==================  ==========================================================================
+launcher            what the process finds in its environment
+==================  ==========================================================================
+``torchrun``        RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+``srun`` (Slurm)    SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS, SLURM_JOB_NODELIST, SLURM_JOB_ID
+``course_lib.launch``  the torchrun variables, set by the launcher for each forked child
+nothing             a plain ``python train.py``: rank 0 of a world of 1
+==================  ==========================================================================
+
+``resolve_environment()`` turns any of these into one ``DistEnvironment`` (a pure function, so
+it is easy to test); ``init()`` then picks the device and backend (a GPU means ``cuda`` +
+``nccl``, otherwise ``cpu`` + ``gloo``) and joins the process group. Under ``torchrun`` inside a
+Slurm job both sets of variables are present and torchrun's win: every torchrun child inherits
+``SLURM_PROCID=0`` from its parent, so trusting Slurm there would give every child rank 0.
+
+``shutdown()`` is the other half. A finished gloo job can abort at interpreter exit
+("terminate called without an active exception") when gloo's worker threads free objects that
+still hold Python state. Collecting garbage *before* destroying the process group removes
+that race, so every entry point ends with ``shutdown()`` after its models and optimizers are
+out of scope.
+
+Cost: the rendezvous is one TCP connection to rank 0 per process (milliseconds on a laptop,
+seconds across a cluster), paid once per job.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+import re
+import sys
+from dataclasses import dataclass
+from typing import Mapping
+
+from .errors import UserError
+
+DEFAULT_TIMEOUT_S = 300
+"""How long a collective waits for a missing rank before failing (instead of hanging forever)."""
+
+SLURM_PORT_BASE, SLURM_PORT_SPAN = 20000, 40000
+"""MASTER_PORT for srun jobs is derived from the job id, so two jobs sharing a node do not collide."""
+
+
+@dataclass(frozen=True)
+class DistEnvironment:
+    """Who this process is, as read from the launcher's environment variables."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    launcher: str  # "torchrun" (or course_lib.launch), "slurm", or "single"
+
+
+@dataclass(frozen=True)
+class Context:
+    """The process after ``init()``: its place in the world and the device it computes on."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: "torch.device"  # noqa: F821 (torch is imported lazily)
+    backend: str
+    launcher: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+_context: Context | None = None
+
+
+def _int_variable(environ: Mapping[str, str], name: str) -> int:
+    value = environ[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise UserError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a Slurm node list: ``nid[001234-001237,001240]`` gives ``nid001234``.
+
+    Slurm compresses node lists; rank 0 runs on the first node, so that is where everyone meets.
+    """
+    match = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?", nodelist.strip())
+    if not match or not match.group(0):
+        raise UserError(f"cannot read the Slurm node list {nodelist!r}: set MASTER_ADDR to the first node's name")
+    prefix, ranges = match.group(1), match.group(2)
+    if ranges is None:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def resolve_environment(environ: Mapping[str, str] | None = None) -> DistEnvironment:
+    """Read rank, world size and rendezvous address from torchrun, srun, or nothing at all."""
+    environ = os.environ if environ is None else environ
+
+    if "RANK" in environ:
+        if "WORLD_SIZE" not in environ:
+            raise UserError(
+                "RANK is set but WORLD_SIZE is not: launch with torchrun (which sets both), "
+                "or set WORLD_SIZE to the number of processes"
+            )
+        rank, world_size = _int_variable(environ, "RANK"), _int_variable(environ, "WORLD_SIZE")
+        local_rank = _int_variable(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else 0
+        local_world = (
+            _int_variable(environ, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in environ else world_size
+        )
+        if not 0 <= rank < world_size:
+            raise UserError(f"RANK={rank} is outside 0..{world_size - 1} (WORLD_SIZE={world_size})")
+        if world_size > 1 and ("MASTER_ADDR" not in environ or "MASTER_PORT" not in environ):
+            raise UserError(
+                "MASTER_ADDR and MASTER_PORT must be set when WORLD_SIZE > 1: "
+                "launch with torchrun, or export the address and a free port of rank 0's host"
+            )
+        return DistEnvironment(
+            rank=rank,
+            local_rank=local_rank,
+            world_size=world_size,
+            local_world_size=local_world,
+            master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(environ.get("MASTER_PORT", "0")),
+            launcher="torchrun",
+        )
+
+    # srun starts one task per GPU. Inside a batch script *without* srun, SLURM_PROCID is 0 but
+    # the step has a single task: then this is an ordinary single process.
+    step_tasks = environ.get("SLURM_STEP_NUM_TASKS", environ.get("SLURM_NTASKS"))
+    if "SLURM_PROCID" in environ and step_tasks is not None and int(step_tasks) > 1:
+        world_size = int(step_tasks)
+        rank = _int_variable(environ, "SLURM_PROCID")
+        local_rank = _int_variable(environ, "SLURM_LOCALID") if "SLURM_LOCALID" in environ else 0
+        nodes = int(environ.get("SLURM_STEP_NUM_NODES", environ.get("SLURM_NNODES", "1")))
+        if "MASTER_ADDR" in environ:
+            master_addr = environ["MASTER_ADDR"]
+        elif "SLURM_STEP_NODELIST" in environ or "SLURM_JOB_NODELIST" in environ:
+            master_addr = first_slurm_host(environ.get("SLURM_STEP_NODELIST", environ.get("SLURM_JOB_NODELIST", "")))
+        else:
+            raise UserError("under srun, neither MASTER_ADDR nor SLURM_JOB_NODELIST is set: export MASTER_ADDR")
+        if "MASTER_PORT" in environ:
+            master_port = _int_variable(environ, "MASTER_PORT")
+        else:
+            job_id = int(environ.get("SLURM_JOB_ID", "0"))
+            master_port = SLURM_PORT_BASE + job_id % SLURM_PORT_SPAN
+        return DistEnvironment(
+            rank=rank,
+            local_rank=local_rank,
+            world_size=world_size,
+            local_world_size=max(1, world_size // max(1, nodes)),
+            master_addr=master_addr,
+            master_port=master_port,
+            launcher="slurm",
+        )
+
+    return DistEnvironment(
+        rank=0, local_rank=0, world_size=1, local_world_size=1,
+        master_addr="127.0.0.1", master_port=0, launcher="single",
+    )
+
+
+def usable_cpus() -> int:
+    """CPU cores this process may run on (respects Slurm's and taskset's CPU masks)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
+def choose_backend(requested: str, cuda_available: bool) -> tuple[str, str]:
+    """Return (backend, device type) for ``requested`` in {"auto", "nccl", "gloo"}."""
+    if requested == "auto":
+        return ("nccl", "cuda") if cuda_available else ("gloo", "cpu")
+    if requested == "nccl":
+        if not cuda_available:
+            raise UserError(
+                "backend nccl needs a GPU but torch sees none: use --backend gloo (or auto) on a CPU machine, "
+                "or request GPUs from Slurm (--gpus-per-node)"
+            )
+        return "nccl", "cuda"
+    if requested == "gloo":
+        return "gloo", "cpu"
+    raise UserError(f"unknown backend {requested!r}: choose auto, nccl or gloo")
+
+
+def init(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, num_threads: int | None = None) -> Context:
+    """Join the process group described by the environment and return this process's ``Context``.
+
+    Safe to call twice: the second call returns the context of the first.
+    ``num_threads`` overrides the CPU thread count (default: this node's cores shared evenly
+    between its ranks, so two ranks on two cores do not fight over them).
+    """
+    global _context
+    if _context is not None:
+        return _context
+
+    env = resolve_environment()
+    import torch
+    import torch.distributed as dist
+
+    backend, device_type = choose_backend(backend, torch.cuda.is_available())
+    if device_type == "cuda":
+        if env.local_rank >= torch.cuda.device_count():
+            raise UserError(
+                f"LOCAL_RANK={env.local_rank} but only {torch.cuda.device_count()} GPU(s) are visible: start one "
+                "process per GPU (--nproc-per-node / --ntasks-per-node equal to the GPUs per node)"
+            )
+        device = torch.device("cuda", env.local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(num_threads or max(1, usable_cpus() // env.local_world_size))
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        if env.world_size == 1:
+            # A world of one needs no network: an in-memory store is enough, and DDP/FSDP still work.
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            dist.init_process_group(
+                backend,
+                init_method=f"tcp://{env.master_addr}:{env.master_port}",
+                rank=env.rank,
+                world_size=env.world_size,
+                timeout=timeout,
+                device_id=device if device_type == "cuda" else None,
+            )
+    _context = Context(
+        rank=env.rank, local_rank=env.local_rank, world_size=env.world_size,
+        local_world_size=env.local_world_size, device=device, backend=backend, launcher=env.launcher,
+    )
+    return _context
+
+
+def context() -> Context:
+    """The context of the ``init()`` call of this process."""
+    if _context is None:
+        raise RuntimeError("course_lib.runtime.init() has not been called in this process")
+    return _context
+
+
+def shutdown() -> None:
+    """Leave the process group cleanly, so that the interpreter never aborts at exit.
+
+    Call it after the models, optimizers and DDP/FSDP wrappers are out of scope (return from
+    the function that owned them first): ``gc.collect()`` then frees them while the process
+    group still exists, which is the order gloo needs.
+    """
+    global _context
+    gc.collect()
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _context = None
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """True for the error a rank sees when *another* rank died or stopped answering."""
+    import torch.distributed as dist
+
+    if isinstance(error, dist.DistError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(
+        marker in text
+        for marker in ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Timed out", "timed out")
+    )
+
+
+def rank() -> int:
+    return _context.rank if _context else 0
+
+
+def world_size() -> int:
+    return _context.world_size if _context else 1
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def print0(*args, **kwargs) -> None:
+    """``print`` on rank 0 only: N identical lines teach nothing."""
+    if is_main():
+        kwargs.setdefault("flush", True)
+        print(*args, **kwargs)
+
+
+def barrier() -> None:
+    """Wait until every rank arrives here (a no-op in a world of one)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def flush_and_exit(code: int) -> None:
+    """End the process at once with ``code``, after flushing output (used by forked children)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,104 @@
+"""Where the model lives: one process, replicated (DDP) or sharded (FSDP).
+
+==========  =================================  ===============================================
+strategy    each rank holds                    communication per step (Ψ = parameters)
+==========  =================================  ===============================================
+single      everything, one process            none
+ddp         a full replica + its gradients     all-reduce of the gradients: ~2Ψ values sent
+fsdp        1/N of parameters, grads, state    all-gather params (forward and backward) and
+                                               reduce-scatter grads: ~3Ψ values sent
+==========  =================================  ===============================================
+
+Each strategy has two implementations behind the same flags: ``torch`` (PyTorch's own
+``DistributedDataParallel`` and FSDP2 ``fully_shard``, the production path and the default)
+and ``course`` (the readable versions in ``course_lib.parallel``). The trainer only ever calls
+``wrap_model`` and ``gradient_sync_skipped``, so both are held to the same numbers.
+
+Gradient accumulation. With ``--grad-accum K`` a rank runs K micro-batches before one
+optimizer step. Synchronising gradients after each micro-batch would send K times the bytes for
+nothing: only the sum matters. So the first K - 1 backward passes run inside
+``gradient_sync_skipped`` (DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync(False)``)
+and only the last one communicates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+from torch import nn
+
+from .errors import UserError
+from .models import sharding_units
+from .runtime import Context
+
+STRATEGIES = ("single", "ddp", "fsdp")
+IMPLEMENTATIONS = ("torch", "course")
+
+# (strategy, "course") -> function(model, context) returning the wrapped model. The readable
+# implementations in course_lib.parallel register themselves here when they are imported.
+COURSE_IMPLEMENTATIONS: dict[str, Callable[[nn.Module, Context], nn.Module]] = {}
+
+
+def check_strategy(strategy: str, impl: str, world_size: int) -> None:
+    """Reject impossible combinations before any process waits for another."""
+    if strategy not in STRATEGIES:
+        raise UserError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    if impl not in IMPLEMENTATIONS:
+        raise UserError(f"unknown implementation {impl!r}: choose torch or course")
+    if strategy == "single" and world_size > 1:
+        raise UserError(
+            f"strategy single runs one process, but {world_size} were started: use --strategy ddp or fsdp, "
+            "or run without torchrun/srun"
+        )
+    if impl == "course" and strategy != "single":
+        _load_course_implementations()
+        if strategy not in COURSE_IMPLEMENTATIONS:
+            raise UserError(f"--impl course is not available for strategy {strategy}: use --impl torch")
+
+
+def _load_course_implementations() -> None:
+    import importlib
+
+    for module in ("ddp", "fsdp"):
+        try:
+            importlib.import_module(f"course_lib.parallel.{module}")
+        except ModuleNotFoundError as error:
+            if error.name != f"course_lib.parallel.{module}":
+                raise
+
+
+def wrap_model(model: nn.Module, strategy: str, impl: str, ctx: Context) -> nn.Module:
+    """Return the model as this strategy trains it (the optimizer must be built *after* this)."""
+    check_strategy(strategy, impl, ctx.world_size)
+    if strategy == "single":
+        return model
+    if impl == "course":
+        return COURSE_IMPLEMENTATIONS[strategy](model, ctx)
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids)
+    from torch.distributed.fsdp import fully_shard
+
+    # Shard each block first, then the root (which picks up the parameters left over).
+    for unit in sharding_units(model):
+        fully_shard(unit)
+    return fully_shard(model)
+
+
+@contextlib.contextmanager
+def gradient_sync_skipped(model: nn.Module) -> Iterator[None]:
+    """Run backward passes whose gradients are accumulated locally, not yet communicated."""
+    if hasattr(model, "no_sync"):  # DDP, torch's and the course's
+        with model.no_sync():
+            yield
+    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:  # a single process has nothing to synchronise
+        yield

@@ -1,0 +1,145 @@
+"""The training command: ``python -m course_lib.train`` (also installed as ``course-train``).
+
+One process::
+
+    python -m course_lib.train --epochs 5
+
+Two processes with DDP, then with FSDP, on this machine::
+
+    torchrun --standalone --nproc-per-node 2 -m course_lib.train --strategy ddp
+    torchrun --standalone --nproc-per-node 2 -m course_lib.train --strategy fsdp
+
+On a Slurm cluster, one task per GPU (see ``slurm/``)::
+
+    srun python -m course_lib.train --strategy ddp --dataset cifar10 --model resnet18
+
+Exit status: 0 done, 2 a mistake in the input (one line says how to fix it), 1 a crash (on this
+rank, or on another rank that this one was waiting for).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+from . import runtime
+from .data import DATASETS
+from .errors import EXIT_CRASH, EXIT_USER_ERROR, UserError
+from .models import MODELS
+from .strategies import IMPLEMENTATIONS, STRATEGIES
+from .trainer import OPTIMIZERS, PRECISIONS, TrainConfig
+
+
+def _launched_rank() -> str:
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+
+
+class _OnceArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag once, not once per rank."""
+
+    def error(self, message: str):
+        if _launched_rank() == "0":
+            self.print_usage(sys.stderr)
+            print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = TrainConfig()
+    parser = _OnceArgumentParser(
+        prog="python -m course_lib.train",
+        description="Train a CNN on one process, or on many with DDP or FSDP.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    what = parser.add_argument_group("what to train")
+    what.add_argument("--strategy", choices=STRATEGIES, default=defaults.strategy)
+    what.add_argument("--impl", choices=IMPLEMENTATIONS, default=defaults.impl,
+                      help="torch: PyTorch's DDP/FSDP2; course: the readable versions in course_lib.parallel")
+    what.add_argument("--dataset", choices=DATASETS, default=defaults.dataset)
+    what.add_argument("--data-dir", default=os.environ.get("COURSE_DATA_DIR", defaults.data_dir),
+                      help="where cifar10 lives (default: $COURSE_DATA_DIR or ./data)")
+    what.add_argument("--model", choices=MODELS, default=defaults.model)
+    how = parser.add_argument_group("how to train")
+    how.add_argument("--epochs", type=int, default=defaults.epochs)
+    how.add_argument("--global-batch-size", type=int, default=defaults.global_batch_size,
+                     help="samples per optimizer step, summed over all ranks")
+    how.add_argument("--lr", type=float, default=defaults.lr)
+    how.add_argument("--optimizer", choices=OPTIMIZERS, default=defaults.optimizer)
+    how.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
+    how.add_argument("--seed", type=int, default=defaults.seed)
+    how.add_argument("--precision", choices=PRECISIONS, default=defaults.precision,
+                     help="bf16: autocast matrix products to bfloat16, weights stay fp32")
+    how.add_argument("--grad-accum", type=int, default=defaults.grad_accum,
+                     help="micro-batches per optimizer step on each rank")
+    how.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
+    how.add_argument("--workers", type=int, default=defaults.workers, help="data-loader worker processes per rank")
+    out = parser.add_argument_group("checkpoints and metrics")
+    out.add_argument("--checkpoint-dir", default=None, help="save a checkpoint here after every epoch")
+    out.add_argument("--checkpoint-every", type=int, default=0, help="also save every N steps")
+    out.add_argument("--resume", nargs="?", const="latest", default=None,
+                     help="resume from the newest checkpoint in --checkpoint-dir, or from the given directory")
+    out.add_argument("--metrics", default=None, help="append one JSON line per epoch to this file")
+    out.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    system = parser.add_argument_group("processes")
+    system.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
+                        help="auto: nccl with GPUs, gloo without")
+    system.add_argument("--timeout", type=float, default=runtime.DEFAULT_TIMEOUT_S,
+                        help="seconds a rank waits for the others before giving up")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    fields = TrainConfig.__dataclass_fields__
+    return TrainConfig(**{name: value for name, value in vars(args).items() if name in fields})
+
+
+def _report_user_error(error: UserError) -> None:
+    if _launched_rank() == "0":
+        print(f"error: {error}", file=sys.stderr, flush=True)
+
+
+def run(config: TrainConfig, backend: str = "auto", timeout_s: float = runtime.DEFAULT_TIMEOUT_S) -> int:
+    """Validate, join the process group, train, leave. Returns the exit status."""
+    from .trainer import train, validate_config
+
+    try:
+        env = runtime.resolve_environment()
+        runtime.choose_backend(backend, _cuda_available())
+        validate_config(config, env.world_size)
+        runtime.init(backend=backend, timeout_s=timeout_s)
+        train(config)
+        status = 0
+    except UserError as error:
+        _report_user_error(error)
+        status = EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print(f"rank {_launched_rank()}: interrupted", file=sys.stderr, flush=True)
+        status = EXIT_CRASH
+    except Exception as error:  # noqa: BLE001
+        if runtime.is_peer_failure(error):
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            print(f"rank {_launched_rank()}: stopped because another rank failed or stopped answering "
+                  f"({first_line[:160]}); see that rank's error", file=sys.stderr, flush=True)
+        else:
+            traceback.print_exc()
+        status = EXIT_CRASH
+    # Outside the except blocks: the exception and its traceback (which keeps the model alive) are gone.
+    runtime.shutdown()
+    return status
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run(config_from_args(args), backend=args.backend, timeout_s=args.timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,352 @@
+"""One training loop for every strategy: single process, DDP, FSDP.
+
+The loop is the one a student writes on a single GPU; distribution changes only three lines:
+
+1. the model is wrapped (``strategies.wrap_model``) before the optimizer is built;
+2. the data loader's ``DistributedSampler`` gives each rank its slice of every global batch,
+   and ``set_epoch`` reshuffles it each epoch;
+3. metrics computed on a slice (loss, accuracy) are summed over ranks with one all-reduce.
+
+Per step and rank: ``--grad-accum`` forward/backward passes on micro-batches of
+``global_batch / (world_size * grad_accum)`` samples, then one optimizer step. Per epoch:
+validation on every sample exactly once, one JSON line of metrics, one checkpoint.
+
+Everything a run needs is checked by ``validate_config`` from the environment alone, *before*
+the processes meet: a bad flag then stops every rank at once with the same message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import random
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from tqdm.auto import tqdm
+
+from . import checkpoint, data, models, runtime, strategies
+from .errors import UserError
+
+PRECISIONS = ("fp32", "bf16")
+OPTIMIZERS = ("adamw", "sgd")
+
+
+@dataclass
+class TrainConfig:
+    """Every knob of a run; the command-line flags map one to one onto these fields."""
+
+    strategy: str = "single"
+    impl: str = "torch"
+    dataset: str = "digits"
+    data_dir: str = "data"
+    model: str = "digits_cnn"
+    epochs: int = 5
+    global_batch_size: int = 64
+    lr: float = 3e-3
+    optimizer: str = "adamw"
+    weight_decay: float = 0.0
+    seed: int = 0
+    precision: str = "fp32"
+    grad_accum: int = 1
+    eval_batch_size: int = 256
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0  # also save every N steps (0: only at the end of each epoch)
+    resume: str | None = None  # "latest" (newest in checkpoint_dir) or a checkpoint directory
+    metrics: str | None = None  # JSON-lines file, one line per epoch
+    max_steps: int | None = None  # stop after this many optimizer steps in total
+    workers: int = 0
+    progress: bool = True
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class TrainResult:
+    history: list[dict[str, Any]] = field(default_factory=list)
+    global_step: int = 0
+    state_dict: dict[str, torch.Tensor] | None = None  # full model weights on rank 0, if requested
+
+
+def resolve_resume_path(config: TrainConfig) -> Path | None:
+    """The checkpoint to resume from, or None for a fresh start."""
+    if config.resume is None:
+        return None
+    if config.resume == "latest":
+        if not config.checkpoint_dir:
+            raise UserError("--resume latest needs --checkpoint-dir (where to look for checkpoints)")
+        return checkpoint.latest_checkpoint(config.checkpoint_dir)  # None: nothing saved yet, start afresh
+    return Path(config.resume)
+
+
+def validate_config(config: TrainConfig, world_size: int) -> None:
+    """Every check that needs no other process: run it on every rank before they meet."""
+    strategies.check_strategy(config.strategy, config.impl, world_size)
+    data.check_data_available(config.dataset, config.data_dir)
+    models.check_model_fits_data(config.model, config.dataset, data.INPUT_SHAPES[config.dataset])
+    data.per_rank_batch_size(config.global_batch_size, world_size, config.grad_accum)
+    if config.precision not in PRECISIONS:
+        raise UserError(f"unknown precision {config.precision!r}: choose one of {', '.join(PRECISIONS)}")
+    if config.optimizer not in OPTIMIZERS:
+        raise UserError(f"unknown optimizer {config.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+    if config.epochs < 1:
+        raise UserError(f"--epochs must be at least 1, got {config.epochs}")
+    if config.lr <= 0:
+        raise UserError(f"--lr must be positive, got {config.lr}")
+    if config.max_steps is not None and config.max_steps < 1:
+        raise UserError(f"--max-steps must be at least 1, got {config.max_steps}")
+    if config.checkpoint_every < 0:
+        raise UserError(f"--checkpoint-every must be 0 (off) or positive, got {config.checkpoint_every}")
+    if config.checkpoint_every and not config.checkpoint_dir:
+        raise UserError("--checkpoint-every needs --checkpoint-dir (where to write the checkpoints)")
+    resume_path = resolve_resume_path(config)
+    if resume_path is not None:
+        checkpoint.check_compatible(checkpoint.read_meta(resume_path), config.as_dict(), resume_path)
+
+
+def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9, weight_decay=config.weight_decay)
+    return torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+
+
+def autocast(device: torch.device, precision: str):
+    """bf16 autocast runs matrix products in bfloat16 while the weights stay fp32."""
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, loader, device: torch.device, precision: str = "fp32") -> dict[str, float]:
+    """Loss and accuracy over the whole validation set, every sample counted exactly once.
+
+    ``DistributedSampler`` pads the dataset to a multiple of the world size by repeating its first
+    samples, and deals positions round-robin: this rank's i-th sample sits at position
+    ``rank + i * world_size`` of the padded order, and it is padding if that position is past
+    the end of the dataset. Those samples still run through the model (with FSDP every rank
+    must run the same number of forwards) but are left out of the sums.
+    """
+    was_training = model.training
+    model.eval()
+    sampler = loader.sampler
+    dataset_size = len(loader.dataset)
+    position = sampler.rank
+    totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct predictions, samples
+    for inputs, targets in loader:
+        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        with autocast(device, precision):
+            logits = model(inputs)
+        losses = F.cross_entropy(logits.float(), targets, reduction="none")
+        positions = position + sampler.num_replicas * torch.arange(len(targets), device=device)
+        real = positions < dataset_size
+        position += sampler.num_replicas * len(targets)
+        correct = (logits.argmax(dim=1) == targets) & real
+        totals += torch.stack([losses[real].double().sum(), correct.double().sum(), real.double().sum()]).cpu()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(totals)
+    model.train(was_training)
+    loss_sum, correct, samples = totals.tolist()
+    return {"val_loss": loss_sum / samples, "val_acc": correct / samples, "val_samples": int(samples)}
+
+
+def peak_memory_mb(device: torch.device) -> tuple[float, str]:
+    """Peak memory of this process: tensors allocated on the GPU, or the resident set on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20, "cuda_max_allocated"
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (2**20 if sys.platform == "darwin" else 2**10), "cpu_max_rss"
+
+
+def _reduce_max(value: float) -> float:
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.item()
+
+
+def _reduce_sum(values: list[float]) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def _append_metrics(path: str, record: dict[str, Any]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        handle.write(json.dumps(record) + "\n")
+
+
+class Trainer:
+    """Owns the model, optimizer and data of one run; ``fit()`` trains it."""
+
+    def __init__(self, config: TrainConfig):
+        self.config = config
+        self.ctx = runtime.context()
+        validate_config(config, self.ctx.world_size)
+        self.micro_batch = data.per_rank_batch_size(config.global_batch_size, self.ctx.world_size, config.grad_accum)
+
+        # The same seed on every rank gives every replica the same initial weights.
+        torch.manual_seed(config.seed)
+        random.seed(config.seed)
+        self.data = data.load_dataset(config.dataset, config.data_dir, config.seed)
+        model = models.build_model(config.model, self.data.num_classes).to(self.ctx.device)
+        self.model = strategies.wrap_model(model, config.strategy, config.impl, self.ctx)
+        self.optimizer = build_optimizer(self.model, config)
+
+        pin = self.ctx.device.type == "cuda"
+        self.train_loader = data.train_loader(
+            self.data.train, self.micro_batch, self.ctx.rank, self.ctx.world_size, config.seed, config.workers, pin
+        )
+        self.val_loader = data.validation_loader(
+            self.data.val, config.eval_batch_size, self.ctx.rank, self.ctx.world_size, config.workers, pin
+        )
+        self.steps_per_epoch = len(self.data.train) // config.global_batch_size
+        if self.steps_per_epoch == 0:
+            raise UserError(
+                f"global batch size {config.global_batch_size} is larger than the {len(self.data.train)} training "
+                "samples: use a smaller --global-batch-size"
+            )
+        self.position = checkpoint.TrainingPosition(config=config.as_dict())
+        resume_path = resolve_resume_path(config)
+        if resume_path is not None:
+            self.position = checkpoint.load(resume_path, self.model, self.optimizer, config.as_dict())
+            self.position.config = config.as_dict()
+            runtime.print0(f"resumed from {resume_path} at epoch {self.position.epoch + 1}, "
+                           f"step {self.position.step_in_epoch} of {self.steps_per_epoch}")
+
+    # -- one optimizer step ------------------------------------------------------------------
+    def _train_step(self, batches) -> tuple[float, int]:
+        """Forward and backward over ``grad_accum`` micro-batches, then one update. Returns (loss sum, samples)."""
+        config, device = self.config, self.ctx.device
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum, samples = 0.0, 0
+        for micro_step in range(config.grad_accum):
+            inputs, targets = next(batches)
+            inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+            last = micro_step == config.grad_accum - 1
+            with contextlib.nullcontext() if last else strategies.gradient_sync_skipped(self.model):
+                with autocast(device, config.precision):
+                    loss = F.cross_entropy(self.model(inputs).float(), targets)
+                (loss / config.grad_accum).backward()
+            loss_sum += loss.item() * len(targets)
+            samples += len(targets)
+        self.optimizer.step()
+        return loss_sum, samples
+
+    def _save(self) -> None:
+        if self.config.checkpoint_dir:
+            checkpoint.save(self.config.checkpoint_dir, self.model, self.optimizer, self.position)
+
+    def _steps_left(self) -> int:
+        if self.config.max_steps is None:
+            return math.inf
+        return self.config.max_steps - self.position.global_step
+
+    def _train_epoch(self, epoch: int) -> dict[str, Any] | None:
+        """Train the rest of ``epoch``; return its metrics record (None if nothing was left to do)."""
+        config, position = self.config, self.position
+        first_step = position.step_in_epoch
+        last_step = min(self.steps_per_epoch, first_step + self._steps_left())
+        if last_step <= first_step:
+            return None
+        self.train_loader.sampler.set_epoch(epoch, skip=first_step * self.micro_batch * config.grad_accum)
+        batches = iter(self.train_loader)
+        bar = tqdm(total=self.steps_per_epoch, initial=first_step, desc=f"epoch {epoch + 1}/{config.epochs}",
+                   disable=not (self.ctx.is_main and config.progress), leave=False, dynamic_ncols=True,
+                   mininterval=0.5, file=sys.stderr)
+        if self.ctx.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.ctx.device)
+        loss_sum = samples = 0.0
+        started = time.perf_counter()
+        for step in range(first_step, last_step):
+            step_loss, step_samples = self._train_step(batches)
+            loss_sum += step_loss
+            samples += step_samples
+            position.step_in_epoch, position.global_step = step + 1, position.global_step + 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{step_loss / step_samples:.4f}", refresh=False)
+            if config.checkpoint_every and position.global_step % config.checkpoint_every == 0 and step + 1 < last_step:
+                self._save()
+        if self.ctx.device.type == "cuda":
+            torch.cuda.synchronize(self.ctx.device)
+        epoch_time = _reduce_max(time.perf_counter() - started)  # the slowest rank sets the pace
+        bar.close()
+        loss_sum, samples = _reduce_sum([loss_sum, samples])
+        steps = last_step - first_step
+        peak_mb, peak_kind = peak_memory_mb(self.ctx.device)
+        record = {
+            "epoch": epoch + 1,
+            "strategy": config.strategy,
+            "impl": config.impl,
+            "world_size": self.ctx.world_size,
+            "global_batch_size": config.global_batch_size,
+            "micro_batch_size": self.micro_batch,
+            "grad_accum": config.grad_accum,
+            "dataset": config.dataset,
+            "model": config.model,
+            "precision": config.precision,
+            "device": self.ctx.device.type,
+            "backend": self.ctx.backend,
+            "steps": steps,
+            "epoch_time_s": epoch_time,
+            "samples_per_s": steps * config.global_batch_size / epoch_time,
+            "train_loss": loss_sum / samples,
+        }
+        record.update(evaluate(self.model, self.val_loader, self.ctx.device, config.precision))
+        record["peak_mem_mb"] = _reduce_max(peak_mb)
+        record["peak_mem_kind"] = peak_kind
+        if position.step_in_epoch == self.steps_per_epoch:
+            position.epoch, position.step_in_epoch = epoch + 1, 0
+        return record
+
+    def fit(self, collect_state: bool = False) -> TrainResult:
+        config, position = self.config, self.position
+        runtime.print0(
+            f"training {config.model} on {config.dataset}: strategy {config.strategy} ({config.impl}), "
+            f"{self.ctx.world_size} rank(s) on {self.ctx.device.type}/{self.ctx.backend}, global batch "
+            f"{config.global_batch_size} = {self.ctx.world_size} x {config.grad_accum} x {self.micro_batch}, "
+            f"{self.steps_per_epoch} steps per epoch"
+        )
+        for epoch in range(position.epoch, config.epochs):
+            record = self._train_epoch(epoch)
+            if record is None:
+                break
+            position.history.append(record)
+            if self.ctx.is_main:
+                if config.metrics:
+                    _append_metrics(config.metrics, record)
+                tqdm.write(
+                    f"epoch {record['epoch']}/{config.epochs}: train loss {record['train_loss']:.4f}, val loss "
+                    f"{record['val_loss']:.4f}, val acc {record['val_acc']:.2%}, {record['epoch_time_s']:.2f} s, "
+                    f"{record['samples_per_s']:.0f} samples/s", file=sys.stdout,
+                )
+                sys.stdout.flush()
+            self._save()
+            if self._steps_left() <= 0:
+                break
+        result = TrainResult(history=list(position.history), global_step=position.global_step)
+        if collect_state:
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            result.state_dict = get_model_state_dict(self.model, options=options)
+        return result
+
+
+def train(config: TrainConfig, collect_state: bool = False) -> TrainResult:
+    """Train with ``config`` inside an initialised process group (see ``runtime.init``).
+
+    The model and optimizer live only inside this call, so they are freed when it returns,
+    before ``runtime.shutdown()`` destroys the process group.
+    """
+    return Trainer(config).fit(collect_state=collect_state)

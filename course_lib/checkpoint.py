@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from .errors import UserError
@@ -189,8 +190,10 @@ def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
     state = {"model": model_state, "optimizer": optimizer_state}
     try:
         dcp.load(state, checkpoint_id=str(path))
-    except Exception as error:
-        first_line = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+    except (Exception, CheckpointException) as error:  # DCP's exception derives from BaseException
+        if isinstance(error, CheckpointException) and error.failures:  # it wraps one error per rank
+            error = next(iter(error.failures.values()))
+        first_line = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
         raise UserError(
             f"checkpoint {path} cannot be loaded into this model ({first_line}): it is corrupt or from another "
             "model; delete it to resume from the previous one, or start afresh with a new --checkpoint-dir"

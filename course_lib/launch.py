@@ -32,6 +32,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
 import signal
 import socket
 import time
@@ -55,6 +56,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _send(connection, message) -> None:
+    # Plain pickle copies tensors by value. The pipe's own pickler (once torch.multiprocessing is
+    # imported) would pass them as shared-memory handles that die with this process.
+    connection.send_bytes(pickle.dumps(message))
+
+
 def _child(rank: int, nprocs: int, port: int, fn: Callable, args: tuple, kwargs: dict,
            connection, backend: str, timeout_s: float) -> None:
     import torch
@@ -69,16 +76,16 @@ def _child(rank: int, nprocs: int, port: int, fn: Callable, args: tuple, kwargs:
         runtime.init(backend=backend, timeout_s=timeout_s, num_threads=1)
         result = fn(*args, **kwargs)
         try:
-            connection.send(("ok", result))
+            _send(connection, ("ok", result))
         except Exception as error:  # the result could not be pickled
-            connection.send(("error", None, f"rank {rank} returned a value that cannot be sent back: {error}"))
+            _send(connection, ("error", None, f"rank {rank} returned a value that cannot be sent back: {error}"))
             exit_code = 1
     except BaseException as error:  # noqa: BLE001 (report everything, including KeyboardInterrupt)
         text = traceback.format_exc()
         try:
-            connection.send(("error", error, text))
+            _send(connection, ("error", error, text))
         except Exception:  # the exception itself is not picklable: send its text only
-            connection.send(("error", None, text))
+            _send(connection, ("error", None, text))
         exit_code = 1
     finally:
         runtime.shutdown()
@@ -164,7 +171,7 @@ def launch(fn: Callable, nprocs: int, *args: Any, backend: str = "gloo", timeout
             for receive_end in ready:
                 rank = pending.pop(receive_end)
                 try:
-                    message = receive_end.recv()
+                    message = pickle.loads(receive_end.recv_bytes())
                 except EOFError:
                     processes[rank].join(5)
                     message = ("error", None, f"rank {rank} exited with code {processes[rank].exitcode} "

@@ -180,6 +180,14 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def cpu_threads_per_rank(local_world_size: int, environ: Mapping[str, str] | None = None) -> int:
+    """Threads for one rank's CPU work: OMP_NUM_THREADS if set (torchrun sets it to 1), else a fair share."""
+    environ = os.environ if environ is None else environ
+    if environ.get("OMP_NUM_THREADS", "").isdigit() and int(environ["OMP_NUM_THREADS"]) > 0:
+        return int(environ["OMP_NUM_THREADS"])
+    return max(1, usable_cpus() // local_world_size)
+
+
 def choose_backend(requested: str, cuda_available: bool) -> tuple[str, str]:
     """Return (backend, device type) for ``requested`` in {"auto", "nccl", "gloo"}."""
     if requested == "auto":
@@ -200,8 +208,8 @@ def init(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, num_thread
     """Join the process group described by the environment and return this process's ``Context``.
 
     Safe to call twice: the second call returns the context of the first.
-    ``num_threads`` overrides the CPU thread count (default: this node's cores shared evenly
-    between its ranks, so two ranks on two cores do not fight over them).
+    ``num_threads`` overrides the CPU thread count (default: OMP_NUM_THREADS if set, otherwise this
+    node's cores shared evenly between its ranks, so two ranks on two cores do not fight over them).
     """
     global _context
     if _context is not None:
@@ -222,7 +230,7 @@ def init(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, num_thread
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        torch.set_num_threads(num_threads or max(1, usable_cpus() // env.local_world_size))
+        torch.set_num_threads(num_threads or cpu_threads_per_rank(env.local_world_size))
 
     timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():

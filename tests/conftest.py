@@ -1,0 +1,75 @@
+"""Shared helpers: run the real command line on N processes, and small training configs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("MPLBACKEND", "Agg")
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class RankOutcome:
+    rank: int
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The environment of a fresh process: no inherited rank, Slurm or thread settings."""
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(("SLURM_", "TORCHELASTIC_")) and key not in
+           ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def start_ranks(args: list[str], nprocs: int, env: dict[str, str] | None = None,
+                module: str = "course_lib.train") -> list[subprocess.Popen]:
+    """Start ``python -m module args`` as ranks 0..nprocs-1 with the variables torchrun would set."""
+    from course_lib.launch import free_port
+
+    port = str(free_port())
+    processes = []
+    for rank in range(nprocs):
+        rank_env = clean_env(**(env or {}))
+        if nprocs > 1:
+            rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs),
+                            LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                            OMP_NUM_THREADS="1")
+        processes.append(subprocess.Popen([sys.executable, "-m", module, *args], env=rank_env, cwd=REPO,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return processes
+
+
+def finish(processes: list[subprocess.Popen], timeout: float = 120) -> list[RankOutcome]:
+    outcomes = []
+    for rank, process in enumerate(processes):
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for other in processes:
+                other.kill()
+            raise AssertionError(f"rank {rank} did not finish within {timeout} s")
+        outcomes.append(RankOutcome(rank, process.returncode, stdout, stderr))
+    return outcomes
+
+
+def run_ranks(args: list[str], nprocs: int = 1, env: dict[str, str] | None = None, timeout: float = 120,
+              module: str = "course_lib.train") -> list[RankOutcome]:
+    return finish(start_ranks(args, nprocs, env, module), timeout)
+
+
+@pytest.fixture
+def quick_args() -> list[str]:
+    """A few steps of the digits CNN: enough to exercise every code path in about a second."""
+    return ["--epochs", "1", "--max-steps", "3", "--global-batch-size", "60", "--no-progress"]

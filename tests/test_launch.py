@@ -1,0 +1,86 @@
+"""launch: results in rank order, the real exception back, no rank left running."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from course_lib import runtime
+from course_lib.launch import ChildFailedError, launch
+
+
+def _sum_of_ranks(offset):
+    value = torch.tensor([float(runtime.rank() + offset)])
+    dist.all_reduce(value)
+    return runtime.rank(), value.item(), torch.get_num_threads()
+
+
+@pytest.mark.parametrize("nprocs", [1, 2, 3, 4])
+def test_results_come_back_in_rank_order(nprocs):
+    torch.randn(300, 300) @ torch.randn(300, 300)  # the parent has used threads: children must not hang
+    results = launch(_sum_of_ranks, nprocs, 10)
+    expected_sum = sum(range(nprocs)) + 10 * nprocs
+    assert results == [(rank, expected_sum, 1) for rank in range(nprocs)]
+
+
+def _fails_on_rank_two():
+    if runtime.rank() == 2:
+        raise ValueError("bad value on rank two")
+    dist.barrier()  # the others wait here, then see rank 2 vanish
+
+
+def test_the_failing_ranks_exception_is_raised_not_its_peers():
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="bad value on rank two") as caught:
+        launch(_fails_on_rank_two, 3)
+    assert "raised on rank 2" in caught.value.__notes__[0]
+    assert "_fails_on_rank_two" in caught.value.__notes__[0]  # the child's traceback is attached
+    assert time.monotonic() - started < 30
+
+
+def _dies_silently():
+    if runtime.rank() == 1:
+        os._exit(7)
+    dist.barrier()
+
+
+def test_a_rank_that_dies_without_a_word_is_reported_with_its_exit_code():
+    with pytest.raises(ChildFailedError, match="rank 1 exited with code 7"):
+        launch(_dies_silently, 2)
+
+
+def _sleeps():
+    time.sleep(60)
+
+
+def test_timeout_stops_every_rank():
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] of 2 did not finish within 2 s"):
+        launch(_sleeps, 2, timeout_s=2)
+    assert time.monotonic() - started < 15
+
+
+def _returns_a_lambda():
+    return lambda: None
+
+
+def test_unpicklable_result_is_a_clear_error():
+    with pytest.raises(ChildFailedError, match="cannot be sent back"):
+        launch(_returns_a_lambda, 2)
+
+
+def test_refuses_to_fork_from_a_process_group_member():
+    runtime.init()
+    try:
+        with pytest.raises(RuntimeError, match="already joined a process group"):
+            launch(_sum_of_ranks, 2, 0)
+    finally:
+        runtime.shutdown()
+    assert launch(_sum_of_ranks, 2, 0)[0][0] == 0  # and works again afterwards
+
+
+def test_bad_process_count():
+    with pytest.raises(ValueError, match="at least 1"):
+        launch(_sum_of_ranks, 0, 0)

@@ -1,0 +1,114 @@
+"""runtime: every launcher's environment resolves to the right rank, world and rendezvous."""
+
+import pytest
+
+from course_lib import runtime
+from course_lib.errors import UserError
+from course_lib.launch import launch
+from course_lib.runtime import choose_backend, first_slurm_host, resolve_environment
+
+
+def test_plain_process_is_rank_zero_of_one():
+    env = resolve_environment({})
+    assert (env.rank, env.world_size, env.local_rank, env.launcher) == (0, 1, 0, "single")
+
+
+def test_torchrun_variables():
+    env = resolve_environment({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "2",
+                               "MASTER_ADDR": "node7", "MASTER_PORT": "29500"})
+    assert (env.rank, env.local_rank, env.world_size, env.local_world_size) == (3, 1, 8, 2)
+    assert (env.master_addr, env.master_port, env.launcher) == ("node7", 29500, "torchrun")
+
+
+def test_srun_one_task_per_gpu():
+    env = resolve_environment({"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8", "SLURM_NNODES": "2",
+                               "SLURM_JOB_NODELIST": "nid[001234-001235]", "SLURM_JOB_ID": "123456"})
+    assert (env.rank, env.local_rank, env.world_size, env.local_world_size) == (5, 1, 8, 4)
+    assert env.master_addr == "nid001234"
+    assert env.master_port == runtime.SLURM_PORT_BASE + 123456 % runtime.SLURM_PORT_SPAN
+    assert env.launcher == "slurm"
+
+
+def test_srun_respects_explicit_master():
+    env = resolve_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "a,b",
+                               "MASTER_ADDR": "login1", "MASTER_PORT": "1234"})
+    assert (env.master_addr, env.master_port) == ("login1", 1234)
+
+
+def test_torchrun_inside_slurm_wins_over_inherited_procid():
+    # Every torchrun child inherits SLURM_PROCID=0 from the batch step; RANK must win.
+    env = resolve_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_NODELIST": "n1",
+                               "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+                               "MASTER_ADDR": "n1", "MASTER_PORT": "29400"})
+    assert (env.rank, env.world_size, env.launcher) == (1, 2, "torchrun")
+
+
+def test_batch_script_without_srun_is_a_single_process():
+    env = resolve_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "1",
+                               "SLURM_JOB_NODELIST": "n1"})
+    assert (env.rank, env.world_size, env.launcher) == (0, 1, "single")
+
+
+def test_rank_without_world_size_names_the_fix():
+    with pytest.raises(UserError, match="RANK is set but WORLD_SIZE is not: launch with torchrun"):
+        resolve_environment({"RANK": "0"})
+
+
+def test_rank_outside_world_and_missing_master():
+    with pytest.raises(UserError, match="outside 0..1"):
+        resolve_environment({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "1"})
+    with pytest.raises(UserError, match="MASTER_ADDR and MASTER_PORT"):
+        resolve_environment({"RANK": "0", "WORLD_SIZE": "2"})
+    with pytest.raises(UserError, match="not an integer"):
+        resolve_environment({"RANK": "zero", "WORLD_SIZE": "2"})
+
+
+@pytest.mark.parametrize("nodelist, first", [
+    ("nid001234", "nid001234"),
+    ("nid[001234-001237,001240]", "nid001234"),
+    ("node[7,9]", "node7"),
+    ("a1,b2", "a1"),
+    ("gpu-[03-04]", "gpu-03"),
+])
+def test_first_slurm_host(nodelist, first):
+    assert first_slurm_host(nodelist) == first
+
+
+def test_backend_choice():
+    assert choose_backend("auto", cuda_available=False) == ("gloo", "cpu")
+    assert choose_backend("auto", cuda_available=True) == ("nccl", "cuda")
+    assert choose_backend("gloo", cuda_available=True) == ("gloo", "cpu")
+    with pytest.raises(UserError, match="backend nccl needs a GPU but torch sees none: use --backend gloo"):
+        choose_backend("nccl", cuda_available=False)
+
+
+def test_init_single_process_then_shutdown():
+    ctx = runtime.init()
+    try:
+        assert (ctx.rank, ctx.world_size, ctx.backend, ctx.device.type) == (0, 1, "gloo", "cpu")
+        assert runtime.init() is ctx  # idempotent
+        assert runtime.context() is ctx and runtime.is_main()
+        runtime.barrier()
+    finally:
+        runtime.shutdown()
+    with pytest.raises(RuntimeError, match="has not been called"):
+        runtime.context()
+
+
+def _who_am_i():
+    runtime.print0(f"hello from rank {runtime.rank()}")
+    ctx = runtime.context()
+    return ctx.rank, ctx.world_size, ctx.local_rank, ctx.backend
+
+
+def test_print0_and_context_on_three_ranks(capfd):
+    results = launch(_who_am_i, 3)
+    assert results == [(0, 3, 0, "gloo"), (1, 3, 1, "gloo"), (2, 3, 2, "gloo")]
+    out = capfd.readouterr().out
+    assert out.count("hello from rank") == 1 and "hello from rank 0" in out
+
+
+def test_cpu_threads_follow_omp_num_threads_or_share_the_cores():
+    assert runtime.cpu_threads_per_rank(4, {"OMP_NUM_THREADS": "3"}) == 3
+    assert runtime.cpu_threads_per_rank(1, {}) == runtime.usable_cpus()
+    assert runtime.cpu_threads_per_rank(10_000, {}) == 1

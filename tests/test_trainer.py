@@ -1,0 +1,247 @@
+"""trainer: the same model on 1, 2, 3 and 4 ranks; exact validation; resumable checkpoints.
+
+Every multi-rank run goes through ``course_lib.launch`` (real processes, gloo) and returns the
+full weights gathered on rank 0, which are compared with a single-process run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from course_lib import checkpoint, data, models, runtime, strategies
+from course_lib.errors import UserError
+from course_lib.launch import launch
+from course_lib.trainer import TrainConfig, evaluate, train
+
+# Global batch 60 divides by 1, 2, 3 and 4 ranks; digits gives 23 steps per epoch.
+BASE = TrainConfig(global_batch_size=60, epochs=1, max_steps=4, progress=False, lr=3e-3)
+# Adam divides by sqrt(second moment): rounding differences from summing gradients in another
+# order grow a little with each step. Measured: at most ~1e-6 apart after 4 steps.
+TOLERANCE = dict(rtol=1e-4, atol=2e-5)
+
+
+def _train_and_collect(config: TrainConfig):
+    result = train(config, collect_state=True)
+    if runtime.is_main():
+        return models.flat_parameters(result.state_dict), result.history
+    return None
+
+
+def run_training(config: TrainConfig, nprocs: int):
+    """Train on ``nprocs`` processes; return (flat weights, metrics history) from rank 0."""
+    return launch(_train_and_collect, nprocs, config)[0]
+
+
+@pytest.fixture(scope="module")
+def single_reference():
+    return run_training(dataclasses.replace(BASE, strategy="single"), 1)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_same_weights_on_any_world_size(strategy, world_size, single_reference):
+    """The strong-scaling invariant: same global batch and seed, same weights after k steps."""
+    reference, reference_history = single_reference
+    weights, history = run_training(dataclasses.replace(BASE, strategy=strategy), world_size)
+    assert weights.numel() == 35_173
+    torch.testing.assert_close(weights, reference, **TOLERANCE)
+    assert history[-1]["world_size"] == world_size and history[-1]["steps"] == 4
+    assert history[-1]["val_samples"] == 359
+    assert history[-1]["train_loss"] == pytest.approx(reference_history[-1]["train_loss"], rel=1e-5)
+
+
+def test_training_moves_the_weights_and_learns(single_reference):
+    torch.manual_seed(BASE.seed)
+    initial = models.flat_parameters(models.build_model("digits_cnn").state_dict())
+    reference, _ = single_reference
+    assert (reference - initial).abs().max() > 1e-3
+    _, history = run_training(dataclasses.replace(BASE, strategy="ddp", max_steps=None, epochs=3), 2)
+    assert history[-1]["val_acc"] > 0.9 and history[-1]["train_loss"] < history[0]["train_loss"]
+
+
+def test_gradient_accumulation_equals_the_full_batch(single_reference):
+    reference, _ = single_reference
+    weights, history = run_training(dataclasses.replace(BASE, strategy="ddp", grad_accum=3), 2)
+    assert history[-1]["micro_batch_size"] == 10
+    torch.testing.assert_close(weights, reference, **TOLERANCE)
+    weights, _ = run_training(dataclasses.replace(BASE, strategy="fsdp", grad_accum=2), 3)
+    torch.testing.assert_close(weights, reference, **TOLERANCE)
+
+
+def test_bf16_autocast_stays_close_to_fp32(single_reference):
+    reference, _ = single_reference
+    weights, history = run_training(dataclasses.replace(BASE, strategy="ddp", precision="bf16"), 2)
+    assert history[-1]["precision"] == "bf16"
+    # bfloat16 keeps 8 bits of mantissa: the update directions agree, the digits do not.
+    assert (weights - reference).abs().max() < 5e-2
+    assert torch.nn.functional.cosine_similarity(weights, reference, dim=0) > 0.999
+
+
+# -- validation -----------------------------------------------------------------------------
+
+ODD_VALIDATION = TensorDataset(torch.randn(37, 1, 8, 8, generator=torch.Generator().manual_seed(1)),
+                               torch.randint(0, 10, (37,), generator=torch.Generator().manual_seed(2)))
+
+
+def _evaluate_on_odd_dataset(strategy: str):
+    ctx = runtime.context()
+    torch.manual_seed(0)
+    model = strategies.wrap_model(models.build_model("digits_cnn"), strategy, "torch", ctx)
+    loader = data.validation_loader(ODD_VALIDATION, batch_size=4, rank=ctx.rank, world_size=ctx.world_size)
+    return evaluate(model, loader, ctx.device)
+
+
+@pytest.mark.parametrize("world_size, strategy", [(1, "single"), (2, "ddp"), (3, "fsdp"), (4, "ddp"), (4, "fsdp")])
+def test_validation_counts_every_sample_exactly_once(world_size, strategy):
+    reference = launch(_evaluate_on_odd_dataset, 1, "single")[0]
+    metrics = launch(_evaluate_on_odd_dataset, world_size, strategy)
+    assert all(m == metrics[0] for m in metrics), "every rank must report the same reduced metrics"
+    assert metrics[0]["val_samples"] == reference["val_samples"] == 37  # no padded sample counted
+    assert metrics[0]["val_acc"] == reference["val_acc"]  # exact: a count of correct predictions
+    assert metrics[0]["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-6)
+
+
+# -- checkpoints and resume -----------------------------------------------------------------
+
+def test_resume_gives_identical_weights(tmp_path):
+    straight, _ = run_training(dataclasses.replace(BASE, strategy="ddp", epochs=2, max_steps=None), 2)
+    first = dataclasses.replace(BASE, strategy="ddp", epochs=1, max_steps=None, checkpoint_dir=str(tmp_path))
+    run_training(first, 2)
+    assert [p.name for p in checkpoint.checkpoint_dirs(tmp_path)] == ["step-00000023"]
+    resumed, history = run_training(dataclasses.replace(first, epochs=2, resume="latest"), 2)
+    assert torch.equal(resumed, straight)  # bit for bit: same ranks, same order of every operation
+    assert [record["epoch"] for record in history] == [1, 2]
+
+
+def test_resume_mid_epoch_gives_identical_weights(tmp_path):
+    straight, _ = run_training(dataclasses.replace(BASE, strategy="fsdp", max_steps=9), 2)
+    interrupted = dataclasses.replace(BASE, strategy="fsdp", max_steps=5, checkpoint_dir=str(tmp_path),
+                                      checkpoint_every=2)
+    run_training(interrupted, 2)
+    assert [p.name for p in checkpoint.checkpoint_dirs(tmp_path)] == ["step-00000004", "step-00000005"]
+    meta = checkpoint.read_meta(tmp_path / "step-00000005")
+    assert (meta["epoch"], meta["step_in_epoch"], meta["global_step"]) == (0, 5, 5)
+    resumed, _ = run_training(dataclasses.replace(interrupted, max_steps=9, resume="latest"), 2)
+    assert torch.equal(resumed, straight)
+
+
+@pytest.mark.parametrize("new_world_size", [1, 3])
+def test_fsdp_checkpoint_from_two_ranks_resumes_on_another_world_size(tmp_path, new_world_size):
+    straight, _ = run_training(dataclasses.replace(BASE, strategy="fsdp", max_steps=8), 2)
+    saved = dataclasses.replace(BASE, strategy="fsdp", max_steps=4, checkpoint_dir=str(tmp_path))
+    run_training(saved, 2)
+    resumed, history = run_training(dataclasses.replace(saved, max_steps=8, resume="latest"), new_world_size)
+    assert history[-1]["world_size"] == new_world_size
+    torch.testing.assert_close(resumed, straight, **TOLERANCE)
+
+
+def test_ddp_checkpoint_resumes_under_fsdp(tmp_path):
+    straight, _ = run_training(dataclasses.replace(BASE, strategy="ddp", max_steps=6), 2)
+    saved = dataclasses.replace(BASE, strategy="ddp", max_steps=3, checkpoint_dir=str(tmp_path))
+    run_training(saved, 2)
+    resumed, _ = run_training(dataclasses.replace(saved, strategy="fsdp", max_steps=6, resume="latest"), 2)
+    torch.testing.assert_close(resumed, straight, **TOLERANCE)
+
+
+def test_checkpoints_keep_the_last_two(tmp_path):
+    run_training(dataclasses.replace(BASE, strategy="single", max_steps=4, checkpoint_every=1,
+                                     checkpoint_dir=str(tmp_path)), 1)
+    assert [p.name for p in checkpoint.checkpoint_dirs(tmp_path)] == ["step-00000003", "step-00000004"]
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def _save_then_get_killed_while_saving(directory: str, ready_flag: str):
+    """Rank 0 of a world of one: save a good checkpoint, then hang half-way through the next."""
+    torch.set_num_threads(1)
+    os.environ.update(RANK="0", WORLD_SIZE="1")
+    runtime.init(num_threads=1)
+    config = dataclasses.replace(BASE, strategy="single", max_steps=2, checkpoint_dir=directory)
+    trainer_module = __import__("course_lib.trainer", fromlist=["Trainer"])
+    trainer = trainer_module.Trainer(config)
+    trainer.fit()  # writes step-00000002
+    real_save = checkpoint.dcp.save
+
+    def slow_save(state, checkpoint_id):
+        real_save(state, checkpoint_id=checkpoint_id)  # the tensors are on disk, meta.pt is not yet
+        open(ready_flag, "w").close()
+        time.sleep(600)
+
+    checkpoint.dcp.save = slow_save
+    trainer.position.global_step = 3
+    checkpoint.save(directory, trainer.model, trainer.optimizer, trainer.position)
+
+
+def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+    ready = tmp_path / "writing"
+    child = multiprocessing.get_context("fork").Process(
+        target=_save_then_get_killed_while_saving, args=(str(tmp_path / "ckpt"), str(ready)))
+    child.start()
+    deadline = time.monotonic() + 60
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ready.exists(), "the child never reached the middle of its second save"
+    os.kill(child.pid, signal.SIGKILL)
+    child.join()
+    assert (tmp_path / "ckpt" / "step-00000003.tmp").is_dir()  # the half-written one
+    assert checkpoint.latest_checkpoint(tmp_path / "ckpt").name == "step-00000002"
+    resumed, history = run_training(dataclasses.replace(BASE, strategy="single", max_steps=4, resume="latest",
+                                                        checkpoint_dir=str(tmp_path / "ckpt")), 1)
+    straight, _ = run_training(dataclasses.replace(BASE, strategy="single", max_steps=4), 1)
+    assert torch.equal(resumed, straight)
+    assert not (tmp_path / "ckpt" / "step-00000003.tmp").exists()  # cleaned up by the next save
+
+
+# -- checkpoints that must be refused --------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def saved_checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("ckpt")
+    run_training(dataclasses.replace(BASE, strategy="ddp", max_steps=2, checkpoint_dir=str(directory)), 2)
+    return checkpoint.latest_checkpoint(directory)
+
+
+def _resume(config):
+    train(config)
+
+
+def test_refuses_a_checkpoint_from_another_model(saved_checkpoint):
+    config = dataclasses.replace(BASE, strategy="ddp", dataset="synthetic", model="cifar_cnn",
+                                 resume=str(saved_checkpoint))
+    with pytest.raises(UserError, match=r"was written with --model digits_cnn but this run uses --model cifar_cnn: "
+                                        r"pass --model digits_cnn to resume it, or use a new --checkpoint-dir"):
+        launch(_resume, 2, config)
+
+
+def test_refuses_an_incompatible_config(saved_checkpoint):
+    config = dataclasses.replace(BASE, strategy="ddp", global_batch_size=120, resume=str(saved_checkpoint))
+    with pytest.raises(UserError, match="--global-batch-size 60 but this run uses --global-batch-size 120"):
+        launch(_resume, 2, config)
+
+
+def test_refuses_a_corrupt_checkpoint(saved_checkpoint, tmp_path):
+    import shutil
+
+    broken_meta = tmp_path / "broken_meta"
+    shutil.copytree(saved_checkpoint, broken_meta)
+    (broken_meta / "meta.pt").write_bytes((broken_meta / "meta.pt").read_bytes()[:100])
+    with pytest.raises(UserError, match=r"checkpoint .*broken_meta is corrupt .* delete it"):
+        checkpoint.read_meta(broken_meta)
+
+    broken_tensors = tmp_path / "broken_tensors"
+    shutil.copytree(saved_checkpoint, broken_tensors)
+    for shard in broken_tensors.glob("*.distcp"):
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
+    config = dataclasses.replace(BASE, strategy="ddp", resume=str(broken_tensors))
+    with pytest.raises(UserError, match=r"cannot be loaded into this model .* corrupt or from another model"):
+        launch(_resume, 2, config)
+
+    with pytest.raises(UserError, match="does not exist"):
+        checkpoint.read_meta(tmp_path / "nowhere")

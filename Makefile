@@ -9,7 +9,7 @@
 SHELL := /bin/bash
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV_CACHE ?= $(HOME)/.cache/course-venvs
-DEPS_HASH := $(shell cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
+DEPS_HASH := $(shell "$(PYTHON)" -c 'import hashlib; print(hashlib.sha256(open("pyproject.toml", "rb").read() + open("constraints.txt", "rb").read()).hexdigest()[:16])')
 VENV_DIR := $(VENV_CACHE)/$(DEPS_HASH)
 PY := .venv/bin/python
 PYTEST_ARGS ?=
@@ -19,7 +19,7 @@ PYTEST_ARGS ?=
 setup:
 	@set -euo pipefail; \
 	mkdir -p "$(VENV_CACHE)"; \
-	exec 9>"$(VENV_DIR).lock"; flock 9; \
+	if command -v flock >/dev/null; then exec 9>"$(VENV_DIR).lock"; flock 9; fi; \
 	if [ ! -f "$(VENV_DIR)/.complete" ]; then \
 	  "$(PYTHON)" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python 3.11 or newer is needed: set PYTHON=/path/to/python3.11")'; \
 	  echo "Creating the virtual environment in $(VENV_DIR) (once; about a minute on a fast network)"; \

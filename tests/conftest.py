@@ -72,4 +72,4 @@ def run_ranks(args: list[str], nprocs: int = 1, env: dict[str, str] | None = Non
 @pytest.fixture
 def quick_args() -> list[str]:
     """A few steps of the digits CNN: enough to exercise every code path in about a second."""
-    return ["--epochs", "1", "--max-steps", "3", "--global-batch-size", "60", "--no-progress"]
+    return ["--strategy", "ddp", "--epochs", "1", "--max-steps", "3", "--global-batch-size", "60", "--no-progress"]

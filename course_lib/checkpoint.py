@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from .errors import UserError
+from .strategies import unwrap
 
 FORMAT_VERSION = 1
 KEEP_LAST = 2
@@ -116,7 +117,7 @@ def save(directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.O
         temporary.mkdir()
     dist.barrier()
 
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = get_state_dict(unwrap(model), optimizer)
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(temporary))
     rng_states = _all_gather_objects(_rng_state())
 
@@ -186,6 +187,7 @@ def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
     path = Path(path)
     meta = read_meta(path)
     check_compatible(meta, config, path)
+    model = unwrap(model)
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
     try:

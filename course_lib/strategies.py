@@ -88,6 +88,19 @@ def wrap_model(model: nn.Module, strategy: str, impl: str, ctx: Context) -> nn.M
     return fully_shard(model)
 
 
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside a DDP wrapper (torch's or the course's); sharded models stay as they are.
+
+    A DDP replica is a complete model, so saving or reading its weights needs no wrapper, and its
+    parameter names then match those of a single process or of FSDP.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    from .parallel.ddp import DataParallel
+
+    return model.module if isinstance(model, (DistributedDataParallel, DataParallel)) else model
+
+
 @contextlib.contextmanager
 def gradient_sync_skipped(model: nn.Module) -> Iterator[None]:
     """Run backward passes whose gradients are accumulated locally, not yet communicated."""

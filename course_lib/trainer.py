@@ -339,7 +339,7 @@ class Trainer:
         result = TrainResult(history=list(position.history), global_step=position.global_step)
         if collect_state:
             options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            result.state_dict = get_model_state_dict(self.model, options=options)
+            result.state_dict = get_model_state_dict(strategies.unwrap(self.model), options=options)
         return result
 
 

@@ -1,0 +1,362 @@
+"""Collectives, and how many bytes each one makes every rank send.
+
+Every parallelism in this course is built from a handful of communication patterns. The
+wrappers here have the signatures of ``torch.distributed`` (they call it: the transport is
+PyTorch's), and each call is also written into every active ``CommLog``, so a lesson can compare
+the traffic it measured with the traffic theory predicts.
+
+Bytes per rank. For a tensor of S bytes and a group of N ranks, the classic bandwidth-optimal
+(ring) algorithms make each rank send:
+
+==================  ===================  ====================================================
+operation           bytes sent per rank  why
+==================  ===================  ====================================================
+all_reduce          2 (N-1)/N · S        a reduce-scatter, then an all-gather
+reduce_scatter      (N-1)/N · S          S is the full input; each rank keeps 1/N of the sum
+all_gather          (N-1)/N · S          S is the full output; each rank contributes 1/N
+broadcast, reduce   S                    every rank but the last forwards the tensor once
+gather, scatter     (N-1)/N · S          the root receives (sends) everyone else's share
+send / recv         S / 0                point to point
+barrier             0
+==================  ===================  ====================================================
+
+(This is NCCL's "bus bandwidth" accounting; with N = 1 nothing is sent.) Note the 2 in
+all-reduce: data parallelism sends about twice the model's gradient bytes per step, *whatever
+N is*. Adding ranks does not add traffic per rank; that is why it scales.
+
+``ring_all_reduce`` builds the all-reduce from ``send``/``recv`` to show where the 2(N-1)/N comes
+from: N-1 steps of reduce-scatter, then N-1 steps of all-gather, each moving one N-th of the
+tensor to the right-hand neighbour.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from .errors import UserError
+
+REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "min": dist.ReduceOp.MIN,
+    "max": dist.ReduceOp.MAX,
+    "product": dist.ReduceOp.PRODUCT,
+}
+"""Plus "mean", done as a sum divided by N (gloo has no AVG for integers, and the division is the lesson)."""
+
+
+# -- the ledger -----------------------------------------------------------------------------
+
+@dataclass
+class CommRecord:
+    op: str
+    tensor_bytes: int  # S: the full tensor (the output of all_gather, the input of reduce_scatter)
+    bytes_per_rank: float  # what the ring algorithm makes each rank send
+    group_size: int
+    seconds: float | None = None  # launch to completion (async: until wait() returned)
+
+
+def ring_bytes(op: str, tensor_bytes: int, group_size: int) -> float:
+    """Bytes each rank sends for ``op`` on a tensor of ``tensor_bytes`` (see the module's table)."""
+    n = group_size
+    if n <= 1 or op == "barrier" or op == "recv":
+        return 0.0
+    factor = {
+        "all_reduce": 2 * (n - 1) / n,
+        "reduce_scatter": (n - 1) / n,
+        "all_gather": (n - 1) / n,
+        "gather": (n - 1) / n,
+        "scatter": (n - 1) / n,
+        "broadcast": 1.0,
+        "reduce": 1.0,
+        "send": 1.0,
+    }[op]
+    return factor * tensor_bytes
+
+
+_active_logs: list["CommLog"] = []
+
+
+class CommLog:
+    """Record every collective made through this module while the ``with`` block runs.
+
+    >>> with CommLog() as log:
+    ...     all_reduce(grad)
+    >>> print(log.summary())
+    """
+
+    def __init__(self):
+        self.records: list[CommRecord] = []
+
+    def __enter__(self) -> "CommLog":
+        _active_logs.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _active_logs.remove(self)
+
+    def count(self, op: str | None = None) -> int:
+        return sum(1 for r in self.records if op is None or r.op == op)
+
+    def bytes_per_rank(self, op: str | None = None) -> float:
+        return sum(r.bytes_per_rank for r in self.records if op is None or r.op == op)
+
+    def totals(self) -> dict[str, dict[str, float]]:
+        table: dict[str, dict[str, float]] = defaultdict(lambda: {"calls": 0, "tensor_bytes": 0, "bytes_per_rank": 0.0,
+                                                                  "seconds": 0.0})
+        for record in self.records:
+            row = table[record.op]
+            row["calls"] += 1
+            row["tensor_bytes"] += record.tensor_bytes
+            row["bytes_per_rank"] += record.bytes_per_rank
+            row["seconds"] += record.seconds or 0.0
+        return dict(table)
+
+    def summary(self) -> str:
+        lines = [f"{'operation':<16}{'calls':>7}{'tensor MB':>12}{'sent/rank MB':>14}{'seconds':>10}"]
+        for op, row in sorted(self.totals().items()):
+            lines.append(f"{op:<16}{row['calls']:>7}{row['tensor_bytes'] / 1e6:>12.3f}"
+                         f"{row['bytes_per_rank'] / 1e6:>14.3f}{row['seconds']:>10.4f}")
+        lines.append(f"{'total':<16}{self.count():>7}{'':>12}{self.bytes_per_rank() / 1e6:>14.3f}")
+        return "\n".join(lines)
+
+
+class _LoggedWork:
+    """The handle of an asynchronous call: ``wait()`` also finishes the record (and any post-step)."""
+
+    def __init__(self, work, records: list[CommRecord], started: float, after: Callable[[], None] | None):
+        self._work, self._records, self._started, self._after = work, records, started, after
+        self._done = False
+
+    def wait(self) -> bool:
+        if not self._done:
+            self._work.wait()
+            if self._after is not None:
+                self._after()
+            elapsed = time.perf_counter() - self._started
+            for record in self._records:
+                record.seconds = elapsed
+            self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done or self._work.is_completed()
+
+
+def _group_size(group) -> int:
+    return dist.get_world_size(group)
+
+
+def _check_device(*tensors: torch.Tensor) -> None:
+    backend = dist.get_backend()
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        if tensor.device.type == "meta" or (backend == "nccl" and tensor.device.type != "cuda"):
+            wanted = "cuda" if backend == "nccl" else "cpu (or cuda)"
+            raise UserError(
+                f"a {tuple(tensor.shape)} tensor on {tensor.device} was passed to a {backend} collective, which "
+                f"needs {wanted} tensors: move it with tensor.to(course_lib.runtime.context().device)"
+            )
+
+
+def _run(op: str, tensor_bytes: int, group, call: Callable[[], object], async_op: bool,
+         after: Callable[[], None] | None = None):
+    """Call ``call()`` (a torch.distributed operation), log it, and finish with ``after`` when complete."""
+    record = CommRecord(op, tensor_bytes, ring_bytes(op, tensor_bytes, _group_size(group)), _group_size(group))
+    for log in _active_logs:
+        log.records.append(record)
+    started = time.perf_counter()
+    work = call()
+    if async_op:
+        return _LoggedWork(work, [record], started, after)
+    if after is not None:
+        after()
+    record.seconds = time.perf_counter() - started
+    return None
+
+
+def _reduce_op(op: str):
+    if op == "mean":
+        return dist.ReduceOp.SUM
+    if op not in REDUCE_OPS:
+        raise UserError(f"unknown reduction {op!r}: choose one of sum, mean, min, max, product")
+    return REDUCE_OPS[op]
+
+
+def _mean_divider(tensor: torch.Tensor, op: str, group) -> Callable[[], None] | None:
+    if op != "mean":
+        return None
+    if not tensor.is_floating_point():
+        raise UserError(f"the mean of a {tensor.dtype} tensor is not a {tensor.dtype}: use op='sum' or a float tensor")
+    size = _group_size(group)
+    return lambda: tensor.div_(size)
+
+
+# -- the collectives ------------------------------------------------------------------------
+
+def nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool = False):
+    """Every rank ends with the reduction (sum, mean, min, max, product) of everyone's ``tensor``, in place."""
+    _check_device(tensor)
+    reduce_op, divide = _reduce_op(op), _mean_divider(tensor, op, group)
+    return _run("all_reduce", nbytes(tensor), group,
+                lambda: dist.all_reduce(tensor, op=reduce_op, group=group, async_op=async_op), async_op, divide)
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = False):
+    """Every rank ends with rank ``src``'s ``tensor`` (``src`` is a global rank)."""
+    _check_device(tensor)
+    return _run("broadcast", nbytes(tensor), group,
+                lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op), async_op)
+
+
+def all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, group=None, async_op: bool = False):
+    """``output`` (N times larger along dim 0) gets every rank's ``tensor``, in rank order."""
+    _check_device(output, tensor)
+    return _run("all_gather", nbytes(output), group,
+                lambda: dist.all_gather_into_tensor(output, tensor, group=group, async_op=async_op), async_op)
+
+
+def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None, async_op: bool = False):
+    """``tensor_list[i]`` gets rank i's ``tensor``."""
+    _check_device(tensor, *tensor_list)
+    return _run("all_gather", sum(nbytes(t) for t in tensor_list), group,
+                lambda: dist.all_gather(tensor_list, tensor, group=group, async_op=async_op), async_op)
+
+
+def reduce_scatter_tensor(output: torch.Tensor, tensor: torch.Tensor, op: str = "sum", group=None,
+                          async_op: bool = False):
+    """Reduce everyone's ``tensor`` and give rank i the i-th N-th of the result, in ``output``."""
+    _check_device(output, tensor)
+    reduce_op, divide = _reduce_op(op), _mean_divider(output, op, group)
+    return _run("reduce_scatter", nbytes(tensor), group,
+                lambda: dist.reduce_scatter_tensor(output, tensor, op=reduce_op, group=group, async_op=async_op),
+                async_op, divide)
+
+
+def reduce_scatter(output: torch.Tensor, tensor_list: list[torch.Tensor], op: str = "sum", group=None,
+                   async_op: bool = False):
+    """Rank i gets the reduction of everyone's ``tensor_list[i]`` (the pieces may differ in size)."""
+    _check_device(output, *tensor_list)
+    reduce_op, divide = _reduce_op(op), _mean_divider(output, op, group)
+    return _run("reduce_scatter", sum(nbytes(t) for t in tensor_list), group,
+                lambda: dist.reduce_scatter(output, tensor_list, op=reduce_op, group=group, async_op=async_op),
+                async_op, divide)
+
+
+def reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum", group=None, async_op: bool = False):
+    """Rank ``dst`` ends with the reduction of everyone's ``tensor`` (the others' tensors are scratch)."""
+    _check_device(tensor)
+    reduce_op = _reduce_op(op)
+    divide = _mean_divider(tensor, op, group) if dist.get_rank() == dst else None
+    return _run("reduce", nbytes(tensor), group,
+                lambda: dist.reduce(tensor, dst=dst, op=reduce_op, group=group, async_op=async_op), async_op, divide)
+
+
+def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int = 0, group=None,
+           async_op: bool = False):
+    """Rank ``dst`` gets everyone's ``tensor`` in ``gather_list`` (None on the other ranks)."""
+    _check_device(tensor)
+    total = nbytes(tensor) * _group_size(group)
+    return _run("gather", total, group,
+                lambda: dist.gather(tensor, gather_list, dst=dst, group=group, async_op=async_op), async_op)
+
+
+def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int = 0, group=None,
+            async_op: bool = False):
+    """Rank i gets ``scatter_list[i]`` of rank ``src`` into ``tensor``."""
+    _check_device(tensor)
+    total = nbytes(tensor) * _group_size(group)
+    return _run("scatter", total, group,
+                lambda: dist.scatter(tensor, scatter_list, src=src, group=group, async_op=async_op), async_op)
+
+
+def barrier(group=None, async_op: bool = False):
+    """Wait until every rank of the group has arrived."""
+    return _run("barrier", 0, group, lambda: dist.barrier(group=group, async_op=async_op), async_op)
+
+
+def send(tensor: torch.Tensor, dst: int, group=None) -> None:
+    _check_device(tensor)
+    _run("send", nbytes(tensor), group, lambda: dist.send(tensor, dst=dst, group=group), False)
+
+
+def recv(tensor: torch.Tensor, src: int, group=None) -> None:
+    _check_device(tensor)
+    _run("recv", nbytes(tensor), group, lambda: dist.recv(tensor, src=src, group=group), False)
+
+
+def isend(tensor: torch.Tensor, dst: int, group=None):
+    _check_device(tensor)
+    return _run("send", nbytes(tensor), group, lambda: dist.isend(tensor, dst=dst, group=group), True)
+
+
+def irecv(tensor: torch.Tensor, src: int, group=None):
+    _check_device(tensor)
+    return _run("recv", nbytes(tensor), group, lambda: dist.irecv(tensor, src=src, group=group), True)
+
+
+# -- who am I -------------------------------------------------------------------------------
+
+def get_rank(group=None) -> int:
+    """This process's rank in ``group`` (the whole world by default); 0 without a process group."""
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def get_world_size(group=None) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def is_main_process(group=None) -> bool:
+    return get_rank(group) == 0
+
+
+# -- the ring all-reduce, by hand -----------------------------------------------------------
+
+def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum ``tensor`` over the group in place, with the ring algorithm, from send/recv only.
+
+    The tensor is cut into N chunks (``tensor_split``: lengths may differ by one). Ranks form a
+    ring; each step every rank sends one chunk to its right neighbour and receives one from its
+    left neighbour.
+
+    1. Reduce-scatter, N-1 steps: at step s rank r sends chunk (r - s) mod N and adds the chunk
+       (r - s - 1) mod N it receives. Afterwards rank r holds the complete sum of chunk (r + 1) mod N.
+    2. All-gather, N-1 steps: each rank passes the finished chunks around the ring, so at step s
+       rank r sends chunk (r + 1 - s) mod N and stores the chunk (r - s) mod N it receives.
+
+    Each rank sent 2(N-1) chunks of S/N bytes: 2(N-1)/N · S, whatever N is.
+    """
+    n, rank = get_world_size(group), get_rank(group)
+    if n == 1:
+        return tensor
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(n))
+    right, left = ranks[(rank + 1) % n], ranks[(rank - 1) % n]
+    work = tensor.contiguous().view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
+    chunks = list(torch.tensor_split(work, n))
+
+    def exchange(send_index: int, receive_index: int) -> torch.Tensor:
+        incoming = torch.empty_like(chunks[receive_index])
+        outgoing = isend(chunks[send_index].clone(), right, group)  # clone: we modify chunks while it flies
+        recv(incoming, left, group)
+        outgoing.wait()
+        return incoming
+
+    for step in range(n - 1):
+        received = exchange((rank - step) % n, (rank - step - 1) % n)
+        chunks[(rank - step - 1) % n] += received
+    for step in range(n - 1):
+        received = exchange((rank + 1 - step) % n, (rank - step) % n)
+        chunks[(rank - step) % n].copy_(received)
+    if work.data_ptr() != tensor.data_ptr():
+        tensor.copy_(work.view_as(tensor))
+    return tensor

@@ -1,0 +1,271 @@
+"""Data parallelism (DDP), written out: every rank a full replica, gradients averaged each step.
+
+The idea. Each of N ranks holds the whole model and computes the gradient of its own slice of
+the global batch. Averaging those N gradients gives exactly the gradient of the whole batch, so
+after ``optimizer.step()`` every replica holds the same new weights, as if one process had done
+all the work. Three things make it correct:
+
+1. The replicas start equal: on wrap, rank 0's parameters and buffers are broadcast to all.
+2. The gradients are averaged: an all-reduce (sum) divided by N, after every backward.
+3. Every rank runs the same collectives in the same order (here: buckets in a fixed order),
+   or the ranks deadlock.
+
+The cost. Memory: a full copy of parameters, gradients and optimizer state on every rank, plus
+one flat buffer per bucket. Traffic: one all-reduce of all gradients per step, 2(N-1)/N · 4Ψ bytes
+sent per rank for Ψ fp32 parameters (see ``course_lib.comm``).
+
+Three ways to schedule that all-reduce, from slowest to fastest (``sync=``):
+
+- ``naive``: after backward, one all-reduce per parameter. Many small messages: each pays the
+  network's latency, and nothing overlaps with computation.
+- ``bucketed``: after backward, gradients are packed into buckets of ``bucket_mb`` megabytes
+  and each bucket is reduced in one message. Fewer, larger messages.
+- ``overlapped`` (the default, what PyTorch does): buckets are filled in the order gradients
+  become ready during backward (the last layers first) and each is all-reduced *asynchronously*
+  as soon as it is full, while backward goes on computing the earlier layers' gradients. At the
+  end of backward we only wait for what is still in flight.
+
+A post-accumulate-grad hook on each parameter tells us when its gradient is ready; a callback
+queued on the autograd engine runs once at the end of backward to finish the step, so the
+training loop needs no extra call (just like ``torch.nn.parallel.DistributedDataParallel``).
+
+``no_sync()``: backward passes inside it only accumulate gradients locally; the next backward
+outside it reduces the accumulated sum (gradient accumulation without extra traffic).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import comm
+from ..errors import UserError
+
+SYNC_MODES = ("naive", "bucketed", "overlapped")
+DEFAULT_BUCKET_MB = 25.0  # PyTorch's default bucket_cap_mb
+
+
+@dataclass
+class Bucket:
+    """Parameters whose gradients travel together in one all-reduce."""
+
+    params: list[nn.Parameter]
+    buffer: torch.Tensor  # flat: the gradients are copied in, reduced, and copied back out
+    ready: set[int] = field(default_factory=set)  # ids of parameters whose gradient is in the buffer
+    work: object = None  # the in-flight all-reduce
+
+    def slices(self) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
+        """Each parameter with its view into the flat buffer."""
+        start = 0
+        for param in self.params:
+            yield param, self.buffer[start:start + param.numel()].view_as(param)
+            start += param.numel()
+
+
+def make_buckets(params: list[nn.Parameter], bucket_mb: float) -> list[list[nn.Parameter]]:
+    """Group parameters, in reverse order of definition, into buckets of at most ``bucket_mb`` MB.
+
+    Backward computes the last layers' gradients first, so reversed definition order is about the
+    order in which gradients become ready. A parameter larger than a bucket gets a bucket of its own.
+    """
+    limit = bucket_mb * 2**20
+    buckets, current, current_bytes = [], [], 0
+    for param in reversed(params):
+        size = param.numel() * param.element_size()
+        if current and current_bytes + size > limit:
+            buckets.append(current)
+            current, current_bytes = [], 0
+        current.append(param)
+        current_bytes += size
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _check_same_model_everywhere(module: nn.Module, group) -> None:
+    """All ranks compare parameter names and shapes, and all raise the same error if they differ."""
+    signature = [(name, f"shape {tuple(p.shape)} {str(p.dtype).replace('torch.', '')}")
+                 for name, p in module.named_parameters()]
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, signature, group=group)
+    ours = dict(everyone[0])
+    for rank, theirs in enumerate(everyone):
+        if theirs == everyone[0]:
+            continue
+        theirs = dict(theirs)
+        for name in [*ours, *(n for n in theirs if n not in ours)]:  # rank 0's order first
+            if ours.get(name) != theirs.get(name):
+                raise UserError(
+                    f"parameter {name!r} has {ours.get(name, 'no entry')} on rank 0 but {theirs.get(name, 'no entry')} "
+                    f"on rank {rank}: every rank must build the same model (same code, same arguments) before wrapping it"
+                )
+        raise UserError(f"rank {rank} lists its parameters in another order than rank 0: build the same model everywhere")
+
+
+class DataParallel(nn.Module):
+    """Wrap ``module`` so that its gradients are averaged over the process group after each backward.
+
+    ``find_unused_parameters``: a parameter that gets no gradient in a step (a branch not taken)
+    would keep its bucket waiting forever; with this flag such gradients count as zero (one extra
+    small all-reduce per step tells which are unused on *every* rank, and those keep no gradient).
+    It also turns overlap off: a rank cannot know during backward which gradients will never
+    come, and launching buckets in a different order on different ranks would mismatch messages.
+    """
+
+    def __init__(self, module: nn.Module, bucket_mb: float = DEFAULT_BUCKET_MB, sync: str = "overlapped",
+                 broadcast_buffers: bool = False, find_unused_parameters: bool = False, group=None):
+        super().__init__()
+        if not bucket_mb > 0:
+            raise UserError(f"bucket_mb must be positive (it is the size of one all-reduce message), got {bucket_mb}")
+        if sync not in SYNC_MODES:
+            raise UserError(f"unknown sync mode {sync!r}: choose one of {', '.join(SYNC_MODES)}")
+        self.module = module
+        self.sync, self.bucket_mb, self.group = sync, bucket_mb, group
+        self.broadcast_buffers, self.find_unused_parameters = broadcast_buffers, find_unused_parameters
+        self.world_size = dist.get_world_size(group)
+        self.overlap = sync == "overlapped" and not find_unused_parameters
+        self.require_gradient_sync = True
+        self._sync_this_backward = True
+        self._backward_queued = False
+
+        _check_same_model_everywhere(module, group)
+        source = dist.get_global_rank(group, 0) if group is not None else 0
+        with torch.no_grad():
+            for tensor in [*module.parameters(), *module.buffers()]:
+                comm.broadcast(tensor.data, src=source, group=group)
+
+        params = [p for p in module.parameters() if p.requires_grad]
+        self.buckets = [
+            Bucket(group_params, torch.zeros(sum(p.numel() for p in group_params), dtype=group_params[0].dtype,
+                                             device=group_params[0].device))
+            for group_params in make_buckets(params, bucket_mb)
+        ]
+        self._slot = {id(p): (bucket, view) for bucket in self.buckets for p, view in bucket.slices()}
+        self._next_to_launch = 0
+        for param in params:
+            param.register_post_accumulate_grad_hook(self._gradient_ready)
+
+    # -- forward ----------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        if self.broadcast_buffers:
+            source = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+            for buffer in self.module.buffers():
+                comm.broadcast(buffer.data, src=source, group=self.group)
+        # Like PyTorch, whether this step's backward communicates is decided when its forward runs.
+        self._sync_this_backward = self.require_gradient_sync
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Forward *and* backward inside this block accumulate gradients without communicating."""
+        previous = self.require_gradient_sync
+        self.require_gradient_sync = False
+        try:
+            yield
+        finally:
+            self.require_gradient_sync = previous
+
+    # -- backward: hooks, buckets, the final callback ----------------------------------------
+    def _gradient_ready(self, param: nn.Parameter) -> None:
+        if not self._backward_queued:
+            if self._sync_this_backward != self.require_gradient_sync:
+                raise UserError(
+                    "a backward ran on the other side of a no_sync() block than its forward: keep the forward and "
+                    "the backward of a micro-step inside the same `with model.no_sync():` block"
+                )
+            self._backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        if not (self._sync_this_backward and self.overlap):
+            return
+        bucket, view = self._slot[id(param)]
+        view.copy_(param.grad)
+        bucket.ready.add(id(param))
+        self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self) -> None:
+        # Launch strictly in bucket order: every rank must issue its all-reduces in the same order.
+        while self._next_to_launch < len(self.buckets):
+            bucket = self.buckets[self._next_to_launch]
+            if len(bucket.ready) < len(bucket.params):
+                return
+            bucket.work = comm.all_reduce(bucket.buffer, op="sum", group=self.group, async_op=True)
+            self._next_to_launch += 1
+
+    def _finish_backward(self) -> None:
+        """Runs once at the end of every backward (queued on the autograd engine by the first hook)."""
+        self._backward_queued = False
+        if not self._sync_this_backward:
+            return
+        try:
+            globally_used = self._fill_unused_gradients()
+            if self.sync == "naive":
+                for bucket in self.buckets:
+                    for param in bucket.params:
+                        comm.all_reduce(param.grad, op="sum", group=self.group)
+                        param.grad.div_(self.world_size)
+            else:
+                if self.overlap:  # already launched during backward: wait for the stragglers
+                    for bucket in self.buckets:
+                        bucket.work.wait()
+                else:
+                    for bucket in self.buckets:
+                        for param, view in bucket.slices():
+                            view.copy_(param.grad)
+                        comm.all_reduce(bucket.buffer, op="sum", group=self.group)
+                for bucket in self.buckets:
+                    bucket.buffer.div_(self.world_size)
+                    for param, view in bucket.slices():
+                        param.grad.copy_(view)
+            if globally_used is not None:  # a parameter no rank used keeps no gradient, as in PyTorch
+                for bucket in self.buckets:
+                    for param in bucket.params:
+                        if not globally_used[id(param)]:
+                            param.grad = None
+        finally:
+            for bucket in self.buckets:
+                bucket.ready.clear()
+                bucket.work = None
+            self._next_to_launch = 0
+
+    def _unused(self) -> list[nn.Parameter]:
+        return [p for bucket in self.buckets for p in bucket.params if p.grad is None]
+
+    def _check_all_used(self) -> None:
+        unused = {id(p) for p in self._unused()}
+        if unused and not self.find_unused_parameters:
+            names = [name for name, p in self.module.named_parameters() if id(p) in unused]
+            raise UserError(
+                f"parameters {names[:5]} received no gradient in this backward, so their "
+                "bucket can never be reduced: pass find_unused_parameters=True to DataParallel, or use them in forward"
+            )
+
+    def _fill_unused_gradients(self) -> dict[int, bool] | None:
+        """Give locally unused parameters zero gradients; return which are used on some rank (or None)."""
+        if not self.find_unused_parameters:
+            self._check_all_used()
+            return None
+        params = [p for bucket in self.buckets for p in bucket.params]
+        used = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=params[0].device)
+        comm.all_reduce(used, op="max", group=self.group)
+        for param in params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        return {id(p): bool(flag) for p, flag in zip(params, used.tolist())}
+
+
+def _wrap_for_trainer(model: nn.Module, ctx) -> DataParallel:
+    return DataParallel(model)
+
+
+def _register() -> None:
+    from ..strategies import COURSE_IMPLEMENTATIONS
+
+    COURSE_IMPLEMENTATIONS["ddp"] = _wrap_for_trainer
+
+
+_register()

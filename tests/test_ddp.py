@@ -1,0 +1,184 @@
+"""The course's DDP equals PyTorch's DDP and a single process on the whole global batch."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from conftest import run_ranks
+from course_lib import comm, models, runtime
+from course_lib.errors import UserError
+from course_lib.launch import launch
+from course_lib.parallel.ddp import DataParallel, make_buckets
+
+GLOBAL_BATCH, STEPS = 60, 3
+TOLERANCE = dict(rtol=1e-5, atol=1e-6)
+
+
+def _global_batch(step: int):
+    generator = torch.Generator().manual_seed(100 + step)
+    return torch.randn(GLOBAL_BATCH, 1, 8, 8, generator=generator), torch.randint(0, 10, (GLOBAL_BATCH,), generator=generator)
+
+
+def _train(kind: str, sync: str = "overlapped", bucket_mb: float = 0.05, accumulate: int = 1):
+    """k SGD-with-momentum steps; each rank computes on its interleaved slice of every global batch."""
+    n, rank = comm.get_world_size(), comm.get_rank()
+    torch.manual_seed(0)
+    model = models.build_model("digits_cnn")
+    if kind == "course":
+        model = DataParallel(model, bucket_mb=bucket_mb, sync=sync)
+    elif kind == "torch":
+        model = DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with comm.CommLog() as log:
+        for step in range(STEPS):
+            inputs, targets = _global_batch(step)
+            if kind != "single":
+                inputs, targets = inputs[rank::n], targets[rank::n]
+            optimizer.zero_grad()
+            micro_inputs, micro_targets = inputs.chunk(accumulate), targets.chunk(accumulate)
+            for micro in range(accumulate):
+                def backward():
+                    loss = F.cross_entropy(model(micro_inputs[micro]), micro_targets[micro]) / accumulate
+                    loss.backward()
+                if micro < accumulate - 1 and kind != "single":
+                    with model.no_sync():
+                        backward()
+                else:
+                    backward()
+            optimizer.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return flat, log.count("all_reduce"), log.bytes_per_rank("all_reduce")
+
+
+@pytest.fixture(scope="module")
+def single():
+    return launch(_train, 1, "single")[0][0]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("sync", ["naive", "bucketed", "overlapped"])
+def test_course_ddp_equals_torch_ddp_and_a_single_process(world_size, sync, single):
+    ours = launch(_train, world_size, "course", sync)
+    theirs = launch(_train, world_size, "torch")
+    for rank in range(world_size):
+        torch.testing.assert_close(ours[rank][0], ours[0][0], rtol=0, atol=0)  # replicas stay identical
+    torch.testing.assert_close(ours[0][0], theirs[0][0], **TOLERANCE)
+    torch.testing.assert_close(ours[0][0], single, **TOLERANCE)
+
+
+@pytest.mark.parametrize("world_size", [1, 3])  # 60 / N samples per rank must split into 4 equal micro-batches
+def test_no_sync_accumulation_equals_one_step_on_the_whole_batch(world_size, single):
+    flat, all_reduces, _ = launch(_train, world_size, "course", "overlapped", 0.05, 4)[0]
+    torch.testing.assert_close(flat, single, **TOLERANCE)
+    buckets = len(make_buckets(list(models.build_model("digits_cnn").parameters()), 0.05))
+    assert all_reduces == STEPS * buckets  # only the last micro-step of each step communicated
+
+
+def test_bucket_size_changes_only_the_number_of_all_reduces():
+    params = list(models.build_model("digits_cnn").parameters())
+    results = {}
+    for bucket_mb in (0.001, 0.05, 25):
+        flat, calls, sent = launch(_train, 2, "course", "overlapped", bucket_mb)[0]
+        results[bucket_mb] = (flat, calls, sent)
+        assert calls == STEPS * len(make_buckets(params, bucket_mb))
+    # 8 tensors; at 1 KB only the first layer's bias and weight (60 + 540 bytes) share a bucket
+    assert [results[b][1] // STEPS for b in (0.001, 0.05, 25)] == [7, 3, 1]
+    for bucket_mb in (0.001, 25):
+        assert torch.equal(results[bucket_mb][0], results[0.05][0])
+        assert results[bucket_mb][2] == results[0.05][2]  # the same bytes, in fewer or more messages
+    gradient_bytes = 4 * sum(p.numel() for p in params)
+    assert results[25][2] == STEPS * comm.ring_bytes("all_reduce", gradient_bytes, 2)
+
+
+def test_buckets_follow_reverse_definition_order_and_respect_the_cap():
+    params = [nn.Parameter(torch.zeros(n)) for n in (10, 300_000, 20, 30)]
+    buckets = make_buckets(params, 1.0)  # 1 MB = 262,144 floats
+    assert [[p.numel() for p in bucket] for bucket in buckets] == [[30, 20], [300_000], [10]]
+
+
+class _TwoBranches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used, self.skipped = nn.Linear(4, 3), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.used(x) if self.training else self.skipped(x)
+
+
+def _unused_parameters(kind: str, find_unused: bool):
+    torch.manual_seed(0)
+    model = _TwoBranches()
+    if kind == "course":
+        model = DataParallel(model, find_unused_parameters=find_unused)
+    else:
+        model = DistributedDataParallel(model, find_unused_parameters=find_unused)
+    x = torch.randn(5, 4) + comm.get_rank()
+    try:
+        model(x).sum().backward()
+    except UserError as error:
+        return str(error)
+    module = model.module
+    return module.used.weight.grad.clone(), module.skipped.weight.grad
+
+
+def test_unused_parameters_need_the_flag_and_then_match_torch():
+    message = launch(_unused_parameters, 2, "course", False)[0]
+    assert "['skipped.weight', 'skipped.bias'] received no gradient" in message
+    assert "pass find_unused_parameters=True" in message
+    ours, theirs = launch(_unused_parameters, 2, "course", True)[0], launch(_unused_parameters, 2, "torch", True)[0]
+    torch.testing.assert_close(ours[0], theirs[0])
+    assert ours[1] is None and theirs[1] is None  # unused on every rank: no gradient at all
+
+
+def _misuses():
+    errors = {}
+    model = models.build_model("digits_cnn")
+    if comm.get_rank() == 1:
+        model[3] = nn.Linear(63, 11)  # a different head on one rank
+    try:
+        DataParallel(model)
+    except UserError as error:
+        errors["shapes"] = str(error)
+    try:
+        DataParallel(models.build_model("digits_cnn"), bucket_mb=0)
+    except UserError as error:
+        errors["bucket"] = str(error)
+    ddp = DataParallel(models.build_model("digits_cnn"))
+    with ddp.no_sync():
+        loss = ddp(torch.randn(2, 1, 8, 8)).sum()
+    try:
+        loss.backward()  # forward inside no_sync, backward outside
+    except UserError as error:
+        errors["no_sync"] = str(error)
+    comm.barrier()  # every rank got here: nobody hangs
+    return errors
+
+
+def test_misuse_gets_clear_errors_and_no_hang():
+    errors = launch(_misuses, 2, timeout_s=60)
+    assert errors[0] == errors[1]  # all ranks raise the same error
+    assert "parameter '3.weight' has shape (10, 63) float32 on rank 0 but shape (11, 63) float32 on rank 1" \
+        in errors[0]["shapes"]
+    assert "every rank must build the same model" in errors[0]["shapes"]
+    assert "bucket_mb must be positive" in errors[0]["bucket"]
+    assert "keep the forward and the backward of a micro-step inside the same" in errors[0]["no_sync"]
+
+
+def test_harness_course_impl_gives_the_same_metrics_as_torch(tmp_path, quick_args):
+    metrics = {}
+    for impl in ("torch", "course"):
+        path = tmp_path / f"{impl}.jsonl"
+        outcomes = run_ranks([*quick_args, "--strategy", "ddp", "--impl", impl, "--max-steps", "5",
+                              "--metrics", str(path)], nprocs=2)
+        assert [o.returncode for o in outcomes] == [0, 0], outcomes[0].stderr
+        metrics[impl] = json.loads(path.read_text().splitlines()[-1])
+    assert metrics["course"]["impl"] == "course"
+    for key in ("train_loss", "val_loss"):
+        assert metrics["course"][key] == pytest.approx(metrics["torch"][key], rel=1e-5)
+    assert metrics["course"]["val_acc"] == metrics["torch"]["val_acc"]

@@ -182,3 +182,21 @@ def test_harness_course_impl_gives_the_same_metrics_as_torch(tmp_path, quick_arg
     for key in ("train_loss", "val_loss"):
         assert metrics["course"][key] == pytest.approx(metrics["torch"][key], rel=1e-5)
     assert metrics["course"]["val_acc"] == metrics["torch"]["val_acc"]
+
+
+def test_benchmark_command_prints_the_promised_json():
+    import subprocess
+    import sys
+
+    from conftest import REPO, clean_env
+
+    shown = subprocess.run([sys.executable, "-m", "course_lib.bench", "ddp", "--width", "64", "--layers", "3",
+                            "--steps", "2", "--warmup", "1", "--world-size", "3"],
+                           cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert shown.returncode == 0, shown.stderr
+    result = json.loads(shown.stdout)
+    for key in ("world_size", "params", "torch_step_ms", "course_step_ms", "naive_step_ms", "bucketed_step_ms",
+                "ratio", "bytes_per_rank_measured", "bytes_per_rank_theory"):
+        assert key in result
+    assert result["world_size"] == 3 and result["params"] == 3 * 65 * 64
+    assert result["bytes_per_rank_measured"] == result["bytes_per_rank_theory"] == 2 * 2 / 3 * 4 * result["params"]

@@ -29,6 +29,11 @@ A post-accumulate-grad hook on each parameter tells us when its gradient is read
 queued on the autograd engine runs once at the end of backward to finish the step, so the
 training loop needs no extra call (just like ``torch.nn.parallel.DistributedDataParallel``).
 
+Memory traffic matters as much as network traffic here. Once a gradient has been copied into
+its bucket, ``param.grad`` is made a *view* of that slice of the bucket (PyTorch's
+``gradient_as_bucket_view=True``): dividing the reduced bucket by N in place then averages every
+gradient in it, and nothing is copied back out.
+
 ``no_sync()``: backward passes inside it only accumulate gradients locally; the next backward
 outside it reduces the accumulated sum (gradient accumulation without extra traffic).
 """
@@ -77,7 +82,7 @@ def make_buckets(params: list[nn.Parameter], bucket_mb: float) -> list[list[nn.P
     buckets, current, current_bytes = [], [], 0
     for param in reversed(params):
         size = param.numel() * param.element_size()
-        if current and current_bytes + size > limit:
+        if current and (current_bytes + size > limit or param.dtype != current[0].dtype):  # one dtype per buffer
             buckets.append(current)
             current, current_bytes = [], 0
         current.append(param)
@@ -183,9 +188,16 @@ class DataParallel(nn.Module):
         if not (self._sync_this_backward and self.overlap):
             return
         bucket, view = self._slot[id(param)]
-        view.copy_(param.grad)
+        self._move_into_bucket(param, view)
         bucket.ready.add(id(param))
         self._launch_ready_buckets()
+
+    @staticmethod
+    def _move_into_bucket(param: nn.Parameter, view: torch.Tensor) -> None:
+        """Copy the gradient into its bucket slice, and make that slice the gradient from now on."""
+        if param.grad.data_ptr() != view.data_ptr():
+            view.copy_(param.grad)
+            param.grad = view
 
     def _launch_ready_buckets(self) -> None:
         # Launch strictly in bucket order: every rank must issue its all-reduces in the same order.
@@ -209,18 +221,14 @@ class DataParallel(nn.Module):
                         comm.all_reduce(param.grad, op="sum", group=self.group)
                         param.grad.div_(self.world_size)
             else:
-                if self.overlap:  # already launched during backward: wait for the stragglers
-                    for bucket in self.buckets:
-                        bucket.work.wait()
-                else:
-                    for bucket in self.buckets:
-                        for param, view in bucket.slices():
-                            view.copy_(param.grad)
-                        comm.all_reduce(bucket.buffer, op="sum", group=self.group)
                 for bucket in self.buckets:
-                    bucket.buffer.div_(self.world_size)
-                    for param, view in bucket.slices():
-                        param.grad.copy_(view)
+                    if self.overlap:  # launched during backward: wait, while later buckets still fly
+                        bucket.work.wait()
+                    else:
+                        for param, view in bucket.slices():
+                            self._move_into_bucket(param, view)
+                        comm.all_reduce(bucket.buffer, op="sum", group=self.group)
+                    bucket.buffer.div_(self.world_size)  # the gradients are views of it: now averaged
             if globally_used is not None:  # a parameter no rank used keeps no gradient, as in PyTorch
                 for bucket in self.buckets:
                     for param in bucket.params:

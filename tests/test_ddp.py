@@ -200,3 +200,36 @@ def test_benchmark_command_prints_the_promised_json():
         assert key in result
     assert result["world_size"] == 3 and result["params"] == 3 * 65 * 64
     assert result["bytes_per_rank_measured"] == result["bytes_per_rank_theory"] == 2 * 2 / 3 * 4 * result["params"]
+
+
+class _WithBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 2)
+        self.register_buffer("counter", torch.zeros(4))
+
+    def forward(self, x):
+        self.counter += comm.get_rank() + 1  # drifts differently on every rank
+        return self.linear(x)
+
+
+def _buffers_and_parameters(broadcast_buffers: bool):
+    torch.manual_seed(comm.get_rank())  # different initial weights on every rank
+    model = _WithBuffer()
+    model.counter.fill_(10.0 * comm.get_rank())
+    wrapped = DataParallel(model, broadcast_buffers=broadcast_buffers)
+    after_wrap = (model.linear.weight.detach().clone(), model.counter.clone())
+    wrapped(torch.randn(2, 3))
+    wrapped(torch.randn(2, 3))
+    return after_wrap, model.counter.clone()
+
+
+def test_wrap_broadcasts_rank_zero_state_and_buffers_follow_rank_zero_each_step():
+    ranks = launch(_buffers_and_parameters, 3, True)
+    for (weight, counter), _ in ranks:
+        torch.testing.assert_close(weight, ranks[0][0][0], rtol=0, atol=0)
+        assert counter.tolist() == [0.0] * 4
+    # each forward first copies rank 0's buffers, then the rank adds its own increment once more
+    assert [ranks[r][1].tolist()[0] for r in range(3)] == [2.0, 3.0, 4.0]
+    drifting = launch(_buffers_and_parameters, 3, False)
+    assert [drifting[r][1].tolist()[0] for r in range(3)] == [2.0, 4.0, 6.0]

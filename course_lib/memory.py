@@ -1,0 +1,116 @@
+"""Where the memory goes: model states, and what sharding them saves (the ZeRO paper's model).
+
+Training a model of Ψ parameters with mixed-precision Adam keeps, per parameter:
+
+- 2 bytes of fp16/bf16 parameters (what forward and backward compute with),
+- 2 bytes of fp16/bf16 gradients,
+- K = 12 bytes of optimizer state: an fp32 master copy of the weights and Adam's two fp32
+  moments (4 + 4 + 4).
+
+That is 16Ψ bytes: 120 GB for a 7.5B-parameter model, before a single activation. Data
+parallelism (DDP) keeps all of it on *every* rank. ZeRO removes the redundancy stage by stage,
+each rank keeping 1/N of:
+
+==========  ==============================  ====================================
+stage       bytes per rank                  7.5B parameters, N = 64, K = 12
+==========  ==============================  ====================================
+DDP         (2 + 2 + K) Ψ                   120 GB
+ZeRO-1      (2 + 2) Ψ + K Ψ / N             31.4 GB  (optimizer states sharded)
+ZeRO-2      2 Ψ + (2 + K) Ψ / N             16.6 GB  (+ gradients)
+ZeRO-3      (2 + 2 + K) Ψ / N               1.9 GB   (+ parameters: FSDP)
+==========  ==============================  ====================================
+
+Traffic per step and rank, in parameter-sized messages: DDP all-reduces the gradients, about
+2Ψ elements (a reduce-scatter plus an all-gather); ZeRO-1 and ZeRO-2 move the same 2Ψ (a
+reduce-scatter of gradients, an all-gather of updated parameters); ZeRO-3 gathers the
+parameters twice (forward and backward) and reduce-scatters the gradients: 3Ψ, 1.5 times DDP.
+Multiply by the element size of what travels (2 bytes in mixed precision, 4 in fp32) and by
+(N-1)/N for the exact ring figure.
+
+``measure_model_states`` counts what a rank really holds (the local shard of a sharded
+parameter, gradients, optimizer state), so any wrapper can be checked against the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+STAGES = ("ddp", "zero1", "zero2", "zero3")
+MIXED_PRECISION_ADAM = {"param_bytes": 2, "grad_bytes": 2, "optimizer_bytes": 12}
+FP32_ADAM = {"param_bytes": 4, "grad_bytes": 4, "optimizer_bytes": 8}  # two fp32 moments, no master copy
+
+
+@dataclass(frozen=True)
+class ModelStateBytes:
+    """Bytes of parameters, gradients and optimizer state held by one rank."""
+
+    params: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+def model_state_bytes(num_params: float, world_size: int, stage: str, param_bytes: float = 2,
+                      grad_bytes: float = 2, optimizer_bytes: float = 12) -> ModelStateBytes:
+    """Bytes per rank for ``stage`` (ddp, zero1, zero2, zero3) with Ψ = ``num_params``."""
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}: choose one of {', '.join(STAGES)}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    shard = 1 / world_size
+    sharded = {"ddp": (), "zero1": ("optimizer",), "zero2": ("optimizer", "grads"),
+               "zero3": ("optimizer", "grads", "params")}[stage]
+    return ModelStateBytes(
+        params=num_params * param_bytes * (shard if "params" in sharded else 1),
+        grads=num_params * grad_bytes * (shard if "grads" in sharded else 1),
+        optimizer=num_params * optimizer_bytes * (shard if "optimizer" in sharded else 1),
+    )
+
+
+def traffic_elements_per_rank(num_params: float, world_size: int, stage: str) -> float:
+    """Elements each rank sends per step with ring collectives: 2(N-1)/N Ψ, or 3(N-1)/N Ψ for ZeRO-3."""
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}: choose one of {', '.join(STAGES)}")
+    passes = 3 if stage == "zero3" else 2
+    return passes * (world_size - 1) / world_size * num_params
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of a tensor stored on this rank (a DTensor's local shard, or the tensor itself)."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _bytes(tensor: torch.Tensor | None) -> int:
+    if tensor is None:
+        return 0
+    local = _local(tensor)
+    return local.numel() * local.element_size()
+
+
+def measure_model_states(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> ModelStateBytes:
+    """Bytes of parameters, gradients and optimizer state that this rank holds right now."""
+    params = list(model.parameters())
+    optimizer_bytes = 0
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            optimizer_bytes += sum(_bytes(value) for value in state.values() if isinstance(value, torch.Tensor))
+    return ModelStateBytes(
+        params=sum(_bytes(p) for p in params),
+        grads=sum(_bytes(p.grad) for p in params),
+        optimizer=optimizer_bytes,
+    )
+
+
+def strategies_that_fit(num_params: float, gpu_memory_bytes: float, world_size: int,
+                        reserve_fraction: float = 0.2, **bytes_per_element) -> dict[str, bool]:
+    """Which stages keep the model states inside ``gpu_memory_bytes``, leaving ``reserve_fraction``
+    of it for activations, temporary buffers and the framework itself."""
+    budget = gpu_memory_bytes * (1 - reserve_fraction)
+    return {stage: model_state_bytes(num_params, world_size, stage, **bytes_per_element).total <= budget
+            for stage in STAGES}

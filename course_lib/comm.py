@@ -129,8 +129,8 @@ class CommLog:
 class _LoggedWork:
     """The handle of an asynchronous call: ``wait()`` also finishes the record (and any post-step)."""
 
-    def __init__(self, work, records: list[CommRecord], started: float, after: Callable[[], None] | None):
-        self._work, self._records, self._started, self._after = work, records, started, after
+    def __init__(self, work, record: CommRecord, started: float, after: Callable[[], None] | None):
+        self._work, self._record, self._started, self._after = work, record, started, after
         self._done = False
 
     def wait(self) -> bool:
@@ -138,9 +138,7 @@ class _LoggedWork:
             self._work.wait()
             if self._after is not None:
                 self._after()
-            elapsed = time.perf_counter() - self._started
-            for record in self._records:
-                record.seconds = elapsed
+            self._record.seconds = time.perf_counter() - self._started
             self._done = True
         return True
 
@@ -168,13 +166,14 @@ def _check_device(*tensors: torch.Tensor) -> None:
 def _run(op: str, tensor_bytes: int, group, call: Callable[[], object], async_op: bool,
          after: Callable[[], None] | None = None):
     """Call ``call()`` (a torch.distributed operation), log it, and finish with ``after`` when complete."""
-    record = CommRecord(op, tensor_bytes, ring_bytes(op, tensor_bytes, _group_size(group)), _group_size(group))
+    size = _group_size(group)
+    record = CommRecord(op, tensor_bytes, ring_bytes(op, tensor_bytes, size), size)
     for log in _active_logs:
         log.records.append(record)
     started = time.perf_counter()
     work = call()
     if async_op:
-        return _LoggedWork(work, [record], started, after)
+        return _LoggedWork(work, record, started, after)
     if after is not None:
         after()
     record.seconds = time.perf_counter() - started

@@ -199,6 +199,10 @@ def _mean_divider(tensor: torch.Tensor, op: str, group) -> Callable[[], None] | 
 
 # -- the collectives ------------------------------------------------------------------------
 
+# torch 2.14 renamed the tensor-to-tensor collectives (the old names still work, with a warning).
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
 def nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
@@ -222,7 +226,7 @@ def all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, group=Non
     """``output`` (N times larger along dim 0) gets every rank's ``tensor``, in rank order."""
     _check_device(output, tensor)
     return _run("all_gather", nbytes(output), group,
-                lambda: dist.all_gather_into_tensor(output, tensor, group=group, async_op=async_op), async_op)
+                lambda: _all_gather_single(output, tensor, group=group, async_op=async_op), async_op)
 
 
 def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None, async_op: bool = False):
@@ -238,7 +242,7 @@ def reduce_scatter_tensor(output: torch.Tensor, tensor: torch.Tensor, op: str = 
     _check_device(output, tensor)
     reduce_op, divide = _reduce_op(op), _mean_divider(output, op, group)
     return _run("reduce_scatter", nbytes(tensor), group,
-                lambda: dist.reduce_scatter_tensor(output, tensor, op=reduce_op, group=group, async_op=async_op),
+                lambda: _reduce_scatter_single(output, tensor, op=reduce_op, group=group, async_op=async_op),
                 async_op, divide)
 
 

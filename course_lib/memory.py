@@ -93,13 +93,35 @@ def _bytes(tensor: torch.Tensor | None) -> int:
     return local.numel() * local.element_size()
 
 
+def _storage_bytes(tensors: list[torch.Tensor | None]) -> int:
+    """Bytes of the distinct memory blocks behind ``tensors``: views of one buffer count once, a freed one 0."""
+    seen, total = set(), 0
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        storage = _local(tensor).untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
 def measure_model_states(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> ModelStateBytes:
-    """Bytes of parameters, gradients and optimizer state that this rank holds right now."""
-    params = list(model.parameters())
+    """Bytes of parameters, gradients and optimizer state that this rank holds right now.
+
+    For a plain model (or DDP, FSDP2) that is its parameters and their gradients. The course's
+    ZeRO and FSDP wrappers hide the full parameters from ``parameters()`` (the optimizer must only
+    see the shards), so they list what they hold in ``memory_tensors()``, and the memory behind
+    those tensors is counted.
+    """
     optimizer_bytes = 0
     if optimizer is not None:
         for state in optimizer.state.values():
             optimizer_bytes += sum(_bytes(value) for value in state.values() if isinstance(value, torch.Tensor))
+    if hasattr(model, "memory_tensors"):
+        held = model.memory_tensors()
+        return ModelStateBytes(_storage_bytes(held["params"]), _storage_bytes(held["grads"]), optimizer_bytes)
+    params = list(model.parameters())
     return ModelStateBytes(
         params=sum(_bytes(p) for p in params),
         grads=sum(_bytes(p.grad) for p in params),

@@ -92,7 +92,7 @@ def make_buckets(params: list[nn.Parameter], bucket_mb: float) -> list[list[nn.P
     return buckets
 
 
-def _check_same_model_everywhere(module: nn.Module, group) -> None:
+def check_same_model_everywhere(module: nn.Module, group) -> None:
     """All ranks compare parameter names and shapes, and all raise the same error if they differ."""
     signature = [(name, f"shape {tuple(p.shape)} {str(p.dtype).replace('torch.', '')}")
                  for name, p in module.named_parameters()]
@@ -138,7 +138,7 @@ class DataParallel(nn.Module):
         self._sync_this_backward = True
         self._backward_queued = False
 
-        _check_same_model_everywhere(module, group)
+        check_same_model_everywhere(module, group)
         source = dist.get_global_rank(group, 0) if group is not None else 0
         with torch.no_grad():
             for tensor in [*module.parameters(), *module.buffers()]:

@@ -1,0 +1,408 @@
+"""FSDP: ZeRO stage 3, where even the parameters are sharded and gathered only while they are used.
+
+ZeRO-1/2 (``zero.py``) still keep a full copy of the parameters on every rank. FSDP drops it:
+each rank keeps 1/N of the parameters, gradients and optimizer state, 16Ψ/N bytes with mixed-
+precision Adam, and rebuilds a piece of the model only for the moment it computes with it.
+
+Units. The model is cut into *units* (``auto_wrap_policy``: module classes such as a
+transformer block, a parameter-count threshold, or an explicit list of modules; the root module
+is always a unit, for the parameters left over). Each unit's parameters form one
+``FlatParameter``: flattened, padded, sharded. Per unit and step:
+
+1. before its forward: **all-gather** the full parameters (forward pre-hook);
+2. after its forward: **free** them (``reshard_after_forward``); only one unit is whole at a time;
+3. before its backward: **all-gather** them again (a hook on the unit's output gradients);
+4. when every parameter of the unit has its gradient: **reduce-scatter** the flat gradient, keep
+   the averaged shard, drop the full gradient, free the parameters.
+
+Traffic: two all-gathers and one reduce-scatter of Ψ elements, 3(N-1)/N Ψ per rank, 1.5 times
+DDP. Memory: the shards, plus the largest unit (or two) gathered, plus activations. The unit
+size is the trade-off: smaller units hold less at once but send more, smaller messages.
+
+Sharding strategies (``sharding_strategy``), from most to least memory saved:
+
+==============  ============================================================================
+FULL_SHARD      as above (ZeRO-3).
+SHARD_GRAD_OP   parameters stay gathered from forward to backward (no second all-gather,
+                2(N-1)/N Ψ traffic, like ZeRO-2), freed after backward.
+HYBRID_SHARD    shard inside groups of ``hybrid_shard_size`` ranks (a node: fast links),
+                replicate across groups; gradients are reduce-scattered inside the group and
+                all-reduced across groups (only 1/G of the gradient crosses the slow network).
+NO_SHARD        every rank keeps everything and gradients are all-reduced: DDP.
+==============  ============================================================================
+
+Options. ``cpu_offload``: ``"params"`` keeps parameter shards, their gradients and therefore the
+optimizer state and step in CPU memory (ZeRO-Offload), copying a shard to the device only to
+gather it; ``"full"`` also moves the activations saved for backward to CPU. Memory is pinned
+only when a CUDA driver is present. ``mixed_precision=MixedPrecision(param_dtype, reduce_dtype,
+buffer_dtype)``: compute and gather in e.g. bf16 (half the traffic), reduce gradients in
+``reduce_dtype``, while the shards the optimizer updates stay fp32 master weights.
+``activation_checkpointing``: units (without nested units) keep only their inputs for backward
+and recompute the rest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .. import comm
+from ..errors import UserError
+from .ddp import check_same_model_everywhere
+from .zero import FlatParameter, ShardedStateMixin, owned_parameters
+
+SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+OFFLOAD_MODES = ("none", "params", "full")
+WrapPolicy = Union[None, int, type, Iterable[type], Iterable[nn.Module], Callable[[nn.Module], bool]]
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Dtypes for computing and gathering (``param_dtype``), reducing gradients, and buffers."""
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    buffer_dtype: torch.dtype | None = None
+
+
+@dataclass
+class Unit:
+    """A module whose parameters are gathered and reduced together."""
+
+    module: nn.Module
+    name: str
+    flat: FlatParameter
+    reshard_after_forward: bool
+    arrived: int = 0  # parameters whose gradient is complete in this backward
+    backward_started: bool = False
+    hooks: list = field(default_factory=list)
+
+
+# -- choosing the units --------------------------------------------------------------------
+
+def select_units(model: nn.Module, policy: WrapPolicy) -> list[nn.Module]:
+    """The submodules that become units, parents before children. ``policy`` is one of:
+
+    - an ``int``: bottom-up, a module becomes a unit when it holds at least that many parameters
+      not already in a unit (PyTorch's ``size_based_auto_wrap_policy``);
+    - a module class or several: every submodule of those classes;
+    - modules: exactly those; or a function ``module -> bool``.
+    """
+    if policy is None:
+        return []
+    if isinstance(policy, bool):
+        raise UserError("auto_wrap_policy must be a parameter count, module classes, modules or a function, not a bool")
+    if isinstance(policy, int):
+        if policy < 1:
+            raise UserError(f"a size-based wrap policy needs min_num_params >= 1, got {policy}")
+        chosen: list[nn.Module] = []
+
+        def unwrapped_count(module: nn.Module) -> int:
+            count = sum(p.numel() for p in module.parameters(recurse=False))
+            for child in module.children():
+                count += unwrapped_count(child)
+            if count >= policy and module is not model:
+                chosen.append(module)
+                return 0
+            return count
+
+        unwrapped_count(model)
+        ordered = [m for m in model.modules() if any(m is c for c in chosen)]
+        return ordered
+    if isinstance(policy, type) or (isinstance(policy, (tuple, list, set)) and policy
+                                    and all(isinstance(p, type) for p in policy)):
+        classes = (policy,) if isinstance(policy, type) else tuple(policy)
+        if isinstance(model, classes):
+            raise UserError(f"the wrap policy matches the model itself ({type(model).__name__}), so every parameter "
+                            "is in one unit gathered at once: name the classes of its blocks instead")
+        return [m for m in model.modules() if m is not model and isinstance(m, classes)]
+    if callable(policy) and not isinstance(policy, nn.Module):
+        return [m for m in model.modules() if m is not model and policy(m)]
+    modules = list(policy)
+    inside = {id(m) for m in model.modules()}
+    for module in modules:
+        if not isinstance(module, nn.Module) or id(module) not in inside:
+            raise UserError(f"wrap policy entry {module!r} is not a submodule of the model")
+    wanted = {id(m) for m in modules if m is not model}
+    return [m for m in model.modules() if id(m) in wanted]
+
+
+def check_units(model: nn.Module, units: list[nn.Module], policy: WrapPolicy) -> None:
+    """Refuse a policy that wraps nothing (one unit: no saving) or every layer on its own."""
+    holders = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
+    with_params = [u for u in units if any(True for _ in u.parameters())]
+    if policy is not None and not with_params:
+        classes = sorted({type(m).__name__ for m in model.modules() if m is not model})
+        raise UserError(
+            f"the wrap policy {policy!r} wraps no submodule with parameters, so the whole model would be one unit, "
+            f"gathered whole at once (no memory saved over SHARD_GRAD_OP): choose among the model's classes "
+            f"{classes} or lower the parameter threshold"
+        )
+    if len(holders) > 2 and all(any(u is h for u in units) for h in holders):
+        raise UserError(
+            f"the wrap policy {policy!r} makes each of the {len(holders)} layers that hold parameters a unit of its own: "
+            "that many small all-gathers cost latency and save nothing; wrap blocks of layers (their container "
+            "class) or raise the parameter threshold"
+        )
+
+
+# -- checks on the options -----------------------------------------------------------------
+
+def _check_options(sharding_strategy: str, cpu_offload: str, mixed_precision: MixedPrecision,
+                   hybrid_shard_size: int | None, world: int) -> int:
+    """Validate the options; return the shard group size."""
+    if sharding_strategy not in SHARDING_STRATEGIES:
+        raise UserError(f"unknown sharding strategy {sharding_strategy!r}: choose one of {', '.join(SHARDING_STRATEGIES)}")
+    if cpu_offload not in OFFLOAD_MODES:
+        raise UserError(f"unknown cpu_offload {cpu_offload!r}: choose one of {', '.join(OFFLOAD_MODES)}")
+    for role in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+        dtype = getattr(mixed_precision, role)
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise UserError(f"MixedPrecision({role}={dtype!r}): use a floating-point torch dtype such as torch.bfloat16")
+    if sharding_strategy != "HYBRID_SHARD":
+        if hybrid_shard_size is not None:
+            raise UserError("hybrid_shard_size only applies to sharding_strategy='HYBRID_SHARD'")
+        return {"FULL_SHARD": world, "SHARD_GRAD_OP": world, "NO_SHARD": 1}[sharding_strategy]
+    size = hybrid_shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if size < 1 or world % size:
+        raise UserError(f"HYBRID_SHARD needs a shard group size that divides the {world} ranks, got {size}: "
+                        f"pass hybrid_shard_size among {[d for d in range(1, world + 1) if world % d == 0]}")
+    return size
+
+
+def _compute_device(module: nn.Module, device: torch.device | str | None, cpu_offload: str) -> torch.device:
+    first = next(module.parameters(), None)
+    device = torch.device(device) if device is not None else (first.device if first is not None else torch.device("cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        wanted = f"cpu_offload={cpu_offload!r} keeps shards in CPU memory and computes on the GPU, but" \
+            if cpu_offload != "none" else "the model is meant for a GPU, but"
+        raise UserError(f"{wanted} this process sees no CUDA device: run it on a GPU node, or compute on the CPU "
+                        "(device='cpu'), where the parameters already live in CPU memory")
+    if first is not None and first.device != device:
+        raise UserError(f"the model's parameters are on {first.device} but FSDP computes on {device}: "
+                        f"move the model first (model.to({str(device)!r}))")
+    return device
+
+
+class FullyShardedDataParallel(ShardedStateMixin, nn.Module):
+    """Shard ``module`` over all ranks; build the optimizer on ``model.parameters()`` (the shards)."""
+
+    def __init__(self, module: nn.Module, auto_wrap_policy: WrapPolicy = None, sharding_strategy: str = "FULL_SHARD",
+                 hybrid_shard_size: int | None = None, cpu_offload: str = "none",
+                 mixed_precision: MixedPrecision | None = None, activation_checkpointing: bool = False,
+                 device: torch.device | str | None = None):
+        super().__init__()
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mixed_precision = mixed_precision or MixedPrecision()
+        world = dist.get_world_size()
+        shard_size = _check_options(sharding_strategy, cpu_offload, mixed_precision, hybrid_shard_size, world)
+        compute_device = _compute_device(module, device, cpu_offload)
+        unit_modules = select_units(module, auto_wrap_policy)
+        check_units(module, unit_modules, auto_wrap_policy)
+        check_same_model_everywhere(module, None)
+        with torch.no_grad():  # every rank starts from rank 0's weights
+            for tensor in [*module.parameters(), *module.buffers()]:
+                comm.broadcast(tensor.data, src=0)
+
+        self.module = module
+        self.sharding_strategy, self.cpu_offload, self.mixed_precision = sharding_strategy, cpu_offload, mixed_precision
+        # Rows are replicas, columns are shards: ranks [0, 1] share one model on a 2x2 mesh.
+        self.state_mesh = init_device_mesh(compute_device.type, (world // shard_size, shard_size),
+                                           mesh_dim_names=("replicate", "shard"))
+        self.shard_group = self.state_mesh.get_group("shard")
+        replicate_group = self.state_mesh.get_group("replicate")
+        names = {id(m): name for name, m in module.named_modules()}
+        shard_device = torch.device("cpu") if cpu_offload != "none" else compute_device
+
+        self.units: list[Unit] = []
+        # Children first: building a unit replaces its parameters by views, so its parents no longer see them.
+        for unit_module in reversed([module, *unit_modules]):
+            prefix = names[id(unit_module)]
+            params = [(f"{prefix}.{fqn}" if prefix else fqn, owner, attr, p)
+                      for fqn, owner, attr, p in owned_parameters(unit_module)]
+            if not params:
+                continue
+            flat = FlatParameter(prefix, params, self.shard_group, replicate_group, compute_device,
+                                 mixed_precision.param_dtype, mixed_precision.reduce_dtype, shard_device)
+            self.units.insert(0, Unit(unit_module, prefix, flat,
+                                      reshard_after_forward=sharding_strategy != "SHARD_GRAD_OP"))
+        self.flat_params = [unit.flat for unit in self.units]
+        self.flat_shards = nn.ParameterList([flat.shard for flat in self.flat_params])
+        if mixed_precision.buffer_dtype is not None:
+            for buffer in module.buffers():
+                if buffer.is_floating_point():
+                    buffer.data = buffer.data.to(mixed_precision.buffer_dtype)
+
+        self.require_gradient_sync = True
+        self._sync_this_backward = True
+        self._backward_queued = False
+        self._peak: dict[str, int] = {}
+        for unit in self.units:
+            unit.hooks.append(unit.module.register_forward_pre_hook(functools.partial(self._before_forward, unit)))
+            unit.hooks.append(unit.module.register_forward_hook(functools.partial(self._after_forward, unit)))
+            for slot in unit.flat.slots:
+                if slot.leaf.requires_grad:
+                    slot.leaf.register_post_accumulate_grad_hook(functools.partial(self._gradient_ready, unit))
+        if activation_checkpointing:
+            self._checkpoint_leaf_units()
+
+    def _checkpoint_leaf_units(self) -> None:
+        from torch.utils.checkpoint import checkpoint
+
+        for unit in self.units:
+            nested = any(other is not unit and any(other.module is m for m in unit.module.modules())
+                         for other in self.units)
+            if unit.module is self.module or nested:
+                continue  # recomputing a unit that contains units would gather and free them mid-backward
+            unit.module.forward = functools.partial(checkpoint, unit.module.forward, use_reentrant=False)
+
+    # -- forward --------------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        self._sync_this_backward = self.require_gradient_sync
+        param_dtype = self.mixed_precision.param_dtype
+        if param_dtype is not None:  # inputs in the compute dtype, as the layers expect
+            cast = lambda t: t.to(param_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+            args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
+        offload_activations = self.cpu_offload == "full" and torch.is_grad_enabled()
+        saving = torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()) if offload_activations \
+            else contextlib.nullcontext()
+        with saving:
+            return self.module(*args, **kwargs)
+
+    def _before_forward(self, unit: Unit, module: nn.Module, args) -> None:
+        unit.flat.gather()
+        self._record_peak()
+
+    def _after_forward(self, unit: Unit, module: nn.Module, args, output) -> None:
+        outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if torch.is_grad_enabled() and outputs and unit.flat.requires_grad:
+            for tensor in outputs:  # fires when the gradient reaches this unit's output: its backward begins
+                tensor.register_hook(functools.partial(self._before_backward, unit))
+            if not unit.reshard_after_forward:
+                return
+        unit.flat.free()
+
+    # -- backward -------------------------------------------------------------------------------
+    def _queue_end_of_backward(self) -> None:
+        if not self._backward_queued:
+            self._backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _before_backward(self, unit: Unit, grad: torch.Tensor) -> None:
+        self._queue_end_of_backward()
+        if not unit.backward_started:
+            unit.backward_started = True
+            unit.flat.gather()
+            self._record_peak()
+
+    def _gradient_ready(self, unit: Unit, leaf: torch.Tensor) -> None:
+        self._queue_end_of_backward()
+        unit.arrived += 1
+        if unit.arrived == sum(slot.leaf.requires_grad for slot in unit.flat.slots):
+            self._finish_unit(unit)
+
+    def _finish_unit(self, unit: Unit) -> None:
+        """The unit's backward is done: reduce its gradient to this rank's shard and free the full copies."""
+        self._record_peak()
+        if self._sync_this_backward:
+            unit.flat.accumulate_into_shard(unit.flat.reduce_gradient(unit.flat.flat_gradient()))
+        unit.flat.free()
+        unit.arrived, unit.backward_started = 0, False
+
+    def _finish_backward(self) -> None:
+        """End of backward: units some of whose parameters got no gradient are finished now (as zeros)."""
+        self._backward_queued = False
+        for unit in self.units:
+            if unit.arrived or unit.backward_started:
+                self._finish_unit(unit)
+            elif unit.flat.is_gathered:
+                unit.flat.free()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Forward and backward inside only accumulate full local gradients (memory!); no communication."""
+        self.require_gradient_sync = False
+        try:
+            yield
+        finally:
+            self.require_gradient_sync = True
+
+    # -- inspection -----------------------------------------------------------------------------
+    def gather_parameters(self) -> None:
+        """Make every unit whole (e.g. to inspect or export the weights); ``reshard_parameters()`` undoes it."""
+        for unit in self.units:
+            unit.flat.gather()
+        self._record_peak()
+
+    def reshard_parameters(self) -> None:
+        for unit in self.units:
+            unit.flat.free()
+
+    @contextlib.contextmanager
+    def gathered_parameters(self) -> Iterator[None]:
+        self.gather_parameters()
+        try:
+            yield
+        finally:
+            self.reshard_parameters()
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """What this rank holds, by category (``memory.measure_model_states`` counts their storage)."""
+        flats = self.flat_params
+        return {
+            "params": [f.shard for f in flats] + [f.full for f in flats],
+            "grads": [f.shard.grad for f in flats] + [s.leaf.grad for f in flats for s in f.slots],
+        }
+
+    def _current_bytes(self) -> dict[str, int]:
+        def size(tensor):
+            return 0 if tensor is None else tensor.untyped_storage().nbytes()
+
+        flats = self.flat_params
+        return {
+            "sharded_params": sum(size(f.shard) for f in flats),
+            "unsharded_params": sum(size(f.full) for f in flats),
+            "sharded_grads": sum(size(f.shard.grad) for f in flats),
+            "unsharded_grads": sum(size(s.leaf.grad) for f in flats for s in f.slots),
+        }
+
+    def _record_peak(self) -> None:
+        current = self._current_bytes()
+        current["total"] = sum(current.values())
+        for key, value in current.items():
+            self._peak[key] = max(self._peak.get(key, 0), value)
+
+    def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, dict[str, int]]:
+        """Bytes this rank holds now and at most so far, by category (optimizer state if one is given)."""
+        current = self._current_bytes()
+        if optimizer is not None:
+            current["optimizer_state"] = sum(v.untyped_storage().nbytes() for state in optimizer.state.values()
+                                             for v in state.values() if isinstance(v, torch.Tensor))
+        current["total"] = sum(current.values())
+        return {"current": current, "peak": dict(self._peak)}
+
+
+
+def _wrap_for_trainer(model: nn.Module, ctx, sharding: str = "FULL_SHARD", **options) -> FullyShardedDataParallel:
+    from ..models import sharding_units
+
+    return FullyShardedDataParallel(model, auto_wrap_policy=sharding_units(model), sharding_strategy=sharding, **options)
+
+
+def _register() -> None:
+    from ..strategies import COURSE_IMPLEMENTATIONS
+    from .zero import _wrap_for_trainer as wrap_sharded
+
+    COURSE_IMPLEMENTATIONS["fsdp"] = wrap_sharded
+
+
+_register()

@@ -1,0 +1,374 @@
+"""The course's ZeRO-1/2 and FSDP equal a single process and PyTorch's FSDP2, and shard memory as the model says."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch import nn
+
+from course_lib import comm, memory, models
+from course_lib.errors import UserError
+from course_lib.launch import launch
+from course_lib.parallel.fsdp import FullyShardedDataParallel, MixedPrecision
+from course_lib.parallel.zero import ZeroDataParallel
+
+GLOBAL_BATCH, STEPS = 60, 3
+TOLERANCE = dict(rtol=1e-5, atol=5e-6)
+BF16_TOLERANCE = dict(rtol=0, atol=2e-2)  # bf16 keeps 8 bits of mantissa: ~0.4% per rounding, a few steps of it
+ADAM_LR = 1e-2
+PARAMS = 35_173  # digits_cnn: odd, divisible by none of 2, 3, 4
+VARIANTS = {
+    "zero1": ("zero", dict(stage=1)),
+    "zero2": ("zero", dict(stage=2)),
+    "FULL_SHARD": ("fsdp", dict(sharding_strategy="FULL_SHARD")),
+    "SHARD_GRAD_OP": ("fsdp", dict(sharding_strategy="SHARD_GRAD_OP")),
+    "NO_SHARD": ("fsdp", dict(sharding_strategy="NO_SHARD")),
+}
+OPTIMIZERS = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=ADAM_LR, weight_decay=0.1),
+    "adam": lambda params: torch.optim.Adam(params, lr=1e-2),
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+}
+
+
+def _global_batch(step: int):
+    generator = torch.Generator().manual_seed(100 + step)
+    return torch.randn(GLOBAL_BATCH, 1, 8, 8, generator=generator), torch.randint(0, 10, (GLOBAL_BATCH,), generator=generator)
+
+
+def _wrap(kind: str, model: nn.Module, **options) -> nn.Module:
+    if kind == "zero":
+        return ZeroDataParallel(model, **options)
+    if kind == "fsdp":
+        return FullyShardedDataParallel(model, auto_wrap_policy=models.sharding_units(model), **options)
+    if kind == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for unit in models.sharding_units(model):
+            fully_shard(unit, **options)
+        return fully_shard(model, **options)
+    return model
+
+
+def _full_weights(model: nn.Module) -> torch.Tensor:
+    """All weights in the order of a plain model's state dict, whatever the wrapper."""
+    if hasattr(model, "full_state_dict"):
+        state = model.full_state_dict()
+    else:
+        state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in model.state_dict().items()}
+    keys = models.build_model("digits_cnn").state_dict().keys()
+    return torch.cat([state[k].detach().float().reshape(-1) for k in keys])
+
+
+def _train(kind: str, optimizer: str = "adamw", steps: int = STEPS, clip: float | None = None, **options):
+    """``steps`` optimizer steps; every rank computes on its interleaved slice of each global batch."""
+    n, rank = comm.get_world_size(), comm.get_rank()
+    torch.manual_seed(0)
+    model = _wrap(kind, models.build_model("digits_cnn"), **options)
+    opt = OPTIMIZERS[optimizer](model.parameters())
+    norms = []
+    for step in range(steps):
+        inputs, targets = _global_batch(step)
+        if kind != "single":
+            inputs, targets = inputs[rank::n], targets[rank::n]
+        opt.zero_grad()
+        F.cross_entropy(model(inputs).float(), targets).backward()
+        if clip is not None:
+            clipper = model.clip_grad_norm_ if hasattr(model, "clip_grad_norm_") else \
+                (lambda c: torch.nn.utils.clip_grad_norm_(model.parameters(), c))
+            norms.append(float(clipper(clip)))
+        opt.step()
+    return _full_weights(model), norms
+
+
+def _all_variants(optimizer: str):
+    results = {name: _train(kind, optimizer, **options)[0] for name, (kind, options) in VARIANTS.items()}
+    results["fsdp2"] = _train("fsdp2", optimizer)[0]
+    return results
+
+
+@pytest.fixture(scope="module")
+def single():
+    return {name: launch(_train, 1, "single", name)[0][0] for name in OPTIMIZERS}
+
+
+@pytest.mark.parametrize("world_size, optimizer", [(1, "adamw"), (2, "adamw"), (3, "sgd"), (4, "adam")])
+def test_every_stage_and_strategy_equals_one_process_and_fsdp2(world_size, optimizer, single):
+    ranks = launch(_all_variants, world_size, optimizer)
+    for rank_result in ranks[1:]:  # every rank ends with the same model
+        for name in VARIANTS:
+            torch.testing.assert_close(rank_result[name], ranks[0][name], rtol=0, atol=0)
+    for name in VARIANTS:
+        torch.testing.assert_close(ranks[0][name], single[optimizer], **TOLERANCE, msg=f"{name} vs one process")
+        torch.testing.assert_close(ranks[0][name], ranks[0]["fsdp2"], **TOLERANCE, msg=f"{name} vs FSDP2")
+
+
+def _hybrid():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ours = _train("fsdp", sharding_strategy="HYBRID_SHARD", hybrid_shard_size=2)[0]
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    theirs = _train("fsdp2", mesh=mesh)[0]  # FSDP2 on a 2-D mesh is HSDP
+    return ours, theirs
+
+
+def test_hybrid_shard_on_a_2x2_mesh_equals_hsdp_and_one_process(single):
+    ours, theirs = launch(_hybrid, 4)[0]
+    torch.testing.assert_close(ours, theirs, **TOLERANCE)
+    torch.testing.assert_close(ours, single["adamw"], **TOLERANCE)
+
+
+def _offload_and_checkpointing():
+    plain = _train("fsdp")[0]
+    return {mode: _train("fsdp", cpu_offload=mode)[0] for mode in ("params", "full")} | {
+        "checkpointed": _train("fsdp", activation_checkpointing=True)[0], "plain": plain}
+
+
+def test_offload_and_activation_checkpointing_change_nothing_numerically():
+    results = launch(_offload_and_checkpointing, 3)[0]
+    for name in ("params", "full", "checkpointed"):
+        torch.testing.assert_close(results[name], results["plain"], rtol=0, atol=0, msg=name)
+
+
+def _bf16():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    ours = _train("fsdp", mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))[0]
+    theirs = _train("fsdp2", mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))[0]
+    return ours, theirs
+
+
+def test_bf16_mixed_precision_stays_within_tolerance(single):
+    ours, theirs = launch(_bf16, 2)[0]
+    torch.testing.assert_close(ours, theirs, **BF16_TOLERANCE)  # the same recipe as PyTorch's
+    # Against fp32: Adam divides by the gradient's own scale, so where a gradient is near zero bf16
+    # rounding can flip the sign of a step; one step moves a weight by at most about lr, so the
+    # bound is 2·lr per step. Almost all weights are far closer.
+    difference = (ours - single["adamw"]).abs()
+    assert difference.max() <= 2 * ADAM_LR * STEPS
+    assert difference.median() < 1e-3
+    assert difference.max() > 0  # it really computed in bf16
+
+
+@pytest.mark.parametrize("kind, options", [("fsdp", {}), ("zero", dict(stage=2))])
+def test_clip_grad_norm_equals_the_single_process_norm(kind, options):
+    reference_weights, reference_norms = launch(_train, 1, "single", "adamw", STEPS, 0.25)[0]
+    weights, norms = launch(_train, 3, kind, "adamw", STEPS, 0.25, **options)[0]
+    assert min(reference_norms) > 0.25  # the clip really acted
+    assert norms == pytest.approx(reference_norms, rel=1e-5)
+    torch.testing.assert_close(weights, reference_weights, **TOLERANCE)
+
+
+def test_clip_grad_max_norm_is_the_max_over_all_shards():
+    ours, expected = launch(_clip_inf, 3, "fsdp", {})[0]
+    assert ours == pytest.approx(expected, rel=1e-6)
+
+
+def _clip_inf(kind: str, options: dict):
+    """Max-norm: compare the sharded result with the max over the full averaged gradient, same step."""
+    n, rank = comm.get_world_size(), comm.get_rank()
+    torch.manual_seed(0)
+    model = _wrap(kind, models.build_model("digits_cnn"), **options)
+    torch.manual_seed(0)
+    reference = models.build_model("digits_cnn")
+    inputs, targets = _global_batch(0)
+    F.cross_entropy(reference(inputs), targets).backward()
+    expected = max(p.grad.abs().max() for p in reference.parameters())
+    F.cross_entropy(model(inputs[rank::n]), targets[rank::n]).backward()
+    return float(model.clip_grad_norm_(1e-3, norm_type=float("inf"))), float(expected)
+
+
+def _measure(stage: str):
+    """Model-state bytes held by this rank after two Adam steps, and bytes sent during the second."""
+    from course_lib.parallel.ddp import DataParallel
+
+    torch.manual_seed(0)
+    model = models.build_model("digits_cnn")
+    model = {"ddp": lambda m: DataParallel(m), "zero1": lambda m: ZeroDataParallel(m, stage=1),
+             "zero2": lambda m: ZeroDataParallel(m, stage=2),
+             "zero3": lambda m: _wrap("fsdp", m)}[stage](model)
+    optimizer = torch.optim.Adam(model.parameters())
+    for step in range(2):
+        inputs, targets = _global_batch(step)
+        optimizer.zero_grad()
+        with comm.CommLog() as log:  # ZeRO-1/2's all-gather of the previous update happens in this forward
+            F.cross_entropy(model(inputs), targets).backward()
+            optimizer.step()
+    return memory.measure_model_states(model, optimizer), log.bytes_per_rank()
+
+
+@pytest.mark.parametrize("stage", memory.STAGES)
+def test_memory_per_rank_falls_with_n_as_the_model_says_and_traffic_matches(stage):
+    measured_totals = []
+    for world_size in (2, 4):
+        measured, sent = launch(_measure, world_size, stage)[0]
+        model = memory.model_state_bytes(PARAMS, world_size, stage, **memory.FP32_ADAM)
+        assert measured.params == pytest.approx(model.params, rel=0.02)
+        assert measured.grads == pytest.approx(model.grads, rel=0.02)
+        assert measured.optimizer == pytest.approx(model.optimizer, rel=0.02)
+        theory = 4 * memory.traffic_elements_per_rank(PARAMS, world_size, stage)
+        assert sent == pytest.approx(theory, rel=0.001)  # padding adds a few elements
+        measured_totals.append(measured.total)
+    if stage != "ddp":
+        assert measured_totals[1] < measured_totals[0]
+
+
+def _save_sharded(directory: str, steps: int):
+    torch.manual_seed(0)
+    model = _wrap("fsdp", models.build_model("digits_cnn"))
+    optimizer = OPTIMIZERS["adamw"](model.parameters())
+    _steps(model, optimizer, range(steps))
+    dcp.save({"model": model.sharded_state_dict(), "optimizer": model.sharded_optimizer_state_dict(optimizer)},
+             checkpoint_id=directory)
+    return _full_weights(model)
+
+
+def _steps(model, optimizer, steps):
+    n, rank = comm.get_world_size(), comm.get_rank()
+    for step in steps:
+        inputs, targets = _global_batch(step)
+        optimizer.zero_grad()
+        F.cross_entropy(model(inputs[rank::n]), targets[rank::n]).backward()
+        optimizer.step()
+
+
+def _resume_sharded(directory: str, first_step: int, last_step: int):
+    torch.manual_seed(1)  # other initial weights: everything must come from the checkpoint
+    model = _wrap("fsdp", models.build_model("digits_cnn"))
+    optimizer = OPTIMIZERS["adamw"](model.parameters())
+    state = {"model": model.sharded_state_dict(), "optimizer": model.sharded_optimizer_state_dict(optimizer)}
+    dcp.load(state, checkpoint_id=directory)  # reads, in place, the pieces this layout needs
+    loaded = _full_weights(model)
+    _steps(model, optimizer, range(first_step, last_step))
+    return loaded, _full_weights(model)
+
+
+def test_sharded_checkpoint_saved_on_2_ranks_resumes_on_1_3_and_4(tmp_path):
+    saved = launch(_save_sharded, 2, str(tmp_path / "ckpt"), 2)[0]
+    uninterrupted = launch(_train, 2, "fsdp", "adamw", 4)[0][0]
+    for world_size in (1, 3, 4):
+        loaded, continued = launch(_resume_sharded, world_size, str(tmp_path / "ckpt"), 2, 4)[0]
+        torch.testing.assert_close(loaded, saved, rtol=0, atol=0)
+        torch.testing.assert_close(continued, uninterrupted, **TOLERANCE, msg=f"resumed on {world_size} ranks")
+
+
+def _full_state_round_trip():
+    torch.manual_seed(0)
+    model = _wrap("fsdp", models.build_model("digits_cnn"))
+    _steps(model, OPTIMIZERS["sgd"](model.parameters()), range(2))
+    state = model.full_state_dict()
+    plain = models.build_model("digits_cnn")
+    plain.load_state_dict(state)  # the original names and shapes
+    fresh = _wrap("fsdp", models.build_model("digits_cnn"), sharding_strategy="SHARD_GRAD_OP")
+    fresh.load_full_state_dict(state)
+    inputs = _global_batch(9)[0]
+    with torch.no_grad():
+        return plain(inputs), fresh(inputs), model(inputs)
+
+
+def test_full_state_dict_loads_into_a_plain_model_and_back():
+    plain, fresh, original = launch(_full_state_round_trip, 3)[1]
+    torch.testing.assert_close(plain, original, **TOLERANCE)
+    torch.testing.assert_close(fresh, original, rtol=0, atol=0)
+
+
+def _gather_and_stats():
+    torch.manual_seed(0)
+    model = _wrap("fsdp", models.build_model("digits_cnn"))
+    optimizer = torch.optim.Adam(model.parameters())
+    _steps(model, optimizer, range(1))
+    before = model.memory_stats(optimizer)
+    with model.gathered_parameters():
+        weight = model.module[3].weight.detach().clone()  # the head, whole, under its usual name
+        during = model.memory_stats()
+    after = model.memory_stats()
+    return weight, model.full_state_dict()["3.weight"], before, during, after
+
+
+def test_gather_parameters_and_memory_stats():
+    weight, expected, before, during, after = launch(_gather_and_stats, 2)[0]
+    torch.testing.assert_close(weight, expected, rtol=0, atol=0)
+    assert before["current"]["unsharded_params"] == 0 == after["current"]["unsharded_params"]
+    # every unit whole: the model plus at most one element of padding per unit of 2 shards
+    assert 4 * PARAMS <= during["current"]["unsharded_params"] <= 4 * (PARAMS + 4)
+    assert before["current"]["sharded_params"] == pytest.approx(4 * PARAMS / 2, rel=0.01)
+    assert before["current"]["optimizer_state"] >= 2 * before["current"]["sharded_params"]
+    assert before["peak"]["unsharded_grads"] > 0  # a unit's full gradient existed during backward
+    assert before["peak"]["total"] >= before["current"]["sharded_params"]
+
+
+def _accumulate():
+    n, rank = comm.get_world_size(), comm.get_rank()
+    torch.manual_seed(0)
+    model = _wrap("fsdp", models.build_model("digits_cnn"))
+    optimizer = OPTIMIZERS["sgd"](model.parameters())
+    for step in range(STEPS):
+        inputs, targets = _global_batch(step)
+        inputs, targets = inputs[rank::n].chunk(2), targets[rank::n].chunk(2)
+        optimizer.zero_grad()
+        with model.no_sync():
+            (F.cross_entropy(model(inputs[0]), targets[0]) / 2).backward()
+        (F.cross_entropy(model(inputs[1]), targets[1]) / 2).backward()
+        optimizer.step()
+    return _full_weights(model)
+
+
+def test_no_sync_accumulation_equals_one_step_on_the_whole_batch(single):
+    torch.testing.assert_close(launch(_accumulate, 3)[0], single["sgd"], **TOLERANCE)
+
+
+class _TwoDtypes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3).double())
+        self.head = nn.Linear(3, 2)
+
+
+def _bad_inputs():
+    errors = {}
+    cases = {
+        "nothing": lambda: _wrap_with(models.build_model("digits_cnn"), auto_wrap_policy=nn.LSTM),
+        "everything": lambda: _wrap_with(models.build_model("digits_cnn"), auto_wrap_policy=(nn.Linear, nn.Conv2d)),
+        "root": lambda: _wrap_with(models.build_model("digits_cnn"), auto_wrap_policy=models.DigitsCNN),
+        "hybrid": lambda: _wrap_with(models.build_model("digits_cnn"), sharding_strategy="HYBRID_SHARD",
+                                     hybrid_shard_size=3),
+        "offload": lambda: _wrap_with(models.build_model("digits_cnn"), cpu_offload="params", device="cuda"),
+        "dtypes": lambda: FullyShardedDataParallel(_TwoDtypes()),
+        "mixed_precision": lambda: _wrap_with(models.build_model("digits_cnn"),
+                                              mixed_precision=MixedPrecision(param_dtype=torch.int8)),
+        "strategy": lambda: _wrap_with(models.build_model("digits_cnn"), sharding_strategy="FULL"),
+        "zero_stage": lambda: ZeroDataParallel(models.build_model("digits_cnn"), stage=3),
+    }
+    for name, case in cases.items():
+        try:
+            case()
+            errors[name] = None
+        except UserError as error:
+            errors[name] = str(error)
+    comm.barrier()  # every rank got here: nobody hangs
+    return errors
+
+
+def _wrap_with(model, **options):
+    options.setdefault("auto_wrap_policy", models.sharding_units(model))
+    return FullyShardedDataParallel(model, **options)
+
+
+def test_bad_inputs_get_clear_errors_on_every_rank():
+    if torch.cuda.is_available():
+        pytest.skip("the offload case checks the message for a machine without CUDA")
+    errors = launch(_bad_inputs, 2, timeout_s=120)
+    assert errors[0] == errors[1]
+    errors = errors[0]
+    assert "wraps no submodule with parameters" in errors["nothing"] and "'Sequential'" in errors["nothing"]
+    assert "makes each of the 4 layers that hold parameters a unit of its own" in errors["everything"]
+    assert "matches the model itself (DigitsCNN)" in errors["root"]
+    assert "shard group size that divides the 2 ranks, got 3" in errors["hybrid"]
+    assert "sees no CUDA device" in errors["offload"] and "cpu_offload='params'" in errors["offload"]
+    assert "mixes block.0.weight (torch.float32" in errors["dtypes"]
+    assert "block.1.weight (torch.float64" in errors["dtypes"]
+    assert "use a floating-point torch dtype" in errors["mixed_precision"]
+    assert "unknown sharding strategy 'FULL'" in errors["strategy"]
+    assert "does stage 1 or 2" in errors["zero_stage"]

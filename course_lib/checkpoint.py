@@ -13,6 +13,12 @@ Two properties make that harmless:
    So a checkpoint saved by FSDP on 2 ranks resumes on 1 or 3, and a DDP checkpoint can resume
    under FSDP: ``get_state_dict`` gives every strategy the same parameter names.
 
+The course's own ZeRO and FSDP (``--impl course``) keep each unit as one flat parameter, not as
+the model's named tensors, so they save their *flat* shards (each a DTensor over the ranks; see
+``course_lib.parallel.zero``). DCP reshards those just the same, to any number of ranks, but
+only the same layout (same strategy, stage and units) can read them; ``meta.pt`` records the
+layout and a mismatch is refused with the flags to use.
+
 Beside the tensors, ``meta.pt`` (written last, read with ``torch.load(weights_only=True)``, which
 cannot execute code) records where training stood: the epoch, the step inside it, the run's
 configuration, and each rank's random-number-generator state.
@@ -105,6 +111,19 @@ def _write_meta(path: Path, meta: dict[str, Any]) -> None:
     os.replace(temporary, path)
 
 
+def _layout(model: torch.nn.Module) -> str:
+    """How the tensors are named: by parameter (every torch strategy, course DDP) or by flat shard."""
+    return getattr(model, "state_layout", "named parameters")
+
+
+def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The model and optimizer state DCP writes, or fills in place when loading."""
+    if hasattr(model, "sharded_state_dict"):  # the course's ZeRO and FSDP: flat shards
+        return {"model": model.sharded_state_dict(), "optimizer": model.sharded_optimizer_state_dict(optimizer)}
+    model_state, optimizer_state = get_state_dict(unwrap(model), optimizer)
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
 def save(directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
          position: TrainingPosition) -> Path:
     """Write a checkpoint of the current step (every rank must call this). Returns its path."""
@@ -117,8 +136,7 @@ def save(directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.O
         temporary.mkdir()
     dist.barrier()
 
-    model_state, optimizer_state = get_state_dict(unwrap(model), optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(temporary))
+    dcp.save(_state(model, optimizer), checkpoint_id=str(temporary))
     rng_states = _all_gather_objects(_rng_state())
 
     if dist.get_rank() == 0:
@@ -130,6 +148,7 @@ def save(directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.O
             "config": position.config,
             "history": position.history,
             "world_size": dist.get_world_size(),
+            "layout": _layout(model),
             "rng": rng_states,
         }
         _write_meta(temporary / META_FILE, meta)
@@ -187,9 +206,14 @@ def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
     path = Path(path)
     meta = read_meta(path)
     check_compatible(meta, config, path)
-    model = unwrap(model)
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state}
+    if meta.get("layout", "named parameters") != _layout(model):
+        raise UserError(
+            f"checkpoint {path} holds {meta.get('layout', 'named parameters')}, but this model is laid out as "
+            f"{_layout(model)}: resume with the --strategy, --impl, --zero-stage and model of the run that wrote it "
+            f"(its flags: --strategy {meta['config'].get('strategy')} --impl {meta['config'].get('impl')} "
+            f"--zero-stage {meta['config'].get('zero_stage', 3)}), or start afresh with a new --checkpoint-dir"
+        )
+    state = _state(model, optimizer)
     try:
         dcp.load(state, checkpoint_id=str(path))
     except (Exception, CheckpointException) as error:  # DCP's exception derives from BaseException
@@ -200,7 +224,8 @@ def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
             f"checkpoint {path} cannot be loaded into this model ({first_line}): it is corrupt or from another "
             "model; delete it to resume from the previous one, or start afresh with a new --checkpoint-dir"
         ) from None
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    if not hasattr(model, "sharded_state_dict"):  # the course's wrappers were filled in place
+        set_state_dict(unwrap(model), optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     if meta["world_size"] == dist.get_world_size():
         _set_rng_state(meta["rng"][dist.get_rank()])
     else:

@@ -9,6 +9,10 @@ fsdp        1/N of parameters, grads, state    all-gather params (forward and ba
                                                reduce-scatter grads: ~3Ψ values sent
 ==========  =================================  ===============================================
 
+With ``--impl course``, fsdp also takes ``--zero-stage 1|2|3`` (what is sharded: optimizer state;
++ gradients; + parameters) and, for stage 3, ``--sharding``, ``--cpu-offload`` and
+``--activation-checkpointing`` (see ``course_lib.parallel.zero`` and ``.fsdp``).
+
 Each strategy has two implementations behind the same flags: ``torch`` (PyTorch's own
 ``DistributedDataParallel`` and FSDP2 ``fully_shard``, the production path and the default)
 and ``course`` (the readable versions in ``course_lib.parallel``). The trainer only ever calls
@@ -26,6 +30,7 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, Iterator
 
+import torch
 from torch import nn
 
 from .errors import UserError
@@ -68,13 +73,16 @@ def _load_course_implementations() -> None:
                 raise
 
 
-def wrap_model(model: nn.Module, strategy: str, impl: str, ctx: Context) -> nn.Module:
-    """Return the model as this strategy trains it (the optimizer must be built *after* this)."""
+def wrap_model(model: nn.Module, strategy: str, impl: str, ctx: Context, **options) -> nn.Module:
+    """Return the model as this strategy trains it (the optimizer must be built *after* this).
+
+    ``options`` go to the course's implementation (``--zero-stage``, ``--sharding``... for fsdp).
+    """
     check_strategy(strategy, impl, ctx.world_size)
     if strategy == "single":
         return model
     if impl == "course":
-        return COURSE_IMPLEMENTATIONS[strategy](model, ctx)
+        return COURSE_IMPLEMENTATIONS[strategy](model, ctx, **options)
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -99,6 +107,17 @@ def unwrap(model: nn.Module) -> nn.Module:
     from .parallel.ddp import DataParallel
 
     return model.module if isinstance(model, (DistributedDataParallel, DataParallel)) else model
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip the gradient of the whole model to 2-norm ``max_norm``, whichever way it is spread over ranks.
+
+    A sharded wrapper must assemble the norm from every rank's shard (the course's wrappers have
+    their own method); torch's function already does that for FSDP2's DTensor gradients.
+    """
+    if hasattr(model, "clip_grad_norm_"):
+        return model.clip_grad_norm_(max_norm)
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
 @contextlib.contextmanager

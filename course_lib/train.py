@@ -28,6 +28,7 @@ from . import runtime
 from .data import DATASETS
 from .errors import EXIT_CRASH, EXIT_USER_ERROR, UserError
 from .models import MODELS
+from .parallel.fsdp import OFFLOAD_MODES, SHARDING_STRATEGIES
 from .strategies import IMPLEMENTATIONS, STRATEGIES
 from .trainer import OPTIMIZERS, PRECISIONS, TrainConfig
 
@@ -61,6 +62,17 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--data-dir", default=os.environ.get("COURSE_DATA_DIR", defaults.data_dir),
                       help="where cifar10 lives (default: $COURSE_DATA_DIR or ./data)")
     what.add_argument("--model", choices=MODELS, default=defaults.model)
+    shard = parser.add_argument_group("sharding (--strategy fsdp --impl course)")
+    shard.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=defaults.zero_stage,
+                       help="shard optimizer state (1), + gradients (2), + parameters (3: FSDP)")
+    shard.add_argument("--sharding", choices=SHARDING_STRATEGIES, default=defaults.sharding,
+                       help="FSDP sharding strategy (stage 3)")
+    shard.add_argument("--hybrid-shard-size", type=int, default=None,
+                       help="ranks per shard group with HYBRID_SHARD (default: ranks per node)")
+    shard.add_argument("--cpu-offload", choices=OFFLOAD_MODES, default=defaults.cpu_offload,
+                       help="keep shards (params) and also activations (full) in CPU memory")
+    shard.add_argument("--activation-checkpointing", action="store_true",
+                       help="recompute each unit's activations during backward")
     how = parser.add_argument_group("how to train")
     how.add_argument("--epochs", type=int, default=defaults.epochs)
     how.add_argument("--global-batch-size", type=int, default=defaults.global_batch_size,
@@ -68,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument("--lr", type=float, default=defaults.lr)
     how.add_argument("--optimizer", choices=OPTIMIZERS, default=defaults.optimizer)
     how.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
+    how.add_argument("--clip-grad-norm", type=float, default=None, help="clip the gradient's 2-norm to this")
     how.add_argument("--seed", type=int, default=defaults.seed)
     how.add_argument("--precision", choices=PRECISIONS, default=defaults.precision,
                      help="bf16: autocast matrix products to bfloat16, weights stay fp32")

@@ -48,6 +48,11 @@ class TrainConfig:
 
     strategy: str = "single"
     impl: str = "torch"
+    zero_stage: int = 3  # --strategy fsdp --impl course: 1 or 2 shard optimizer state (and gradients), 3 is FSDP
+    sharding: str = "FULL_SHARD"  # FSDP (stage 3) sharding strategy, --impl course
+    hybrid_shard_size: int | None = None  # ranks per shard group for HYBRID_SHARD (default: ranks per node)
+    cpu_offload: str = "none"  # course FSDP: none, params, full
+    activation_checkpointing: bool = False  # course FSDP: recompute each unit's activations in backward
     dataset: str = "digits"
     data_dir: str = "data"
     model: str = "digits_cnn"
@@ -56,6 +61,7 @@ class TrainConfig:
     lr: float = 3e-3
     optimizer: str = "adamw"
     weight_decay: float = 0.0
+    clip_grad_norm: float | None = None  # clip the whole gradient's 2-norm to this before each step
     seed: int = 0
     precision: str = "fp32"
     grad_accum: int = 1
@@ -70,6 +76,13 @@ class TrainConfig:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def sharding_options(self) -> dict[str, Any]:
+        """What the course's sharded implementations take (``--strategy fsdp --impl course``)."""
+        if self.zero_stage in (1, 2):
+            return {"zero_stage": self.zero_stage}
+        return {"zero_stage": 3, "sharding": self.sharding, "hybrid_shard_size": self.hybrid_shard_size,
+                "cpu_offload": self.cpu_offload, "activation_checkpointing": self.activation_checkpointing}
 
 
 @dataclass
@@ -100,6 +113,9 @@ def validate_config(config: TrainConfig, world_size: int) -> None:
         raise UserError(f"unknown precision {config.precision!r}: choose one of {', '.join(PRECISIONS)}")
     if config.optimizer not in OPTIMIZERS:
         raise UserError(f"unknown optimizer {config.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+    _check_sharding_flags(config)
+    if config.clip_grad_norm is not None and not config.clip_grad_norm > 0:
+        raise UserError(f"--clip-grad-norm must be positive, got {config.clip_grad_norm}")
     if config.epochs < 1:
         raise UserError(f"--epochs must be at least 1, got {config.epochs}")
     if config.lr <= 0:
@@ -113,6 +129,34 @@ def validate_config(config: TrainConfig, world_size: int) -> None:
     resume_path = resolve_resume_path(config)
     if resume_path is not None:
         checkpoint.check_compatible(checkpoint.read_meta(resume_path), config.as_dict(), resume_path)
+
+
+SHARDING_DEFAULTS = {"zero_stage": 3, "sharding": "FULL_SHARD", "hybrid_shard_size": None, "cpu_offload": "none",
+                     "activation_checkpointing": False}
+
+
+def _check_sharding_flags(config: TrainConfig) -> None:
+    """The sharding flags choose among the course's own implementations: refuse them anywhere else."""
+    changed = [name for name, default in SHARDING_DEFAULTS.items() if getattr(config, name) != default]
+    if changed and (config.strategy, config.impl) != ("fsdp", "course"):
+        flags = ", ".join("--" + name.replace("_", "-") for name in changed)
+        raise UserError(f"{flags} choose(s) among the course's sharded implementations: add --strategy fsdp --impl course")
+    from .parallel.fsdp import OFFLOAD_MODES, SHARDING_STRATEGIES
+
+    if config.zero_stage not in (1, 2, 3):
+        raise UserError(f"--zero-stage must be 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters: FSDP), "
+                        f"got {config.zero_stage}")
+    if config.sharding not in SHARDING_STRATEGIES:
+        raise UserError(f"unknown --sharding {config.sharding!r}: choose one of {', '.join(SHARDING_STRATEGIES)}")
+    if config.cpu_offload not in OFFLOAD_MODES:
+        raise UserError(f"unknown --cpu-offload {config.cpu_offload!r}: choose one of {', '.join(OFFLOAD_MODES)}")
+    fsdp_only = [name for name in changed if name not in ("zero_stage",)]
+    if config.zero_stage != 3 and fsdp_only:
+        flags = ", ".join("--" + name.replace("_", "-") for name in fsdp_only)
+        raise UserError(f"{flags} configure FSDP (ZeRO stage 3), but --zero-stage is {config.zero_stage}: "
+                        "drop them or use --zero-stage 3")
+    if config.hybrid_shard_size is not None and config.sharding != "HYBRID_SHARD":
+        raise UserError("--hybrid-shard-size needs --sharding HYBRID_SHARD")
 
 
 def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
@@ -202,7 +246,13 @@ class Trainer:
         random.seed(config.seed)
         self.data = data.load_dataset(config.dataset, config.data_dir, config.seed)
         model = models.build_model(config.model, self.data.num_classes).to(self.ctx.device)
-        self.model = strategies.wrap_model(model, config.strategy, config.impl, self.ctx)
+        course_sharded = (config.strategy, config.impl) == ("fsdp", "course")
+        options = config.sharding_options() if course_sharded else {}
+        # What is sharded, for the metrics: zero1, zero2, or the FSDP sharding strategy.
+        self.sharding_label = None if config.strategy != "fsdp" else (
+            f"zero{config.zero_stage}" if course_sharded and config.zero_stage < 3 else
+            config.sharding if course_sharded else "FULL_SHARD")
+        self.model = strategies.wrap_model(model, config.strategy, config.impl, self.ctx, **options)
         self.optimizer = build_optimizer(self.model, config)
 
         pin = self.ctx.device.type == "cuda"
@@ -242,6 +292,8 @@ class Trainer:
                 (loss / config.grad_accum).backward()
             loss_sum += loss.item() * len(targets)
             samples += len(targets)
+        if config.clip_grad_norm is not None:
+            strategies.clip_grad_norm_(self.model, config.clip_grad_norm)
         self.optimizer.step()
         return loss_sum, samples
 
@@ -290,6 +342,7 @@ class Trainer:
             "epoch": epoch + 1,
             "strategy": config.strategy,
             "impl": config.impl,
+            "sharding": self.sharding_label,
             "world_size": self.ctx.world_size,
             "global_batch_size": config.global_batch_size,
             "micro_batch_size": self.micro_batch,
@@ -314,7 +367,8 @@ class Trainer:
     def fit(self, collect_state: bool = False) -> TrainResult:
         config, position = self.config, self.position
         runtime.print0(
-            f"training {config.model} on {config.dataset}: strategy {config.strategy} ({config.impl}), "
+            f"training {config.model} on {config.dataset}: strategy {config.strategy} ({config.impl}"
+            f"{', ' + self.sharding_label if self.sharding_label else ''}), "
             f"{self.ctx.world_size} rank(s) on {self.ctx.device.type}/{self.ctx.backend}, global batch "
             f"{config.global_batch_size} = {self.ctx.world_size} x {config.grad_accum} x {self.micro_batch}, "
             f"{self.steps_per_epoch} steps per epoch"
@@ -338,8 +392,11 @@ class Trainer:
                 break
         result = TrainResult(history=list(position.history), global_step=position.global_step)
         if collect_state:
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            result.state_dict = get_model_state_dict(strategies.unwrap(self.model), options=options)
+            if hasattr(self.model, "full_state_dict"):  # the course's ZeRO and FSDP
+                result.state_dict = self.model.full_state_dict()
+            else:
+                options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+                result.state_dict = get_model_state_dict(strategies.unwrap(self.model), options=options)
         return result
 
 

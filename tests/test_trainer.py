@@ -244,3 +244,52 @@ def test_refuses_a_corrupt_checkpoint(saved_checkpoint, tmp_path):
 
     with pytest.raises(UserError, match="does not exist"):
         checkpoint.read_meta(tmp_path / "nowhere")
+
+
+# -- the course's sharded implementations in the harness --------------------------------------
+
+COURSE_SHARDED = {
+    "zero1": dict(zero_stage=1), "zero2": dict(zero_stage=2), "FULL_SHARD": {},
+    "SHARD_GRAD_OP": dict(sharding="SHARD_GRAD_OP", cpu_offload="full", activation_checkpointing=True),
+}
+
+
+@pytest.mark.parametrize("variant", COURSE_SHARDED)
+def test_course_sharded_implementations_train_like_one_process(variant, single_reference):
+    reference, reference_history = single_reference
+    config = dataclasses.replace(BASE, strategy="fsdp", impl="course", **COURSE_SHARDED[variant])
+    weights, history = run_training(config, 3)
+    torch.testing.assert_close(weights, reference, **TOLERANCE)
+    assert history[-1]["sharding"] == {"zero1": "zero1", "zero2": "zero2"}.get(variant, variant)
+    assert history[-1]["train_loss"] == pytest.approx(reference_history[-1]["train_loss"], rel=1e-5)
+
+
+def test_course_fsdp_checkpoint_from_two_ranks_resumes_on_four_and_refuses_another_layout(tmp_path):
+    course = dataclasses.replace(BASE, strategy="fsdp", impl="course", clip_grad_norm=0.5)
+    straight, _ = run_training(dataclasses.replace(course, max_steps=8), 2)
+    saved = dataclasses.replace(course, max_steps=4, checkpoint_dir=str(tmp_path))
+    run_training(saved, 2)
+    assert "flat parameters" in checkpoint.read_meta(checkpoint.latest_checkpoint(tmp_path))["layout"]
+    resumed, history = run_training(dataclasses.replace(saved, max_steps=8, resume="latest"), 4)
+    assert history[-1]["world_size"] == 4
+    torch.testing.assert_close(resumed, straight, **TOLERANCE)
+    with pytest.raises(UserError, match=r"resume with the --strategy, --impl, --zero-stage and model of the run "
+                                        r"that wrote it \(its flags: --strategy fsdp --impl course --zero-stage 3\)"):
+        launch(_resume, 2, dataclasses.replace(saved, impl="torch", max_steps=9, resume="latest"))
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(strategy="ddp", zero_stage=2), "--zero-stage choose(s) among the course's sharded implementations: "
+                                         "add --strategy fsdp --impl course"),
+    (dict(strategy="fsdp", impl="torch", sharding="NO_SHARD"), "add --strategy fsdp --impl course"),
+    (dict(strategy="fsdp", impl="course", zero_stage=1, cpu_offload="params"),
+     "--cpu-offload configure FSDP (ZeRO stage 3), but --zero-stage is 1"),
+    (dict(strategy="fsdp", impl="course", hybrid_shard_size=2), "--hybrid-shard-size needs --sharding HYBRID_SHARD"),
+    (dict(strategy="fsdp", impl="course", zero_stage=4), "--zero-stage must be 1"),
+    (dict(strategy="fsdp", impl="course", clip_grad_norm=0.0), "--clip-grad-norm must be positive"),
+])
+def test_sharding_flags_are_checked_before_any_rank_waits(changes, message):
+    from course_lib.trainer import validate_config
+
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        validate_config(dataclasses.replace(BASE, **changes), 2)

@@ -266,7 +266,7 @@ class DataParallel(nn.Module):
         return {id(p): bool(flag) for p, flag in zip(params, used.tolist())}
 
 
-def _wrap_for_trainer(model: nn.Module, ctx) -> DataParallel:
+def _wrap_for_trainer(model: nn.Module, ctx, **_options) -> DataParallel:
     return DataParallel(model)
 
 

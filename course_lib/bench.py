@@ -1,4 +1,4 @@
-"""Benchmarks: ``python -m course_lib.bench ddp`` prints one JSON object on stdout.
+"""Benchmarks: ``python -m course_lib.bench ddp|fsdp|memory`` prints one JSON object on stdout.
 
 How to compare two implementations honestly on a noisy machine: run them in the *same*
 processes, on the same model and data, interleaved step by step (their order rotating every
@@ -9,6 +9,15 @@ even when the absolute times are not. Unit tests never time anything; this comma
 three modes, on an MLP of a few million parameters so that the gradient all-reduce is a real
 share of the step. Besides times, it reports the bytes each rank sent per step, measured by
 ``CommLog``, against the ring formula 2(N-1)/N x gradient bytes.
+
+``fsdp``: PyTorch's FSDP2 ``fully_shard`` against the course's ``FullyShardedDataParallel``
+(FULL_SHARD), with the same units (each linear layer), and the course's other sharding
+strategies beside them, interleaved the same way.
+
+``memory``: DDP, ZeRO-1, ZeRO-2 and ZeRO-3 (FSDP) at 2 and 4 ranks, with Adam in fp32: the
+bytes of parameters, gradients and optimizer state a rank really holds after two steps, against
+``memory.model_state_bytes``; and the bytes it sent during the second step, measured by
+``CommLog``, against ``memory.traffic_elements_per_rank``.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import comm, runtime
+from . import comm, memory, runtime
 from .launch import launch
 
 
@@ -44,6 +53,24 @@ def _time_step(model: nn.Module, optimizer, inputs, targets) -> float:
     return time.perf_counter() - started
 
 
+def _interleaved_medians(variants: dict, inputs, targets, steps: int, warmup: int) -> dict[str, float]:
+    """Median milliseconds per step of each (model, optimizer), timed in rotating order, round by round."""
+    times = {name: [] for name in variants}
+    names = list(variants)
+    for round_index in range(warmup + steps):
+        order = names[round_index % len(names):] + names[:round_index % len(names)]
+        for name in order:
+            seconds = _time_step(*variants[name], inputs, targets)
+            if round_index >= warmup:
+                times[name].append(seconds)
+    return {name: 1000 * statistics.median(values) for name, values in times.items()}
+
+
+def _rank_batch(batch: int, width: int):
+    generator = torch.Generator().manual_seed(comm.get_rank())
+    return torch.randn(batch, width, generator=generator), torch.randn(batch, width, generator=generator)
+
+
 def _ddp_benchmark(width: int, layers: int, batch: int, steps: int, warmup: int, bucket_mb: float) -> dict | None:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -61,17 +88,8 @@ def _ddp_benchmark(width: int, layers: int, batch: int, steps: int, warmup: int,
         else:
             wrapped = DataParallel(replica, bucket_mb=bucket_mb, sync=name)
         variants[name] = (wrapped, torch.optim.SGD(wrapped.parameters(), lr=1e-3))
-    generator = torch.Generator().manual_seed(comm.get_rank())
-    inputs, targets = torch.randn(batch, width, generator=generator), torch.randn(batch, width, generator=generator)
-
-    times = {name: [] for name in variants}
-    names = list(variants)
-    for round_index in range(warmup + steps):
-        order = names[round_index % len(names):] + names[:round_index % len(names)]
-        for name in order:
-            seconds = _time_step(*variants[name], inputs, targets)
-            if round_index >= warmup:
-                times[name].append(seconds)
+    inputs, targets = _rank_batch(batch, width)
+    median_ms = _interleaved_medians(variants, inputs, targets, steps, warmup)
 
     with comm.CommLog() as log:
         _time_step(*variants["overlapped"], inputs, targets)
@@ -79,7 +97,6 @@ def _ddp_benchmark(width: int, layers: int, batch: int, steps: int, warmup: int,
     gradient_bytes = 4 * params
     if not runtime.is_main():
         return None
-    median_ms = {name: 1000 * statistics.median(values) for name, values in times.items()}
     return {
         "benchmark": "ddp",
         "world_size": world,
@@ -99,23 +116,141 @@ def _ddp_benchmark(width: int, layers: int, batch: int, steps: int, warmup: int,
     }
 
 
+def _fsdp_benchmark(width: int, layers: int, batch: int, steps: int, warmup: int) -> dict | None:
+    from torch.distributed.fsdp import fully_shard
+
+    from .parallel.fsdp import FullyShardedDataParallel
+
+    world = comm.get_world_size()
+    hybrid_size = world // 2 if world % 2 == 0 else world
+    torch.manual_seed(0)
+    reference = mlp(width, layers)
+    strategies = {"FULL_SHARD": {}, "SHARD_GRAD_OP": {}, "NO_SHARD": {},
+                  "HYBRID_SHARD": {"hybrid_shard_size": hybrid_size}}
+    variants = {}
+    for name in ("torch", *strategies):
+        model = mlp(width, layers)
+        model.load_state_dict(reference.state_dict())
+        units = [m for m in model if isinstance(m, nn.Linear)]
+        if name == "torch":
+            for unit in units:
+                fully_shard(unit)
+            wrapped = fully_shard(model)
+        else:
+            wrapped = FullyShardedDataParallel(model, auto_wrap_policy=units, sharding_strategy=name, **strategies[name])
+        variants[name] = (wrapped, torch.optim.SGD(wrapped.parameters(), lr=1e-3))
+    inputs, targets = _rank_batch(batch, width)
+    median_ms = _interleaved_medians(variants, inputs, targets, steps, warmup)
+
+    with comm.CommLog() as log:
+        _time_step(*variants["FULL_SHARD"], inputs, targets)
+    params = sum(p.numel() for p in reference.parameters())
+    if not runtime.is_main():
+        return None
+    return {
+        "benchmark": "fsdp",
+        "world_size": world,
+        "params": params,
+        "threads_per_rank": torch.get_num_threads(),
+        "batch_per_rank": batch,
+        "steps_timed": steps,
+        "units": layers,
+        "torch_step_ms": median_ms["torch"],
+        "course_step_ms": median_ms["FULL_SHARD"],
+        "ratio": median_ms["FULL_SHARD"] / median_ms["torch"],
+        "step_ms_by_sharding_strategy": {name: median_ms[name] for name in strategies},
+        "hybrid_shard_size": hybrid_size,
+        "full_shard_bytes_per_rank_measured": log.bytes_per_rank(),
+        "full_shard_bytes_per_rank_theory": 4 * memory.traffic_elements_per_rank(params, world, "zero3"),
+    }
+
+
+def wrap_for_stage(model: nn.Module, stage: str, units: list[nn.Module] | None = None) -> nn.Module:
+    """The model as ``stage`` (ddp, zero1, zero2, zero3) trains it, with the course's implementations."""
+    from .parallel.ddp import DataParallel
+    from .parallel.fsdp import FullyShardedDataParallel
+    from .parallel.zero import ZeroDataParallel
+
+    if stage == "ddp":
+        return DataParallel(model)
+    if stage in ("zero1", "zero2"):
+        return ZeroDataParallel(model, stage=int(stage[-1]))
+    return FullyShardedDataParallel(model, auto_wrap_policy=units)
+
+
+def measure_stage(model: nn.Module, stage: str, inputs: torch.Tensor, targets: torch.Tensor,
+                  units: list[nn.Module] | None = None, loss=F.cross_entropy):
+    """Two Adam steps of ``model`` under ``stage``; returns (model-state bytes held, bytes sent in step 2)."""
+    model = wrap_for_stage(model, stage, units)
+    optimizer = torch.optim.Adam(model.parameters())
+    for _ in range(2):
+        optimizer.zero_grad()
+        with comm.CommLog() as log:  # ZeRO-1/2 gather the previous update in this step's forward
+            loss(model(inputs), targets).backward()
+            optimizer.step()
+    return memory.measure_model_states(model, optimizer), log.bytes_per_rank()
+
+
+def _memory_benchmark(width: int, layers: int, batch: int) -> list[dict] | None:
+    world = comm.get_world_size()
+    inputs, targets = _rank_batch(batch, width)
+    rows = []
+    for stage in memory.STAGES:
+        torch.manual_seed(0)
+        model = mlp(width, layers)
+        params = sum(p.numel() for p in model.parameters())
+        units = [m for m in model if isinstance(m, nn.Linear)]
+        measured, sent = measure_stage(model, stage, inputs, targets, units, loss=F.mse_loss)
+        expected = memory.model_state_bytes(params, world, stage, **memory.FP32_ADAM)
+        traffic = 4 * memory.traffic_elements_per_rank(params, world, stage)
+        rows.append({
+            "world_size": world, "stage": stage, "params": params,
+            "measured_bytes": measured.total, "model_bytes": expected.total,
+            "ratio": measured.total / expected.total,
+            "measured_by_kind": {"params": measured.params, "grads": measured.grads, "optimizer": measured.optimizer},
+            "model_by_kind": {"params": expected.params, "grads": expected.grads, "optimizer": expected.optimizer},
+            "traffic_bytes_measured": sent, "traffic_bytes_model": traffic, "traffic_ratio": sent / traffic,
+        })
+    return rows if runtime.is_main() else None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m course_lib.bench", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="benchmark", required=True)
-    ddp = sub.add_parser("ddp", help="course DDP (3 modes) against torch DDP",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ddp.add_argument("--world-size", type=int, default=2)
-    ddp.add_argument("--width", type=int, default=1024)
-    ddp.add_argument("--layers", type=int, default=4)
-    ddp.add_argument("--batch", type=int, default=64, help="samples per rank per step")
-    ddp.add_argument("--steps", type=int, default=30, help="timed steps per variant")
-    ddp.add_argument("--warmup", type=int, default=3)
+    formatter = argparse.ArgumentDefaultsHelpFormatter
+    ddp = sub.add_parser("ddp", help="course DDP (3 modes) against torch DDP", formatter_class=formatter)
+    fsdp = sub.add_parser("fsdp", help="course FSDP (4 sharding strategies) against FSDP2", formatter_class=formatter)
+    mem = sub.add_parser("memory", help="measured memory and traffic of DDP, ZeRO-1/2/3 against the model",
+                         formatter_class=formatter)
+    for command in (ddp, fsdp, mem):
+        command.add_argument("--width", type=int, default=1024)
+        command.add_argument("--layers", type=int, default=4)
+        command.add_argument("--batch", type=int, default=64, help="samples per rank per step")
+    for command in (ddp, fsdp):
+        command.add_argument("--world-size", type=int, default=2)
+        command.add_argument("--steps", type=int, default=30, help="timed steps per variant")
+        command.add_argument("--warmup", type=int, default=3)
     ddp.add_argument("--bucket-mb", type=float, default=4.0, help="bucket size, the same for both implementations")
+    mem.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     args = parser.parse_args(argv)
 
+    if args.benchmark == "memory":
+        rows = []
+        for world in args.world_sizes:
+            print(f"measuring memory on {world} processes...", file=sys.stderr, flush=True)
+            rows += launch(_memory_benchmark, world, args.width, args.layers, args.batch, timeout_s=1800)[0]
+        result = {"benchmark": "memory", "optimizer": "Adam, fp32 (K = 8 bytes of state per parameter)",
+                  "max_ratio_error": max(abs(row["ratio"] - 1) for row in rows),
+                  "max_traffic_ratio_error": max(abs(row["traffic_ratio"] - 1) for row in rows), "rows": rows}
+        print(json.dumps(result, indent=2))
+        return 0
     print(f"benchmarking {args.benchmark} on {args.world_size} processes...", file=sys.stderr, flush=True)
-    results = launch(_ddp_benchmark, args.world_size, args.width, args.layers, args.batch, args.steps,
-                     args.warmup, args.bucket_mb, timeout_s=1800)
+    if args.benchmark == "ddp":
+        results = launch(_ddp_benchmark, args.world_size, args.width, args.layers, args.batch, args.steps,
+                         args.warmup, args.bucket_mb, timeout_s=1800)
+    else:
+        results = launch(_fsdp_benchmark, args.world_size, args.width, args.layers, args.batch, args.steps,
+                         args.warmup, timeout_s=1800)
     print(json.dumps(results[0], indent=2))
     return 0
 

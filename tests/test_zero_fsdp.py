@@ -8,7 +8,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 
-from course_lib import comm, memory, models
+from course_lib import bench, comm, memory, models
 from course_lib.errors import UserError
 from course_lib.launch import launch
 from course_lib.parallel.fsdp import FullyShardedDataParallel, MixedPrecision
@@ -182,21 +182,10 @@ def _clip_inf(kind: str, options: dict):
 
 def _measure(stage: str):
     """Model-state bytes held by this rank after two Adam steps, and bytes sent during the second."""
-    from course_lib.parallel.ddp import DataParallel
-
     torch.manual_seed(0)
     model = models.build_model("digits_cnn")
-    model = {"ddp": lambda m: DataParallel(m), "zero1": lambda m: ZeroDataParallel(m, stage=1),
-             "zero2": lambda m: ZeroDataParallel(m, stage=2),
-             "zero3": lambda m: _wrap("fsdp", m)}[stage](model)
-    optimizer = torch.optim.Adam(model.parameters())
-    for step in range(2):
-        inputs, targets = _global_batch(step)
-        optimizer.zero_grad()
-        with comm.CommLog() as log:  # ZeRO-1/2's all-gather of the previous update happens in this forward
-            F.cross_entropy(model(inputs), targets).backward()
-            optimizer.step()
-    return memory.measure_model_states(model, optimizer), log.bytes_per_rank()
+    inputs, targets = _global_batch(0)
+    return bench.measure_stage(model, stage, inputs, targets, units=models.sharding_units(model))
 
 
 @pytest.mark.parametrize("stage", memory.STAGES)
@@ -330,7 +319,7 @@ def _bad_inputs():
     errors = {}
     cases = {
         "nothing": lambda: _wrap_with(models.build_model("digits_cnn"), auto_wrap_policy=nn.LSTM),
-        "everything": lambda: _wrap_with(models.build_model("digits_cnn"), auto_wrap_policy=(nn.Linear, nn.Conv2d)),
+        "everything": lambda: _wrap_with(models.build_model("digits_cnn"), auto_wrap_policy=lambda module: True),
         "root": lambda: _wrap_with(models.build_model("digits_cnn"), auto_wrap_policy=models.DigitsCNN),
         "hybrid": lambda: _wrap_with(models.build_model("digits_cnn"), sharding_strategy="HYBRID_SHARD",
                                      hybrid_shard_size=3),
@@ -363,7 +352,7 @@ def test_bad_inputs_get_clear_errors_on_every_rank():
     assert errors[0] == errors[1]
     errors = errors[0]
     assert "wraps no submodule with parameters" in errors["nothing"] and "'Sequential'" in errors["nothing"]
-    assert "makes each of the 4 layers that hold parameters a unit of its own" in errors["everything"]
+    assert "wraps every one of the 12 submodules, even 5 without parameters (such as ReLU)" in errors["everything"]
     assert "matches the model itself (DigitsCNN)" in errors["root"]
     assert "shard group size that divides the 2 ranks, got 3" in errors["hybrid"]
     assert "sees no CUDA device" in errors["offload"] and "cpu_offload='params'" in errors["offload"]
@@ -372,3 +361,35 @@ def test_bad_inputs_get_clear_errors_on_every_rank():
     assert "use a floating-point torch dtype" in errors["mixed_precision"]
     assert "unknown sharding strategy 'FULL'" in errors["strategy"]
     assert "does stage 1 or 2" in errors["zero_stage"]
+
+
+def _bench(*args: str) -> dict:
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO, clean_env
+
+    shown = subprocess.run([sys.executable, "-m", "course_lib.bench", *args], cwd=REPO, env=clean_env(),
+                           capture_output=True, text=True, timeout=300)
+    assert shown.returncode == 0, shown.stderr
+    return json.loads(shown.stdout)
+
+
+def test_fsdp_benchmark_prints_the_promised_json():
+    result = _bench("fsdp", "--width", "63", "--layers", "3", "--steps", "2", "--warmup", "1", "--world-size", "3")
+    for key in ("torch_step_ms", "course_step_ms", "ratio", "step_ms_by_sharding_strategy"):
+        assert key in result
+    assert set(result["step_ms_by_sharding_strategy"]) == {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"}
+    assert result["params"] == 3 * 64 * 63
+    # two all-gathers and one reduce-scatter of the padded units: a few elements more than 3(N-1)/N Ψ
+    assert result["full_shard_bytes_per_rank_measured"] == pytest.approx(result["full_shard_bytes_per_rank_theory"],
+                                                                         rel=1e-3)
+
+
+def test_memory_benchmark_matches_the_model_within_two_percent():
+    result = _bench("memory", "--width", "65", "--layers", "2", "--world-sizes", "2", "3")
+    assert [(row["world_size"], row["stage"]) for row in result["rows"]] == \
+        [(n, stage) for n in (2, 3) for stage in memory.STAGES]
+    assert result["max_ratio_error"] < 0.02
+    assert result["max_traffic_ratio_error"] < 0.01

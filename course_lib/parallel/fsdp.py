@@ -135,22 +135,33 @@ def select_units(model: nn.Module, policy: WrapPolicy) -> list[nn.Module]:
     return [m for m in model.modules() if id(m) in wanted]
 
 
+def describe_policy(policy: WrapPolicy) -> str:
+    if isinstance(policy, int):
+        return f"min_num_params={policy}"
+    if isinstance(policy, type):
+        return policy.__name__
+    if callable(policy) and not isinstance(policy, nn.Module):
+        return f"function {getattr(policy, '__name__', 'policy')}"
+    return "[" + ", ".join(p.__name__ if isinstance(p, type) else type(p).__name__ for p in policy) + "]"
+
+
 def check_units(model: nn.Module, units: list[nn.Module], policy: WrapPolicy) -> None:
-    """Refuse a policy that wraps nothing (one unit: no saving) or every layer on its own."""
-    holders = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
+    """Refuse a policy that wraps nothing (one unit: no saving) or everything (every submodule, even a ReLU)."""
     with_params = [u for u in units if any(True for _ in u.parameters())]
     if policy is not None and not with_params:
         classes = sorted({type(m).__name__ for m in model.modules() if m is not model})
         raise UserError(
-            f"the wrap policy {policy!r} wraps no submodule with parameters, so the whole model would be one unit, "
+            f"the wrap policy {describe_policy(policy)} wraps no submodule with parameters, so the whole model would be one unit, "
             f"gathered whole at once (no memory saved over SHARD_GRAD_OP): choose among the model's classes "
             f"{classes} or lower the parameter threshold"
         )
-    if len(holders) > 2 and all(any(u is h for u in units) for h in holders):
+    submodules = [m for m in model.modules() if m is not model]
+    empty = [type(u).__name__ for u in units if not any(True for _ in u.parameters())]
+    if len(submodules) > 1 and len(units) == len(submodules) and empty:
         raise UserError(
-            f"the wrap policy {policy!r} makes each of the {len(holders)} layers that hold parameters a unit of its own: "
-            "that many small all-gathers cost latency and save nothing; wrap blocks of layers (their container "
-            "class) or raise the parameter threshold"
+            f"the wrap policy {describe_policy(policy)} wraps every one of the {len(submodules)} submodules, even {len(empty)} without "
+            f"parameters (such as {empty[0]}): name the classes of the blocks to shard, e.g. "
+            "auto_wrap_policy={nn.Linear} or a transformer block class"
         )
 
 

@@ -264,8 +264,9 @@ def test_course_sharded_implementations_train_like_one_process(variant, single_r
     assert history[-1]["train_loss"] == pytest.approx(reference_history[-1]["train_loss"], rel=1e-5)
 
 
-def test_course_fsdp_checkpoint_from_two_ranks_resumes_on_four_and_refuses_another_layout(tmp_path):
-    course = dataclasses.replace(BASE, strategy="fsdp", impl="course", clip_grad_norm=0.5)
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_course_sharded_checkpoint_from_two_ranks_resumes_on_four_and_refuses_another_layout(tmp_path, zero_stage):
+    course = dataclasses.replace(BASE, strategy="fsdp", impl="course", clip_grad_norm=0.5, zero_stage=zero_stage)
     straight, _ = run_training(dataclasses.replace(course, max_steps=8), 2)
     saved = dataclasses.replace(course, max_steps=4, checkpoint_dir=str(tmp_path))
     run_training(saved, 2)
@@ -274,8 +275,9 @@ def test_course_fsdp_checkpoint_from_two_ranks_resumes_on_four_and_refuses_anoth
     assert history[-1]["world_size"] == 4
     torch.testing.assert_close(resumed, straight, **TOLERANCE)
     with pytest.raises(UserError, match=r"resume with the --strategy, --impl, --zero-stage and model of the run "
-                                        r"that wrote it \(its flags: --strategy fsdp --impl course --zero-stage 3\)"):
-        launch(_resume, 2, dataclasses.replace(saved, impl="torch", max_steps=9, resume="latest"))
+                                        rf"that wrote it \(its flags: --strategy fsdp --impl course --zero-stage {zero_stage}\)"):
+        other_layout = dict(zero_stage=3) if zero_stage == 2 else dict(impl="torch")
+        launch(_resume, 2, dataclasses.replace(saved, max_steps=9, resume="latest", **other_layout))
 
 
 @pytest.mark.parametrize("changes, message", [

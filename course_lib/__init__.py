@@ -8,6 +8,8 @@ Read it in this order:
 - ``comm``: every collective, the bytes each one sends (``CommLog``), a ring all-reduce by hand.
 - ``parallel.ddp``: data parallelism written out, proven equal to PyTorch's DDP.
 - ``memory``: what model states cost per rank under DDP and ZeRO-1/2/3, and what a rank really holds.
+- ``parallel.zero``: ZeRO-1/2, sharding the optimizer state and gradients over a flat parameter.
+- ``parallel.fsdp``: ZeRO-3 as FSDP, parameters gathered only while a unit computes.
 - ``strategies``: single process, DDP and FSDP, each as PyTorch's own or the course's version.
 - ``trainer``, ``checkpoint``: the training loop, its metrics and its resumable checkpoints.
 - ``train`` (command line), ``lab`` (the three-run lab), ``scaling`` (strong-scaling plots),

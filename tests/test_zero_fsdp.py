@@ -393,3 +393,28 @@ def test_memory_benchmark_matches_the_model_within_two_percent():
         [(n, stage) for n in (2, 3) for stage in memory.STAGES]
     assert result["max_ratio_error"] < 0.02
     assert result["max_traffic_ratio_error"] < 0.01
+
+
+def _frozen_middle(kind: str):
+    n, rank = comm.get_world_size(), comm.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Sequential(nn.Linear(7, 7), nn.Tanh()), nn.Linear(7, 3))
+    model[1].requires_grad_(False)  # a frozen block between two trained ones
+    if kind == "fsdp":
+        model = FullyShardedDataParallel(model, auto_wrap_policy=[model[0], model[1], model[2]])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    generator = torch.Generator().manual_seed(1)
+    inputs, targets = torch.randn(12, 5, generator=generator), torch.randn(12, 3, generator=generator)
+    if kind == "fsdp":
+        inputs, targets = inputs[rank::n], targets[rank::n]
+    for _ in range(3):
+        optimizer.zero_grad()
+        F.mse_loss(model(inputs), targets).backward()
+        optimizer.step()
+    state = model.full_state_dict() if kind == "fsdp" else model.state_dict()
+    return torch.cat([state[key].reshape(-1) for key in sorted(state)])
+
+
+def test_a_frozen_unit_is_gathered_for_backward_and_not_updated():
+    torch.testing.assert_close(launch(_frozen_middle, 3, "fsdp")[0], launch(_frozen_middle, 1, "single")[0],
+                               **TOLERANCE)

@@ -295,7 +295,7 @@ class FullyShardedDataParallel(ShardedStateMixin, nn.Module):
 
     def _after_forward(self, unit: Unit, module: nn.Module, args, output) -> None:
         outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        if torch.is_grad_enabled() and outputs and unit.flat.requires_grad:
+        if torch.is_grad_enabled() and outputs:  # a frozen unit too: backward needs its weights to go through it
             for tensor in outputs:  # fires when the gradient reaches this unit's output: its backward begins
                 tensor.register_hook(functools.partial(self._before_backward, unit))
             if not unit.reshard_after_forward:
@@ -324,7 +324,7 @@ class FullyShardedDataParallel(ShardedStateMixin, nn.Module):
     def _finish_unit(self, unit: Unit) -> None:
         """The unit's backward is done: reduce its gradient to this rank's shard and free the full copies."""
         self._record_peak()
-        if self._sync_this_backward:
+        if self._sync_this_backward and unit.flat.requires_grad:
             unit.flat.accumulate_into_shard(unit.flat.reduce_gradient(unit.flat.flat_gradient()))
         unit.flat.free()
         unit.arrived, unit.backward_started = 0, False

@@ -237,20 +237,21 @@ def initialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Make a lazily initialised optimizer (Adam...) create its state, without changing any parameter.
 
     Loading a checkpoint writes *into* the optimizer's state tensors, so they must exist first:
-    one step on zero gradients with a learning rate of 0 creates them.
+    one step on zero gradients, with a learning rate and weight decay of 0, creates them.
     """
     if optimizer.state:
         return
-    saved_lrs = [group["lr"] for group in optimizer.param_groups]
+    neutral = {"lr": 0.0, "weight_decay": 0.0}
+    saved = [{key: group[key] for key in neutral if key in group} for group in optimizer.param_groups]
     params = [p for group in optimizer.param_groups for p in group["params"]]
     saved_grads = [p.grad for p in params]
-    for group in optimizer.param_groups:
-        group["lr"] = 0.0
+    for group, values in zip(optimizer.param_groups, saved):
+        group.update({key: neutral[key] for key in values})
     for param in params:
         param.grad = torch.zeros_like(param)
     optimizer.step()
-    for group, lr in zip(optimizer.param_groups, saved_lrs):
-        group["lr"] = lr
+    for group, values in zip(optimizer.param_groups, saved):
+        group.update(values)
     for param, grad in zip(params, saved_grads):
         param.grad = grad
 

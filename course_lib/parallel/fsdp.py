@@ -57,7 +57,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from .. import comm
 from ..errors import UserError
 from .ddp import check_same_model_everywhere
-from .zero import FlatParameter, ShardedStateMixin, owned_parameters
+from .zero import FlatParameter, FlatShardedMixin, owned_parameters
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 OFFLOAD_MODES = ("none", "params", "full")
@@ -203,7 +203,7 @@ def _compute_device(module: nn.Module, device: torch.device | str | None, cpu_of
     return device
 
 
-class FullyShardedDataParallel(ShardedStateMixin, nn.Module):
+class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
     """Shard ``module`` over all ranks; build the optimizer on ``model.parameters()`` (the shards)."""
 
     def __init__(self, module: nn.Module, auto_wrap_policy: WrapPolicy = None, sharding_strategy: str = "FULL_SHARD",
@@ -337,15 +337,6 @@ class FullyShardedDataParallel(ShardedStateMixin, nn.Module):
                 self._finish_unit(unit)
             elif unit.flat.is_gathered:
                 unit.flat.free()
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Forward and backward inside only accumulate full local gradients (memory!); no communication."""
-        self.require_gradient_sync = False
-        try:
-            yield
-        finally:
-            self.require_gradient_sync = True
 
     # -- inspection -----------------------------------------------------------------------------
     def gather_parameters(self) -> None:

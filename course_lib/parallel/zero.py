@@ -281,8 +281,8 @@ def clip_sharded_grad_norm_(flats: list[FlatParameter], group, max_norm: float, 
     return total
 
 
-class ShardedStateMixin:
-    """State dicts and gradient clipping for wrappers made of flat parameters (ZeRO-1/2 here, FSDP in ``fsdp.py``).
+class FlatShardedMixin:
+    """State dicts, gradient clipping and ``no_sync`` for wrappers made of flat parameters (ZeRO-1/2 here, FSDP in ``fsdp.py``).
 
     - ``full_state_dict()``: every original parameter, whole, under its original name, on every
       rank (an all-gather per flat parameter). Loads into a plain model with ``load_state_dict``.
@@ -294,6 +294,17 @@ class ShardedStateMixin:
     flat_params: list[FlatParameter]
     state_mesh = None  # the DeviceMesh the shards are spread over
     shard_group = None  # the ranks that hold different shards (None: all)
+    require_gradient_sync = True
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate full local gradients (memory!) without communicating;
+        the next backward outside reduces their sum."""
+        self.require_gradient_sync = False
+        try:
+            yield
+        finally:
+            self.require_gradient_sync = True
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradient of the whole model, of which this rank holds a shard; returns its norm."""
@@ -358,7 +369,7 @@ def owned_parameters(module: nn.Module, skip: set[int] | None = None) -> list[tu
     return found
 
 
-class ZeroDataParallel(ShardedStateMixin, nn.Module):
+class ZeroDataParallel(FlatShardedMixin, nn.Module):
     """ZeRO stage 1 or 2 around ``module``: build any element-wise optimizer on ``model.parameters()``.
 
     ``model.parameters()`` is one flat shard (this rank's 1/N of the model), so the optimizer
@@ -407,15 +418,6 @@ class ZeroDataParallel(ShardedStateMixin, nn.Module):
             shard = self.flat_shard.detach().clone()  # the input must not alias the output
             comm.all_gather_into_tensor(self.flat.full, shard, group=self.group)
         self._gathered_version = self.flat_shard._version
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate full local gradients; the next one outside reduces their sum."""
-        self.require_gradient_sync = False
-        try:
-            yield
-        finally:
-            self.require_gradient_sync = True
 
     def _gradient_ready(self, _leaf: torch.Tensor) -> None:
         if not self._backward_queued and self.require_gradient_sync:

@@ -187,6 +187,34 @@ def validation_loader(dataset: Dataset, batch_size: int, rank: int, world_size: 
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, pin_memory=pin_memory)
 
 
+# -- text for the transformer ------------------------------------------------------------------
+
+def zen_of_python() -> str:
+    """The Zen of Python, read from the ``this`` module's source (importing it would print it)."""
+    import ast
+    import codecs
+    import importlib.util
+
+    source = open(importlib.util.find_spec("this").origin, encoding="utf-8").read()
+    encoded = next(node.value.value for node in ast.parse(source).body
+                   if isinstance(node, ast.Assign) and node.targets[0].id == "s")
+    return codecs.decode(encoded, "rot13")
+
+
+def zen_windows(seq_len: int = 32) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """Character-level language modelling on the Zen of Python, available offline everywhere.
+
+    Returns (inputs, targets, vocabulary): every window of ``seq_len`` characters as token ids,
+    and the same window shifted by one character (the next-character targets).
+    """
+    text = zen_of_python()
+    vocabulary = sorted(set(text))
+    ids = torch.tensor([vocabulary.index(c) for c in text])
+    starts = torch.arange(len(ids) - seq_len)
+    window = starts[:, None] + torch.arange(seq_len)[None, :]
+    return ids[window], ids[window + 1], vocabulary
+
+
 def download(name: str, data_dir: str | Path) -> Path:
     """Fetch a dataset's files (needs internet: run it on a login node, not in a job)."""
     if name != "cifar10":

@@ -8,6 +8,13 @@ cifar_cnn      3 x 32 x 32     765,887    CIFAR-10 / synthetic: enough compute t
 resnet18       3 x 32 x 32  11,173,962    torchvision's ResNet-18, adapted to 32x32 images
 =============  ===========  ============  ================================================
 
+``TinyTransformer`` (a GPT: token and position embeddings, pre-norm blocks of causal
+self-attention and MLP, a language-model head) is the model of tensor, pipeline and 3-D
+parallelism: it learns the characters of the Zen of Python (``data.zen_windows``) in seconds.
+It is an ``nn.Sequential`` of [embedding, block, ..., block, head], so a pipeline cuts it
+between any two entries, and its attention reshapes by ``-1`` heads, so the same code runs
+with only a tensor-parallel rank's share of the heads.
+
 Layer widths are chosen so that parameter counts do *not* divide evenly by 2, 3 or 4 ranks
 (35,173 is odd and not a multiple of 3): sharding code must handle the remainder.
 
@@ -74,6 +81,88 @@ def resnet18_cifar(num_classes: int = 10) -> nn.Module:
     model.maxpool = nn.Identity()
     model.input_shape = (3, 32, 32)
     return model
+
+
+class Embedding(nn.Module):
+    """Token plus learned position embeddings: (batch, seq) token ids -> (batch, seq, d_model)."""
+
+    def __init__(self, vocab_size: int, d_model: int, max_seq_len: int):
+        super().__init__()
+        self.tokens = nn.Embedding(vocab_size, d_model)
+        self.positions = nn.Embedding(max_seq_len, d_model)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.tokens(ids) + self.positions(torch.arange(ids.shape[1], device=ids.device))
+
+
+class SelfAttention(nn.Module):
+    """Causal multi-head self-attention; ``q``, ``k``, ``v`` and ``out`` are plain linear layers."""
+
+    def __init__(self, d_model: int, n_heads: int):
+        super().__init__()
+        if d_model % n_heads:
+            raise UserError(f"d_model {d_model} must be a multiple of n_heads {n_heads}")
+        self.head_dim = d_model // n_heads
+        self.q, self.k, self.v = (nn.Linear(d_model, d_model) for _ in range(3))
+        self.out = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+
+        def heads(t):  # (batch, seq, heads * head_dim) -> (batch, heads, seq, head_dim); -1: however many are here
+            return t.view(batch, seq, -1, self.head_dim).transpose(1, 2)
+
+        attended = torch.nn.functional.scaled_dot_product_attention(heads(self.q(x)), heads(self.k(x)),
+                                                                    heads(self.v(x)), is_causal=True)
+        return self.out(attended.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, d_model: int, hidden: int):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(d_model, hidden), nn.GELU(), nn.Linear(hidden, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attention(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, d_model: int, n_heads: int, mlp_ratio: int = 4):
+        super().__init__()
+        self.norm1, self.attention = nn.LayerNorm(d_model), SelfAttention(d_model, n_heads)
+        self.norm2, self.mlp = nn.LayerNorm(d_model), MLP(d_model, mlp_ratio * d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class LMHead(nn.Module):
+    """Final norm and the projection to one logit per vocabulary entry."""
+
+    def __init__(self, d_model: int, vocab_size: int):
+        super().__init__()
+        self.norm, self.proj = nn.LayerNorm(d_model), nn.Linear(d_model, vocab_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.norm(x))
+
+
+class TinyTransformer(nn.Sequential):
+    """[Embedding, Block x n_layers, LMHead]: a character-level GPT small enough for a laptop CPU."""
+
+    def __init__(self, vocab_size: int, d_model: int = 64, n_heads: int = 4, n_layers: int = 4,
+                 max_seq_len: int = 32):
+        super().__init__(Embedding(vocab_size, d_model, max_seq_len),
+                         *(Block(d_model, n_heads) for _ in range(n_layers)), LMHead(d_model, vocab_size))
+        self.d_model, self.n_heads, self.vocab_size = d_model, n_heads, vocab_size
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of next-token prediction over every position."""
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def build_model(name: str, num_classes: int = 10) -> nn.Module:

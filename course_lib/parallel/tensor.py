@@ -1,0 +1,214 @@
+"""Tensor parallelism (Megatron-LM style): one layer's matrix multiplications split over T ranks.
+
+Data parallelism copies the model; tensor parallelism cuts each big weight matrix. For a linear
+layer ``y = x Aᵀ`` (A is out x in):
+
+- **column parallel**: cut A by output rows, ``A = [A_1; ...; A_T]``. Rank t computes
+  ``y_t = x A_tᵀ``, its slice of the output features. The input x must be on every rank.
+- **row parallel**: cut A by input columns, ``A = [A_1, ..., A_T]``, and the input features the
+  same way. Rank t computes ``x_t A_tᵀ``, a *partial sum* of the whole output: an all-reduce adds
+  the T partial sums.
+
+A column-parallel layer followed by a row-parallel one needs no communication in between: the
+column layer's output slice is exactly the row layer's input slice, and the element-wise GELU
+between them works on slices. So a transformer MLP (fc1 column, fc2 row) and attention (q, k, v
+column, i.e. whole heads per rank; ``out`` row) each cost **one all-reduce of the activation in
+forward and one in backward**. Per block: 2 forward + 2 backward all-reduces of
+batch x seq x d_model values. That is why TP stays inside a node, on the fastest links.
+
+The communication is written as two conjugate autograd functions (Megatron's f and g):
+
+==========================  =========================  ==========================
+function                    forward                    backward
+==========================  =========================  ==========================
+``copy_to_parallel`` (f)    identity                   all-reduce the gradient
+``reduce_from_parallel``    all-reduce                 identity
+(g)
+``gather_from_parallel``    all-gather the last dim    keep this rank's slice
+==========================  =========================  ==========================
+
+f sits where a replicated activation enters a column-parallel layer: each rank's backward only
+produces the gradient of *its* slice's contribution, and the input's true gradient is their sum.
+
+Memory: each rank holds 1/T of the split weights (and their gradients and optimizer state);
+norms, embeddings and biases of row-parallel layers stay replicated.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import comm
+from ..errors import UserError
+
+
+class _CopyToParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        comm.all_reduce(grad, op="sum", group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        comm.all_reduce(x, op="sum", group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        size = dist.get_world_size(group)
+        pieces = [torch.empty_like(x) for _ in range(size)]
+        comm.all_gather(pieces, x.contiguous(), group=group)
+        return torch.cat(pieces, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return grad.chunk(size, dim=-1)[rank].contiguous(), None
+
+
+def copy_to_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
+    """f: identity forward, all-reduce backward (where a replicated input enters the parallel region)."""
+    return _CopyToParallel.apply(x, group)
+
+
+def reduce_from_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
+    """g: all-reduce forward, identity backward (where partial sums leave the parallel region)."""
+    return _ReduceFromParallel.apply(x, group)
+
+
+def gather_from_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
+    """All-gather slices of the last dimension forward; backward keeps this rank's slice of the gradient."""
+    return _GatherFromParallel.apply(x, group)
+
+
+def _split_size(total: int, group, what: str) -> int:
+    size = dist.get_world_size(group)
+    if total % size:
+        divisors = [d for d in range(1, total + 1) if total % d == 0 and d <= 64]
+        raise UserError(f"{what} {total} does not divide by the tensor-parallel degree {size}: "
+                        f"use a degree among {divisors}, or change the layer size")
+    return total // size
+
+
+class ColumnParallelLinear(nn.Module):
+    """``nn.Linear(in, out)`` whose output features are split over the group (this rank: out / T of them)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
+                 group=None):
+        super().__init__()
+        self.group, self.gather_output = group, gather_output
+        self.out_per_rank = _split_size(out_features, group, "output features")
+        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features))
+        self.bias = nn.Parameter(torch.zeros(self.out_per_rank)) if bias else None
+        nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
+
+    @classmethod
+    def from_dense(cls, dense: nn.Linear, gather_output: bool = False, group=None) -> "ColumnParallelLinear":
+        """This rank's rows of a dense layer's weight (and bias): the same function, split."""
+        layer = cls(dense.in_features, dense.out_features, dense.bias is not None, gather_output, group)
+        rank = dist.get_rank(group)
+        rows = slice(rank * layer.out_per_rank, (rank + 1) * layer.out_per_rank)
+        with torch.no_grad():
+            layer.weight.copy_(dense.weight[rows])
+            if dense.bias is not None:
+                layer.bias.copy_(dense.bias[rows])
+        return layer.to(dense.weight.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = nn.functional.linear(copy_to_parallel(x, self.group), self.weight, self.bias)
+        return gather_from_parallel(y, self.group) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """``nn.Linear(in, out)`` whose input features are split over the group; the outputs are summed."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, group=None):
+        super().__init__()
+        self.group = group
+        self.in_per_rank = _split_size(in_features, group, "input features")
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None  # added once, after the sum
+        nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
+
+    @classmethod
+    def from_dense(cls, dense: nn.Linear, group=None) -> "RowParallelLinear":
+        layer = cls(dense.in_features, dense.out_features, dense.bias is not None, group)
+        rank = dist.get_rank(group)
+        columns = slice(rank * layer.in_per_rank, (rank + 1) * layer.in_per_rank)
+        with torch.no_grad():
+            layer.weight.copy_(dense.weight[:, columns])
+            if dense.bias is not None:
+                layer.bias.copy_(dense.bias)
+        return layer.to(dense.weight.device)
+
+    def forward(self, x_slice: torch.Tensor) -> torch.Tensor:
+        """``x_slice``: this rank's in / T input features (the output of a column-parallel layer)."""
+        partial = nn.functional.linear(x_slice, self.weight)
+        y = reduce_from_parallel(partial, self.group)
+        return y + self.bias if self.bias is not None else y
+
+
+def parallel_mlp(mlp: nn.Module, group=None) -> nn.Module:
+    """A ``models.MLP`` (fc1, act, fc2) made tensor parallel in place: fc1 column, fc2 row.
+
+    One all-reduce forward (in fc2), one backward (in fc1's f): the hidden activation, 4x wider
+    than the model, never travels.
+    """
+    mlp.fc1 = ColumnParallelLinear.from_dense(mlp.fc1, group=group)
+    mlp.fc2 = RowParallelLinear.from_dense(mlp.fc2, group=group)
+    return mlp
+
+
+def parallel_attention(attention: nn.Module, n_heads: int, group=None) -> nn.Module:
+    """A ``models.SelfAttention`` made tensor parallel in place: each rank computes n_heads / T whole heads.
+
+    q, k and v are column parallel with whole heads per rank (rows of a head are contiguous), so
+    attention itself needs no communication; ``out`` is row parallel and sums the heads' parts.
+    """
+    _split_size(n_heads, group, "attention heads")
+    for name in ("q", "k", "v"):
+        setattr(attention, name, ColumnParallelLinear.from_dense(getattr(attention, name), group=group))
+    attention.out = RowParallelLinear.from_dense(attention.out, group=group)
+    return attention
+
+
+def parallelize_transformer(model: nn.Module, group=None) -> nn.Module:
+    """Convert every block of a dense ``models.TinyTransformer`` (or a slice of one) in place.
+
+    The dense weights are cut, not re-initialised: the converted model computes the same function.
+    """
+    from ..models import Block
+
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    if not blocks:
+        raise UserError("no transformer Block found to parallelize: pass a models.TinyTransformer or its blocks")
+    for block in blocks:
+        parallel_attention(block.attention, block.attention.out.out_features // block.attention.head_dim, group)
+        parallel_mlp(block.mlp, group)
+    return model
+
+
+def check_tensor_parallel_degree(d_model: int, n_heads: int, mlp_hidden: int, degree: int) -> None:
+    """Before any process waits: does this model split ``degree`` ways?"""
+    for what, total in (("attention heads", n_heads), ("hidden size d_model", d_model), ("MLP hidden size", mlp_hidden)):
+        if total % degree:
+            raise UserError(f"tensor-parallel degree {degree} does not divide the {what} ({total}): "
+                            f"use a degree that divides {n_heads} heads and {d_model} features")

@@ -288,24 +288,25 @@ def barrier(group=None, async_op: bool = False):
     return _run("barrier", 0, group, lambda: dist.barrier(group=group, async_op=async_op), async_op)
 
 
-def send(tensor: torch.Tensor, dst: int, group=None) -> None:
+def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:
+    """Send to global rank ``dst``; ``tag`` tells apart messages between the same two ranks."""
     _check_device(tensor)
-    _run("send", nbytes(tensor), group, lambda: dist.send(tensor, dst=dst, group=group), False)
+    _run("send", nbytes(tensor), group, lambda: dist.send(tensor, dst=dst, group=group, tag=tag), False)
 
 
-def recv(tensor: torch.Tensor, src: int, group=None) -> None:
+def recv(tensor: torch.Tensor, src: int, group=None, tag: int = 0) -> None:
     _check_device(tensor)
-    _run("recv", nbytes(tensor), group, lambda: dist.recv(tensor, src=src, group=group), False)
+    _run("recv", nbytes(tensor), group, lambda: dist.recv(tensor, src=src, group=group, tag=tag), False)
 
 
-def isend(tensor: torch.Tensor, dst: int, group=None):
+def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0):
     _check_device(tensor)
-    return _run("send", nbytes(tensor), group, lambda: dist.isend(tensor, dst=dst, group=group), True)
+    return _run("send", nbytes(tensor), group, lambda: dist.isend(tensor, dst=dst, group=group, tag=tag), True)
 
 
-def irecv(tensor: torch.Tensor, src: int, group=None):
+def irecv(tensor: torch.Tensor, src: int, group=None, tag: int = 0):
     _check_device(tensor)
-    return _run("recv", nbytes(tensor), group, lambda: dist.irecv(tensor, src=src, group=group), True)
+    return _run("recv", nbytes(tensor), group, lambda: dist.irecv(tensor, src=src, group=group, tag=tag), True)
 
 
 # -- who am I -------------------------------------------------------------------------------

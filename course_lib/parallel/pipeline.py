@@ -1,0 +1,453 @@
+"""Pipeline parallelism: the model cut into stages, micro-batches flowing through them.
+
+Stage s (a run of consecutive layers) lives on rank s. A batch is cut into m micro-batches; a
+micro-batch's activation goes forward from stage to stage (send/recv), and its gradient comes
+back the same way. Each rank holds 1/p of the model; only the activations at the cuts travel,
+point to point.
+
+The bubble. Rank s can only start once s micro-batches' forwards have reached it, and the last
+backwards drain the same way, so each rank idles for p - 1 forward-plus-backward slots out of
+m + p - 1: the bubble fraction is **(p - 1) / (m + p - 1)**. More micro-batches, smaller bubble.
+
+The schedules (pure functions below: they return each rank's ordered list of actions, so a
+schedule can be printed, checked and drawn without running anything):
+
+- **GPipe**: all m forwards, then all m backwards. Simple; every rank keeps the activations of
+  all m micro-batches until their backward: peak m.
+- **1F1B**: rank s runs p - s - 1 warm-up forwards, then alternates one forward, one backward,
+  then drains. The same bubble, but at most p - s micro-batches are in flight on rank s: the
+  activation memory no longer grows with m.
+- **Interleaved 1F1B** (Megatron-LM): each rank holds v smaller *virtual* stages (rank r holds
+  stages r, r + p, r + 2p...), so a micro-batch crosses every rank v times. Each slot is v times
+  shorter, so the bubble shrinks to **(p - 1) / (v·m + p - 1)**, for v times more messages. It
+  needs m to be a multiple of p.
+
+The executor runs a rank's actions in order: a forward stores its input and output until the
+backward, a send is non-blocking (``isend``), a receive blocks. Because every schedule here is
+checked (``check_schedule``) to complete when sends never block and receives wait for their
+send, the run cannot deadlock. Each loss is divided by m, so the gradients are the average over
+micro-batches: exactly the gradient of the whole batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import comm
+from ..errors import UserError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+COMPUTE = ("F", "B")
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of a rank's schedule: ``F``/``B`` (compute), ``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B``."""
+
+    kind: str
+    stage: int
+    microbatch: int
+    peer: int | None = None  # the other rank, for sends and receives
+
+    def __str__(self) -> str:
+        arrow = "" if self.peer is None else (f"->{self.peer}" if self.kind.startswith("SEND") else f"<-{self.peer}")
+        return f"{self.kind}{self.stage}.{self.microbatch}{arrow}"
+
+
+# -- cutting the model ------------------------------------------------------------------------
+
+def split_model(layers: nn.Sequential | list[nn.Module], num_stages: int,
+                cut_points: list[int] | None = None) -> list[nn.Sequential]:
+    """Cut a sequence of layers into ``num_stages`` stages.
+
+    ``cut_points``: the index of the first layer of every stage but the first (e.g. [3, 6]);
+    by default the layers are shared out evenly, earlier stages taking one more when it does not divide.
+    """
+    layers = list(layers)
+    if num_stages < 1:
+        raise UserError(f"the number of stages must be at least 1, got {num_stages}")
+    if num_stages > len(layers):
+        raise UserError(f"cannot cut {len(layers)} layers into {num_stages} stages: every stage needs at least one "
+                        f"layer; use at most {len(layers)} stages (pipeline degree x virtual stages)")
+    if cut_points is None:
+        base, extra = divmod(len(layers), num_stages)
+        sizes = [base + (1 if s < extra else 0) for s in range(num_stages)]
+        cut_points = [sum(sizes[:s]) for s in range(1, num_stages)]
+    bounds = [0, *cut_points, len(layers)]
+    if len(cut_points) != num_stages - 1 or any(a >= b for a, b in zip(bounds, bounds[1:])):
+        raise UserError(f"cut points {cut_points} must be {num_stages - 1} increasing layer indices "
+                        f"between 1 and {len(layers) - 1}")
+    return [nn.Sequential(*layers[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+def rank_of_stage(stage: int, pipeline_size: int) -> int:
+    """Virtual stages go round the ranks: rank r holds stages r, r + p, r + 2p..."""
+    return stage % pipeline_size
+
+
+# -- the schedules as pure functions ------------------------------------------------------------
+
+def check_schedule_arguments(schedule: str, pipeline_size: int, microbatches: int, virtual_stages: int = 1) -> None:
+    if schedule not in SCHEDULES:
+        raise UserError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
+    if pipeline_size < 1 or microbatches < 1 or virtual_stages < 1:
+        raise UserError("pipeline size, micro-batches and virtual stages must all be at least 1")
+    if schedule != "interleaved_1f1b" and virtual_stages != 1:
+        raise UserError(f"{schedule} runs one stage per rank: virtual stages need schedule interleaved_1f1b")
+    if schedule == "interleaved_1f1b" and microbatches % pipeline_size:
+        raise UserError(f"interleaved 1F1B sends micro-batches round the {pipeline_size} ranks in groups of "
+                        f"{pipeline_size}: use a number of micro-batches that is a multiple of {pipeline_size}, "
+                        f"not {microbatches}")
+
+
+def compute_order(schedule: str, pipeline_size: int, microbatches: int,
+                  virtual_stages: int = 1) -> dict[int, list[Action]]:
+    """Each rank's forwards and backwards, in the order it runs them (no communication yet)."""
+    check_schedule_arguments(schedule, pipeline_size, microbatches, virtual_stages)
+    p, m, v = pipeline_size, microbatches, virtual_stages
+    order = {}
+    for rank in range(p):
+        if schedule == "gpipe":
+            order[rank] = [Action("F", rank, i) for i in range(m)] + [Action("B", rank, i) for i in range(m)]
+        elif schedule == "1f1b":
+            warmup = min(p - rank - 1, m)
+            actions = [Action("F", rank, i) for i in range(warmup)]
+            for i in range(m - warmup):
+                actions += [Action("F", rank, warmup + i), Action("B", rank, i)]
+            actions += [Action("B", rank, i) for i in range(m - warmup, m)]
+            order[rank] = actions
+        else:
+            order[rank] = _interleaved_order(rank, p, m, v)
+    return order
+
+
+def _interleaved_order(rank: int, p: int, m: int, v: int) -> list[Action]:
+    """Megatron-LM's interleaved 1F1B: virtual micro-batch k visits chunk (k mod pv) // p."""
+    total = m * v
+
+    def forward(k: int) -> Action:
+        chunk = (k % (p * v)) // p
+        return Action("F", chunk * p + rank, (k // (p * v)) * p + k % p)
+
+    def backward(k: int) -> Action:
+        chunk = v - 1 - (k % (p * v)) // p
+        return Action("B", chunk * p + rank, (k // (p * v)) * p + k % p)
+
+    warmup = total if m == p else min((p - rank - 1) * 2 + (v - 1) * p, total)
+    actions = [forward(k) for k in range(warmup)]
+    for k in range(total - warmup):
+        actions += [forward(warmup + k), backward(k)]
+    actions += [backward(k) for k in range(total - warmup, total)]
+    return actions
+
+
+def build_schedule(schedule: str, pipeline_size: int, microbatches: int,
+                   virtual_stages: int = 1) -> dict[int, list[Action]]:
+    """Each rank's complete list: compute actions with the sends and receives they need around them."""
+    order = compute_order(schedule, pipeline_size, microbatches, virtual_stages)
+    last = pipeline_size * virtual_stages - 1
+    full = {}
+    for rank, actions in order.items():
+        steps = []
+        for action in actions:
+            s, i = action.stage, action.microbatch
+            if action.kind == "F":
+                source = rank_of_stage(s - 1, pipeline_size)
+                if s > 0 and source != rank:
+                    steps.append(Action("RECV_F", s, i, source))
+                steps.append(action)
+                target = rank_of_stage(s + 1, pipeline_size)
+                if s < last and target != rank:
+                    steps.append(Action("SEND_F", s + 1, i, target))
+            else:
+                source = rank_of_stage(s + 1, pipeline_size)
+                if s < last and source != rank:
+                    steps.append(Action("RECV_B", s, i, source))
+                steps.append(action)
+                target = rank_of_stage(s - 1, pipeline_size)
+                if s > 0 and target != rank:
+                    steps.append(Action("SEND_B", s - 1, i, target))
+        full[rank] = steps
+    return full
+
+
+def check_schedule(actions: dict[int, list[Action]], pipeline_size: int, microbatches: int,
+                   virtual_stages: int = 1) -> None:
+    """Raise ``ValueError`` unless the schedule is complete, causal, matched and deadlock-free.
+
+    Replays all ranks together with non-blocking sends and receives that wait for their send:
+    every forward and backward of every (stage, micro-batch) exactly once, on the stage's rank,
+    each forward before its backward, each input received (or produced locally) before use.
+    """
+    stages = pipeline_size * virtual_stages
+    expected = {(kind, s, i) for kind in COMPUTE for s in range(stages) for i in range(microbatches)}
+    seen = [(a.kind, a.stage, a.microbatch) for rank_actions in actions.values() for a in rank_actions
+            if a.kind in COMPUTE]
+    if sorted(seen) != sorted(expected):
+        raise ValueError("the schedule does not run every forward and backward exactly once")
+    for rank, rank_actions in actions.items():
+        for action in rank_actions:
+            if action.kind in COMPUTE and rank_of_stage(action.stage, pipeline_size) != rank:
+                raise ValueError(f"{action} is on rank {rank}, but stage {action.stage} lives on rank "
+                                 f"{rank_of_stage(action.stage, pipeline_size)}")
+    sent: set[tuple] = set()  # (kind, stage, microbatch, to rank)
+    done: set[tuple] = set()
+    available: set[tuple] = set()  # inputs a rank holds: ("F"|"B", stage, microbatch)
+    position = {rank: 0 for rank in actions}
+    while any(position[r] < len(actions[r]) for r in actions):
+        progressed = False
+        for rank, rank_actions in actions.items():
+            while position[rank] < len(rank_actions):
+                a = rank_actions[position[rank]]
+                key = (a.stage, a.microbatch)
+                if a.kind == "F":
+                    ready = a.stage == 0 or ("F", *key) in available
+                elif a.kind == "B":
+                    ready = ("F", *key) in done and (a.stage == stages - 1 or ("B", *key) in available)
+                elif a.kind.startswith("RECV"):
+                    ready = (a.kind[-1], a.stage, a.microbatch, rank) in sent
+                else:  # a send needs what it sends to have been computed
+                    ready = (a.kind[-1], a.stage - 1 if a.kind == "SEND_F" else a.stage + 1, a.microbatch) in done
+                if not ready:
+                    break
+                if a.kind in COMPUTE:
+                    done.add((a.kind, *key))
+                    neighbour = a.stage + 1 if a.kind == "F" else a.stage - 1
+                    if 0 <= neighbour < stages and rank_of_stage(neighbour, pipeline_size) == rank:
+                        available.add((a.kind, neighbour, a.microbatch))  # handed over locally
+                elif a.kind.startswith("SEND"):
+                    if rank_of_stage(a.stage, pipeline_size) != a.peer:
+                        raise ValueError(f"{a} on rank {rank} goes to the wrong rank")
+                    sent.add((a.kind[-1], a.stage, a.microbatch, a.peer))
+                else:
+                    available.add((a.kind[-1], *key))
+                position[rank] += 1
+                progressed = True
+        if not progressed:
+            stuck = {r: str(actions[r][position[r]]) for r in actions if position[r] < len(actions[r])}
+            raise ValueError(f"deadlock: every rank waits ({stuck})")
+    unmatched = sent - {(a.kind[-1], a.stage, a.microbatch, r) for r, acts in actions.items() for a in acts
+                        if a.kind.startswith("RECV")}
+    if unmatched:
+        raise ValueError(f"sends nobody receives: {sorted(unmatched)[:3]}")
+
+
+# -- what the theory says ---------------------------------------------------------------------
+
+def bubble_fraction_theory(pipeline_size: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """Idle share of each rank's step: (p - 1) / (v·m + p - 1)."""
+    return (pipeline_size - 1) / (virtual_stages * microbatches + pipeline_size - 1)
+
+
+def peak_activations_theory(schedule: str, pipeline_size: int, microbatches: int, rank: int,
+                            virtual_stages: int = 1) -> int:
+    """Micro-batches whose activations a rank holds at most (counted per virtual stage)."""
+    p, m, v = pipeline_size, microbatches, virtual_stages
+    if schedule == "gpipe":
+        return m
+    if schedule == "1f1b":
+        return min(p - rank, m)
+    if m == p:
+        return m * v
+    return min((p - rank - 1) * 2 + (v - 1) * p + 1, m * v)
+
+
+def peak_in_flight(actions: list[Action]) -> int:
+    """Count the forwards whose backward has not run yet, at the worst moment of a rank's list."""
+    live = peak = 0
+    for action in actions:
+        live += {"F": 1, "B": -1}.get(action.kind, 0)
+        peak = max(peak, live)
+    return peak
+
+
+def simulate_timeline(actions: dict[int, list[Action]], pipeline_size: int, forward_time: float = 1.0,
+                      backward_time: float = 2.0) -> dict[int, list[tuple[str, int, int, float, float]]]:
+    """Start and end of every forward/backward if each takes the given time and messages are free."""
+    finished: dict[tuple, float] = {}
+    events: dict[int, list] = defaultdict(list)
+    clock = {rank: 0.0 for rank in actions}
+    pending = {rank: [a for a in acts if a.kind in COMPUTE] for rank, acts in actions.items()}
+    stages = max(a.stage for acts in pending.values() for a in acts) + 1
+    while any(pending.values()):
+        progressed = False
+        for rank, queue in pending.items():
+            while queue:
+                a = queue[0]
+                needs = [("F", a.stage - 1, a.microbatch)] if a.kind == "F" and a.stage > 0 else []
+                if a.kind == "B":
+                    needs.append(("F", a.stage, a.microbatch))
+                    if a.stage < stages - 1:
+                        needs.append(("B", a.stage + 1, a.microbatch))
+                if any(n not in finished for n in needs):
+                    break
+                start = max([clock[rank], *(finished[n] for n in needs)])
+                end = start + (forward_time if a.kind == "F" else backward_time)
+                finished[(a.kind, a.stage, a.microbatch)] = clock[rank] = end
+                events[rank].append((a.kind, a.stage, a.microbatch, start, end))
+                queue.pop(0)
+                progressed = True
+        if not progressed:
+            raise ValueError("the schedule cannot complete (deadlock)")
+    return dict(events)
+
+
+def bubble_fraction(events: dict[int, list[tuple[str, int, int, float, float]]]) -> float:
+    """Mean over ranks of the idle share of the step, from start and end times."""
+    begin = min(e[3] for rank_events in events.values() for e in rank_events)
+    end = max(e[4] for rank_events in events.values() for e in rank_events)
+    busy = [sum(e[4] - e[3] for e in rank_events) for rank_events in events.values()]
+    return sum(1 - b / (end - begin) for b in busy) / len(busy)
+
+
+def plot_timeline(events: dict[int, list[tuple[str, int, int, float, float]]], path=None, title: str = "",
+                  pipeline_size: int | None = None):
+    """A Gantt chart, one row per rank: forwards blue, backwards green, labelled by micro-batch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ranks = sorted(events)
+    pipeline_size = pipeline_size or len(ranks)
+    figure, axis = plt.subplots(figsize=(10, 0.6 * len(ranks) + 1.2))
+    colours = {"F": ("#4c72b0", "#8fb0e0"), "B": ("#55a868", "#9fd4ad")}
+    for row, rank in enumerate(ranks):
+        for kind, stage, microbatch, start, end in events[rank]:
+            shade = colours[kind][(stage // pipeline_size) % 2]  # alternate shades for virtual stages
+            axis.barh(row, end - start, left=start, color=shade, edgecolor="black", linewidth=0.5)
+            axis.text((start + end) / 2, row, str(microbatch), ha="center", va="center", fontsize=7)
+    axis.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+    axis.invert_yaxis()
+    axis.set_xlabel("time")
+    axis.set_title(title or f"bubble {bubble_fraction(events):.0%}")
+    figure.tight_layout()
+    if path is not None:
+        figure.savefig(path, dpi=120)
+        plt.close(figure)
+    return figure
+
+
+# -- the executor ---------------------------------------------------------------------------------
+
+@dataclass
+class PipelineStats:
+    """What one ``step`` did on this rank."""
+
+    peak_activations: int = 0  # forwards (per virtual stage) whose activations were held at once
+    peak_activation_bytes: int = 0  # bytes of stage inputs and outputs held for backward, at most
+    events: list = field(default_factory=list)  # (kind, stage, microbatch, start, end) in seconds
+    step_time_s: float = 0.0
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Share of the step this rank spent not computing (waiting for its neighbours)."""
+        busy = sum(end - start for *_, start, end in self.events)
+        return 1 - busy / self.step_time_s
+
+
+class PipelineExecutor:
+    """Run one rank's share of a pipeline schedule with real sends and receives.
+
+    ``stages``: {stage index: module} for the stages this rank holds (see ``rank_of_stage``).
+    ``boundary_shape``: the shape of one micro-batch's activation between stages, e.g.
+    (micro_batch, seq, d_model); receives allocate it. ``group``: the pipeline's ranks, in
+    stage order (default: all).
+    """
+
+    def __init__(self, stages: dict[int, nn.Module], num_stages: int, schedule: str, microbatches: int,
+                 loss_fn, boundary_shape: tuple[int, ...], group=None, dtype: torch.dtype = torch.float32):
+        self.group = group
+        self.pipeline_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        if num_stages % self.pipeline_size:
+            raise UserError(f"{num_stages} stages do not go round {self.pipeline_size} pipeline ranks evenly")
+        self.virtual_stages = num_stages // self.pipeline_size
+        self.actions = build_schedule(schedule, self.pipeline_size, microbatches, self.virtual_stages)[self.rank]
+        expected = {s for s in range(num_stages) if rank_of_stage(s, self.pipeline_size) == self.rank}
+        if set(stages) != expected:
+            raise UserError(f"rank {self.rank} must hold stages {sorted(expected)}, got {sorted(stages)}")
+        self.stages, self.num_stages, self.schedule = stages, num_stages, schedule
+        self.microbatches, self.loss_fn = microbatches, loss_fn
+        self.boundary_shape, self.dtype = tuple(boundary_shape), dtype
+        self.device = next(next(iter(stages.values())).parameters()).device
+        self.stats = PipelineStats()
+
+    def _global(self, pipeline_rank: int) -> int:
+        return dist.get_global_rank(self.group, pipeline_rank) if self.group is not None else pipeline_rank
+
+    def _tag(self, direction: str, receiving_stage: int, microbatch: int) -> int:
+        """One tag per message, so a receive can only match the send meant for it."""
+        return (receiving_stage * self.microbatches + microbatch) * 2 + (direction == "B")
+
+    def step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor | None:
+        """One forward and backward of the whole batch; returns the mean loss on the last stage's rank.
+
+        The first stage's rank needs ``inputs``, the last stage's rank ``targets``; gradients are
+        accumulated into the stages' parameters (call ``optimizer.step()`` after).
+        """
+        m, last_stage = self.microbatches, self.num_stages - 1
+        has_first, has_last = 0 in self.stages, last_stage in self.stages
+        # Both ends check, so that neither waits for the other after a mistake.
+        for needed, tensor, name in ((has_first, inputs, "inputs"), (has_last, targets, "targets")):
+            if needed and tensor is None:
+                raise UserError(f"this rank holds the {'first' if name == 'inputs' else 'last'} stage: pass {name}")
+            if needed and tensor.shape[0] % m:
+                raise UserError(f"a batch of {tensor.shape[0]} samples does not split into {m} equal micro-batches: "
+                                f"use a batch size that is a multiple of {m}")
+        input_chunks = inputs.chunk(m) if has_first else None
+        target_chunks = targets.chunk(m) if has_last else None
+        inbox = {}  # ("F" | "B", stage, microbatch) -> what that stage receives (activation or gradient)
+        held = {}  # (stage, microbatch) -> (input, output) kept for the backward
+        outbox = {}  # ("F" | "B", receiving stage, microbatch) -> what to send
+        in_flight, losses, stats = [], [], PipelineStats()
+        held_bytes = 0
+        started = time.perf_counter()
+        for action in self.actions:
+            s, i, direction = action.stage, action.microbatch, action.kind[-1]
+            if action.kind.startswith("RECV"):
+                buffer = torch.empty(self.boundary_shape, dtype=self.dtype, device=self.device)
+                comm.recv(buffer, src=self._global(action.peer), group=self.group, tag=self._tag(direction, s, i))
+                inbox[(direction, s, i)] = buffer
+            elif action.kind.startswith("SEND"):
+                message = outbox.pop((direction, s, i))
+                in_flight.append(comm.isend(message, dst=self._global(action.peer), group=self.group,
+                                            tag=self._tag(direction, s, i)))
+            elif action.kind == "F":
+                begin = time.perf_counter()
+                x = input_chunks[i] if s == 0 else inbox.pop(("F", s, i)).requires_grad_()
+                y = self.stages[s](x)
+                if s == last_stage:
+                    y = self.loss_fn(y, target_chunks[i]) / m  # each micro-batch counts 1/m: the batch mean
+                    losses.append(y.detach())
+                else:
+                    self._deliver(("F", s + 1, i), y.detach(), inbox, outbox)
+                held[(s, i)] = (x, y)
+                held_bytes += sum(t.numel() * t.element_size() for t in (x, y))
+                stats.peak_activations = max(stats.peak_activations, len(held))
+                stats.peak_activation_bytes = max(stats.peak_activation_bytes, held_bytes)
+                stats.events.append(("F", s, i, begin - started, time.perf_counter() - started))
+            else:
+                begin = time.perf_counter()
+                x, y = held.pop((s, i))
+                held_bytes -= sum(t.numel() * t.element_size() for t in (x, y))
+                y.backward() if s == last_stage else y.backward(inbox.pop(("B", s, i)))
+                if s > 0:
+                    self._deliver(("B", s - 1, i), x.grad, inbox, outbox)
+                stats.events.append(("B", s, i, begin - started, time.perf_counter() - started))
+        for work in in_flight:
+            work.wait()
+        stats.step_time_s = time.perf_counter() - started
+        self.stats = stats
+        return torch.stack(losses).sum() if has_last else None
+
+    def _deliver(self, key: tuple, tensor: torch.Tensor, inbox: dict, outbox: dict) -> None:
+        """Hand a tensor to the stage that needs it: directly if it lives on this rank, else via a send."""
+        stage = key[1]
+        (inbox if rank_of_stage(stage, self.pipeline_size) == self.rank else outbox)[key] = tensor

@@ -1,0 +1,182 @@
+"""Pipeline schedules are valid and hold the activations theory says; the executor's gradients are exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from course_lib import comm, data, models
+from course_lib.errors import UserError
+from course_lib.launch import launch
+from course_lib.parallel import pipeline as pp
+
+CASES = [(schedule, p, m, 1) for schedule in ("gpipe", "1f1b") for p in (2, 4) for m in (4, 8)] + \
+        [("interleaved_1f1b", p, m, 2) for p in (2, 4) for m in (4, 8)]
+SEQ, D_MODEL, LAYERS, BATCH = 16, 32, 6, 8  # 8 pipeline entries: embedding, 6 blocks, head
+TOLERANCE = dict(rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("schedule, p, m, v", CASES)
+def test_schedules_are_valid_and_hold_the_activations_theory_says(schedule, p, m, v):
+    actions = pp.build_schedule(schedule, p, m, v)
+    pp.check_schedule(actions, p, m, v)  # complete, causal, matched, deadlock-free
+    for rank in range(p):
+        assert pp.peak_in_flight(actions[rank]) == pp.peak_activations_theory(schedule, p, m, rank, v)
+    if schedule == "gpipe":
+        assert all(pp.peak_in_flight(actions[r]) == m for r in range(p))  # GPipe keeps all m
+    if schedule == "1f1b":
+        assert [pp.peak_in_flight(actions[r]) for r in range(p)] == [min(p - r, m) for r in range(p)]
+    # with equal forward and backward times the idle share is exactly (p - 1) / (v m + p - 1)
+    timeline = pp.simulate_timeline(actions, p, forward_time=1, backward_time=1)
+    assert pp.bubble_fraction(timeline) == pytest.approx(pp.bubble_fraction_theory(p, m, v))
+
+
+def test_a_schedule_is_readable():
+    shown = [" ".join(map(str, actions)) for actions in pp.build_schedule("1f1b", 2, 3).values()]
+    assert shown == [
+        "F0.0 SEND_F1.0->1 F0.1 SEND_F1.1->1 RECV_B0.0<-1 B0.0 F0.2 SEND_F1.2->1 RECV_B0.1<-1 B0.1 RECV_B0.2<-1 B0.2",
+        "RECV_F1.0<-0 F1.0 B1.0 SEND_B0.0->0 RECV_F1.1<-0 F1.1 B1.1 SEND_B0.1->0 RECV_F1.2<-0 F1.2 B1.2 SEND_B0.2->0",
+    ]
+
+
+def test_broken_schedules_are_caught():
+    actions = pp.build_schedule("1f1b", 2, 2)
+    swapped = dict(actions)
+    swapped[1] = [a for a in actions[1] if a.kind != "RECV_F"]  # rank 1 never receives its inputs
+    with pytest.raises(ValueError, match="deadlock"):
+        pp.check_schedule(swapped, 2, 2)
+    backwards_first = dict(actions)
+    backwards_first[0] = sorted(actions[0], key=lambda a: a.kind != "B")
+    with pytest.raises(ValueError, match="deadlock"):
+        pp.check_schedule(backwards_first, 2, 2)
+    missing = {r: [a for a in acts if (a.kind, a.microbatch) != ("B", 1)] for r, acts in actions.items()}
+    with pytest.raises(ValueError, match="exactly once"):
+        pp.check_schedule(missing, 2, 2)
+
+
+def _model_and_batch():
+    inputs, targets, vocabulary = data.zen_windows(SEQ)
+    torch.manual_seed(0)
+    model = models.TinyTransformer(len(vocabulary), d_model=D_MODEL, n_heads=4, n_layers=LAYERS, max_seq_len=SEQ)
+    return model, inputs[:BATCH], targets[:BATCH]
+
+
+def _named_grads(model, modules) -> dict[str, torch.Tensor]:
+    held = {id(p) for module in modules for p in module.parameters()}
+    return {name: p.grad.clone() for name, p in model.named_parameters() if id(p) in held}
+
+
+def _single_grads():
+    model, inputs, targets = _model_and_batch()
+    loss = models.lm_loss(model(inputs), targets)
+    loss.backward()
+    return loss.detach(), _named_grads(model, [model])
+
+
+def _course_pipeline(schedule: str, m: int, v: int):
+    model, inputs, targets = _model_and_batch()
+    p, rank = comm.get_world_size(), comm.get_rank()
+    stages = pp.split_model(model, p * v)
+    mine = {s: stages[s] for s in range(p * v) if pp.rank_of_stage(s, p) == rank}
+    executor = pp.PipelineExecutor(mine, p * v, schedule, m, models.lm_loss, (BATCH // m, SEQ, D_MODEL))
+    loss = executor.step(inputs, targets)
+    return loss, _named_grads(model, mine.values()), executor.stats.peak_activations
+
+
+@pytest.fixture(scope="module")
+def single():
+    return launch(_single_grads, 1)[0]
+
+
+@pytest.mark.parametrize("schedule, p, m, v", [("gpipe", 2, 4, 1), ("1f1b", 2, 4, 1), ("gpipe", 4, 8, 1),
+                                               ("1f1b", 4, 8, 1), ("interleaved_1f1b", 2, 4, 2),
+                                               ("interleaved_1f1b", 4, 4, 2)])
+def test_executor_gradients_equal_one_process(schedule, p, m, v, single):
+    expected_loss, expected_grads = single
+    ranks = launch(_course_pipeline, p, schedule, m, v)
+    grads = {}
+    for rank, (loss, rank_grads, peak) in enumerate(ranks):
+        grads.update(rank_grads)
+        assert peak == pp.peak_activations_theory(schedule, p, m, rank, v)  # measured while running
+    torch.testing.assert_close(ranks[p - 1][0], expected_loss, **TOLERANCE)  # the last stage's rank
+    assert sorted(grads) == sorted(expected_grads)  # every parameter lives on exactly one rank
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], **TOLERANCE, msg=name)
+
+
+def _torch_pipeline(schedule: str, m: int, v: int):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    model, inputs, targets = _model_and_batch()
+    p, rank = comm.get_world_size(), comm.get_rank()
+    stages = pp.split_model(model, p * v)
+    mine = [s for s in range(p * v) if pp.rank_of_stage(s, p) == rank]
+    torch_stages = [PipelineStage(stages[s], s, p * v, torch.device("cpu")) for s in mine]
+    if schedule == "interleaved_1f1b":
+        runner = ScheduleInterleaved1F1B(torch_stages, m, loss_fn=models.lm_loss)
+    else:
+        runner = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](torch_stages[0], m, loss_fn=models.lm_loss)
+    losses = []
+    runner.step(inputs if 0 in mine else None, target=targets if p * v - 1 in mine else None, losses=losses)
+    return _named_grads(model, [stages[s] for s in mine])
+
+
+@pytest.mark.parametrize("schedule, p, m, v", [("gpipe", 2, 4, 1), ("1f1b", 4, 8, 1), ("interleaved_1f1b", 2, 4, 2)])
+def test_course_pipeline_equals_torch_pipelining(schedule, p, m, v):
+    ours, theirs = {}, {}
+    for rank_result in launch(_course_pipeline, p, schedule, m, v):
+        ours.update(rank_result[1])
+    for rank_result in launch(_torch_pipeline, p, schedule, m, v):
+        theirs.update(rank_result)
+    assert sorted(ours) == sorted(theirs)
+    for name in ours:
+        torch.testing.assert_close(ours[name], theirs[name], **TOLERANCE, msg=name)
+
+
+def test_timelines_are_drawn_from_a_schedule_and_from_a_run(tmp_path):
+    schedule = pp.simulate_timeline(pp.build_schedule("interleaved_1f1b", 2, 4, 2), 2)
+    pp.plot_timeline(schedule, tmp_path / "schedule.png", pipeline_size=2)
+    events = launch(_events, 2)
+    pp.plot_timeline(dict(enumerate(events)), tmp_path / "measured.png", title="measured")
+    for name in ("schedule.png", "measured.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert all(len(rank_events) == 2 * 4 for rank_events in events)  # 4 forwards and 4 backwards each
+    assert all(start <= end for rank_events in events for *_, start, end in rank_events)
+
+
+def _events():
+    model, inputs, targets = _model_and_batch()
+    p, rank = comm.get_world_size(), comm.get_rank()
+    stages = pp.split_model(model, p)
+    executor = pp.PipelineExecutor({rank: stages[rank]}, p, "1f1b", 4, models.lm_loss, (BATCH // 4, SEQ, D_MODEL))
+    executor.step(inputs, targets)
+    assert 0 <= executor.stats.bubble_fraction < 1
+    return executor.stats.events
+
+
+def test_bad_inputs_get_clear_errors():
+    model, inputs, targets = _model_and_batch()
+    with pytest.raises(UserError, match="cannot cut 8 layers into 9 stages"):
+        pp.split_model(model, 9)
+    with pytest.raises(UserError, match="unknown schedule 'zero_bubble'"):
+        pp.build_schedule("zero_bubble", 2, 4)
+    with pytest.raises(UserError, match="use a number of micro-batches that is a multiple of 4, not 6"):
+        pp.build_schedule("interleaved_1f1b", 4, 6, 2)
+    with pytest.raises(UserError, match="virtual stages need schedule interleaved_1f1b"):
+        pp.build_schedule("1f1b", 2, 4, 2)
+    with pytest.raises(UserError, match="cut points"):
+        pp.split_model(model, 3, cut_points=[5, 2])
+    message = launch(_uneven_batch, 2)[0]
+    assert "a batch of 8 samples does not split into 3 equal micro-batches" in message
+
+
+def _uneven_batch():
+    model, inputs, targets = _model_and_batch()
+    stages = pp.split_model(model, 2)
+    rank = comm.get_rank()
+    executor = pp.PipelineExecutor({rank: stages[rank]}, 2, "gpipe", 3, models.lm_loss, (3, SEQ, D_MODEL))
+    try:
+        executor.step(inputs, targets)
+    except UserError as error:
+        return str(error)
+    return "no error"

@@ -1,0 +1,94 @@
+"""3-D parallelism: train the transformer with data, pipeline and tensor parallelism at once.
+
+On a ``Mesh`` of D x P x T ranks, one training step of ``TinyTransformer``:
+
+1. **Pipeline**: the model (embedding, blocks, head) is cut into P stages; the ranks of one
+   pipeline group (same data and tensor coordinates) run them with a schedule (1F1B by default)
+   and send activations to each other.
+2. **Tensor**: inside each stage, every block's attention and MLP are split over the T ranks of
+   a tensor group (``tensor.parallelize_transformer``). The T ranks of a stage hold the same
+   activations, so each sends its own copy to its counterpart in the next stage.
+3. **Data**: each of the D replicas of this whole arrangement takes 1/D of the global batch;
+   after the pipeline's backward, gradients are averaged over the data group, and every rank
+   steps its own parameters.
+
+Every rank starts from the same dense model (same seed) and keeps its pieces, so the run
+computes what one process would: the test compares the loss curves. The cost per rank: 1/(P·T)
+of the weights; activation all-reduces in the tensor group (the most traffic: keep T inside a
+node), activation sends between stages, one gradient all-reduce over the data group per step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import comm, data, models
+from ..errors import UserError
+from . import pipeline as pp
+from . import tensor as tp
+from .mesh import Mesh, rank_at
+
+
+def build_local_model(model: nn.Module, mesh: Mesh) -> dict[int, nn.Module]:
+    """This rank's stage of ``model`` (a dense ``TinyTransformer``), made tensor parallel."""
+    pipeline_size = mesh.degrees["pipeline"]
+    stage_index = mesh.coordinates.pipeline
+    stage = pp.split_model(model, pipeline_size)[stage_index]
+    if mesh.degrees["tensor"] > 1 and any(isinstance(m, models.Block) for m in stage.modules()):
+        tp.parallelize_transformer(stage, mesh.group("tensor"))
+    return {stage_index: stage}
+
+
+def check_run(world_size: int, data_degree: int, pipeline: int, tensor: int, global_batch: int, microbatches: int,
+              n_layers: int, d_model: int, n_heads: int) -> None:
+    """Everything that can be wrong, checked before any process waits on another."""
+    from .mesh import check_degrees
+
+    check_degrees(world_size, data_degree, pipeline, tensor)
+    tp.check_tensor_parallel_degree(d_model, n_heads, 4 * d_model, tensor)
+    if pipeline > n_layers + 2:
+        raise UserError(f"cannot cut {n_layers + 2} layers (embedding, {n_layers} blocks, head) into {pipeline} stages")
+    if global_batch % (data_degree * microbatches):
+        raise UserError(f"the global batch of {global_batch} must split into {data_degree} data-parallel parts of "
+                        f"{microbatches} micro-batches each: use a multiple of {data_degree * microbatches}")
+
+
+def train_3d(data_degree: int = 2, pipeline: int = 2, tensor: int = 2, steps: int = 20, global_batch: int = 16,
+             microbatches: int = 2, schedule: str = "1f1b", lr: float = 3e-3, seq_len: int = 32,
+             d_model: int = 64, n_heads: int = 4, n_layers: int = 4, seed: int = 0) -> list[float] | None:
+    """Train on the current process group laid out as a mesh; return the loss of every step on rank 0.
+
+    With 1 x 1 x 1 it is the single-process reference.
+    """
+    world = comm.get_world_size()
+    check_run(world, data_degree, pipeline, tensor, global_batch, microbatches, n_layers, d_model, n_heads)
+    mesh = Mesh(data=data_degree, pipeline=pipeline, tensor=tensor)
+    inputs, targets, vocabulary = data.zen_windows(seq_len)
+    torch.manual_seed(seed)
+    model = models.TinyTransformer(len(vocabulary), d_model, n_heads, n_layers, seq_len)
+    stages = build_local_model(model, mesh)
+    params = [p for stage in stages.values() for p in stage.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=lr)
+    local_batch = global_batch // data_degree
+    executor = pp.PipelineExecutor(stages, pipeline, schedule, microbatches, models.lm_loss,
+                                   (local_batch // microbatches, seq_len, d_model), group=mesh.group("pipeline"))
+    generator = torch.Generator().manual_seed(seed)
+    losses = []
+    last_stage = mesh.coordinates.pipeline == pipeline - 1
+    reporter = rank_at(pipeline - 1, 0, 0, mesh.degrees)  # a rank of the last stage
+    for _ in range(steps):
+        batch = torch.randint(0, len(inputs), (global_batch,), generator=generator)  # the same draw everywhere
+        mine = batch[mesh.coordinates.data::data_degree]  # this replica's share
+        optimizer.zero_grad()
+        loss = executor.step(inputs[mine], targets[mine])
+        for param in params:  # average the replicas' gradients: the gradient of the whole batch
+            comm.all_reduce(param.grad, op="mean", group=mesh.group("data"))
+        optimizer.step()
+        # The loss lives on the last stage: average it over the replicas, then everyone takes it from one.
+        report = torch.zeros(1) if loss is None else loss.detach().reshape(1)
+        if last_stage:
+            comm.all_reduce(report, op="mean", group=mesh.group("data"))
+        comm.broadcast(report, src=reporter)
+        losses.append(float(report))
+    return losses if comm.get_rank() == 0 else None

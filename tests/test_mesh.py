@@ -1,0 +1,89 @@
+"""The 3-D grid of ranks: documented groups for several shapes, and a 2x2x2 run that trains like one process."""
+
+from __future__ import annotations
+
+import pytest
+
+from course_lib.errors import UserError
+from course_lib.launch import launch
+from course_lib.parallel import mesh
+from course_lib.parallel.three_d import train_3d
+
+
+@pytest.mark.parametrize("world, degrees, expected", [
+    (8, dict(data=2, pipeline=2, tensor=2), {"tensor": [[0, 1], [2, 3], [4, 5], [6, 7]],
+                                             "data": [[0, 2], [1, 3], [4, 6], [5, 7]],
+                                             "pipeline": [[0, 4], [1, 5], [2, 6], [3, 7]]}),
+    (8, dict(data=4, tensor=2), {"tensor": [[0, 1], [2, 3], [4, 5], [6, 7]], "data": [[0, 2, 4, 6], [1, 3, 5, 7]],
+                                 "pipeline": [[r] for r in range(8)]}),
+    (4, dict(pipeline=4), {"tensor": [[0], [1], [2], [3]], "data": [[0], [1], [2], [3]], "pipeline": [[0, 1, 2, 3]]}),
+    (6, dict(data=3, pipeline=2), {"tensor": [[r] for r in range(6)], "data": [[0, 1, 2], [3, 4, 5]],
+                                   "pipeline": [[0, 3], [1, 4], [2, 5]]}),
+    (1, {}, {"tensor": [[0]], "data": [[0]], "pipeline": [[0]]}),
+])
+def test_grid_groups_are_the_documented_ones(world, degrees, expected):
+    assert mesh.grid_groups(world, **degrees) == expected
+
+
+def test_degrees_must_multiply_to_the_world_size():
+    with pytest.raises(UserError, match=r"data 2 x pipeline 2 x tensor 2 = 8 ranks, but 4 were started"):
+        mesh.grid_groups(4, data=2, pipeline=2, tensor=2)
+    with pytest.raises(UserError, match="the tensor degree must be at least 1"):
+        mesh.grid_groups(4, data=4, tensor=0)
+
+
+def test_the_layout_printout():
+    shown = mesh.describe_grid(8, data=2, pipeline=2, tensor=2)
+    assert shown.splitlines()[0] == "8 ranks = data 2 x pipeline 2 x tensor 2"
+    assert "   5         1     0       1" in shown  # rank 5: pipeline 1, data 0, tensor 1
+    assert "data groups:     [0, 2] [1, 3] [4, 6] [5, 7]" in shown
+
+
+def _mesh_in_processes(degrees: dict):
+    grid = mesh.Mesh(**degrees)
+    return grid.coordinates, {axis: grid.ranks(axis) for axis in mesh.AXES}
+
+
+@pytest.mark.parametrize("degrees", [dict(data=2, tensor=2), dict(pipeline=2, tensor=2), dict(data=2, pipeline=2)])
+def test_the_process_groups_are_those_of_the_grid(degrees):
+    expected = mesh.grid_groups(4, **degrees)
+    full = {"data": 1, "pipeline": 1, "tensor": 1} | degrees
+    for rank, (coordinates, ranks) in enumerate(launch(_mesh_in_processes, 4, degrees)):
+        assert mesh.rank_at(coordinates.pipeline, coordinates.data, coordinates.tensor, full) == rank
+        for axis in mesh.AXES:
+            assert ranks[axis] in expected[axis] and rank in ranks[axis]
+
+
+@pytest.fixture(scope="module")
+def single_losses():
+    return launch(train_3d, 1, 1, 1, 1)[0]
+
+
+@pytest.mark.slow
+def test_a_2x2x2_run_on_8_processes_matches_one_process(single_losses):
+    losses = launch(train_3d, 8, 2, 2, 2, timeout_s=600)[0]
+    assert losses == pytest.approx(single_losses, rel=1e-5)
+    assert losses[-1] < 0.65 * losses[0]  # it learns
+
+
+def test_other_grids_and_schedules_match_one_process(single_losses):
+    losses = launch(train_3d, 4, 1, 2, 2, 20, 16, 4, "gpipe")[0]  # pipeline x tensor, 4 micro-batches
+    assert losses == pytest.approx(single_losses, rel=1e-5)
+
+
+def _refused(*arguments):
+    try:
+        train_3d(*arguments)
+    except UserError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize("arguments, message", [
+    ((2, 2, 2), "data 2 x pipeline 2 x tensor 2 = 8 ranks, but 4 were started"),
+    ((1, 1, 4, 20, 16, 2, "1f1b", 3e-3, 32, 60, 6), "tensor-parallel degree 4 does not divide the attention heads (6)"),
+    ((4, 1, 1, 20, 18), "the global batch of 18 must split into 4 data-parallel parts of 2 micro-batches"),
+])
+def test_bad_grids_are_refused_on_every_rank_before_waiting(arguments, message):
+    errors = launch(_refused, 4, *arguments, timeout_s=60)
+    assert all(message in error for error in errors), errors[0]

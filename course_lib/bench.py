@@ -1,4 +1,4 @@
-"""Benchmarks: ``python -m course_lib.bench ddp|fsdp|memory`` prints one JSON object on stdout.
+"""Benchmarks: ``python -m course_lib.bench ddp|fsdp|memory|pipeline|tp`` prints one JSON object on stdout.
 
 How to compare two implementations honestly on a noisy machine: run them in the *same*
 processes, on the same model and data, interleaved step by step (their order rotating every
@@ -18,6 +18,14 @@ strategies beside them, interleaved the same way.
 bytes of parameters, gradients and optimizer state a rank really holds after two steps, against
 ``memory.model_state_bytes``; and the bytes it sent during the second step, measured by
 ``CommLog``, against ``memory.traffic_elements_per_rank``.
+
+``pipeline``: for each schedule (GPipe, 1F1B, interleaved 1F1B with 2 virtual stages) at 2 and
+4 stages and 4 and 8 micro-batches, the course executor's step time, measured bubble and peak
+activations against theory, and ``torch.distributed.pipelining`` on the same split (ratio).
+
+``tp``: the course's tensor-parallel MLP and attention against DTensor's ``parallelize_module``
+(ColwiseParallel / RowwiseParallel), and the bytes moved per forward+backward against theory:
+two all-reduces of the activation per sub-layer.
 """
 
 from __future__ import annotations
@@ -214,6 +222,117 @@ def _memory_benchmark(width: int, layers: int, batch: int) -> list[dict] | None:
     return rows if runtime.is_main() else None
 
 
+def _transformer(layers: int, d_model: int, seq: int):
+    from . import data, models
+
+    inputs, targets, vocabulary = data.zen_windows(seq)
+    torch.manual_seed(0)
+    return models.TinyTransformer(len(vocabulary), d_model, 4, layers, seq), inputs, targets
+
+
+def _pipeline_benchmark(d_model: int, seq: int, batch: int, steps: int, warmup: int) -> list[dict] | None:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    from . import models
+    from .parallel import pipeline as pp
+
+    p, rank = comm.get_world_size(), comm.get_rank()
+    rows = []
+    for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
+        for m in (4, 8):
+            model, inputs, targets = _transformer(2 * p * v - 2, d_model, seq)  # two pipeline entries per stage
+            stages = pp.split_model(model, p * v)
+            mine = {s: stages[s] for s in range(p * v) if pp.rank_of_stage(s, p) == rank}
+            executor = pp.PipelineExecutor(mine, p * v, schedule, m, models.lm_loss, (batch // m, seq, d_model))
+            torch_stages = [PipelineStage(stages[s], s, p * v, torch.device("cpu")) for s in mine]
+            runner = ScheduleInterleaved1F1B(torch_stages, m, loss_fn=models.lm_loss) if v > 1 else \
+                {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](torch_stages[0], m, loss_fn=models.lm_loss)
+            x, y = inputs[:batch], targets[:batch]
+            first, last = 0 in mine, p * v - 1 in mine
+
+            def course_step():
+                executor.step(x if first else None, y if last else None)
+
+            def torch_step():
+                runner.step(x if first else None, target=y if last else None, losses=[] if last else None)
+
+            times = {"course": [], "torch": []}
+            bubbles = []
+            for round_index in range(warmup + steps):
+                order = [("course", course_step), ("torch", torch_step)][::1 if round_index % 2 else -1]
+                for name, run in order:
+                    comm.barrier()
+                    started = time.perf_counter()
+                    run()
+                    comm.barrier()
+                    if round_index >= warmup:
+                        times[name].append(time.perf_counter() - started)
+                if round_index >= warmup:
+                    bubbles.append(executor.stats.bubble_fraction)
+            for module in mine.values():
+                module.zero_grad(set_to_none=True)
+            gathered = [None] * p
+            torch.distributed.all_gather_object(gathered, (statistics.median(bubbles), executor.stats.peak_activations,
+                                                           executor.stats.peak_activation_bytes))
+            course_ms, torch_ms = (1000 * statistics.median(times[k]) for k in ("course", "torch"))
+            rows.append({
+                "schedule": schedule, "stages": p, "virtual_stages": v, "microbatches": m,
+                "course_step_ms": course_ms, "torch_step_ms": torch_ms, "ratio": course_ms / torch_ms,
+                "bubble_measured": statistics.mean(g[0] for g in gathered),
+                "bubble_theory": pp.bubble_fraction_theory(p, m, v),
+                "peak_activations_measured": [g[1] for g in gathered],
+                "peak_activations_theory": [pp.peak_activations_theory(schedule, p, m, r, v) for r in range(p)],
+                "peak_activation_bytes_measured": [g[2] for g in gathered],
+            })
+    return rows if runtime.is_main() else None
+
+
+def _tp_benchmark(d_model: int, seq: int, batch: int, steps: int, warmup: int) -> dict | None:
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from . import models
+    from .parallel import tensor as tp
+
+    degree = comm.get_world_size()
+    mesh = init_device_mesh("cpu", (degree,))
+    torch.manual_seed(0)
+    dense = {"mlp": models.MLP(d_model, 4 * d_model), "attention": models.SelfAttention(d_model, 4 * degree)}
+    plans = {"mlp": {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()},
+             "attention": {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
+                           "out": RowwiseParallel()}}
+    course = {"mlp": tp.parallel_mlp(copy.deepcopy(dense["mlp"])),
+              "attention": tp.parallel_attention(copy.deepcopy(dense["attention"]), 4 * degree)}
+    # the input requires grad, as a block's input does inside a model: backward then all-reduces its gradient
+    inputs = torch.randn(batch, seq, d_model, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    result = {"benchmark": "tp", "tensor_degree": degree, "threads_per_rank": torch.get_num_threads(),
+              "activation_shape": [batch, seq, d_model]}
+    activation_bytes = 4 * batch * seq * d_model
+    for name in ("mlp", "attention"):
+        theirs = parallelize_module(copy.deepcopy(dense[name]), mesh, plans[name])
+        variants = {"course": course[name], "torch": theirs}
+        times = {k: [] for k in variants}
+        for round_index in range(warmup + steps):
+            for key in (list(variants) if round_index % 2 else list(variants)[::-1]):
+                comm.barrier()
+                started = time.perf_counter()
+                variants[key](inputs).sum().backward()
+                if round_index >= warmup:
+                    times[key].append(time.perf_counter() - started)
+        with comm.CommLog() as log:
+            course[name](inputs).sum().backward()
+        course_ms, torch_ms = (1000 * statistics.median(times[k]) for k in ("course", "torch"))
+        result[name] = {
+            "course_step_ms": course_ms, "torch_step_ms": torch_ms, "ratio": course_ms / torch_ms,
+            "all_reduces_per_step": log.count("all_reduce"),
+            "bytes_per_rank_measured": log.bytes_per_rank(),
+            "bytes_per_rank_theory": 2 * comm.ring_bytes("all_reduce", activation_bytes, degree),
+        }
+    return result if runtime.is_main() else None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m course_lib.bench", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="benchmark", required=True)
@@ -222,6 +341,18 @@ def main(argv: list[str] | None = None) -> int:
     fsdp = sub.add_parser("fsdp", help="course FSDP (4 sharding strategies) against FSDP2", formatter_class=formatter)
     mem = sub.add_parser("memory", help="measured memory and traffic of DDP, ZeRO-1/2/3 against the model",
                          formatter_class=formatter)
+    pipe = sub.add_parser("pipeline", help="course pipeline schedules against torch.distributed.pipelining",
+                          formatter_class=formatter)
+    tensor = sub.add_parser("tp", help="course tensor parallelism against DTensor parallelize_module",
+                            formatter_class=formatter)
+    for command in (pipe, tensor):
+        command.add_argument("--d-model", type=int, default=128)
+        command.add_argument("--seq", type=int, default=64)
+        command.add_argument("--batch", type=int, default=16, help="samples per step (the whole pipeline's batch)")
+        command.add_argument("--steps", type=int, default=10, help="timed steps per variant")
+        command.add_argument("--warmup", type=int, default=2)
+    pipe.add_argument("--stages", type=int, nargs="+", default=[2, 4], help="pipeline sizes (one run each)")
+    tensor.add_argument("--world-size", type=int, default=2, help="the tensor-parallel degree")
     for command in (ddp, fsdp, mem):
         command.add_argument("--width", type=int, default=1024)
         command.add_argument("--layers", type=int, default=4)
@@ -234,6 +365,19 @@ def main(argv: list[str] | None = None) -> int:
     mem.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     args = parser.parse_args(argv)
 
+    if args.benchmark == "pipeline":
+        rows = []
+        for stages in args.stages:
+            print(f"benchmarking pipelines of {stages} stages...", file=sys.stderr, flush=True)
+            rows += launch(_pipeline_benchmark, stages, args.d_model, args.seq, args.batch, args.steps, args.warmup,
+                           timeout_s=1800)[0]
+        print(json.dumps({"benchmark": "pipeline", "threads_per_rank": "cores / ranks", "rows": rows}, indent=2))
+        return 0
+    if args.benchmark == "tp":
+        print(f"benchmarking tensor parallelism on {args.world_size} processes...", file=sys.stderr, flush=True)
+        print(json.dumps(launch(_tp_benchmark, args.world_size, args.d_model, args.seq, args.batch, args.steps,
+                                args.warmup, timeout_s=1800)[0], indent=2))
+        return 0
     if args.benchmark == "memory":
         rows = []
         for world in args.world_sizes:

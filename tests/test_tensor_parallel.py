@@ -108,16 +108,37 @@ def test_a_converted_dense_transformer_computes_the_same(degree):
 
 def _traffic():
     torch.manual_seed(0)
-    block = tp.parallel_mlp(models.MLP(D_MODEL, 4 * D_MODEL))
-    with comm.CommLog() as log:
-        block(_inputs(BATCH, SEQ, D_MODEL)).sum().backward()
-    return log.count("all_reduce"), log.records[0].tensor_bytes
+    counted = {}
+    for name, block in {"mlp": tp.parallel_mlp(models.MLP(D_MODEL, 4 * D_MODEL)),
+                        "attention": tp.parallel_attention(models.SelfAttention(D_MODEL, HEADS), HEADS)}.items():
+        with comm.CommLog() as log:
+            block(_inputs(BATCH, SEQ, D_MODEL)).sum().backward()  # the input requires grad, as inside a model
+        counted[name] = (log.count("all_reduce"), {record.tensor_bytes for record in log.records})
+    return counted
 
 
-def test_a_parallel_mlp_costs_one_all_reduce_forward_and_one_backward():
-    calls, message_bytes = launch(_traffic, 2)[0]
-    assert calls == 2
-    assert message_bytes == BATCH * SEQ * D_MODEL * 4  # the activation, not the 4x wider hidden layer
+@pytest.mark.parametrize("degree", [2, 4])
+def test_mlp_and_attention_cost_one_all_reduce_forward_and_one_backward(degree):
+    for calls, message_bytes in launch(_traffic, degree)[0].values():
+        assert calls == 2
+        assert message_bytes == {BATCH * SEQ * D_MODEL * 4}  # the activation, never the 4x wider hidden layer
+
+
+def test_tp_benchmark_prints_the_promised_json():
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO, clean_env
+
+    shown = subprocess.run([sys.executable, "-m", "course_lib.bench", "tp", "--d-model", "32", "--seq", "8",
+                            "--batch", "3", "--steps", "2", "--warmup", "1"],
+                           cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert shown.returncode == 0, shown.stderr
+    result = json.loads(shown.stdout)
+    for name in ("mlp", "attention"):
+        assert {"course_step_ms", "torch_step_ms", "ratio"} <= set(result[name])
+        assert result[name]["bytes_per_rank_measured"] == result[name]["bytes_per_rank_theory"]
 
 
 def _bad_degrees():

@@ -112,18 +112,20 @@ class ColumnParallelLinear(nn.Module):
     """``nn.Linear(in, out)`` whose output features are split over the group (this rank: out / T of them)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
-                 group=None):
+                 group=None, copy_input: bool = True):
         super().__init__()
-        self.group, self.gather_output = group, gather_output
+        # copy_input=False: the caller already applied f to the input (several layers sharing one input)
+        self.group, self.gather_output, self.copy_input = group, gather_output, copy_input
         self.out_per_rank = _split_size(out_features, group, "output features")
         self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features))
         self.bias = nn.Parameter(torch.zeros(self.out_per_rank)) if bias else None
         nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
 
     @classmethod
-    def from_dense(cls, dense: nn.Linear, gather_output: bool = False, group=None) -> "ColumnParallelLinear":
+    def from_dense(cls, dense: nn.Linear, gather_output: bool = False, group=None,
+                   copy_input: bool = True) -> "ColumnParallelLinear":
         """This rank's rows of a dense layer's weight (and bias): the same function, split."""
-        layer = cls(dense.in_features, dense.out_features, dense.bias is not None, gather_output, group)
+        layer = cls(dense.in_features, dense.out_features, dense.bias is not None, gather_output, group, copy_input)
         rank = dist.get_rank(group)
         rows = slice(rank * layer.out_per_rank, (rank + 1) * layer.out_per_rank)
         with torch.no_grad():
@@ -133,7 +135,7 @@ class ColumnParallelLinear(nn.Module):
         return layer.to(dense.weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = nn.functional.linear(copy_to_parallel(x, self.group), self.weight, self.bias)
+        y = nn.functional.linear(copy_to_parallel(x, self.group) if self.copy_input else x, self.weight, self.bias)
         return gather_from_parallel(y, self.group) if self.gather_output else y
 
 
@@ -182,11 +184,15 @@ def parallel_attention(attention: nn.Module, n_heads: int, group=None) -> nn.Mod
 
     q, k and v are column parallel with whole heads per rank (rows of a head are contiguous), so
     attention itself needs no communication; ``out`` is row parallel and sums the heads' parts.
+    q, k and v read the same input, so f is applied once, to it (a forward pre-hook): the three
+    gradients add up before the single backward all-reduce, as with Megatron's fused QKV layer.
     """
     _split_size(n_heads, group, "attention heads")
     for name in ("q", "k", "v"):
-        setattr(attention, name, ColumnParallelLinear.from_dense(getattr(attention, name), group=group))
+        setattr(attention, name, ColumnParallelLinear.from_dense(getattr(attention, name), group=group,
+                                                                 copy_input=False))
     attention.out = RowParallelLinear.from_dense(attention.out, group=group)
+    attention.register_forward_pre_hook(lambda module, args: (copy_to_parallel(args[0], group), *args[1:]))
     return attention
 
 

@@ -92,3 +92,58 @@ def train_3d(data_degree: int = 2, pipeline: int = 2, tensor: int = 2, steps: in
         comm.broadcast(report, src=reporter)
         losses.append(float(report))
     return losses if comm.get_rank() == 0 else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m course_lib.parallel.three_d``: a 3-D run beside the one-process run, step by step."""
+    import argparse
+    import json
+    import sys
+
+    from ..launch import launch
+
+    parser = argparse.ArgumentParser(prog="python -m course_lib.parallel.three_d", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--data", type=int, default=2, help="data-parallel degree")
+    parser.add_argument("--pipeline", type=int, default=2, help="pipeline stages")
+    parser.add_argument("--tensor", type=int, default=2, help="tensor-parallel degree")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--microbatches", type=int, default=2)
+    parser.add_argument("--schedule", choices=pp.SCHEDULES[:2], default="1f1b")
+    parser.add_argument("--plot", default=None, help="save the two loss curves to this PNG")
+    args = parser.parse_args(argv)
+    world = args.data * args.pipeline * args.tensor
+    try:
+        check_run(world, args.data, args.pipeline, args.tensor, args.global_batch, args.microbatches, 4, 64, 4)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    from .mesh import describe_grid
+
+    print(describe_grid(world, args.data, args.pipeline, args.tensor), file=sys.stderr)
+    print(f"training on 1 process, then on {world}...", file=sys.stderr, flush=True)
+    options = (args.steps, args.global_batch, args.microbatches, args.schedule)
+    single = launch(train_3d, 1, 1, 1, 1, *options)[0]
+    grid = launch(train_3d, world, args.data, args.pipeline, args.tensor, *options, timeout_s=1800)[0]
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        figure, axis = plt.subplots(figsize=(6, 3.5))
+        axis.plot(single, label="1 process", linewidth=3, alpha=0.5)
+        axis.plot(grid, "--", label=f"data {args.data} x pipeline {args.pipeline} x tensor {args.tensor}")
+        axis.set_xlabel("step")
+        axis.set_ylabel("training loss")
+        axis.legend()
+        figure.tight_layout()
+        figure.savefig(args.plot, dpi=120)
+    print(json.dumps({"world_size": world, "single_process_loss": single, "grid_loss": grid,
+                      "max_difference": max(abs(a - b) for a, b in zip(single, grid))}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

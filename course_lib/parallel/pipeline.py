@@ -437,7 +437,10 @@ class PipelineExecutor:
                 begin = time.perf_counter()
                 x, y = held.pop((s, i))
                 held_bytes -= sum(t.numel() * t.element_size() for t in (x, y))
-                y.backward() if s == last_stage else y.backward(inbox.pop(("B", s, i)))
+                if s == last_stage:
+                    y.backward()  # the loss: backward starts here
+                else:
+                    y.backward(inbox.pop(("B", s, i)))  # the gradient the next stage sent back
                 if s > 0:
                     self._deliver(("B", s - 1, i), x.grad, inbox, outbox)
                 stats.events.append(("B", s, i, begin - started, time.perf_counter() - started))

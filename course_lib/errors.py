@@ -16,5 +16,9 @@ EXIT_CRASH = 1
 """Exit status for an unexpected failure on this rank or on another one."""
 
 
+EXIT_REQUEUE = 3
+"""Exit status after a stop signal (SIGUSR1, SIGTERM): a checkpoint was written, requeue the job."""
+
+
 class UserError(Exception):
     """A mistake in the input (flag, environment, data, checkpoint) that the message tells how to fix."""

@@ -14,7 +14,12 @@ On a Slurm cluster, one task per GPU (see ``slurm/``)::
     srun python -m course_lib.train --strategy ddp --dataset cifar10 --model resnet18
 
 Exit status: 0 done, 2 a mistake in the input (one line says how to fix it), 1 a crash (on this
-rank, or on another rank that this one was waiting for).
+rank, or on another rank that this one was waiting for), 3 stopped by SIGUSR1 or SIGTERM at a
+step boundary after writing a checkpoint (a job script requeues itself on 3; see
+``course_lib.preemption``).
+
+``--dry-run`` checks everything that can be checked without the other processes (flags, data,
+batch sizes, the checkpoint to resume) and exits: a job script runs it before spending GPU time.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ import traceback
 
 from . import runtime
 from .data import DATASETS
-from .errors import EXIT_CRASH, EXIT_USER_ERROR, UserError
+from .errors import EXIT_CRASH, EXIT_REQUEUE, EXIT_USER_ERROR, UserError
+from .preemption import Preempted
 from .models import MODELS
 from .parallel.fsdp import OFFLOAD_MODES, SHARDING_STRATEGIES
 from .strategies import IMPLEMENTATIONS, STRATEGIES
@@ -95,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="resume from the newest checkpoint in --checkpoint-dir, or from the given directory")
     out.add_argument("--metrics", default=None, help="append one JSON line per epoch to this file")
     out.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    out.add_argument("--dry-run", action="store_true",
+                     help="check the configuration for this many processes (WORLD_SIZE) and exit")
     system = parser.add_argument_group("processes")
     system.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
                         help="auto: nccl with GPUs, gloo without")
@@ -113,7 +121,8 @@ def _report_user_error(error: UserError) -> None:
         print(f"error: {error}", file=sys.stderr, flush=True)
 
 
-def run(config: TrainConfig, backend: str = "auto", timeout_s: float = runtime.DEFAULT_TIMEOUT_S) -> int:
+def run(config: TrainConfig, backend: str = "auto", timeout_s: float = runtime.DEFAULT_TIMEOUT_S,
+        dry_run: bool = False) -> int:
     """Validate, join the process group, train, leave. Returns the exit status."""
     from .trainer import train, validate_config
 
@@ -121,9 +130,17 @@ def run(config: TrainConfig, backend: str = "auto", timeout_s: float = runtime.D
         env = runtime.resolve_environment()
         runtime.choose_backend(backend, _cuda_available())
         validate_config(config, env.world_size)
+        if dry_run:
+            if _launched_rank() == "0":
+                print(f"configuration OK for {env.world_size} process(es)", flush=True)
+            return 0
         runtime.init(backend=backend, timeout_s=timeout_s)
-        train(config)
+        train(config, stop_on_signals=True)
         status = 0
+    except Preempted as stopped:
+        if _launched_rank() == "0":
+            print(f"rank 0: {stopped}", file=sys.stderr, flush=True)
+        status = EXIT_REQUEUE
     except UserError as error:
         _report_user_error(error)
         status = EXIT_USER_ERROR
@@ -151,7 +168,7 @@ def _cuda_available() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return run(config_from_args(args), backend=args.backend, timeout_s=args.timeout)
+    return run(config_from_args(args), backend=args.backend, timeout_s=args.timeout, dry_run=args.dry_run)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 
 from . import checkpoint, data, models, runtime, strategies
 from .errors import UserError
+from .preemption import Preempted, StopRequests
 
 PRECISIONS = ("fp32", "bf16")
 OPTIMIZERS = ("adamw", "sgd")
@@ -235,8 +236,9 @@ def _append_metrics(path: str, record: dict[str, Any]) -> None:
 class Trainer:
     """Owns the model, optimizer and data of one run; ``fit()`` trains it."""
 
-    def __init__(self, config: TrainConfig):
+    def __init__(self, config: TrainConfig, stop_requests: StopRequests | None = None):
         self.config = config
+        self.stop_requests = stop_requests  # if given, a stop signal ends training at a step boundary
         self.ctx = runtime.context()
         validate_config(config, self.ctx.world_size)
         self.micro_batch = data.per_rank_batch_size(config.global_batch_size, self.ctx.world_size, config.grad_accum)
@@ -301,6 +303,15 @@ class Trainer:
         if self.config.checkpoint_dir:
             checkpoint.save(self.config.checkpoint_dir, self.model, self.optimizer, self.position)
 
+    def _stop_for_requeue(self) -> None:
+        """A stop signal arrived: checkpoint this step (if there is somewhere to) and leave."""
+        if self.config.checkpoint_dir:
+            self._save()
+            where = f"checkpoint written to {self.config.checkpoint_dir}; rerun with --resume latest to continue"
+        else:
+            where = "no --checkpoint-dir, so nothing was saved"
+        raise Preempted(f"stopped by {self.stop_requests.name()} after step {self.position.global_step}: {where}")
+
     def _steps_left(self) -> int:
         if self.config.max_steps is None:
             return math.inf
@@ -331,6 +342,9 @@ class Trainer:
             bar.set_postfix(loss=f"{step_loss / step_samples:.4f}", refresh=False)
             if config.checkpoint_every and position.global_step % config.checkpoint_every == 0 and step + 1 < last_step:
                 self._save()
+            if self.stop_requests is not None and self.stop_requests.agreed(self.ctx.device):
+                bar.close()
+                self._stop_for_requeue()
         if self.ctx.device.type == "cuda":
             torch.cuda.synchronize(self.ctx.device)
         epoch_time = _reduce_max(time.perf_counter() - started)  # the slowest rank sets the pace
@@ -400,10 +414,16 @@ class Trainer:
         return result
 
 
-def train(config: TrainConfig, collect_state: bool = False) -> TrainResult:
+def train(config: TrainConfig, collect_state: bool = False, stop_on_signals: bool = False) -> TrainResult:
     """Train with ``config`` inside an initialised process group (see ``runtime.init``).
 
     The model and optimizer live only inside this call, so they are freed when it returns,
-    before ``runtime.shutdown()`` destroys the process group.
+    before ``runtime.shutdown()`` destroys the process group. With ``stop_on_signals``, SIGUSR1 or
+    SIGTERM stop training at the next step boundary with a checkpoint (``preemption.Preempted``).
     """
-    return Trainer(config).fit(collect_state=collect_state)
+    stop_requests = StopRequests() if stop_on_signals else None
+    try:
+        return Trainer(config, stop_requests).fit(collect_state=collect_state)
+    finally:
+        if stop_requests is not None:
+            stop_requests.restore()

@@ -1,0 +1,5 @@
+# shellcheck shell=bash
+# Any Slurm cluster with NVIDIA GPUs and nothing special about its network: no extra settings.
+# Copy this file to slurm/clusters/<yours>.sh to keep your cluster's settings apart from the jobs
+# (modules to load, a container or virtual environment to activate, network variables).
+COURSE_NEEDS_ACCOUNT=0

@@ -72,7 +72,7 @@ echo "job ${SLURM_JOB_ID:-?} (${SLURM_JOB_NAME:-?}) on ${SLURM_JOB_NODELIST:-?},
 course_check() {  # course_check NPROCS --strategy ...: every mistake found now, in one line, exit 2
   local nprocs=$1; shift
   WORLD_SIZE=$nprocs RANK=0 LOCAL_RANK=0 MASTER_ADDR=localhost MASTER_PORT=1 "$COURSE_PYTHON" -m course_lib.train "$@" "${COURSE_TRAIN_ARGS[@]}" --dry-run \
-    || fail "the configuration above was refused; nothing was started"
+    || { echo 2 >"$COURSE_RESULTS/$COURSE_RUN_NAME.status"; fail "the configuration above was refused; nothing was started"; }
 }
 
 course_run() {  # course_run LAUNCHER... : run training, forward a stop request, requeue on preemption

@@ -73,3 +73,24 @@ def run_ranks(args: list[str], nprocs: int = 1, env: dict[str, str] | None = Non
 def quick_args() -> list[str]:
     """A few steps of the digits CNN: enough to exercise every code path in about a second."""
     return ["--strategy", "ddp", "--epochs", "1", "--max-steps", "3", "--global-batch-size", "60", "--no-progress"]
+
+
+def checkpoint_weights(directory: Path) -> dict:
+    """The model tensors of a DCP checkpoint folder (step-XXXXXXXX), read without a process group."""
+    import tempfile
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as scratch:
+        target = Path(scratch) / "weights.pt"
+        dcp_to_torch_save(str(directory), str(target))
+        return torch.load(target, weights_only=False)["model"]
+
+
+def latest_weights(checkpoint_dir: Path) -> tuple[str, dict]:
+    from course_lib.checkpoint import latest_checkpoint
+
+    latest = latest_checkpoint(checkpoint_dir)
+    assert latest is not None, f"no checkpoint in {checkpoint_dir}"
+    return latest.name, checkpoint_weights(latest)

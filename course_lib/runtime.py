@@ -204,6 +204,22 @@ def choose_backend(requested: str, cuda_available: bool) -> tuple[str, str]:
     raise UserError(f"unknown backend {requested!r}: choose auto, nccl or gloo")
 
 
+def _rendezvous_store(env: DistEnvironment, timeout: datetime.timedelta):
+    """The key-value store where the ranks meet: each writes its address, reads everyone else's.
+
+    Rank 0 hosts it at MASTER_ADDR:MASTER_PORT, except under torchrun, whose agent already hosts
+    one there. A torchrun restart (``--max-restarts``) meets in that *same* agent store, where the
+    dead attempt's addresses are still written: a prefix per attempt (TORCHELASTIC_RESTART_COUNT)
+    keeps the new ranks from connecting to processes that no longer exist.
+    """
+    import torch.distributed as dist
+
+    agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
+                          is_master=env.rank == 0 and not agent_hosts_it, timeout=timeout)
+    return dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 def init(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, num_threads: int | None = None) -> Context:
     """Join the process group described by the environment and return this process's ``Context``.
 
@@ -240,7 +256,7 @@ def init(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, num_thread
         else:
             dist.init_process_group(
                 backend,
-                init_method=f"tcp://{env.master_addr}:{env.master_port}",
+                store=_rendezvous_store(env, timeout),
                 rank=env.rank,
                 world_size=env.world_size,
                 timeout=timeout,

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from . import checkpoint, data, models, runtime, strategies
 from .errors import UserError

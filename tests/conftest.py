@@ -94,3 +94,10 @@ def latest_weights(checkpoint_dir: Path) -> tuple[str, dict]:
     latest = latest_checkpoint(checkpoint_dir)
     assert latest is not None, f"no checkpoint in {checkpoint_dir}"
     return latest.name, checkpoint_weights(latest)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Cells of the notebooks (collected by nbval) carry the ``notebooks`` marker, so -m can select them."""
+    for item in items:
+        if str(item.fspath).endswith(".ipynb"):
+            item.add_marker(pytest.mark.notebooks)

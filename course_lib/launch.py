@@ -35,11 +35,15 @@ import os
 import pickle
 import signal
 import socket
+import sys
 import time
 import traceback
 from typing import Any, Callable
 
 from . import runtime
+
+PROCESSES_PER_CORE_LIMIT = 8
+"""More processes than this per CPU core would spend their time switching, not computing: refused."""
 
 ROOT_CAUSE_GRACE_S = 2.0
 """After a first failure, how long to wait for the other ranks' reports to find the root cause."""
@@ -120,6 +124,27 @@ def _raise_failure(failures: dict[int, tuple[BaseException | None, str]]) -> Non
     raise ChildFailedError(f"{context}:\n{text}")
 
 
+_told_about_sharing = False
+
+
+def check_process_count(nprocs: int, cores: int | None = None) -> None:
+    """Refuse a senseless number of processes; say once what sharing few cores means for the rest."""
+    global _told_about_sharing
+    from .errors import UserError
+
+    cores = cores or runtime.usable_cpus()
+    limit = PROCESSES_PER_CORE_LIMIT * cores
+    if nprocs > limit:
+        raise UserError(
+            f"{nprocs} processes on {cores} CPU core(s) would spend their time waiting for each other, not "
+            f"computing: use at most {limit} here (the lesson is the same with fewer), or run on a bigger machine"
+        )
+    if nprocs > cores and not _told_about_sharing:
+        _told_about_sharing = True
+        print(f"note: {nprocs} processes share {cores} CPU core(s), one thread each: the results are exactly those "
+              f"of {nprocs} separate machines, only the times are slower", file=sys.stderr, flush=True)
+
+
 def launch(fn: Callable, nprocs: int, *args: Any, backend: str = "gloo", timeout_s: float = 300,
            **kwargs: Any) -> list:
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` forked processes; return the results in rank order.
@@ -130,6 +155,7 @@ def launch(fn: Callable, nprocs: int, *args: Any, backend: str = "gloo", timeout
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be at least 1, got {nprocs}")
+    check_process_count(nprocs)
     import torch.distributed as dist
 
     if dist.is_initialized():

@@ -84,3 +84,18 @@ def test_refuses_to_fork_from_a_process_group_member():
 def test_bad_process_count():
     with pytest.raises(ValueError, match="at least 1"):
         launch(_sum_of_ranks, 0, 0)
+
+
+def test_too_many_processes_for_the_machine_are_refused_and_sharing_is_explained(capsys):
+    from course_lib import launch as launcher
+    from course_lib.errors import UserError
+
+    with pytest.raises(UserError, match=r"17 processes on 2 CPU core\(s\) would spend their time waiting .* use at "
+                                        r"most 16 here"):
+        launcher.check_process_count(17, cores=2)
+    launcher._told_about_sharing = False
+    launcher.check_process_count(4, cores=1)
+    launcher.check_process_count(4, cores=1)
+    told = capsys.readouterr().err
+    assert told.count("note: 4 processes share 1 CPU core(s)") == 1  # said once, not at every launch
+    assert "the results are exactly those of 4 separate machines" in told

@@ -1,0 +1,126 @@
+"""The hands-on labs: exercises generated from their solutions, and a check that says what is wrong.
+
+Each lab in ``labs/<name>/`` has a ``solution.py`` whose teaching parts are marked::
+
+    # BEGIN SOLUTION: average the gradients over all ranks (comm.all_reduce, then divide)
+    ...the code...
+    # END SOLUTION
+
+``python -m course_lib.labs generate`` writes ``exercise.py`` beside it, with every marked region
+replaced by a TODO carrying the hint and a ``raise NotImplementedError`` (so an untouched exercise
+fails loudly, at the right line). A test fails if a committed exercise differs from what the
+command generates, so the two can never drift apart.
+
+``python -m course_lib.labs check lab1_ddp`` runs the student's ``exercise.py`` (or ``--file``) the
+way the lab's ``check(run)`` says, usually on 2 CPU processes, runs the solution the same way, and
+compares the numbers, naming the first difference or the first TODO still to fill in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import re
+import sys
+import traceback
+from pathlib import Path
+from types import ModuleType
+
+LABS_DIR = Path(__file__).resolve().parent.parent / "labs"
+BEGIN = re.compile(r"^(?P<indent>\s*)# BEGIN SOLUTION: (?P<hint>.+)$")
+END = re.compile(r"^\s*# END SOLUTION\s*$")
+
+
+def lab_names() -> list[str]:
+    return sorted(path.parent.name for path in LABS_DIR.glob("*/solution.py"))
+
+
+def exercise_text(solution: str) -> str:
+    """The exercise for a solution's text: each marked region becomes a TODO with its hint."""
+    lines, inside, out = solution.splitlines(), False, []
+    for number, line in enumerate(lines, 1):
+        begin = BEGIN.match(line)
+        if begin:
+            if inside:
+                raise ValueError(f"line {number}: BEGIN SOLUTION inside another solution region")
+            inside = True
+            indent, hint = begin["indent"], begin["hint"].strip()
+            out += [f"{indent}# TODO: {hint}", f"{indent}raise NotImplementedError({'TODO: ' + hint!r})"]
+        elif END.match(line):
+            if not inside:
+                raise ValueError(f"line {number}: END SOLUTION without BEGIN")
+            inside = False
+        elif not inside:
+            out.append(line.replace("Solution of ", "Exercise: ", 1) if number <= 3 else line)
+    if inside:
+        raise ValueError("a solution region is not closed with # END SOLUTION")
+    return "\n".join(out) + "\n"
+
+
+def generate(names: list[str] | None = None) -> list[Path]:
+    written = []
+    for name in names or lab_names():
+        solution = LABS_DIR / name / "solution.py"
+        target = solution.with_name("exercise.py")
+        target.write_text(exercise_text(solution.read_text()))
+        written.append(target)
+    return written
+
+
+def load(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"lab_{path.parent.name}_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _first_todo(error: BaseException, path: Path) -> str:
+    """The TODO's text and where it is: from this process's traceback, or the one a rank sent back."""
+    lines = [frame.lineno for frame in traceback.extract_tb(error.__traceback__) if Path(frame.filename) == path]
+    for note in getattr(error, "__notes__", []):  # launch() attaches the failing rank's traceback
+        lines += [int(n) for n in re.findall(rf'File "{re.escape(str(path))}", line (\d+)', note)]
+    where = f" ({path.name}, line {lines[-1]})" if lines else ""
+    return f"{str(error).splitlines()[0]}{where}"
+
+
+def check(name: str, file: Path | None = None) -> tuple[bool, str]:
+    """Run the student's file and the solution the lab's way; (passed, message)."""
+    folder = LABS_DIR / name
+    if not (folder / "solution.py").is_file():
+        raise SystemExit(f"error: no lab named {name!r}: choose one of {', '.join(lab_names())}")
+    student_path = (file or folder / "exercise.py").resolve()
+    solution = load(folder / "solution.py")
+    expected = solution.check_run(solution)
+    try:
+        student = load(student_path)
+        got = solution.check_run(student)
+    except NotImplementedError as error:
+        return False, f"not finished yet: {_first_todo(error, student_path)}: fill it in, then check again"
+    except Exception as error:  # noqa: BLE001 (any mistake in the student's code is reported, not raised)
+        first_line = str(error).splitlines()[0] if str(error) else ""
+        return False, f"your code raised {type(error).__name__}: {first_line}"
+    problems = solution.compare(got, expected)
+    if problems:
+        return False, "different from the solution: " + "; ".join(problems)
+    return True, f"{name}: your {student_path.name} gives the solution's numbers ({solution.summary(got)})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m course_lib.labs", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("generate", help="write every exercise.py from its solution.py")
+    checker = sub.add_parser("check", help="run your exercise and compare it with the solution")
+    checker.add_argument("lab", help=f"one of: {', '.join(lab_names())}")
+    checker.add_argument("--file", type=Path, default=None, help="the file to check (default: the lab's exercise.py)")
+    args = parser.parse_args(argv)
+    if args.command == "generate":
+        for path in generate():
+            print(f"wrote {path.relative_to(LABS_DIR.parent)}")
+        return 0
+    passed, message = check(args.lab, args.file)
+    print(("PASS " if passed else "NOT YET ") + message)
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

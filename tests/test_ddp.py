@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from conftest import run_ranks
-from course_lib import comm, models, runtime
+from course_lib import comm, models
 from course_lib.errors import UserError
 from course_lib.launch import launch
 from course_lib.parallel.ddp import DataParallel, make_buckets

@@ -326,6 +326,28 @@ def is_main_process(group=None) -> bool:
 
 # -- the ring all-reduce, by hand -----------------------------------------------------------
 
+def ring_all_reduce_counts(n: int) -> list[list[list[int]]]:
+    """What a ring all-reduce does, counted: after each step, how many ranks' values each chunk holds.
+
+    ``frames[step][rank][chunk]``: in reduce-scatter step k, rank r sends chunk (r - k) mod n to
+    rank r + 1, which adds it to its own; after n - 1 steps rank r holds the complete chunk
+    (r + 1) mod n. In the n - 1 all-gather steps the complete chunks travel on round the ring.
+    """
+    counts = [[1] * n for _ in range(n)]
+    frames = [[row[:] for row in counts]]
+    for step in range(n - 1):
+        sent = [(r, (r - step) % n, counts[r][(r - step) % n]) for r in range(n)]
+        for r, chunk, value in sent:
+            counts[(r + 1) % n][chunk] += value
+        frames.append([row[:] for row in counts])
+    for step in range(n - 1):
+        sent = [(r, (r + 1 - step) % n, counts[r][(r + 1 - step) % n]) for r in range(n)]
+        for r, chunk, value in sent:
+            counts[(r + 1) % n][chunk] = value
+        frames.append([row[:] for row in counts])
+    return frames
+
+
 def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
     """Sum ``tensor`` over the group in place, with the ring algorithm, from send/recv only.
 

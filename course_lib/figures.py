@@ -1,0 +1,217 @@
+"""Every figure of the lecture slides, drawn from the course's own code.
+
+``python -m course_lib.figures slides/public/images`` writes one PNG per figure. The pictures are
+not drawn by hand: the ZeRO bars come from ``memory.model_state_bytes``, the pipeline charts from
+``pipeline.build_schedule``, the grid from ``mesh.grid_groups``, the ring from the same counting
+the ring all-reduce does, the scaling plot from recorded results. Change the code and the slides
+follow; a test fails if a committed figure differs from what this command draws.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
+
+from . import memory  # noqa: E402
+from .parallel import mesh, pipeline  # noqa: E402
+
+PNG_METADATA = {"Software": None}  # no version string in the file: the same drawing gives the same bytes
+RECORDED_SCALING = Path(__file__).resolve().parent.parent / "slides" / "data" / "scaling.csv"
+
+
+def _box(axis, x, y, w, h, text, colour="#dde6f3", size=9):
+    axis.add_patch(Rectangle((x, y), w, h, facecolor=colour, edgecolor="black", linewidth=0.8))
+    axis.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=size)
+
+
+def _arrow(axis, start, end, colour="black"):
+    axis.add_patch(FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=12, color=colour, linewidth=1))
+
+
+def _blank(width, height):
+    figure, axis = plt.subplots(figsize=(width, height))
+    axis.set_axis_off()
+    return figure, axis
+
+
+def data_parallel():
+    """N replicas, a slice of the batch each, one all-reduce of the gradients."""
+    figure, axis = _blank(7, 3.2)
+    for r in range(4):
+        x = 0.3 + 1.7 * r
+        _box(axis, x, 2.3, 1.3, 0.5, f"batch slice {r}", "#f3e6dd")
+        _box(axis, x, 1.2, 1.3, 0.7, f"rank {r}\nfull model", "#dde6f3")
+        _arrow(axis, (x + 0.65, 2.3), (x + 0.65, 1.9))
+        _arrow(axis, (x + 0.65, 1.2), (x + 0.65, 0.75))
+    _box(axis, 0.3, 0.2, 6.4, 0.55, "all-reduce (average) of the gradients: 2(N-1)/N x gradient bytes per rank", "#e3f3dd")
+    axis.set_xlim(0, 7.2); axis.set_ylim(0, 3)
+    return figure
+
+
+def ring_all_reduce():
+    """How many ranks' values each chunk holds, after each step of a ring all-reduce on 4 ranks."""
+    from .comm import ring_all_reduce_counts
+
+    n = 4
+    frames = ring_all_reduce_counts(n)
+    figure, axes = plt.subplots(1, len(frames), figsize=(2.0 * len(frames), 2.3))
+    for step, (axis, frame) in enumerate(zip(axes, frames)):
+        axis.imshow(frame, vmin=1, vmax=n, cmap="Blues")
+        for r in range(n):
+            for c in range(n):
+                axis.text(c, r, frame[r][c], ha="center", va="center", fontsize=8)
+        phase = "start" if step == 0 else ("reduce-scatter" if step < n else "all-gather")
+        axis.set_title(f"{phase} {step if step else ''}".strip(), fontsize=8)
+        axis.set_xticks([]); axis.set_yticks([])
+        axis.set_xlabel("chunk", fontsize=7); axis.set_ylabel("rank", fontsize=7)
+    figure.tight_layout()
+    return figure
+
+
+def zero_memory():
+    """Bytes per GPU for 7.5B parameters on 64 GPUs, by stage (the ZeRO paper's example)."""
+    figure, axis = plt.subplots(figsize=(6, 3.2))
+    kinds = ("params", "grads", "optimizer")
+    bottoms = [0.0] * len(memory.STAGES)
+    for kind, colour in zip(kinds, ("#4c72b0", "#55a868", "#c44e52")):
+        values = [getattr(memory.model_state_bytes(7.5e9, 64, s, **memory.MIXED_PRECISION_ADAM), kind) / 1e9
+                  for s in memory.STAGES]
+        axis.bar(memory.STAGES, values, bottom=bottoms, label=kind, color=colour)
+        bottoms = [b + v for b, v in zip(bottoms, values)]
+    for index, total in enumerate(bottoms):
+        axis.text(index, total + 2, f"{total:.1f} GB", ha="center", fontsize=8)
+    axis.set_ylabel("GB per GPU"); axis.set_title("7.5B parameters, 64 GPUs, mixed-precision Adam")
+    axis.legend(); figure.tight_layout()
+    return figure
+
+
+def fsdp_timeline(units: int = 4):
+    """When each unit's parameters are gathered and freed, forward then backward (FULL_SHARD)."""
+    figure, axis = plt.subplots(figsize=(7.5, 2.6))
+    t = 0.0
+    for phase, order in (("forward", range(units)), ("backward", reversed(range(units)))):
+        for unit in order:
+            axis.barh(unit, 0.3, left=t, color="#c44e52")  # all-gather
+            axis.barh(unit, 1.0 if phase == "forward" else 2.0, left=t + 0.3, color="#4c72b0" if phase == "forward"
+                      else "#55a868")
+            t += 1.3 if phase == "forward" else 2.3
+            if phase == "backward":
+                axis.barh(unit, 0.3, left=t, color="#8172b2")  # reduce-scatter
+                t += 0.3
+    axis.set_yticks(range(units), [f"unit {u}" for u in range(units)]); axis.invert_yaxis()
+    axis.set_xlabel("time")
+    handles = [Rectangle((0, 0), 1, 1, color=c) for c in ("#c44e52", "#4c72b0", "#55a868", "#8172b2")]
+    axis.legend(handles, ["all-gather", "forward", "backward", "reduce-scatter"], ncol=4, fontsize=7, loc="lower right")
+    figure.tight_layout()
+    return figure
+
+
+def tensor_parallel():
+    """A column-parallel layer feeding a row-parallel one: one all-reduce at the end."""
+    figure, axis = _blank(7, 3)
+    colours = ("#dde6f3", "#f3e6dd")
+    _box(axis, 0.2, 1.1, 0.8, 0.8, "x\n(all ranks)", "#eeeeee")
+    for r in range(2):
+        _box(axis, 1.6, 0.4 + 1.3 * r, 1.4, 0.9, f"A{r + 1}: rows {r + 1}/2\n(column parallel)", colours[r], 8)
+        _box(axis, 3.6, 0.4 + 1.3 * r, 1.4, 0.9, f"B{r + 1}: columns {r + 1}/2\n(row parallel)", colours[r], 8)
+        _arrow(axis, (1.0, 1.5), (1.6, 0.85 + 1.3 * r))
+        _arrow(axis, (3.0, 0.85 + 1.3 * r), (3.6, 0.85 + 1.3 * r))
+        _arrow(axis, (5.0, 0.85 + 1.3 * r), (5.6, 1.5))
+    _box(axis, 5.6, 1.1, 1.2, 0.8, "all-reduce\n(sum)", "#e3f3dd")
+    axis.set_xlim(0, 7); axis.set_ylim(0, 3)
+    return figure
+
+
+def _schedule(name: str, virtual: int = 1) -> Callable:
+    def draw():
+        actions = pipeline.build_schedule(name, 4, 8, virtual)
+        events = pipeline.simulate_timeline(actions, 4)
+        title = f"{name}: 4 stages, 8 micro-batches" + (f", {virtual} virtual stages" if virtual > 1 else "")
+        return pipeline.plot_timeline(events, title=f"{title}, bubble {pipeline.bubble_fraction(events):.0%}",
+                                      pipeline_size=4)
+    return draw
+
+
+def mesh_layout():
+    """8 ranks as data 2 x pipeline 2 x tensor 2, with the groups of each axis."""
+    groups = mesh.grid_groups(8, data=2, pipeline=2, tensor=2)
+    figure, axes = plt.subplots(1, 3, figsize=(9, 2.6))
+    for axis, kind in zip(axes, ("tensor", "data", "pipeline")):
+        axis.set_axis_off()
+        for index, group in enumerate(groups[kind]):
+            for position, rank in enumerate(group):
+                _box(axis, position * 1.1, 3 - index * 0.9, 1.0, 0.7, f"rank {rank}", f"C{index}", 8)
+        axis.set_xlim(-0.1, 2.3); axis.set_ylim(0, 4)
+        axis.set_title(f"{kind} groups", fontsize=9)
+    figure.tight_layout()
+    return figure
+
+
+def strong_scaling():
+    """The strong-scaling plot from recorded results (slides/data/scaling.csv)."""
+    from . import scaling
+
+    rows = scaling.read_csv(RECORDED_SCALING)
+    figure, axes = plt.subplots(1, 2, figsize=(8, 3.2))
+    for strategy in sorted({row["strategy"] for row in rows}):
+        mine = sorted((row for row in rows if row["strategy"] == strategy), key=lambda row: row["world_size"])
+        ranks = [row["world_size"] for row in mine]
+        axes[0].plot(ranks, [row["time_per_epoch_s"] for row in mine], "o-", label=strategy.upper())
+        axes[1].plot(ranks, [row["speedup"] for row in mine], "o-", label=strategy.upper())
+    sizes = sorted({row["world_size"] for row in rows})
+    axes[1].plot(sizes, sizes, "k--", lw=1, label="ideal")
+    for axis, name in zip(axes, ("time per epoch (s)", "speedup")):
+        axis.set_xscale("log", base=2); axis.set_xticks(sizes)
+        axis.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        axis.set_xlabel("processes"); axis.set_title(name); axis.grid(alpha=0.3); axis.legend()
+    axes[0].set_yscale("log")
+    figure.tight_layout()
+    return figure
+
+
+FIGURES: dict[str, Callable] = {
+    "data_parallel": data_parallel,
+    "ring_all_reduce": ring_all_reduce,
+    "zero_memory": zero_memory,
+    "fsdp_timeline": fsdp_timeline,
+    "tensor_parallel": tensor_parallel,
+    "pipeline_gpipe": _schedule("gpipe"),
+    "pipeline_1f1b": _schedule("1f1b"),
+    "pipeline_interleaved": _schedule("interleaved_1f1b", 2),
+    "mesh_3d": mesh_layout,
+    "strong_scaling": strong_scaling,
+}
+
+
+def draw_all(directory: str | Path) -> list[Path]:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, draw in FIGURES.items():
+        figure = draw()
+        path = directory / f"{name}.png"
+        figure.savefig(path, dpi=110, metadata=PNG_METADATA)
+        plt.close(figure)
+        written.append(path)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m course_lib.figures", description=__doc__.split("\n\n")[0])
+    parser.add_argument("directory", nargs="?", default="slides/public/images")
+    args = parser.parse_args(argv)
+    for path in draw_all(args.directory):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""The slides' figures are drawn by `python -m course_lib.figures`, and the committed ones are current."""
+
+from __future__ import annotations
+
+from course_lib import comm, figures
+
+IMAGES = figures.Path(__file__).resolve().parent.parent / "slides" / "public" / "images"
+
+
+def test_every_committed_figure_is_what_the_command_draws_now(tmp_path):
+    fresh = {path.name: path.read_bytes() for path in figures.draw_all(tmp_path)}
+    committed = {path.name: path.read_bytes() for path in IMAGES.glob("*.png")}
+    missing = sorted(set(fresh) - set(committed))
+    orphans = sorted(set(committed) - set(fresh))
+    stale = sorted(name for name in set(fresh) & set(committed) if fresh[name] != committed[name])
+    assert not (missing or orphans or stale), (
+        f"missing {missing}, drawn by nothing {orphans}, stale {stale}: "
+        "run `python -m course_lib.figures slides/public/images` and commit the images"
+    )
+
+
+def test_the_ring_counts_end_with_every_chunk_complete_on_every_rank():
+    frames = comm.ring_all_reduce_counts(4)
+    assert len(frames) == 1 + 2 * 3
+    assert frames[3] == [[1, 4, 3, 2], [2, 1, 4, 3], [3, 2, 1, 4], [4, 3, 2, 1]]  # rank r owns chunk r + 1
+    assert frames[-1] == [[4] * 4] * 4

@@ -24,7 +24,7 @@ from . import memory  # noqa: E402
 from .parallel import mesh, pipeline  # noqa: E402
 
 PNG_METADATA = {"Software": None}  # no version string in the file: the same drawing gives the same bytes
-RECORDED_SCALING = Path(__file__).resolve().parent.parent / "slides" / "data" / "scaling.csv"
+RECORDED_SCALING = Path(__file__).resolve().parent.parent / "slides" / "recorded" / "scaling.csv"
 
 
 def _box(axis, x, y, w, h, text, colour="#dde6f3", size=9):
@@ -156,7 +156,7 @@ def mesh_layout():
 
 
 def strong_scaling():
-    """The strong-scaling plot from recorded results (slides/data/scaling.csv)."""
+    """The strong-scaling plot from recorded results (slides/recorded/scaling.csv)."""
     from . import scaling
 
     rows = scaling.read_csv(RECORDED_SCALING)

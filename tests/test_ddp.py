@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from conftest import run_ranks
+from conftest import run_bench, run_ranks
 from course_lib import comm, models
 from course_lib.errors import UserError
 from course_lib.launch import launch
@@ -185,16 +185,7 @@ def test_harness_course_impl_gives_the_same_metrics_as_torch(tmp_path, quick_arg
 
 
 def test_benchmark_command_prints_the_promised_json():
-    import subprocess
-    import sys
-
-    from conftest import REPO, clean_env
-
-    shown = subprocess.run([sys.executable, "-m", "course_lib.bench", "ddp", "--width", "64", "--layers", "3",
-                            "--steps", "2", "--warmup", "1", "--world-size", "3"],
-                           cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
-    assert shown.returncode == 0, shown.stderr
-    result = json.loads(shown.stdout)
+    result = run_bench("ddp", "--width", "64", "--layers", "3", "--steps", "2", "--warmup", "1", "--world-size", "3")
     for key in ("world_size", "params", "torch_step_ms", "course_step_ms", "naive_step_ms", "bucketed_step_ms",
                 "ratio", "bytes_per_rank_measured", "bytes_per_rank_theory"):
         assert key in result

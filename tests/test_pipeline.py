@@ -183,17 +183,10 @@ def _uneven_batch():
 
 
 def test_pipeline_benchmark_prints_the_promised_json():
-    import json
-    import subprocess
-    import sys
+    from conftest import run_bench
 
-    from conftest import REPO, clean_env
-
-    shown = subprocess.run([sys.executable, "-m", "course_lib.bench", "pipeline", "--stages", "2", "--d-model", "16",
-                            "--seq", "8", "--batch", "8", "--steps", "1", "--warmup", "0"],
-                           cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
-    assert shown.returncode == 0, shown.stderr
-    rows = json.loads(shown.stdout)["rows"]
+    rows = run_bench("pipeline", "--stages", "2", "--d-model", "16", "--seq", "8", "--batch", "8", "--steps", "1",
+                     "--warmup", "0")["rows"]
     assert [(r["schedule"], r["microbatches"]) for r in rows] == \
         [(s, m) for s in ("gpipe", "1f1b", "interleaved_1f1b") for m in (4, 8)]
     for row in rows:

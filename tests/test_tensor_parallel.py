@@ -125,17 +125,9 @@ def test_mlp_and_attention_cost_one_all_reduce_forward_and_one_backward(degree):
 
 
 def test_tp_benchmark_prints_the_promised_json():
-    import json
-    import subprocess
-    import sys
+    from conftest import run_bench
 
-    from conftest import REPO, clean_env
-
-    shown = subprocess.run([sys.executable, "-m", "course_lib.bench", "tp", "--d-model", "32", "--seq", "8",
-                            "--batch", "3", "--steps", "2", "--warmup", "1"],
-                           cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
-    assert shown.returncode == 0, shown.stderr
-    result = json.loads(shown.stdout)
+    result = run_bench("tp", "--d-model", "32", "--seq", "8", "--batch", "3", "--steps", "2", "--warmup", "1")
     for name in ("mlp", "attention"):
         assert {"course_step_ms", "torch_step_ms", "ratio"} <= set(result[name])
         assert result[name]["bytes_per_rank_measured"] == result[name]["bytes_per_rank_theory"]

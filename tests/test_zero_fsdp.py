@@ -8,6 +8,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 
+from conftest import run_bench
 from course_lib import bench, comm, memory, models
 from course_lib.errors import UserError
 from course_lib.launch import launch
@@ -363,21 +364,8 @@ def test_bad_inputs_get_clear_errors_on_every_rank():
     assert "does stage 1 or 2" in errors["zero_stage"]
 
 
-def _bench(*args: str) -> dict:
-    import json
-    import subprocess
-    import sys
-
-    from conftest import REPO, clean_env
-
-    shown = subprocess.run([sys.executable, "-m", "course_lib.bench", *args], cwd=REPO, env=clean_env(),
-                           capture_output=True, text=True, timeout=300)
-    assert shown.returncode == 0, shown.stderr
-    return json.loads(shown.stdout)
-
-
 def test_fsdp_benchmark_prints_the_promised_json():
-    result = _bench("fsdp", "--width", "63", "--layers", "3", "--steps", "2", "--warmup", "1", "--world-size", "3")
+    result = run_bench("fsdp", "--width", "63", "--layers", "3", "--steps", "2", "--warmup", "1", "--world-size", "3")
     for key in ("torch_step_ms", "course_step_ms", "ratio", "step_ms_by_sharding_strategy"):
         assert key in result
     assert set(result["step_ms_by_sharding_strategy"]) == {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"}
@@ -388,7 +376,7 @@ def test_fsdp_benchmark_prints_the_promised_json():
 
 
 def test_memory_benchmark_matches_the_model_within_two_percent():
-    result = _bench("memory", "--width", "65", "--layers", "2", "--world-sizes", "2", "3")
+    result = run_bench("memory", "--width", "65", "--layers", "2", "--world-sizes", "2", "3")
     assert [(row["world_size"], row["stage"]) for row in result["rows"]] == \
         [(n, stage) for n in (2, 3) for stage in memory.STAGES]
     assert result["max_ratio_error"] < 0.02

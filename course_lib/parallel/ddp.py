@@ -112,7 +112,26 @@ def check_same_model_everywhere(module: nn.Module, group) -> None:
         raise UserError(f"rank {rank} lists its parameters in another order than rank 0: build the same model everywhere")
 
 
-class DataParallel(nn.Module):
+class GradientSyncSwitch:
+    """``no_sync()`` for the course's data-parallel wrappers (DDP here, ZeRO and FSDP in ``zero.py``).
+
+    Backward passes inside the block keep their (full, local) gradients without communicating;
+    the next backward outside it reduces their sum: gradient accumulation without extra traffic.
+    """
+
+    require_gradient_sync = True
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        previous = self.require_gradient_sync
+        self.require_gradient_sync = False
+        try:
+            yield
+        finally:
+            self.require_gradient_sync = previous
+
+
+class DataParallel(GradientSyncSwitch, nn.Module):
     """Wrap ``module`` so that its gradients are averaged over the process group after each backward.
 
     ``find_unused_parameters``: a parameter that gets no gradient in a step (a branch not taken)
@@ -164,16 +183,6 @@ class DataParallel(nn.Module):
         # Like PyTorch, whether this step's backward communicates is decided when its forward runs.
         self._sync_this_backward = self.require_gradient_sync
         return self.module(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Forward *and* backward inside this block accumulate gradients without communicating."""
-        previous = self.require_gradient_sync
-        self.require_gradient_sync = False
-        try:
-            yield
-        finally:
-            self.require_gradient_sync = previous
 
     # -- backward: hooks, buckets, the final callback ----------------------------------------
     def _gradient_ready(self, param: nn.Parameter) -> None:

@@ -38,10 +38,8 @@ something else.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -49,7 +47,7 @@ from torch import nn
 
 from .. import comm
 from ..errors import UserError
-from .ddp import check_same_model_everywhere
+from .ddp import GradientSyncSwitch, check_same_model_everywhere
 
 
 @dataclass
@@ -281,7 +279,7 @@ def clip_sharded_grad_norm_(flats: list[FlatParameter], group, max_norm: float, 
     return total
 
 
-class FlatShardedMixin:
+class FlatShardedMixin(GradientSyncSwitch):
     """State dicts, gradient clipping and ``no_sync`` for wrappers made of flat parameters (ZeRO-1/2 here, FSDP in ``fsdp.py``).
 
     - ``full_state_dict()``: every original parameter, whole, under its original name, on every
@@ -294,18 +292,6 @@ class FlatShardedMixin:
     flat_params: list[FlatParameter]
     state_mesh = None  # the DeviceMesh the shards are spread over
     shard_group = None  # the ranks that hold different shards (None: all)
-    require_gradient_sync = True
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate full local gradients (memory!) without communicating;
-        the next backward outside reduces their sum."""
-        self.require_gradient_sync = False
-        try:
-            yield
-        finally:
-            self.require_gradient_sync = True
-
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradient of the whole model, of which this rank holds a shard; returns its norm."""
         return clip_sharded_grad_norm_(self.flat_params, self.shard_group, max_norm, norm_type)

@@ -67,6 +67,19 @@ def generate(names: list[str] | None = None) -> list[Path]:
     return written
 
 
+def compare_training(got: dict, expected: dict, tolerance: float = 1e-4) -> list[str]:
+    """Differences between two training runs' ``losses`` (step by step) and final ``weights``."""
+    problems = []
+    for step, (ours, theirs) in enumerate(zip(got["losses"], expected["losses"])):
+        if abs(ours - theirs) > tolerance:
+            problems.append(f"the loss of step {step + 1} is {ours:.4f}, the solution's {theirs:.4f}")
+            break
+    difference = (got["weights"] - expected["weights"]).abs().max().item()
+    if difference > tolerance:
+        problems.append(f"the final weights differ by up to {difference:.2e}")
+    return problems
+
+
 def load(path: Path) -> ModuleType:
     spec = importlib.util.spec_from_file_location(f"lab_{path.parent.name}_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)

@@ -264,10 +264,8 @@ def collect(results: Path) -> tuple[list[dict[str, Any]], list[str]]:
         rows.append(row)
     for strategy in sorted({row["strategy"] for row in rows}):
         mine = sorted((row for row in rows if row["strategy"] == strategy), key=lambda row: row["world_size"])
-        base = mine[0]
-        for row in mine:  # against the smallest run, scaled as if it had been perfect down to one
-            row["speedup"] = base["time_per_epoch_s"] * base["world_size"] / row["time_per_epoch_s"]
-            row["efficiency"] = row["speedup"] / row["world_size"]
+        base = mine[0]  # against the smallest run, scaled as if it had been perfect down to one process
+        add_speedup(mine, base["time_per_epoch_s"] * base["world_size"])
     rows.sort(key=lambda row: (row["strategy"], row["world_size"]))
     return rows, failed
 

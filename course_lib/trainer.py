@@ -132,13 +132,13 @@ def validate_config(config: TrainConfig, world_size: int) -> None:
         checkpoint.check_compatible(checkpoint.read_meta(resume_path), config.as_dict(), resume_path)
 
 
-SHARDING_DEFAULTS = {"zero_stage": 3, "sharding": "FULL_SHARD", "hybrid_shard_size": None, "cpu_offload": "none",
-                     "activation_checkpointing": False}
+SHARDING_FLAGS = ("zero_stage", "sharding", "hybrid_shard_size", "cpu_offload", "activation_checkpointing")
 
 
 def _check_sharding_flags(config: TrainConfig) -> None:
     """The sharding flags choose among the course's own implementations: refuse them anywhere else."""
-    changed = [name for name, default in SHARDING_DEFAULTS.items() if getattr(config, name) != default]
+    defaults = TrainConfig()
+    changed = [name for name in SHARDING_FLAGS if getattr(config, name) != getattr(defaults, name)]
     if changed and (config.strategy, config.impl) != ("fsdp", "course"):
         flags = ", ".join("--" + name.replace("_", "-") for name in changed)
         raise UserError(f"{flags} choose(s) among the course's sharded implementations: add --strategy fsdp --impl course")

@@ -79,6 +79,18 @@ def add_speedup(rows: list[dict[str, Any]], baseline_seconds: float) -> list[dic
     return rows
 
 
+def amdahl_speedup(processes: float, serial_fraction: float) -> float:
+    """Amdahl's law: the speedup on N processes when a fraction s of the work cannot be split."""
+    return 1 / (serial_fraction + (1 - serial_fraction) / processes)
+
+
+def fit_serial_fraction(points: Iterable[tuple[float, float]]) -> float:
+    """The serial fraction (0..1, steps of 0.001) whose Amdahl curve best fits (processes, speedup) points."""
+    points = list(points)
+    candidates = [i / 1000 for i in range(1001)]
+    return min(candidates, key=lambda s: sum((amdahl_speedup(n, s) - speedup) ** 2 for n, speedup in points))
+
+
 def format_table(rows: Iterable[dict[str, Any]]) -> str:
     """A fixed-width text table a student can read in a terminal."""
     header = f"{'run':<8} {'ranks':>5} {'s/epoch':>9} {'samples/s':>10} {'speedup':>8} {'efficiency':>10} {'val acc':>8}"

@@ -14,7 +14,7 @@ VENV_DIR := $(VENV_CACHE)/$(DEPS_HASH)
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup lab test test-fast clean-results
+.PHONY: setup lab test test-fast clean-results slides slides-setup slides-build
 
 setup:
 	@set -euo pipefail; \
@@ -45,3 +45,39 @@ test-fast: setup
 
 clean-results:
 	rm -rf results checkpoints
+
+# The lecture slides: Slidev decks slides/[0-9]*.md, built with the pinned Slidev of
+# slides/package-lock.json (Node.js 20 or newer) and exported with Chromium (Debian: apt-get
+# install chromium).
+#   make slides   draw the figures from the code, then build every deck and export it:
+#                 slides/dist/site/<deck>/index.html (open it, or serve the folder),
+#                 slides/dist/pdf/<deck>.pdf and slides/dist/png/<deck>/<slide>.png
+SLIDES_DECKS := $(notdir $(sort $(wildcard slides/[0-9]*.md)))
+SLIDES_OUT ?= $(CURDIR)/slides/dist
+CHROMIUM ?= $(shell command -v chromium || command -v chromium-browser || command -v google-chrome)
+SLIDEV := node_modules/.bin/slidev
+
+slides-setup:
+	@command -v npm >/dev/null || { echo "error: the slides need Node.js 20 or newer with npm (Debian: apt-get install nodejs npm)" >&2; exit 2; }
+	@[ -n "$(CHROMIUM)" ] || { echo "error: exporting the slides needs Chromium: apt-get install chromium (or set CHROMIUM=/path/to/chromium)" >&2; exit 2; }
+	@cd slides && if [ ! -f node_modules/.package-lock.json ] || [ package-lock.json -nt node_modules/.package-lock.json ]; then \
+	  echo "Installing the pinned Slidev into slides/node_modules (once; about half a minute)"; \
+	  PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 npm ci --no-audit --no-fund --loglevel=error; \
+	fi
+
+slides: setup slides-setup
+	$(PY) -m course_lib.figures slides/public/images
+	@$(MAKE) --no-print-directory slides-build
+
+# Build and export the decks as they are (no figures drawn, nothing downloaded): the tests run this offline.
+slides-build:
+	@set -euo pipefail; cd slides; \
+	[ -x $(SLIDEV) ] || { echo "error: Slidev is not installed: run make slides-setup" >&2; exit 2; }; \
+	rm -rf "$(SLIDES_OUT)/site" "$(SLIDES_OUT)/pdf" "$(SLIDES_OUT)/png"; \
+	for deck in $(SLIDES_DECKS); do \
+	  name=$${deck%.md}; echo "== $$deck"; \
+	  $(SLIDEV) build $$deck --base ./ --out "$(SLIDES_OUT)/site/$$name" >/dev/null; \
+	  $(SLIDEV) export $$deck --executable-path "$(CHROMIUM)" --output "$(SLIDES_OUT)/pdf/$$name" >/dev/null; \
+	  $(SLIDEV) export $$deck --executable-path "$(CHROMIUM)" --format png --output "$(SLIDES_OUT)/png/$$name" >/dev/null; \
+	done; \
+	echo "slides: $(SLIDES_OUT)/site/<deck>/index.html, $(SLIDES_OUT)/pdf/, $(SLIDES_OUT)/png/"

@@ -377,12 +377,14 @@ def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
         outgoing.wait()
         return incoming
 
+    # #region ring-steps
     for step in range(n - 1):
         received = exchange((rank - step) % n, (rank - step - 1) % n)
         chunks[(rank - step - 1) % n] += received
     for step in range(n - 1):
         received = exchange((rank + 1 - step) % n, (rank - step) % n)
         chunks[(rank - step) % n].copy_(received)
+    # #endregion ring-steps
     if work.data_ptr() != tensor.data_ptr():
         tensor.copy_(work.view_as(tensor))
     return tensor

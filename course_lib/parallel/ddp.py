@@ -208,6 +208,7 @@ class DataParallel(GradientSyncSwitch, nn.Module):
             view.copy_(param.grad)
             param.grad = view
 
+    # #region launch-buckets
     def _launch_ready_buckets(self) -> None:
         # Launch strictly in bucket order: every rank must issue its all-reduces in the same order.
         while self._next_to_launch < len(self.buckets):
@@ -216,6 +217,7 @@ class DataParallel(GradientSyncSwitch, nn.Module):
                 return
             bucket.work = comm.all_reduce(bucket.buffer, op="sum", group=self.group, async_op=True)
             self._next_to_launch += 1
+    # #endregion launch-buckets
 
     def _finish_backward(self) -> None:
         """Runs once at the end of every backward (queued on the autograd engine by the first hook)."""

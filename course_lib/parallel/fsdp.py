@@ -289,6 +289,7 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
         with saving:
             return self.module(*args, **kwargs)
 
+    # #region forward-hooks
     def _before_forward(self, unit: Unit, module: nn.Module, args) -> None:
         unit.flat.gather()
         self._record_peak()
@@ -301,6 +302,7 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
             if not unit.reshard_after_forward:
                 return
         unit.flat.free()
+    # #endregion forward-hooks
 
     # -- backward -------------------------------------------------------------------------------
     def _queue_end_of_backward(self) -> None:

@@ -44,6 +44,7 @@ from .. import comm
 from ..errors import UserError
 
 
+# #region f-and-g
 class _CopyToParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -67,6 +68,7 @@ class _ReduceFromParallel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
+# #endregion f-and-g
 
 
 class _GatherFromParallel(torch.autograd.Function):

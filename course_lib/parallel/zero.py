@@ -144,6 +144,7 @@ class FlatParameter:
             self.free()
 
     # -- parameters: gather and free ----------------------------------------------------------
+    # #region gather-free
     def gather(self) -> None:
         """Rebuild the full parameters from every rank's shard (one all-gather of the compute dtype)."""
         if self.is_gathered:
@@ -162,6 +163,7 @@ class FlatParameter:
         """Release the full parameters' memory; the views keep their shapes, their storage is empty."""
         self.full.untyped_storage().resize_(0)
         self.is_gathered = False
+    # #endregion gather-free
 
     # -- gradients ------------------------------------------------------------------------------
     def flat_gradient(self, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -365,7 +365,7 @@ def _relative(path: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m course_lib.slides",
                                      description="Check the lecture decks against the code.")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{check,count}")
     check = commands.add_parser("check", help="images, code imports, python blocks and command lines of the decks")
     check.add_argument("decks", nargs="*", type=Path, help="deck files (default: every slides/[0-9]*.md)")
     check.add_argument("--no-python", action="store_true", help="do not run the python blocks")

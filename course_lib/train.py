@@ -53,12 +53,22 @@ class _OnceArgumentParser(argparse.ArgumentParser):
         sys.exit(EXIT_USER_ERROR)
 
 
+class _DefaultsWhereTheyHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Show defaults, but not for on/off switches ("--no-progress (default: True)" misleads),
+    for options that are unset by default, or where the help already states the default."""
+
+    def _get_help_string(self, action):
+        if action.nargs == 0 or action.default is None or "(default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     defaults = TrainConfig()
     parser = _OnceArgumentParser(
         prog="python -m course_lib.train",
         description="Train a CNN on one process, or on many with DDP or FSDP.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsWhereTheyHelp,
     )
     what = parser.add_argument_group("what to train")
     what.add_argument("--strategy", choices=STRATEGIES, default=defaults.strategy)
@@ -100,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--resume", nargs="?", const="latest", default=None,
                      help="resume from the newest checkpoint in --checkpoint-dir, or from the given directory")
     out.add_argument("--metrics", default=None, help="append one JSON line per epoch to this file")
-    out.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    out.add_argument("--no-progress", dest="progress", action="store_false",
+                     help="no progress bar (one is shown by default)")
     out.add_argument("--dry-run", action="store_true",
                      help="check the configuration for this many processes (WORLD_SIZE) and exit")
     system = parser.add_argument_group("processes")

@@ -50,7 +50,7 @@ clean-results:
 # slides/package-lock.json (Node.js 20 or newer) and exported with Chromium (Debian: apt-get
 # install chromium).
 #   make slides   draw the figures from the code, then build every deck and export it:
-#                 slides/dist/site/<deck>/index.html (open it, or serve the folder),
+#                 slides/dist/site/<deck>/ (a static site: serve slides/dist over HTTP),
 #                 slides/dist/pdf/<deck>.pdf and slides/dist/png/<deck>/<slide>.png
 SLIDES_DECKS := $(notdir $(sort $(wildcard slides/[0-9]*.md)))
 SLIDES_OUT ?= $(CURDIR)/slides/dist
@@ -80,4 +80,10 @@ slides-build:
 	  $(SLIDEV) export $$deck --executable-path "$(CHROMIUM)" --output "$(SLIDES_OUT)/pdf/$$name" >/dev/null; \
 	  $(SLIDEV) export $$deck --executable-path "$(CHROMIUM)" --format png --output "$(SLIDES_OUT)/png/$$name" >/dev/null; \
 	done; \
-	echo "slides: $(SLIDES_OUT)/site/<deck>/index.html, $(SLIDES_OUT)/pdf/, $(SLIDES_OUT)/png/"
+	{ echo '<!doctype html><meta charset="utf-8"><title>Lectures</title><h1>Lectures</h1><ul>'; \
+	  for deck in $(SLIDES_DECKS); do name=$${deck%.md}; \
+	    title=$$(sed -n 's/^title: *"\{0,1\}\([^"]*\)"\{0,1\}$$/\1/p' $$deck | head -1); \
+	    echo "<li><a href=\"$$name/\">$$title</a> (<a href=\"../pdf/$$name.pdf\">PDF</a>)</li>"; \
+	  done; echo '</ul>'; } > "$(SLIDES_OUT)/site/index.html"; \
+	echo "slides: $(SLIDES_OUT)/pdf/, $(SLIDES_OUT)/png/, and $(SLIDES_OUT)/site/ to serve:"; \
+	echo "  python3 -m http.server --directory $(SLIDES_OUT) 8000, then open http://localhost:8000/site/"

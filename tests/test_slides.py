@@ -222,6 +222,10 @@ def test_every_deck_builds_offline_into_a_static_site(built):
         page = built / "site" / deck.stem / "index.html"
         assert page.is_file(), f"{deck.name} was not built"
         assert "./assets/" in page.read_text()  # relative links: the folder can be served from anywhere
+    index = (built / "site" / "index.html").read_text()
+    for deck in DECKS:
+        title = next(line for line in slides.split_slides(deck.read_text())[0].frontmatter if line.startswith("title:"))
+        assert f'<a href="{deck.stem}/">{title.split(":", 1)[1].strip().strip(chr(34))}</a>' in index
 
 
 @pytest.mark.slides

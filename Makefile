@@ -58,7 +58,8 @@ CHROMIUM ?= $(shell command -v chromium || command -v chromium-browser || comman
 SLIDEV := node_modules/.bin/slidev
 
 slides-setup:
-	@command -v npm >/dev/null || { echo "error: the slides need Node.js 20 or newer with npm (Debian: apt-get install nodejs npm)" >&2; exit 2; }
+	@command -v npm >/dev/null && node -e 'process.exit(Number(process.versions.node.split(".")[0]) >= 20 ? 0 : 1)' \
+	  || { echo "error: the slides need Node.js 20 or newer with npm (found: $$(node --version 2>/dev/null || echo none)); see https://nodejs.org" >&2; exit 2; }
 	@[ -n "$(CHROMIUM)" ] || { echo "error: exporting the slides needs Chromium: apt-get install chromium (or set CHROMIUM=/path/to/chromium)" >&2; exit 2; }
 	@cd slides && if [ ! -f node_modules/.package-lock.json ] || [ package-lock.json -nt node_modules/.package-lock.json ]; then \
 	  echo "Installing the pinned Slidev into slides/node_modules (once; about half a minute)"; \
@@ -67,6 +68,7 @@ slides-setup:
 
 slides: setup slides-setup
 	$(PY) -m course_lib.figures slides/public/images
+	$(PY) -m course_lib.slides check --no-python
 	@$(MAKE) --no-print-directory slides-build
 
 # Build and export the decks as they are (no figures drawn, nothing downloaded): the tests run this offline.

@@ -156,25 +156,11 @@ def mesh_layout():
 
 
 def strong_scaling():
-    """The strong-scaling plot from recorded results (slides/recorded/scaling.csv)."""
+    """The strong-scaling plot from recorded results (slides/recorded/scaling.csv), as ``scaling plot`` draws it."""
     from . import scaling
 
     rows = scaling.read_csv(RECORDED_SCALING)
-    figure, axes = plt.subplots(1, 2, figsize=(8, 3.2))
-    for strategy in sorted({row["strategy"] for row in rows}):
-        mine = sorted((row for row in rows if row["strategy"] == strategy), key=lambda row: row["world_size"])
-        ranks = [row["world_size"] for row in mine]
-        axes[0].plot(ranks, [row["time_per_epoch_s"] for row in mine], "o-", label=strategy.upper())
-        axes[1].plot(ranks, [row["speedup"] for row in mine], "o-", label=strategy.upper())
-    sizes = sorted({row["world_size"] for row in rows})
-    axes[1].plot(sizes, sizes, "k--", lw=1, label="ideal")
-    for axis, name in zip(axes, ("time per epoch (s)", "speedup")):
-        axis.set_xscale("log", base=2); axis.set_xticks(sizes)
-        axis.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        axis.set_xlabel("processes"); axis.set_title(name); axis.grid(alpha=0.3); axis.legend()
-    axes[0].set_yscale("log")
-    figure.tight_layout()
-    return figure
+    return scaling.draw_study(rows, panels=("time_per_epoch_s", "speedup"), panel_size=(4.0, 3.2))
 
 
 FIGURES: dict[str, Callable] = {

@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 from . import runtime
-from .scaling import add_speedup, format_table, plot_strong_scaling, read_metrics, summarize
+from .scaling import add_speedup, format_table, plot_study, read_metrics, summarize
 
 RUNS = (("single", 1), ("ddp", 2), ("fsdp", 2))
 QUICK_GLOBAL_BATCH = 480
@@ -88,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     add_speedup(rows, rows[0]["time_per_epoch_s"])
     print("\n" + format_table(rows))
     (results / "lab_summary.json").write_text(json.dumps(rows, indent=2) + "\n")
-    plot = plot_strong_scaling(rows, results / "strong_scaling.png",
-                               title=f"{args.model} on {args.dataset}, global batch {rows[0]['global_batch_size']}")
+    plot = plot_study(rows, results / "strong_scaling.png", panels=("time_per_epoch_s", "speedup"),
+                      title=f"{args.model} on {args.dataset}, global batch {rows[0]['global_batch_size']}")
     print(f"\nwrote {results}/lab-*.jsonl, {results}/lab_summary.json and {plot}")
     losses = [row["val_loss"] for row in rows]
     spread = (max(losses) - min(losses)) / min(losses)

@@ -92,63 +92,16 @@ def fit_serial_fraction(points: Iterable[tuple[float, float]]) -> float:
 
 
 def format_table(rows: Iterable[dict[str, Any]]) -> str:
-    """A fixed-width text table a student can read in a terminal."""
-    header = f"{'run':<8} {'ranks':>5} {'s/epoch':>9} {'samples/s':>10} {'speedup':>8} {'efficiency':>10} {'val acc':>8}"
+    """A fixed-width text table a student can read in a terminal: one row per run."""
+    header = (f"{'run':<10} {'ranks':>5} {'s/epoch':>9} {'samples/s':>10} {'speedup':>8} {'efficiency':>10} "
+              f"{'val acc':>8} {'peak MB':>8}")
     lines = [header, "-" * len(header)]
     for row in rows:
         lines.append(
-            f"{row['run']:<8} {row['world_size']:>5} {row['time_per_epoch_s']:>9.3f} {row['samples_per_s']:>10.0f} "
-            f"{row['speedup']:>8.2f} {row['efficiency']:>10.0%} {row['val_acc']:>8.2%}"
+            f"{row['run']:<10} {row['world_size']:>5} {row['time_per_epoch_s']:>9.3f} {row['samples_per_s']:>10.0f} "
+            f"{row['speedup']:>8.2f} {row['efficiency']:>10.0%} {row['val_acc']:>8.2%} {row['peak_mem_mb']:>8.0f}"
         )
     return "\n".join(lines)
-
-
-def plot_strong_scaling(rows: list[dict[str, Any]], path: str | Path, title: str = "Strong scaling") -> Path:
-    """Time per epoch and speedup against processes, one line per strategy, with the ideal lines.
-
-    ``rows`` need ``strategy``, ``world_size``, ``time_per_epoch_s``; the single-process row (if
-    any) is the starting point of every strategy's line.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    baseline = [row for row in rows if row["world_size"] == 1 and row["strategy"] == "single"]
-    strategies = sorted({row["strategy"] for row in rows if row["strategy"] != "single"})
-    figure, (ax_time, ax_speedup) = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
-    largest = max(row["world_size"] for row in rows)
-    reference = baseline[0]["time_per_epoch_s"] if baseline else None
-    for strategy in strategies or ["single"]:
-        points = baseline + [row for row in rows if row["strategy"] == strategy and row not in baseline]
-        points.sort(key=lambda row: row["world_size"])
-        ranks = [row["world_size"] for row in points]
-        seconds = [row["time_per_epoch_s"] for row in points]
-        start = reference or seconds[0] * ranks[0]
-        ax_time.plot(ranks, seconds, "o-", label=strategy.upper())
-        ax_speedup.plot(ranks, [start / s for s in seconds], "o-", label=strategy.upper())
-    ideal_ranks = list(range(1, largest + 1))
-    if reference:
-        ax_time.plot(ideal_ranks, [reference / n for n in ideal_ranks], "k--", lw=1, label="ideal (1/N)")
-    ax_speedup.plot(ideal_ranks, ideal_ranks, "k--", lw=1, label="ideal (N)")
-    for axis in (ax_time, ax_speedup):
-        axis.set_xscale("log", base=2)
-        axis.set_xticks(ideal_ranks if largest <= 8 else [2**k for k in range(largest.bit_length())])
-        axis.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        axis.set_xlabel("processes")
-        axis.grid(True, alpha=0.3)
-        axis.legend()
-    ax_time.set_yscale("log")
-    ax_time.set_ylabel("time per epoch (s)")
-    ax_time.set_title("time per epoch")
-    ax_speedup.set_ylabel("speedup over 1 process")
-    ax_speedup.set_title("speedup")
-    figure.suptitle(title)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
 
 
 # -- the study: plan, submit, collect, plot -----------------------------------------------------
@@ -303,37 +256,77 @@ def read_csv(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def plot_study(rows: list[dict[str, Any]], path: Path, title: str = "Strong scaling study") -> Path:
-    """Five panels: time per epoch (log-log, ideal 1/N), speedup, efficiency, accuracy, peak memory."""
+STUDY_PANELS = {
+    "time_per_epoch_s": "time per epoch (s)",
+    "speedup": "speedup",
+    "efficiency": "parallel efficiency",
+    "val_acc": "validation accuracy",
+    "peak_mem_mb": "peak memory per GPU (MB)",
+}
+
+
+def draw_study(rows: list[dict[str, Any]], panels: tuple[str, ...] = tuple(STUDY_PANELS),
+               panel_size: tuple[float, float] = (4.4, 4.0)):
+    """The study as a matplotlib figure: one panel per metric of ``panels`` against the number of
+    processes (log scale), one line per strategy, and the ideal where there is one (time 1/N,
+    speedup N, efficiency 1).
+
+    A one-process ``single`` row, as the lab has, is where every strategy's line starts.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, 5, figsize=(22, 4), constrained_layout=True)
+    figure, axes = plt.subplots(1, len(panels), figsize=(panel_size[0] * len(panels), panel_size[1]),
+                                constrained_layout=True, squeeze=False)
+    axes = dict(zip(panels, axes[0]))
     sizes = sorted({row["world_size"] for row in rows})
-    for strategy in sorted({row["strategy"] for row in rows}):
-        mine = sorted((row for row in rows if row["strategy"] == strategy), key=lambda row: row["world_size"])
+    baseline = [row for row in rows if row["strategy"] == "single"]
+    ideal_starts = set()  # lines that start from the same point share one ideal line
+    for strategy in sorted({row["strategy"] for row in rows} - {"single"}) or ["single"]:
+        mine = baseline + [row for row in rows if row["strategy"] == strategy and row not in baseline]
+        mine.sort(key=lambda row: row["world_size"])
         ranks = [row["world_size"] for row in mine]
-        for axis, key in zip(axes, ("time_per_epoch_s", "speedup", "efficiency", "val_acc", "peak_mem_mb")):
+        for key, axis in axes.items():
             axis.plot(ranks, [row[key] for row in mine], "o-", label=strategy.upper())
         first = mine[0]
-        ideal = [first["time_per_epoch_s"] * first["world_size"] / n for n in sizes]
-        axes[0].plot(sizes, ideal, "--", color="gray", lw=1, label=f"ideal 1/N ({strategy.upper()})")
-    axes[1].plot(sizes, sizes, "k--", lw=1, label="ideal")
-    axes[2].axhline(1.0, color="k", ls="--", lw=1, label="ideal")
-    titles = ("time per epoch (s)", "speedup", "parallel efficiency", "validation accuracy",
-              f"peak memory per GPU (MB, {rows[0].get('peak_mem_kind') or 'per rank'})")
-    for axis, name in zip(axes, titles):
+        start = (first["world_size"], first["time_per_epoch_s"])
+        if "time_per_epoch_s" in axes and start not in ideal_starts:
+            ideal_starts.add(start)
+            ideal = [first["time_per_epoch_s"] * first["world_size"] / n for n in sizes]
+            label = "ideal 1/N" if baseline else f"ideal 1/N ({strategy.upper()})"
+            axes["time_per_epoch_s"].plot(sizes, ideal, "--", color="gray", lw=1, label=label)
+    if "speedup" in axes:
+        axes["speedup"].plot(sizes, sizes, "k--", lw=1, label="ideal")
+    if "efficiency" in axes:
+        axes["efficiency"].axhline(1.0, color="k", ls="--", lw=1, label="ideal")
+    for key, axis in axes.items():
         axis.set_xscale("log", base=2)
         axis.set_xticks(sizes)
         axis.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        axis.set_xlabel("GPUs (processes)")
-        axis.set_title(name)
+        axis.set_xlabel("processes (GPUs)")
+        kind = rows[0].get("peak_mem_kind") if key == "peak_mem_mb" else None
+        axis.set_title(STUDY_PANELS[key] + (f", {kind}" if kind else ""))
         axis.grid(True, alpha=0.3)
         axis.legend()
-    axes[0].set_yscale("log")
+    if "time_per_epoch_s" in axes:
+        time_axis = axes["time_per_epoch_s"]
+        time_axis.set_yscale("log")
+        for set_formatter in (time_axis.yaxis.set_major_formatter, time_axis.yaxis.set_minor_formatter):
+            set_formatter(matplotlib.ticker.FormatStrFormatter("%g"))  # 3, 4 rather than 3 x 10^0
+    return figure
+
+
+def plot_study(rows: list[dict[str, Any]], path: str | Path, title: str = "Strong scaling study",
+               panels: tuple[str, ...] = tuple(STUDY_PANELS)) -> Path:
+    """``draw_study`` saved as a PNG at ``path``, with ``title`` above it."""
+    import matplotlib.pyplot as plt
+
+    figure = draw_study(rows, panels)
     figure.suptitle(title)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return path
@@ -381,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "collect":
         rows, failed = collect(args.results)
         if rows:
-            print(format_study_table(rows))
+            print(format_table(rows))
             print(f"wrote {write_csv(rows, args.results / CSV_FILE)}")
         for problem in failed:
             print(f"failed or missing: {problem}", file=sys.stderr)
@@ -392,15 +385,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"wrote {plot_study(rows, args.results / PLOT_FILE)}")
     return 0
-
-
-def format_study_table(rows: list[dict[str, Any]]) -> str:
-    header = f"{'run':<10} {'GPUs':>5} {'s/epoch':>9} {'speedup':>8} {'efficiency':>10} {'val acc':>8} {'peak MB':>8}"
-    lines = [header, "-" * len(header)]
-    for row in rows:
-        lines.append(f"{row['run']:<10} {row['world_size']:>5} {row['time_per_epoch_s']:>9.3f} {row['speedup']:>8.2f} "
-                     f"{row['efficiency']:>10.0%} {row['val_acc']:>8.2%} {row['peak_mem_mb']:>8.0f}")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

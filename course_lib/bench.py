@@ -35,6 +35,7 @@ import json
 import statistics
 import sys
 import time
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -52,25 +53,35 @@ def mlp(width: int, layers: int) -> nn.Sequential:
     return nn.Sequential(*blocks[:-1])
 
 
-def _time_step(model: nn.Module, optimizer, inputs, targets) -> float:
-    comm.barrier()  # start together, so one rank's lateness is not counted as the other's communication
-    started = time.perf_counter()
-    optimizer.zero_grad(set_to_none=True)
-    F.mse_loss(model(inputs), targets).backward()
-    optimizer.step()
-    return time.perf_counter() - started
+def _training_step(model: nn.Module, optimizer, inputs, targets) -> Callable[[], None]:
+    """One optimizer step of ``model`` on a fixed batch, as a function to time."""
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        F.mse_loss(model(inputs), targets).backward()
+        optimizer.step()
+    return step
 
 
-def _interleaved_medians(variants: dict, inputs, targets, steps: int, warmup: int) -> dict[str, float]:
-    """Median milliseconds per step of each (model, optimizer), timed in rotating order, round by round."""
-    times = {name: [] for name in variants}
-    names = list(variants)
+def _interleaved_medians(steps_by_name: dict[str, Callable[[], object]], steps: int, warmup: int,
+                         after_each_round: Callable[[], None] | None = None) -> dict[str, float]:
+    """Median milliseconds of each step function, the variants run in rotating order round by round.
+
+    Rotating makes slow drifts of the machine (clock, caches, the other processes on the cores)
+    hit every variant alike, so their ratio is fair. Every rank starts each step together (a
+    barrier), so one rank's lateness is not counted as another's communication.
+    """
+    times = {name: [] for name in steps_by_name}
+    names = list(steps_by_name)
     for round_index in range(warmup + steps):
-        order = names[round_index % len(names):] + names[:round_index % len(names)]
-        for name in order:
-            seconds = _time_step(*variants[name], inputs, targets)
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            comm.barrier()
+            started = time.perf_counter()
+            steps_by_name[name]()
             if round_index >= warmup:
-                times[name].append(seconds)
+                times[name].append(time.perf_counter() - started)
+        if round_index >= warmup and after_each_round is not None:
+            after_each_round()
     return {name: 1000 * statistics.median(values) for name, values in times.items()}
 
 
@@ -87,6 +98,7 @@ def _ddp_benchmark(width: int, layers: int, batch: int, steps: int, warmup: int,
     world = comm.get_world_size()
     torch.manual_seed(0)
     reference = mlp(width, layers)
+    inputs, targets = _rank_batch(batch, width)
     variants = {}
     for name in ("torch", "overlapped", "bucketed", "naive"):
         replica = mlp(width, layers)
@@ -95,12 +107,11 @@ def _ddp_benchmark(width: int, layers: int, batch: int, steps: int, warmup: int,
             wrapped = DistributedDataParallel(replica, bucket_cap_mb=bucket_mb)
         else:
             wrapped = DataParallel(replica, bucket_mb=bucket_mb, sync=name)
-        variants[name] = (wrapped, torch.optim.SGD(wrapped.parameters(), lr=1e-3))
-    inputs, targets = _rank_batch(batch, width)
-    median_ms = _interleaved_medians(variants, inputs, targets, steps, warmup)
+        variants[name] = _training_step(wrapped, torch.optim.SGD(wrapped.parameters(), lr=1e-3), inputs, targets)
+    median_ms = _interleaved_medians(variants, steps, warmup)
 
     with comm.CommLog() as log:
-        _time_step(*variants["overlapped"], inputs, targets)
+        variants["overlapped"]()
     params = sum(p.numel() for p in reference.parameters())
     gradient_bytes = 4 * params
     if not runtime.is_main():
@@ -135,6 +146,7 @@ def _fsdp_benchmark(width: int, layers: int, batch: int, steps: int, warmup: int
     reference = mlp(width, layers)
     strategies = {"FULL_SHARD": {}, "SHARD_GRAD_OP": {}, "NO_SHARD": {},
                   "HYBRID_SHARD": {"hybrid_shard_size": hybrid_size}}
+    inputs, targets = _rank_batch(batch, width)
     variants = {}
     for name in ("torch", *strategies):
         model = mlp(width, layers)
@@ -146,12 +158,11 @@ def _fsdp_benchmark(width: int, layers: int, batch: int, steps: int, warmup: int
             wrapped = fully_shard(model)
         else:
             wrapped = FullyShardedDataParallel(model, auto_wrap_policy=units, sharding_strategy=name, **strategies[name])
-        variants[name] = (wrapped, torch.optim.SGD(wrapped.parameters(), lr=1e-3))
-    inputs, targets = _rank_batch(batch, width)
-    median_ms = _interleaved_medians(variants, inputs, targets, steps, warmup)
+        variants[name] = _training_step(wrapped, torch.optim.SGD(wrapped.parameters(), lr=1e-3), inputs, targets)
+    median_ms = _interleaved_medians(variants, steps, warmup)
 
     with comm.CommLog() as log:
-        _time_step(*variants["FULL_SHARD"], inputs, targets)
+        variants["FULL_SHARD"]()
     params = sum(p.numel() for p in reference.parameters())
     if not runtime.is_main():
         return None
@@ -252,29 +263,21 @@ def _pipeline_benchmark(d_model: int, seq: int, batch: int, steps: int, warmup: 
 
             def course_step():
                 executor.step(x if first else None, y if last else None)
+                comm.barrier()  # a pipeline step ends when its last stage is done
 
             def torch_step():
                 runner.step(x if first else None, target=y if last else None, losses=[] if last else None)
+                comm.barrier()
 
-            times = {"course": [], "torch": []}
             bubbles = []
-            for round_index in range(warmup + steps):
-                order = [("course", course_step), ("torch", torch_step)][::1 if round_index % 2 else -1]
-                for name, run in order:
-                    comm.barrier()
-                    started = time.perf_counter()
-                    run()
-                    comm.barrier()
-                    if round_index >= warmup:
-                        times[name].append(time.perf_counter() - started)
-                if round_index >= warmup:
-                    bubbles.append(executor.stats.bubble_fraction)
+            median_ms = _interleaved_medians({"course": course_step, "torch": torch_step}, steps, warmup,
+                                             after_each_round=lambda: bubbles.append(executor.stats.bubble_fraction))
             for module in mine.values():
                 module.zero_grad(set_to_none=True)
             gathered = [None] * p
             torch.distributed.all_gather_object(gathered, (statistics.median(bubbles), executor.stats.peak_activations,
                                                            executor.stats.peak_activation_bytes))
-            course_ms, torch_ms = (1000 * statistics.median(times[k]) for k in ("course", "torch"))
+            course_ms, torch_ms = median_ms["course"], median_ms["torch"]
             rows.append({
                 "schedule": schedule, "stages": p, "virtual_stages": v, "microbatches": m,
                 "course_step_ms": course_ms, "torch_step_ms": torch_ms, "ratio": course_ms / torch_ms,
@@ -312,18 +315,11 @@ def _tp_benchmark(d_model: int, seq: int, batch: int, steps: int, warmup: int) -
     activation_bytes = 4 * batch * seq * d_model
     for name in ("mlp", "attention"):
         theirs = parallelize_module(copy.deepcopy(dense[name]), mesh, plans[name])
-        variants = {"course": course[name], "torch": theirs}
-        times = {k: [] for k in variants}
-        for round_index in range(warmup + steps):
-            for key in (list(variants) if round_index % 2 else list(variants)[::-1]):
-                comm.barrier()
-                started = time.perf_counter()
-                variants[key](inputs).sum().backward()
-                if round_index >= warmup:
-                    times[key].append(time.perf_counter() - started)
+        median_ms = _interleaved_medians({"course": lambda block=course[name]: block(inputs).sum().backward(),
+                                          "torch": lambda block=theirs: block(inputs).sum().backward()}, steps, warmup)
         with comm.CommLog() as log:
             course[name](inputs).sum().backward()
-        course_ms, torch_ms = (1000 * statistics.median(times[k]) for k in ("course", "torch"))
+        course_ms, torch_ms = median_ms["course"], median_ms["torch"]
         result[name] = {
             "course_step_ms": course_ms, "torch_step_ms": torch_ms, "ratio": course_ms / torch_ms,
             "all_reduces_per_step": log.count("all_reduce"),

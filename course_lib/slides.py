@@ -30,8 +30,10 @@ import argparse
 import contextlib
 import importlib
 import io
+import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -301,18 +303,22 @@ def check_shell_block(block: Block) -> list[tuple[int, str]]:
     return problems
 
 
-def run_python_blocks(deck: Path, slides: list[Slide]) -> list[str]:
+def run_python_blocks(deck: Path, slides: list[Slide], timeout_s: float = SNIPPET_TIMEOUT_S) -> list[str]:
     """Run the deck's python blocks in order, in a fresh process; the failure, if any, as one problem."""
-    blocks = [(slide.number, block) for slide in slides for block in slide.blocks if block.language in PYTHON_LANGUAGES]
-    if not blocks:
+    if not any(block.language in PYTHON_LANGUAGES for slide in slides for block in slide.blocks):
         return []
-    child = subprocess.run(
-        [sys.executable, "-m", "course_lib.slides", "_run-python", str(deck)],
-        cwd=REPOSITORY, capture_output=True, text=True, timeout=SNIPPET_TIMEOUT_S,
-    )
+    # A session of its own, so that a snippet that hangs is stopped with every process it started.
+    child = subprocess.Popen([sys.executable, "-m", "course_lib.slides", "_run-python", str(deck)], cwd=REPOSITORY,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, errors = child.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.communicate()
+        return [f"{_relative(deck)}: its python blocks did not finish within {timeout_s:g} s: does a snippet wait forever?"]
     if child.returncode == 0:
         return []
-    return [child.stderr.strip() or f"the python blocks exited with status {child.returncode}"]
+    return [errors.strip() or f"the python blocks of {_relative(deck)} exited with status {child.returncode}"]
 
 
 def _run_python_here(deck: Path) -> int:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -142,6 +143,25 @@ def test_a_snippet_that_no_longer_runs_fails_with_its_slide_and_line(tmp_path):
     assert "09-broken.md, slide 3: the python block at line 20 failed: ValueError" in problem
     assert "unknown stage 'zero4'" in problem
     assert f'File "{deck}", line 20' in problem  # the traceback points into the deck itself
+
+
+def test_a_snippet_that_hangs_is_stopped_with_the_processes_it_started(tmp_path):
+    deck = _deck(tmp_path, """\
+        # two
+
+        ```python
+        import time
+        from course_lib.launch import launch
+
+        launch(time.sleep, 2, 600)
+        ```
+        """)
+    started = time.monotonic()
+    [problem] = slides.run_python_blocks(deck, slides.split_slides(deck.read_text()), timeout_s=8)
+    assert time.monotonic() - started < 60
+    assert "09-broken.md: its python blocks did not finish within 8 s" in problem
+    leftovers = subprocess.run(["pgrep", "-f", f"_run-python {deck}"], capture_output=True, text=True)
+    assert leftovers.stdout.strip() == ""
 
 
 def test_a_code_import_of_a_missing_region_or_file_is_named(tmp_path):

@@ -41,8 +41,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import comm, memory, runtime
+from . import checks, comm, memory, runtime
+from .errors import EXIT_USER_ERROR, UserError
 from .launch import launch
+
+PIPELINE_MICROBATCHES = (4, 8)
+"""Micro-batches per step in the pipeline benchmark: the bubble shrinks as they grow."""
+TP_HEADS_PER_RANK = 4
+"""Attention heads each rank owns in the tensor-parallel benchmark."""
 
 
 def mlp(width: int, layers: int) -> nn.Sequential:
@@ -250,7 +256,7 @@ def _pipeline_benchmark(d_model: int, seq: int, batch: int, steps: int, warmup: 
     p, rank = comm.get_world_size(), comm.get_rank()
     rows = []
     for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
-        for m in (4, 8):
+        for m in PIPELINE_MICROBATCHES:
             model, inputs, targets = _transformer(2 * p * v - 2, d_model, seq)  # two pipeline entries per stage
             stages = pp.split_model(model, p * v)
             mine = {s: stages[s] for s in range(p * v) if pp.rank_of_stage(s, p) == rank}
@@ -302,12 +308,13 @@ def _tp_benchmark(d_model: int, seq: int, batch: int, steps: int, warmup: int) -
     degree = comm.get_world_size()
     mesh = init_device_mesh("cpu", (degree,))
     torch.manual_seed(0)
-    dense = {"mlp": models.MLP(d_model, 4 * d_model), "attention": models.SelfAttention(d_model, 4 * degree)}
+    heads = TP_HEADS_PER_RANK * degree
+    dense = {"mlp": models.MLP(d_model, 4 * d_model), "attention": models.SelfAttention(d_model, heads)}
     plans = {"mlp": {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()},
              "attention": {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
                            "out": RowwiseParallel()}}
     course = {"mlp": tp.parallel_mlp(copy.deepcopy(dense["mlp"])),
-              "attention": tp.parallel_attention(copy.deepcopy(dense["attention"]), 4 * degree)}
+              "attention": tp.parallel_attention(copy.deepcopy(dense["attention"]), heads)}
     # the input requires grad, as a block's input does inside a model: backward then all-reduces its gradient
     inputs = torch.randn(batch, seq, d_model, generator=torch.Generator().manual_seed(1), requires_grad=True)
     result = {"benchmark": "tp", "tensor_degree": degree, "threads_per_rank": torch.get_num_threads(),
@@ -330,7 +337,7 @@ def _tp_benchmark(d_model: int, seq: int, batch: int, steps: int, warmup: int) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m course_lib.bench", description=__doc__.split("\n\n")[0])
+    parser = checks.CommandParser(prog="python -m course_lib.bench", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="benchmark", required=True)
     formatter = argparse.ArgumentDefaultsHelpFormatter
     ddp = sub.add_parser("ddp", help="course DDP (3 modes) against torch DDP", formatter_class=formatter)
@@ -341,26 +348,43 @@ def main(argv: list[str] | None = None) -> int:
                           formatter_class=formatter)
     tensor = sub.add_parser("tp", help="course tensor parallelism against DTensor parallelize_module",
                             formatter_class=formatter)
+    positive, processes = checks.int_at_least(1), checks.int_at_least(1, launch_limit := 8 * runtime.usable_cpus())
     for command in (pipe, tensor):
-        command.add_argument("--d-model", type=int, default=128)
-        command.add_argument("--seq", type=int, default=64)
-        command.add_argument("--batch", type=int, default=16, help="samples per step (the whole pipeline's batch)")
-        command.add_argument("--steps", type=int, default=10, help="timed steps per variant")
-        command.add_argument("--warmup", type=int, default=2)
-    pipe.add_argument("--stages", type=int, nargs="+", default=[2, 4], help="pipeline sizes (one run each)")
-    tensor.add_argument("--world-size", type=int, default=2, help="the tensor-parallel degree")
+        command.add_argument("--d-model", type=positive, default=128)
+        command.add_argument("--seq", type=positive, default=64)
+        command.add_argument("--batch", type=positive, default=16, help="samples per step (the whole pipeline's batch)")
+        command.add_argument("--steps", type=positive, default=10, help="timed steps per variant")
+        command.add_argument("--warmup", type=checks.int_at_least(0), default=2)
+    pipe.add_argument("--stages", type=checks.int_at_least(2, launch_limit), nargs="+", default=[2, 4],
+                      help="pipeline sizes (one run each)")
+    tensor.add_argument("--world-size", type=processes, default=2, help="the tensor-parallel degree")
     for command in (ddp, fsdp, mem):
-        command.add_argument("--width", type=int, default=1024)
-        command.add_argument("--layers", type=int, default=4)
-        command.add_argument("--batch", type=int, default=64, help="samples per rank per step")
+        command.add_argument("--width", type=positive, default=1024)
+        command.add_argument("--layers", type=positive, default=4)
+        command.add_argument("--batch", type=positive, default=64, help="samples per rank per step")
     for command in (ddp, fsdp):
-        command.add_argument("--world-size", type=int, default=2)
-        command.add_argument("--steps", type=int, default=30, help="timed steps per variant")
-        command.add_argument("--warmup", type=int, default=3)
-    ddp.add_argument("--bucket-mb", type=float, default=4.0, help="bucket size, the same for both implementations")
-    mem.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+        command.add_argument("--world-size", type=processes, default=2)
+        command.add_argument("--steps", type=positive, default=30, help="timed steps per variant")
+        command.add_argument("--warmup", type=checks.int_at_least(0), default=3)
+    ddp.add_argument("--bucket-mb", type=checks.number_above(0), default=4.0,
+                     help="bucket size, the same for both implementations")
+    mem.add_argument("--world-sizes", type=processes, nargs="+", default=[2, 4])
     args = parser.parse_args(argv)
+    parser = sub.choices[args.benchmark]  # later mistakes are reported as this subcommand's
+    if args.benchmark == "pipeline" and args.batch % PIPELINE_MICROBATCHES[-1]:
+        parser.error(f"argument --batch: must be a multiple of {PIPELINE_MICROBATCHES[-1]} (it is cut into "
+                     f"{' and '.join(map(str, PIPELINE_MICROBATCHES))} micro-batches), got {args.batch}")
+    if args.benchmark == "tp" and args.d_model % (heads := TP_HEADS_PER_RANK * args.world_size):
+        parser.error(f"argument --d-model: must be a multiple of {heads} (the attention's {TP_HEADS_PER_RANK} heads "
+                     f"per rank x --world-size {args.world_size}), got {args.d_model}")
+    try:
+        return _run_benchmark(args)
+    except UserError as error:
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return EXIT_USER_ERROR
 
+
+def _run_benchmark(args: argparse.Namespace) -> int:
     if args.benchmark == "pipeline":
         rows = []
         for stages in args.stages:

@@ -28,7 +28,6 @@ Two details keep that invariant exact:
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
+from . import checks
 from .errors import UserError
 
 DATASETS = ("digits", "cifar10", "synthetic")
@@ -229,11 +229,11 @@ def download(name: str, data_dir: str | Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m course_lib.data", description=download.__doc__)
+    parser = checks.CommandParser(prog="python -m course_lib.data", description=download.__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     fetch = sub.add_parser("download", help="download a dataset into --data-dir")
     fetch.add_argument("dataset", choices=["cifar10"])
-    fetch.add_argument("--data-dir", default="data")
+    fetch.add_argument("--data-dir", type=checks.folder_to_write, default="data")
     args = parser.parse_args(argv)
     try:
         path = download(args.dataset, args.data_dir)

@@ -1,4 +1,4 @@
-"""The one exception type for mistakes a user can fix.
+"""The exit statuses of the commands, and the exceptions that choose them.
 
 Training code raises ``UserError`` with a message that names the fix ("pass --global-batch-size 66,
 a multiple of 3"). The command line prints that message as a single line, once, and exits with
@@ -19,6 +19,15 @@ EXIT_CRASH = 1
 EXIT_REQUEUE = 3
 """Exit status after a stop signal (SIGUSR1, SIGTERM): a checkpoint was written, requeue the job."""
 
+EXIT_DIVERGED = 4
+"""Exit status when the loss or the gradient became NaN or infinite: the run stopped at that step,
+every rank together, and the newest checkpoint is still the last good one. Requeueing would only
+diverge again: change the run (a lower --lr, --clip-grad-norm, fp32) and resume."""
+
 
 class UserError(Exception):
     """A mistake in the input (flag, environment, data, checkpoint) that the message tells how to fix."""
+
+
+class Diverged(Exception):
+    """Training produced a non-finite loss or gradient; every rank stopped at the same step."""

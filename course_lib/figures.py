@@ -9,7 +9,6 @@ follow; a test fails if a committed figure differs from what this command draws.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Callable
@@ -20,7 +19,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
 
-from . import memory  # noqa: E402
+from . import checks, memory  # noqa: E402
 from .parallel import mesh, pipeline  # noqa: E402
 
 PNG_METADATA = {"Software": None}  # no version string in the file: the same drawing gives the same bytes
@@ -191,8 +190,8 @@ def draw_all(directory: str | Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m course_lib.figures", description=__doc__.split("\n\n")[0])
-    parser.add_argument("directory", nargs="?", default="slides/public/images")
+    parser = checks.CommandParser(prog="python -m course_lib.figures", description=__doc__.split("\n\n")[0])
+    parser.add_argument("directory", nargs="?", type=checks.folder_to_write, default="slides/public/images")
     args = parser.parse_args(argv)
     for path in draw_all(args.directory):
         print(f"wrote {path}")

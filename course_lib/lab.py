@@ -27,12 +27,15 @@ import os
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
-from . import runtime
+from . import checks, runtime
+from .data import DATASETS
+from .models import MODELS
 from .scaling import add_speedup, format_table, plot_study, read_metrics, summarize
+from .trainer import MAX_LEARNING_RATE
 
 RUNS = (("single", 1), ("ddp", 2), ("fsdp", 2))
+LARGEST_RUN = max(nprocs for _, nprocs in RUNS)
 QUICK_GLOBAL_BATCH = 480
 SAME_MODEL_TOLERANCE = 1e-2  # relative spread of the final validation losses
 
@@ -45,24 +48,28 @@ def command_for(strategy: str, nprocs: int, train_args: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m course_lib.lab", description=__doc__.split("\n\n")[0],
+    parser = checks.CommandParser(prog="python -m course_lib.lab", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--dataset", default="digits")
-    parser.add_argument("--model", default="digits_cnn")
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--global-batch-size", type=int, default=256)
-    parser.add_argument("--lr", type=float, default=0.01)
-    parser.add_argument("--threads-per-process", type=int, default=None,
+    parser.add_argument("--dataset", choices=DATASETS, default="digits")
+    parser.add_argument("--model", choices=MODELS, default="digits_cnn")
+    parser.add_argument("--epochs", type=checks.int_at_least(1), default=10)
+    parser.add_argument("--global-batch-size", type=checks.int_at_least(1), default=256,
+                        help=f"summed over the ranks of a run: a multiple of {LARGEST_RUN}")
+    parser.add_argument("--lr", type=checks.argument_type(checks.check_number, float, above=0,
+                                                         maximum=MAX_LEARNING_RATE), default=0.01)
+    parser.add_argument("--threads-per-process", type=checks.int_at_least(1, runtime.usable_cpus()), default=None,
                         help="CPU threads per rank (default: the machine's cores shared between the ranks of a run; "
                              "1 compares one worker per core, like one GPU per rank)")
-    parser.add_argument("--results-dir", default="results")
+    parser.add_argument("--results-dir", type=checks.folder_to_write, default="results")
     parser.add_argument("--quick", action="store_true",
                         help=f"2 epochs at global batch {QUICK_GLOBAL_BATCH} (2 steps each on digits): checks the "
                              "whole lab in seconds (used by the tests)")
     args = parser.parse_args(argv)
+    if args.global_batch_size % LARGEST_RUN:
+        parser.error(f"argument --global-batch-size: must be a multiple of {LARGEST_RUN} (the DDP and FSDP runs "
+                     f"split it over {LARGEST_RUN} processes), got {args.global_batch_size}")
 
-    results = Path(args.results_dir)
-    results.mkdir(parents=True, exist_ok=True)
+    results = args.results_dir
     global_batch = QUICK_GLOBAL_BATCH if args.quick else args.global_batch_size
     train_args = ["--dataset", args.dataset, "--model", args.model, "--global-batch-size", str(global_batch),
                   "--lr", str(args.lr), "--epochs", str(2 if args.quick else args.epochs)]

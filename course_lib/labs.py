@@ -18,13 +18,14 @@ compares the numbers, naming the first difference or the first TODO still to fil
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import re
 import sys
 import traceback
 from pathlib import Path
 from types import ModuleType
+
+from . import checks
 
 LABS_DIR = Path(__file__).resolve().parent.parent / "labs"
 BEGIN = re.compile(r"^(?P<indent>\s*)# BEGIN SOLUTION: (?P<hint>.+)$")
@@ -119,12 +120,12 @@ def check(name: str, file: Path | None = None) -> tuple[bool, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m course_lib.labs", description=__doc__.split("\n\n")[0])
+    parser = checks.CommandParser(prog="python -m course_lib.labs", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("generate", help="write every exercise.py from its solution.py")
     checker = sub.add_parser("check", help="run your exercise and compare it with the solution")
     checker.add_argument("lab", help=f"one of: {', '.join(lab_names())}")
-    checker.add_argument("--file", type=Path, default=None, help="the file to check (default: the lab's exercise.py)")
+    checker.add_argument("--file", type=checks.file_to_read, default=None, help="the file to check (default: the lab's exercise.py)")
     args = parser.parse_args(argv)
     if args.command == "generate":
         for path in generate():

@@ -41,6 +41,7 @@ import traceback
 from typing import Any, Callable
 
 from . import runtime
+from .errors import UserError
 
 PROCESSES_PER_CORE_LIMIT = 8
 """More processes than this per CPU core would spend their time switching, not computing: refused."""
@@ -130,7 +131,6 @@ _told_about_sharing = False
 def check_process_count(nprocs: int, cores: int | None = None) -> None:
     """Refuse a senseless number of processes; say once what sharing few cores means for the rest."""
     global _told_about_sharing
-    from .errors import UserError
 
     cores = cores or runtime.usable_cpus()
     limit = PROCESSES_PER_CORE_LIMIT * cores
@@ -153,8 +153,13 @@ def launch(fn: Callable, nprocs: int, *args: Any, backend: str = "gloo", timeout
     raises, the others are stopped and the exception is raised here. If they do not all finish
     within ``timeout_s`` seconds, they are stopped and ``TimeoutError`` is raised.
     """
-    if nprocs < 1:
-        raise ValueError(f"nprocs must be at least 1, got {nprocs}")
+    from .checks import check_choice, check_int, check_number
+
+    if not callable(fn):
+        raise UserError(f"fn must be a function to run on every rank, got {type(fn).__name__}")
+    check_int("nprocs", nprocs, minimum=1)
+    check_choice("backend", backend, ("gloo", "nccl", "auto"))
+    check_number("timeout_s", timeout_s, above=0, maximum=runtime.MAX_TIMEOUT_S)
     check_process_count(nprocs)
     import torch.distributed as dist
 

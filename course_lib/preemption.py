@@ -7,12 +7,14 @@ middle of a step loses everything since the last checkpoint. Instead:
 
 1. the signal handler only *records* the request (a handler may run at any instruction; doing
    real work there would be unsafe);
-2. after each optimizer step every rank asks "did anyone get a signal?" with one tiny all-reduce
-   (the signal may reach the ranks a few milliseconds apart, so they must agree on the step);
+2. at each step every rank asks "did anyone get a signal?" in the one tiny all-reduce the
+   trainer makes per step anyway (``Trainer._agree_on_step``, which also asks "did anyone's
+   loss become NaN?"): the signal may reach the ranks a few milliseconds apart, so they must
+   agree on the step;
 3. all ranks write a checkpoint of that step and exit with ``EXIT_REQUEUE``; the job script sees
    that status and requeues the job, which resumes from the checkpoint (``--resume latest``).
 
-Cost: one all-reduce of a single number per step, negligible next to the gradients.
+Cost: one number in an all-reduce of four per step, negligible next to the gradients.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ class Preempted(Exception):
 
 
 class StopRequests:
-    """Catches SIGUSR1 and SIGTERM while training runs; ``agreed()`` tells every rank at once."""
+    """Catches SIGUSR1 and SIGTERM while training runs; ``received`` is the signal, or None."""
 
     def __init__(self, signals=STOP_SIGNALS):
         self.received: int | None = None
@@ -41,14 +43,6 @@ class StopRequests:
 
     def _record(self, number, _frame) -> None:
         self.received = number
-
-    def agreed(self, device: torch.device) -> bool:
-        """True on every rank if any rank received a stop signal (a collective: all ranks must call it)."""
-        from . import comm
-
-        flag = torch.tensor([0 if self.received is None else 1], device=device)
-        comm.all_reduce(flag, op="max")
-        return bool(flag.item())
 
     def name(self) -> str:
         return signal.Signals(self.received).name if self.received is not None else "a signal on another rank"

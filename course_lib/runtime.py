@@ -45,6 +45,9 @@ from .errors import UserError
 DEFAULT_TIMEOUT_S = 300
 """How long a collective waits for a missing rank before failing (instead of hanging forever)."""
 
+MAX_TIMEOUT_S = 24 * 3600
+"""A rank that waits longer than a day for another is not waiting for anything that will come."""
+
 SLURM_PORT_BASE, SLURM_PORT_SPAN = 20000, 40000
 """MASTER_PORT for srun jobs is derived from the job id, so two jobs sharing a node do not collide."""
 
@@ -231,6 +234,11 @@ def init(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, num_thread
     if _context is not None:
         return _context
 
+    from .checks import check_int, check_number
+
+    check_number("timeout_s", timeout_s, above=0, maximum=MAX_TIMEOUT_S)
+    if num_threads is not None:
+        check_int("num_threads", num_threads, minimum=1)
     env = resolve_environment()
     import torch
     import torch.distributed as dist

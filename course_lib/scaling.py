@@ -40,11 +40,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+from . import checks
+
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The records of a JSON-lines metrics file (one per epoch)."""
+    """The epoch records of a JSON-lines metrics file (events such as a divergence are left out)."""
     with open(path) as handle:
-        return [json.loads(line) for line in handle if line.strip()]
+        records = [json.loads(line) for line in handle if line.strip()]
+    return [record for record in records if "event" not in record]
 
 
 def time_per_epoch(records: list[dict[str, Any]]) -> float:
@@ -333,32 +336,48 @@ def plot_study(rows: list[dict[str, Any]], path: str | Path, title: str = "Stron
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m course_lib.scaling", description=__doc__.split("\n\n")[0])
+    from .data import DATASETS
+    from .models import MODELS
+
+    parser = checks.CommandParser(prog="python -m course_lib.scaling", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     submit = sub.add_parser("submit", help="run the study: on Slurm (default) or here (--local)",
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for command in [submit, sub.add_parser("collect", help="table, scaling.csv, failed runs"),
+    submit.add_argument("--results", type=checks.folder_to_write, default=Path("results/scaling"),
+                        help="the study's folder")
+    for command in [sub.add_parser("collect", help="table, scaling.csv, failed runs"),
                     sub.add_parser("plot", help="scaling.png from scaling.csv")]:
-        command.add_argument("--results", type=Path, default=Path("results/scaling"), help="the study's folder")
-    submit.add_argument("--gpus", type=int, nargs="+", default=[1, 2, 4, 8], help="sizes to run")
+        command.add_argument("--results", type=checks.folder_to_read, default=Path("results/scaling"),
+                             help="the study's folder")
+    submit.add_argument("--gpus", type=checks.int_at_least(1), nargs="+", default=[1, 2, 4, 8], help="sizes to run")
     submit.add_argument("--strategies", nargs="+", choices=("ddp", "fsdp"), default=["ddp", "fsdp"])
-    submit.add_argument("--gpus-per-node", type=int, default=4)
+    submit.add_argument("--gpus-per-node", type=checks.int_at_least(1), default=4)
     submit.add_argument("--local", action="store_true", help="no Slurm: run each size here with torchrun")
     submit.add_argument("--wait", action="store_true", help="return when every job has ended")
-    submit.add_argument("--dataset", default=os.environ.get("COURSE_DATASET", "cifar10"))
-    submit.add_argument("--data-dir", default=os.environ.get("COURSE_DATA_DIR"))
-    submit.add_argument("--model", default=os.environ.get("COURSE_MODEL", "resnet18"))
-    submit.add_argument("--epochs", type=int, default=3, help="the first epoch (warm-up) is left out of the timing")
-    submit.add_argument("--global-batch-size", type=int, default=256, help="the same at every size: strong scaling")
+    submit.add_argument("--dataset", choices=DATASETS, default=os.environ.get("COURSE_DATASET", "cifar10"))
+    submit.add_argument("--data-dir", type=checks.folder_to_read, default=os.environ.get("COURSE_DATA_DIR"))
+    submit.add_argument("--model", choices=MODELS, default=os.environ.get("COURSE_MODEL", "resnet18"))
+    submit.add_argument("--epochs", type=checks.int_at_least(1), default=3,
+                        help="the first epoch (warm-up) is left out of the timing")
+    submit.add_argument("--global-batch-size", type=checks.int_at_least(1), default=256,
+                        help="the same at every size: strong scaling")
     submit.add_argument("--sbatch-arg", action="append", default=[], help="passed to sbatch, e.g. --sbatch-arg=--account=x")
     args = parser.parse_args(argv)
+    parser = sub.choices[args.command]  # later mistakes are reported as this subcommand's
+    if args.command == "submit":
+        uneven = [n for n in args.gpus if args.global_batch_size % n]
+        if uneven:
+            parser.error(f"argument --global-batch-size: {args.global_batch_size} does not divide over {uneven} "
+                         f"processes; choose a multiple of every size in --gpus, e.g. {math.lcm(*args.gpus) * 32}")
+    elif not args.results.is_dir():
+        parser.error(f"argument --results: {args.results} does not exist: run `python -m course_lib.scaling submit "
+                     f"--results {args.results}` first")
 
     if args.command == "submit":
         try:
             runs = plan_runs(args.gpus, args.strategies, args.gpus_per_node)
         except ValueError as error:
-            print(f"error: {error}", file=sys.stderr)
-            return 2
+            parser.error(f"argument --gpus: {error}")
         settings = {"dataset": args.dataset, "model": args.model, "epochs": args.epochs, "data_dir": args.data_dir,
                     "global_batch_size": args.global_batch_size, "where": "local" if args.local else "slurm"}
         args.results = args.results.resolve()

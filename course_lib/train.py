@@ -16,7 +16,9 @@ On a Slurm cluster, one task per GPU (see ``slurm/``)::
 Exit status: 0 done, 2 a mistake in the input (one line says how to fix it), 1 a crash (on this
 rank, or on another rank that this one was waiting for), 3 stopped by SIGUSR1 or SIGTERM at a
 step boundary after writing a checkpoint (a job script requeues itself on 3; see
-``course_lib.preemption``).
+``course_lib.preemption``), 4 the loss or a gradient became NaN or infinite: every rank stopped
+at that step, before updating, and the newest checkpoint is the last good one (one line says
+what to try).
 
 ``--dry-run`` checks everything that can be checked without the other processes (flags, data,
 batch sizes, the checkpoint to resume) and exits: a job script runs it before spending GPU time.
@@ -29,9 +31,9 @@ import os
 import sys
 import traceback
 
-from . import runtime
+from . import checks, runtime
 from .data import DATASETS
-from .errors import EXIT_CRASH, EXIT_REQUEUE, EXIT_USER_ERROR, UserError
+from .errors import EXIT_CRASH, EXIT_DIVERGED, EXIT_REQUEUE, EXIT_USER_ERROR, Diverged, UserError
 from .preemption import Preempted
 from .models import MODELS
 from .parallel.fsdp import OFFLOAD_MODES, SHARDING_STRATEGIES
@@ -41,16 +43,6 @@ from .trainer import OPTIMIZERS, PRECISIONS, TrainConfig
 
 def _launched_rank() -> str:
     return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
-
-
-class _OnceArgumentParser(argparse.ArgumentParser):
-    """argparse that reports a bad flag once, not once per rank."""
-
-    def error(self, message: str):
-        if _launched_rank() == "0":
-            self.print_usage(sys.stderr)
-            print(f"{self.prog}: error: {message}", file=sys.stderr)
-        sys.exit(EXIT_USER_ERROR)
 
 
 class _DefaultsWhereTheyHelp(argparse.ArgumentDefaultsHelpFormatter):
@@ -65,7 +57,7 @@ class _DefaultsWhereTheyHelp(argparse.ArgumentDefaultsHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     defaults = TrainConfig()
-    parser = _OnceArgumentParser(
+    parser = checks.CommandParser(
         prog="python -m course_lib.train",
         description="Train a CNN on one process, or on many with DDP or FSDP.",
         formatter_class=_DefaultsWhereTheyHelp,
@@ -138,6 +130,7 @@ def run(config: TrainConfig, backend: str = "auto", timeout_s: float = runtime.D
     from .trainer import train, validate_config
 
     try:
+        checks.check_number("--timeout", timeout_s, above=0, maximum=runtime.MAX_TIMEOUT_S)
         env = runtime.resolve_environment()
         runtime.choose_backend(backend, _cuda_available())
         validate_config(config, env.world_size)
@@ -152,6 +145,10 @@ def run(config: TrainConfig, backend: str = "auto", timeout_s: float = runtime.D
         if _launched_rank() == "0":
             print(f"rank 0: {stopped}", file=sys.stderr, flush=True)
         status = EXIT_REQUEUE
+    except Diverged as diverged:
+        if _launched_rank() == "0":
+            print(f"error: {diverged}", file=sys.stderr, flush=True)
+        status = EXIT_DIVERGED
     except UserError as error:
         _report_user_error(error)
         status = EXIT_USER_ERROR

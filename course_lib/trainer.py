@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from tqdm import tqdm
 
-from . import checkpoint, data, models, runtime, strategies
-from .errors import UserError
+from . import checkpoint, checks, data, models, runtime, strategies
+from .errors import Diverged, UserError
 from .preemption import Preempted, StopRequests
 
 PRECISIONS = ("fp32", "bf16")
@@ -105,8 +105,30 @@ def resolve_resume_path(config: TrainConfig) -> Path | None:
 
 
 def validate_config(config: TrainConfig, world_size: int) -> None:
-    """Every check that needs no other process: run it on every rank before they meet."""
+    """Every check that needs no other process: run it on every rank before they meet.
+
+    Each number must be finite and in its meaningful range, each path must be a folder or a
+    file as expected and writable where the run will write: a mistake then stops every rank at
+    once with the same one-line message, instead of a traceback from deep inside torch.
+    """
+    defaults = TrainConfig()
+    checks.check_int("--epochs", config.epochs, minimum=1)
+    checks.check_int("--global-batch-size", config.global_batch_size, minimum=1)
+    checks.check_int("--grad-accum", config.grad_accum, minimum=1)
+    checks.check_int("eval_batch_size", config.eval_batch_size, minimum=1)
+    checks.check_number("--lr", config.lr, above=0, maximum=MAX_LEARNING_RATE)
+    checks.check_number("--weight-decay", config.weight_decay, minimum=0)
+    if config.clip_grad_norm is not None:
+        checks.check_number("--clip-grad-norm", config.clip_grad_norm, above=0)
+    checks.check_int("--seed", config.seed, minimum=0, maximum=MAX_SEED)
+    if config.max_steps is not None:
+        checks.check_int("--max-steps", config.max_steps, minimum=1)
+    checks.check_int("--workers", config.workers, minimum=0, maximum=MAX_LOADER_WORKERS)
+    checks.check_int("--checkpoint-every", config.checkpoint_every, minimum=0)
+    if config.hybrid_shard_size is not None:
+        checks.check_int("--hybrid-shard-size", config.hybrid_shard_size, minimum=1, maximum=world_size)
     strategies.check_strategy(config.strategy, config.impl, world_size)
+    checks.check_folder_to_read("--data-dir", config.data_dir or defaults.data_dir)
     data.check_data_available(config.dataset, config.data_dir)
     models.check_model_fits_data(config.model, config.dataset, data.INPUT_SHAPES[config.dataset])
     data.per_rank_batch_size(config.global_batch_size, world_size, config.grad_accum)
@@ -115,21 +137,25 @@ def validate_config(config: TrainConfig, world_size: int) -> None:
     if config.optimizer not in OPTIMIZERS:
         raise UserError(f"unknown optimizer {config.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
     _check_sharding_flags(config)
-    if config.clip_grad_norm is not None and not config.clip_grad_norm > 0:
-        raise UserError(f"--clip-grad-norm must be positive, got {config.clip_grad_norm}")
-    if config.epochs < 1:
-        raise UserError(f"--epochs must be at least 1, got {config.epochs}")
-    if config.lr <= 0:
-        raise UserError(f"--lr must be positive, got {config.lr}")
-    if config.max_steps is not None and config.max_steps < 1:
-        raise UserError(f"--max-steps must be at least 1, got {config.max_steps}")
-    if config.checkpoint_every < 0:
-        raise UserError(f"--checkpoint-every must be 0 (off) or positive, got {config.checkpoint_every}")
     if config.checkpoint_every and not config.checkpoint_dir:
         raise UserError("--checkpoint-every needs --checkpoint-dir (where to write the checkpoints)")
+    if config.checkpoint_dir:
+        checks.check_folder_to_write("--checkpoint-dir", config.checkpoint_dir)
+    if config.metrics:
+        checks.check_file_to_write("--metrics", config.metrics)
+    if config.resume not in (None, "latest"):
+        checks.check_folder_to_read("--resume", config.resume)
     resume_path = resolve_resume_path(config)
     if resume_path is not None:
         checkpoint.check_compatible(checkpoint.read_meta(resume_path), config.as_dict(), resume_path)
+
+
+MAX_LEARNING_RATE = 1e6
+"""Far above any learning rate that trains; a larger one is a typo (a missing minus in 1e-3)."""
+MAX_SEED = 2**32 - 1
+"""numpy and Python's ``random`` take seeds up to this; torch's generator takes them too."""
+MAX_LOADER_WORKERS = 64
+"""Data-loader processes per rank; more would spend the machine's memory on copies of the dataset."""
 
 
 SHARDING_FLAGS = ("zero_stage", "sharding", "hybrid_shard_size", "cpu_offload", "activation_checkpointing")
@@ -186,7 +212,7 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, precision: st
     sampler = loader.sampler
     dataset_size = len(loader.dataset)
     position = sampler.rank
-    totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct predictions, samples
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct predictions, samples
     for inputs, targets in loader:
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         with autocast(device, precision):
@@ -196,7 +222,7 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, precision: st
         real = positions < dataset_size
         position += sampler.num_replicas * len(targets)
         correct = (logits.argmax(dim=1) == targets) & real
-        totals += torch.stack([losses[real].double().sum(), correct.double().sum(), real.double().sum()]).cpu()
+        totals += torch.stack([losses[real].double().sum(), correct.double().sum(), real.double().sum()])
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(totals)
     model.train(was_training)
@@ -212,19 +238,28 @@ def peak_memory_mb(device: torch.device) -> tuple[float, str]:
     return peak / (2**20 if sys.platform == "darwin" else 2**10), "cpu_max_rss"
 
 
-def _reduce_max(value: float) -> float:
+def _reduce_max(value: float, device: torch.device | str = "cpu") -> float:
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return value
-    tensor = torch.tensor([value], dtype=torch.float64)
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)  # NCCL reduces only GPU tensors
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor.item()
 
 
-def _reduce_sum(values: list[float]) -> list[float]:
-    tensor = torch.tensor(values, dtype=torch.float64)
+def _reduce_sum(values: list[float], device: torch.device | str = "cpu") -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tensor)
     return tensor.tolist()
+
+
+def _gradients_finite(model: torch.nn.Module) -> bool:
+    """True if every gradient this rank holds is finite (a shard's, for a sharded model)."""
+    gradients = [parameter.grad for parameter in model.parameters() if parameter.grad is not None]
+    gradients = [grad.to_local() if hasattr(grad, "to_local") else grad for grad in gradients]  # FSDP2's DTensors
+    if not gradients:
+        return True
+    return bool(torch.stack([torch.isfinite(grad).all() for grad in gradients]).all())
 
 
 def _append_metrics(path: str, record: dict[str, Any]) -> None:
@@ -274,13 +309,19 @@ class Trainer:
         resume_path = resolve_resume_path(config)
         if resume_path is not None:
             self.position = checkpoint.load(resume_path, self.model, self.optimizer, config.as_dict())
+            for group in self.optimizer.param_groups:  # this run's flags, not the saved ones (a lower --lr
+                group["lr"], group["weight_decay"] = config.lr, config.weight_decay  # after a divergence)
             self.position.config = config.as_dict()
             runtime.print0(f"resumed from {resume_path} at epoch {self.position.epoch + 1}, "
                            f"step {self.position.step_in_epoch} of {self.steps_per_epoch}")
 
     # -- one optimizer step ------------------------------------------------------------------
-    def _train_step(self, batches) -> tuple[float, int]:
-        """Forward and backward over ``grad_accum`` micro-batches, then one update. Returns (loss sum, samples)."""
+    def _train_step(self, batches) -> tuple[float, int, bool]:
+        """Forward and backward over ``grad_accum`` micro-batches, then one update.
+
+        Returns this rank's (loss sum, samples) and whether any rank asked to stop. Raises
+        ``Diverged`` on every rank, before the update, if any rank's loss or gradient is not finite.
+        """
         config, device = self.config, self.ctx.device
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum, samples = 0.0, 0
@@ -294,10 +335,53 @@ class Trainer:
                 (loss / config.grad_accum).backward()
             loss_sum += loss.item() * len(targets)
             samples += len(targets)
+        grad_norm = None
         if config.clip_grad_norm is not None:
-            strategies.clip_grad_norm_(self.model, config.clip_grad_norm)
+            grad_norm = float(strategies.clip_grad_norm_(self.model, config.clip_grad_norm))
+        finite = math.isfinite(loss_sum) and _gradients_finite(self.model)
+        step_loss, diverged, stop = self._agree_on_step(loss_sum, samples, finite)
+        if diverged:
+            self._stop_diverged(step_loss, grad_norm)
         self.optimizer.step()
-        return loss_sum, samples
+        return loss_sum, samples, stop
+
+    def _agree_on_step(self, loss_sum: float, samples: int, finite: bool) -> tuple[float, bool, bool]:
+        """One tiny all-reduce per step, so that every rank takes the same decision at the same step.
+
+        It sums, over ranks: the loss (a NaN anywhere makes the sum NaN), the samples, the ranks
+        that saw a non-finite value, and the ranks that received a stop signal (the signal may
+        reach them milliseconds apart). Returns (mean loss of the global batch, diverged, stop).
+        """
+        stop = self.stop_requests is not None and self.stop_requests.received is not None
+        summary = [loss_sum, float(samples), 0.0 if finite else 1.0, 1.0 if stop else 0.0]
+        if self.ctx.world_size > 1:
+            summary = _reduce_sum(summary, self.ctx.device)
+        loss_total, samples_total, non_finite_ranks, stopping_ranks = summary
+        step_loss = loss_total / samples_total
+        return step_loss, non_finite_ranks > 0 or not math.isfinite(step_loss), stopping_ranks > 0
+
+    def _stop_diverged(self, step_loss: float, grad_norm: float | None) -> None:
+        """Record the divergence, tell the user what to try, and stop (no update, no checkpoint)."""
+        config, position = self.config, self.position
+        step = position.global_step + 1
+        what = f"the loss is {step_loss}" if not math.isfinite(step_loss) else \
+            f"the loss is {step_loss:.4g} but a gradient is not finite"
+        if grad_norm is not None:
+            what += f" (gradient norm {grad_norm:.4g})"
+        tries = [f"a lower --lr (this run: {config.lr:g})"]
+        tries.append(f"a smaller --clip-grad-norm (this run: {config.clip_grad_norm:g})" if config.clip_grad_norm
+                     else "--clip-grad-norm 1.0")
+        if config.precision != "fp32":
+            tries.append("--precision fp32")
+        saved = checkpoint.latest_checkpoint(config.checkpoint_dir) if config.checkpoint_dir else None
+        # Resuming the newest checkpoint replays the same batch, so an older one may be the way back.
+        resume = (f"; the checkpoints from before it are kept: the newest is {saved} (--resume latest), an older "
+                  f"one resumes with --resume {saved.parent}/step-XXXXXXXX" if saved else "")
+        if self.ctx.is_main and config.metrics:
+            _append_metrics(config.metrics, {"event": "diverged", "epoch": position.epoch + 1, "step": step,
+                                             "loss": repr(step_loss), "grad_norm": grad_norm, "lr": config.lr})
+        raise Diverged(f"training diverged at step {step} (epoch {position.epoch + 1}): {what}; "
+                       f"try {', '.join(tries[:-1])} or {tries[-1]}{resume}")
 
     def _save(self) -> None:
         if self.config.checkpoint_dir:
@@ -334,7 +418,7 @@ class Trainer:
         loss_sum = samples = 0.0
         started = time.perf_counter()
         for step in range(first_step, last_step):
-            step_loss, step_samples = self._train_step(batches)
+            step_loss, step_samples, stop = self._train_step(batches)
             loss_sum += step_loss
             samples += step_samples
             position.step_in_epoch, position.global_step = step + 1, position.global_step + 1
@@ -342,14 +426,14 @@ class Trainer:
             bar.set_postfix(loss=f"{step_loss / step_samples:.4f}", refresh=False)
             if config.checkpoint_every and position.global_step % config.checkpoint_every == 0 and step + 1 < last_step:
                 self._save()
-            if self.stop_requests is not None and self.stop_requests.agreed(self.ctx.device):
+            if stop:
                 bar.close()
                 self._stop_for_requeue()
         if self.ctx.device.type == "cuda":
             torch.cuda.synchronize(self.ctx.device)
-        epoch_time = _reduce_max(time.perf_counter() - started)  # the slowest rank sets the pace
+        epoch_time = _reduce_max(time.perf_counter() - started, self.ctx.device)  # the slowest rank sets the pace
         bar.close()
-        loss_sum, samples = _reduce_sum([loss_sum, samples])
+        loss_sum, samples = _reduce_sum([loss_sum, samples], self.ctx.device)
         steps = last_step - first_step
         peak_mb, peak_kind = peak_memory_mb(self.ctx.device)
         record = {
@@ -372,7 +456,7 @@ class Trainer:
             "train_loss": loss_sum / samples,
         }
         record.update(evaluate(self.model, self.val_loader, self.ctx.device, config.precision))
-        record["peak_mem_mb"] = _reduce_max(peak_mb)
+        record["peak_mem_mb"] = _reduce_max(peak_mb, self.ctx.device)
         record["peak_mem_kind"] = peak_kind
         if position.step_in_epoch == self.steps_per_epoch:
             position.epoch, position.step_in_epoch = epoch + 1, 0

@@ -1,6 +1,7 @@
 """launch: results in rank order, the real exception back, no rank left running."""
 
 import os
+import re
 import time
 
 import pytest
@@ -81,9 +82,19 @@ def test_refuses_to_fork_from_a_process_group_member():
     assert launch(_sum_of_ranks, 2, 0)[0][0] == 0  # and works again afterwards
 
 
-def test_bad_process_count():
-    with pytest.raises(ValueError, match="at least 1"):
-        launch(_sum_of_ranks, 0, 0)
+@pytest.mark.parametrize("call, message", [
+    (lambda: launch(_sum_of_ranks, 0, 0), "nprocs must be a whole number, 1 or more, got 0"),
+    (lambda: launch(_sum_of_ranks, "2", 0), "nprocs must be a whole number, got '2'"),
+    (lambda: launch("_sum_of_ranks", 2, 0), "fn must be a function to run on every rank, got str"),
+    (lambda: launch(_sum_of_ranks, 2, 0, backend="mpi"), "backend must be one of 'gloo', 'nccl', 'auto', got 'mpi'"),
+    (lambda: launch(_sum_of_ranks, 2, 0, timeout_s=float("nan")), "timeout_s must be a finite number above 0"),
+    (lambda: launch(_sum_of_ranks, 2, 0, timeout_s=-5), "timeout_s must be a finite number above 0"),
+], ids=["zero", "text", "not-a-function", "backend", "nan-timeout", "negative-timeout"])
+def test_bad_arguments_are_refused_before_any_process_starts(call, message):
+    from course_lib.errors import UserError
+
+    with pytest.raises(UserError, match=re.escape(message)):
+        call()
 
 
 def test_too_many_processes_for_the_machine_are_refused_and_sharing_is_explained(capsys):

@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm
+from ..checks import check_choice, check_group, check_module, check_number
 from ..errors import UserError
 
 SYNC_MODES = ("naive", "bucketed", "overlapped")
@@ -144,10 +145,10 @@ class DataParallel(GradientSyncSwitch, nn.Module):
     def __init__(self, module: nn.Module, bucket_mb: float = DEFAULT_BUCKET_MB, sync: str = "overlapped",
                  broadcast_buffers: bool = False, find_unused_parameters: bool = False, group=None):
         super().__init__()
-        if not bucket_mb > 0:
-            raise UserError(f"bucket_mb must be positive (it is the size of one all-reduce message), got {bucket_mb}")
-        if sync not in SYNC_MODES:
-            raise UserError(f"unknown sync mode {sync!r}: choose one of {', '.join(SYNC_MODES)}")
+        check_module("module", module)
+        check_number("bucket_mb (the size of one all-reduce message, in MB)", bucket_mb, above=0)
+        check_choice("sync", sync, SYNC_MODES)
+        check_group("group", group)
         self.module = module
         self.sync, self.bucket_mb, self.group = sync, bucket_mb, group
         self.broadcast_buffers, self.find_unused_parameters = broadcast_buffers, find_unused_parameters

@@ -55,6 +55,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .. import comm
+from ..checks import check_group, check_int, check_module
 from ..errors import UserError
 from .ddp import check_same_model_everywhere
 from .zero import FlatParameter, FlatShardedMixin, owned_parameters
@@ -213,6 +214,12 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
         super().__init__()
         from torch.distributed.device_mesh import init_device_mesh
 
+        check_module("module", module)
+        check_group("FullyShardedDataParallel (it shards over every rank)", None)
+        if hybrid_shard_size is not None:
+            check_int("hybrid_shard_size", hybrid_shard_size, minimum=1)
+        if not isinstance(mixed_precision, (MixedPrecision, type(None))):
+            raise UserError(f"mixed_precision must be a fsdp.MixedPrecision(...), got {type(mixed_precision).__name__}")
         mixed_precision = mixed_precision or MixedPrecision()
         world = dist.get_world_size()
         shard_size = _check_options(sharding_strategy, cpu_offload, mixed_precision, hybrid_shard_size, world)

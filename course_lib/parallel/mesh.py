@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from ..checks import check_choice, check_group
 from ..errors import UserError
 
 AXES = ("pipeline", "data", "tensor")  # slowest to fastest
@@ -33,6 +34,8 @@ AXES = ("pipeline", "data", "tensor")  # slowest to fastest
 
 def check_degrees(world_size: int, data: int = 1, pipeline: int = 1, tensor: int = 1) -> None:
     for name, degree in (("data", data), ("pipeline", pipeline), ("tensor", tensor)):
+        if isinstance(degree, bool) or not isinstance(degree, int):
+            raise UserError(f"the {name} degree must be a whole number, got {degree!r}")
         if degree < 1:
             raise UserError(f"the {name} degree must be at least 1, got {degree}")
     if data * pipeline * tensor != world_size:
@@ -92,6 +95,9 @@ class Mesh:
     def __init__(self, data: int = 1, pipeline: int = 1, tensor: int = 1, device_type: str | None = None):
         from torch.distributed.device_mesh import init_device_mesh
 
+        check_group("Mesh", None)
+        if device_type is not None:
+            check_choice("device_type", device_type, ("cpu", "cuda"))
         world = dist.get_world_size()
         check_degrees(world, data, pipeline, tensor)
         self.degrees = {"data": data, "pipeline": pipeline, "tensor": tensor}

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm
+from ..checks import check_group, check_int, check_module
 from ..errors import UserError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -363,6 +364,19 @@ class PipelineExecutor:
 
     def __init__(self, stages: dict[int, nn.Module], num_stages: int, schedule: str, microbatches: int,
                  loss_fn, boundary_shape: tuple[int, ...], group=None, dtype: torch.dtype = torch.float32):
+        if not isinstance(stages, dict) or not stages:
+            raise UserError("stages must be a non-empty dict {stage index: module} of the stages this rank holds "
+                            f"(see rank_of_stage), got {type(stages).__name__}")
+        for index, stage in stages.items():
+            check_module(f"stages[{index}]", stage)
+        check_int("num_stages", num_stages, minimum=1)
+        check_int("microbatches", microbatches, minimum=1)
+        if not callable(loss_fn):
+            raise UserError(f"loss_fn must be a function (outputs, targets) -> loss, got {type(loss_fn).__name__}")
+        if not all(isinstance(size, int) and size >= 1 for size in boundary_shape):
+            raise UserError(f"boundary_shape must be positive whole numbers, e.g. (micro_batch, seq, d_model), got "
+                            f"{tuple(boundary_shape)}")
+        check_group("group", group)
         self.group = group
         self.pipeline_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)

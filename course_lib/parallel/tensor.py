@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm
+from ..checks import check_group, check_int, check_module
 from ..errors import UserError
 
 
@@ -102,6 +103,8 @@ def gather_from_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
 
 
 def _split_size(total: int, group, what: str) -> int:
+    check_int(what, total, minimum=1)
+    check_group("group", group)
     size = dist.get_world_size(group)
     if total % size:
         divisors = [d for d in range(1, total + 1) if total % d == 0 and d <= 64]
@@ -176,6 +179,11 @@ def parallel_mlp(mlp: nn.Module, group=None) -> nn.Module:
     One all-reduce forward (in fc2), one backward (in fc1's f): the hidden activation, 4x wider
     than the model, never travels.
     """
+    check_module("mlp", mlp)
+    for name in ("fc1", "fc2"):
+        if not isinstance(getattr(mlp, name, None), nn.Linear):
+            raise UserError(f"mlp.{name} must be an nn.Linear (a models.MLP has fc1, act, fc2), got "
+                            f"{type(getattr(mlp, name, None)).__name__}")
     mlp.fc1 = ColumnParallelLinear.from_dense(mlp.fc1, group=group)
     mlp.fc2 = RowParallelLinear.from_dense(mlp.fc2, group=group)
     return mlp
@@ -189,6 +197,7 @@ def parallel_attention(attention: nn.Module, n_heads: int, group=None) -> nn.Mod
     q, k and v read the same input, so f is applied once, to it (a forward pre-hook): the three
     gradients add up before the single backward all-reduce, as with Megatron's fused QKV layer.
     """
+    check_module("attention", attention)
     _split_size(n_heads, group, "attention heads")
     for name in ("q", "k", "v"):
         setattr(attention, name, ColumnParallelLinear.from_dense(getattr(attention, name), group=group,
@@ -205,6 +214,7 @@ def parallelize_transformer(model: nn.Module, group=None) -> nn.Module:
     """
     from ..models import Block
 
+    check_module("model", model)
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     if not blocks:
         raise UserError("no transformer Block found to parallelize: pass a models.TinyTransformer or its blocks")

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm
+from ..checks import check_group, check_module
 from ..errors import UserError
 from .ddp import GradientSyncSwitch, check_same_model_everywhere
 
@@ -367,6 +368,8 @@ class ZeroDataParallel(FlatShardedMixin, nn.Module):
 
     def __init__(self, module: nn.Module, stage: int = 2, group=None):
         super().__init__()
+        check_module("module", module)
+        check_group("group", group)
         if stage not in (1, 2):
             raise UserError(f"ZeroDataParallel does stage 1 or 2, not {stage!r}: for stage 3 use "
                             "course_lib.parallel.fsdp.FullyShardedDataParallel")

@@ -1,0 +1,193 @@
+"""Checking what a user passes at the front door, before any process starts or meets.
+
+A value that makes no sense fails far from where it was typed if nobody checks it: a NaN
+learning rate trains to a NaN loss and exits 0, a negative timeout reaches the rendezvous and
+ends in a C++ stack dump, a file given where a folder is expected ends in a Python traceback
+after minutes of training. Checked here, each ends at once in one line that names the flag, the
+value and what a valid value looks like, and exits with status 2.
+
+Each check comes in one form: ``check_*(flag, value, ...)`` returns the value (converted) or
+raises ``UserError``. The training command runs them in ``trainer.validate_config`` (so a
+``TrainConfig`` built in Python is checked the same way); the other commands turn them into
+argparse types with ``argument_type``, so argparse reports the mistake in its usual way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import EXIT_USER_ERROR, UserError
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse that reports a mistake in one line, once (not once per rank), with exit status 2."""
+
+    def error(self, message: str):
+        if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+            print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr, flush=True)
+        sys.exit(EXIT_USER_ERROR)
+
+
+def _shown(flag: str | None) -> str:
+    return f"{flag} " if flag else ""
+
+
+def check_int(flag: str | None, value: Any, *, minimum: int, maximum: int | None = None) -> int:
+    """A whole number in ``minimum .. maximum``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UserError(f"{_shown(flag)}must be a whole number, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        allowed = f"from {minimum} to {maximum}" if maximum is not None else f"{minimum} or more"
+        raise UserError(f"{_shown(flag)}must be a whole number, {allowed}, got {value}")
+    return value
+
+
+def check_number(flag: str | None, value: Any, *, above: float | None = None, minimum: float | None = None,
+                 maximum: float | None = None) -> float:
+    """A finite real number: ``> above``, ``>= minimum``, ``<= maximum`` (each bound optional)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UserError(f"{_shown(flag)}must be a number, got {value!r}")
+    rules = [f"above {above:g}"] if above is not None else []
+    rules += [f"at least {minimum:g}"] if minimum is not None else []
+    rules += [f"at most {maximum:g}"] if maximum is not None else []
+    wanted = "a finite number" + (" " + " and ".join(rules) if rules else "")
+    if not math.isfinite(value) or (above is not None and not value > above) or \
+            (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        raise UserError(f"{_shown(flag)}must be {wanted}, got {value}")
+    return float(value)
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_folder_to_read(flag: str | None, path: str | os.PathLike) -> Path:
+    """A path that, if it exists, is a folder (whether it must exist is the caller's business)."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{_shown(flag)}{path} is a file, but a folder is expected: name a folder instead")
+    return path
+
+
+def check_file_to_read(flag: str | None, path: str | os.PathLike) -> Path:
+    """A file that exists."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{_shown(flag)}{path} is a folder, but a file is expected: name the file inside it")
+    if not path.is_file():
+        raise UserError(f"{_shown(flag)}{path} does not exist: check the path")
+    return path
+
+
+def check_folder_to_write(flag: str | None, path: str | os.PathLike) -> Path:
+    """A folder this process can write into; it is created (with its parents) if missing."""
+    path = check_folder_to_read(flag, path)
+    blocking = _nearest_existing(path)
+    if not blocking.is_dir():
+        raise UserError(f"{_shown(flag)}{path} cannot be a folder: {blocking} is a file; choose another location")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        # Permission bits do not stop root, but a read-only file system does: the only honest
+        # test of "can I write here" is to write.
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+            pass
+    except OSError as error:
+        raise UserError(f"{_shown(flag)}{path} cannot be written ({error.strerror}): choose a folder you can "
+                        "write to") from None
+    return path
+
+
+def check_file_to_write(flag: str | None, path: str | os.PathLike) -> Path:
+    """A file this process can create or append to (its folder is created if missing)."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{_shown(flag)}{path} is a folder, but a file is expected: name a file, e.g. "
+                        f"{path / 'metrics.jsonl'}")
+    try:
+        check_folder_to_write(None, path.parent)
+    except UserError as error:
+        raise UserError(f"{_shown(flag)}{path} cannot be written: its folder {error}") from None
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as error:
+        raise UserError(f"{_shown(flag)}{path} cannot be written ({error.strerror}): choose a file you can "
+                        "write to") from None
+    return path
+
+
+def argument_type(check: Callable[..., Any], convert: Callable[[str], Any] = str, **limits: Any) -> Callable[[str], Any]:
+    """``check`` as an argparse ``type=``: argparse then says ``argument --flag: must be ..., got ...``."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            kind = {int: "a whole number", float: "a number"}.get(convert, "a value")
+            raise argparse.ArgumentTypeError(f"must be {kind}, got {text!r}") from None
+        try:
+            return check(None, value, **limits)
+        except UserError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    parse.__name__ = check.__name__.removeprefix("check_")
+    return parse
+
+
+def int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """argparse type: a whole number in ``minimum .. maximum``."""
+    return argument_type(check_int, int, minimum=minimum, maximum=maximum)
+
+
+def number_above(bound: float) -> Callable[[str], float]:
+    """argparse type: a finite number strictly above ``bound``."""
+    return argument_type(check_number, float, above=bound)
+
+
+folder_to_write = argument_type(check_folder_to_write)
+folder_to_read = argument_type(check_folder_to_read)
+file_to_write = argument_type(check_file_to_write)
+file_to_read = argument_type(check_file_to_read)
+
+
+def check_choice(name: str, value: Any, choices: tuple | list) -> Any:
+    """One of ``choices``."""
+    if value not in choices:
+        raise UserError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+    return value
+
+
+def check_module(name: str, value: Any) -> Any:
+    """A ``torch.nn.Module`` (the model to wrap, a stage, a layer to split)."""
+    from torch import nn
+
+    if not isinstance(value, nn.Module):
+        raise UserError(f"{name} must be a torch.nn.Module, got {type(value).__name__}: pass the model itself "
+                        "(built on every rank), not its output or its parameters")
+    return value
+
+
+def check_group(name: str, group: Any) -> Any:
+    """A process group this rank belongs to (None: every rank), inside an initialised world."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise UserError(f"{name}: no process group exists yet: call course_lib.runtime.init() first (torchrun jobs), "
+                        "or run the code through course_lib.launch.launch(), which does it for you")
+    if group is None:
+        return group
+    if not isinstance(group, dist.ProcessGroup):
+        raise UserError(f"{name} must be a process group (dist.new_group, or mesh.get_group()), got "
+                        f"{type(group).__name__}")
+    if dist.get_rank(group) < 0:
+        raise UserError(f"{name} does not contain this rank (global rank {dist.get_rank()}): call this only on the "
+                        "ranks of the group, or pass a group that holds every rank that calls it")
+    return group

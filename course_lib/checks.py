@@ -184,10 +184,11 @@ def check_group(name: str, group: Any) -> Any:
                         "or run the code through course_lib.launch.launch(), which does it for you")
     if group is None:
         return group
+    # new_group() hands ranks outside the group a marker instead of a group
+    if group is dist.GroupMember.NON_GROUP_MEMBER or (isinstance(group, dist.ProcessGroup) and dist.get_rank(group) < 0):
+        raise UserError(f"{name} does not contain this rank (global rank {dist.get_rank()}): call this only on the "
+                        "ranks of the group, or pass a group that holds every rank that calls it")
     if not isinstance(group, dist.ProcessGroup):
         raise UserError(f"{name} must be a process group (dist.new_group, or mesh.get_group()), got "
                         f"{type(group).__name__}")
-    if dist.get_rank(group) < 0:
-        raise UserError(f"{name} does not contain this rank (global rank {dist.get_rank()}): call this only on the "
-                        "ranks of the group, or pass a group that holds every rank that calls it")
     return group

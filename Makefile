@@ -1,6 +1,6 @@
 # Two commands for a newcomer:
 #   make lab    set up if needed, then train the digits CNN on 1 process, DDP on 2, FSDP on 2
-#   make test   set up if needed, then run every test
+#   make test   set up if needed (Python packages, and the system packages the tests need), then run every test
 #
 # The virtual environment (about 5 GB: torch ships its CUDA libraries) lives outside the clone,
 # in $(VENV_CACHE)/<hash of pyproject.toml + constraints.txt>, so a second clone or a rerun
@@ -14,7 +14,7 @@ VENV_DIR := $(VENV_CACHE)/$(DEPS_HASH)
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup lab test test-fast clean-results slides slides-setup slides-build
+.PHONY: setup system-deps lab test test-fast clean-results slides slides-setup slides-build
 
 setup:
 	@set -euo pipefail; \
@@ -36,7 +36,14 @@ setup:
 lab: setup
 	$(PY) -m course_lib.lab
 
-test: setup
+# What the whole suite needs from the operating system (Chromium and pdfinfo for the slides, Slurm
+# and munge for the job scripts): installed with apt-get when missing and this user may (root, or
+# a password-less sudo); otherwise one line names the command to run, before any test starts.
+# `python3 course_lib/system_deps.py --dry-run` says what it would install.
+system-deps:
+	@"$(PYTHON)" course_lib/system_deps.py
+
+test: system-deps setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # Everything but the multi-minute parts (notebooks, Slurm, slides): the inner loop while editing.

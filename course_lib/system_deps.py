@@ -121,6 +121,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {requirement.package}: {requirement.used_for}")
         print(f"with: {shown}")
         return 0
+    if not shutil.which("apt-get"):
+        print(f"error: the tests need {' '.join(names)} (Debian's package names) and this machine has no apt-get: "
+              "install them with its own package manager (or run `make test-fast`, which needs none of them)",
+              file=sys.stderr)
+        return EXIT_MISSING
     if not can_install():
         print(f"error: the tests need these system packages, and this user cannot install them: run `{shown}` "
               "as an administrator (or `make test-fast`, which needs none of them)", file=sys.stderr)

@@ -13,6 +13,9 @@ DEPS_HASH := $(shell "$(PYTHON)" -c 'import hashlib; print(hashlib.sha256(open("
 VENV_DIR := $(VENV_CACHE)/$(DEPS_HASH)
 PY := .venv/bin/python
 PYTEST_ARGS ?=
+# make test runs the test files on this many workers (pytest-xdist), a whole file per worker: a
+# notebook's cells, the Slurm cluster and the built slides each stay with one worker.
+TEST_WORKERS ?= 2
 
 .PHONY: setup system-deps lab test test-fast clean-results slides slides-setup slides-build
 
@@ -44,7 +47,7 @@ system-deps:
 	@"$(PYTHON)" course_lib/system_deps.py
 
 test: system-deps setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # Everything but the multi-minute parts (notebooks, Slurm, slides): the inner loop while editing.
 test-fast: setup

@@ -156,7 +156,7 @@ def test_no_abort_at_exit_over_repeated_runs(strategy, quick_args):
     so the test guards the whole exit path, however the trap is provoked.
     """
     failures = []
-    for attempt in range(8):
+    for attempt in range(5):
         outcomes = run_ranks([*quick_args, "--strategy", strategy], nprocs=2)
         for outcome in outcomes:
             if outcome.returncode != 0 or "terminate called" in outcome.stderr:

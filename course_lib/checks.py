@@ -25,11 +25,16 @@ from typing import Any, Callable
 from .errors import EXIT_USER_ERROR, UserError
 
 
+def launched_rank() -> str:
+    """This process's rank as its launcher set it (torchrun's RANK first, then srun's), before any rendezvous."""
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+
+
 class CommandParser(argparse.ArgumentParser):
     """argparse that reports a mistake in one line, once (not once per rank), with exit status 2."""
 
     def error(self, message: str):
-        if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        if launched_rank() == "0":
             print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr, flush=True)
         sys.exit(EXIT_USER_ERROR)
 
@@ -87,40 +92,35 @@ def check_file_to_read(flag: str | None, path: str | os.PathLike) -> Path:
     return path
 
 
-def check_folder_to_write(flag: str | None, path: str | os.PathLike) -> Path:
-    """A folder this process can write into; it is created (with its parents) if missing."""
-    path = check_folder_to_read(flag, path)
-    blocking = _nearest_existing(path)
-    if not blocking.is_dir():
-        raise UserError(f"{_shown(flag)}{path} cannot be a folder: {blocking} is a file; choose another location")
+def _check_can_write_in(flag: str | None, path: Path, what: str) -> None:
+    """Can this process create ``path``? Asked of the nearest folder that exists, leaving nothing behind."""
+    existing = _nearest_existing(path.absolute())
+    if not existing.is_dir():
+        raise UserError(f"{_shown(flag)}{path} cannot be {what}: {existing} is a file; choose another location")
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        # Permission bits do not stop root, but a read-only file system does: the only honest
-        # test of "can I write here" is to write.
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+        # Permission bits do not stop root, but a read-only file system or /proc does: the only
+        # honest test of "can I write here" is to write (a temporary file, removed at once).
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".write-test-"):
             pass
     except OSError as error:
-        raise UserError(f"{_shown(flag)}{path} cannot be written ({error.strerror}): choose a folder you can "
-                        "write to") from None
+        raise UserError(f"{_shown(flag)}{path} cannot be written ({error.strerror} in {existing}): choose a "
+                        "location you can write to") from None
+
+
+def check_folder_to_write(flag: str | None, path: str | os.PathLike) -> Path:
+    """A folder this process can write into, or create (the command creates it when it writes)."""
+    path = check_folder_to_read(flag, path)
+    _check_can_write_in(flag, path, "a folder")
     return path
 
 
 def check_file_to_write(flag: str | None, path: str | os.PathLike) -> Path:
-    """A file this process can create or append to (its folder is created if missing)."""
+    """A file this process can create or append to (its folder is created when it is written)."""
     path = Path(path)
     if path.is_dir():
         raise UserError(f"{_shown(flag)}{path} is a folder, but a file is expected: name a file, e.g. "
                         f"{path / 'metrics.jsonl'}")
-    try:
-        check_folder_to_write(None, path.parent)
-    except UserError as error:
-        raise UserError(f"{_shown(flag)}{path} cannot be written: its folder {error}") from None
-    try:
-        with open(path, "a"):
-            pass
-    except OSError as error:
-        raise UserError(f"{_shown(flag)}{path} cannot be written ({error.strerror}): choose a file you can "
-                        "write to") from None
+    _check_can_write_in(flag, path, "a file")
     return path
 
 

@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"split it over {LARGEST_RUN} processes), got {args.global_batch_size}")
 
     results = args.results_dir
+    results.mkdir(parents=True, exist_ok=True)
     global_batch = QUICK_GLOBAL_BATCH if args.quick else args.global_batch_size
     train_args = ["--dataset", args.dataset, "--model", args.model, "--global-batch-size", str(global_batch),
                   "--lr", str(args.lr), "--epochs", str(2 if args.quick else args.epochs)]

@@ -41,10 +41,6 @@ from .strategies import IMPLEMENTATIONS, STRATEGIES
 from .trainer import OPTIMIZERS, PRECISIONS, TrainConfig
 
 
-def _launched_rank() -> str:
-    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
-
-
 class _DefaultsWhereTheyHelp(argparse.ArgumentDefaultsHelpFormatter):
     """Show defaults, but not for on/off switches ("--no-progress (default: True)" misleads),
     for options that are unset by default, or where the help already states the default."""
@@ -120,7 +116,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def _report_user_error(error: UserError) -> None:
-    if _launched_rank() == "0":
+    if checks.launched_rank() == "0":
         print(f"error: {error}", file=sys.stderr, flush=True)
 
 
@@ -135,30 +131,30 @@ def run(config: TrainConfig, backend: str = "auto", timeout_s: float = runtime.D
         runtime.choose_backend(backend, _cuda_available())
         validate_config(config, env.world_size)
         if dry_run:
-            if _launched_rank() == "0":
+            if checks.launched_rank() == "0":
                 print(f"configuration OK for {env.world_size} process(es)", flush=True)
             return 0
         runtime.init(backend=backend, timeout_s=timeout_s)
         train(config, stop_on_signals=True)
         status = 0
     except Preempted as stopped:
-        if _launched_rank() == "0":
+        if checks.launched_rank() == "0":
             print(f"rank 0: {stopped}", file=sys.stderr, flush=True)
         status = EXIT_REQUEUE
     except Diverged as diverged:
-        if _launched_rank() == "0":
+        if checks.launched_rank() == "0":
             print(f"error: {diverged}", file=sys.stderr, flush=True)
         status = EXIT_DIVERGED
     except UserError as error:
         _report_user_error(error)
         status = EXIT_USER_ERROR
     except KeyboardInterrupt:
-        print(f"rank {_launched_rank()}: interrupted", file=sys.stderr, flush=True)
+        print(f"rank {checks.launched_rank()}: interrupted", file=sys.stderr, flush=True)
         status = EXIT_CRASH
     except Exception as error:  # noqa: BLE001
         if runtime.is_peer_failure(error):
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            print(f"rank {_launched_rank()}: stopped because another rank failed or stopped answering "
+            print(f"rank {checks.launched_rank()}: stopped because another rank failed or stopped answering "
                   f"({first_line[:160]}); see that rank's error", file=sys.stderr, flush=True)
         else:
             traceback.print_exc()

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from course_lib import bench, lab, scaling, train
+from course_lib.parallel import three_d
 
 from conftest import REPO, clean_env, run_ranks
 
@@ -147,6 +148,10 @@ OTHER_MISTAKES = [
     (bench.main, ["pipeline", "--batch", "12"], "argument --batch: must be a multiple of 8"),
     (bench.main, ["tp", "--d-model", "100", "--world-size", "3"], "argument --d-model: must be a multiple of 12"),
     (bench.main, ["tp", "--seq", "0"], "argument --seq: must be a whole number, 1 or more, got 0"),
+    (three_d.main, ["--tensor", "0"], "argument --tensor: must be a whole number, 1 or more, got 0"),
+    (three_d.main, ["--steps", "-1"], "argument --steps: must be a whole number, 1 or more, got -1"),
+    (three_d.main, ["--data", "8", "--tensor", "4"], "64 processes on"),
+    (three_d.main, ["--plot", "{folder}"], "argument --plot: {folder} is a folder, but a file is expected"),
 ]
 
 

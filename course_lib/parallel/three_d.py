@@ -100,22 +100,25 @@ def main(argv: list[str] | None = None) -> int:
     import json
     import sys
 
-    from ..launch import launch
+    from .. import checks
+    from ..launch import check_process_count, launch
 
-    parser = argparse.ArgumentParser(prog="python -m course_lib.parallel.three_d", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--data", type=int, default=2, help="data-parallel degree")
-    parser.add_argument("--pipeline", type=int, default=2, help="pipeline stages")
-    parser.add_argument("--tensor", type=int, default=2, help="tensor-parallel degree")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--global-batch", type=int, default=16)
-    parser.add_argument("--microbatches", type=int, default=2)
+    parser = checks.CommandParser(prog="python -m course_lib.parallel.three_d", description=__doc__.split("\n\n")[0],
+                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    degree, positive = checks.int_at_least(1), checks.int_at_least(1)
+    parser.add_argument("--data", type=degree, default=2, help="data-parallel degree")
+    parser.add_argument("--pipeline", type=degree, default=2, help="pipeline stages")
+    parser.add_argument("--tensor", type=degree, default=2, help="tensor-parallel degree")
+    parser.add_argument("--steps", type=positive, default=20)
+    parser.add_argument("--global-batch", type=positive, default=16)
+    parser.add_argument("--microbatches", type=positive, default=2)
     parser.add_argument("--schedule", choices=pp.SCHEDULES[:2], default="1f1b")
-    parser.add_argument("--plot", default=None, help="save the two loss curves to this PNG")
+    parser.add_argument("--plot", type=checks.file_to_write, default=None, help="save the two loss curves to this PNG")
     args = parser.parse_args(argv)
     world = args.data * args.pipeline * args.tensor
     try:
         check_run(world, args.data, args.pipeline, args.tensor, args.global_batch, args.microbatches, 4, 64, 4)
+        check_process_count(world)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

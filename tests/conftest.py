@@ -106,8 +106,16 @@ def latest_weights(checkpoint_dir: Path) -> tuple[str, dict]:
     return latest.name, checkpoint_weights(latest)
 
 
+LONGEST_FIRST = ("test_slides.py", "test_slurm.py", "test_cli.py", "test_preemption.py")
+"""Files whose shared fixtures or runs take minutes: started first, so that ``make test``'s two
+workers (``--dist loadfile``: a file per worker) finish at about the same time."""
+
+
 def pytest_collection_modifyitems(config, items):
-    """Cells of the notebooks (collected by nbval) carry the ``notebooks`` marker, so -m can select them."""
+    """Cells of the notebooks (collected by nbval) carry the ``notebooks`` marker, so -m can select them;
+    the longest files come first."""
     for item in items:
         if str(item.fspath).endswith(".ipynb"):
             item.add_marker(pytest.mark.notebooks)
+    items.sort(key=lambda item: LONGEST_FIRST.index(item.path.name) if item.path.name in LONGEST_FIRST
+               else len(LONGEST_FIRST))  # stable: the order inside a file is kept

@@ -57,8 +57,9 @@ clean-results:
 	rm -rf results checkpoints
 
 # The lecture slides: Slidev decks slides/[0-9]*.md, built with the pinned Slidev of
-# slides/package-lock.json (Node.js 20 or newer) and exported with Chromium (Debian: apt-get
-# install chromium).
+# slides/package-lock.json (Node.js 20 or newer), exported to PDF with Chromium, and each PDF page
+# drawn as a PNG by pdftoppm (Debian: apt-get install chromium poppler-utils): one browser export
+# per deck instead of two.
 #   make slides   draw the figures from the code, then build every deck and export it:
 #                 slides/dist/site/<deck>/ (a static site: serve slides/dist over HTTP),
 #                 slides/dist/pdf/<deck>.pdf and slides/dist/png/<deck>/<slide>.png
@@ -71,6 +72,7 @@ slides-setup:
 	@command -v npm >/dev/null && node -e 'process.exit(Number(process.versions.node.split(".")[0]) >= 20 ? 0 : 1)' \
 	  || { echo "error: the slides need Node.js 20 or newer with npm (found: $$(node --version 2>/dev/null || echo none)); see https://nodejs.org" >&2; exit 2; }
 	@[ -n "$(CHROMIUM)" ] || { echo "error: exporting the slides needs Chromium: apt-get install chromium (or set CHROMIUM=/path/to/chromium)" >&2; exit 2; }
+	@command -v pdftoppm >/dev/null || { echo "error: the slides' PNG pages are drawn from their PDF with pdftoppm: apt-get install poppler-utils" >&2; exit 2; }
 	@cd slides && if [ ! -f node_modules/.package-lock.json ] || [ package-lock.json -nt node_modules/.package-lock.json ]; then \
 	  echo "Installing the pinned Slidev into slides/node_modules (once; about half a minute)"; \
 	  PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 npm ci --no-audit --no-fund --loglevel=error; \
@@ -90,7 +92,11 @@ slides-build:
 	  name=$${deck%.md}; echo "== $$deck"; \
 	  $(SLIDEV) build $$deck --base ./ --out "$(SLIDES_OUT)/site/$$name" >/dev/null; \
 	  $(SLIDEV) export $$deck --executable-path "$(CHROMIUM)" --output "$(SLIDES_OUT)/pdf/$$name" >/dev/null; \
-	  $(SLIDEV) export $$deck --executable-path "$(CHROMIUM)" --format png --output "$(SLIDES_OUT)/png/$$name" >/dev/null; \
+	  mkdir -p "$(SLIDES_OUT)/png/$$name"; \
+	  pdftoppm -png -scale-to-x 1960 -scale-to-y -1 "$(SLIDES_OUT)/pdf/$$name.pdf" "$(SLIDES_OUT)/png/$$name/page"; \
+	  for page in "$(SLIDES_OUT)/png/$$name"/page-*.png; do \
+	    number=$${page##*-}; number=$${number%.png}; mv "$$page" "$(SLIDES_OUT)/png/$$name/$$((10#$$number)).png"; \
+	  done; \
 	done; \
 	{ echo '<!doctype html><meta charset="utf-8"><title>Lectures</title><h1>Lectures</h1><ul>'; \
 	  for deck in $(SLIDES_DECKS); do name=$${deck%.md}; \

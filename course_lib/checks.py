@@ -92,9 +92,9 @@ def check_file_to_read(flag: str | None, path: str | os.PathLike) -> Path:
     return path
 
 
-def _check_can_write_in(flag: str | None, path: Path, what: str) -> None:
-    """Can this process create ``path``? Asked of the nearest folder that exists, leaving nothing behind."""
-    existing = _nearest_existing(path.absolute())
+def _check_can_write_in(flag: str | None, path: Path, what: str, folder: Path) -> None:
+    """Can this process write ``path`` in ``folder``? Asked of the nearest folder that exists, leaving nothing behind."""
+    existing = _nearest_existing(folder.absolute())
     if not existing.is_dir():
         raise UserError(f"{_shown(flag)}{path} cannot be {what}: {existing} is a file; choose another location")
     try:
@@ -110,7 +110,7 @@ def _check_can_write_in(flag: str | None, path: Path, what: str) -> None:
 def check_folder_to_write(flag: str | None, path: str | os.PathLike) -> Path:
     """A folder this process can write into, or create (the command creates it when it writes)."""
     path = check_folder_to_read(flag, path)
-    _check_can_write_in(flag, path, "a folder")
+    _check_can_write_in(flag, path, "a folder", folder=path)
     return path
 
 
@@ -120,7 +120,7 @@ def check_file_to_write(flag: str | None, path: str | os.PathLike) -> Path:
     if path.is_dir():
         raise UserError(f"{_shown(flag)}{path} is a folder, but a file is expected: name a file, e.g. "
                         f"{path / 'metrics.jsonl'}")
-    _check_can_write_in(flag, path, "a file")
+    _check_can_write_in(flag, path, "a file", folder=path.parent)
     return path
 
 

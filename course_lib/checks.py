@@ -93,7 +93,7 @@ def check_file_to_read(flag: str | None, path: str | os.PathLike) -> Path:
 
 
 def _check_can_write_in(flag: str | None, path: Path, what: str, folder: Path) -> None:
-    """Can this process write ``path`` in ``folder``? Asked of the nearest folder that exists, leaving nothing behind."""
+    """Can this process write ``path`` in ``folder``? Asked of the nearest existing folder; nothing is left behind."""
     existing = _nearest_existing(folder.absolute())
     if not existing.is_dir():
         raise UserError(f"{_shown(flag)}{path} cannot be {what}: {existing} is a file; choose another location")
@@ -124,7 +124,8 @@ def check_file_to_write(flag: str | None, path: str | os.PathLike) -> Path:
     return path
 
 
-def argument_type(check: Callable[..., Any], convert: Callable[[str], Any] = str, **limits: Any) -> Callable[[str], Any]:
+def argument_type(check: Callable[..., Any], convert: Callable[[str], Any] = str,
+                  **limits: Any) -> Callable[[str], Any]:
     """``check`` as an argparse ``type=``: argparse then says ``argument --flag: must be ..., got ...``."""
 
     def parse(text: str) -> Any:
@@ -185,7 +186,8 @@ def check_group(name: str, group: Any) -> Any:
     if group is None:
         return group
     # new_group() hands ranks outside the group a marker instead of a group
-    if group is dist.GroupMember.NON_GROUP_MEMBER or (isinstance(group, dist.ProcessGroup) and dist.get_rank(group) < 0):
+    outside = group is dist.GroupMember.NON_GROUP_MEMBER
+    if outside or (isinstance(group, dist.ProcessGroup) and dist.get_rank(group) < 0):
         raise UserError(f"{name} does not contain this rank (global rank {dist.get_rank()}): call this only on the "
                         "ranks of the group, or pass a group that holds every rank that calls it")
     if not isinstance(group, dist.ProcessGroup):

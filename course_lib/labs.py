@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("generate", help="write every exercise.py from its solution.py")
     checker = sub.add_parser("check", help="run your exercise and compare it with the solution")
     checker.add_argument("lab", help=f"one of: {', '.join(lab_names())}")
-    checker.add_argument("--file", type=checks.file_to_read, default=None, help="the file to check (default: the lab's exercise.py)")
+    checker.add_argument("--file", type=checks.file_to_read, default=None,
+                         help="the file to check (default: the lab's exercise.py)")
     args = parser.parse_args(argv)
     if args.command == "generate":
         for path in generate():

@@ -22,8 +22,6 @@ from __future__ import annotations
 import signal
 import threading
 
-import torch
-
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 

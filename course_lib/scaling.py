@@ -361,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the first epoch (warm-up) is left out of the timing")
     submit.add_argument("--global-batch-size", type=checks.int_at_least(1), default=256,
                         help="the same at every size: strong scaling")
-    submit.add_argument("--sbatch-arg", action="append", default=[], help="passed to sbatch, e.g. --sbatch-arg=--account=x")
+    submit.add_argument("--sbatch-arg", action="append", default=[],
+                        help="passed to sbatch, e.g. --sbatch-arg=--account=x")
     args = parser.parse_args(argv)
     parser = sub.choices[args.command]  # later mistakes are reported as this subcommand's
     if args.command == "submit":

@@ -166,7 +166,8 @@ def test_misuse_gets_clear_errors_and_no_hang():
     assert "parameter '3.weight' has shape (10, 63) float32 on rank 0 but shape (11, 63) float32 on rank 1" \
         in errors[0]["shapes"]
     assert "every rank must build the same model" in errors[0]["shapes"]
-    assert "bucket_mb (the size of one all-reduce message, in MB) must be a finite number above 0" in errors[0]["bucket"]
+    assert "bucket_mb (the size of one all-reduce message, in MB) must be a finite number above 0" \
+        in errors[0]["bucket"]
     assert "keep the forward and the backward of a micro-step inside the same" in errors[0]["no_sync"]
 
 

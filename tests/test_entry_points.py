@@ -28,9 +28,11 @@ def _stage_of_this_rank() -> dict[int, nn.Module]:
 
 
 CASES = {
-    "DataParallel of a tensor": (lambda: ddp.DataParallel(torch.zeros(3)), "module must be a torch.nn.Module, got Tensor"),
+    "DataParallel of a tensor": (lambda: ddp.DataParallel(torch.zeros(3)),
+                                 "module must be a torch.nn.Module, got Tensor"),
     "DataParallel bucket_mb nan": (lambda: ddp.DataParallel(_odd_model(), bucket_mb=float("nan")),
-                                   "bucket_mb (the size of one all-reduce message, in MB) must be a finite number above 0, got nan"),
+                                   "bucket_mb (the size of one all-reduce message, in MB) must be a finite number "
+                                   "above 0, got nan"),
     "DataParallel bucket_mb 0": (lambda: ddp.DataParallel(_odd_model(), bucket_mb=0),
                                  "must be a finite number above 0, got 0"),
     "DataParallel sync": (lambda: ddp.DataParallel(_odd_model(), sync="fast"),

@@ -288,7 +288,8 @@ def test_course_sharded_checkpoint_from_two_ranks_resumes_on_four_and_refuses_an
      "--cpu-offload configure FSDP (ZeRO stage 3), but --zero-stage is 1"),
     (dict(strategy="fsdp", impl="course", hybrid_shard_size=2), "--hybrid-shard-size needs --sharding HYBRID_SHARD"),
     (dict(strategy="fsdp", impl="course", zero_stage=4), "--zero-stage must be 1"),
-    (dict(strategy="fsdp", impl="course", clip_grad_norm=0.0), "--clip-grad-norm must be a finite number above 0, got 0.0"),
+    (dict(strategy="fsdp", impl="course", clip_grad_norm=0.0),
+     "--clip-grad-norm must be a finite number above 0, got 0.0"),
 ])
 def test_sharding_flags_are_checked_before_any_rank_waits(changes, message):
     from course_lib.trainer import validate_config

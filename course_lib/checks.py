@@ -6,7 +6,7 @@ ends in a C++ stack dump, a file given where a folder is expected ends in a Pyth
 after minutes of training. Checked here, each ends at once in one line that names the flag, the
 value and what a valid value looks like, and exits with status 2.
 
-Each check comes in one form: ``check_*(flag, value, ...)`` returns the value (converted) or
+Each check is a function ``check_*(flag, value, ...)`` that returns the value (converted) or
 raises ``UserError``. The training command runs them in ``trainer.validate_config`` (so a
 ``TrainConfig`` built in Python is checked the same way); the other commands turn them into
 argparse types with ``argument_type``, so argparse reports the mistake in its usual way.
@@ -118,8 +118,7 @@ def check_file_to_write(flag: str | None, path: str | os.PathLike) -> Path:
     """A file this process can create or append to (its folder is created when it is written)."""
     path = Path(path)
     if path.is_dir():
-        raise UserError(f"{_shown(flag)}{path} is a folder, but a file is expected: name a file, e.g. "
-                        f"{path / 'metrics.jsonl'}")
+        raise UserError(f"{_shown(flag)}{path} is a folder, but a file is expected: name a file inside it")
     _check_can_write_in(flag, path, "a file", folder=path.parent)
     return path
 

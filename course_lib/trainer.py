@@ -111,7 +111,6 @@ def validate_config(config: TrainConfig, world_size: int) -> None:
     file as expected and writable where the run will write: a mistake then stops every rank at
     once with the same one-line message, instead of a traceback from deep inside torch.
     """
-    defaults = TrainConfig()
     checks.check_int("--epochs", config.epochs, minimum=1)
     checks.check_int("--global-batch-size", config.global_batch_size, minimum=1)
     checks.check_int("--grad-accum", config.grad_accum, minimum=1)
@@ -128,7 +127,7 @@ def validate_config(config: TrainConfig, world_size: int) -> None:
     if config.hybrid_shard_size is not None:
         checks.check_int("--hybrid-shard-size", config.hybrid_shard_size, minimum=1, maximum=world_size)
     strategies.check_strategy(config.strategy, config.impl, world_size)
-    checks.check_folder_to_read("--data-dir", config.data_dir or defaults.data_dir)
+    checks.check_folder_to_read("--data-dir", config.data_dir)
     data.check_data_available(config.dataset, config.data_dir)
     models.check_model_fits_data(config.model, config.dataset, data.INPUT_SHAPES[config.dataset])
     data.per_rank_batch_size(config.global_batch_size, world_size, config.grad_accum)
@@ -354,9 +353,7 @@ class Trainer:
         """
         stop = self.stop_requests is not None and self.stop_requests.received is not None
         summary = [loss_sum, float(samples), 0.0 if finite else 1.0, 1.0 if stop else 0.0]
-        if self.ctx.world_size > 1:
-            summary = _reduce_sum(summary, self.ctx.device)
-        loss_total, samples_total, non_finite_ranks, stopping_ranks = summary
+        loss_total, samples_total, non_finite_ranks, stopping_ranks = _reduce_sum(summary, self.ctx.device)
         step_loss = loss_total / samples_total
         return step_loss, non_finite_ranks > 0 or not math.isfinite(step_loss), stopping_ranks > 0
 

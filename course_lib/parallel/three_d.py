@@ -105,10 +105,10 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = checks.CommandParser(prog="python -m course_lib.parallel.three_d", description=__doc__.split("\n\n")[0],
                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    degree, positive = checks.int_at_least(1), checks.int_at_least(1)
-    parser.add_argument("--data", type=degree, default=2, help="data-parallel degree")
-    parser.add_argument("--pipeline", type=degree, default=2, help="pipeline stages")
-    parser.add_argument("--tensor", type=degree, default=2, help="tensor-parallel degree")
+    positive = checks.int_at_least(1)
+    parser.add_argument("--data", type=positive, default=2, help="data-parallel degree")
+    parser.add_argument("--pipeline", type=positive, default=2, help="pipeline stages")
+    parser.add_argument("--tensor", type=positive, default=2, help="tensor-parallel degree")
     parser.add_argument("--steps", type=positive, default=20)
     parser.add_argument("--global-batch", type=positive, default=16)
     parser.add_argument("--microbatches", type=positive, default=2)

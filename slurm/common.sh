@@ -99,6 +99,9 @@ course_run() {  # course_run LAUNCHER... : run training, forward a stop request,
     scontrol requeue "$SLURM_JOB_ID"
     exit 0
   fi
+  if [ "$status" = 4 ]; then  # the loss became NaN: a requeue would replay the same steps and diverge again
+    echo "error: training diverged (exit status 4, its line is above): not requeued; change the run and resume" >&2
+  fi
   echo "$status" >"$COURSE_RESULTS/$COURSE_RUN_NAME.status"
   exit "$status"
 }

@@ -43,7 +43,7 @@ from torch import nn
 
 from . import checks, comm, memory, runtime
 from .errors import EXIT_USER_ERROR, UserError
-from .launch import launch
+from .launch import launch, max_processes
 
 PIPELINE_MICROBATCHES = (4, 8)
 """Micro-batches per step in the pipeline benchmark: the bubble shrinks as they grow."""
@@ -348,14 +348,14 @@ def main(argv: list[str] | None = None) -> int:
                           formatter_class=formatter)
     tensor = sub.add_parser("tp", help="course tensor parallelism against DTensor parallelize_module",
                             formatter_class=formatter)
-    positive, processes = checks.int_at_least(1), checks.int_at_least(1, launch_limit := 8 * runtime.usable_cpus())
+    positive, processes = checks.int_at_least(1), checks.int_at_least(1, max_processes())
     for command in (pipe, tensor):
         command.add_argument("--d-model", type=positive, default=128)
         command.add_argument("--seq", type=positive, default=64)
         command.add_argument("--batch", type=positive, default=16, help="samples per step (the whole pipeline's batch)")
         command.add_argument("--steps", type=positive, default=10, help="timed steps per variant")
         command.add_argument("--warmup", type=checks.int_at_least(0), default=2)
-    pipe.add_argument("--stages", type=checks.int_at_least(2, launch_limit), nargs="+", default=[2, 4],
+    pipe.add_argument("--stages", type=checks.int_at_least(2, max_processes()), nargs="+", default=[2, 4],
                       help="pipeline sizes (one run each)")
     tensor.add_argument("--world-size", type=processes, default=2, help="the tensor-parallel degree")
     for command in (ddp, fsdp, mem):

@@ -138,7 +138,6 @@ def argument_type(check: Callable[..., Any], convert: Callable[[str], Any] = str
         except UserError as error:
             raise argparse.ArgumentTypeError(str(error)) from None
 
-    parse.__name__ = check.__name__.removeprefix("check_")
     return parse
 
 

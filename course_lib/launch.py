@@ -128,12 +128,17 @@ def _raise_failure(failures: dict[int, tuple[BaseException | None, str]]) -> Non
 _told_about_sharing = False
 
 
+def max_processes(cores: int | None = None) -> int:
+    """The most local processes worth starting on ``cores`` CPU cores (default: this process's)."""
+    return PROCESSES_PER_CORE_LIMIT * (cores or runtime.usable_cpus())
+
+
 def check_process_count(nprocs: int, cores: int | None = None) -> None:
     """Refuse a senseless number of processes; say once what sharing few cores means for the rest."""
     global _told_about_sharing
 
     cores = cores or runtime.usable_cpus()
-    limit = PROCESSES_PER_CORE_LIMIT * cores
+    limit = max_processes(cores)
     if nprocs > limit:
         raise UserError(
             f"{nprocs} processes on {cores} CPU core(s) would spend their time waiting for each other, not "

@@ -8,16 +8,20 @@ tested through their ``main`` too: their checks are argparse types, so they neve
 
 from __future__ import annotations
 
+import json
+import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from course_lib import bench, lab, scaling, train
+from course_lib.errors import EXIT_DIVERGED
 from course_lib.parallel import three_d
 
-from conftest import REPO, clean_env, run_ranks
+from conftest import REPO, clean_env, finish, latest_weights, run_ranks, start_ranks
 
 EXIT_USER_ERROR = 2
 UNWRITABLE = Path("/proc/course-cannot-write-here")  # /proc refuses new entries even to root
@@ -174,14 +178,6 @@ DIVERGING = ["--optimizer", "sgd", "--lr", "1e6", "--epochs", "1", "--no-progres
 @pytest.mark.slow
 @pytest.mark.parametrize("nprocs", [1, 2])
 def test_a_diverging_run_stops_every_rank_at_the_same_step_and_keeps_the_last_good_checkpoint(nprocs, tmp_path):
-    import json
-    import math
-    import time
-
-    from course_lib.errors import EXIT_DIVERGED
-
-    from conftest import finish, latest_weights, start_ranks
-
     args = [*DIVERGING, "--strategy", "ddp" if nprocs > 1 else "single", "--checkpoint-dir", str(tmp_path / "ck"),
             "--metrics", str(tmp_path / "m.jsonl")]
     processes = start_ranks(args, nprocs)

@@ -37,14 +37,14 @@ setup:
 	fi
 
 lab: setup
-	$(PY) -m course_lib.lab
+	$(PY) -m course_lib.tools.lab
 
 # What the whole suite needs from the operating system (Chromium and pdfinfo for the slides, Slurm
 # and munge for the job scripts): installed with apt-get when missing and this user may (root, or
 # a password-less sudo); otherwise one line names the command to run, before any test starts.
-# `python3 course_lib/system_deps.py --dry-run` says what it would install.
+# `python3 course_lib/tools/system_deps.py --dry-run` says what it would install.
 system-deps:
-	@"$(PYTHON)" course_lib/system_deps.py
+	@"$(PYTHON)" course_lib/tools/system_deps.py
 
 test: system-deps setup
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
@@ -79,8 +79,8 @@ slides-setup:
 	fi
 
 slides: setup slides-setup
-	$(PY) -m course_lib.figures slides/public/images
-	$(PY) -m course_lib.slides check --no-python
+	$(PY) -m course_lib.tools.figures slides/public/images
+	$(PY) -m course_lib.tools.slides check --no-python
 	@$(MAKE) --no-print-directory slides-build
 
 # Build and export the decks as they are (no figures drawn, nothing downloaded): the tests run this offline.

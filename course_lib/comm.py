@@ -207,7 +207,7 @@ def nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool = False):
+def all_reduce(tensor: torch.Tensor, *, op: str = "sum", group=None, async_op: bool = False):
     """Every rank ends with the reduction (sum, mean, min, max, product) of everyone's ``tensor``, in place."""
     _check_device(tensor)
     reduce_op, divide = _reduce_op(op), _mean_divider(tensor, op, group)
@@ -215,28 +215,28 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool
                 lambda: dist.all_reduce(tensor, op=reduce_op, group=group, async_op=async_op), async_op, divide)
 
 
-def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = False):
+def broadcast(tensor: torch.Tensor, *, src: int = 0, group=None, async_op: bool = False):
     """Every rank ends with rank ``src``'s ``tensor`` (``src`` is a global rank)."""
     _check_device(tensor)
     return _run("broadcast", nbytes(tensor), group,
                 lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op), async_op)
 
 
-def all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, group=None, async_op: bool = False):
+def all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, *, group=None, async_op: bool = False):
     """``output`` (N times larger along dim 0) gets every rank's ``tensor``, in rank order."""
     _check_device(output, tensor)
     return _run("all_gather", nbytes(output), group,
                 lambda: _all_gather_single(output, tensor, group=group, async_op=async_op), async_op)
 
 
-def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None, async_op: bool = False):
+def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, *, group=None, async_op: bool = False):
     """``tensor_list[i]`` gets rank i's ``tensor``."""
     _check_device(tensor, *tensor_list)
     return _run("all_gather", sum(nbytes(t) for t in tensor_list), group,
                 lambda: dist.all_gather(tensor_list, tensor, group=group, async_op=async_op), async_op)
 
 
-def reduce_scatter_tensor(output: torch.Tensor, tensor: torch.Tensor, op: str = "sum", group=None,
+def reduce_scatter_tensor(output: torch.Tensor, tensor: torch.Tensor, *, op: str = "sum", group=None,
                           async_op: bool = False):
     """Reduce everyone's ``tensor`` and give rank i the i-th N-th of the result, in ``output``."""
     _check_device(output, tensor)
@@ -246,7 +246,7 @@ def reduce_scatter_tensor(output: torch.Tensor, tensor: torch.Tensor, op: str = 
                 async_op, divide)
 
 
-def reduce_scatter(output: torch.Tensor, tensor_list: list[torch.Tensor], op: str = "sum", group=None,
+def reduce_scatter(output: torch.Tensor, tensor_list: list[torch.Tensor], *, op: str = "sum", group=None,
                    async_op: bool = False):
     """Rank i gets the reduction of everyone's ``tensor_list[i]`` (the pieces may differ in size)."""
     _check_device(output, *tensor_list)
@@ -256,7 +256,7 @@ def reduce_scatter(output: torch.Tensor, tensor_list: list[torch.Tensor], op: st
                 async_op, divide)
 
 
-def reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum", group=None, async_op: bool = False):
+def reduce(tensor: torch.Tensor, *, dst: int = 0, op: str = "sum", group=None, async_op: bool = False):
     """Rank ``dst`` ends with the reduction of everyone's ``tensor`` (the others' tensors are scratch)."""
     _check_device(tensor)
     reduce_op = _reduce_op(op)
@@ -265,7 +265,7 @@ def reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum", group=None, asyn
                 lambda: dist.reduce(tensor, dst=dst, op=reduce_op, group=group, async_op=async_op), async_op, divide)
 
 
-def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int = 0, group=None,
+def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, *, dst: int = 0, group=None,
            async_op: bool = False):
     """Rank ``dst`` gets everyone's ``tensor`` in ``gather_list`` (None on the other ranks)."""
     _check_device(tensor)
@@ -274,7 +274,7 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
                 lambda: dist.gather(tensor, gather_list, dst=dst, group=group, async_op=async_op), async_op)
 
 
-def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int = 0, group=None,
+def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, *, src: int = 0, group=None,
             async_op: bool = False):
     """Rank i gets ``scatter_list[i]`` of rank ``src`` into ``tensor``."""
     _check_device(tensor)
@@ -283,45 +283,30 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
                 lambda: dist.scatter(tensor, scatter_list, src=src, group=group, async_op=async_op), async_op)
 
 
-def barrier(group=None, async_op: bool = False):
+def barrier(*, group=None, async_op: bool = False):
     """Wait until every rank of the group has arrived."""
     return _run("barrier", 0, group, lambda: dist.barrier(group=group, async_op=async_op), async_op)
 
 
-def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:
+def send(tensor: torch.Tensor, dst: int, *, group=None, tag: int = 0) -> None:
     """Send to global rank ``dst``; ``tag`` tells apart messages between the same two ranks."""
     _check_device(tensor)
     _run("send", nbytes(tensor), group, lambda: dist.send(tensor, dst=dst, group=group, tag=tag), False)
 
 
-def recv(tensor: torch.Tensor, src: int, group=None, tag: int = 0) -> None:
+def recv(tensor: torch.Tensor, src: int, *, group=None, tag: int = 0) -> None:
     _check_device(tensor)
     _run("recv", nbytes(tensor), group, lambda: dist.recv(tensor, src=src, group=group, tag=tag), False)
 
 
-def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0):
+def isend(tensor: torch.Tensor, dst: int, *, group=None, tag: int = 0):
     _check_device(tensor)
     return _run("send", nbytes(tensor), group, lambda: dist.isend(tensor, dst=dst, group=group, tag=tag), True)
 
 
-def irecv(tensor: torch.Tensor, src: int, group=None, tag: int = 0):
+def irecv(tensor: torch.Tensor, src: int, *, group=None, tag: int = 0):
     _check_device(tensor)
     return _run("recv", nbytes(tensor), group, lambda: dist.irecv(tensor, src=src, group=group, tag=tag), True)
-
-
-# -- who am I -------------------------------------------------------------------------------
-
-def get_rank(group=None) -> int:
-    """This process's rank in ``group`` (the whole world by default); 0 without a process group."""
-    return dist.get_rank(group) if dist.is_initialized() else 0
-
-
-def get_world_size(group=None) -> int:
-    return dist.get_world_size(group) if dist.is_initialized() else 1
-
-
-def is_main_process(group=None) -> bool:
-    return get_rank(group) == 0
 
 
 # -- the ring all-reduce, by hand -----------------------------------------------------------
@@ -348,7 +333,7 @@ def ring_all_reduce_counts(n: int) -> list[list[list[int]]]:
     return frames
 
 
-def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
+def ring_all_reduce(tensor: torch.Tensor, *, group=None) -> torch.Tensor:
     """Sum ``tensor`` over the group in place, with the ring algorithm, from send/recv only.
 
     The tensor is cut into N chunks (``tensor_split``: lengths may differ by one). Ranks form a
@@ -362,7 +347,7 @@ def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
 
     Each rank sent 2(N-1) chunks of S/N bytes: 2(N-1)/N · S, whatever N is.
     """
-    n, rank = get_world_size(group), get_rank(group)
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
     if n == 1:
         return tensor
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(n))
@@ -372,8 +357,8 @@ def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
 
     def exchange(send_index: int, receive_index: int) -> torch.Tensor:
         incoming = torch.empty_like(chunks[receive_index])
-        outgoing = isend(chunks[send_index].clone(), right, group)  # clone: we modify chunks while it flies
-        recv(incoming, left, group)
+        outgoing = isend(chunks[send_index].clone(), right, group=group)  # clone: we modify chunks while it flies
+        recv(incoming, left, group=group)
         outgoing.wait()
         return incoming
 

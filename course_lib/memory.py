@@ -56,7 +56,7 @@ class ModelStateBytes:
         return self.params + self.grads + self.optimizer
 
 
-def model_state_bytes(num_params: float, world_size: int, stage: str, param_bytes: float = 2,
+def model_state_bytes(num_params: float, world_size: int, stage: str, *, param_bytes: float = 2,
                       grad_bytes: float = 2, optimizer_bytes: float = 12) -> ModelStateBytes:
     """Bytes per rank for ``stage`` (ddp, zero1, zero2, zero3) with Ψ = ``num_params``."""
     if stage not in STAGES:

@@ -223,7 +223,7 @@ def _rendezvous_store(env: DistEnvironment, timeout: datetime.timedelta):
     return dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-def init(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, num_threads: int | None = None) -> Context:
+def init(*, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, num_threads: int | None = None) -> Context:
     """Join the process group described by the environment and return this process's ``Context``.
 
     Safe to call twice: the second call returns the context of the first.
@@ -313,16 +313,38 @@ def is_peer_failure(error: BaseException) -> bool:
     )
 
 
-def rank() -> int:
-    return _context.rank if _context else 0
+# -- who am I: one way to ask, everywhere -------------------------------------------------------
+
+def rank(group=None) -> int:
+    """This process's rank in ``group`` (the whole world by default); 0 before any process group exists.
+
+    Args:
+        group: a process group this rank belongs to (``dist.new_group``, ``mesh.get_group()``), or
+            None for every rank.
+    """
+    import torch.distributed as dist
+
+    return dist.get_rank(group) if dist.is_initialized() else 0
 
 
-def world_size() -> int:
-    return _context.world_size if _context else 1
+def world_size(group=None) -> int:
+    """How many ranks ``group`` has (the whole world by default); 1 before any process group exists.
+
+    Args:
+        group: a process group, or None for every rank.
+    """
+    import torch.distributed as dist
+
+    return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
-def is_main() -> bool:
-    return rank() == 0
+def is_main(group=None) -> bool:
+    """True on the first rank of ``group`` (rank 0 of the world by default): the one that prints and saves.
+
+    Args:
+        group: a process group, or None for every rank.
+    """
+    return rank(group) == 0
 
 
 def print0(*args, **kwargs) -> None:
@@ -332,12 +354,16 @@ def print0(*args, **kwargs) -> None:
         print(*args, **kwargs)
 
 
-def barrier() -> None:
-    """Wait until every rank arrives here (a no-op in a world of one)."""
+def barrier(group=None) -> None:
+    """Wait until every rank of ``group`` (default: all) arrives here; a no-op in a world of one.
+
+    Args:
+        group: a process group, or None for every rank.
+    """
     import torch.distributed as dist
 
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+    if world_size(group) > 1:
+        dist.barrier(group)
 
 
 def flush_and_exit(code: int) -> None:

@@ -28,7 +28,7 @@ and only the last one communicates.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -39,10 +39,6 @@ from .runtime import Context
 
 STRATEGIES = ("single", "ddp", "fsdp")
 IMPLEMENTATIONS = ("torch", "course")
-
-# (strategy, "course") -> function(model, context) returning the wrapped model. The readable
-# implementations in course_lib.parallel register themselves here when they are imported.
-COURSE_IMPLEMENTATIONS: dict[str, Callable[[nn.Module, Context], nn.Module]] = {}
 
 
 def check_strategy(strategy: str, impl: str, world_size: int) -> None:
@@ -56,38 +52,47 @@ def check_strategy(strategy: str, impl: str, world_size: int) -> None:
             f"strategy single runs one process, but {world_size} were started: use --strategy ddp or fsdp, "
             "or run without torchrun/srun"
         )
-    if impl == "course" and strategy != "single":
-        _load_course_implementations()
-        if strategy not in COURSE_IMPLEMENTATIONS:
-            raise UserError(f"--impl course is not available for strategy {strategy}: use --impl torch")
 
 
-def _load_course_implementations() -> None:
-    import importlib
-
-    for module in ("ddp", "fsdp"):
-        try:
-            importlib.import_module(f"course_lib.parallel.{module}")
-        except ModuleNotFoundError as error:
-            if error.name != f"course_lib.parallel.{module}":
-                raise
-
-
-def wrap_model(model: nn.Module, strategy: str, impl: str, ctx: Context, **options) -> nn.Module:
+def wrap_model(model: nn.Module, *, strategy: str, impl: str, context: Context, zero_stage: int = 3,
+               sharding: str = "FULL_SHARD", hybrid_shard_size: int | None = None, cpu_offload: str = "none",
+               activation_checkpointing: bool = False) -> nn.Module:
     """Return the model as this strategy trains it (the optimizer must be built *after* this).
 
-    ``options`` go to the course's implementation (``--zero-stage``, ``--sharding``... for fsdp).
+    Args:
+        model: the model, on ``context.device``, the same on every rank.
+        strategy: ``single``, ``ddp`` or ``fsdp``.
+        impl: ``torch`` (PyTorch's DDP or FSDP2) or ``course`` (``course_lib.parallel``).
+        context: this process's ``runtime.Context`` (its device and world size).
+        zero_stage: ``fsdp`` with ``course`` only: 1 or 2 (``ZeroDataParallel``) or 3 (FSDP).
+        sharding: the course FSDP's sharding strategy (``FULL_SHARD``, ``SHARD_GRAD_OP``,
+            ``HYBRID_SHARD``, ``NO_SHARD``).
+        hybrid_shard_size: ranks per shard group under ``HYBRID_SHARD``.
+        cpu_offload: the course FSDP's offload mode: ``none``, ``params`` or ``full``.
+        activation_checkpointing: the course FSDP recomputes each unit's activations in backward.
     """
-    check_strategy(strategy, impl, ctx.world_size)
+    check_strategy(strategy, impl, context.world_size)
     if strategy == "single":
         return model
-    if impl == "course":
-        return COURSE_IMPLEMENTATIONS[strategy](model, ctx, **options)
     if strategy == "ddp":
+        if impl == "course":
+            from .parallel.ddp import DataParallel
+
+            return DataParallel(model)
         from torch.nn.parallel import DistributedDataParallel
 
-        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        device_ids = [context.device.index] if context.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids)
+    if impl == "course" and zero_stage in (1, 2):
+        from .parallel.zero import ZeroDataParallel
+
+        return ZeroDataParallel(model, stage=zero_stage)
+    if impl == "course":
+        from .parallel.fsdp import FullyShardedDataParallel
+
+        return FullyShardedDataParallel(model, auto_wrap_policy=sharding_units(model), sharding_strategy=sharding,
+                                        hybrid_shard_size=hybrid_shard_size, cpu_offload=cpu_offload,
+                                        activation_checkpointing=activation_checkpointing)
     from torch.distributed.fsdp import fully_shard
 
     # Shard each block first, then the root (which picks up the parameters left over).

@@ -78,13 +78,6 @@ class TrainConfig:
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def sharding_options(self) -> dict[str, Any]:
-        """What the course's sharded implementations take (``--strategy fsdp --impl course``)."""
-        if self.zero_stage in (1, 2):
-            return {"zero_stage": self.zero_stage}
-        return {"zero_stage": 3, "sharding": self.sharding, "hybrid_shard_size": self.hybrid_shard_size,
-                "cpu_offload": self.cpu_offload, "activation_checkpointing": self.activation_checkpointing}
-
 
 @dataclass
 class TrainResult:
@@ -283,12 +276,16 @@ class Trainer:
         self.data = data.load_dataset(config.dataset, config.data_dir, config.seed)
         model = models.build_model(config.model, self.data.num_classes).to(self.ctx.device)
         course_sharded = (config.strategy, config.impl) == ("fsdp", "course")
-        options = config.sharding_options() if course_sharded else {}
         # What is sharded, for the metrics: zero1, zero2, or the FSDP sharding strategy.
         self.sharding_label = None if config.strategy != "fsdp" else (
             f"zero{config.zero_stage}" if course_sharded and config.zero_stage < 3 else
             config.sharding if course_sharded else "FULL_SHARD")
-        self.model = strategies.wrap_model(model, config.strategy, config.impl, self.ctx, **options)
+        # The sharding flags are only ever set with --strategy fsdp --impl course (validate_config).
+        self.model = strategies.wrap_model(
+            model, strategy=config.strategy, impl=config.impl, context=self.ctx, zero_stage=config.zero_stage,
+            sharding=config.sharding, hybrid_shard_size=config.hybrid_shard_size, cpu_offload=config.cpu_offload,
+            activation_checkpointing=config.activation_checkpointing,
+        )
         self.optimizer = build_optimizer(self.model, config)
 
         pin = self.ctx.device.type == "cuda"

@@ -70,10 +70,10 @@ def run_ranks(args: list[str], nprocs: int = 1, env: dict[str, str] | None = Non
 
 
 def run_bench(*args: str) -> dict:
-    """``python -m course_lib.bench ARGS`` in a fresh process; the JSON it printed."""
+    """``python -m course_lib.tools.bench ARGS`` in a fresh process; the JSON it printed."""
     import json
 
-    shown = subprocess.run([sys.executable, "-m", "course_lib.bench", *args], cwd=REPO, env=clean_env(),
+    shown = subprocess.run([sys.executable, "-m", "course_lib.tools.bench", *args], cwd=REPO, env=clean_env(),
                            capture_output=True, text=True, timeout=300)
     assert shown.returncode == 0, shown.stderr
     return json.loads(shown.stdout)

@@ -166,7 +166,7 @@ def test_no_abort_at_exit_over_repeated_runs(strategy, quick_args):
 
 @pytest.mark.slow
 def test_lab_end_to_end(tmp_path):
-    lab = subprocess.run([sys.executable, "-m", "course_lib.lab", "--quick", "--results-dir", str(tmp_path)],
+    lab = subprocess.run([sys.executable, "-m", "course_lib.tools.lab", "--quick", "--results-dir", str(tmp_path)],
                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert lab.returncode == 0, lab.stdout[-2000:] + lab.stderr[-2000:]
     for name in ("lab-single.jsonl", "lab-ddp.jsonl", "lab-fsdp.jsonl", "lab_summary.json", "strong_scaling.png"):
@@ -182,7 +182,7 @@ def test_lab_end_to_end(tmp_path):
 
 
 def test_lab_reports_a_failed_run(tmp_path):
-    lab = subprocess.run([sys.executable, "-m", "course_lib.lab", "--quick", "--dataset", "synthetic",
+    lab = subprocess.run([sys.executable, "-m", "course_lib.tools.lab", "--quick", "--dataset", "synthetic",
                           "--results-dir", str(tmp_path)],
                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120)
     assert lab.returncode == EXIT_USER_ERROR

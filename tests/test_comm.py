@@ -106,7 +106,7 @@ def _compare_every_wrapper():
         comm.send(_rank_tensor(), right)
     same("send/irecv", received, expected)
 
-    assert comm.get_rank() == rank and comm.get_world_size() == n and comm.is_main_process() == (rank == 0)
+    assert runtime.rank() == rank and runtime.world_size() == n and runtime.is_main() == (rank == 0)
     return mismatches
 
 

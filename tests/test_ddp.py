@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from conftest import run_bench, run_ranks
-from course_lib import comm, models
+from course_lib import comm, models, runtime
 from course_lib.errors import UserError
 from course_lib.launch import launch
 from course_lib.parallel.ddp import DataParallel, make_buckets
@@ -27,7 +27,7 @@ def _global_batch(step: int):
 
 def _train(kind: str, sync: str = "overlapped", bucket_mb: float = 0.05, accumulate: int = 1):
     """k SGD-with-momentum steps; each rank computes on its interleaved slice of every global batch."""
-    n, rank = comm.get_world_size(), comm.get_rank()
+    n, rank = runtime.world_size(), runtime.rank()
     torch.manual_seed(0)
     model = models.build_model("digits_cnn")
     if kind == "course":
@@ -118,7 +118,7 @@ def _unused_parameters(kind: str, find_unused: bool):
         model = DataParallel(model, find_unused_parameters=find_unused)
     else:
         model = DistributedDataParallel(model, find_unused_parameters=find_unused)
-    x = torch.randn(5, 4) + comm.get_rank()
+    x = torch.randn(5, 4) + runtime.rank()
     try:
         model(x).sum().backward()
     except UserError as error:
@@ -139,7 +139,7 @@ def test_unused_parameters_need_the_flag_and_then_match_torch():
 def _misuses():
     errors = {}
     model = models.build_model("digits_cnn")
-    if comm.get_rank() == 1:
+    if runtime.rank() == 1:
         model[3] = nn.Linear(63, 11)  # a different head on one rank
     try:
         DataParallel(model)
@@ -201,14 +201,14 @@ class _WithBuffer(nn.Module):
         self.register_buffer("counter", torch.zeros(4))
 
     def forward(self, x):
-        self.counter += comm.get_rank() + 1  # drifts differently on every rank
+        self.counter += runtime.rank() + 1  # drifts differently on every rank
         return self.linear(x)
 
 
 def _buffers_and_parameters(broadcast_buffers: bool):
-    torch.manual_seed(comm.get_rank())  # different initial weights on every rank
+    torch.manual_seed(runtime.rank())  # different initial weights on every rank
     model = _WithBuffer()
-    model.counter.fill_(10.0 * comm.get_rank())
+    model.counter.fill_(10.0 * runtime.rank())
     wrapped = DataParallel(model, broadcast_buffers=broadcast_buffers)
     after_wrap = (model.linear.weight.detach().clone(), model.counter.clone())
     wrapped(torch.randn(2, 3))

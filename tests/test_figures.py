@@ -1,8 +1,9 @@
-"""The slides' figures are drawn by `python -m course_lib.figures`, and the committed ones are current."""
+"""The slides' figures are drawn by `python -m course_lib.tools.figures`, and the committed ones are current."""
 
 from __future__ import annotations
 
-from course_lib import comm, figures
+from course_lib import comm
+from course_lib.tools import figures
 
 IMAGES = figures.Path(__file__).resolve().parent.parent / "slides" / "public" / "images"
 
@@ -15,7 +16,7 @@ def test_every_committed_figure_is_what_the_command_draws_now(tmp_path):
     stale = sorted(name for name in set(fresh) & set(committed) if fresh[name] != committed[name])
     assert not (missing or orphans or stale), (
         f"missing {missing}, drawn by nothing {orphans}, stale {stale}: "
-        "run `python -m course_lib.figures slides/public/images` and commit the images"
+        "run `python -m course_lib.tools.figures slides/public/images` and commit the images"
     )
 
 

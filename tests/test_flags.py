@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from course_lib import bench, lab, scaling, train
+from course_lib import scaling, train
+from course_lib.tools import bench, lab, study
 from course_lib.errors import EXIT_DIVERGED
-from course_lib.parallel import three_d
+from course_lib.tools import three_d
 
 from conftest import REPO, clean_env, finish, latest_weights, run_ranks, start_ranks
 
@@ -133,17 +134,17 @@ OTHER_MISTAKES = [
     (lab.main, ["--results-dir", "{file}"], "argument --results-dir: {file} is a file, but a folder is expected"),
     (lab.main, ["--results-dir", str(UNWRITABLE)], f"argument --results-dir: {UNWRITABLE} cannot be written"),
     (lab.main, ["--model", "vgg"], "argument --model: invalid choice: 'vgg'"),
-    (scaling.main, ["submit", "--gpus", "0"], "argument --gpus: must be a whole number, 1 or more, got 0"),
-    (scaling.main, ["submit", "--gpus-per-node", "-4"], "argument --gpus-per-node: must be a whole number"),
-    (scaling.main, ["submit", "--epochs", "nan"], "argument --epochs: must be a whole number, got 'nan'"),
-    (scaling.main, ["submit", "--gpus", "1", "3", "--global-batch-size", "100"],
+    (study.main, ["submit", "--gpus", "0"], "argument --gpus: must be a whole number, 1 or more, got 0"),
+    (study.main, ["submit", "--gpus-per-node", "-4"], "argument --gpus-per-node: must be a whole number"),
+    (study.main, ["submit", "--epochs", "nan"], "argument --epochs: must be a whole number, got 'nan'"),
+    (study.main, ["submit", "--gpus", "1", "3", "--global-batch-size", "100"],
      "argument --global-batch-size: 100 does not divide over [3] processes"),
-    (scaling.main, ["submit", "--gpus", "6", "--global-batch-size", "48"],
+    (study.main, ["submit", "--gpus", "6", "--global-batch-size", "48"],
      "argument --gpus: 6 GPUs do not fill whole nodes"),
-    (scaling.main, ["submit", "--results", "{file}"], "argument --results: {file} is a file, but a folder is expected"),
-    (scaling.main, ["submit", "--data-dir", "{file}"], "argument --data-dir: {file} is a file"),
-    (scaling.main, ["collect", "--results", "{tmp}/none"], "argument --results: {tmp}/none does not exist"),
-    (scaling.main, ["plot", "--results", "{file}"], "argument --results: {file} is a file"),
+    (study.main, ["submit", "--results", "{file}"], "argument --results: {file} is a file, but a folder is expected"),
+    (study.main, ["submit", "--data-dir", "{file}"], "argument --data-dir: {file} is a file"),
+    (study.main, ["collect", "--results", "{tmp}/none"], "argument --results: {tmp}/none does not exist"),
+    (study.main, ["plot", "--results", "{file}"], "argument --results: {file} is a file"),
     (bench.main, ["ddp", "--steps", "0"], "argument --steps: must be a whole number, 1 or more, got 0"),
     (bench.main, ["ddp", "--warmup", "-1"], "argument --warmup: must be a whole number, 0 or more, got -1"),
     (bench.main, ["ddp", "--bucket-mb", "nan"], "argument --bucket-mb: must be a finite number above 0, got nan"),

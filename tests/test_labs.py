@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from conftest import REPO, clean_env
-from course_lib import labs
+from course_lib.tools import labs
 
 EXPECTED_ACCURACY = {"lab1_ddp": 0.8, "lab2_fsdp": 0.8}
 
@@ -18,7 +18,7 @@ def test_every_committed_exercise_is_what_the_generator_writes():
         folder = labs.LABS_DIR / name
         generated = labs.exercise_text((folder / "solution.py").read_text())
         assert (folder / "exercise.py").read_text() == generated, \
-            f"labs/{name}/exercise.py is stale: run python -m course_lib.labs generate"
+            f"labs/{name}/exercise.py is stale: run python -m course_lib.tools.labs generate"
 
 
 def test_the_generator_refuses_unbalanced_markers():
@@ -31,7 +31,7 @@ def test_the_generator_refuses_unbalanced_markers():
 @pytest.mark.parametrize("name", ["lab1_ddp", "lab2_fsdp", "lab3_scaling"])
 def test_the_check_passes_on_the_solution_and_explains_the_untouched_exercise(name):
     def check(*args):
-        return subprocess.run([sys.executable, "-m", "course_lib.labs", "check", name, *args], cwd=REPO,
+        return subprocess.run([sys.executable, "-m", "course_lib.tools.labs", "check", name, *args], cwd=REPO,
                               env=clean_env(), capture_output=True, text=True, timeout=300)
 
     solved = check("--file", f"labs/{name}/solution.py")

@@ -56,24 +56,27 @@ def test_the_process_groups_are_those_of_the_grid(degrees):
 
 @pytest.fixture(scope="module")
 def single_losses():
-    return launch(train_3d, 1, 1, 1, 1)[0]
+    return launch(train_3d, 1, data_degree=1, pipeline=1, tensor=1)[0]
 
 
 @pytest.mark.slow
 def test_a_2x2x2_run_on_8_processes_matches_one_process(single_losses):
-    losses = launch(train_3d, 8, 2, 2, 2, timeout_s=600)[0]
+    losses = launch(train_3d, 8, data_degree=2, pipeline=2, tensor=2, timeout_s=600)[0]
     assert losses == pytest.approx(single_losses, rel=1e-5)
     assert losses[-1] < 0.65 * losses[0]  # it learns
 
 
 def test_other_grids_and_schedules_match_one_process(single_losses):
-    losses = launch(train_3d, 4, 1, 2, 2, 20, 16, 4, "gpipe")[0]  # pipeline x tensor, 4 micro-batches
+    losses = launch(train_3d, 4, data_degree=1, pipeline=2, tensor=2, steps=20, global_batch=16,
+                    microbatches=4, schedule="gpipe")[0]  # pipeline x tensor, 4 micro-batches
     assert losses == pytest.approx(single_losses, rel=1e-5)
 
 
 def _refused(*arguments):
+    names = ("data_degree", "pipeline", "tensor", "steps", "global_batch", "microbatches", "schedule", "lr", "seq_len",
+             "d_model", "n_heads")
     try:
-        train_3d(*arguments)
+        train_3d(**dict(zip(names, arguments)))
     except UserError as error:
         return str(error)
     return "no error"
@@ -97,7 +100,7 @@ def test_the_3d_command_prints_both_curves_and_refuses_a_bad_grid(tmp_path):
     from conftest import REPO, clean_env
 
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "course_lib.parallel.three_d", *args], cwd=REPO,
+        return subprocess.run([sys.executable, "-m", "course_lib.tools.three_d", *args], cwd=REPO,
                               env=clean_env(), capture_output=True, text=True, timeout=300)
 
     shown = run("--data", "1", "--pipeline", "2", "--tensor", "1", "--steps", "3", "--plot", str(tmp_path / "l.png"))

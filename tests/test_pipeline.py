@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from course_lib import comm, data, models
+from course_lib import comm, data, models, runtime
 from course_lib.errors import UserError
 from course_lib.launch import launch
 from course_lib.parallel import pipeline as pp
+from course_lib.tools import plots
 
 CASES = [(schedule, p, m, 1) for schedule in ("gpipe", "1f1b") for p in (2, 4) for m in (4, 8)] + \
         [("interleaved_1f1b", p, m, 2) for p in (2, 4) for m in (4, 8)]
@@ -18,17 +19,17 @@ TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 
 @pytest.mark.parametrize("schedule, p, m, v", CASES)
 def test_schedules_are_valid_and_hold_the_activations_theory_says(schedule, p, m, v):
-    actions = pp.build_schedule(schedule, p, m, v)
-    pp.check_schedule(actions, p, m, v)  # complete, causal, matched, deadlock-free
+    actions = pp.build_schedule(schedule, p, m, virtual_stages=v)
+    pp.check_schedule(actions, p, m, virtual_stages=v)  # complete, causal, matched, deadlock-free
     for rank in range(p):
-        assert pp.peak_in_flight(actions[rank]) == pp.peak_activations_theory(schedule, p, m, rank, v)
+        assert pp.peak_in_flight(actions[rank]) == pp.peak_activations_theory(schedule, p, m, rank, virtual_stages=v)
     if schedule == "gpipe":
         assert all(pp.peak_in_flight(actions[r]) == m for r in range(p))  # GPipe keeps all m
     if schedule == "1f1b":
         assert [pp.peak_in_flight(actions[r]) for r in range(p)] == [min(p - r, m) for r in range(p)]
     # with equal forward and backward times the idle share is exactly (p - 1) / (v m + p - 1)
     timeline = pp.simulate_timeline(actions, p, forward_time=1, backward_time=1)
-    assert pp.bubble_fraction(timeline) == pytest.approx(pp.bubble_fraction_theory(p, m, v))
+    assert pp.bubble_fraction(timeline) == pytest.approx(pp.bubble_fraction_theory(p, m, virtual_stages=v))
 
 
 def test_a_schedule_is_readable():
@@ -75,7 +76,7 @@ def _single_grads():
 
 def _course_pipeline(schedule: str, m: int, v: int):
     model, inputs, targets = _model_and_batch()
-    p, rank = comm.get_world_size(), comm.get_rank()
+    p, rank = runtime.world_size(), runtime.rank()
     stages = pp.split_model(model, p * v)
     mine = {s: stages[s] for s in range(p * v) if pp.rank_of_stage(s, p) == rank}
     executor = pp.PipelineExecutor(mine, p * v, schedule, m, models.lm_loss, (BATCH // m, SEQ, D_MODEL))
@@ -97,7 +98,7 @@ def test_executor_gradients_equal_one_process(schedule, p, m, v, single):
     grads = {}
     for rank, (loss, rank_grads, peak) in enumerate(ranks):
         grads.update(rank_grads)
-        assert peak == pp.peak_activations_theory(schedule, p, m, rank, v)  # measured while running
+        assert peak == pp.peak_activations_theory(schedule, p, m, rank, virtual_stages=v)  # measured while running
     torch.testing.assert_close(ranks[p - 1][0], expected_loss, **TOLERANCE)  # the last stage's rank
     assert sorted(grads) == sorted(expected_grads)  # every parameter lives on exactly one rank
     for name, grad in grads.items():
@@ -108,7 +109,7 @@ def _torch_pipeline(schedule: str, m: int, v: int):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     model, inputs, targets = _model_and_batch()
-    p, rank = comm.get_world_size(), comm.get_rank()
+    p, rank = runtime.world_size(), runtime.rank()
     stages = pp.split_model(model, p * v)
     mine = [s for s in range(p * v) if pp.rank_of_stage(s, p) == rank]
     torch_stages = [PipelineStage(stages[s], s, p * v, torch.device("cpu")) for s in mine]
@@ -134,10 +135,10 @@ def test_course_pipeline_equals_torch_pipelining(schedule, p, m, v):
 
 
 def test_timelines_are_drawn_from_a_schedule_and_from_a_run(tmp_path):
-    schedule = pp.simulate_timeline(pp.build_schedule("interleaved_1f1b", 2, 4, 2), 2)
-    pp.plot_timeline(schedule, tmp_path / "schedule.png", pipeline_size=2)
+    schedule = pp.simulate_timeline(pp.build_schedule("interleaved_1f1b", 2, 4, virtual_stages=2), 2)
+    plots.plot_timeline(schedule, tmp_path / "schedule.png", pipeline_size=2)
     events = launch(_events, 2)
-    pp.plot_timeline(dict(enumerate(events)), tmp_path / "measured.png", title="measured")
+    plots.plot_timeline(dict(enumerate(events)), tmp_path / "measured.png", title="measured")
     for name in ("schedule.png", "measured.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert all(len(rank_events) == 2 * 4 for rank_events in events)  # 4 forwards and 4 backwards each
@@ -146,7 +147,7 @@ def test_timelines_are_drawn_from_a_schedule_and_from_a_run(tmp_path):
 
 def _events():
     model, inputs, targets = _model_and_batch()
-    p, rank = comm.get_world_size(), comm.get_rank()
+    p, rank = runtime.world_size(), runtime.rank()
     stages = pp.split_model(model, p)
     executor = pp.PipelineExecutor({rank: stages[rank]}, p, "1f1b", 4, models.lm_loss, (BATCH // 4, SEQ, D_MODEL))
     executor.step(inputs, targets)
@@ -161,9 +162,9 @@ def test_bad_inputs_get_clear_errors():
     with pytest.raises(UserError, match="unknown schedule 'zero_bubble'"):
         pp.build_schedule("zero_bubble", 2, 4)
     with pytest.raises(UserError, match="use a number of micro-batches that is a multiple of 4, not 6"):
-        pp.build_schedule("interleaved_1f1b", 4, 6, 2)
+        pp.build_schedule("interleaved_1f1b", 4, 6, virtual_stages=2)
     with pytest.raises(UserError, match="virtual stages need schedule interleaved_1f1b"):
-        pp.build_schedule("1f1b", 2, 4, 2)
+        pp.build_schedule("1f1b", 2, 4, virtual_stages=2)
     with pytest.raises(UserError, match="cut points"):
         pp.split_model(model, 3, cut_points=[5, 2])
     message = launch(_uneven_batch, 2)[0]
@@ -173,7 +174,7 @@ def test_bad_inputs_get_clear_errors():
 def _uneven_batch():
     model, inputs, targets = _model_and_batch()
     stages = pp.split_model(model, 2)
-    rank = comm.get_rank()
+    rank = runtime.rank()
     executor = pp.PipelineExecutor({rank: stages[rank]}, 2, "gpipe", 3, models.lm_loss, (3, SEQ, D_MODEL))
     try:
         executor.step(inputs, targets)
@@ -192,5 +193,5 @@ def test_pipeline_benchmark_prints_the_promised_json():
     for row in rows:
         assert row["peak_activations_measured"] == row["peak_activations_theory"]
         assert 0 <= row["bubble_measured"] < 1 and row["bubble_theory"] == pytest.approx(
-            pp.bubble_fraction_theory(2, row["microbatches"], row["virtual_stages"]))
+            pp.bubble_fraction_theory(2, row["microbatches"], virtual_stages=row["virtual_stages"]))
         assert row["ratio"] > 0

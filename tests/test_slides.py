@@ -1,6 +1,6 @@
 """The lecture slides: checked against the code, numbered as Slidev numbers them, built and looked at.
 
-The first part needs only Python: every deck passes ``course_lib.slides check`` (images, code
+The first part needs only Python: every deck passes ``course_lib.tools.slides check`` (images, code
 imports, python blocks run, command lines parse), and each kind of breakage is reported with its
 deck and slide number. The second part (marker ``slides``) builds and exports the decks with the
 pinned Slidev and Chromium, with no network, and looks at the result.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from course_lib import figures, slides
+from course_lib.tools import figures, slides
 
 from conftest import REPO
 
@@ -114,7 +114,7 @@ def test_a_missing_image_is_named_with_its_slide(tmp_path):
     deck = _deck(tmp_path, "# two\n\n![gone](/images/renamed_figure.png)\n")
     [problem] = slides.check_deck(deck)
     assert "09-broken.md, slide 2" in problem and "/images/renamed_figure.png does not exist" in problem
-    assert "python -m course_lib.figures" in problem
+    assert "python -m course_lib.tools.figures" in problem
 
 
 def test_an_image_from_the_internet_is_refused(tmp_path):
@@ -187,7 +187,7 @@ def test_a_command_line_the_tool_refuses_is_named_with_slide_and_line(tmp_path):
         torchrun --nproc-per-node 2 -m course_lib.train --strategy ddp \\
             --global-batch-sise 64
         sbatch slurm/no_such_job.sbatch
-        python -m course_lib.scaling submit --gpus 1 2 --strategies ddp
+        python -m course_lib.tools.study submit --gpus 1 2 --strategies ddp
         ```
         """)
     problems = slides.check_deck(deck)
@@ -199,11 +199,11 @@ def test_a_command_line_the_tool_refuses_is_named_with_slide_and_line(tmp_path):
 
 def test_the_check_command_exits_non_zero_and_names_the_problem(tmp_path):
     deck = _deck(tmp_path, "# two\n\n![gone](/images/gone.png)\n")
-    shown = subprocess.run([sys.executable, "-m", "course_lib.slides", "check", str(deck)], cwd=REPO,
+    shown = subprocess.run([sys.executable, "-m", "course_lib.tools.slides", "check", str(deck)], cwd=REPO,
                            capture_output=True, text=True, timeout=120)
     assert shown.returncode == 1
     assert "FAIL" in shown.stdout and "slide 2: image /images/gone.png does not exist" in shown.stderr
-    missing = subprocess.run([sys.executable, "-m", "course_lib.slides", "check", "slides/99-nothing.md"],
+    missing = subprocess.run([sys.executable, "-m", "course_lib.tools.slides", "check", "slides/99-nothing.md"],
                              cwd=REPO, capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "no such deck" in missing.stderr
 

@@ -135,7 +135,7 @@ def test_the_scaling_study_runs_collects_a_failed_run_and_plots(cluster, tmp_pat
     results = tmp_path / "study"
 
     def scaling(*args):
-        return subprocess.run([sys.executable, "-m", "course_lib.scaling", *args, "--results", str(results)],
+        return subprocess.run([sys.executable, "-m", "course_lib.tools.study", *args, "--results", str(results)],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
     # A global batch that splits over 8 ranks is refused up front, before any job is submitted.

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from course_lib import system_deps
+from course_lib.tools import system_deps
 
 from conftest import REPO
 
@@ -30,7 +30,7 @@ def _fake_bin(folder: Path, *commands: str, node_version: str = "v20.20.2") -> P
 
 
 def _run(path: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "course_lib" / "system_deps.py"), *args], cwd=REPO,
+    return subprocess.run([sys.executable, str(REPO / "course_lib" / "tools" / "system_deps.py"), *args], cwd=REPO,
                           env={"PATH": str(path), "HOME": os.environ.get("HOME", "/root")},
                           capture_output=True, text=True, timeout=60)
 
@@ -89,7 +89,7 @@ def test_a_machine_without_apt_is_told_the_package_names(tmp_path, monkeypatch, 
 
 def test_the_install_step_runs_before_the_tests_and_ci_runs_only_make_test():
     make = subprocess.run(["make", "-n", "test"], cwd=REPO, capture_output=True, text=True, check=True).stdout
-    assert make.index("course_lib/system_deps.py") < make.index("-m pytest")
+    assert make.index("course_lib/tools/system_deps.py") < make.index("-m pytest")
     commands = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()
                 if line.strip() and not line.lstrip().startswith("#")]
     assert commands == ["set -euo pipefail", 'cd "$(dirname "$0")/.."', "exec make test"]
@@ -99,6 +99,6 @@ def test_the_system_step_uses_only_the_standard_library():
     """It runs with the system's Python, before the virtual environment exists."""
     shown = subprocess.run([shutil.which("python3") or sys.executable, "-I", "-c",
                             "import runpy, sys; sys.argv = ['x', '--help']; "
-                            f"runpy.run_path({str(REPO / 'course_lib' / 'system_deps.py')!r}, run_name='__main__')"],
+                            f"runpy.run_path({str(REPO / 'course_lib' / 'tools' / 'system_deps.py')!r}, run_name='__main__')"],
                            capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0 and "--dry-run" in shown.stdout, shown.stderr

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from course_lib import comm, data, models
+from course_lib import comm, data, models, runtime
 from course_lib.errors import UserError
 from course_lib.launch import launch
 from course_lib.parallel import tensor as tp
@@ -39,7 +39,7 @@ def _compare(dense: nn.Module, parallel: nn.Module, x: torch.Tensor, slices: dic
 
 
 def _layer_cases():
-    rank, size = comm.get_rank(), comm.get_world_size()
+    rank, size = runtime.rank(), runtime.world_size()
     torch.manual_seed(0)
 
     def rows(t):

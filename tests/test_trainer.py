@@ -94,7 +94,7 @@ ODD_VALIDATION = TensorDataset(torch.randn(37, 1, 8, 8, generator=torch.Generato
 def _evaluate_on_odd_dataset(strategy: str):
     ctx = runtime.context()
     torch.manual_seed(0)
-    model = strategies.wrap_model(models.build_model("digits_cnn"), strategy, "torch", ctx)
+    model = strategies.wrap_model(models.build_model("digits_cnn"), strategy=strategy, impl="torch", context=ctx)
     loader = data.validation_loader(ODD_VALIDATION, batch_size=4, rank=ctx.rank, world_size=ctx.world_size)
     return evaluate(model, loader, ctx.device)
 

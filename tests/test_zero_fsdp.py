@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import run_bench
-from course_lib import bench, comm, memory, models
+from course_lib import comm, memory, models, runtime
+from course_lib.tools import bench
 from course_lib.errors import UserError
 from course_lib.launch import launch
 from course_lib.parallel.fsdp import FullyShardedDataParallel, MixedPrecision
@@ -65,7 +66,7 @@ def _full_weights(model: nn.Module) -> torch.Tensor:
 
 def _train(kind: str, optimizer: str = "adamw", steps: int = STEPS, clip: float | None = None, **options):
     """``steps`` optimizer steps; every rank computes on its interleaved slice of each global batch."""
-    n, rank = comm.get_world_size(), comm.get_rank()
+    n, rank = runtime.world_size(), runtime.rank()
     torch.manual_seed(0)
     model = _wrap(kind, models.build_model("digits_cnn"), **options)
     opt = OPTIMIZERS[optimizer](model.parameters())
@@ -169,7 +170,7 @@ def test_clip_grad_max_norm_is_the_max_over_all_shards():
 
 def _clip_inf(kind: str, options: dict):
     """Max-norm: compare the sharded result with the max over the full averaged gradient, same step."""
-    n, rank = comm.get_world_size(), comm.get_rank()
+    n, rank = runtime.world_size(), runtime.rank()
     torch.manual_seed(0)
     model = _wrap(kind, models.build_model("digits_cnn"), **options)
     torch.manual_seed(0)
@@ -216,7 +217,7 @@ def _save_sharded(directory: str, steps: int):
 
 
 def _steps(model, optimizer, steps):
-    n, rank = comm.get_world_size(), comm.get_rank()
+    n, rank = runtime.world_size(), runtime.rank()
     for step in steps:
         inputs, targets = _global_batch(step)
         optimizer.zero_grad()
@@ -290,7 +291,7 @@ def test_gather_parameters_and_memory_stats():
 
 
 def _accumulate():
-    n, rank = comm.get_world_size(), comm.get_rank()
+    n, rank = runtime.world_size(), runtime.rank()
     torch.manual_seed(0)
     model = _wrap("fsdp", models.build_model("digits_cnn"))
     optimizer = OPTIMIZERS["sgd"](model.parameters())
@@ -384,7 +385,7 @@ def test_memory_benchmark_matches_the_model_within_two_percent():
 
 
 def _frozen_middle(kind: str):
-    n, rank = comm.get_world_size(), comm.get_rank()
+    n, rank = runtime.world_size(), runtime.rank()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 7), nn.Sequential(nn.Linear(7, 7), nn.Tanh()), nn.Linear(7, 3))
     model[1].requires_grad_(False)  # a frozen block between two trained ones

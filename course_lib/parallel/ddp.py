@@ -113,6 +113,46 @@ def check_same_model_everywhere(module: nn.Module, group) -> None:
         raise UserError(f"rank {rank} lists its parameters in another order than rank 0: build the same model everywhere")
 
 
+def first_rank(*, group=None) -> int:
+    """The global rank of the first rank of ``group`` (the whole world by default)."""
+    return dist.get_global_rank(group, 0) if group is not None else 0
+
+
+def start_as_replicas(module: nn.Module, *, group=None) -> None:
+    """Make every rank of ``group`` hold the first rank's parameters and buffers.
+
+    Replicas that start equal stay equal: they apply the same averaged gradient. The model's
+    shapes are compared first, so a rank that built another model fails with a clear message
+    instead of a broadcast of mismatched tensors.
+    """
+    check_same_model_everywhere(module, group)
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            comm.broadcast(tensor.data, src=first_rank(group=group), group=group)
+
+
+class EndOfBackward:
+    """Run ``callback`` once when the current backward pass ends, however many hooks ask for it.
+
+    A gradient hook only sees one parameter; finishing the step (waiting for the last all-reduce,
+    reducing what is left) needs to know that backward is over. The autograd engine runs queued
+    callbacks once, after the whole graph: the first hook of a backward queues one.
+    """
+
+    def __init__(self, callback):
+        self.callback = callback
+        self.queued = False
+
+    def request(self) -> None:
+        if not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._run)
+
+    def _run(self) -> None:
+        self.queued = False  # first: the next backward must queue again even if the callback fails
+        self.callback()
+
+
 class GradientSyncSwitch:
     """``no_sync()`` for the course's data-parallel wrappers (DDP here, ZeRO and FSDP in ``zero.py``).
 
@@ -142,7 +182,7 @@ class DataParallel(GradientSyncSwitch, nn.Module):
     come, and launching buckets in a different order on different ranks would mismatch messages.
     """
 
-    def __init__(self, module: nn.Module, bucket_mb: float = DEFAULT_BUCKET_MB, sync: str = "overlapped",
+    def __init__(self, module: nn.Module, *, bucket_mb: float = DEFAULT_BUCKET_MB, sync: str = "overlapped",
                  broadcast_buffers: bool = False, find_unused_parameters: bool = False, group=None):
         super().__init__()
         check_module("module", module)
@@ -154,15 +194,9 @@ class DataParallel(GradientSyncSwitch, nn.Module):
         self.broadcast_buffers, self.find_unused_parameters = broadcast_buffers, find_unused_parameters
         self.world_size = dist.get_world_size(group)
         self.overlap = sync == "overlapped" and not find_unused_parameters
-        self.require_gradient_sync = True
         self._sync_this_backward = True
-        self._backward_queued = False
-
-        check_same_model_everywhere(module, group)
-        source = dist.get_global_rank(group, 0) if group is not None else 0
-        with torch.no_grad():
-            for tensor in [*module.parameters(), *module.buffers()]:
-                comm.broadcast(tensor.data, src=source, group=group)
+        self._end_of_backward = EndOfBackward(self._finish_backward)
+        start_as_replicas(module, group=group)
 
         params = [p for p in module.parameters() if p.requires_grad]
         self.buckets = [
@@ -178,23 +212,20 @@ class DataParallel(GradientSyncSwitch, nn.Module):
     # -- forward ----------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         if self.broadcast_buffers:
-            source = dist.get_global_rank(self.group, 0) if self.group is not None else 0
             for buffer in self.module.buffers():
-                comm.broadcast(buffer.data, src=source, group=self.group)
+                comm.broadcast(buffer.data, src=first_rank(group=self.group), group=self.group)
         # Like PyTorch, whether this step's backward communicates is decided when its forward runs.
         self._sync_this_backward = self.require_gradient_sync
         return self.module(*args, **kwargs)
 
     # -- backward: hooks, buckets, the final callback ----------------------------------------
     def _gradient_ready(self, param: nn.Parameter) -> None:
-        if not self._backward_queued:
-            if self._sync_this_backward != self.require_gradient_sync:
-                raise UserError(
-                    "a backward ran on the other side of a no_sync() block than its forward: keep the forward and "
-                    "the backward of a micro-step inside the same `with model.no_sync():` block"
-                )
-            self._backward_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        if not self._end_of_backward.queued and self._sync_this_backward != self.require_gradient_sync:
+            raise UserError(
+                "a backward ran on the other side of a no_sync() block than its forward: keep the forward and "
+                "the backward of a micro-step inside the same `with model.no_sync():` block"
+            )
+        self._end_of_backward.request()
         if not (self._sync_this_backward and self.overlap):
             return
         bucket, view = self._slot[id(param)]
@@ -222,7 +253,6 @@ class DataParallel(GradientSyncSwitch, nn.Module):
 
     def _finish_backward(self) -> None:
         """Runs once at the end of every backward (queued on the autograd engine by the first hook)."""
-        self._backward_queued = False
         if not self._sync_this_backward:
             return
         try:
@@ -276,16 +306,3 @@ class DataParallel(GradientSyncSwitch, nn.Module):
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
         return {id(p): bool(flag) for p, flag in zip(params, used.tolist())}
-
-
-def _wrap_for_trainer(model: nn.Module, ctx, **_options) -> DataParallel:
-    return DataParallel(model)
-
-
-def _register() -> None:
-    from ..strategies import COURSE_IMPLEMENTATIONS
-
-    COURSE_IMPLEMENTATIONS["ddp"] = _wrap_for_trainer
-
-
-_register()

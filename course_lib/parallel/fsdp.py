@@ -57,8 +57,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from .. import comm
 from ..checks import check_group, check_int, check_module
 from ..errors import UserError
-from .ddp import check_same_model_everywhere
-from .zero import FlatParameter, FlatShardedMixin, owned_parameters
+from .ddp import EndOfBackward, start_as_replicas
+from .flat_param import FlatParameter, FlatShardedMixin, owned_parameters
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 OFFLOAD_MODES = ("none", "params", "full")
@@ -168,9 +168,7 @@ def check_units(model: nn.Module, units: list[nn.Module], policy: WrapPolicy) ->
 
 # -- checks on the options -----------------------------------------------------------------
 
-def _check_options(sharding_strategy: str, cpu_offload: str, mixed_precision: MixedPrecision,
-                   hybrid_shard_size: int | None, world: int) -> int:
-    """Validate the options; return the shard group size."""
+def _check_options(sharding_strategy: str, cpu_offload: str, mixed_precision: MixedPrecision) -> None:
     if sharding_strategy not in SHARDING_STRATEGIES:
         raise UserError(f"unknown sharding strategy {sharding_strategy!r}: choose one of {', '.join(SHARDING_STRATEGIES)}")
     if cpu_offload not in OFFLOAD_MODES:
@@ -179,15 +177,77 @@ def _check_options(sharding_strategy: str, cpu_offload: str, mixed_precision: Mi
         dtype = getattr(mixed_precision, role)
         if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
             raise UserError(f"MixedPrecision({role}={dtype!r}): use a floating-point torch dtype such as torch.bfloat16")
-    if sharding_strategy != "HYBRID_SHARD":
+
+
+@dataclass
+class ShardLayout:
+    """Which ranks hold different shards of a unit, and which hold copies of the same shard."""
+
+    sharding_strategy: str
+    state_mesh: object  # a DeviceMesh whose last dimension is the shard group (for DCP's DTensors)
+    shard_group: object  # ranks that hold different shards
+    replicate_group: object | None  # ranks that hold the same shard (HYBRID_SHARD, NO_SHARD), or None
+    # the groups over which the model must start equal (None: the whole world, in one step)
+    start_groups: tuple = (None,)
+
+
+def shard_layout(sharding_strategy: str | None, hybrid_shard_size: int | None, group, mesh,
+                 device_type: str) -> ShardLayout:
+    """Where the shards live: the whole world, a process group, or a 1-D or 2-D device mesh.
+
+    - no ``group`` and no ``mesh``: every rank. FULL_SHARD and SHARD_GRAD_OP shard over all of
+      them, NO_SHARD replicates, HYBRID_SHARD shards inside groups of ``hybrid_shard_size``
+      consecutive ranks (default: the ranks of a node) and replicates across the groups.
+    - a ``group`` or a 1-D ``mesh`` (e.g. the data dimension of a data x tensor mesh): shard over
+      its ranks only, so the other ranks are free for another kind of parallelism.
+    - a 2-D ``mesh`` (replicate, shard), as ``init_device_mesh`` builds it: HYBRID_SHARD, like
+      FSDP2's ``fully_shard(mesh=...)`` on a 2-D mesh.
+    """
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    if group is not None and mesh is not None:
+        raise UserError("pass either group or mesh to FullyShardedDataParallel, not both")
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise UserError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
+    if hybrid_shard_size is not None:
+        check_int("hybrid_shard_size", hybrid_shard_size, minimum=1)
+    if mesh is not None and mesh.ndim == 2:
+        if sharding_strategy not in (None, "HYBRID_SHARD"):
+            raise UserError(f"a 2-D mesh means HYBRID_SHARD (replicate over its first dimension, shard over its second), "
+                            f"not {sharding_strategy}: pass a 1-D mesh or a group to shard over one dimension")
         if hybrid_shard_size is not None:
-            raise UserError("hybrid_shard_size only applies to sharding_strategy='HYBRID_SHARD'")
-        return {"FULL_SHARD": world, "SHARD_GRAD_OP": world, "NO_SHARD": 1}[sharding_strategy]
-    size = hybrid_shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if size < 1 or world % size:
-        raise UserError(f"HYBRID_SHARD needs a shard group size that divides the {world} ranks, got {size}: "
-                        f"pass hybrid_shard_size among {[d for d in range(1, world + 1) if world % d == 0]}")
-    return size
+            raise UserError("hybrid_shard_size is the size of the 2-D mesh's second dimension: leave it out")
+        everyone = mesh.size() == dist.get_world_size()
+        return ShardLayout("HYBRID_SHARD", mesh, mesh.get_group(1), mesh.get_group(0),
+                           (None,) if everyone else (mesh.get_group(0), mesh.get_group(1)))
+    if mesh is not None and mesh.ndim != 1:
+        raise UserError(f"FullyShardedDataParallel takes a 1-D or 2-D mesh, got {mesh.ndim} dimensions: "
+                        "pass the dimension to shard over, e.g. mesh['data']")
+    sharding_strategy = sharding_strategy or "FULL_SHARD"
+    if sharding_strategy not in SHARDING_STRATEGIES:
+        raise UserError(f"unknown sharding strategy {sharding_strategy!r}: choose one of {', '.join(SHARDING_STRATEGIES)}")
+    if sharding_strategy != "HYBRID_SHARD" and hybrid_shard_size is not None:
+        raise UserError("hybrid_shard_size only applies to sharding_strategy='HYBRID_SHARD'")
+    if mesh is not None:
+        group = mesh.get_group()
+    if group is not None and dist.get_world_size(group) != dist.get_world_size():
+        if sharding_strategy in ("NO_SHARD", "HYBRID_SHARD"):
+            raise UserError(f"{sharding_strategy} over a group of some ranks needs a 2-D mesh: build it on every rank "
+                            "with init_device_mesh(device, (replicas, shards)) and pass mesh=")
+        ranks = dist.get_process_group_ranks(group)
+        state_mesh = mesh if mesh is not None else DeviceMesh.from_group(group, device_type, mesh=torch.tensor(ranks))
+        return ShardLayout(sharding_strategy, state_mesh, group, None, (group,))
+    world = dist.get_world_size()
+    if sharding_strategy == "HYBRID_SHARD":
+        shard_size = hybrid_shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if world % shard_size:
+            raise UserError(f"HYBRID_SHARD needs a shard group size that divides the {world} ranks, got {shard_size}: "
+                            f"pass hybrid_shard_size among {[d for d in range(1, world + 1) if world % d == 0]}")
+    else:
+        shard_size = 1 if sharding_strategy == "NO_SHARD" else world
+    # Rows are replicas, columns are shards: ranks [0, 1] share one model on a 2x2 mesh.
+    state_mesh = init_device_mesh(device_type, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
+    return ShardLayout(sharding_strategy, state_mesh, state_mesh.get_group("shard"), state_mesh.get_group("replicate"))
 
 
 def _compute_device(module: nn.Module, device: torch.device | str | None, cpu_offload: str) -> torch.device:
@@ -205,39 +265,47 @@ def _compute_device(module: nn.Module, device: torch.device | str | None, cpu_of
 
 
 class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
-    """Shard ``module`` over all ranks; build the optimizer on ``model.parameters()`` (the shards)."""
+    """Shard ``module`` over a group of ranks; build the optimizer on ``model.parameters()`` (the shards).
 
-    def __init__(self, module: nn.Module, auto_wrap_policy: WrapPolicy = None, sharding_strategy: str = "FULL_SHARD",
-                 hybrid_shard_size: int | None = None, cpu_offload: str = "none",
+    Args:
+        module: the model, the same on every rank (the first rank's weights are copied to all).
+        group: the process group to shard over (default: every rank). Pass one dimension of a
+            mesh to combine FSDP with another parallelism on the other dimension.
+        mesh: instead of ``group``, a ``DeviceMesh``: 1-D to shard over it, or 2-D
+            (replicate, shard) for HYBRID_SHARD.
+        auto_wrap_policy: which submodules become units (see ``select_units``); None: one unit.
+        sharding_strategy: FULL_SHARD (default), SHARD_GRAD_OP, HYBRID_SHARD or NO_SHARD.
+        hybrid_shard_size: ranks per shard group for HYBRID_SHARD without a mesh (default: a node).
+        cpu_offload: ``"none"``, ``"params"`` (shards, their gradients and the optimizer state in
+            CPU memory) or ``"full"`` (also the activations saved for backward).
+        mixed_precision: ``MixedPrecision(param_dtype, reduce_dtype, buffer_dtype)``, or None for fp32.
+        activation_checkpointing: units without nested units recompute their activations in backward.
+        device: where to compute (default: where the parameters are).
+    """
+
+    def __init__(self, module: nn.Module, *, group=None, mesh=None, auto_wrap_policy: WrapPolicy = None,
+                 sharding_strategy: str | None = None, hybrid_shard_size: int | None = None, cpu_offload: str = "none",
                  mixed_precision: MixedPrecision | None = None, activation_checkpointing: bool = False,
                  device: torch.device | str | None = None):
         super().__init__()
-        from torch.distributed.device_mesh import init_device_mesh
-
         check_module("module", module)
-        check_group("FullyShardedDataParallel (it shards over every rank)", None)
-        if hybrid_shard_size is not None:
-            check_int("hybrid_shard_size", hybrid_shard_size, minimum=1)
+        check_group("group", group)
         if not isinstance(mixed_precision, (MixedPrecision, type(None))):
             raise UserError(f"mixed_precision must be a fsdp.MixedPrecision(...), got {type(mixed_precision).__name__}")
         mixed_precision = mixed_precision or MixedPrecision()
-        world = dist.get_world_size()
-        shard_size = _check_options(sharding_strategy, cpu_offload, mixed_precision, hybrid_shard_size, world)
+        _check_options(sharding_strategy or "FULL_SHARD", cpu_offload, mixed_precision)
         compute_device = _compute_device(module, device, cpu_offload)
+        layout = shard_layout(sharding_strategy, hybrid_shard_size, group, mesh, compute_device.type)
         unit_modules = select_units(module, auto_wrap_policy)
         check_units(module, unit_modules, auto_wrap_policy)
-        check_same_model_everywhere(module, None)
-        with torch.no_grad():  # every rank starts from rank 0's weights
-            for tensor in [*module.parameters(), *module.buffers()]:
-                comm.broadcast(tensor.data, src=0)
+        for ranks in layout.start_groups:  # every rank starts from the first rank's weights
+            start_as_replicas(module, group=ranks)
 
         self.module = module
-        self.sharding_strategy, self.cpu_offload, self.mixed_precision = sharding_strategy, cpu_offload, mixed_precision
-        # Rows are replicas, columns are shards: ranks [0, 1] share one model on a 2x2 mesh.
-        self.state_mesh = init_device_mesh(compute_device.type, (world // shard_size, shard_size),
-                                           mesh_dim_names=("replicate", "shard"))
-        self.shard_group = self.state_mesh.get_group("shard")
-        replicate_group = self.state_mesh.get_group("replicate")
+        self.sharding_strategy, self.cpu_offload, self.mixed_precision = layout.sharding_strategy, cpu_offload, \
+            mixed_precision
+        self.state_mesh, self.shard_group = layout.state_mesh, layout.shard_group
+        replicate_group = layout.replicate_group
         names = {id(m): name for name, m in module.named_modules()}
         shard_device = torch.device("cpu") if cpu_offload != "none" else compute_device
 
@@ -252,7 +320,7 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
             flat = FlatParameter(prefix, params, self.shard_group, replicate_group, compute_device,
                                  mixed_precision.param_dtype, mixed_precision.reduce_dtype, shard_device)
             self.units.insert(0, Unit(unit_module, prefix, flat,
-                                      reshard_after_forward=sharding_strategy != "SHARD_GRAD_OP"))
+                                      reshard_after_forward=layout.sharding_strategy != "SHARD_GRAD_OP"))
         self.flat_params = [unit.flat for unit in self.units]
         self.flat_shards = nn.ParameterList([flat.shard for flat in self.flat_params])
         if mixed_precision.buffer_dtype is not None:
@@ -260,9 +328,8 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
                 if buffer.is_floating_point():
                     buffer.data = buffer.data.to(mixed_precision.buffer_dtype)
 
-        self.require_gradient_sync = True
         self._sync_this_backward = True
-        self._backward_queued = False
+        self._end_of_backward = EndOfBackward(self._finish_backward)
         self._peak: dict[str, int] = {}
         for unit in self.units:
             unit.hooks.append(unit.module.register_forward_pre_hook(functools.partial(self._before_forward, unit)))
@@ -312,20 +379,15 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
     # #endregion forward-hooks
 
     # -- backward -------------------------------------------------------------------------------
-    def _queue_end_of_backward(self) -> None:
-        if not self._backward_queued:
-            self._backward_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-
     def _before_backward(self, unit: Unit, grad: torch.Tensor) -> None:
-        self._queue_end_of_backward()
+        self._end_of_backward.request()
         if not unit.backward_started:
             unit.backward_started = True
             unit.flat.gather()
             self._record_peak()
 
     def _gradient_ready(self, unit: Unit, leaf: torch.Tensor) -> None:
-        self._queue_end_of_backward()
+        self._end_of_backward.request()
         unit.arrived += 1
         if unit.arrived == sum(slot.leaf.requires_grad for slot in unit.flat.slots):
             self._finish_unit(unit)
@@ -340,7 +402,6 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
 
     def _finish_backward(self) -> None:
         """End of backward: units some of whose parameters got no gradient are finished now (as zeros)."""
-        self._backward_queued = False
         for unit in self.units:
             if unit.arrived or unit.backward_started:
                 self._finish_unit(unit)
@@ -400,20 +461,3 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
                                              for v in state.values() if isinstance(v, torch.Tensor))
         current["total"] = sum(current.values())
         return {"current": current, "peak": dict(self._peak)}
-
-
-
-def _wrap_for_trainer(model: nn.Module, ctx, sharding: str = "FULL_SHARD", **options) -> FullyShardedDataParallel:
-    from ..models import sharding_units
-
-    return FullyShardedDataParallel(model, auto_wrap_policy=sharding_units(model), sharding_strategy=sharding, **options)
-
-
-def _register() -> None:
-    from ..strategies import COURSE_IMPLEMENTATIONS
-    from .zero import _wrap_for_trainer as wrap_sharded
-
-    COURSE_IMPLEMENTATIONS["fsdp"] = wrap_sharded
-
-
-_register()

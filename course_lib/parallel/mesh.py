@@ -32,7 +32,7 @@ from ..errors import UserError
 AXES = ("pipeline", "data", "tensor")  # slowest to fastest
 
 
-def check_degrees(world_size: int, data: int = 1, pipeline: int = 1, tensor: int = 1) -> None:
+def check_degrees(world_size: int, *, data: int = 1, pipeline: int = 1, tensor: int = 1) -> None:
     for name, degree in (("data", data), ("pipeline", pipeline), ("tensor", tensor)):
         if isinstance(degree, bool) or not isinstance(degree, int):
             raise UserError(f"the {name} degree must be a whole number, got {degree!r}")
@@ -48,9 +48,9 @@ def rank_at(pipeline: int, data: int, tensor: int, degrees: dict[str, int]) -> i
     return (pipeline * degrees["data"] + data) * degrees["tensor"] + tensor
 
 
-def grid_groups(world_size: int, data: int = 1, pipeline: int = 1, tensor: int = 1) -> dict[str, list[list[int]]]:
+def grid_groups(world_size: int, *, data: int = 1, pipeline: int = 1, tensor: int = 1) -> dict[str, list[list[int]]]:
     """Every group of ranks along each axis, e.g. {"tensor": [[0, 1], [2, 3]], ...}."""
-    check_degrees(world_size, data, pipeline, tensor)
+    check_degrees(world_size, data=data, pipeline=pipeline, tensor=tensor)
     degrees = {"data": data, "pipeline": pipeline, "tensor": tensor}
     coordinates = [(p, d, t) for p in range(pipeline) for d in range(data) for t in range(tensor)]
     groups = {}
@@ -63,9 +63,9 @@ def grid_groups(world_size: int, data: int = 1, pipeline: int = 1, tensor: int =
     return groups
 
 
-def describe_grid(world_size: int, data: int = 1, pipeline: int = 1, tensor: int = 1) -> str:
+def describe_grid(world_size: int, *, data: int = 1, pipeline: int = 1, tensor: int = 1) -> str:
     """A printout of the layout: each rank's coordinates and every group."""
-    groups = grid_groups(world_size, data, pipeline, tensor)
+    groups = grid_groups(world_size, data=data, pipeline=pipeline, tensor=tensor)
     lines = [f"{world_size} ranks = data {data} x pipeline {pipeline} x tensor {tensor}",
              "rank  pipeline  data  tensor"]
     degrees = {"data": data, "pipeline": pipeline, "tensor": tensor}
@@ -92,14 +92,14 @@ class Mesh:
     against the world size first, so a mistake is an error on every rank, before anyone waits.
     """
 
-    def __init__(self, data: int = 1, pipeline: int = 1, tensor: int = 1, device_type: str | None = None):
+    def __init__(self, *, data: int = 1, pipeline: int = 1, tensor: int = 1, device_type: str | None = None):
         from torch.distributed.device_mesh import init_device_mesh
 
         check_group("Mesh", None)
         if device_type is not None:
             check_choice("device_type", device_type, ("cpu", "cuda"))
         world = dist.get_world_size()
-        check_degrees(world, data, pipeline, tensor)
+        check_degrees(world, data=data, pipeline=pipeline, tensor=tensor)
         self.degrees = {"data": data, "pipeline": pipeline, "tensor": tensor}
         device_type = device_type or ("cuda" if dist.get_backend() == "nccl" else "cpu")
         # DeviceMesh lays ranks out row-major over (pipeline, data, tensor): the layout above.

@@ -64,7 +64,7 @@ class Action:
 # -- cutting the model ------------------------------------------------------------------------
 
 def split_model(layers: nn.Sequential | list[nn.Module], num_stages: int,
-                cut_points: list[int] | None = None) -> list[nn.Sequential]:
+                *, cut_points: list[int] | None = None) -> list[nn.Sequential]:
     """Cut a sequence of layers into ``num_stages`` stages.
 
     ``cut_points``: the index of the first layer of every stage but the first (e.g. [3, 6]);
@@ -94,7 +94,7 @@ def rank_of_stage(stage: int, pipeline_size: int) -> int:
 
 # -- the schedules as pure functions ------------------------------------------------------------
 
-def check_schedule_arguments(schedule: str, pipeline_size: int, microbatches: int, virtual_stages: int = 1) -> None:
+def check_schedule_arguments(schedule: str, pipeline_size: int, microbatches: int, *, virtual_stages: int = 1) -> None:
     if schedule not in SCHEDULES:
         raise UserError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
     if pipeline_size < 1 or microbatches < 1 or virtual_stages < 1:
@@ -108,9 +108,9 @@ def check_schedule_arguments(schedule: str, pipeline_size: int, microbatches: in
 
 
 def compute_order(schedule: str, pipeline_size: int, microbatches: int,
-                  virtual_stages: int = 1) -> dict[int, list[Action]]:
+                  *, virtual_stages: int = 1) -> dict[int, list[Action]]:
     """Each rank's forwards and backwards, in the order it runs them (no communication yet)."""
-    check_schedule_arguments(schedule, pipeline_size, microbatches, virtual_stages)
+    check_schedule_arguments(schedule, pipeline_size, microbatches, virtual_stages=virtual_stages)
     p, m, v = pipeline_size, microbatches, virtual_stages
     order = {}
     for rank in range(p):
@@ -149,9 +149,9 @@ def _interleaved_order(rank: int, p: int, m: int, v: int) -> list[Action]:
 
 
 def build_schedule(schedule: str, pipeline_size: int, microbatches: int,
-                   virtual_stages: int = 1) -> dict[int, list[Action]]:
+                   *, virtual_stages: int = 1) -> dict[int, list[Action]]:
     """Each rank's complete list: compute actions with the sends and receives they need around them."""
-    order = compute_order(schedule, pipeline_size, microbatches, virtual_stages)
+    order = compute_order(schedule, pipeline_size, microbatches, virtual_stages=virtual_stages)
     last = pipeline_size * virtual_stages - 1
     full = {}
     for rank, actions in order.items():
@@ -179,7 +179,7 @@ def build_schedule(schedule: str, pipeline_size: int, microbatches: int,
 
 
 def check_schedule(actions: dict[int, list[Action]], pipeline_size: int, microbatches: int,
-                   virtual_stages: int = 1) -> None:
+                   *, virtual_stages: int = 1) -> None:
     """Raise ``ValueError`` unless the schedule is complete, causal, matched and deadlock-free.
 
     Replays all ranks together with non-blocking sends and receives that wait for their send:
@@ -241,13 +241,13 @@ def check_schedule(actions: dict[int, list[Action]], pipeline_size: int, microba
 
 # -- what the theory says ---------------------------------------------------------------------
 
-def bubble_fraction_theory(pipeline_size: int, microbatches: int, virtual_stages: int = 1) -> float:
+def bubble_fraction_theory(pipeline_size: int, microbatches: int, *, virtual_stages: int = 1) -> float:
     """Idle share of each rank's step: (p - 1) / (v·m + p - 1)."""
     return (pipeline_size - 1) / (virtual_stages * microbatches + pipeline_size - 1)
 
 
 def peak_activations_theory(schedule: str, pipeline_size: int, microbatches: int, rank: int,
-                            virtual_stages: int = 1) -> int:
+                            *, virtual_stages: int = 1) -> int:
     """Micro-batches whose activations a rank holds at most (counted per virtual stage)."""
     p, m, v = pipeline_size, microbatches, virtual_stages
     if schedule == "gpipe":
@@ -268,7 +268,7 @@ def peak_in_flight(actions: list[Action]) -> int:
     return peak
 
 
-def simulate_timeline(actions: dict[int, list[Action]], pipeline_size: int, forward_time: float = 1.0,
+def simulate_timeline(actions: dict[int, list[Action]], pipeline_size: int, *, forward_time: float = 1.0,
                       backward_time: float = 2.0) -> dict[int, list[tuple[str, int, int, float, float]]]:
     """Start and end of every forward/backward if each takes the given time and messages are free."""
     finished: dict[tuple, float] = {}
@@ -307,34 +307,6 @@ def bubble_fraction(events: dict[int, list[tuple[str, int, int, float, float]]])
     return sum(1 - b / (end - begin) for b in busy) / len(busy)
 
 
-def plot_timeline(events: dict[int, list[tuple[str, int, int, float, float]]], path=None, title: str = "",
-                  pipeline_size: int | None = None):
-    """A Gantt chart, one row per rank: forwards blue, backwards green, labelled by micro-batch."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ranks = sorted(events)
-    pipeline_size = pipeline_size or len(ranks)
-    figure, axis = plt.subplots(figsize=(10, 0.6 * len(ranks) + 1.2))
-    colours = {"F": ("#4c72b0", "#8fb0e0"), "B": ("#55a868", "#9fd4ad")}
-    for row, rank in enumerate(ranks):
-        for kind, stage, microbatch, start, end in events[rank]:
-            shade = colours[kind][(stage // pipeline_size) % 2]  # alternate shades for virtual stages
-            axis.barh(row, end - start, left=start, color=shade, edgecolor="black", linewidth=0.5)
-            axis.text((start + end) / 2, row, str(microbatch), ha="center", va="center", fontsize=7)
-    axis.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
-    axis.invert_yaxis()
-    axis.set_xlabel("time")
-    axis.set_title(title or f"bubble {bubble_fraction(events):.0%}")
-    figure.tight_layout()
-    if path is not None:
-        figure.savefig(path, dpi=120)
-        plt.close(figure)
-    return figure
-
-
 # -- the executor ---------------------------------------------------------------------------------
 
 @dataclass
@@ -363,7 +335,7 @@ class PipelineExecutor:
     """
 
     def __init__(self, stages: dict[int, nn.Module], num_stages: int, schedule: str, microbatches: int,
-                 loss_fn, boundary_shape: tuple[int, ...], group=None, dtype: torch.dtype = torch.float32):
+                 loss_fn, boundary_shape: tuple[int, ...], *, group=None, dtype: torch.dtype = torch.float32):
         if not isinstance(stages, dict) or not stages:
             raise UserError("stages must be a non-empty dict {stage index: module} of the stages this rank holds "
                             f"(see rank_of_stage), got {type(stages).__name__}")
@@ -383,7 +355,7 @@ class PipelineExecutor:
         if num_stages % self.pipeline_size:
             raise UserError(f"{num_stages} stages do not go round {self.pipeline_size} pipeline ranks evenly")
         self.virtual_stages = num_stages // self.pipeline_size
-        self.actions = build_schedule(schedule, self.pipeline_size, microbatches, self.virtual_stages)[self.rank]
+        self.actions = build_schedule(schedule, self.pipeline_size, microbatches, virtual_stages=self.virtual_stages)[self.rank]
         expected = {s for s in range(num_stages) if rank_of_stage(s, self.pipeline_size) == self.rank}
         if set(stages) != expected:
             raise UserError(f"rank {self.rank} must hold stages {sorted(expected)}, got {sorted(stages)}")

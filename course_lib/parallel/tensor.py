@@ -87,17 +87,17 @@ class _GatherFromParallel(torch.autograd.Function):
         return grad.chunk(size, dim=-1)[rank].contiguous(), None
 
 
-def copy_to_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
+def copy_to_parallel(x: torch.Tensor, *, group=None) -> torch.Tensor:
     """f: identity forward, all-reduce backward (where a replicated input enters the parallel region)."""
     return _CopyToParallel.apply(x, group)
 
 
-def reduce_from_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
+def reduce_from_parallel(x: torch.Tensor, *, group=None) -> torch.Tensor:
     """g: all-reduce forward, identity backward (where partial sums leave the parallel region)."""
     return _ReduceFromParallel.apply(x, group)
 
 
-def gather_from_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
+def gather_from_parallel(x: torch.Tensor, *, group=None) -> torch.Tensor:
     """All-gather slices of the last dimension forward; backward keeps this rank's slice of the gradient."""
     return _GatherFromParallel.apply(x, group)
 
@@ -116,7 +116,7 @@ def _split_size(total: int, group, what: str) -> int:
 class ColumnParallelLinear(nn.Module):
     """``nn.Linear(in, out)`` whose output features are split over the group (this rank: out / T of them)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = True, gather_output: bool = False,
                  group=None, copy_input: bool = True):
         super().__init__()
         # copy_input=False: the caller already applied f to the input (several layers sharing one input)
@@ -127,10 +127,11 @@ class ColumnParallelLinear(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
 
     @classmethod
-    def from_dense(cls, dense: nn.Linear, gather_output: bool = False, group=None,
+    def from_dense(cls, dense: nn.Linear, *, gather_output: bool = False, group=None,
                    copy_input: bool = True) -> "ColumnParallelLinear":
         """This rank's rows of a dense layer's weight (and bias): the same function, split."""
-        layer = cls(dense.in_features, dense.out_features, dense.bias is not None, gather_output, group, copy_input)
+        layer = cls(dense.in_features, dense.out_features, bias=dense.bias is not None, gather_output=gather_output,
+                    group=group, copy_input=copy_input)
         rank = dist.get_rank(group)
         rows = slice(rank * layer.out_per_rank, (rank + 1) * layer.out_per_rank)
         with torch.no_grad():
@@ -140,14 +141,14 @@ class ColumnParallelLinear(nn.Module):
         return layer.to(dense.weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = nn.functional.linear(copy_to_parallel(x, self.group) if self.copy_input else x, self.weight, self.bias)
-        return gather_from_parallel(y, self.group) if self.gather_output else y
+        y = nn.functional.linear(copy_to_parallel(x, group=self.group) if self.copy_input else x, self.weight, self.bias)
+        return gather_from_parallel(y, group=self.group) if self.gather_output else y
 
 
 class RowParallelLinear(nn.Module):
     """``nn.Linear(in, out)`` whose input features are split over the group; the outputs are summed."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, group=None):
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = True, group=None):
         super().__init__()
         self.group = group
         self.in_per_rank = _split_size(in_features, group, "input features")
@@ -156,8 +157,8 @@ class RowParallelLinear(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
 
     @classmethod
-    def from_dense(cls, dense: nn.Linear, group=None) -> "RowParallelLinear":
-        layer = cls(dense.in_features, dense.out_features, dense.bias is not None, group)
+    def from_dense(cls, dense: nn.Linear, *, group=None) -> "RowParallelLinear":
+        layer = cls(dense.in_features, dense.out_features, bias=dense.bias is not None, group=group)
         rank = dist.get_rank(group)
         columns = slice(rank * layer.in_per_rank, (rank + 1) * layer.in_per_rank)
         with torch.no_grad():
@@ -169,11 +170,11 @@ class RowParallelLinear(nn.Module):
     def forward(self, x_slice: torch.Tensor) -> torch.Tensor:
         """``x_slice``: this rank's in / T input features (the output of a column-parallel layer)."""
         partial = nn.functional.linear(x_slice, self.weight)
-        y = reduce_from_parallel(partial, self.group)
+        y = reduce_from_parallel(partial, group=self.group)
         return y + self.bias if self.bias is not None else y
 
 
-def parallel_mlp(mlp: nn.Module, group=None) -> nn.Module:
+def parallel_mlp(mlp: nn.Module, *, group=None) -> nn.Module:
     """A ``models.MLP`` (fc1, act, fc2) made tensor parallel in place: fc1 column, fc2 row.
 
     One all-reduce forward (in fc2), one backward (in fc1's f): the hidden activation, 4x wider
@@ -189,7 +190,7 @@ def parallel_mlp(mlp: nn.Module, group=None) -> nn.Module:
     return mlp
 
 
-def parallel_attention(attention: nn.Module, n_heads: int, group=None) -> nn.Module:
+def parallel_attention(attention: nn.Module, n_heads: int, *, group=None) -> nn.Module:
     """A ``models.SelfAttention`` made tensor parallel in place: each rank computes n_heads / T whole heads.
 
     q, k and v are column parallel with whole heads per rank (rows of a head are contiguous), so
@@ -203,11 +204,11 @@ def parallel_attention(attention: nn.Module, n_heads: int, group=None) -> nn.Mod
         setattr(attention, name, ColumnParallelLinear.from_dense(getattr(attention, name), group=group,
                                                                  copy_input=False))
     attention.out = RowParallelLinear.from_dense(attention.out, group=group)
-    attention.register_forward_pre_hook(lambda module, args: (copy_to_parallel(args[0], group), *args[1:]))
+    attention.register_forward_pre_hook(lambda module, args: (copy_to_parallel(args[0], group=group), *args[1:]))
     return attention
 
 
-def parallelize_transformer(model: nn.Module, group=None) -> nn.Module:
+def parallelize_transformer(model: nn.Module, *, group=None) -> nn.Module:
     """Convert every block of a dense ``models.TinyTransformer`` (or a slice of one) in place.
 
     The dense weights are cut, not re-initialised: the converted model computes the same function.
@@ -219,8 +220,8 @@ def parallelize_transformer(model: nn.Module, group=None) -> nn.Module:
     if not blocks:
         raise UserError("no transformer Block found to parallelize: pass a models.TinyTransformer or its blocks")
     for block in blocks:
-        parallel_attention(block.attention, block.attention.out.out_features // block.attention.head_dim, group)
-        parallel_mlp(block.mlp, group)
+        parallel_attention(block.attention, block.attention.out.out_features // block.attention.head_dim, group=group)
+        parallel_mlp(block.mlp, group=group)
     return model
 
 

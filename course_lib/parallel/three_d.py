@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import comm, data, models
+from .. import comm, data, models, runtime
 from ..errors import UserError
 from . import pipeline as pp
 from . import tensor as tp
@@ -36,7 +36,7 @@ def build_local_model(model: nn.Module, mesh: Mesh) -> dict[int, nn.Module]:
     stage_index = mesh.coordinates.pipeline
     stage = pp.split_model(model, pipeline_size)[stage_index]
     if mesh.degrees["tensor"] > 1 and any(isinstance(m, models.Block) for m in stage.modules()):
-        tp.parallelize_transformer(stage, mesh.group("tensor"))
+        tp.parallelize_transformer(stage, group=mesh.group("tensor"))
     return {stage_index: stage}
 
 
@@ -45,7 +45,7 @@ def check_run(world_size: int, data_degree: int, pipeline: int, tensor: int, glo
     """Everything that can be wrong, checked before any process waits on another."""
     from .mesh import check_degrees
 
-    check_degrees(world_size, data_degree, pipeline, tensor)
+    check_degrees(world_size, data=data_degree, pipeline=pipeline, tensor=tensor)
     tp.check_tensor_parallel_degree(d_model, n_heads, 4 * d_model, tensor)
     if pipeline > n_layers + 2:
         raise UserError(f"cannot cut {n_layers + 2} layers (embedding, {n_layers} blocks, head) into {pipeline} stages")
@@ -54,14 +54,14 @@ def check_run(world_size: int, data_degree: int, pipeline: int, tensor: int, glo
                         f"{microbatches} micro-batches each: use a multiple of {data_degree * microbatches}")
 
 
-def train_3d(data_degree: int = 2, pipeline: int = 2, tensor: int = 2, steps: int = 20, global_batch: int = 16,
+def train_3d(*, data_degree: int = 2, pipeline: int = 2, tensor: int = 2, steps: int = 20, global_batch: int = 16,
              microbatches: int = 2, schedule: str = "1f1b", lr: float = 3e-3, seq_len: int = 32,
              d_model: int = 64, n_heads: int = 4, n_layers: int = 4, seed: int = 0) -> list[float] | None:
     """Train on the current process group laid out as a mesh; return the loss of every step on rank 0.
 
     With 1 x 1 x 1 it is the single-process reference.
     """
-    world = comm.get_world_size()
+    world = runtime.world_size()
     check_run(world, data_degree, pipeline, tensor, global_batch, microbatches, n_layers, d_model, n_heads)
     mesh = Mesh(data=data_degree, pipeline=pipeline, tensor=tensor)
     inputs, targets, vocabulary = data.zen_windows(seq_len)
@@ -91,62 +91,4 @@ def train_3d(data_degree: int = 2, pipeline: int = 2, tensor: int = 2, steps: in
             comm.all_reduce(report, op="mean", group=mesh.group("data"))
         comm.broadcast(report, src=reporter)
         losses.append(float(report))
-    return losses if comm.get_rank() == 0 else None
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m course_lib.parallel.three_d``: a 3-D run beside the one-process run, step by step."""
-    import argparse
-    import json
-    import sys
-
-    from .. import checks
-    from ..launch import check_process_count, launch
-
-    parser = checks.CommandParser(prog="python -m course_lib.parallel.three_d", description=__doc__.split("\n\n")[0],
-                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    positive = checks.int_at_least(1)
-    parser.add_argument("--data", type=positive, default=2, help="data-parallel degree")
-    parser.add_argument("--pipeline", type=positive, default=2, help="pipeline stages")
-    parser.add_argument("--tensor", type=positive, default=2, help="tensor-parallel degree")
-    parser.add_argument("--steps", type=positive, default=20)
-    parser.add_argument("--global-batch", type=positive, default=16)
-    parser.add_argument("--microbatches", type=positive, default=2)
-    parser.add_argument("--schedule", choices=pp.SCHEDULES[:2], default="1f1b")
-    parser.add_argument("--plot", type=checks.file_to_write, default=None, help="save the two loss curves to this PNG")
-    args = parser.parse_args(argv)
-    world = args.data * args.pipeline * args.tensor
-    try:
-        check_run(world, args.data, args.pipeline, args.tensor, args.global_batch, args.microbatches, 4, 64, 4)
-        check_process_count(world)
-    except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    from .mesh import describe_grid
-
-    print(describe_grid(world, args.data, args.pipeline, args.tensor), file=sys.stderr)
-    print(f"training on 1 process, then on {world}...", file=sys.stderr, flush=True)
-    options = (args.steps, args.global_batch, args.microbatches, args.schedule)
-    single = launch(train_3d, 1, 1, 1, 1, *options)[0]
-    grid = launch(train_3d, world, args.data, args.pipeline, args.tensor, *options, timeout_s=1800)[0]
-    if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        figure, axis = plt.subplots(figsize=(6, 3.5))
-        axis.plot(single, label="1 process", linewidth=3, alpha=0.5)
-        axis.plot(grid, "--", label=f"data {args.data} x pipeline {args.pipeline} x tensor {args.tensor}")
-        axis.set_xlabel("step")
-        axis.set_ylabel("training loss")
-        axis.legend()
-        figure.tight_layout()
-        figure.savefig(args.plot, dpi=120)
-    print(json.dumps({"world_size": world, "single_process_loss": single, "grid_loss": grid,
-                      "max_difference": max(abs(a - b) for a, b in zip(single, grid))}, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return losses if runtime.rank() == 0 else None

@@ -6,10 +6,9 @@ gradients and the same optimizer state: with Adam the state alone is twice the p
 step on all of it. ZeRO's observation: each rank only has to *update* 1/N of the model, as long
 as everyone gets the updated parameters back before the next forward.
 
-The flat parameter (``FlatParameter``, also the building block of FSDP in ``fsdp.py``). The
-parameters of a module are copied into one flat vector, padded with zeros to a multiple of the
-group size G and cut into G equal contiguous shards; rank g owns shard g. The module's own
-parameters become *views* into the flat vector, so the module computes exactly as before.
+The flat parameter (``flat_param.py``, also the building block of FSDP in ``fsdp.py``). The
+parameters of the model are copied into one flat vector, padded to a multiple of the group size
+G and cut into G equal contiguous shards; rank g owns shard g.
 
 One step of ZeRO on N ranks (``ZeroDataParallel``, ``stage=1`` or ``2``):
 
@@ -38,9 +37,6 @@ something else.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -48,314 +44,8 @@ from torch import nn
 from .. import comm
 from ..checks import check_group, check_module
 from ..errors import UserError
-from .ddp import GradientSyncSwitch, check_same_model_everywhere
-
-
-@dataclass
-class ParamSlot:
-    """Where one of the module's original parameters lives inside the flat parameter."""
-
-    fqn: str  # its name in the unwrapped model, e.g. "2.1.weight"
-    module: nn.Module  # the module that owns it
-    attr: str  # its attribute name on that module, e.g. "weight"
-    shape: torch.Size
-    offset: int  # first element in the flat vector
-    leaf: torch.Tensor  # what the module now uses: a view into the unsharded flat vector
-
-    @property
-    def numel(self) -> int:
-        return self.shape.numel()
-
-
-def check_same_dtype(named_params: list[tuple[str, nn.Parameter]], unit: str) -> torch.dtype:
-    """One flat vector has one dtype and one requires_grad: refuse a unit that mixes them."""
-    first_name, first = named_params[0]
-    for name, param in named_params[1:]:
-        if param.dtype != first.dtype or param.requires_grad != first.requires_grad:
-            raise UserError(
-                f"unit {unit or '<root>'} mixes {first_name} ({first.dtype}, requires_grad={first.requires_grad}) "
-                f"and {name} ({param.dtype}, requires_grad={param.requires_grad}), which cannot share one flat "
-                "parameter: convert the model to one dtype (model.float()) and freeze whole units, or wrap the "
-                "differing parameters in a unit of their own"
-            )
-    if not first.dtype.is_floating_point:
-        raise UserError(f"parameter {first_name} is {first.dtype}: only floating-point parameters can be trained")
-    return first.dtype
-
-
-class FlatParameter:
-    """The parameters of one module: flattened, padded to a multiple of G, sharded G ways.
-
-    ``shard`` (an ``nn.Parameter`` of ceil(Ψ/G) elements, fp32 master weights) is what the
-    optimizer sees. ``full`` (G shards, in the compute dtype) is what forward and backward use: each
-    original parameter is replaced on its module by a view into it. With ``shard_is_view`` the
-    shard is simply this rank's range of ``full`` (ZeRO-1/2, nothing to duplicate); otherwise
-    ``full`` can be freed between uses (``free()``) and rebuilt by an all-gather (``gather()``):
-    ZeRO-3.
-    """
-
-    def __init__(self, name: str, named_params: list[tuple[str, nn.Module, str, nn.Parameter]],
-                 shard_group, replicate_group=None, compute_device: torch.device | None = None,
-                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-                 shard_device: torch.device | None = None, shard_is_view: bool = False):
-        self.name = name
-        self.shard_group, self.replicate_group = shard_group, replicate_group
-        self.group_size = dist.get_world_size(shard_group)
-        self.index = dist.get_rank(shard_group)
-        self.data_parallel_size = self.group_size * (dist.get_world_size(replicate_group) if replicate_group else 1)
-        dtype = check_same_dtype([(fqn, p) for fqn, _, _, p in named_params], name)
-        self.requires_grad = named_params[0][3].requires_grad
-        self.compute_device = compute_device or named_params[0][3].device
-        self.param_dtype = param_dtype or dtype
-        self.reduce_dtype = reduce_dtype or self.param_dtype
-        shard_device = shard_device or self.compute_device
-
-        self.total = sum(p.numel() for *_, p in named_params)
-        self.shard_numel = math.ceil(self.total / self.group_size)
-        self.padded = self.shard_numel * self.group_size
-        start = self.index * self.shard_numel
-        self.valid = max(0, min(self.shard_numel, self.total - start))  # real elements in this shard; the rest is padding
-
-        flat = torch.zeros(self.padded, dtype=dtype, device=self.compute_device)
-        with torch.no_grad():
-            torch.cat([p.detach().reshape(-1) for *_, p in named_params], out=flat[:self.total])
-        self.full = flat if shard_is_view else torch.empty(self.padded, dtype=self.param_dtype, device=self.compute_device)
-        own = flat[start:start + self.shard_numel]
-        if shard_is_view:
-            self.shard = nn.Parameter(own, requires_grad=self.requires_grad)
-        else:
-            pin = shard_device.type == "cpu" and torch.cuda.is_available()  # pinned memory needs a CUDA driver
-            copy = own.detach().to(shard_device, torch.float32, copy=True)
-            self.shard = nn.Parameter(copy.pin_memory() if pin else copy, requires_grad=self.requires_grad)
-
-        self.slots: list[ParamSlot] = []
-        offset = 0
-        for fqn, module, attr, param in named_params:
-            # A plain tensor (not a Parameter) that autograd treats as a leaf: its .grad is where
-            # backward puts the gradient. ``.data =`` makes it a view of ``full`` while keeping its
-            # own version counter, so refilling ``full`` later does not upset autograd.
-            leaf = torch.empty(0, dtype=self.param_dtype, device=self.compute_device, requires_grad=self.requires_grad)
-            leaf.data = self.full[offset:offset + param.numel()].view(param.shape)
-            del module._parameters[attr]
-            setattr(module, attr, leaf)
-            self.slots.append(ParamSlot(fqn, module, attr, param.shape, offset, leaf))
-            offset += param.numel()
-        self.is_gathered = True
-        if not shard_is_view:
-            self.free()
-
-    # -- parameters: gather and free ----------------------------------------------------------
-    # #region gather-free
-    def gather(self) -> None:
-        """Rebuild the full parameters from every rank's shard (one all-gather of the compute dtype)."""
-        if self.is_gathered:
-            return
-        storage = self.full.untyped_storage()
-        storage.resize_(self.padded * self.full.element_size())
-        with torch.no_grad():
-            local = self.shard.detach().to(self.compute_device, self.param_dtype, non_blocking=True)
-            if self.group_size == 1:
-                self.full.copy_(local)
-            else:
-                comm.all_gather_into_tensor(self.full, local, group=self.shard_group)
-        self.is_gathered = True
-
-    def free(self) -> None:
-        """Release the full parameters' memory; the views keep their shapes, their storage is empty."""
-        self.full.untyped_storage().resize_(0)
-        self.is_gathered = False
-    # #endregion gather-free
-
-    # -- gradients ------------------------------------------------------------------------------
-    def flat_gradient(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The leaves' gradients in one padded vector (of the reduce dtype); the leaves' grads are dropped."""
-        if out is None:
-            out = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.compute_device)
-        else:
-            out.zero_()
-        for slot in self.slots:
-            if slot.leaf.grad is not None:
-                out[slot.offset:slot.offset + slot.numel].copy_(slot.leaf.grad.reshape(-1))
-                slot.leaf.grad = None
-        return out
-
-    def reduce_gradient(self, flat_gradient: torch.Tensor) -> torch.Tensor:
-        """Average ``flat_gradient`` over all data-parallel ranks, keeping only this rank's shard of it."""
-        own = flat_gradient[self.index * self.shard_numel:(self.index + 1) * self.shard_numel]
-        if self.group_size == 1:
-            reduced = own
-        else:
-            reduced = torch.empty(self.shard_numel, dtype=flat_gradient.dtype, device=flat_gradient.device)
-            comm.reduce_scatter_tensor(reduced, flat_gradient, op="sum", group=self.shard_group)
-        if self.replicate_group is not None and dist.get_world_size(self.replicate_group) > 1:
-            # HYBRID_SHARD: the same shard lives on one rank of every replica; average across them.
-            comm.all_reduce(reduced, op="sum", group=self.replicate_group)
-        return reduced.div_(self.data_parallel_size)
-
-    def accumulate_into_shard(self, reduced: torch.Tensor) -> None:
-        grad = reduced.to(self.shard.device, torch.float32)  # a fresh tensor: reduce_gradient made it
-        if self.shard.grad is None:
-            self.shard.grad = grad
-        else:
-            self.shard.grad += grad
-
-    # -- state --------------------------------------------------------------------------------
-    def full_fp32(self) -> torch.Tensor:
-        """All elements (no padding) in fp32 on every rank of the shard group: for full state dicts."""
-        local = self.shard.detach().to(self.compute_device, torch.float32)
-        if self.group_size == 1:
-            return local[:self.total].clone()
-        flat = torch.empty(self.padded, dtype=torch.float32, device=self.compute_device)
-        comm.all_gather_into_tensor(flat, local, group=self.shard_group)
-        return flat[:self.total]
-
-    def split(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """A flat vector back as the original named tensors."""
-        return {slot.fqn: flat[slot.offset:slot.offset + slot.numel].view(slot.shape) for slot in self.slots}
-
-    def load_full(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Take this rank's shard out of full tensors named like the original parameters."""
-        flat = torch.cat([tensors[slot.fqn].detach().reshape(-1).to(torch.float32).cpu() for slot in self.slots])
-        start = self.index * self.shard_numel
-        with torch.no_grad():
-            self.shard[:self.valid].copy_(flat[start:start + self.valid])
-
-    def shard_piece(self, tensor: torch.Tensor, mesh) -> torch.Tensor:
-        """This rank's real elements of a shard-shaped tensor, as a DTensor of the whole unit (for DCP).
-
-        Rank g holds elements [g·S, g·S + valid) of a vector of ``total`` elements: exactly how
-        DTensor cuts a dimension (``torch.chunk``: pieces of ceil(total/G), the last ones shorter
-        or empty), so DCP can write the pieces and read them back cut for any other G.
-        """
-        from torch.distributed.tensor import DTensor, Replicate, Shard
-
-        placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
-        return DTensor.from_local(tensor.detach()[:self.valid], mesh, placements, run_check=False,
-                                  shape=torch.Size([self.total]), stride=(1,))
-
-
-def initialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Make a lazily initialised optimizer (Adam...) create its state, without changing any parameter.
-
-    Loading a checkpoint writes *into* the optimizer's state tensors, so they must exist first:
-    one step on zero gradients, with a learning rate and weight decay of 0, creates them.
-    """
-    if optimizer.state:
-        return
-    neutral = {"lr": 0.0, "weight_decay": 0.0}
-    saved = [{key: group[key] for key in neutral if key in group} for group in optimizer.param_groups]
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    saved_grads = [p.grad for p in params]
-    for group, values in zip(optimizer.param_groups, saved):
-        group.update({key: neutral[key] for key in values})
-    for param in params:
-        param.grad = torch.zeros_like(param)
-    optimizer.step()
-    for group, values in zip(optimizer.param_groups, saved):
-        group.update(values)
-    for param, grad in zip(params, saved_grads):
-        param.grad = grad
-
-
-def clip_sharded_grad_norm_(flats: list[FlatParameter], group, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Scale the shards' gradients so that the norm of the *whole* gradient is at most ``max_norm``.
-
-    Each rank only sees its shard, so the norm is assembled: for the 2-norm, every rank sums the
-    squares of its elements and an all-reduce adds those sums (the padding is zero and adds
-    nothing); for the max-norm, an all-reduce takes the maximum. Returns the total norm before
-    clipping, like ``torch.nn.utils.clip_grad_norm_``.
-    """
-    norm_type = float(norm_type)
-    grads = [f.shard.grad for f in flats if f.shard.grad is not None]
-    device = flats[0].compute_device
-    if math.isinf(norm_type):
-        local = max((g.abs().max() for g in grads), default=torch.tensor(0.0)).to(device, torch.float32)
-        comm.all_reduce(local, op="max", group=group)
-        total = local
-    else:
-        local = sum((g.float().norm(norm_type) ** norm_type for g in grads), torch.tensor(0.0)).to(device)
-        comm.all_reduce(local, op="sum", group=group)
-        total = local ** (1.0 / norm_type)
-    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for grad in grads:
-        grad.mul_(scale.to(grad.device))
-    return total
-
-
-class FlatShardedMixin(GradientSyncSwitch):
-    """State dicts, gradient clipping and ``no_sync`` for wrappers made of flat parameters (ZeRO-1/2 here, FSDP in ``fsdp.py``).
-
-    - ``full_state_dict()``: every original parameter, whole, under its original name, on every
-      rank (an all-gather per flat parameter). Loads into a plain model with ``load_state_dict``.
-    - ``sharded_state_dict()`` / ``sharded_optimizer_state_dict(optimizer)``: each rank's pieces
-      only, as DTensors of each flat parameter; ``torch.distributed.checkpoint`` (DCP) writes them
-      and reads them back *in place* on any number of ranks (save on N, load on M).
-    """
-
-    flat_params: list[FlatParameter]
-    state_mesh = None  # the DeviceMesh the shards are spread over
-    shard_group = None  # the ranks that hold different shards (None: all)
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the gradient of the whole model, of which this rank holds a shard; returns its norm."""
-        return clip_sharded_grad_norm_(self.flat_params, self.shard_group, max_norm, norm_type)
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        state = {}
-        for flat in self.flat_params:
-            state.update({fqn: t.detach().cpu().clone() for fqn, t in flat.split(flat.full_fp32()).items()})
-        for name, buffer in self.module.named_buffers():
-            state[name] = buffer.detach().cpu().clone()
-        return state
-
-    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        expected = {slot.fqn for flat in self.flat_params for slot in flat.slots} | \
-                   {name for name, _ in self.module.named_buffers()}
-        missing, unexpected = expected - set(state), set(state) - expected
-        if missing or unexpected:
-            raise UserError(f"state dict does not fit this model: missing {sorted(missing)[:5]}, "
-                            f"unexpected {sorted(unexpected)[:5]}: load a state dict of the same model")
-        for flat in self.flat_params:
-            flat.load_full(state)
-        with torch.no_grad():
-            for name, buffer in self.module.named_buffers():
-                buffer.copy_(state[name])
-
-    def _flat_key(self, flat: FlatParameter) -> str:
-        return f"{flat.name}.flat_param" if flat.name else "flat_param"
-
-    def sharded_state_dict(self) -> dict[str, torch.Tensor]:
-        state = {self._flat_key(flat): flat.shard_piece(flat.shard, self.state_mesh) for flat in self.flat_params}
-        state.update({name: buffer for name, buffer in self.module.named_buffers()})
-        return state
-
-    def sharded_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-        initialize_optimizer_state(optimizer)
-        state = {}
-        for flat in self.flat_params:
-            for key, value in optimizer.state.get(flat.shard, {}).items():
-                name = f"{self._flat_key(flat)}.{key}"
-                if isinstance(value, torch.Tensor) and value.shape == flat.shard.shape:
-                    state[name] = flat.shard_piece(value, self.state_mesh)  # element-wise state: sharded like the weights
-                else:
-                    state[name] = value  # a step counter: the same on every rank
-        return state
-
-    @property
-    def state_layout(self) -> str:
-        """What a sharded checkpoint of this wrapper holds: only the same layout can load it."""
-        return f"{type(self).__name__} flat parameters " + ", ".join(self._flat_key(f) for f in self.flat_params)
-
-
-def owned_parameters(module: nn.Module, skip: set[int] | None = None) -> list[tuple[str, nn.Module, str, nn.Parameter]]:
-    """(name, owner module, attribute, parameter) for every parameter of ``module`` not in ``skip``."""
-    found = []
-    for module_name, owner in module.named_modules():
-        if skip and id(owner) in skip:
-            continue
-        for attr, param in owner._parameters.items():
-            if param is not None:
-                found.append((f"{module_name}.{attr}" if module_name else attr, owner, attr, param))
-    return found
+from .ddp import EndOfBackward, start_as_replicas
+from .flat_param import FlatParameter, FlatShardedMixin, owned_parameters
 
 
 class ZeroDataParallel(FlatShardedMixin, nn.Module):
@@ -366,7 +56,7 @@ class ZeroDataParallel(FlatShardedMixin, nn.Module):
     next forward after the optimizer changed the shard.
     """
 
-    def __init__(self, module: nn.Module, stage: int = 2, group=None):
+    def __init__(self, module: nn.Module, *, stage: int = 2, group=None):
         super().__init__()
         check_module("module", module)
         check_group("group", group)
@@ -377,16 +67,11 @@ class ZeroDataParallel(FlatShardedMixin, nn.Module):
         if not params:
             raise UserError("the model has no parameters to shard")
         self.module, self.stage, self.group, self.shard_group = module, stage, group, group
-        check_same_model_everywhere(module, group)
-        with torch.no_grad():  # every replica starts from rank 0's weights
-            source = dist.get_global_rank(group, 0) if group is not None else 0
-            for tensor in [p for *_, p in params] + list(module.buffers()):
-                comm.broadcast(tensor.data, src=source, group=group)
+        start_as_replicas(module, group=group)
         self.flat = FlatParameter("", params, shard_group=group, shard_is_view=True)
         self.flat_params = [self.flat]
         self.flat_shard = self.flat.shard  # the only nn.Parameter of this module
-        self.require_gradient_sync = True
-        self._backward_queued = False
+        self._end_of_backward = EndOfBackward(self._reduce_gradients)
         self._gathered_version = self.flat_shard._version
         # ZeRO-1 keeps a full-size gradient buffer for good; ZeRO-2 allocates one per step and frees it.
         self._gradient_buffer = torch.zeros_like(self.flat.full) if stage == 1 else None
@@ -411,13 +96,11 @@ class ZeroDataParallel(FlatShardedMixin, nn.Module):
         self._gathered_version = self.flat_shard._version
 
     def _gradient_ready(self, _leaf: torch.Tensor) -> None:
-        if not self._backward_queued and self.require_gradient_sync:
-            self._backward_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._reduce_gradients)
+        if self.require_gradient_sync:
+            self._end_of_backward.request()
 
     def _reduce_gradients(self) -> None:
         """End of backward: reduce-scatter the flat gradient; keep it whole (stage 1) or only the shard."""
-        self._backward_queued = False
         previous = self.flat_shard.grad.clone() if self.flat_shard.grad is not None else None
         flat_gradient = self.flat.flat_gradient(self._gradient_buffer)
         reduced = self.flat.reduce_gradient(flat_gradient)
@@ -434,11 +117,3 @@ class ZeroDataParallel(FlatShardedMixin, nn.Module):
         """The tensors this rank holds, by category (for ``memory.measure_model_states``)."""
         grads = [self.flat_shard.grad, self._gradient_buffer] + [s.leaf.grad for s in self.flat.slots]
         return {"params": [self.flat.full, self.flat_shard], "grads": grads}
-
-
-def _wrap_for_trainer(model: nn.Module, ctx, zero_stage: int = 3, **fsdp_options) -> nn.Module:
-    if zero_stage in (1, 2):
-        return ZeroDataParallel(model, stage=zero_stage)
-    from .fsdp import _wrap_for_trainer as wrap_fsdp
-
-    return wrap_fsdp(model, ctx, **fsdp_options)

@@ -2,7 +2,7 @@
 
 Fill in the three functions marked TODO in exercise.py, then check your work:
 
-    python -m course_lib.labs check lab1_ddp
+    python -m course_lib.tools.labs check lab1_ddp
 
 The check trains the digits CNN for a few steps on 2 CPU processes with your functions and with the
 solution's, and compares the losses and the weights.
@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from course_lib import comm, data, models
-from course_lib.labs import compare_training
+from course_lib import comm, data, models, runtime
+from course_lib.tools.labs import compare_training
 from course_lib.launch import launch
 
 STEPS, GLOBAL_BATCH, LR = 40, 64, 0.05
@@ -40,7 +40,7 @@ def average_gradients(model: torch.nn.Module) -> None:
 
 def train(lab) -> dict:
     """Train with ``lab``'s three functions on this process group; the same on every rank."""
-    rank, world_size = comm.get_rank(), comm.get_world_size()
+    rank, world_size = runtime.rank(), runtime.world_size()
     torch.manual_seed(100 + rank)  # a different start on every rank, on purpose: same_start must fix it
     model = models.build_model("digits_cnn")
     lab.same_start(model)
@@ -68,7 +68,7 @@ def train(lab) -> dict:
 
 
 def check_run(lab) -> dict:
-    """What `python -m course_lib.labs check` runs: ``train`` on 2 processes, rank 0's results."""
+    """What `python -m course_lib.tools.labs check` runs: ``train`` on 2 processes, rank 0's results."""
     ranks = launch(train, 2, lab, timeout_s=120)
     if not torch.equal(ranks[0]["weights"], ranks[1]["weights"]):
         raise AssertionError("the two ranks ended with different weights: replicas must stay identical "

@@ -5,7 +5,7 @@ divides by N. Each step it all-gathers the full vector for forward and backward,
 the gradient so that it keeps only the average of its own shard, and updates only that shard.
 Fill in the three functions marked TODO in exercise.py, then check your work:
 
-    python -m course_lib.labs check lab2_fsdp
+    python -m course_lib.tools.labs check lab2_fsdp
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from course_lib import comm, data, models
-from course_lib.labs import compare_training
+from course_lib import comm, data, models, runtime
+from course_lib.tools.labs import compare_training
 from course_lib.launch import launch
 
 STEPS, GLOBAL_BATCH, LR = 40, 64, 0.05
@@ -42,7 +42,7 @@ def reduce_my_gradient(flat_grad: torch.Tensor, rank: int, world_size: int) -> t
 
 
 def train(lab) -> dict:
-    rank, world_size = comm.get_rank(), comm.get_world_size()
+    rank, world_size = runtime.rank(), runtime.world_size()
     torch.manual_seed(0)
     model = models.build_model("digits_cnn")
     numel = sum(p.numel() for p in model.parameters())

@@ -1,11 +1,11 @@
 """Solution of lab 3: reading a strong-scaling study.
 
-After running the study (locally: ``python -m course_lib.scaling submit --local --gpus 1 2``; on
-the cluster: ``python -m course_lib.scaling submit --gpus 1 2 4 8 16 --wait``, then ``collect``),
+After running the study (locally: ``python -m course_lib.tools.study submit --local --gpus 1 2``; on
+the cluster: ``python -m course_lib.tools.study submit --gpus 1 2 4 8 16 --wait``, then ``collect``),
 you have a time per epoch for each number of GPUs. Fill in the two functions marked TODO in
 exercise.py, then check your work (on a reference table shipped with the lab):
 
-    python -m course_lib.labs check lab3_scaling
+    python -m course_lib.tools.labs check lab3_scaling
 
 and run them on your own ``results/scaling/scaling.csv``:
 
@@ -68,9 +68,9 @@ def summary(result: dict) -> str:
 
 
 if __name__ == "__main__":
-    from course_lib import scaling
+    from course_lib.tools.study import read_csv
 
-    rows = scaling.read_csv(sys.argv[1]) if len(sys.argv) > 1 else None
+    rows = read_csv(sys.argv[1]) if len(sys.argv) > 1 else None
     tables = {s: {r["world_size"]: r["time_per_epoch_s"] for r in rows if r["strategy"] == s} for s in
               {r["strategy"] for r in rows}} if rows else REFERENCE
     for strategy, seconds in tables.items():

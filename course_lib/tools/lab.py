@@ -16,7 +16,7 @@ every run gets the whole machine (one process with all cores as threads, or the 
 between the ranks); ``--threads-per-process 1`` instead compares one worker per core, the way
 a cluster gives one GPU per rank. A heavier workload::
 
-    python -m course_lib.lab --dataset synthetic --model cifar_cnn --epochs 3 --lr 0.001
+    python -m course_lib.tools.lab --dataset synthetic --model cifar_cnn --epochs 3 --lr 0.001
 """
 
 from __future__ import annotations
@@ -28,11 +28,12 @@ import shlex
 import subprocess
 import sys
 
-from . import checks, runtime
-from .data import DATASETS
-from .models import MODELS
-from .scaling import add_speedup, format_table, plot_study, read_metrics, summarize
-from .trainer import MAX_LEARNING_RATE
+from .. import checks, runtime
+from ..data import DATASETS
+from ..models import MODELS
+from ..scaling import add_speedup, format_table, read_metrics, summarize
+from .plots import plot_study
+from ..trainer import MAX_LEARNING_RATE
 
 RUNS = (("single", 1), ("ddp", 2), ("fsdp", 2))
 LARGEST_RUN = max(nprocs for _, nprocs in RUNS)
@@ -48,7 +49,7 @@ def command_for(strategy: str, nprocs: int, train_args: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = checks.CommandParser(prog="python -m course_lib.lab", description=__doc__.split("\n\n")[0],
+    parser = checks.CommandParser(prog="python -m course_lib.tools.lab", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--dataset", choices=DATASETS, default="digits")
     parser.add_argument("--model", choices=MODELS, default="digits_cnn")
@@ -96,8 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     add_speedup(rows, rows[0]["time_per_epoch_s"])
     print("\n" + format_table(rows))
     (results / "lab_summary.json").write_text(json.dumps(rows, indent=2) + "\n")
-    plot = plot_study(rows, results / "strong_scaling.png", panels=("time_per_epoch_s", "speedup"),
-                      title=f"{args.model} on {args.dataset}, global batch {rows[0]['global_batch_size']}")
+    plot = results / "strong_scaling.png"
+    plot_study(rows, plot, panels=("time_per_epoch_s", "speedup"),
+               title=f"{args.model} on {args.dataset}, global batch {rows[0]['global_batch_size']}")
     print(f"\nwrote {results}/lab-*.jsonl, {results}/lab_summary.json and {plot}")
     losses = [row["val_loss"] for row in rows]
     spread = (max(losses) - min(losses)) / min(losses)

@@ -12,8 +12,8 @@ or old Node is reported with where to get it, never installed behind the user's 
 
 Run by hand::
 
-    python3 course_lib/system_deps.py            # install what is missing (or say how)
-    python3 course_lib/system_deps.py --dry-run  # only say what would be installed
+    python3 course_lib/tools/system_deps.py            # install what is missing (or say how)
+    python3 course_lib/tools/system_deps.py --dry-run  # only say what would be installed
 
 It uses the standard library alone and imports nothing from ``course_lib``, so it runs with the
 system's Python before the virtual environment exists.
@@ -97,7 +97,7 @@ def may_install() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="course_lib/system_deps.py", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="course_lib/tools/system_deps.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="say what would be installed, install nothing")
     args = parser.parse_args(argv)
 

@@ -18,8 +18,8 @@ checks, slide by slide:
 
 A failure names the deck, the slide number and the line::
 
-    python -m course_lib.slides check                            # every deck in slides/
-    python -m course_lib.slides check slides/03-zero-fsdp.md     # one deck
+    python -m course_lib.tools.slides check                            # every deck in slides/
+    python -m course_lib.tools.slides check slides/03-zero-fsdp.md     # one deck
 
 Cost: the python blocks start processes (``launch``), about 5 to 20 seconds per deck.
 """
@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from unittest import mock
 
-REPOSITORY = Path(__file__).resolve().parent.parent
+REPOSITORY = Path(__file__).resolve().parent.parent.parent
 SLIDES_DIR = REPOSITORY / "slides"
 PUBLIC_DIR = SLIDES_DIR / "public"
 SNIPPET_TIMEOUT_S = 600
@@ -187,12 +187,12 @@ def check_images(deck: Path, slide: Slide) -> list[str]:
     for image in referenced_images(slide):
         if re.match(r"^[a-z]+://|^//", image):
             problems.append(f"image {image} comes from the internet: the decks must work offline; "
-                            "save it under slides/public/images (or draw it in course_lib/figures.py)")
+                            "save it under slides/public/images (or draw it in course_lib/tools/figures.py)")
             continue
         path = PUBLIC_DIR / image.lstrip("/") if image.startswith("/") else deck.parent / image
         if not path.is_file():
             problems.append(f"image {image} does not exist ({_relative(path)}): draw it with "
-                            "`python -m course_lib.figures slides/public/images` or fix the name")
+                            "`python -m course_lib.tools.figures slides/public/images` or fix the name")
     return problems
 
 
@@ -308,7 +308,7 @@ def run_python_blocks(deck: Path, slides: list[Slide], timeout_s: float = SNIPPE
     if not any(block.language in PYTHON_LANGUAGES for slide in slides for block in slide.blocks):
         return []
     # A session of its own, so that a snippet that hangs is stopped with every process it started.
-    child = subprocess.Popen([sys.executable, "-m", "course_lib.slides", "_run-python", str(deck)], cwd=REPOSITORY,
+    child = subprocess.Popen([sys.executable, "-m", "course_lib.tools.slides", "_run-python", str(deck)], cwd=REPOSITORY,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         _, errors = child.communicate(timeout=timeout_s)
@@ -369,7 +369,7 @@ def _relative(path: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m course_lib.slides",
+    parser = argparse.ArgumentParser(prog="python -m course_lib.tools.slides",
                                      description="Check the lecture decks against the code.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{check,count}")
     check = commands.add_parser("check", help="images, code imports, python blocks and command lines of the decks")

@@ -6,12 +6,12 @@ Each lab in ``labs/<name>/`` has a ``solution.py`` whose teaching parts are mark
     ...the code...
     # END SOLUTION
 
-``python -m course_lib.labs generate`` writes ``exercise.py`` beside it, with every marked region
+``python -m course_lib.tools.labs generate`` writes ``exercise.py`` beside it, with every marked region
 replaced by a TODO carrying the hint and a ``raise NotImplementedError`` (so an untouched exercise
 fails loudly, at the right line). A test fails if a committed exercise differs from what the
 command generates, so the two can never drift apart.
 
-``python -m course_lib.labs check lab1_ddp`` runs the student's ``exercise.py`` (or ``--file``) the
+``python -m course_lib.tools.labs check lab1_ddp`` runs the student's ``exercise.py`` (or ``--file``) the
 way the lab's ``check(run)`` says, usually on 2 CPU processes, runs the solution the same way, and
 compares the numbers, naming the first difference or the first TODO still to fill in.
 """
@@ -25,9 +25,9 @@ import traceback
 from pathlib import Path
 from types import ModuleType
 
-from . import checks
+from .. import checks
 
-LABS_DIR = Path(__file__).resolve().parent.parent / "labs"
+LABS_DIR = Path(__file__).resolve().parent.parent.parent / "labs"
 BEGIN = re.compile(r"^(?P<indent>\s*)# BEGIN SOLUTION: (?P<hint>.+)$")
 END = re.compile(r"^\s*# END SOLUTION\s*$")
 
@@ -120,7 +120,7 @@ def check(name: str, file: Path | None = None) -> tuple[bool, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = checks.CommandParser(prog="python -m course_lib.labs", description=__doc__.split("\n\n")[0])
+    parser = checks.CommandParser(prog="python -m course_lib.tools.labs", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("generate", help="write every exercise.py from its solution.py")
     checker = sub.add_parser("check", help="run your exercise and compare it with the solution")

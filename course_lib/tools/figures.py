@@ -1,6 +1,6 @@
 """Every figure of the lecture slides, drawn from the course's own code.
 
-``python -m course_lib.figures slides/public/images`` writes one PNG per figure. The pictures are
+``python -m course_lib.tools.figures slides/public/images`` writes one PNG per figure. The pictures are
 not drawn by hand: the ZeRO bars come from ``memory.model_state_bytes``, the pipeline charts from
 ``pipeline.build_schedule``, the grid from ``mesh.grid_groups``, the ring from the same counting
 the ring all-reduce does, the scaling plot from recorded results. Change the code and the slides
@@ -13,17 +13,17 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-import matplotlib
+from matplotlib.figure import Figure
+from matplotlib.patches import FancyArrowPatch, Rectangle
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
-
-from . import checks, memory  # noqa: E402
-from .parallel import mesh, pipeline  # noqa: E402
+from .. import checks, memory
+from ..comm import ring_all_reduce_counts
+from ..parallel import mesh, pipeline
+from . import plots
+from .study import read_csv
 
 PNG_METADATA = {"Software": None}  # no version string in the file: the same drawing gives the same bytes
-RECORDED_SCALING = Path(__file__).resolve().parent.parent / "slides" / "recorded" / "scaling.csv"
+RECORDED_SCALING = Path(__file__).resolve().parent.parent.parent / "slides" / "recorded" / "scaling.csv"
 
 
 def _box(axis, x, y, w, h, text, colour="#dde6f3", size=9):
@@ -36,7 +36,8 @@ def _arrow(axis, start, end, colour="black"):
 
 
 def _blank(width, height):
-    figure, axis = plt.subplots(figsize=(width, height))
+    figure = Figure(figsize=(width, height))
+    axis = figure.subplots()
     axis.set_axis_off()
     return figure, axis
 
@@ -57,11 +58,10 @@ def data_parallel():
 
 def ring_all_reduce():
     """How many ranks' values each chunk holds, after each step of a ring all-reduce on 4 ranks."""
-    from .comm import ring_all_reduce_counts
-
     n = 4
     frames = ring_all_reduce_counts(n)
-    figure, axes = plt.subplots(1, len(frames), figsize=(2.0 * len(frames), 2.3))
+    figure = Figure(figsize=(2.0 * len(frames), 2.3))
+    axes = figure.subplots(1, len(frames))
     for step, (axis, frame) in enumerate(zip(axes, frames)):
         axis.imshow(frame, vmin=1, vmax=n, cmap="Blues")
         for r in range(n):
@@ -77,7 +77,8 @@ def ring_all_reduce():
 
 def zero_memory():
     """Bytes per GPU for 7.5B parameters on 64 GPUs, by stage (the ZeRO paper's example)."""
-    figure, axis = plt.subplots(figsize=(6, 3.2))
+    figure = Figure(figsize=(6, 3.2))
+    axis = figure.subplots()
     kinds = ("params", "grads", "optimizer")
     bottoms = [0.0] * len(memory.STAGES)
     for kind, colour in zip(kinds, ("#4c72b0", "#55a868", "#c44e52")):
@@ -94,7 +95,8 @@ def zero_memory():
 
 def fsdp_timeline(units: int = 4):
     """When each unit's parameters are gathered and freed, forward then backward (FULL_SHARD)."""
-    figure, axis = plt.subplots(figsize=(7.5, 2.6))
+    figure = Figure(figsize=(7.5, 2.6))
+    axis = figure.subplots()
     t = 0.0
     for phase, order in (("forward", range(units)), ("backward", reversed(range(units)))):
         for unit in order:
@@ -131,10 +133,10 @@ def tensor_parallel():
 
 def _schedule(name: str, virtual: int = 1) -> Callable:
     def draw():
-        actions = pipeline.build_schedule(name, 4, 8, virtual)
+        actions = pipeline.build_schedule(name, 4, 8, virtual_stages=virtual)
         events = pipeline.simulate_timeline(actions, 4)
         title = f"{name}: 4 stages, 8 micro-batches" + (f", {virtual} virtual stages" if virtual > 1 else "")
-        return pipeline.plot_timeline(events, title=f"{title}, bubble {pipeline.bubble_fraction(events):.0%}",
+        return plots.plot_timeline(events, title=f"{title}, bubble {pipeline.bubble_fraction(events):.0%}",
                                       pipeline_size=4)
     return draw
 
@@ -142,7 +144,8 @@ def _schedule(name: str, virtual: int = 1) -> Callable:
 def mesh_layout():
     """8 ranks as data 2 x pipeline 2 x tensor 2, with the groups of each axis."""
     groups = mesh.grid_groups(8, data=2, pipeline=2, tensor=2)
-    figure, axes = plt.subplots(1, 3, figsize=(9, 2.6))
+    figure = Figure(figsize=(9, 2.6))
+    axes = figure.subplots(1, 3)
     for axis, kind in zip(axes, ("tensor", "data", "pipeline")):
         axis.set_axis_off()
         for index, group in enumerate(groups[kind]):
@@ -155,11 +158,9 @@ def mesh_layout():
 
 
 def strong_scaling():
-    """The strong-scaling plot from recorded results (slides/recorded/scaling.csv), as ``scaling plot`` draws it."""
-    from . import scaling
-
-    rows = scaling.read_csv(RECORDED_SCALING)
-    return scaling.draw_study(rows, panels=("time_per_epoch_s", "speedup"), panel_size=(4.0, 3.2))
+    """The strong-scaling plot from recorded results (slides/recorded/scaling.csv), as ``study plot`` draws it."""
+    rows = read_csv(RECORDED_SCALING)
+    return plots.draw_study(rows, panels=("time_per_epoch_s", "speedup"), panel_size=(4.0, 3.2))
 
 
 FIGURES: dict[str, Callable] = {
@@ -181,16 +182,14 @@ def draw_all(directory: str | Path) -> list[Path]:
     directory.mkdir(parents=True, exist_ok=True)
     written = []
     for name, draw in FIGURES.items():
-        figure = draw()
         path = directory / f"{name}.png"
-        figure.savefig(path, dpi=110, metadata=PNG_METADATA)
-        plt.close(figure)
+        plots.save(draw(), path, dpi=110, metadata=PNG_METADATA)
         written.append(path)
     return written
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = checks.CommandParser(prog="python -m course_lib.figures", description=__doc__.split("\n\n")[0])
+    parser = checks.CommandParser(prog="python -m course_lib.tools.figures", description=__doc__.split("\n\n")[0])
     parser.add_argument("directory", nargs="?", type=checks.folder_to_write, default="slides/public/images")
     args = parser.parse_args(argv)
     for path in draw_all(args.directory):

@@ -1,4 +1,4 @@
-"""Benchmarks: ``python -m course_lib.bench ddp|fsdp|memory|pipeline|tp`` prints one JSON object on stdout.
+"""Benchmarks: ``python -m course_lib.tools.bench ddp|fsdp|memory|pipeline|tp`` prints one JSON object on stdout.
 
 How to compare two implementations honestly on a noisy machine: run them in the *same*
 processes, on the same model and data, interleaved step by step (their order rotating every
@@ -41,9 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import checks, comm, memory, runtime
-from .errors import EXIT_USER_ERROR, UserError
-from .launch import launch, max_processes
+from .. import checks, comm, memory, runtime
+from ..errors import EXIT_USER_ERROR, UserError
+from ..launch import launch, max_processes
 
 PIPELINE_MICROBATCHES = (4, 8)
 """Micro-batches per step in the pipeline benchmark: the bubble shrinks as they grow."""
@@ -92,16 +92,16 @@ def _interleaved_medians(steps_by_name: dict[str, Callable[[], object]], steps: 
 
 
 def _rank_batch(batch: int, width: int):
-    generator = torch.Generator().manual_seed(comm.get_rank())
+    generator = torch.Generator().manual_seed(runtime.rank())
     return torch.randn(batch, width, generator=generator), torch.randn(batch, width, generator=generator)
 
 
 def _ddp_benchmark(width: int, layers: int, batch: int, steps: int, warmup: int, bucket_mb: float) -> dict | None:
     from torch.nn.parallel import DistributedDataParallel
 
-    from .parallel.ddp import DataParallel
+    from ..parallel.ddp import DataParallel
 
-    world = comm.get_world_size()
+    world = runtime.world_size()
     torch.manual_seed(0)
     reference = mlp(width, layers)
     inputs, targets = _rank_batch(batch, width)
@@ -144,9 +144,9 @@ def _ddp_benchmark(width: int, layers: int, batch: int, steps: int, warmup: int,
 def _fsdp_benchmark(width: int, layers: int, batch: int, steps: int, warmup: int) -> dict | None:
     from torch.distributed.fsdp import fully_shard
 
-    from .parallel.fsdp import FullyShardedDataParallel
+    from ..parallel.fsdp import FullyShardedDataParallel
 
-    world = comm.get_world_size()
+    world = runtime.world_size()
     hybrid_size = world // 2 if world % 2 == 0 else world
     torch.manual_seed(0)
     reference = mlp(width, layers)
@@ -192,9 +192,9 @@ def _fsdp_benchmark(width: int, layers: int, batch: int, steps: int, warmup: int
 
 def wrap_for_stage(model: nn.Module, stage: str, units: list[nn.Module] | None = None) -> nn.Module:
     """The model as ``stage`` (ddp, zero1, zero2, zero3) trains it, with the course's implementations."""
-    from .parallel.ddp import DataParallel
-    from .parallel.fsdp import FullyShardedDataParallel
-    from .parallel.zero import ZeroDataParallel
+    from ..parallel.ddp import DataParallel
+    from ..parallel.fsdp import FullyShardedDataParallel
+    from ..parallel.zero import ZeroDataParallel
 
     if stage == "ddp":
         return DataParallel(model)
@@ -217,7 +217,7 @@ def measure_stage(model: nn.Module, stage: str, inputs: torch.Tensor, targets: t
 
 
 def _memory_benchmark(width: int, layers: int, batch: int) -> list[dict] | None:
-    world = comm.get_world_size()
+    world = runtime.world_size()
     inputs, targets = _rank_batch(batch, width)
     rows = []
     for stage in memory.STAGES:
@@ -240,7 +240,7 @@ def _memory_benchmark(width: int, layers: int, batch: int) -> list[dict] | None:
 
 
 def _transformer(layers: int, d_model: int, seq: int):
-    from . import data, models
+    from .. import data, models
 
     inputs, targets, vocabulary = data.zen_windows(seq)
     torch.manual_seed(0)
@@ -250,10 +250,10 @@ def _transformer(layers: int, d_model: int, seq: int):
 def _pipeline_benchmark(d_model: int, seq: int, batch: int, steps: int, warmup: int) -> list[dict] | None:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-    from . import models
-    from .parallel import pipeline as pp
+    from .. import models
+    from ..parallel import pipeline as pp
 
-    p, rank = comm.get_world_size(), comm.get_rank()
+    p, rank = runtime.world_size(), runtime.rank()
     rows = []
     for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
         for m in PIPELINE_MICROBATCHES:
@@ -288,9 +288,9 @@ def _pipeline_benchmark(d_model: int, seq: int, batch: int, steps: int, warmup: 
                 "schedule": schedule, "stages": p, "virtual_stages": v, "microbatches": m,
                 "course_step_ms": course_ms, "torch_step_ms": torch_ms, "ratio": course_ms / torch_ms,
                 "bubble_measured": statistics.mean(g[0] for g in gathered),
-                "bubble_theory": pp.bubble_fraction_theory(p, m, v),
+                "bubble_theory": pp.bubble_fraction_theory(p, m, virtual_stages=v),
                 "peak_activations_measured": [g[1] for g in gathered],
-                "peak_activations_theory": [pp.peak_activations_theory(schedule, p, m, r, v) for r in range(p)],
+                "peak_activations_theory": [pp.peak_activations_theory(schedule, p, m, r, virtual_stages=v) for r in range(p)],
                 "peak_activation_bytes_measured": [g[2] for g in gathered],
             })
     return rows if runtime.is_main() else None
@@ -302,10 +302,10 @@ def _tp_benchmark(d_model: int, seq: int, batch: int, steps: int, warmup: int) -
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from . import models
-    from .parallel import tensor as tp
+    from .. import models
+    from ..parallel import tensor as tp
 
-    degree = comm.get_world_size()
+    degree = runtime.world_size()
     mesh = init_device_mesh("cpu", (degree,))
     torch.manual_seed(0)
     heads = TP_HEADS_PER_RANK * degree
@@ -337,7 +337,7 @@ def _tp_benchmark(d_model: int, seq: int, batch: int, steps: int, warmup: int) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = checks.CommandParser(prog="python -m course_lib.bench", description=__doc__.split("\n\n")[0])
+    parser = checks.CommandParser(prog="python -m course_lib.tools.bench", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="benchmark", required=True)
     formatter = argparse.ArgumentDefaultsHelpFormatter
     ddp = sub.add_parser("ddp", help="course DDP (3 modes) against torch DDP", formatter_class=formatter)

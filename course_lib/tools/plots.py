@@ -1,0 +1,163 @@
+"""Every picture the course draws from data: pipeline timelines, scaling studies, loss curves.
+
+The lessons compute; this module draws. Each function takes what a lesson returns (a timeline
+of events, the rows of a scaling table, loss curves) and returns a matplotlib ``Figure``, saved
+as a PNG only when given a ``path``. Nothing here chooses a backend: a ``Figure`` built without
+``pyplot`` needs none to be saved, and a notebook shows a returned ``Figure`` inline.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from matplotlib import ticker
+from matplotlib.figure import Figure
+
+from ..parallel.pipeline import bubble_fraction
+
+PNG_DPI = 120
+
+
+def save(figure: Figure, path: str | Path | None, *, dpi: int = PNG_DPI, metadata: dict | None = None) -> Figure:
+    """Write ``figure`` as a PNG at ``path`` (its folder created), unless ``path`` is None; return the figure.
+
+    Args:
+        figure: what to write.
+        path: the PNG file, or None to write nothing.
+        dpi: dots per inch of the PNG.
+        metadata: PNG metadata (``{"Software": None}`` leaves out matplotlib's version).
+    """
+    if path is not None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        figure.savefig(path, dpi=dpi, metadata=metadata)
+    return figure
+
+
+# -- pipeline schedules -------------------------------------------------------------------------
+
+def plot_timeline(events: dict[int, list[tuple[str, int, int, float, float]]], path: str | Path | None = None, *,
+                  title: str = "", pipeline_size: int | None = None) -> Figure:
+    """A Gantt chart of a pipeline step, one row per rank: forwards blue, backwards green.
+
+    Args:
+        events: per rank, ``(kind, stage, microbatch, start, end)`` tuples, as
+            ``pipeline.simulate_timeline`` computes them or ``PipelineStats.events`` measures them.
+        path: save the chart as a PNG here (None: only return it).
+        title: the chart's title (default: the bubble fraction).
+        pipeline_size: ranks in the pipeline, to shade virtual stages differently (default: the rows).
+    """
+    ranks = sorted(events)
+    pipeline_size = pipeline_size or len(ranks)
+    figure = Figure(figsize=(10, 0.6 * len(ranks) + 1.2))
+    axis = figure.subplots()
+    colours = {"F": ("#4c72b0", "#8fb0e0"), "B": ("#55a868", "#9fd4ad")}
+    for row, rank in enumerate(ranks):
+        for kind, stage, microbatch, start, end in events[rank]:
+            shade = colours[kind][(stage // pipeline_size) % 2]  # alternate shades for virtual stages
+            axis.barh(row, end - start, left=start, color=shade, edgecolor="black", linewidth=0.5)
+            axis.text((start + end) / 2, row, str(microbatch), ha="center", va="center", fontsize=7)
+    axis.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+    axis.invert_yaxis()
+    axis.set_xlabel("time")
+    axis.set_title(title or f"bubble {bubble_fraction(events):.0%}")
+    figure.tight_layout()
+    return save(figure, path)
+
+
+# -- strong scaling -------------------------------------------------------------------------------
+
+STUDY_PANELS = {
+    "time_per_epoch_s": "time per epoch (s)",
+    "speedup": "speedup",
+    "efficiency": "parallel efficiency",
+    "val_acc": "validation accuracy",
+    "peak_mem_mb": "peak memory per GPU (MB)",
+}
+
+
+def draw_study(rows: list[dict[str, Any]], *, panels: tuple[str, ...] = tuple(STUDY_PANELS),
+               panel_size: tuple[float, float] = (4.4, 4.0)) -> Figure:
+    """The study as a matplotlib figure: one panel per metric of ``panels`` against the number of
+    processes (log scale), one line per strategy, and the ideal where there is one (time 1/N,
+    speedup N, efficiency 1).
+
+    A one-process ``single`` row, as the lab has, is where every strategy's line starts.
+    """
+    figure = Figure(figsize=(panel_size[0] * len(panels), panel_size[1]), layout="constrained")
+    axes = figure.subplots(1, len(panels), squeeze=False)
+    axes = dict(zip(panels, axes[0]))
+    sizes = sorted({row["world_size"] for row in rows})
+    baseline = [row for row in rows if row["strategy"] == "single"]
+    ideal_starts = set()  # lines that start from the same point share one ideal line
+    for strategy in sorted({row["strategy"] for row in rows} - {"single"}) or ["single"]:
+        mine = baseline + [row for row in rows if row["strategy"] == strategy and row not in baseline]
+        mine.sort(key=lambda row: row["world_size"])
+        ranks = [row["world_size"] for row in mine]
+        for key, axis in axes.items():
+            axis.plot(ranks, [row[key] for row in mine], "o-", label=strategy.upper())
+        first = mine[0]
+        start = (first["world_size"], first["time_per_epoch_s"])
+        if "time_per_epoch_s" in axes and start not in ideal_starts:
+            ideal_starts.add(start)
+            ideal = [first["time_per_epoch_s"] * first["world_size"] / n for n in sizes]
+            label = "ideal 1/N" if baseline else f"ideal 1/N ({strategy.upper()})"
+            axes["time_per_epoch_s"].plot(sizes, ideal, "--", color="gray", lw=1, label=label)
+    if "speedup" in axes:
+        axes["speedup"].plot(sizes, sizes, "k--", lw=1, label="ideal")
+    if "efficiency" in axes:
+        axes["efficiency"].axhline(1.0, color="k", ls="--", lw=1, label="ideal")
+    for key, axis in axes.items():
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(sizes)
+        axis.get_xaxis().set_major_formatter(ticker.ScalarFormatter())
+        axis.set_xlabel("processes (GPUs)")
+        kind = rows[0].get("peak_mem_kind") if key == "peak_mem_mb" else None
+        axis.set_title(STUDY_PANELS[key] + (f", {kind}" if kind else ""))
+        axis.grid(True, alpha=0.3)
+        axis.legend()
+    if "time_per_epoch_s" in axes:
+        time_axis = axes["time_per_epoch_s"]
+        time_axis.set_yscale("log")
+        for set_formatter in (time_axis.yaxis.set_major_formatter, time_axis.yaxis.set_minor_formatter):
+            set_formatter(ticker.FormatStrFormatter("%g"))  # 3, 4 rather than 3 x 10^0
+    return figure
+
+
+def plot_study(rows: list[dict[str, Any]], path: str | Path | None = None, *, title: str = "Strong scaling study",
+               panels: tuple[str, ...] = tuple(STUDY_PANELS)) -> Figure:
+    """``draw_study`` with ``title`` above it, saved as a PNG at ``path`` when one is given.
+
+    Args:
+        rows: the scaling table (``scaling.summarize`` rows with ``scaling.add_speedup`` applied).
+        path: the PNG to write (None: only return the figure).
+        title: the figure's title.
+        panels: which columns of ``STUDY_PANELS`` to draw.
+    """
+    figure = draw_study(rows, panels=panels)
+    figure.suptitle(title)
+    return save(figure, path, dpi=110)
+
+
+# -- loss curves ----------------------------------------------------------------------------------
+
+def plot_loss_curves(curves: dict[str, list[float]], path: str | Path | None = None) -> Figure:
+    """Training loss against step, one line per run (the first drawn thick, so a match shows).
+
+    Args:
+        curves: label -> the loss of every step.
+        path: save the chart as a PNG here (None: only return it).
+    """
+    figure = Figure(figsize=(6, 3.5))
+    axis = figure.subplots()
+    for index, (label, losses) in enumerate(curves.items()):
+        if index == 0:
+            axis.plot(losses, label=label, linewidth=3, alpha=0.5)
+        else:
+            axis.plot(losses, "--", label=label)
+    axis.set_xlabel("step")
+    axis.set_ylabel("training loss")
+    axis.legend()
+    figure.tight_layout()
+    return save(figure, path)

@@ -17,7 +17,7 @@ PYTEST_ARGS ?=
 # notebook's cells, the Slurm cluster and the built slides each stay with one worker.
 TEST_WORKERS ?= 2
 
-.PHONY: setup system-deps lab test test-fast clean-results slides slides-setup slides-build
+.PHONY: setup system-deps lab lint format test test-fast clean-results slides slides-setup slides-build
 
 setup:
 	@set -euo pipefail; \
@@ -46,7 +46,16 @@ lab: setup
 system-deps:
 	@"$(PYTHON)" course_lib/tools/system_deps.py
 
-test: system-deps setup
+# The project's style (rules and line length in pyproject.toml): `make format` applies it.
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: setup
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+
+test: system-deps setup lint
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # Everything but the multi-minute parts (notebooks, Slurm, slides): the inner loop while editing.

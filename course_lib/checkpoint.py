@@ -119,13 +119,20 @@ def _layout(model: torch.nn.Module) -> str:
 def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The model and optimizer state DCP writes, or fills in place when loading."""
     if hasattr(model, "sharded_state_dict"):  # the course's ZeRO and FSDP: flat shards
-        return {"model": model.sharded_state_dict(), "optimizer": model.sharded_optimizer_state_dict(optimizer)}
+        return {
+            "model": model.sharded_state_dict(),
+            "optimizer": model.sharded_optimizer_state_dict(optimizer),
+        }
     model_state, optimizer_state = get_state_dict(unwrap(model), optimizer)
     return {"model": model_state, "optimizer": optimizer_state}
 
 
-def save(directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         position: TrainingPosition) -> Path:
+def save(
+    directory: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    position: TrainingPosition,
+) -> Path:
     """Write a checkpoint of the current step (every rank must call this). Returns its path."""
     directory = Path(directory)
     final = directory / f"step-{position.global_step:08d}"
@@ -173,9 +180,14 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     meta_file = path / META_FILE
     if not path.is_dir():
-        raise UserError(f"checkpoint {path} does not exist: pass a step-XXXXXXXX directory or --resume latest")
+        raise UserError(
+            f"checkpoint {path} does not exist: pass a step-XXXXXXXX directory or --resume latest"
+        )
     if not meta_file.is_file():
-        raise UserError(f"checkpoint {path} is incomplete ({META_FILE} is missing): resume from an older one or start afresh")
+        raise UserError(
+            f"checkpoint {path} is incomplete ({META_FILE} is missing): resume from an older one or start "
+            "afresh"
+        )
     try:
         meta = torch.load(meta_file, weights_only=True)
     except Exception as error:  # truncated, overwritten, not a torch file...
@@ -195,23 +207,28 @@ def check_compatible(meta: dict[str, Any], config: dict[str, Any], path: str | P
         if saved.get(key) != config.get(key):
             flag = "--" + key.replace("_", "-")
             raise UserError(
-                f"checkpoint {path} was written with {flag} {saved.get(key)} but this run uses {flag} {config.get(key)}: "
+                f"checkpoint {path} was written with {flag} {saved.get(key)} but this run uses {flag} "
+                f"{config.get(key)}: "
                 f"pass {flag} {saved.get(key)} to resume it, or use a new --checkpoint-dir to start afresh"
             )
 
 
-def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         config: dict[str, Any]) -> TrainingPosition:
+def load(
+    path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: dict[str, Any]
+) -> TrainingPosition:
     """Restore model, optimizer and RNG state in place (every rank must call this)."""
     path = Path(path)
     meta = read_meta(path)
     check_compatible(meta, config, path)
     if meta.get("layout", "named parameters") != _layout(model):
         raise UserError(
-            f"checkpoint {path} holds {meta.get('layout', 'named parameters')}, but this model is laid out as "
-            f"{_layout(model)}: resume with the --strategy, --impl, --zero-stage and model of the run that wrote it "
+            f"checkpoint {path} holds {meta.get('layout', 'named parameters')}, but this model is laid out "
+            "as "
+            f"{_layout(model)}: resume with the --strategy, --impl, --zero-stage and model of the run that "
+            "wrote it "
             f"(its flags: --strategy {meta['config'].get('strategy')} --impl {meta['config'].get('impl')} "
-            f"--zero-stage {meta['config'].get('zero_stage', 3)}), or start afresh with a new --checkpoint-dir"
+            f"--zero-stage {meta['config'].get('zero_stage', 3)}), or start afresh with a new "
+            "--checkpoint-dir"
         )
     state = _state(model, optimizer)
     try:
@@ -221,17 +238,23 @@ def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
             error = next(iter(error.failures.values()))
         first_line = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
         raise UserError(
-            f"checkpoint {path} cannot be loaded into this model ({first_line}): it is corrupt or from another "
+            f"checkpoint {path} cannot be loaded into this model ({first_line}): it is corrupt or from "
+            "another "
             "model; delete it to resume from the previous one, or start afresh with a new --checkpoint-dir"
         ) from None
     if not hasattr(model, "sharded_state_dict"):  # the course's wrappers were filled in place
-        set_state_dict(unwrap(model), optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(
+            unwrap(model), optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        )
     if meta["world_size"] == dist.get_world_size():
         _set_rng_state(meta["rng"][dist.get_rank()])
     else:
         # A different number of ranks has no per-rank generator to inherit: derive one from the step.
         torch.manual_seed(config["seed"] * 1_000_003 + meta["global_step"] * 101 + dist.get_rank())
     return TrainingPosition(
-        epoch=meta["epoch"], step_in_epoch=meta["step_in_epoch"], global_step=meta["global_step"],
-        config=meta["config"], history=list(meta.get("history", [])),
+        epoch=meta["epoch"],
+        step_in_epoch=meta["step_in_epoch"],
+        global_step=meta["global_step"],
+        config=meta["config"],
+        history=list(meta.get("history", [])),
     )

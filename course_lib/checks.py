@@ -19,14 +19,15 @@ import math
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .errors import EXIT_USER_ERROR, UserError
 
 
 def launched_rank() -> str:
-    """This process's rank as its launcher set it (torchrun's RANK first, then srun's), before any rendezvous."""
+    """This process's rank as its launcher set it (torchrun's RANK, else srun's), before any rendezvous."""
     return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
 
 
@@ -53,8 +54,14 @@ def check_int(flag: str | None, value: Any, *, minimum: int, maximum: int | None
     return value
 
 
-def check_number(flag: str | None, value: Any, *, above: float | None = None, minimum: float | None = None,
-                 maximum: float | None = None) -> float:
+def check_number(
+    flag: str | None,
+    value: Any,
+    *,
+    above: float | None = None,
+    minimum: float | None = None,
+    maximum: float | None = None,
+) -> float:
     """A finite real number: ``> above``, ``>= minimum``, ``<= maximum`` (each bound optional)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise UserError(f"{_shown(flag)}must be a number, got {value!r}")
@@ -62,8 +69,12 @@ def check_number(flag: str | None, value: Any, *, above: float | None = None, mi
     rules += [f"at least {minimum:g}"] if minimum is not None else []
     rules += [f"at most {maximum:g}"] if maximum is not None else []
     wanted = "a finite number" + (" " + " and ".join(rules) if rules else "")
-    if not math.isfinite(value) or (above is not None and not value > above) or \
-            (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+    if (
+        not math.isfinite(value)
+        or (above is not None and not value > above)
+        or (minimum is not None and value < minimum)
+        or (maximum is not None and value > maximum)
+    ):
         raise UserError(f"{_shown(flag)}must be {wanted}, got {value}")
     return float(value)
 
@@ -93,18 +104,22 @@ def check_file_to_read(flag: str | None, path: str | os.PathLike) -> Path:
 
 
 def _check_can_write_in(flag: str | None, path: Path, what: str, folder: Path) -> None:
-    """Can this process write ``path`` in ``folder``? Asked of the nearest existing folder; nothing is left behind."""
+    """Can this process write ``path`` in ``folder``? Asks the nearest existing folder; leaves nothing."""
     existing = _nearest_existing(folder.absolute())
     if not existing.is_dir():
-        raise UserError(f"{_shown(flag)}{path} cannot be {what}: {existing} is a file; choose another location")
+        raise UserError(
+            f"{_shown(flag)}{path} cannot be {what}: {existing} is a file; choose another location"
+        )
     try:
         # Permission bits do not stop root, but a read-only file system or /proc does: the only
         # honest test of "can I write here" is to write (a temporary file, removed at once).
         with tempfile.NamedTemporaryFile(dir=existing, prefix=".write-test-"):
             pass
     except OSError as error:
-        raise UserError(f"{_shown(flag)}{path} cannot be written ({error.strerror} in {existing}): choose a "
-                        "location you can write to") from None
+        raise UserError(
+            f"{_shown(flag)}{path} cannot be written ({error.strerror} in {existing}): choose a "
+            "location you can write to"
+        ) from None
 
 
 def check_folder_to_write(flag: str | None, path: str | os.PathLike) -> Path:
@@ -123,8 +138,9 @@ def check_file_to_write(flag: str | None, path: str | os.PathLike) -> Path:
     return path
 
 
-def argument_type(check: Callable[..., Any], convert: Callable[[str], Any] = str,
-                  **limits: Any) -> Callable[[str], Any]:
+def argument_type(
+    check: Callable[..., Any], convert: Callable[[str], Any] = str, **limits: Any
+) -> Callable[[str], Any]:
     """``check`` as an argparse ``type=``: argparse then says ``argument --flag: must be ..., got ...``."""
 
     def parse(text: str) -> Any:
@@ -169,8 +185,10 @@ def check_module(name: str, value: Any) -> Any:
     from torch import nn
 
     if not isinstance(value, nn.Module):
-        raise UserError(f"{name} must be a torch.nn.Module, got {type(value).__name__}: pass the model itself "
-                        "(built on every rank), not its output or its parameters")
+        raise UserError(
+            f"{name} must be a torch.nn.Module, got {type(value).__name__}: pass the model itself "
+            "(built on every rank), not its output or its parameters"
+        )
     return value
 
 
@@ -179,16 +197,22 @@ def check_group(name: str, group: Any) -> Any:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        raise UserError(f"{name}: no process group exists yet: call course_lib.runtime.init() first (torchrun jobs), "
-                        "or run the code through course_lib.launch.launch(), which does it for you")
+        raise UserError(
+            f"{name}: no process group exists yet: call course_lib.runtime.init() first (torchrun jobs), "
+            "or run the code through course_lib.launch.launch(), which does it for you"
+        )
     if group is None:
         return group
     # new_group() hands ranks outside the group a marker instead of a group
     outside = group is dist.GroupMember.NON_GROUP_MEMBER
     if outside or (isinstance(group, dist.ProcessGroup) and dist.get_rank(group) < 0):
-        raise UserError(f"{name} does not contain this rank (global rank {dist.get_rank()}): call this only on the "
-                        "ranks of the group, or pass a group that holds every rank that calls it")
+        raise UserError(
+            f"{name} does not contain this rank (global rank {dist.get_rank()}): call this only on the "
+            "ranks of the group, or pass a group that holds every rank that calls it"
+        )
     if not isinstance(group, dist.ProcessGroup):
-        raise UserError(f"{name} must be a process group (dist.new_group, or mesh.get_group()), got "
-                        f"{type(group).__name__}")
+        raise UserError(
+            f"{name} must be a process group (dist.new_group, or mesh.get_group()), got "
+            f"{type(group).__name__}"
+        )
     return group

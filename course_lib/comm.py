@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,7 @@ REDUCE_OPS = {
 
 
 # -- the ledger -----------------------------------------------------------------------------
+
 
 @dataclass
 class CommRecord:
@@ -79,7 +80,7 @@ def ring_bytes(op: str, tensor_bytes: int, group_size: int) -> float:
     return factor * tensor_bytes
 
 
-_active_logs: list["CommLog"] = []
+_active_logs: list[CommLog] = []
 
 
 class CommLog:
@@ -93,7 +94,7 @@ class CommLog:
     def __init__(self):
         self.records: list[CommRecord] = []
 
-    def __enter__(self) -> "CommLog":
+    def __enter__(self) -> CommLog:
         _active_logs.append(self)
         return self
 
@@ -107,8 +108,9 @@ class CommLog:
         return sum(r.bytes_per_rank for r in self.records if op is None or r.op == op)
 
     def totals(self) -> dict[str, dict[str, float]]:
-        table: dict[str, dict[str, float]] = defaultdict(lambda: {"calls": 0, "tensor_bytes": 0, "bytes_per_rank": 0.0,
-                                                                  "seconds": 0.0})
+        table: dict[str, dict[str, float]] = defaultdict(
+            lambda: {"calls": 0, "tensor_bytes": 0, "bytes_per_rank": 0.0, "seconds": 0.0}
+        )
         for record in self.records:
             row = table[record.op]
             row["calls"] += 1
@@ -120,8 +122,10 @@ class CommLog:
     def summary(self) -> str:
         lines = [f"{'operation':<16}{'calls':>7}{'tensor MB':>12}{'sent/rank MB':>14}{'seconds':>10}"]
         for op, row in sorted(self.totals().items()):
-            lines.append(f"{op:<16}{row['calls']:>7}{row['tensor_bytes'] / 1e6:>12.3f}"
-                         f"{row['bytes_per_rank'] / 1e6:>14.3f}{row['seconds']:>10.4f}")
+            lines.append(
+                f"{op:<16}{row['calls']:>7}{row['tensor_bytes'] / 1e6:>12.3f}"
+                f"{row['bytes_per_rank'] / 1e6:>14.3f}{row['seconds']:>10.4f}"
+            )
         lines.append(f"{'total':<16}{self.count():>7}{'':>12}{self.bytes_per_rank() / 1e6:>14.3f}")
         return "\n".join(lines)
 
@@ -158,13 +162,20 @@ def _check_device(*tensors: torch.Tensor) -> None:
         if tensor.device.type == "meta" or (backend == "nccl" and tensor.device.type != "cuda"):
             wanted = "cuda" if backend == "nccl" else "cpu (or cuda)"
             raise UserError(
-                f"a {tuple(tensor.shape)} tensor on {tensor.device} was passed to a {backend} collective, which "
+                f"a {tuple(tensor.shape)} tensor on {tensor.device} was passed to a {backend} collective, "
+                "which "
                 f"needs {wanted} tensors: move it with tensor.to(course_lib.runtime.context().device)"
             )
 
 
-def _run(op: str, tensor_bytes: int, group, call: Callable[[], object], async_op: bool,
-         after: Callable[[], None] | None = None):
+def _run(
+    op: str,
+    tensor_bytes: int,
+    group,
+    call: Callable[[], object],
+    async_op: bool,
+    after: Callable[[], None] | None = None,
+):
     """Call ``call()`` (a torch.distributed operation), log it, and finish with ``after`` when complete."""
     size = _group_size(group)
     record = CommRecord(op, tensor_bytes, ring_bytes(op, tensor_bytes, size), size)
@@ -192,7 +203,9 @@ def _mean_divider(tensor: torch.Tensor, op: str, group) -> Callable[[], None] | 
     if op != "mean":
         return None
     if not tensor.is_floating_point():
-        raise UserError(f"the mean of a {tensor.dtype} tensor is not a {tensor.dtype}: use op='sum' or a float tensor")
+        raise UserError(
+            f"the mean of a {tensor.dtype} tensor is not a {tensor.dtype}: use op='sum' or a float tensor"
+        )
     size = _group_size(group)
     return lambda: tensor.div_(size)
 
@@ -203,57 +216,96 @@ def _mean_divider(tensor: torch.Tensor, op: str, group) -> Callable[[], None] | 
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
+
 def nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
 def all_reduce(tensor: torch.Tensor, *, op: str = "sum", group=None, async_op: bool = False):
-    """Every rank ends with the reduction (sum, mean, min, max, product) of everyone's ``tensor``, in place."""
+    """Every rank ends with the reduction (sum, mean, min, max, product) of all ``tensor``s, in place."""
     _check_device(tensor)
     reduce_op, divide = _reduce_op(op), _mean_divider(tensor, op, group)
-    return _run("all_reduce", nbytes(tensor), group,
-                lambda: dist.all_reduce(tensor, op=reduce_op, group=group, async_op=async_op), async_op, divide)
+    return _run(
+        "all_reduce",
+        nbytes(tensor),
+        group,
+        lambda: dist.all_reduce(tensor, op=reduce_op, group=group, async_op=async_op),
+        async_op,
+        divide,
+    )
 
 
 def broadcast(tensor: torch.Tensor, *, src: int = 0, group=None, async_op: bool = False):
     """Every rank ends with rank ``src``'s ``tensor`` (``src`` is a global rank)."""
     _check_device(tensor)
-    return _run("broadcast", nbytes(tensor), group,
-                lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op), async_op)
+    return _run(
+        "broadcast",
+        nbytes(tensor),
+        group,
+        lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op),
+        async_op,
+    )
 
 
 def all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, *, group=None, async_op: bool = False):
     """``output`` (N times larger along dim 0) gets every rank's ``tensor``, in rank order."""
     _check_device(output, tensor)
-    return _run("all_gather", nbytes(output), group,
-                lambda: _all_gather_single(output, tensor, group=group, async_op=async_op), async_op)
+    return _run(
+        "all_gather",
+        nbytes(output),
+        group,
+        lambda: _all_gather_single(output, tensor, group=group, async_op=async_op),
+        async_op,
+    )
 
 
 def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, *, group=None, async_op: bool = False):
     """``tensor_list[i]`` gets rank i's ``tensor``."""
     _check_device(tensor, *tensor_list)
-    return _run("all_gather", sum(nbytes(t) for t in tensor_list), group,
-                lambda: dist.all_gather(tensor_list, tensor, group=group, async_op=async_op), async_op)
+    return _run(
+        "all_gather",
+        sum(nbytes(t) for t in tensor_list),
+        group,
+        lambda: dist.all_gather(tensor_list, tensor, group=group, async_op=async_op),
+        async_op,
+    )
 
 
-def reduce_scatter_tensor(output: torch.Tensor, tensor: torch.Tensor, *, op: str = "sum", group=None,
-                          async_op: bool = False):
+def reduce_scatter_tensor(
+    output: torch.Tensor, tensor: torch.Tensor, *, op: str = "sum", group=None, async_op: bool = False
+):
     """Reduce everyone's ``tensor`` and give rank i the i-th N-th of the result, in ``output``."""
     _check_device(output, tensor)
     reduce_op, divide = _reduce_op(op), _mean_divider(output, op, group)
-    return _run("reduce_scatter", nbytes(tensor), group,
-                lambda: _reduce_scatter_single(output, tensor, op=reduce_op, group=group, async_op=async_op),
-                async_op, divide)
+    return _run(
+        "reduce_scatter",
+        nbytes(tensor),
+        group,
+        lambda: _reduce_scatter_single(output, tensor, op=reduce_op, group=group, async_op=async_op),
+        async_op,
+        divide,
+    )
 
 
-def reduce_scatter(output: torch.Tensor, tensor_list: list[torch.Tensor], *, op: str = "sum", group=None,
-                   async_op: bool = False):
+def reduce_scatter(
+    output: torch.Tensor,
+    tensor_list: list[torch.Tensor],
+    *,
+    op: str = "sum",
+    group=None,
+    async_op: bool = False,
+):
     """Rank i gets the reduction of everyone's ``tensor_list[i]`` (the pieces may differ in size)."""
     _check_device(output, *tensor_list)
     reduce_op, divide = _reduce_op(op), _mean_divider(output, op, group)
-    return _run("reduce_scatter", sum(nbytes(t) for t in tensor_list), group,
-                lambda: dist.reduce_scatter(output, tensor_list, op=reduce_op, group=group, async_op=async_op),
-                async_op, divide)
+    return _run(
+        "reduce_scatter",
+        sum(nbytes(t) for t in tensor_list),
+        group,
+        lambda: dist.reduce_scatter(output, tensor_list, op=reduce_op, group=group, async_op=async_op),
+        async_op,
+        divide,
+    )
 
 
 def reduce(tensor: torch.Tensor, *, dst: int = 0, op: str = "sum", group=None, async_op: bool = False):
@@ -261,26 +313,54 @@ def reduce(tensor: torch.Tensor, *, dst: int = 0, op: str = "sum", group=None, a
     _check_device(tensor)
     reduce_op = _reduce_op(op)
     divide = _mean_divider(tensor, op, group) if dist.get_rank() == dst else None
-    return _run("reduce", nbytes(tensor), group,
-                lambda: dist.reduce(tensor, dst=dst, op=reduce_op, group=group, async_op=async_op), async_op, divide)
+    return _run(
+        "reduce",
+        nbytes(tensor),
+        group,
+        lambda: dist.reduce(tensor, dst=dst, op=reduce_op, group=group, async_op=async_op),
+        async_op,
+        divide,
+    )
 
 
-def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, *, dst: int = 0, group=None,
-           async_op: bool = False):
+def gather(
+    tensor: torch.Tensor,
+    gather_list: list[torch.Tensor] | None = None,
+    *,
+    dst: int = 0,
+    group=None,
+    async_op: bool = False,
+):
     """Rank ``dst`` gets everyone's ``tensor`` in ``gather_list`` (None on the other ranks)."""
     _check_device(tensor)
     total = nbytes(tensor) * _group_size(group)
-    return _run("gather", total, group,
-                lambda: dist.gather(tensor, gather_list, dst=dst, group=group, async_op=async_op), async_op)
+    return _run(
+        "gather",
+        total,
+        group,
+        lambda: dist.gather(tensor, gather_list, dst=dst, group=group, async_op=async_op),
+        async_op,
+    )
 
 
-def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, *, src: int = 0, group=None,
-            async_op: bool = False):
+def scatter(
+    tensor: torch.Tensor,
+    scatter_list: list[torch.Tensor] | None = None,
+    *,
+    src: int = 0,
+    group=None,
+    async_op: bool = False,
+):
     """Rank i gets ``scatter_list[i]`` of rank ``src`` into ``tensor``."""
     _check_device(tensor)
     total = nbytes(tensor) * _group_size(group)
-    return _run("scatter", total, group,
-                lambda: dist.scatter(tensor, scatter_list, src=src, group=group, async_op=async_op), async_op)
+    return _run(
+        "scatter",
+        total,
+        group,
+        lambda: dist.scatter(tensor, scatter_list, src=src, group=group, async_op=async_op),
+        async_op,
+    )
 
 
 def barrier(*, group=None, async_op: bool = False):
@@ -301,15 +381,20 @@ def recv(tensor: torch.Tensor, src: int, *, group=None, tag: int = 0) -> None:
 
 def isend(tensor: torch.Tensor, dst: int, *, group=None, tag: int = 0):
     _check_device(tensor)
-    return _run("send", nbytes(tensor), group, lambda: dist.isend(tensor, dst=dst, group=group, tag=tag), True)
+    return _run(
+        "send", nbytes(tensor), group, lambda: dist.isend(tensor, dst=dst, group=group, tag=tag), True
+    )
 
 
 def irecv(tensor: torch.Tensor, src: int, *, group=None, tag: int = 0):
     _check_device(tensor)
-    return _run("recv", nbytes(tensor), group, lambda: dist.irecv(tensor, src=src, group=group, tag=tag), True)
+    return _run(
+        "recv", nbytes(tensor), group, lambda: dist.irecv(tensor, src=src, group=group, tag=tag), True
+    )
 
 
 # -- the ring all-reduce, by hand -----------------------------------------------------------
+
 
 def ring_all_reduce_counts(n: int) -> list[list[list[int]]]:
     """What a ring all-reduce does, counted: after each step, how many ranks' values each chunk holds.
@@ -357,7 +442,9 @@ def ring_all_reduce(tensor: torch.Tensor, *, group=None) -> torch.Tensor:
 
     def exchange(send_index: int, receive_index: int) -> torch.Tensor:
         incoming = torch.empty_like(chunks[receive_index])
-        outgoing = isend(chunks[send_index].clone(), right, group=group)  # clone: we modify chunks while it flies
+        outgoing = isend(
+            chunks[send_index].clone(), right, group=group
+        )  # clone: we modify chunks while it flies
         recv(incoming, left, group=group)
         outgoing.wait()
         return incoming

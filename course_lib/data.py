@@ -61,7 +61,9 @@ def _split(images: torch.Tensor, labels: torch.Tensor) -> tuple[TensorDataset, T
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(SPLIT_SEED))
     n_val = int(round(len(labels) * VALIDATION_FRACTION))
     val_idx, train_idx = order[:n_val], order[n_val:]
-    return TensorDataset(images[train_idx], labels[train_idx]), TensorDataset(images[val_idx], labels[val_idx])
+    return TensorDataset(images[train_idx], labels[train_idx]), TensorDataset(
+        images[val_idx], labels[val_idx]
+    )
 
 
 def load_digits_bundle() -> DataBundle:
@@ -90,7 +92,8 @@ def load_synthetic_bundle(seed: int = 0) -> DataBundle:
 def cifar10_missing_message(data_dir: Path) -> str:
     return (
         f"CIFAR-10 was not found in {data_dir} (compute nodes have no internet, so it is never downloaded "
-        f"during training): on a login node run `python -m course_lib.data download cifar10 --data-dir {data_dir}`, "
+        "during training): on a login node run `python -m course_lib.data download cifar10 --data-dir "
+        f"{data_dir}`, "
         "then pass the same --data-dir"
     )
 
@@ -104,7 +107,12 @@ def load_cifar10_bundle(data_dir: str | Path) -> DataBundle:
         raise UserError(cifar10_missing_message(data_dir))
     normalize = transforms.Normalize(CIFAR10_MEAN, CIFAR10_STD)
     augment = transforms.Compose(
-        [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip(), transforms.ToTensor(), normalize]
+        [
+            transforms.RandomCrop(32, padding=4),
+            transforms.RandomHorizontalFlip(),
+            transforms.ToTensor(),
+            normalize,
+        ]
     )
     plain = transforms.Compose([transforms.ToTensor(), normalize])
     try:
@@ -168,26 +176,46 @@ class ResumableDistributedSampler(DistributedSampler):
 
     def __iter__(self):
         indices = list(super().__iter__())
-        return iter(indices[self.skip:])
+        return iter(indices[self.skip :])
 
     def __len__(self) -> int:
         return self.num_samples - self.skip
 
 
-def train_loader(dataset: Dataset, micro_batch_size: int, rank: int, world_size: int, seed: int,
-                 workers: int = 0, pin_memory: bool = False) -> DataLoader:
-    sampler = ResumableDistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
-    return DataLoader(dataset, batch_size=micro_batch_size, sampler=sampler, drop_last=True,
-                      num_workers=workers, pin_memory=pin_memory, persistent_workers=workers > 0)
+def train_loader(
+    dataset: Dataset,
+    micro_batch_size: int,
+    rank: int,
+    world_size: int,
+    seed: int,
+    workers: int = 0,
+    pin_memory: bool = False,
+) -> DataLoader:
+    sampler = ResumableDistributedSampler(
+        dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed
+    )
+    return DataLoader(
+        dataset,
+        batch_size=micro_batch_size,
+        sampler=sampler,
+        drop_last=True,
+        num_workers=workers,
+        pin_memory=pin_memory,
+        persistent_workers=workers > 0,
+    )
 
 
-def validation_loader(dataset: Dataset, batch_size: int, rank: int, world_size: int, workers: int = 0,
-                      pin_memory: bool = False) -> DataLoader:
+def validation_loader(
+    dataset: Dataset, batch_size: int, rank: int, world_size: int, workers: int = 0, pin_memory: bool = False
+) -> DataLoader:
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, pin_memory=pin_memory)
+    return DataLoader(
+        dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, pin_memory=pin_memory
+    )
 
 
 # -- text for the transformer ------------------------------------------------------------------
+
 
 def zen_of_python() -> str:
     """The Zen of Python, read from the ``this`` module's source (importing it would print it)."""
@@ -196,8 +224,11 @@ def zen_of_python() -> str:
     import importlib.util
 
     source = open(importlib.util.find_spec("this").origin, encoding="utf-8").read()
-    encoded = next(node.value.value for node in ast.parse(source).body
-                   if isinstance(node, ast.Assign) and node.targets[0].id == "s")
+    encoded = next(
+        node.value.value
+        for node in ast.parse(source).body
+        if isinstance(node, ast.Assign) and node.targets[0].id == "s"
+    )
     return codecs.decode(encoded, "rot13")
 
 

@@ -38,7 +38,8 @@ import socket
 import sys
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from . import runtime
 from .errors import UserError
@@ -67,14 +68,27 @@ def _send(connection, message) -> None:
     connection.send_bytes(pickle.dumps(message))
 
 
-def _child(rank: int, nprocs: int, port: int, fn: Callable, args: tuple, kwargs: dict,
-           connection, backend: str, timeout_s: float) -> None:
+def _child(
+    rank: int,
+    nprocs: int,
+    port: int,
+    fn: Callable,
+    args: tuple,
+    kwargs: dict,
+    connection,
+    backend: str,
+    timeout_s: float,
+) -> None:
     import torch
 
     torch.set_num_threads(1)  # first torch call in the child: see the module docstring
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(nprocs),
+        LOCAL_WORLD_SIZE=str(nprocs),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
     )
     exit_code = 0
     try:
@@ -83,7 +97,9 @@ def _child(rank: int, nprocs: int, port: int, fn: Callable, args: tuple, kwargs:
         try:
             _send(connection, ("ok", result))
         except Exception as error:  # the result could not be pickled
-            _send(connection, ("error", None, f"rank {rank} returned a value that cannot be sent back: {error}"))
+            _send(
+                connection, ("error", None, f"rank {rank} returned a value that cannot be sent back: {error}")
+            )
             exit_code = 1
     except BaseException as error:  # noqa: BLE001 (report everything, including KeyboardInterrupt)
         text = traceback.format_exc()
@@ -142,16 +158,23 @@ def check_process_count(nprocs: int, cores: int | None = None) -> None:
     if nprocs > limit:
         raise UserError(
             f"{nprocs} processes on {cores} CPU core(s) would spend their time waiting for each other, not "
-            f"computing: use at most {limit} here (the lesson is the same with fewer), or run on a bigger machine"
+            f"computing: use at most {limit} here (the lesson is the same with fewer), or run on a bigger "
+            "machine"
         )
     if nprocs > cores and not _told_about_sharing:
         _told_about_sharing = True
-        print(f"note: {nprocs} processes share {cores} CPU core(s), one thread each: the results are exactly those "
-              f"of {nprocs} separate machines, only the times are slower", file=sys.stderr, flush=True)
+        print(
+            f"note: {nprocs} processes share {cores} CPU core(s), one thread each: the results are exactly "
+            "those "
+            f"of {nprocs} separate machines, only the times are slower",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
-def launch(fn: Callable, nprocs: int, *args: Any, backend: str = "gloo", timeout_s: float = 300,
-           **kwargs: Any) -> list:
+def launch(
+    fn: Callable, nprocs: int, *args: Any, backend: str = "gloo", timeout_s: float = 300, **kwargs: Any
+) -> list:
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` forked processes; return the results in rank order.
 
     Each process has joined a process group (``runtime.init``) before ``fn`` starts. If any rank
@@ -179,7 +202,8 @@ def launch(fn: Callable, nprocs: int, *args: Any, backend: str = "gloo", timeout
     for rank in range(nprocs):
         receive_end, send_end = context.Pipe(duplex=False)
         process = context.Process(
-            target=_child, name=f"rank{rank}",
+            target=_child,
+            name=f"rank{rank}",
             args=(rank, nprocs, port, fn, args, kwargs, send_end, backend, timeout_s),
         )
         process.start()
@@ -210,8 +234,12 @@ def launch(fn: Callable, nprocs: int, *args: Any, backend: str = "gloo", timeout
                     message = pickle.loads(receive_end.recv_bytes())
                 except EOFError:
                     processes[rank].join(5)
-                    message = ("error", None, f"rank {rank} exited with code {processes[rank].exitcode} "
-                                              "without reporting (killed, or a crash in native code)")
+                    message = (
+                        "error",
+                        None,
+                        f"rank {rank} exited with code {processes[rank].exitcode} "
+                        "without reporting (killed, or a crash in native code)",
+                    )
                 receive_end.close()
                 if message[0] == "ok":
                     results[rank] = message[1]

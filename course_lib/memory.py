@@ -56,16 +56,27 @@ class ModelStateBytes:
         return self.params + self.grads + self.optimizer
 
 
-def model_state_bytes(num_params: float, world_size: int, stage: str, *, param_bytes: float = 2,
-                      grad_bytes: float = 2, optimizer_bytes: float = 12) -> ModelStateBytes:
+def model_state_bytes(
+    num_params: float,
+    world_size: int,
+    stage: str,
+    *,
+    param_bytes: float = 2,
+    grad_bytes: float = 2,
+    optimizer_bytes: float = 12,
+) -> ModelStateBytes:
     """Bytes per rank for ``stage`` (ddp, zero1, zero2, zero3) with Ψ = ``num_params``."""
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}: choose one of {', '.join(STAGES)}")
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     shard = 1 / world_size
-    sharded = {"ddp": (), "zero1": ("optimizer",), "zero2": ("optimizer", "grads"),
-               "zero3": ("optimizer", "grads", "params")}[stage]
+    sharded = {
+        "ddp": (),
+        "zero1": ("optimizer",),
+        "zero2": ("optimizer", "grads"),
+        "zero3": ("optimizer", "grads", "params"),
+    }[stage]
     return ModelStateBytes(
         params=num_params * param_bytes * (shard if "params" in sharded else 1),
         grads=num_params * grad_bytes * (shard if "grads" in sharded else 1),
@@ -94,7 +105,7 @@ def _bytes(tensor: torch.Tensor | None) -> int:
 
 
 def _storage_bytes(tensors: list[torch.Tensor | None]) -> int:
-    """Bytes of the distinct memory blocks behind ``tensors``: views of one buffer count once, a freed one 0."""
+    """Bytes of the distinct memory blocks behind ``tensors``: views of a buffer count once, freed ones 0."""
     seen, total = set(), 0
     for tensor in tensors:
         if tensor is None:
@@ -117,7 +128,9 @@ def measure_model_states(model: nn.Module, optimizer: torch.optim.Optimizer | No
     optimizer_bytes = 0
     if optimizer is not None:
         for state in optimizer.state.values():
-            optimizer_bytes += sum(_bytes(value) for value in state.values() if isinstance(value, torch.Tensor))
+            optimizer_bytes += sum(
+                _bytes(value) for value in state.values() if isinstance(value, torch.Tensor)
+            )
     if hasattr(model, "memory_tensors"):
         held = model.memory_tensors()
         return ModelStateBytes(_storage_bytes(held["params"]), _storage_bytes(held["grads"]), optimizer_bytes)
@@ -129,10 +142,17 @@ def measure_model_states(model: nn.Module, optimizer: torch.optim.Optimizer | No
     )
 
 
-def strategies_that_fit(num_params: float, gpu_memory_bytes: float, world_size: int,
-                        reserve_fraction: float = 0.2, **bytes_per_element) -> dict[str, bool]:
+def strategies_that_fit(
+    num_params: float,
+    gpu_memory_bytes: float,
+    world_size: int,
+    reserve_fraction: float = 0.2,
+    **bytes_per_element,
+) -> dict[str, bool]:
     """Which stages keep the model states inside ``gpu_memory_bytes``, leaving ``reserve_fraction``
     of it for activations, temporary buffers and the framework itself."""
     budget = gpu_memory_bytes * (1 - reserve_fraction)
-    return {stage: model_state_bytes(num_params, world_size, stage, **bytes_per_element).total <= budget
-            for stage in STAGES}
+    return {
+        stage: model_state_bytes(num_params, world_size, stage, **bytes_per_element).total <= budget
+        for stage in STAGES
+    }

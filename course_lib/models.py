@@ -64,9 +64,9 @@ class CifarCNN(nn.Sequential):
 
         super().__init__(
             block(3, 32, pool=False),
-            block(32, 64, pool=True),     # -> 16 x 16
-            block(64, 128, pool=True),    # -> 8 x 8
-            block(128, 128, pool=True),   # -> 4 x 4
+            block(32, 64, pool=True),  # -> 16 x 16
+            block(64, 128, pool=True),  # -> 8 x 8
+            block(128, 128, pool=True),  # -> 4 x 4
             nn.Sequential(nn.Flatten(), nn.Linear(128 * 4 * 4, 255), nn.ReLU()),
             nn.Linear(255, num_classes),
         )
@@ -109,11 +109,14 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
 
-        def heads(t):  # (batch, seq, heads * head_dim) -> (batch, heads, seq, head_dim); -1: however many are here
+        def heads(
+            t,
+        ):  # (batch, seq, heads * head_dim) -> (batch, heads, seq, head_dim); -1: however many are here
             return t.view(batch, seq, -1, self.head_dim).transpose(1, 2)
 
-        attended = torch.nn.functional.scaled_dot_product_attention(heads(self.q(x)), heads(self.k(x)),
-                                                                    heads(self.v(x)), is_causal=True)
+        attended = torch.nn.functional.scaled_dot_product_attention(
+            heads(self.q(x)), heads(self.k(x)), heads(self.v(x)), is_causal=True
+        )
         return self.out(attended.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -153,10 +156,14 @@ class LMHead(nn.Module):
 class TinyTransformer(nn.Sequential):
     """[Embedding, Block x n_layers, LMHead]: a character-level GPT small enough for a laptop CPU."""
 
-    def __init__(self, vocab_size: int, d_model: int = 64, n_heads: int = 4, n_layers: int = 4,
-                 max_seq_len: int = 32):
-        super().__init__(Embedding(vocab_size, d_model, max_seq_len),
-                         *(Block(d_model, n_heads) for _ in range(n_layers)), LMHead(d_model, vocab_size))
+    def __init__(
+        self, vocab_size: int, d_model: int = 64, n_heads: int = 4, n_layers: int = 4, max_seq_len: int = 32
+    ):
+        super().__init__(
+            Embedding(vocab_size, d_model, max_seq_len),
+            *(Block(d_model, n_heads) for _ in range(n_layers)),
+            LMHead(d_model, vocab_size),
+        )
         self.d_model, self.n_heads, self.vocab_size = d_model, n_heads, vocab_size
 
 
@@ -176,7 +183,9 @@ def build_model(name: str, num_classes: int = 10) -> nn.Module:
 
 
 def model_input_shape(name: str) -> tuple[int, int, int]:
-    return {"digits_cnn": DigitsCNN.input_shape, "cifar_cnn": CifarCNN.input_shape, "resnet18": (3, 32, 32)}[name]
+    return {"digits_cnn": DigitsCNN.input_shape, "cifar_cnn": CifarCNN.input_shape, "resnet18": (3, 32, 32)}[
+        name
+    ]
 
 
 def check_model_fits_data(model_name: str, dataset_name: str, input_shape: tuple[int, int, int]) -> None:
@@ -186,7 +195,8 @@ def check_model_fits_data(model_name: str, dataset_name: str, input_shape: tuple
     if tuple(expected) != tuple(input_shape):
         fitting = [m for m in MODELS if model_input_shape(m) == tuple(input_shape)]
         raise UserError(
-            f"model {model_name} expects {'x'.join(map(str, expected))} images but dataset {dataset_name} has "
+            f"model {model_name} expects {'x'.join(map(str, expected))} images but dataset {dataset_name} "
+            "has "
             f"{'x'.join(map(str, input_shape))}: use --model {' or --model '.join(fitting)}"
         )
 
@@ -200,7 +210,9 @@ def sharding_units(model: nn.Module) -> list[nn.Module]:
     from torchvision.models import ResNet
 
     if isinstance(model, ResNet):
-        return [block for layer in (model.layer1, model.layer2, model.layer3, model.layer4) for block in layer]
+        return [
+            block for layer in (model.layer1, model.layer2, model.layer3, model.layer4) for block in layer
+        ]
     return [child for child in model.children() if any(True for _ in child.parameters())]
 
 

@@ -37,8 +37,8 @@ import gc
 import os
 import re
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from .errors import UserError
 
@@ -73,7 +73,7 @@ class Context:
     local_rank: int
     world_size: int
     local_world_size: int
-    device: "torch.device"  # noqa: F821 (torch is imported lazily)
+    device: torch.device  # noqa: F821 (torch is imported lazily)
     backend: str
     launcher: str
 
@@ -100,7 +100,9 @@ def first_slurm_host(nodelist: str) -> str:
     """
     match = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?", nodelist.strip())
     if not match or not match.group(0):
-        raise UserError(f"cannot read the Slurm node list {nodelist!r}: set MASTER_ADDR to the first node's name")
+        raise UserError(
+            f"cannot read the Slurm node list {nodelist!r}: set MASTER_ADDR to the first node's name"
+        )
     prefix, ranges = match.group(1), match.group(2)
     if ranges is None:
         return prefix
@@ -151,9 +153,13 @@ def resolve_environment(environ: Mapping[str, str] | None = None) -> DistEnviron
         if "MASTER_ADDR" in environ:
             master_addr = environ["MASTER_ADDR"]
         elif "SLURM_STEP_NODELIST" in environ or "SLURM_JOB_NODELIST" in environ:
-            master_addr = first_slurm_host(environ.get("SLURM_STEP_NODELIST", environ.get("SLURM_JOB_NODELIST", "")))
+            master_addr = first_slurm_host(
+                environ.get("SLURM_STEP_NODELIST", environ.get("SLURM_JOB_NODELIST", ""))
+            )
         else:
-            raise UserError("under srun, neither MASTER_ADDR nor SLURM_JOB_NODELIST is set: export MASTER_ADDR")
+            raise UserError(
+                "under srun, neither MASTER_ADDR nor SLURM_JOB_NODELIST is set: export MASTER_ADDR"
+            )
         if "MASTER_PORT" in environ:
             master_port = _int_variable(environ, "MASTER_PORT")
         else:
@@ -170,8 +176,13 @@ def resolve_environment(environ: Mapping[str, str] | None = None) -> DistEnviron
         )
 
     return DistEnvironment(
-        rank=0, local_rank=0, world_size=1, local_world_size=1,
-        master_addr="127.0.0.1", master_port=0, launcher="single",
+        rank=0,
+        local_rank=0,
+        world_size=1,
+        local_world_size=1,
+        master_addr="127.0.0.1",
+        master_port=0,
+        launcher="single",
     )
 
 
@@ -198,7 +209,8 @@ def choose_backend(requested: str, cuda_available: bool) -> tuple[str, str]:
     if requested == "nccl":
         if not cuda_available:
             raise UserError(
-                "backend nccl needs a GPU but torch sees none: use --backend gloo (or auto) on a CPU machine, "
+                "backend nccl needs a GPU but torch sees none: use --backend gloo (or auto) on a CPU "
+                "machine, "
                 "or request GPUs from Slurm (--gpus-per-node)"
             )
         return "nccl", "cuda"
@@ -218,12 +230,19 @@ def _rendezvous_store(env: DistEnvironment, timeout: datetime.timedelta):
     import torch.distributed as dist
 
     agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
-                          is_master=env.rank == 0 and not agent_hosts_it, timeout=timeout)
+    store = dist.TCPStore(
+        env.master_addr,
+        env.master_port,
+        env.world_size,
+        is_master=env.rank == 0 and not agent_hosts_it,
+        timeout=timeout,
+    )
     return dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-def init(*, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, num_threads: int | None = None) -> Context:
+def init(
+    *, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, num_threads: int | None = None
+) -> Context:
     """Join the process group described by the environment and return this process's ``Context``.
 
     Safe to call twice: the second call returns the context of the first.
@@ -247,7 +266,8 @@ def init(*, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, num_thr
     if device_type == "cuda":
         if env.local_rank >= torch.cuda.device_count():
             raise UserError(
-                f"LOCAL_RANK={env.local_rank} but only {torch.cuda.device_count()} GPU(s) are visible: start one "
+                f"LOCAL_RANK={env.local_rank} but only {torch.cuda.device_count()} GPU(s) are visible: "
+                "start one "
                 "process per GPU (--nproc-per-node / --ntasks-per-node equal to the GPUs per node)"
             )
         device = torch.device("cuda", env.local_rank)
@@ -271,8 +291,13 @@ def init(*, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, num_thr
                 device_id=device if device_type == "cuda" else None,
             )
     _context = Context(
-        rank=env.rank, local_rank=env.local_rank, world_size=env.world_size,
-        local_world_size=env.local_world_size, device=device, backend=backend, launcher=env.launcher,
+        rank=env.rank,
+        local_rank=env.local_rank,
+        world_size=env.world_size,
+        local_world_size=env.local_world_size,
+        device=device,
+        backend=backend,
+        launcher=env.launcher,
     )
     return _context
 
@@ -309,11 +334,18 @@ def is_peer_failure(error: BaseException) -> bool:
     text = str(error)
     return isinstance(error, RuntimeError) and any(
         marker in text
-        for marker in ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Timed out", "timed out")
+        for marker in (
+            "Connection reset by peer",
+            "Connection closed by peer",
+            "Broken pipe",
+            "Timed out",
+            "timed out",
+        )
     )
 
 
 # -- who am I: one way to ask, everywhere -------------------------------------------------------
+
 
 def rank(group=None) -> int:
     """This process's rank in ``group`` (the whole world by default); 0 before any process group exists.

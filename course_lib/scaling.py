@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
+
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """The epoch records of a JSON-lines metrics file (events such as a divergence are left out)."""
@@ -78,12 +80,16 @@ def fit_serial_fraction(points: Iterable[tuple[float, float]]) -> float:
 
 def format_table(rows: Iterable[dict[str, Any]]) -> str:
     """A fixed-width text table a student can read in a terminal: one row per run."""
-    header = (f"{'run':<10} {'ranks':>5} {'s/epoch':>9} {'samples/s':>10} {'speedup':>8} {'efficiency':>10} "
-              f"{'val acc':>8} {'peak MB':>8}")
+    header = (
+        f"{'run':<10} {'ranks':>5} {'s/epoch':>9} {'samples/s':>10} {'speedup':>8} {'efficiency':>10} "
+        f"{'val acc':>8} {'peak MB':>8}"
+    )
     lines = [header, "-" * len(header)]
     for row in rows:
         lines.append(
-            f"{row['run']:<10} {row['world_size']:>5} {row['time_per_epoch_s']:>9.3f} {row['samples_per_s']:>10.0f} "
-            f"{row['speedup']:>8.2f} {row['efficiency']:>10.0%} {row['val_acc']:>8.2%} {row['peak_mem_mb']:>8.0f}"
+            f"{row['run']:<10} {row['world_size']:>5} {row['time_per_epoch_s']:>9.3f} "
+            f"{row['samples_per_s']:>10.0f} "
+            f"{row['speedup']:>8.2f} {row['efficiency']:>10.0%} {row['val_acc']:>8.2%} "
+            f"{row['peak_mem_mb']:>8.0f}"
         )
     return "\n".join(lines)

@@ -28,7 +28,7 @@ and only the last one communicates.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -54,9 +54,18 @@ def check_strategy(strategy: str, impl: str, world_size: int) -> None:
         )
 
 
-def wrap_model(model: nn.Module, *, strategy: str, impl: str, context: Context, zero_stage: int = 3,
-               sharding: str = "FULL_SHARD", hybrid_shard_size: int | None = None, cpu_offload: str = "none",
-               activation_checkpointing: bool = False) -> nn.Module:
+def wrap_model(
+    model: nn.Module,
+    *,
+    strategy: str,
+    impl: str,
+    context: Context,
+    zero_stage: int = 3,
+    sharding: str = "FULL_SHARD",
+    hybrid_shard_size: int | None = None,
+    cpu_offload: str = "none",
+    activation_checkpointing: bool = False,
+) -> nn.Module:
     """Return the model as this strategy trains it (the optimizer must be built *after* this).
 
     Args:
@@ -90,9 +99,14 @@ def wrap_model(model: nn.Module, *, strategy: str, impl: str, context: Context, 
     if impl == "course":
         from .parallel.fsdp import FullyShardedDataParallel
 
-        return FullyShardedDataParallel(model, auto_wrap_policy=sharding_units(model), sharding_strategy=sharding,
-                                        hybrid_shard_size=hybrid_shard_size, cpu_offload=cpu_offload,
-                                        activation_checkpointing=activation_checkpointing)
+        return FullyShardedDataParallel(
+            model,
+            auto_wrap_policy=sharding_units(model),
+            sharding_strategy=sharding,
+            hybrid_shard_size=hybrid_shard_size,
+            cpu_offload=cpu_offload,
+            activation_checkpointing=activation_checkpointing,
+        )
     from torch.distributed.fsdp import fully_shard
 
     # Shard each block first, then the root (which picks up the parameters left over).

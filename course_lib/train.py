@@ -34,9 +34,9 @@ import traceback
 from . import checks, runtime
 from .data import DATASETS
 from .errors import EXIT_CRASH, EXIT_DIVERGED, EXIT_REQUEUE, EXIT_USER_ERROR, Diverged, UserError
-from .preemption import Preempted
 from .models import MODELS
 from .parallel.fsdp import OFFLOAD_MODES, SHARDING_STRATEGIES
+from .preemption import Preempted
 from .strategies import IMPLEMENTATIONS, STRATEGIES
 from .trainer import OPTIMIZERS, PRECISIONS, TrainConfig
 
@@ -60,53 +60,114 @@ def build_parser() -> argparse.ArgumentParser:
     )
     what = parser.add_argument_group("what to train")
     what.add_argument("--strategy", choices=STRATEGIES, default=defaults.strategy)
-    what.add_argument("--impl", choices=IMPLEMENTATIONS, default=defaults.impl,
-                      help="torch: PyTorch's DDP/FSDP2; course: the readable versions in course_lib.parallel")
+    what.add_argument(
+        "--impl",
+        choices=IMPLEMENTATIONS,
+        default=defaults.impl,
+        help="torch: PyTorch's DDP/FSDP2; course: the readable versions in course_lib.parallel",
+    )
     what.add_argument("--dataset", choices=DATASETS, default=defaults.dataset)
-    what.add_argument("--data-dir", default=os.environ.get("COURSE_DATA_DIR", defaults.data_dir),
-                      help="where cifar10 lives (default: $COURSE_DATA_DIR or ./data)")
+    what.add_argument(
+        "--data-dir",
+        default=os.environ.get("COURSE_DATA_DIR", defaults.data_dir),
+        help="where cifar10 lives (default: $COURSE_DATA_DIR or ./data)",
+    )
     what.add_argument("--model", choices=MODELS, default=defaults.model)
     shard = parser.add_argument_group("sharding (--strategy fsdp --impl course)")
-    shard.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=defaults.zero_stage,
-                       help="shard optimizer state (1), + gradients (2), + parameters (3: FSDP)")
-    shard.add_argument("--sharding", choices=SHARDING_STRATEGIES, default=defaults.sharding,
-                       help="FSDP sharding strategy (stage 3)")
-    shard.add_argument("--hybrid-shard-size", type=int, default=None,
-                       help="ranks per shard group with HYBRID_SHARD (default: ranks per node)")
-    shard.add_argument("--cpu-offload", choices=OFFLOAD_MODES, default=defaults.cpu_offload,
-                       help="keep shards (params) and also activations (full) in CPU memory")
-    shard.add_argument("--activation-checkpointing", action="store_true",
-                       help="recompute each unit's activations during backward")
+    shard.add_argument(
+        "--zero-stage",
+        type=int,
+        choices=(1, 2, 3),
+        default=defaults.zero_stage,
+        help="shard optimizer state (1), + gradients (2), + parameters (3: FSDP)",
+    )
+    shard.add_argument(
+        "--sharding",
+        choices=SHARDING_STRATEGIES,
+        default=defaults.sharding,
+        help="FSDP sharding strategy (stage 3)",
+    )
+    shard.add_argument(
+        "--hybrid-shard-size",
+        type=int,
+        default=None,
+        help="ranks per shard group with HYBRID_SHARD (default: ranks per node)",
+    )
+    shard.add_argument(
+        "--cpu-offload",
+        choices=OFFLOAD_MODES,
+        default=defaults.cpu_offload,
+        help="keep shards (params) and also activations (full) in CPU memory",
+    )
+    shard.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute each unit's activations during backward",
+    )
     how = parser.add_argument_group("how to train")
     how.add_argument("--epochs", type=int, default=defaults.epochs)
-    how.add_argument("--global-batch-size", type=int, default=defaults.global_batch_size,
-                     help="samples per optimizer step, summed over all ranks")
+    how.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=defaults.global_batch_size,
+        help="samples per optimizer step, summed over all ranks",
+    )
     how.add_argument("--lr", type=float, default=defaults.lr)
     how.add_argument("--optimizer", choices=OPTIMIZERS, default=defaults.optimizer)
     how.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
     how.add_argument("--clip-grad-norm", type=float, default=None, help="clip the gradient's 2-norm to this")
     how.add_argument("--seed", type=int, default=defaults.seed)
-    how.add_argument("--precision", choices=PRECISIONS, default=defaults.precision,
-                     help="bf16: autocast matrix products to bfloat16, weights stay fp32")
-    how.add_argument("--grad-accum", type=int, default=defaults.grad_accum,
-                     help="micro-batches per optimizer step on each rank")
+    how.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default=defaults.precision,
+        help="bf16: autocast matrix products to bfloat16, weights stay fp32",
+    )
+    how.add_argument(
+        "--grad-accum",
+        type=int,
+        default=defaults.grad_accum,
+        help="micro-batches per optimizer step on each rank",
+    )
     how.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
-    how.add_argument("--workers", type=int, default=defaults.workers, help="data-loader worker processes per rank")
+    how.add_argument(
+        "--workers", type=int, default=defaults.workers, help="data-loader worker processes per rank"
+    )
     out = parser.add_argument_group("checkpoints and metrics")
     out.add_argument("--checkpoint-dir", default=None, help="save a checkpoint here after every epoch")
     out.add_argument("--checkpoint-every", type=int, default=0, help="also save every N steps")
-    out.add_argument("--resume", nargs="?", const="latest", default=None,
-                     help="resume from the newest checkpoint in --checkpoint-dir, or from the given directory")
+    out.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        default=None,
+        help="resume from the newest checkpoint in --checkpoint-dir, or from the given directory",
+    )
     out.add_argument("--metrics", default=None, help="append one JSON line per epoch to this file")
-    out.add_argument("--no-progress", dest="progress", action="store_false",
-                     help="no progress bar (one is shown by default)")
-    out.add_argument("--dry-run", action="store_true",
-                     help="check the configuration for this many processes (WORLD_SIZE) and exit")
+    out.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="no progress bar (one is shown by default)",
+    )
+    out.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the configuration for this many processes (WORLD_SIZE) and exit",
+    )
     system = parser.add_argument_group("processes")
-    system.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
-                        help="auto: nccl with GPUs, gloo without")
-    system.add_argument("--timeout", type=float, default=runtime.DEFAULT_TIMEOUT_S,
-                        help="seconds a rank waits for the others before giving up")
+    system.add_argument(
+        "--backend",
+        choices=("auto", "nccl", "gloo"),
+        default="auto",
+        help="auto: nccl with GPUs, gloo without",
+    )
+    system.add_argument(
+        "--timeout",
+        type=float,
+        default=runtime.DEFAULT_TIMEOUT_S,
+        help="seconds a rank waits for the others before giving up",
+    )
     return parser
 
 
@@ -120,8 +181,12 @@ def _report_user_error(error: UserError) -> None:
         print(f"error: {error}", file=sys.stderr, flush=True)
 
 
-def run(config: TrainConfig, backend: str = "auto", timeout_s: float = runtime.DEFAULT_TIMEOUT_S,
-        dry_run: bool = False) -> int:
+def run(
+    config: TrainConfig,
+    backend: str = "auto",
+    timeout_s: float = runtime.DEFAULT_TIMEOUT_S,
+    dry_run: bool = False,
+) -> int:
     """Validate, join the process group, train, leave. Returns the exit status."""
     from .trainer import train, validate_config
 
@@ -154,8 +219,12 @@ def run(config: TrainConfig, backend: str = "auto", timeout_s: float = runtime.D
     except Exception as error:  # noqa: BLE001
         if runtime.is_peer_failure(error):
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            print(f"rank {checks.launched_rank()}: stopped because another rank failed or stopped answering "
-                  f"({first_line[:160]}); see that rank's error", file=sys.stderr, flush=True)
+            print(
+                f"rank {checks.launched_rank()}: stopped because another rank failed or stopped answering "
+                f"({first_line[:160]}); see that rank's error",
+                file=sys.stderr,
+                flush=True,
+            )
         else:
             traceback.print_exc()
         status = EXIT_CRASH

@@ -49,7 +49,9 @@ class TrainConfig:
 
     strategy: str = "single"
     impl: str = "torch"
-    zero_stage: int = 3  # --strategy fsdp --impl course: 1 or 2 shard optimizer state (and gradients), 3 is FSDP
+    zero_stage: int = (
+        3  # --strategy fsdp --impl course: 1 or 2 shard optimizer state (and gradients), 3 is FSDP
+    )
     sharding: str = "FULL_SHARD"  # FSDP (stage 3) sharding strategy, --impl course
     hybrid_shard_size: int | None = None  # ranks per shard group for HYBRID_SHARD (default: ranks per node)
     cpu_offload: str = "none"  # course FSDP: none, params, full
@@ -159,28 +161,40 @@ def _check_sharding_flags(config: TrainConfig) -> None:
     changed = [name for name in SHARDING_FLAGS if getattr(config, name) != getattr(defaults, name)]
     if changed and (config.strategy, config.impl) != ("fsdp", "course"):
         flags = ", ".join("--" + name.replace("_", "-") for name in changed)
-        raise UserError(f"{flags} choose(s) among the course's sharded implementations: add --strategy fsdp --impl course")
+        raise UserError(
+            f"{flags} choose(s) among the course's sharded implementations: add --strategy fsdp --impl course"
+        )
     from .parallel.fsdp import OFFLOAD_MODES, SHARDING_STRATEGIES
 
     if config.zero_stage not in (1, 2, 3):
-        raise UserError(f"--zero-stage must be 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters: FSDP), "
-                        f"got {config.zero_stage}")
+        raise UserError(
+            f"--zero-stage must be 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters: FSDP), "
+            f"got {config.zero_stage}"
+        )
     if config.sharding not in SHARDING_STRATEGIES:
-        raise UserError(f"unknown --sharding {config.sharding!r}: choose one of {', '.join(SHARDING_STRATEGIES)}")
+        raise UserError(
+            f"unknown --sharding {config.sharding!r}: choose one of {', '.join(SHARDING_STRATEGIES)}"
+        )
     if config.cpu_offload not in OFFLOAD_MODES:
-        raise UserError(f"unknown --cpu-offload {config.cpu_offload!r}: choose one of {', '.join(OFFLOAD_MODES)}")
+        raise UserError(
+            f"unknown --cpu-offload {config.cpu_offload!r}: choose one of {', '.join(OFFLOAD_MODES)}"
+        )
     fsdp_only = [name for name in changed if name not in ("zero_stage",)]
     if config.zero_stage != 3 and fsdp_only:
         flags = ", ".join("--" + name.replace("_", "-") for name in fsdp_only)
-        raise UserError(f"{flags} configure FSDP (ZeRO stage 3), but --zero-stage is {config.zero_stage}: "
-                        "drop them or use --zero-stage 3")
+        raise UserError(
+            f"{flags} configure FSDP (ZeRO stage 3), but --zero-stage is {config.zero_stage}: "
+            "drop them or use --zero-stage 3"
+        )
     if config.hybrid_shard_size is not None and config.sharding != "HYBRID_SHARD":
         raise UserError("--hybrid-shard-size needs --sharding HYBRID_SHARD")
 
 
 def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
     if config.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9, weight_decay=config.weight_decay)
+        return torch.optim.SGD(
+            model.parameters(), lr=config.lr, momentum=0.9, weight_decay=config.weight_decay
+        )
     return torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
 
 
@@ -190,7 +204,9 @@ def autocast(device: torch.device, precision: str):
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader, device: torch.device, precision: str = "fp32") -> dict[str, float]:
+def evaluate(
+    model: torch.nn.Module, loader, device: torch.device, precision: str = "fp32"
+) -> dict[str, float]:
     """Loss and accuracy over the whole validation set, every sample counted exactly once.
 
     ``DistributedSampler`` pads the dataset to a multiple of the world size by repeating its first
@@ -248,7 +264,9 @@ def _reduce_sum(values: list[float], device: torch.device | str = "cpu") -> list
 def _gradients_finite(model: torch.nn.Module) -> bool:
     """True if every gradient this rank holds is finite (a shard's, for a sharded model)."""
     gradients = [parameter.grad for parameter in model.parameters() if parameter.grad is not None]
-    gradients = [grad.to_local() if hasattr(grad, "to_local") else grad for grad in gradients]  # FSDP2's DTensors
+    gradients = [
+        grad.to_local() if hasattr(grad, "to_local") else grad for grad in gradients
+    ]  # FSDP2's DTensors
     if not gradients:
         return True
     return bool(torch.stack([torch.isfinite(grad).all() for grad in gradients]).all())
@@ -268,7 +286,9 @@ class Trainer:
         self.stop_requests = stop_requests  # if given, a stop signal ends training at a step boundary
         self.ctx = runtime.context()
         validate_config(config, self.ctx.world_size)
-        self.micro_batch = data.per_rank_batch_size(config.global_batch_size, self.ctx.world_size, config.grad_accum)
+        self.micro_batch = data.per_rank_batch_size(
+            config.global_batch_size, self.ctx.world_size, config.grad_accum
+        )
 
         # The same seed on every rank gives every replica the same initial weights.
         torch.manual_seed(config.seed)
@@ -277,20 +297,40 @@ class Trainer:
         model = models.build_model(config.model, self.data.num_classes).to(self.ctx.device)
         course_sharded = (config.strategy, config.impl) == ("fsdp", "course")
         # What is sharded, for the metrics: zero1, zero2, or the FSDP sharding strategy.
-        self.sharding_label = None if config.strategy != "fsdp" else (
-            f"zero{config.zero_stage}" if course_sharded and config.zero_stage < 3 else
-            config.sharding if course_sharded else "FULL_SHARD")
+        self.sharding_label = (
+            None
+            if config.strategy != "fsdp"
+            else (
+                f"zero{config.zero_stage}"
+                if course_sharded and config.zero_stage < 3
+                else config.sharding
+                if course_sharded
+                else "FULL_SHARD"
+            )
+        )
         # The sharding flags are only ever set with --strategy fsdp --impl course (validate_config).
         self.model = strategies.wrap_model(
-            model, strategy=config.strategy, impl=config.impl, context=self.ctx, zero_stage=config.zero_stage,
-            sharding=config.sharding, hybrid_shard_size=config.hybrid_shard_size, cpu_offload=config.cpu_offload,
+            model,
+            strategy=config.strategy,
+            impl=config.impl,
+            context=self.ctx,
+            zero_stage=config.zero_stage,
+            sharding=config.sharding,
+            hybrid_shard_size=config.hybrid_shard_size,
+            cpu_offload=config.cpu_offload,
             activation_checkpointing=config.activation_checkpointing,
         )
         self.optimizer = build_optimizer(self.model, config)
 
         pin = self.ctx.device.type == "cuda"
         self.train_loader = data.train_loader(
-            self.data.train, self.micro_batch, self.ctx.rank, self.ctx.world_size, config.seed, config.workers, pin
+            self.data.train,
+            self.micro_batch,
+            self.ctx.rank,
+            self.ctx.world_size,
+            config.seed,
+            config.workers,
+            pin,
         )
         self.val_loader = data.validation_loader(
             self.data.val, config.eval_batch_size, self.ctx.rank, self.ctx.world_size, config.workers, pin
@@ -298,7 +338,8 @@ class Trainer:
         self.steps_per_epoch = len(self.data.train) // config.global_batch_size
         if self.steps_per_epoch == 0:
             raise UserError(
-                f"global batch size {config.global_batch_size} is larger than the {len(self.data.train)} training "
+                f"global batch size {config.global_batch_size} is larger than the {len(self.data.train)} "
+                "training "
                 "samples: use a smaller --global-batch-size"
             )
         self.position = checkpoint.TrainingPosition(config=config.as_dict())
@@ -308,8 +349,10 @@ class Trainer:
             for group in self.optimizer.param_groups:  # this run's flags, not the saved ones (a lower --lr
                 group["lr"], group["weight_decay"] = config.lr, config.weight_decay  # after a divergence)
             self.position.config = config.as_dict()
-            runtime.print0(f"resumed from {resume_path} at epoch {self.position.epoch + 1}, "
-                           f"step {self.position.step_in_epoch} of {self.steps_per_epoch}")
+            runtime.print0(
+                f"resumed from {resume_path} at epoch {self.position.epoch + 1}, "
+                f"step {self.position.step_in_epoch} of {self.steps_per_epoch}"
+            )
 
     # -- one optimizer step ------------------------------------------------------------------
     def _train_step(self, batches) -> tuple[float, int, bool]:
@@ -358,24 +401,45 @@ class Trainer:
         """Record the divergence, tell the user what to try, and stop (no update, no checkpoint)."""
         config, position = self.config, self.position
         step = position.global_step + 1
-        what = f"the loss is {step_loss}" if not math.isfinite(step_loss) else \
-            f"the loss is {step_loss:.4g} but a gradient is not finite"
+        what = (
+            f"the loss is {step_loss}"
+            if not math.isfinite(step_loss)
+            else f"the loss is {step_loss:.4g} but a gradient is not finite"
+        )
         if grad_norm is not None:
             what += f" (gradient norm {grad_norm:.4g})"
         tries = [f"a lower --lr (this run: {config.lr:g})"]
-        tries.append(f"a smaller --clip-grad-norm (this run: {config.clip_grad_norm:g})" if config.clip_grad_norm
-                     else "--clip-grad-norm 1.0")
+        tries.append(
+            f"a smaller --clip-grad-norm (this run: {config.clip_grad_norm:g})"
+            if config.clip_grad_norm
+            else "--clip-grad-norm 1.0"
+        )
         if config.precision != "fp32":
             tries.append("--precision fp32")
         saved = checkpoint.latest_checkpoint(config.checkpoint_dir) if config.checkpoint_dir else None
         # Resuming the newest checkpoint replays the same batch, so an older one may be the way back.
-        resume = (f"; the checkpoints from before it are kept: the newest is {saved} (--resume latest), an older "
-                  f"one resumes with --resume {saved.parent}/step-XXXXXXXX" if saved else "")
+        resume = (
+            f"; the checkpoints from before it are kept: the newest is {saved} (--resume latest), an older "
+            f"one resumes with --resume {saved.parent}/step-XXXXXXXX"
+            if saved
+            else ""
+        )
         if self.ctx.is_main and config.metrics:
-            _append_metrics(config.metrics, {"event": "diverged", "epoch": position.epoch + 1, "step": step,
-                                             "loss": repr(step_loss), "grad_norm": grad_norm, "lr": config.lr})
-        raise Diverged(f"training diverged at step {step} (epoch {position.epoch + 1}): {what}; "
-                       f"try {', '.join(tries[:-1])} or {tries[-1]}{resume}")
+            _append_metrics(
+                config.metrics,
+                {
+                    "event": "diverged",
+                    "epoch": position.epoch + 1,
+                    "step": step,
+                    "loss": repr(step_loss),
+                    "grad_norm": grad_norm,
+                    "lr": config.lr,
+                },
+            )
+        raise Diverged(
+            f"training diverged at step {step} (epoch {position.epoch + 1}): {what}; "
+            f"try {', '.join(tries[:-1])} or {tries[-1]}{resume}"
+        )
 
     def _save(self) -> None:
         if self.config.checkpoint_dir:
@@ -385,10 +449,14 @@ class Trainer:
         """A stop signal arrived: checkpoint this step (if there is somewhere to) and leave."""
         if self.config.checkpoint_dir:
             self._save()
-            where = f"checkpoint written to {self.config.checkpoint_dir}; rerun with --resume latest to continue"
+            where = (
+                f"checkpoint written to {self.config.checkpoint_dir}; rerun with --resume latest to continue"
+            )
         else:
             where = "no --checkpoint-dir, so nothing was saved"
-        raise Preempted(f"stopped by {self.stop_requests.name()} after step {self.position.global_step}: {where}")
+        raise Preempted(
+            f"stopped by {self.stop_requests.name()} after step {self.position.global_step}: {where}"
+        )
 
     def _steps_left(self) -> int:
         if self.config.max_steps is None:
@@ -404,9 +472,16 @@ class Trainer:
             return None
         self.train_loader.sampler.set_epoch(epoch, skip=first_step * self.micro_batch * config.grad_accum)
         batches = iter(self.train_loader)
-        bar = tqdm(total=self.steps_per_epoch, initial=first_step, desc=f"epoch {epoch + 1}/{config.epochs}",
-                   disable=not (self.ctx.is_main and config.progress), leave=False, dynamic_ncols=True,
-                   mininterval=0.5, file=sys.stderr)
+        bar = tqdm(
+            total=self.steps_per_epoch,
+            initial=first_step,
+            desc=f"epoch {epoch + 1}/{config.epochs}",
+            disable=not (self.ctx.is_main and config.progress),
+            leave=False,
+            dynamic_ncols=True,
+            mininterval=0.5,
+            file=sys.stderr,
+        )
         if self.ctx.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.ctx.device)
         loss_sum = samples = 0.0
@@ -418,14 +493,20 @@ class Trainer:
             position.step_in_epoch, position.global_step = step + 1, position.global_step + 1
             bar.update(1)
             bar.set_postfix(loss=f"{step_loss / step_samples:.4f}", refresh=False)
-            if config.checkpoint_every and position.global_step % config.checkpoint_every == 0 and step + 1 < last_step:
+            if (
+                config.checkpoint_every
+                and position.global_step % config.checkpoint_every == 0
+                and step + 1 < last_step
+            ):
                 self._save()
             if stop:
                 bar.close()
                 self._stop_for_requeue()
         if self.ctx.device.type == "cuda":
             torch.cuda.synchronize(self.ctx.device)
-        epoch_time = _reduce_max(time.perf_counter() - started, self.ctx.device)  # the slowest rank sets the pace
+        epoch_time = _reduce_max(
+            time.perf_counter() - started, self.ctx.device
+        )  # the slowest rank sets the pace
         bar.close()
         loss_sum, samples = _reduce_sum([loss_sum, samples], self.ctx.device)
         steps = last_step - first_step
@@ -474,9 +555,12 @@ class Trainer:
                 if config.metrics:
                     _append_metrics(config.metrics, record)
                 tqdm.write(
-                    f"epoch {record['epoch']}/{config.epochs}: train loss {record['train_loss']:.4f}, val loss "
-                    f"{record['val_loss']:.4f}, val acc {record['val_acc']:.2%}, {record['epoch_time_s']:.2f} s, "
-                    f"{record['samples_per_s']:.0f} samples/s", file=sys.stdout,
+                    f"epoch {record['epoch']}/{config.epochs}: train loss {record['train_loss']:.4f}, val "
+                    "loss "
+                    f"{record['val_loss']:.4f}, val acc {record['val_acc']:.2%}, "
+                    f"{record['epoch_time_s']:.2f} s, "
+                    f"{record['samples_per_s']:.0f} samples/s",
+                    file=sys.stdout,
                 )
                 sys.stdout.flush()
             self._save()

@@ -25,16 +25,29 @@ class RankOutcome:
 
 def clean_env(**extra: str) -> dict[str, str]:
     """The environment of a fresh process: no inherited rank, Slurm or thread settings."""
-    env = {key: value for key, value in os.environ.items()
-           if not key.startswith(("SLURM_", "TORCHELASTIC_")) and key not in
-           ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")}
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(("SLURM_", "TORCHELASTIC_"))
+        and key
+        not in (
+            "RANK",
+            "LOCAL_RANK",
+            "WORLD_SIZE",
+            "LOCAL_WORLD_SIZE",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "OMP_NUM_THREADS",
+        )
+    }
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra)
     return env
 
 
-def start_ranks(args: list[str], nprocs: int, env: dict[str, str] | None = None,
-                module: str = "course_lib.train") -> list[subprocess.Popen]:
+def start_ranks(
+    args: list[str], nprocs: int, env: dict[str, str] | None = None, module: str = "course_lib.train"
+) -> list[subprocess.Popen]:
     """Start ``python -m module args`` as ranks 0..nprocs-1 with the variables torchrun would set."""
     from course_lib.launch import free_port
 
@@ -43,11 +56,25 @@ def start_ranks(args: list[str], nprocs: int, env: dict[str, str] | None = None,
     for rank in range(nprocs):
         rank_env = clean_env(**(env or {}))
         if nprocs > 1:
-            rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs),
-                            LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                            OMP_NUM_THREADS="1")
-        processes.append(subprocess.Popen([sys.executable, "-m", module, *args], env=rank_env, cwd=REPO,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            rank_env.update(
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(nprocs),
+                LOCAL_WORLD_SIZE=str(nprocs),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+                OMP_NUM_THREADS="1",
+            )
+        processes.append(
+            subprocess.Popen(
+                [sys.executable, "-m", module, *args],
+                env=rank_env,
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     return processes
 
 
@@ -59,13 +86,18 @@ def finish(processes: list[subprocess.Popen], timeout: float = 120) -> list[Rank
         except subprocess.TimeoutExpired:
             for other in processes:
                 other.kill()
-            raise AssertionError(f"rank {rank} did not finish within {timeout} s")
+            raise AssertionError(f"rank {rank} did not finish within {timeout} s") from None
         outcomes.append(RankOutcome(rank, process.returncode, stdout, stderr))
     return outcomes
 
 
-def run_ranks(args: list[str], nprocs: int = 1, env: dict[str, str] | None = None, timeout: float = 120,
-              module: str = "course_lib.train") -> list[RankOutcome]:
+def run_ranks(
+    args: list[str],
+    nprocs: int = 1,
+    env: dict[str, str] | None = None,
+    timeout: float = 120,
+    module: str = "course_lib.train",
+) -> list[RankOutcome]:
     return finish(start_ranks(args, nprocs, env, module), timeout)
 
 
@@ -73,8 +105,14 @@ def run_bench(*args: str) -> dict:
     """``python -m course_lib.tools.bench ARGS`` in a fresh process; the JSON it printed."""
     import json
 
-    shown = subprocess.run([sys.executable, "-m", "course_lib.tools.bench", *args], cwd=REPO, env=clean_env(),
-                           capture_output=True, text=True, timeout=300)
+    shown = subprocess.run(
+        [sys.executable, "-m", "course_lib.tools.bench", *args],
+        cwd=REPO,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert shown.returncode == 0, shown.stderr
     return json.loads(shown.stdout)
 
@@ -82,7 +120,17 @@ def run_bench(*args: str) -> dict:
 @pytest.fixture
 def quick_args() -> list[str]:
     """A few steps of the digits CNN: enough to exercise every code path in about a second."""
-    return ["--strategy", "ddp", "--epochs", "1", "--max-steps", "3", "--global-batch-size", "60", "--no-progress"]
+    return [
+        "--strategy",
+        "ddp",
+        "--epochs",
+        "1",
+        "--max-steps",
+        "3",
+        "--global-batch-size",
+        "60",
+        "--no-progress",
+    ]
 
 
 def checkpoint_weights(directory: Path) -> dict:
@@ -117,5 +165,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if str(item.fspath).endswith(".ipynb"):
             item.add_marker(pytest.mark.notebooks)
-    items.sort(key=lambda item: LONGEST_FIRST.index(item.path.name) if item.path.name in LONGEST_FIRST
-               else len(LONGEST_FIRST))  # stable: the order inside a file is kept
+    items.sort(
+        key=lambda item: (
+            LONGEST_FIRST.index(item.path.name) if item.path.name in LONGEST_FIRST else len(LONGEST_FIRST)
+        )
+    )  # stable: the order inside a file is kept

@@ -128,7 +128,9 @@ def test_parallel_lessons_know_nothing_of_the_training_harness():
         if name.startswith("course_lib.parallel.")
         for target in sorted(targets & HARNESS)
     ]
-    assert reaching == [], "a parallel/ lesson registers itself or reaches into the harness: " + "; ".join(reaching)
+    assert reaching == [], "a parallel/ lesson registers itself or reaches into the harness: " + "; ".join(
+        reaching
+    )
 
 
 def test_no_module_picks_a_matplotlib_backend_and_lessons_never_draw():
@@ -136,7 +138,10 @@ def test_no_module_picks_a_matplotlib_backend_and_lessons_never_draw():
     for name, path in all_modules().items():
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-                if node.func.attr in ("use", "switch_backend") and ast.unparse(node.func.value) in ("matplotlib", "plt"):
+                if node.func.attr in ("use", "switch_backend") and ast.unparse(node.func.value) in (
+                    "matplotlib",
+                    "plt",
+                ):
                     problems.append(f"{name} line {node.lineno} chooses a backend: {ast.unparse(node)}")
             imported = []
             if isinstance(node, ast.Import):
@@ -144,9 +149,13 @@ def test_no_module_picks_a_matplotlib_backend_and_lessons_never_draw():
             elif isinstance(node, ast.ImportFrom) and node.module:
                 imported = [node.module]
             if any(module.split(".")[0] == "matplotlib" for module in imported) and not is_tool(name):
-                problems.append(f"{name} line {node.lineno} imports matplotlib: lessons return data, tools draw it")
+                problems.append(
+                    f"{name} line {node.lineno} imports matplotlib: lessons return data, tools draw it"
+                )
             if any(module == "matplotlib.pyplot" for module in imported):
-                problems.append(f"{name} line {node.lineno} imports pyplot: build a matplotlib.figure.Figure instead")
+                problems.append(
+                    f"{name} line {node.lineno} imports pyplot: build a matplotlib.figure.Figure instead"
+                )
     assert problems == [], "\n".join(problems)
 
 
@@ -158,4 +167,6 @@ def test_the_checker_finds_a_cycle_and_an_upward_import():
         "course_lib.tools.plots": set(),
     }
     assert cycles(graph) == [["course_lib.a", "course_lib.b"]]
-    assert [t for n, ts in graph.items() if not is_tool(n) for t in ts if is_tool(t)] == ["course_lib.tools.plots"]
+    assert [t for n, ts in graph.items() if not is_tool(n) for t in ts if is_tool(t)] == [
+        "course_lib.tools.plots"
+    ]

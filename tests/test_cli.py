@@ -32,8 +32,19 @@ def test_train_single_process_writes_metrics(tmp_path, quick_args):
     [outcome] = run_ranks([*quick_args, "--strategy", "single", "--metrics", str(metrics)])
     assert outcome.returncode == 0, outcome.stderr
     [record] = [json.loads(line) for line in metrics.read_text().splitlines()]
-    for key in ("epoch", "strategy", "impl", "world_size", "global_batch_size", "epoch_time_s", "samples_per_s",
-                "train_loss", "val_loss", "val_acc", "peak_mem_mb"):
+    for key in (
+        "epoch",
+        "strategy",
+        "impl",
+        "world_size",
+        "global_batch_size",
+        "epoch_time_s",
+        "samples_per_s",
+        "train_loss",
+        "val_loss",
+        "val_acc",
+        "peak_mem_mb",
+    ):
         assert key in record
     assert record["peak_mem_mb"] > 10 and record["world_size"] == 1 and record["steps"] == 3
 
@@ -45,26 +56,45 @@ def test_unknown_strategy_is_reported_once(quick_args):
 def test_unknown_dataset_and_model(quick_args):
     assert_user_error(run_ranks([*quick_args, "--dataset", "mnist"]), "invalid choice: 'mnist'")
     assert_user_error(run_ranks([*quick_args, "--model", "vgg"]), "invalid choice: 'vgg'")
-    assert_user_error(run_ranks([*quick_args, "--dataset", "synthetic"]),
-                      "model digits_cnn expects 1x8x8 images but dataset synthetic has 3x32x32")
+    assert_user_error(
+        run_ranks([*quick_args, "--dataset", "synthetic"]),
+        "model digits_cnn expects 1x8x8 images but dataset synthetic has 3x32x32",
+    )
 
 
 def test_global_batch_not_divisible_by_world_size():
     outcomes = run_ranks(["--strategy", "ddp", "--global-batch-size", "64", "--no-progress"], nprocs=3)
-    assert_user_error(outcomes, "global batch size 64 does not divide into 3 rank(s) x 1 accumulation step(s): "
-                                "use a multiple of 3, e.g. --global-batch-size 63 or 66")
+    assert_user_error(
+        outcomes,
+        "global batch size 64 does not divide into 3 rank(s) x 1 accumulation step(s): "
+        "use a multiple of 3, e.g. --global-batch-size 63 or 66",
+    )
 
 
 def test_cifar10_missing_on_an_offline_node(tmp_path, quick_args):
-    outcomes = run_ranks([*quick_args, "--dataset", "cifar10", "--model", "cifar_cnn", "--data-dir",
-                          str(tmp_path / "nowhere")], nprocs=2)
-    assert_user_error(outcomes, f"on a login node run `python -m course_lib.data download cifar10 --data-dir "
-                                f"{tmp_path / 'nowhere'}`")
+    outcomes = run_ranks(
+        [
+            *quick_args,
+            "--dataset",
+            "cifar10",
+            "--model",
+            "cifar_cnn",
+            "--data-dir",
+            str(tmp_path / "nowhere"),
+        ],
+        nprocs=2,
+    )
+    assert_user_error(
+        outcomes,
+        f"on a login node run `python -m course_lib.data download cifar10 --data-dir {tmp_path / 'nowhere'}`",
+    )
 
 
 def test_nccl_without_a_gpu(quick_args):
-    assert_user_error(run_ranks([*quick_args, "--backend", "nccl"]),
-                      "backend nccl needs a GPU but torch sees none: use --backend gloo (or auto)")
+    assert_user_error(
+        run_ranks([*quick_args, "--backend", "nccl"]),
+        "backend nccl needs a GPU but torch sees none: use --backend gloo (or auto)",
+    )
 
 
 def test_rank_without_world_size(quick_args):
@@ -79,8 +109,19 @@ def test_resume_latest_needs_a_checkpoint_dir(quick_args):
 @pytest.fixture(scope="module")
 def cli_checkpoint(tmp_path_factory):
     directory = tmp_path_factory.mktemp("cli_ckpt")
-    [outcome] = run_ranks(["--epochs", "1", "--max-steps", "2", "--global-batch-size", "60", "--no-progress",
-                           "--checkpoint-dir", str(directory)])
+    [outcome] = run_ranks(
+        [
+            "--epochs",
+            "1",
+            "--max-steps",
+            "2",
+            "--global-batch-size",
+            "60",
+            "--no-progress",
+            "--checkpoint-dir",
+            str(directory),
+        ]
+    )
     assert outcome.returncode == 0, outcome.stderr
     return directory
 
@@ -94,14 +135,30 @@ def _copy_checkpoint(source_dir, destination):
 
 
 def test_checkpoint_from_another_model(cli_checkpoint, quick_args):
-    outcomes = run_ranks([*quick_args, "--dataset", "synthetic", "--model", "cifar_cnn", "--checkpoint-dir",
-                          str(cli_checkpoint), "--resume"], nprocs=2)
-    assert_user_error(outcomes, "was written with --model digits_cnn but this run uses --model cifar_cnn: "
-                                "pass --model digits_cnn to resume it, or use a new --checkpoint-dir")
+    outcomes = run_ranks(
+        [
+            *quick_args,
+            "--dataset",
+            "synthetic",
+            "--model",
+            "cifar_cnn",
+            "--checkpoint-dir",
+            str(cli_checkpoint),
+            "--resume",
+        ],
+        nprocs=2,
+    )
+    assert_user_error(
+        outcomes,
+        "was written with --model digits_cnn but this run uses --model cifar_cnn: "
+        "pass --model digits_cnn to resume it, or use a new --checkpoint-dir",
+    )
 
 
 def test_checkpoint_with_an_incompatible_config(cli_checkpoint, quick_args):
-    outcomes = run_ranks([*quick_args, "--seed", "7", "--checkpoint-dir", str(cli_checkpoint), "--resume"], nprocs=2)
+    outcomes = run_ranks(
+        [*quick_args, "--seed", "7", "--checkpoint-dir", str(cli_checkpoint), "--resume"], nprocs=2
+    )
     assert_user_error(outcomes, "was written with --seed 0 but this run uses --seed 7")
 
 
@@ -122,17 +179,48 @@ def test_corrupt_checkpoint_tensors(cli_checkpoint, tmp_path, quick_args):
 
 def test_checkpoint_resume_through_the_command_line(cli_checkpoint, tmp_path):
     step_dir = _copy_checkpoint(cli_checkpoint, tmp_path / "ckpt")
-    outcomes = run_ranks(["--epochs", "1", "--max-steps", "4", "--global-batch-size", "60", "--no-progress",
-                          "--strategy", "fsdp", "--checkpoint-dir", str(tmp_path / "ckpt"), "--resume", str(step_dir)],
-                         nprocs=3)
+    outcomes = run_ranks(
+        [
+            "--epochs",
+            "1",
+            "--max-steps",
+            "4",
+            "--global-batch-size",
+            "60",
+            "--no-progress",
+            "--strategy",
+            "fsdp",
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+            "--resume",
+            str(step_dir),
+        ],
+        nprocs=3,
+    )
     assert [o.returncode for o in outcomes] == [0, 0, 0], all_stderr(outcomes)
     assert "resumed from" in outcomes[0].stdout and "step 2 of 23" in outcomes[0].stdout
 
 
 @pytest.mark.slow
 def test_a_rank_that_dies_mid_epoch_does_not_leave_the_others_hanging(tmp_path):
-    processes = start_ranks(["--strategy", "ddp", "--dataset", "synthetic", "--model", "cifar_cnn", "--epochs", "50",
-                             "--global-batch-size", "64", "--no-progress", "--timeout", "30"], nprocs=2)
+    processes = start_ranks(
+        [
+            "--strategy",
+            "ddp",
+            "--dataset",
+            "synthetic",
+            "--model",
+            "cifar_cnn",
+            "--epochs",
+            "50",
+            "--global-batch-size",
+            "64",
+            "--no-progress",
+            "--timeout",
+            "30",
+        ],
+        nprocs=2,
+    )
     banner = processes[0].stdout.readline()  # rank 0 prints this line just before the first step
     assert banner.startswith("training cifar_cnn"), banner
     time.sleep(2)
@@ -166,15 +254,29 @@ def test_no_abort_at_exit_over_repeated_runs(strategy, quick_args):
 
 @pytest.mark.slow
 def test_lab_end_to_end(tmp_path):
-    lab = subprocess.run([sys.executable, "-m", "course_lib.tools.lab", "--quick", "--results-dir", str(tmp_path)],
-                         cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
+    lab = subprocess.run(
+        [sys.executable, "-m", "course_lib.tools.lab", "--quick", "--results-dir", str(tmp_path)],
+        cwd=REPO,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert lab.returncode == 0, lab.stdout[-2000:] + lab.stderr[-2000:]
-    for name in ("lab-single.jsonl", "lab-ddp.jsonl", "lab-fsdp.jsonl", "lab_summary.json", "strong_scaling.png"):
+    for name in (
+        "lab-single.jsonl",
+        "lab-ddp.jsonl",
+        "lab-fsdp.jsonl",
+        "lab_summary.json",
+        "strong_scaling.png",
+    ):
         assert (tmp_path / name).stat().st_size > 0, name
     rows = json.loads((tmp_path / "lab_summary.json").read_text())
     assert [(row["run"], row["world_size"]) for row in rows] == [("single", 1), ("ddp", 2), ("fsdp", 2)]
     assert rows[0]["speedup"] == 1.0 and all(row["time_per_epoch_s"] > 0 for row in rows)
-    assert all(row["epochs"] == 2 for row in rows)  # the multi-epoch path (first epoch left out of the median)
+    assert all(
+        row["epochs"] == 2 for row in rows
+    )  # the multi-epoch path (first epoch left out of the median)
     from course_lib.scaling import format_table
 
     assert format_table(rows) in lab.stdout and "All runs trained the same model" in lab.stdout
@@ -182,9 +284,23 @@ def test_lab_end_to_end(tmp_path):
 
 
 def test_lab_reports_a_failed_run(tmp_path):
-    lab = subprocess.run([sys.executable, "-m", "course_lib.tools.lab", "--quick", "--dataset", "synthetic",
-                          "--results-dir", str(tmp_path)],
-                         cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120)
+    lab = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "course_lib.tools.lab",
+            "--quick",
+            "--dataset",
+            "synthetic",
+            "--results-dir",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert lab.returncode == EXIT_USER_ERROR
     assert "lab: the single run failed with exit status 2" in lab.stderr
     assert "model digits_cnn expects 1x8x8 images" in lab.stderr
@@ -195,5 +311,7 @@ def test_console_script_is_installed():
 
     script = Path(sys.executable).parent / "course-train"
     assert script.exists(), "pip install -e . installs the course-train command next to python"
-    shown = subprocess.run([str(script), "--help"], capture_output=True, text=True, env=clean_env(), timeout=60)
+    shown = subprocess.run(
+        [str(script), "--help"], capture_output=True, text=True, env=clean_env(), timeout=60
+    )
     assert shown.returncode == 0 and "--strategy {single,ddp,fsdp}" in shown.stdout

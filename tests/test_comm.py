@@ -1,4 +1,4 @@
-"""comm: each wrapper equals plain torch.distributed, the ledger equals the formulas, the ring equals all_reduce."""
+"""comm: each wrapper equals torch.distributed, the ledger equals the formulas, the ring equals all_reduce."""
 
 import pytest
 import torch
@@ -27,8 +27,12 @@ def _compare_every_wrapper():
         if not torch.equal(ours, theirs):
             mismatches.append(name)
 
-    for op, native in [("sum", dist.ReduceOp.SUM), ("min", dist.ReduceOp.MIN), ("max", dist.ReduceOp.MAX),
-                       ("product", dist.ReduceOp.PRODUCT)]:
+    for op, native in [
+        ("sum", dist.ReduceOp.SUM),
+        ("min", dist.ReduceOp.MIN),
+        ("max", dist.ReduceOp.MAX),
+        ("product", dist.ReduceOp.PRODUCT),
+    ]:
         ours, theirs = _rank_tensor(), _rank_tensor()
         comm.all_reduce(ours, op=op)
         dist.all_reduce(theirs, op=native)
@@ -164,8 +168,14 @@ def _ledger(world_size_unused=None):
         comm.all_reduce(t.clone(), async_op=True).wait()
     totals = log.totals()
     summary = log.summary()
-    return n, s, {op: row["bytes_per_rank"] for op, row in totals.items()}, log.count("all_reduce"), summary, \
-        all(r.seconds is not None for r in log.records)
+    return (
+        n,
+        s,
+        {op: row["bytes_per_rank"] for op, row in totals.items()},
+        log.count("all_reduce"),
+        summary,
+        all(r.seconds is not None for r in log.records),
+    )
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -187,9 +197,11 @@ def test_ring_bytes_with_one_rank_is_zero():
 
 def _bad_calls():
     errors = []
-    for call in (lambda: comm.all_reduce(torch.ones(3, device="meta")),
-                 lambda: comm.all_reduce(torch.ones(3, dtype=torch.int64), op="mean"),
-                 lambda: comm.all_reduce(torch.ones(3), op="median")):
+    for call in (
+        lambda: comm.all_reduce(torch.ones(3, device="meta")),
+        lambda: comm.all_reduce(torch.ones(3, dtype=torch.int64), op="mean"),
+        lambda: comm.all_reduce(torch.ones(3), op="median"),
+    ):
         try:
             call()
         except UserError as error:
@@ -200,6 +212,9 @@ def _bad_calls():
 
 def test_bad_calls_fail_clearly_and_leave_no_rank_waiting():
     errors = launch(_bad_calls, 2, timeout_s=60)[0]
-    assert "tensor on meta was passed to a gloo collective, which needs cpu (or cuda) tensors: move it with" in errors[0]
+    assert (
+        "tensor on meta was passed to a gloo collective, which needs cpu (or cuda) tensors: move it with"
+        in errors[0]
+    )
     assert "the mean of a torch.int64 tensor" in errors[1]
     assert "unknown reduction 'median'" in errors[2]

@@ -20,8 +20,12 @@ def test_digits_split_is_fixed_and_disjoint():
 
 
 def test_synthetic_is_seeded():
-    assert torch.equal(data.load_synthetic_bundle(3).train.tensors[0], data.load_synthetic_bundle(3).train.tensors[0])
-    assert not torch.equal(data.load_synthetic_bundle(3).train.tensors[0][:5], data.load_synthetic_bundle(4).train.tensors[0][:5])
+    assert torch.equal(
+        data.load_synthetic_bundle(3).train.tensors[0], data.load_synthetic_bundle(3).train.tensors[0]
+    )
+    assert not torch.equal(
+        data.load_synthetic_bundle(3).train.tensors[0][:5], data.load_synthetic_bundle(4).train.tensors[0][:5]
+    )
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -56,17 +60,25 @@ def test_set_epoch_reshuffles_and_skip_resumes_mid_epoch():
     assert torch.cat([batch[0] for batch in loader]).tolist() == epoch1[8:]
 
 
-@pytest.mark.parametrize("batch, world, accum, ok", [(64, 2, 1, 32), (60, 3, 2, 10), (64, 3, 1, None), (64, 2, 3, None)])
+@pytest.mark.parametrize(
+    "batch, world, accum, ok", [(64, 2, 1, 32), (60, 3, 2, 10), (64, 3, 1, None), (64, 2, 3, None)]
+)
 def test_per_rank_batch_size(batch, world, accum, ok):
     if ok is not None:
         assert data.per_rank_batch_size(batch, world, accum) == ok
     else:
-        with pytest.raises(UserError, match=rf"does not divide into {world} rank\(s\) x {accum} .*multiple of {world * accum}"):
+        with pytest.raises(
+            UserError,
+            match=rf"does not divide into {world} rank\(s\) x {accum} .*multiple of {world * accum}",
+        ):
             data.per_rank_batch_size(batch, world, accum)
 
 
 def test_cifar10_missing_offline_says_how_to_download(tmp_path):
-    with pytest.raises(UserError, match=r"not found in .* on a login node run `python -m course_lib.data download cifar10 --data-dir"):
+    with pytest.raises(
+        UserError,
+        match=r"not found in .* on a login node run `python -m course_lib.data download cifar10 --data-dir",
+    ):
         data.load_dataset("cifar10", tmp_path)
     with pytest.raises(UserError, match="download cifar10"):
         data.check_data_available("cifar10", tmp_path)
@@ -85,14 +97,21 @@ def test_download_command_refuses_datasets_without_files():
         data.download("digits", "unused")
 
 
-@pytest.mark.parametrize("name, shape, expected_params", [
-    ("digits_cnn", (1, 8, 8), 35_173), ("cifar_cnn", (3, 32, 32), 765_887), ("resnet18", (3, 32, 32), 11_173_962),
-])
+@pytest.mark.parametrize(
+    "name, shape, expected_params",
+    [
+        ("digits_cnn", (1, 8, 8), 35_173),
+        ("cifar_cnn", (3, 32, 32), 765_887),
+        ("resnet18", (3, 32, 32), 11_173_962),
+    ],
+)
 def test_models(name, shape, expected_params):
     model = models.build_model(name, num_classes=10)
     assert models.count_parameters(model) == expected_params
     if name != "resnet18":  # torchvision's architecture, as published; ours are sized to leave remainders
-        assert all(expected_params % n for n in (2, 3, 4)), "parameter counts must not divide evenly by world sizes"
+        assert all(expected_params % n for n in (2, 3, 4)), (
+            "parameter counts must not divide evenly by world sizes"
+        )
     assert model(torch.randn(3, *shape)).shape == (3, 10)
     assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     assert models.model_input_shape(name) == shape
@@ -102,8 +121,11 @@ def test_models(name, shape, expected_params):
 
 
 def test_model_that_does_not_fit_the_data():
-    with pytest.raises(UserError, match="model digits_cnn expects 1x8x8 images but dataset cifar10 has 3x32x32: "
-                                        "use --model cifar_cnn or --model resnet18"):
+    with pytest.raises(
+        UserError,
+        match="model digits_cnn expects 1x8x8 images but dataset cifar10 has 3x32x32: "
+        "use --model cifar_cnn or --model resnet18",
+    ):
         models.check_model_fits_data("digits_cnn", "cifar10", (3, 32, 32))
     with pytest.raises(UserError, match="unknown model"):
         models.build_model("vgg")

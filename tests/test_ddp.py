@@ -10,11 +10,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from conftest import run_bench, run_ranks
 from course_lib import comm, models, runtime
 from course_lib.errors import UserError
 from course_lib.launch import launch
 from course_lib.parallel.ddp import DataParallel, make_buckets
+
+from conftest import run_bench, run_ranks
 
 GLOBAL_BATCH, STEPS = 60, 3
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
@@ -22,7 +23,9 @@ TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 
 def _global_batch(step: int):
     generator = torch.Generator().manual_seed(100 + step)
-    return torch.randn(GLOBAL_BATCH, 1, 8, 8, generator=generator), torch.randint(0, 10, (GLOBAL_BATCH,), generator=generator)
+    return torch.randn(GLOBAL_BATCH, 1, 8, 8, generator=generator), torch.randint(
+        0, 10, (GLOBAL_BATCH,), generator=generator
+    )
 
 
 def _train(kind: str, sync: str = "overlapped", bucket_mb: float = 0.05, accumulate: int = 1):
@@ -43,9 +46,11 @@ def _train(kind: str, sync: str = "overlapped", bucket_mb: float = 0.05, accumul
             optimizer.zero_grad()
             micro_inputs, micro_targets = inputs.chunk(accumulate), targets.chunk(accumulate)
             for micro in range(accumulate):
+
                 def backward():
                     loss = F.cross_entropy(model(micro_inputs[micro]), micro_targets[micro]) / accumulate
                     loss.backward()
+
                 if micro < accumulate - 1 and kind != "single":
                     with model.no_sync():
                         backward()
@@ -72,7 +77,9 @@ def test_course_ddp_equals_torch_ddp_and_a_single_process(world_size, sync, sing
     torch.testing.assert_close(ours[0][0], single, **TOLERANCE)
 
 
-@pytest.mark.parametrize("world_size", [1, 3])  # 60 / N samples per rank must split into 4 equal micro-batches
+@pytest.mark.parametrize(
+    "world_size", [1, 3]
+)  # 60 / N samples per rank must split into 4 equal micro-batches
 def test_no_sync_accumulation_equals_one_step_on_the_whole_batch(world_size, single):
     flat, all_reduces, _ = launch(_train, world_size, "course", "overlapped", 0.05, 4)[0]
     torch.testing.assert_close(flat, single, **TOLERANCE)
@@ -131,7 +138,10 @@ def test_unused_parameters_need_the_flag_and_then_match_torch():
     message = launch(_unused_parameters, 2, "course", False)[0]
     assert "['skipped.weight', 'skipped.bias'] received no gradient" in message
     assert "pass find_unused_parameters=True" in message
-    ours, theirs = launch(_unused_parameters, 2, "course", True)[0], launch(_unused_parameters, 2, "torch", True)[0]
+    ours, theirs = (
+        launch(_unused_parameters, 2, "course", True)[0],
+        launch(_unused_parameters, 2, "torch", True)[0],
+    )
     torch.testing.assert_close(ours[0], theirs[0])
     assert ours[1] is None and theirs[1] is None  # unused on every rank: no gradient at all
 
@@ -163,11 +173,15 @@ def _misuses():
 def test_misuse_gets_clear_errors_and_no_hang():
     errors = launch(_misuses, 2, timeout_s=60)
     assert errors[0] == errors[1]  # all ranks raise the same error
-    assert "parameter '3.weight' has shape (10, 63) float32 on rank 0 but shape (11, 63) float32 on rank 1" \
+    assert (
+        "parameter '3.weight' has shape (10, 63) float32 on rank 0 but shape (11, 63) float32 on rank 1"
         in errors[0]["shapes"]
+    )
     assert "every rank must build the same model" in errors[0]["shapes"]
-    assert "bucket_mb (the size of one all-reduce message, in MB) must be a finite number above 0" \
+    assert (
+        "bucket_mb (the size of one all-reduce message, in MB) must be a finite number above 0"
         in errors[0]["bucket"]
+    )
     assert "keep the forward and the backward of a micro-step inside the same" in errors[0]["no_sync"]
 
 
@@ -175,8 +189,10 @@ def test_harness_course_impl_gives_the_same_metrics_as_torch(tmp_path, quick_arg
     metrics = {}
     for impl in ("torch", "course"):
         path = tmp_path / f"{impl}.jsonl"
-        outcomes = run_ranks([*quick_args, "--strategy", "ddp", "--impl", impl, "--max-steps", "5",
-                              "--metrics", str(path)], nprocs=2)
+        outcomes = run_ranks(
+            [*quick_args, "--strategy", "ddp", "--impl", impl, "--max-steps", "5", "--metrics", str(path)],
+            nprocs=2,
+        )
         assert [o.returncode for o in outcomes] == [0, 0], outcomes[0].stderr
         metrics[impl] = json.loads(path.read_text().splitlines()[-1])
     assert metrics["course"]["impl"] == "course"
@@ -186,12 +202,27 @@ def test_harness_course_impl_gives_the_same_metrics_as_torch(tmp_path, quick_arg
 
 
 def test_benchmark_command_prints_the_promised_json():
-    result = run_bench("ddp", "--width", "64", "--layers", "3", "--steps", "2", "--warmup", "1", "--world-size", "3")
-    for key in ("world_size", "params", "torch_step_ms", "course_step_ms", "naive_step_ms", "bucketed_step_ms",
-                "ratio", "bytes_per_rank_measured", "bytes_per_rank_theory"):
+    result = run_bench(
+        "ddp", "--width", "64", "--layers", "3", "--steps", "2", "--warmup", "1", "--world-size", "3"
+    )
+    for key in (
+        "world_size",
+        "params",
+        "torch_step_ms",
+        "course_step_ms",
+        "naive_step_ms",
+        "bucketed_step_ms",
+        "ratio",
+        "bytes_per_rank_measured",
+        "bytes_per_rank_theory",
+    ):
         assert key in result
     assert result["world_size"] == 3 and result["params"] == 3 * 65 * 64
-    assert result["bytes_per_rank_measured"] == result["bytes_per_rank_theory"] == 2 * 2 / 3 * 4 * result["params"]
+    assert (
+        result["bytes_per_rank_measured"]
+        == result["bytes_per_rank_theory"]
+        == 2 * 2 / 3 * 4 * result["params"]
+    )
 
 
 class _WithBuffer(nn.Module):

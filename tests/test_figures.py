@@ -1,4 +1,4 @@
-"""The slides' figures are drawn by `python -m course_lib.tools.figures`, and the committed ones are current."""
+"""The slides' figures are drawn by `python -m course_lib.tools.figures`; the committed ones are current."""
 
 from __future__ import annotations
 

@@ -18,9 +18,8 @@ from pathlib import Path
 import pytest
 
 from course_lib import scaling, train
-from course_lib.tools import bench, lab, study
 from course_lib.errors import EXIT_DIVERGED
-from course_lib.tools import three_d
+from course_lib.tools import bench, lab, study, three_d
 
 from conftest import REPO, clean_env, finish, latest_weights, run_ranks, start_ranks
 
@@ -64,17 +63,27 @@ TRAIN_MISTAKES = [
     (["--max-steps", "0"], "--max-steps must be a whole number, 1 or more, got 0"),
     (["--workers", "-1"], "--workers must be a whole number, from 0 to 64, got -1"),
     (["--workers", "1000"], "--workers must be a whole number, from 0 to 64, got 1000"),
-    (["--checkpoint-every", "-3", "--checkpoint-dir", "{tmp}/ck"],
-     "--checkpoint-every must be a whole number, 0 or more, got -3"),
-    (["--strategy", "fsdp", "--impl", "course", "--sharding", "HYBRID_SHARD", "--hybrid-shard-size", "0"],
-     "--hybrid-shard-size must be a whole number, from 1 to 1, got 0"),
+    (
+        ["--checkpoint-every", "-3", "--checkpoint-dir", "{tmp}/ck"],
+        "--checkpoint-every must be a whole number, 0 or more, got -3",
+    ),
+    (
+        ["--strategy", "fsdp", "--impl", "course", "--sharding", "HYBRID_SHARD", "--hybrid-shard-size", "0"],
+        "--hybrid-shard-size must be a whole number, from 1 to 1, got 0",
+    ),
     (["--zero-stage", "7"], "argument --zero-stage: invalid choice: 7"),
     (["--timeout", "-1"], "--timeout must be a finite number above 0 and at most 86400, got -1.0"),
     (["--timeout", "nan"], "--timeout must be a finite number above 0 and at most 86400, got nan"),
     (["--timeout", "inf"], "--timeout must be a finite number above 0 and at most 86400, got inf"),
-    (["--data-dir", "{file}"], "--data-dir {file} is a file, but a folder is expected: name a folder instead"),
+    (
+        ["--data-dir", "{file}"],
+        "--data-dir {file} is a file, but a folder is expected: name a folder instead",
+    ),
     (["--checkpoint-dir", "{file}"], "--checkpoint-dir {file} is a file, but a folder is expected"),
-    (["--checkpoint-dir", "{file}/inside"], "--checkpoint-dir {file}/inside cannot be a folder: {file} is a file"),
+    (
+        ["--checkpoint-dir", "{file}/inside"],
+        "--checkpoint-dir {file}/inside cannot be a folder: {file} is a file",
+    ),
     (["--checkpoint-dir", str(UNWRITABLE)], f"--checkpoint-dir {UNWRITABLE} cannot be written"),
     (["--metrics", "{folder}"], "--metrics {folder} is a folder, but a file is expected"),
     (["--metrics", "{file}/m.jsonl"], "--metrics {file}/m.jsonl cannot be a file: {file} is a file"),
@@ -97,10 +106,12 @@ def test_every_train_flag_refuses_a_senseless_value(flags, message, a_file, tmp_
 
 
 # Under torchrun, one number (the timeout that once reached the rendezvous) and one path.
-SUBSET = [(["--lr", "nan"], "--lr must be a finite number above 0"),
-          (["--timeout", "-1"], "--timeout must be a finite number above 0 and at most 86400, got -1.0"),
-          (["--checkpoint-dir", "{file}"], "is a file, but a folder is expected"),
-          (["--metrics", "{folder}"], "is a folder, but a file is expected")]
+SUBSET = [
+    (["--lr", "nan"], "--lr must be a finite number above 0"),
+    (["--timeout", "-1"], "--timeout must be a finite number above 0 and at most 86400, got -1.0"),
+    (["--checkpoint-dir", "{file}"], "is a file, but a folder is expected"),
+    (["--metrics", "{folder}"], "is a folder, but a file is expected"),
+]
 
 
 @pytest.mark.parametrize("flags, message", SUBSET, ids=[" ".join(f) for f, _ in SUBSET])
@@ -114,14 +125,32 @@ def test_a_bad_flag_stops_a_real_process_with_one_line(flags, message, a_file, t
 @pytest.mark.parametrize("flags, message", SUBSET[1:3], ids=[" ".join(f) for f, _ in SUBSET[1:3]])
 def test_a_bad_flag_under_torchrun_is_reported_once_before_the_ranks_meet(flags, message, a_file, tmp_path):
     shown = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "course_lib.train",
-         "--strategy", "ddp", *QUICK, *_filled(flags, a_file, tmp_path)],
-        cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "course_lib.train",
+            "--strategy",
+            "ddp",
+            *QUICK,
+            *_filled(flags, a_file, tmp_path),
+        ],
+        cwd=REPO,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     output = shown.stdout + shown.stderr
     assert shown.returncode != 0
     assert output.count(message) == 1, output  # printed by rank 0 only
     assert "exitcode  : 2" in output  # torchrun's own summary follows our line, naming our status
-    our_frames = [line for line in output.splitlines() if line.strip().startswith('File "') and "/course_lib/" in line]
+    our_frames = [
+        line for line in output.splitlines() if line.strip().startswith('File "') and "/course_lib/" in line
+    ]
     assert not our_frames, output
 
 
@@ -130,31 +159,57 @@ OTHER_MISTAKES = [
     (lab.main, ["--epochs", "0"], "argument --epochs: must be a whole number, 1 or more, got 0"),
     (lab.main, ["--lr", "nan"], "argument --lr: must be a finite number above 0 and at most 1e+06, got nan"),
     (lab.main, ["--global-batch-size", "255"], "argument --global-batch-size: must be a multiple of 2"),
-    (lab.main, ["--threads-per-process", "0"], "argument --threads-per-process: must be a whole number, from 1 to"),
-    (lab.main, ["--results-dir", "{file}"], "argument --results-dir: {file} is a file, but a folder is expected"),
+    (
+        lab.main,
+        ["--threads-per-process", "0"],
+        "argument --threads-per-process: must be a whole number, from 1 to",
+    ),
+    (
+        lab.main,
+        ["--results-dir", "{file}"],
+        "argument --results-dir: {file} is a file, but a folder is expected",
+    ),
     (lab.main, ["--results-dir", str(UNWRITABLE)], f"argument --results-dir: {UNWRITABLE} cannot be written"),
     (lab.main, ["--model", "vgg"], "argument --model: invalid choice: 'vgg'"),
     (study.main, ["submit", "--gpus", "0"], "argument --gpus: must be a whole number, 1 or more, got 0"),
     (study.main, ["submit", "--gpus-per-node", "-4"], "argument --gpus-per-node: must be a whole number"),
     (study.main, ["submit", "--epochs", "nan"], "argument --epochs: must be a whole number, got 'nan'"),
-    (study.main, ["submit", "--gpus", "1", "3", "--global-batch-size", "100"],
-     "argument --global-batch-size: 100 does not divide over [3] processes"),
-    (study.main, ["submit", "--gpus", "6", "--global-batch-size", "48"],
-     "argument --gpus: 6 GPUs do not fill whole nodes"),
-    (study.main, ["submit", "--results", "{file}"], "argument --results: {file} is a file, but a folder is expected"),
+    (
+        study.main,
+        ["submit", "--gpus", "1", "3", "--global-batch-size", "100"],
+        "argument --global-batch-size: 100 does not divide over [3] processes",
+    ),
+    (
+        study.main,
+        ["submit", "--gpus", "6", "--global-batch-size", "48"],
+        "argument --gpus: 6 GPUs do not fill whole nodes",
+    ),
+    (
+        study.main,
+        ["submit", "--results", "{file}"],
+        "argument --results: {file} is a file, but a folder is expected",
+    ),
     (study.main, ["submit", "--data-dir", "{file}"], "argument --data-dir: {file} is a file"),
     (study.main, ["collect", "--results", "{tmp}/none"], "argument --results: {tmp}/none does not exist"),
     (study.main, ["plot", "--results", "{file}"], "argument --results: {file} is a file"),
     (bench.main, ["ddp", "--steps", "0"], "argument --steps: must be a whole number, 1 or more, got 0"),
     (bench.main, ["ddp", "--warmup", "-1"], "argument --warmup: must be a whole number, 0 or more, got -1"),
-    (bench.main, ["ddp", "--bucket-mb", "nan"], "argument --bucket-mb: must be a finite number above 0, got nan"),
+    (
+        bench.main,
+        ["ddp", "--bucket-mb", "nan"],
+        "argument --bucket-mb: must be a finite number above 0, got nan",
+    ),
     (bench.main, ["ddp", "--world-size", "1000"], "argument --world-size: must be a whole number, from 1 to"),
     (bench.main, ["fsdp", "--width", "0"], "argument --width: must be a whole number, 1 or more, got 0"),
     (bench.main, ["memory", "--world-sizes", "2", "0"], "argument --world-sizes: must be a whole number"),
     (bench.main, ["memory", "--layers", "-2"], "argument --layers: must be a whole number, 1 or more"),
     (bench.main, ["pipeline", "--stages", "1"], "argument --stages: must be a whole number, from 2 to"),
     (bench.main, ["pipeline", "--batch", "12"], "argument --batch: must be a multiple of 8"),
-    (bench.main, ["tp", "--d-model", "100", "--world-size", "3"], "argument --d-model: must be a multiple of 12"),
+    (
+        bench.main,
+        ["tp", "--d-model", "100", "--world-size", "3"],
+        "argument --d-model: must be a multiple of 12",
+    ),
     (bench.main, ["tp", "--seq", "0"], "argument --seq: must be a whole number, 1 or more, got 0"),
     (three_d.main, ["--tensor", "0"], "argument --tensor: must be a whole number, 1 or more, got 0"),
     (three_d.main, ["--steps", "-1"], "argument --steps: must be a whole number, 1 or more, got -1"),
@@ -163,8 +218,11 @@ OTHER_MISTAKES = [
 ]
 
 
-@pytest.mark.parametrize("main, flags, message", OTHER_MISTAKES,
-                         ids=[f"{m.__module__.split('.')[-1]} {' '.join(f)}" for m, f, _ in OTHER_MISTAKES])
+@pytest.mark.parametrize(
+    "main, flags, message",
+    OTHER_MISTAKES,
+    ids=[f"{m.__module__.split('.')[-1]} {' '.join(f)}" for m, f, _ in OTHER_MISTAKES],
+)
 def test_the_lab_study_and_benchmarks_refuse_senseless_values(main, flags, message, a_file, tmp_path, capsys):
     status, stderr = exit_and_stderr(main, _filled(flags, a_file, tmp_path), capsys)
     assert status == EXIT_USER_ERROR, stderr
@@ -178,18 +236,34 @@ DIVERGING = ["--optimizer", "sgd", "--lr", "1e6", "--epochs", "1", "--no-progres
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nprocs", [1, 2])
-def test_a_diverging_run_stops_every_rank_at_the_same_step_and_keeps_the_last_good_checkpoint(nprocs, tmp_path):
-    args = [*DIVERGING, "--strategy", "ddp" if nprocs > 1 else "single", "--checkpoint-dir", str(tmp_path / "ck"),
-            "--metrics", str(tmp_path / "m.jsonl")]
+def test_a_diverging_run_stops_every_rank_at_the_same_step_and_keeps_the_last_good_checkpoint(
+    nprocs, tmp_path
+):
+    args = [
+        *DIVERGING,
+        "--strategy",
+        "ddp" if nprocs > 1 else "single",
+        "--checkpoint-dir",
+        str(tmp_path / "ck"),
+        "--metrics",
+        str(tmp_path / "m.jsonl"),
+    ]
     processes = start_ranks(args, nprocs)
     exited: dict[int, float] = {}
     deadline = time.monotonic() + 120
     while len(exited) < nprocs and time.monotonic() < deadline:
-        exited.update({rank: time.monotonic() for rank, process in enumerate(processes)
-                       if rank not in exited and process.poll() is not None})
+        exited.update(
+            {
+                rank: time.monotonic()
+                for rank, process in enumerate(processes)
+                if rank not in exited and process.poll() is not None
+            }
+        )
         time.sleep(0.05)
     outcomes = finish(processes, timeout=10)
-    assert max(exited.values()) - min(exited.values()) < 5  # together, not one rank left waiting for the others
+    assert (
+        max(exited.values()) - min(exited.values()) < 5
+    )  # together, not one rank left waiting for the others
     assert [o.returncode for o in outcomes] == [EXIT_DIVERGED] * nprocs, [o.stderr for o in outcomes]
     stderr = "".join(o.stderr for o in outcomes)
     assert stderr.count("error: training diverged at step ") == 1 and "Traceback" not in stderr, stderr

@@ -30,8 +30,14 @@ def _batch_indices(step: int, size: int) -> torch.Tensor:
 def _dtensor_plan() -> dict:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    return {"attention.q": ColwiseParallel(), "attention.k": ColwiseParallel(), "attention.v": ColwiseParallel(),
-            "attention.out": RowwiseParallel(), "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
+    return {
+        "attention.q": ColwiseParallel(),
+        "attention.k": ColwiseParallel(),
+        "attention.v": ColwiseParallel(),
+        "attention.out": RowwiseParallel(),
+        "mlp.fc1": ColwiseParallel(),
+        "mlp.fc2": RowwiseParallel(),
+    }
 
 
 def _train(kind: str) -> list[float]:

@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
-from conftest import REPO, clean_env
 from course_lib.tools import labs
+
+from conftest import REPO, clean_env
 
 EXPECTED_ACCURACY = {"lab1_ddp": 0.8, "lab2_fsdp": 0.8}
 
@@ -17,8 +18,9 @@ def test_every_committed_exercise_is_what_the_generator_writes():
     for name in labs.lab_names():
         folder = labs.LABS_DIR / name
         generated = labs.exercise_text((folder / "solution.py").read_text())
-        assert (folder / "exercise.py").read_text() == generated, \
+        assert (folder / "exercise.py").read_text() == generated, (
             f"labs/{name}/exercise.py is stale: run python -m course_lib.tools.labs generate"
+        )
 
 
 def test_the_generator_refuses_unbalanced_markers():
@@ -31,8 +33,14 @@ def test_the_generator_refuses_unbalanced_markers():
 @pytest.mark.parametrize("name", ["lab1_ddp", "lab2_fsdp", "lab3_scaling"])
 def test_the_check_passes_on_the_solution_and_explains_the_untouched_exercise(name):
     def check(*args):
-        return subprocess.run([sys.executable, "-m", "course_lib.tools.labs", "check", name, *args], cwd=REPO,
-                              env=clean_env(), capture_output=True, text=True, timeout=300)
+        return subprocess.run(
+            [sys.executable, "-m", "course_lib.tools.labs", "check", name, *args],
+            cwd=REPO,
+            env=clean_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
 
     solved = check("--file", f"labs/{name}/solution.py")
     assert solved.returncode == 0 and solved.stdout.startswith("PASS"), solved.stdout + solved.stderr
@@ -46,8 +54,11 @@ def test_the_check_passes_on_the_solution_and_explains_the_untouched_exercise(na
 
 
 def test_a_wrong_answer_is_reported_with_the_first_difference(tmp_path):
-    wrong = (labs.LABS_DIR / "lab1_ddp" / "solution.py").read_text().replace(
-        "param.grad /= world_size", "param.grad /= 2 * world_size")
+    wrong = (
+        (labs.LABS_DIR / "lab1_ddp" / "solution.py")
+        .read_text()
+        .replace("param.grad /= world_size", "param.grad /= 2 * world_size")
+    )
     path = tmp_path / "attempt.py"
     path.write_text(wrong)
     passed, message = labs.check("lab1_ddp", path)

@@ -82,14 +82,24 @@ def test_refuses_to_fork_from_a_process_group_member():
     assert launch(_sum_of_ranks, 2, 0)[0][0] == 0  # and works again afterwards
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda: launch(_sum_of_ranks, 0, 0), "nprocs must be a whole number, 1 or more, got 0"),
-    (lambda: launch(_sum_of_ranks, "2", 0), "nprocs must be a whole number, got '2'"),
-    (lambda: launch("_sum_of_ranks", 2, 0), "fn must be a function to run on every rank, got str"),
-    (lambda: launch(_sum_of_ranks, 2, 0, backend="mpi"), "backend must be one of 'gloo', 'nccl', 'auto', got 'mpi'"),
-    (lambda: launch(_sum_of_ranks, 2, 0, timeout_s=float("nan")), "timeout_s must be a finite number above 0"),
-    (lambda: launch(_sum_of_ranks, 2, 0, timeout_s=-5), "timeout_s must be a finite number above 0"),
-], ids=["zero", "text", "not-a-function", "backend", "nan-timeout", "negative-timeout"])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: launch(_sum_of_ranks, 0, 0), "nprocs must be a whole number, 1 or more, got 0"),
+        (lambda: launch(_sum_of_ranks, "2", 0), "nprocs must be a whole number, got '2'"),
+        (lambda: launch("_sum_of_ranks", 2, 0), "fn must be a function to run on every rank, got str"),
+        (
+            lambda: launch(_sum_of_ranks, 2, 0, backend="mpi"),
+            "backend must be one of 'gloo', 'nccl', 'auto', got 'mpi'",
+        ),
+        (
+            lambda: launch(_sum_of_ranks, 2, 0, timeout_s=float("nan")),
+            "timeout_s must be a finite number above 0",
+        ),
+        (lambda: launch(_sum_of_ranks, 2, 0, timeout_s=-5), "timeout_s must be a finite number above 0"),
+    ],
+    ids=["zero", "text", "not-a-function", "backend", "nan-timeout", "negative-timeout"],
+)
 def test_bad_arguments_are_refused_before_any_process_starts(call, message):
     from course_lib.errors import UserError
 
@@ -101,8 +111,11 @@ def test_too_many_processes_for_the_machine_are_refused_and_sharing_is_explained
     from course_lib import launch as launcher
     from course_lib.errors import UserError
 
-    with pytest.raises(UserError, match=r"17 processes on 2 CPU core\(s\) would spend their time waiting .* use at "
-                                        r"most 16 here"):
+    with pytest.raises(
+        UserError,
+        match=r"17 processes on 2 CPU core\(s\) would spend their time waiting .* use at "
+        r"most 16 here",
+    ):
         launcher.check_process_count(17, cores=2)
     launcher._told_about_sharing = False
     launcher.check_process_count(4, cores=1)

@@ -7,7 +7,9 @@ from course_lib import memory, models, runtime
 from course_lib.launch import launch
 
 
-@pytest.mark.parametrize("stage, gigabytes", [("ddp", 120.0), ("zero1", 31.4), ("zero2", 16.6), ("zero3", 1.9)])
+@pytest.mark.parametrize(
+    "stage, gigabytes", [("ddp", 120.0), ("zero1", 31.4), ("zero2", 16.6), ("zero3", 1.9)]
+)
 def test_zero_paper_table(stage, gigabytes):
     """7.5B parameters on 64 GPUs with mixed-precision Adam (K = 12), as in the ZeRO paper's Figure 1."""
     total = memory.model_state_bytes(7.5e9, 64, stage, **memory.MIXED_PRECISION_ADAM).total
@@ -16,16 +18,24 @@ def test_zero_paper_table(stage, gigabytes):
 
 def test_traffic_model():
     assert memory.traffic_elements_per_rank(1000, 4, "ddp") == 2 * 3 / 4 * 1000
-    assert memory.traffic_elements_per_rank(1000, 4, "zero3") == 1.5 * memory.traffic_elements_per_rank(1000, 4, "zero1")
+    assert memory.traffic_elements_per_rank(1000, 4, "zero3") == 1.5 * memory.traffic_elements_per_rank(
+        1000, 4, "zero1"
+    )
     with pytest.raises(ValueError, match="unknown stage"):
         memory.traffic_elements_per_rank(1000, 4, "zero4")
 
 
 def test_which_strategy_fits():
-    # 7.5B parameters on 64 GPUs of 80 GB, 20% kept for activations: DDP's 120 GB cannot fit, ZeRO-1's 31.4 GB can
+    # 7.5B parameters on 64 GPUs of 80 GB, 20% kept for activations:
+    # DDP's 120 GB cannot fit, ZeRO-1's 31.4 GB can
     fits = memory.strategies_that_fit(7.5e9, 80e9, 64)
     assert fits == {"ddp": False, "zero1": True, "zero2": True, "zero3": True}
-    assert memory.strategies_that_fit(7.5e9, 16e9, 64) == {"ddp": False, "zero1": False, "zero2": False, "zero3": True}
+    assert memory.strategies_that_fit(7.5e9, 16e9, 64) == {
+        "ddp": False,
+        "zero1": False,
+        "zero2": False,
+        "zero3": True,
+    }
 
 
 def test_measured_bytes_of_a_single_process_adam_match_fp32_adam():

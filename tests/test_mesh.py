@@ -1,4 +1,4 @@
-"""The 3-D grid of ranks: documented groups for several shapes, and a 2x2x2 run that trains like one process."""
+"""The 3-D grid of ranks: documented groups for several shapes; a 2x2x2 run trains like one process."""
 
 from __future__ import annotations
 
@@ -10,17 +10,44 @@ from course_lib.parallel import mesh
 from course_lib.parallel.three_d import train_3d
 
 
-@pytest.mark.parametrize("world, degrees, expected", [
-    (8, dict(data=2, pipeline=2, tensor=2), {"tensor": [[0, 1], [2, 3], [4, 5], [6, 7]],
-                                             "data": [[0, 2], [1, 3], [4, 6], [5, 7]],
-                                             "pipeline": [[0, 4], [1, 5], [2, 6], [3, 7]]}),
-    (8, dict(data=4, tensor=2), {"tensor": [[0, 1], [2, 3], [4, 5], [6, 7]], "data": [[0, 2, 4, 6], [1, 3, 5, 7]],
-                                 "pipeline": [[r] for r in range(8)]}),
-    (4, dict(pipeline=4), {"tensor": [[0], [1], [2], [3]], "data": [[0], [1], [2], [3]], "pipeline": [[0, 1, 2, 3]]}),
-    (6, dict(data=3, pipeline=2), {"tensor": [[r] for r in range(6)], "data": [[0, 1, 2], [3, 4, 5]],
-                                   "pipeline": [[0, 3], [1, 4], [2, 5]]}),
-    (1, {}, {"tensor": [[0]], "data": [[0]], "pipeline": [[0]]}),
-])
+@pytest.mark.parametrize(
+    "world, degrees, expected",
+    [
+        (
+            8,
+            dict(data=2, pipeline=2, tensor=2),
+            {
+                "tensor": [[0, 1], [2, 3], [4, 5], [6, 7]],
+                "data": [[0, 2], [1, 3], [4, 6], [5, 7]],
+                "pipeline": [[0, 4], [1, 5], [2, 6], [3, 7]],
+            },
+        ),
+        (
+            8,
+            dict(data=4, tensor=2),
+            {
+                "tensor": [[0, 1], [2, 3], [4, 5], [6, 7]],
+                "data": [[0, 2, 4, 6], [1, 3, 5, 7]],
+                "pipeline": [[r] for r in range(8)],
+            },
+        ),
+        (
+            4,
+            dict(pipeline=4),
+            {"tensor": [[0], [1], [2], [3]], "data": [[0], [1], [2], [3]], "pipeline": [[0, 1, 2, 3]]},
+        ),
+        (
+            6,
+            dict(data=3, pipeline=2),
+            {
+                "tensor": [[r] for r in range(6)],
+                "data": [[0, 1, 2], [3, 4, 5]],
+                "pipeline": [[0, 3], [1, 4], [2, 5]],
+            },
+        ),
+        (1, {}, {"tensor": [[0]], "data": [[0]], "pipeline": [[0]]}),
+    ],
+)
 def test_grid_groups_are_the_documented_ones(world, degrees, expected):
     assert mesh.grid_groups(world, **degrees) == expected
 
@@ -44,7 +71,9 @@ def _mesh_in_processes(degrees: dict):
     return grid.coordinates, {axis: grid.ranks(axis) for axis in mesh.AXES}
 
 
-@pytest.mark.parametrize("degrees", [dict(data=2, tensor=2), dict(pipeline=2, tensor=2), dict(data=2, pipeline=2)])
+@pytest.mark.parametrize(
+    "degrees", [dict(data=2, tensor=2), dict(pipeline=2, tensor=2), dict(data=2, pipeline=2)]
+)
 def test_the_process_groups_are_those_of_the_grid(degrees):
     expected = mesh.grid_groups(4, **degrees)
     full = {"data": 1, "pipeline": 1, "tensor": 1} | degrees
@@ -67,14 +96,34 @@ def test_a_2x2x2_run_on_8_processes_matches_one_process(single_losses):
 
 
 def test_other_grids_and_schedules_match_one_process(single_losses):
-    losses = launch(train_3d, 4, data_degree=1, pipeline=2, tensor=2, steps=20, global_batch=16,
-                    microbatches=4, schedule="gpipe")[0]  # pipeline x tensor, 4 micro-batches
+    losses = launch(
+        train_3d,
+        4,
+        data_degree=1,
+        pipeline=2,
+        tensor=2,
+        steps=20,
+        global_batch=16,
+        microbatches=4,
+        schedule="gpipe",
+    )[0]  # pipeline x tensor, 4 micro-batches
     assert losses == pytest.approx(single_losses, rel=1e-5)
 
 
 def _refused(*arguments):
-    names = ("data_degree", "pipeline", "tensor", "steps", "global_batch", "microbatches", "schedule", "lr", "seq_len",
-             "d_model", "n_heads")
+    names = (
+        "data_degree",
+        "pipeline",
+        "tensor",
+        "steps",
+        "global_batch",
+        "microbatches",
+        "schedule",
+        "lr",
+        "seq_len",
+        "d_model",
+        "n_heads",
+    )
     try:
         train_3d(**dict(zip(names, arguments)))
     except UserError as error:
@@ -82,11 +131,20 @@ def _refused(*arguments):
     return "no error"
 
 
-@pytest.mark.parametrize("arguments, message", [
-    ((2, 2, 2), "data 2 x pipeline 2 x tensor 2 = 8 ranks, but 4 were started"),
-    ((1, 1, 4, 20, 16, 2, "1f1b", 3e-3, 32, 60, 6), "tensor-parallel degree 4 does not divide the attention heads (6)"),
-    ((4, 1, 1, 20, 18), "the global batch of 18 must split into 4 data-parallel parts of 2 micro-batches"),
-])
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        ((2, 2, 2), "data 2 x pipeline 2 x tensor 2 = 8 ranks, but 4 were started"),
+        (
+            (1, 1, 4, 20, 16, 2, "1f1b", 3e-3, 32, 60, 6),
+            "tensor-parallel degree 4 does not divide the attention heads (6)",
+        ),
+        (
+            (4, 1, 1, 20, 18),
+            "the global batch of 18 must split into 4 data-parallel parts of 2 micro-batches",
+        ),
+    ],
+)
 def test_bad_grids_are_refused_on_every_rank_before_waiting(arguments, message):
     errors = launch(_refused, 4, *arguments, timeout_s=60)
     assert all(message in error for error in errors), errors[0]
@@ -100,10 +158,18 @@ def test_the_3d_command_prints_both_curves_and_refuses_a_bad_grid(tmp_path):
     from conftest import REPO, clean_env
 
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "course_lib.tools.three_d", *args], cwd=REPO,
-                              env=clean_env(), capture_output=True, text=True, timeout=300)
+        return subprocess.run(
+            [sys.executable, "-m", "course_lib.tools.three_d", *args],
+            cwd=REPO,
+            env=clean_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
 
-    shown = run("--data", "1", "--pipeline", "2", "--tensor", "1", "--steps", "3", "--plot", str(tmp_path / "l.png"))
+    shown = run(
+        "--data", "1", "--pipeline", "2", "--tensor", "1", "--steps", "3", "--plot", str(tmp_path / "l.png")
+    )
     assert shown.returncode == 0, shown.stderr
     result = json.loads(shown.stdout)
     assert result["max_difference"] < 1e-4 and len(result["grid_loss"]) == 3

@@ -5,14 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from course_lib import comm, data, models, runtime
+from course_lib import data, models, runtime
 from course_lib.errors import UserError
 from course_lib.launch import launch
 from course_lib.parallel import pipeline as pp
 from course_lib.tools import plots
 
-CASES = [(schedule, p, m, 1) for schedule in ("gpipe", "1f1b") for p in (2, 4) for m in (4, 8)] + \
-        [("interleaved_1f1b", p, m, 2) for p in (2, 4) for m in (4, 8)]
+CASES = [(schedule, p, m, 1) for schedule in ("gpipe", "1f1b") for p in (2, 4) for m in (4, 8)] + [
+    ("interleaved_1f1b", p, m, 2) for p in (2, 4) for m in (4, 8)
+]
 SEQ, D_MODEL, LAYERS, BATCH = 16, 32, 6, 8  # 8 pipeline entries: embedding, 6 blocks, head
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 
@@ -22,7 +23,9 @@ def test_schedules_are_valid_and_hold_the_activations_theory_says(schedule, p, m
     actions = pp.build_schedule(schedule, p, m, virtual_stages=v)
     pp.check_schedule(actions, p, m, virtual_stages=v)  # complete, causal, matched, deadlock-free
     for rank in range(p):
-        assert pp.peak_in_flight(actions[rank]) == pp.peak_activations_theory(schedule, p, m, rank, virtual_stages=v)
+        assert pp.peak_in_flight(actions[rank]) == pp.peak_activations_theory(
+            schedule, p, m, rank, virtual_stages=v
+        )
     if schedule == "gpipe":
         assert all(pp.peak_in_flight(actions[r]) == m for r in range(p))  # GPipe keeps all m
     if schedule == "1f1b":
@@ -35,8 +38,10 @@ def test_schedules_are_valid_and_hold_the_activations_theory_says(schedule, p, m
 def test_a_schedule_is_readable():
     shown = [" ".join(map(str, actions)) for actions in pp.build_schedule("1f1b", 2, 3).values()]
     assert shown == [
-        "F0.0 SEND_F1.0->1 F0.1 SEND_F1.1->1 RECV_B0.0<-1 B0.0 F0.2 SEND_F1.2->1 RECV_B0.1<-1 B0.1 RECV_B0.2<-1 B0.2",
-        "RECV_F1.0<-0 F1.0 B1.0 SEND_B0.0->0 RECV_F1.1<-0 F1.1 B1.1 SEND_B0.1->0 RECV_F1.2<-0 F1.2 B1.2 SEND_B0.2->0",
+        "F0.0 SEND_F1.0->1 F0.1 SEND_F1.1->1 RECV_B0.0<-1 B0.0 F0.2 SEND_F1.2->1 RECV_B0.1<-1 B0.1 "
+        "RECV_B0.2<-1 B0.2",
+        "RECV_F1.0<-0 F1.0 B1.0 SEND_B0.0->0 RECV_F1.1<-0 F1.1 B1.1 SEND_B0.1->0 RECV_F1.2<-0 F1.2 B1.2 "
+        "SEND_B0.2->0",
     ]
 
 
@@ -58,7 +63,9 @@ def test_broken_schedules_are_caught():
 def _model_and_batch():
     inputs, targets, vocabulary = data.zen_windows(SEQ)
     torch.manual_seed(0)
-    model = models.TinyTransformer(len(vocabulary), d_model=D_MODEL, n_heads=4, n_layers=LAYERS, max_seq_len=SEQ)
+    model = models.TinyTransformer(
+        len(vocabulary), d_model=D_MODEL, n_heads=4, n_layers=LAYERS, max_seq_len=SEQ
+    )
     return model, inputs[:BATCH], targets[:BATCH]
 
 
@@ -89,16 +96,26 @@ def single():
     return launch(_single_grads, 1)[0]
 
 
-@pytest.mark.parametrize("schedule, p, m, v", [("gpipe", 2, 4, 1), ("1f1b", 2, 4, 1), ("gpipe", 4, 8, 1),
-                                               ("1f1b", 4, 8, 1), ("interleaved_1f1b", 2, 4, 2),
-                                               ("interleaved_1f1b", 4, 4, 2)])
+@pytest.mark.parametrize(
+    "schedule, p, m, v",
+    [
+        ("gpipe", 2, 4, 1),
+        ("1f1b", 2, 4, 1),
+        ("gpipe", 4, 8, 1),
+        ("1f1b", 4, 8, 1),
+        ("interleaved_1f1b", 2, 4, 2),
+        ("interleaved_1f1b", 4, 4, 2),
+    ],
+)
 def test_executor_gradients_equal_one_process(schedule, p, m, v, single):
     expected_loss, expected_grads = single
     ranks = launch(_course_pipeline, p, schedule, m, v)
     grads = {}
-    for rank, (loss, rank_grads, peak) in enumerate(ranks):
+    for rank, (_loss, rank_grads, peak) in enumerate(ranks):
         grads.update(rank_grads)
-        assert peak == pp.peak_activations_theory(schedule, p, m, rank, virtual_stages=v)  # measured while running
+        assert peak == pp.peak_activations_theory(
+            schedule, p, m, rank, virtual_stages=v
+        )  # measured while running
     torch.testing.assert_close(ranks[p - 1][0], expected_loss, **TOLERANCE)  # the last stage's rank
     assert sorted(grads) == sorted(expected_grads)  # every parameter lives on exactly one rank
     for name, grad in grads.items():
@@ -106,7 +123,12 @@ def test_executor_gradients_equal_one_process(schedule, p, m, v, single):
 
 
 def _torch_pipeline(schedule: str, m: int, v: int):
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
 
     model, inputs, targets = _model_and_batch()
     p, rank = runtime.world_size(), runtime.rank()
@@ -116,13 +138,17 @@ def _torch_pipeline(schedule: str, m: int, v: int):
     if schedule == "interleaved_1f1b":
         runner = ScheduleInterleaved1F1B(torch_stages, m, loss_fn=models.lm_loss)
     else:
-        runner = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](torch_stages[0], m, loss_fn=models.lm_loss)
+        runner = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](
+            torch_stages[0], m, loss_fn=models.lm_loss
+        )
     losses = []
     runner.step(inputs if 0 in mine else None, target=targets if p * v - 1 in mine else None, losses=losses)
     return _named_grads(model, [stages[s] for s in mine])
 
 
-@pytest.mark.parametrize("schedule, p, m, v", [("gpipe", 2, 4, 1), ("1f1b", 4, 8, 1), ("interleaved_1f1b", 2, 4, 2)])
+@pytest.mark.parametrize(
+    "schedule, p, m, v", [("gpipe", 2, 4, 1), ("1f1b", 4, 8, 1), ("interleaved_1f1b", 2, 4, 2)]
+)
 def test_course_pipeline_equals_torch_pipelining(schedule, p, m, v):
     ours, theirs = {}, {}
     for rank_result in launch(_course_pipeline, p, schedule, m, v):
@@ -149,7 +175,9 @@ def _events():
     model, inputs, targets = _model_and_batch()
     p, rank = runtime.world_size(), runtime.rank()
     stages = pp.split_model(model, p)
-    executor = pp.PipelineExecutor({rank: stages[rank]}, p, "1f1b", 4, models.lm_loss, (BATCH // 4, SEQ, D_MODEL))
+    executor = pp.PipelineExecutor(
+        {rank: stages[rank]}, p, "1f1b", 4, models.lm_loss, (BATCH // 4, SEQ, D_MODEL)
+    )
     executor.step(inputs, targets)
     assert 0 <= executor.stats.bubble_fraction < 1
     return executor.stats.events
@@ -186,12 +214,27 @@ def _uneven_batch():
 def test_pipeline_benchmark_prints_the_promised_json():
     from conftest import run_bench
 
-    rows = run_bench("pipeline", "--stages", "2", "--d-model", "16", "--seq", "8", "--batch", "8", "--steps", "1",
-                     "--warmup", "0")["rows"]
-    assert [(r["schedule"], r["microbatches"]) for r in rows] == \
-        [(s, m) for s in ("gpipe", "1f1b", "interleaved_1f1b") for m in (4, 8)]
+    rows = run_bench(
+        "pipeline",
+        "--stages",
+        "2",
+        "--d-model",
+        "16",
+        "--seq",
+        "8",
+        "--batch",
+        "8",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+    )["rows"]
+    assert [(r["schedule"], r["microbatches"]) for r in rows] == [
+        (s, m) for s in ("gpipe", "1f1b", "interleaved_1f1b") for m in (4, 8)
+    ]
     for row in rows:
         assert row["peak_activations_measured"] == row["peak_activations_theory"]
         assert 0 <= row["bubble_measured"] < 1 and row["bubble_theory"] == pytest.approx(
-            pp.bubble_fraction_theory(2, row["microbatches"], virtual_stages=row["virtual_stages"]))
+            pp.bubble_fraction_theory(2, row["microbatches"], virtual_stages=row["virtual_stages"])
+        )
         assert row["ratio"] > 0

@@ -13,12 +13,29 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, clean_env, latest_weights
 from course_lib.errors import EXIT_REQUEUE
 
-TRAINING = ["-m", "course_lib.train", "--strategy", "ddp", "--dataset", "synthetic", "--model", "cifar_cnn",
-            "--epochs", "2", "--global-batch-size", "64", "--checkpoint-every", "8", "--resume", "latest",
-            "--no-progress"]
+from conftest import REPO, clean_env, latest_weights
+
+TRAINING = [
+    "-m",
+    "course_lib.train",
+    "--strategy",
+    "ddp",
+    "--dataset",
+    "synthetic",
+    "--model",
+    "cifar_cnn",
+    "--epochs",
+    "2",
+    "--global-batch-size",
+    "64",
+    "--checkpoint-every",
+    "8",
+    "--resume",
+    "latest",
+    "--no-progress",
+]
 TORCHRUN = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2"]
 
 
@@ -39,8 +56,14 @@ def _wait_for(predicate, timeout: float = 120, what: str = "") -> None:
 
 
 def _start(checkpoint_dir: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([*TORCHRUN, *extra, *TRAINING, "--checkpoint-dir", str(checkpoint_dir)], cwd=REPO,
-                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [*TORCHRUN, *extra, *TRAINING, "--checkpoint-dir", str(checkpoint_dir)],
+        cwd=REPO,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +84,9 @@ def test_a_stop_signal_checkpoints_exits_3_and_the_rerun_ends_identical(tmp_path
         os.kill(worker, signal.SIGUSR1)
     output, _ = process.communicate(timeout=120)
     assert "stopped by SIGUSR1 after step" in output and "rerun with --resume latest" in output
-    assert process.returncode != 0 and re.search(rf"exitcode\s*:\s*{EXIT_REQUEUE}\b", output), output  # "requeue me"
+    assert process.returncode != 0 and re.search(rf"exitcode\s*:\s*{EXIT_REQUEUE}\b", output), (
+        output
+    )  # "requeue me"
     stopped_at, _ = latest_weights(tmp_path)
     assert stopped_at not in ("step-00000008", uninterrupted[0])  # a checkpoint of the step it stopped at
 

@@ -14,15 +14,31 @@ def test_plain_process_is_rank_zero_of_one():
 
 
 def test_torchrun_variables():
-    env = resolve_environment({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "2",
-                               "MASTER_ADDR": "node7", "MASTER_PORT": "29500"})
+    env = resolve_environment(
+        {
+            "RANK": "3",
+            "LOCAL_RANK": "1",
+            "WORLD_SIZE": "8",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "node7",
+            "MASTER_PORT": "29500",
+        }
+    )
     assert (env.rank, env.local_rank, env.world_size, env.local_world_size) == (3, 1, 8, 2)
     assert (env.master_addr, env.master_port, env.launcher) == ("node7", 29500, "torchrun")
 
 
 def test_srun_one_task_per_gpu():
-    env = resolve_environment({"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8", "SLURM_NNODES": "2",
-                               "SLURM_JOB_NODELIST": "nid[001234-001235]", "SLURM_JOB_ID": "123456"})
+    env = resolve_environment(
+        {
+            "SLURM_PROCID": "5",
+            "SLURM_LOCALID": "1",
+            "SLURM_NTASKS": "8",
+            "SLURM_NNODES": "2",
+            "SLURM_JOB_NODELIST": "nid[001234-001235]",
+            "SLURM_JOB_ID": "123456",
+        }
+    )
     assert (env.rank, env.local_rank, env.world_size, env.local_world_size) == (5, 1, 8, 4)
     assert env.master_addr == "nid001234"
     assert env.master_port == runtime.SLURM_PORT_BASE + 123456 % runtime.SLURM_PORT_SPAN
@@ -30,22 +46,39 @@ def test_srun_one_task_per_gpu():
 
 
 def test_srun_respects_explicit_master():
-    env = resolve_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "a,b",
-                               "MASTER_ADDR": "login1", "MASTER_PORT": "1234"})
+    env = resolve_environment(
+        {
+            "SLURM_PROCID": "0",
+            "SLURM_NTASKS": "2",
+            "SLURM_JOB_NODELIST": "a,b",
+            "MASTER_ADDR": "login1",
+            "MASTER_PORT": "1234",
+        }
+    )
     assert (env.master_addr, env.master_port) == ("login1", 1234)
 
 
 def test_torchrun_inside_slurm_wins_over_inherited_procid():
     # Every torchrun child inherits SLURM_PROCID=0 from the batch step; RANK must win.
-    env = resolve_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_NODELIST": "n1",
-                               "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
-                               "MASTER_ADDR": "n1", "MASTER_PORT": "29400"})
+    env = resolve_environment(
+        {
+            "SLURM_PROCID": "0",
+            "SLURM_NTASKS": "1",
+            "SLURM_JOB_NODELIST": "n1",
+            "RANK": "1",
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": "1",
+            "MASTER_ADDR": "n1",
+            "MASTER_PORT": "29400",
+        }
+    )
     assert (env.rank, env.world_size, env.launcher) == (1, 2, "torchrun")
 
 
 def test_batch_script_without_srun_is_a_single_process():
-    env = resolve_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "1",
-                               "SLURM_JOB_NODELIST": "n1"})
+    env = resolve_environment(
+        {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "1", "SLURM_JOB_NODELIST": "n1"}
+    )
     assert (env.rank, env.world_size, env.launcher) == (0, 1, "single")
 
 
@@ -63,13 +96,16 @@ def test_rank_outside_world_and_missing_master():
         resolve_environment({"RANK": "zero", "WORLD_SIZE": "2"})
 
 
-@pytest.mark.parametrize("nodelist, first", [
-    ("nid001234", "nid001234"),
-    ("nid[001234-001237,001240]", "nid001234"),
-    ("node[7,9]", "node7"),
-    ("a1,b2", "a1"),
-    ("gpu-[03-04]", "gpu-03"),
-])
+@pytest.mark.parametrize(
+    "nodelist, first",
+    [
+        ("nid001234", "nid001234"),
+        ("nid[001234-001237,001240]", "nid001234"),
+        ("node[7,9]", "node7"),
+        ("a1,b2", "a1"),
+        ("gpu-[03-04]", "gpu-03"),
+    ],
+)
 def test_first_slurm_host(nodelist, first):
     assert first_slurm_host(nodelist) == first
 

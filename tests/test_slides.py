@@ -26,7 +26,15 @@ from course_lib.tools import figures, slides
 from conftest import REPO
 
 DECKS = slides.decks()
-LECTURES = ["why-distributed", "data-parallel", "zero-fsdp", "tensor-pipeline-3d", "communication", "slurm", "lab"]
+LECTURES = [
+    "why-distributed",
+    "data-parallel",
+    "zero-fsdp",
+    "tensor-pipeline-3d",
+    "communication",
+    "slurm",
+    "lab",
+]
 
 
 def test_there_is_one_deck_per_lecture_in_order():
@@ -47,15 +55,26 @@ def test_every_deck_is_configured_to_work_offline(deck):
 
 
 def test_the_decks_show_every_figure_the_code_draws_and_nothing_else():
-    shown = {Path(image).name for deck in DECKS for slide in slides.split_slides(deck.read_text())
-             for image in slides.referenced_images(slide)}
+    shown = {
+        Path(image).name
+        for deck in DECKS
+        for slide in slides.split_slides(deck.read_text())
+        for image in slides.referenced_images(slide)
+    }
     drawn = {f"{name}.png" for name in figures.FIGURES}
-    assert shown == drawn, f"shown but not drawn: {sorted(shown - drawn)}, drawn but not shown: {sorted(drawn - shown)}"
+    assert shown == drawn, (
+        f"shown but not drawn: {sorted(shown - drawn)}, drawn but not shown: {sorted(drawn - shown)}"
+    )
 
 
 def test_the_decks_quote_real_code_regions():
-    imports = [text for deck in DECKS for slide in slides.split_slides(deck.read_text())
-               for _, text in slide.content if text.startswith("<<< @/course_lib/")]
+    imports = [
+        text
+        for deck in DECKS
+        for slide in slides.split_slides(deck.read_text())
+        for _, text in slide.content
+        if text.startswith("<<< @/course_lib/")
+    ]
     assert len(imports) >= 5
 
 
@@ -124,7 +143,9 @@ def test_an_image_from_the_internet_is_refused(tmp_path):
 
 
 def test_a_snippet_that_no_longer_runs_fails_with_its_slide_and_line(tmp_path):
-    deck = _deck(tmp_path, """\
+    deck = _deck(
+        tmp_path,
+        """\
         # two
 
         ```python
@@ -138,7 +159,8 @@ def test_a_snippet_that_no_longer_runs_fails_with_its_slide_and_line(tmp_path):
         ```python
         memory.model_state_bytes(1e9, world_size=4, stage="zero4")
         ```
-        """)
+        """,
+    )
     [problem] = slides.check_deck(deck)
     assert "09-broken.md, slide 3: the python block at line 20 failed: ValueError" in problem
     assert "unknown stage 'zero4'" in problem
@@ -146,7 +168,9 @@ def test_a_snippet_that_no_longer_runs_fails_with_its_slide_and_line(tmp_path):
 
 
 def test_a_snippet_that_hangs_is_stopped_with_the_processes_it_started(tmp_path):
-    deck = _deck(tmp_path, """\
+    deck = _deck(
+        tmp_path,
+        """\
         # two
 
         ```python
@@ -155,7 +179,8 @@ def test_a_snippet_that_hangs_is_stopped_with_the_processes_it_started(tmp_path)
 
         launch(time.sleep, 2, 600)
         ```
-        """)
+        """,
+    )
     started = time.monotonic()
     [problem] = slides.run_python_blocks(deck, slides.split_slides(deck.read_text()), timeout_s=8)
     assert time.monotonic() - started < 60
@@ -165,13 +190,16 @@ def test_a_snippet_that_hangs_is_stopped_with_the_processes_it_started(tmp_path)
 
 
 def test_a_code_import_of_a_missing_region_or_file_is_named(tmp_path):
-    deck = _deck(tmp_path, """\
+    deck = _deck(
+        tmp_path,
+        """\
         # two
 
         <<< @/course_lib/comm.py#no-such-region python
 
         <<< @/course_lib/no_such_file.py python
-        """)
+        """,
+    )
     problems = slides.check_deck(deck)
     assert len(problems) == 2
     assert "slide 2: code import @/course_lib/comm.py#no-such-region" in problems[0]
@@ -180,7 +208,9 @@ def test_a_code_import_of_a_missing_region_or_file_is_named(tmp_path):
 
 
 def test_a_command_line_the_tool_refuses_is_named_with_slide_and_line(tmp_path):
-    deck = _deck(tmp_path, """\
+    deck = _deck(
+        tmp_path,
+        """\
         # two
 
         ```bash
@@ -189,22 +219,36 @@ def test_a_command_line_the_tool_refuses_is_named_with_slide_and_line(tmp_path):
         sbatch slurm/no_such_job.sbatch
         python -m course_lib.tools.study submit --gpus 1 2 --strategies ddp
         ```
-        """)
+        """,
+    )
     problems = slides.check_deck(deck)
     assert len(problems) == 2, problems
-    assert "09-broken.md, slide 2, line 12: `python -m course_lib.train` refuses this command line" in problems[0]
+    assert (
+        "09-broken.md, slide 2, line 12: `python -m course_lib.train` refuses this command line"
+        in problems[0]
+    )
     assert "--global-batch-sise" in problems[0]
     assert "slide 2, line 14: slurm/no_such_job.sbatch does not exist" in problems[1]
 
 
 def test_the_check_command_exits_non_zero_and_names_the_problem(tmp_path):
     deck = _deck(tmp_path, "# two\n\n![gone](/images/gone.png)\n")
-    shown = subprocess.run([sys.executable, "-m", "course_lib.tools.slides", "check", str(deck)], cwd=REPO,
-                           capture_output=True, text=True, timeout=120)
+    shown = subprocess.run(
+        [sys.executable, "-m", "course_lib.tools.slides", "check", str(deck)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert shown.returncode == 1
     assert "FAIL" in shown.stdout and "slide 2: image /images/gone.png does not exist" in shown.stderr
-    missing = subprocess.run([sys.executable, "-m", "course_lib.tools.slides", "check", "slides/99-nothing.md"],
-                             cwd=REPO, capture_output=True, text=True, timeout=120)
+    missing = subprocess.run(
+        [sys.executable, "-m", "course_lib.tools.slides", "check", "slides/99-nothing.md"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert missing.returncode == 2 and "no such deck" in missing.stderr
 
 
@@ -215,19 +259,30 @@ def _offline_prefix() -> list[str]:
     probe = subprocess.run([*prefix, "true"], capture_output=True, text=True)
     assert probe.returncode == 0, (
         "the slides are built in a network namespace to prove they need no network, and this machine cannot "
-        f"create one ({probe.stderr.strip()}); run `make test-fast` to leave the slides out")
+        f"create one ({probe.stderr.strip()}); run `make test-fast` to leave the slides out"
+    )
     return prefix
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """Every deck built and exported (PDF and PNG) by `make slides-build`, with no network."""
-    setup = subprocess.run(["make", "--no-print-directory", "slides-setup"], cwd=REPO, capture_output=True,
-                           text=True, timeout=600)
+    setup = subprocess.run(
+        ["make", "--no-print-directory", "slides-setup"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert setup.returncode == 0, setup.stdout + setup.stderr
     out = tmp_path_factory.mktemp("slides")
-    build = subprocess.run([*_offline_prefix(), "make", "--no-print-directory", "slides-build", f"SLIDES_OUT={out}"],
-                           cwd=REPO, capture_output=True, text=True, timeout=1200)
+    build = subprocess.run(
+        [*_offline_prefix(), "make", "--no-print-directory", "slides-build", f"SLIDES_OUT={out}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
     return out
 
@@ -244,7 +299,9 @@ def test_every_deck_builds_offline_into_a_static_site(built):
         assert "./assets/" in page.read_text()  # relative links: the folder can be served from anywhere
     index = (built / "site" / "index.html").read_text()
     for deck in DECKS:
-        title = next(line for line in slides.split_slides(deck.read_text())[0].frontmatter if line.startswith("title:"))
+        title = next(
+            line for line in slides.split_slides(deck.read_text())[0].frontmatter if line.startswith("title:")
+        )
         assert f'<a href="{deck.stem}/">{title.split(":", 1)[1].strip().strip(chr(34))}</a>' in index
 
 
@@ -252,7 +309,9 @@ def test_every_deck_builds_offline_into_a_static_site(built):
 def test_the_export_has_one_page_per_slide(built):
     assert shutil.which("pdfinfo"), "counting PDF pages needs pdfinfo: apt-get install poppler-utils"
     for deck in DECKS:
-        info = subprocess.run(["pdfinfo", str(built / "pdf" / f"{deck.stem}.pdf")], capture_output=True, text=True)
+        info = subprocess.run(
+            ["pdfinfo", str(built / "pdf" / f"{deck.stem}.pdf")], capture_output=True, text=True
+        )
         pages = int(next(line.split()[-1] for line in info.stdout.splitlines() if line.startswith("Pages:")))
         pngs = list((built / "png" / deck.stem).glob("*.png"))
         assert pages == len(pngs) == _slide_count(deck), deck.name
@@ -264,14 +323,18 @@ def test_rendered_pages_are_not_blank(built):
 
     looked_at = 0
     for deck in DECKS:
-        with_images = {slide.number for slide in slides.split_slides(deck.read_text()) if slides.referenced_images(slide)}
+        with_images = {
+            slide.number for slide in slides.split_slides(deck.read_text()) if slides.referenced_images(slide)
+        }
         for number in {1} | with_images:
             page = Image.open(built / "png" / deck.stem / f"{number}.png").convert("L")
             histogram = page.histogram()
             dark = sum(histogram[:200]) / sum(histogram)  # ink: anything clearly darker than the background
             assert dark > 0.005, f"{deck.name} slide {number} looks blank ({dark:.2%} ink)"
             if number in with_images:  # a figure brings many shades, text alone a few
-                assert sum(1 for count in histogram if count) > 100, f"{deck.name} slide {number}: no figure drawn"
+                assert sum(1 for count in histogram if count) > 100, (
+                    f"{deck.name} slide {number}: no figure drawn"
+                )
             looked_at += 1
     assert looked_at >= len(DECKS) + len(figures.FIGURES)
 
@@ -292,12 +355,21 @@ def test_the_built_decks_request_nothing_outside_the_machine_and_every_slide_fit
     for deck in DECKS:
         shown = subprocess.run(
             ["node", "check-built-decks.mjs", chromium, f"{served}/{deck.stem}/", str(_slide_count(deck))],
-            cwd=REPO / "slides", capture_output=True, text=True, timeout=300)
+            cwd=REPO / "slides",
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert shown.returncode == 0, shown.stderr
         report = json.loads(shown.stdout)
         assert report["requests"] == [], f"{deck.name} fetched from outside: {report['requests']}"
         assert report["brokenImages"] == [], f"{deck.name}: {report['brokenImages']}"
         assert report["overflows"] == [], f"{deck.name}: content cut off: {report['overflows']}"
-        expected = sorted((slide.number, Path(image).name) for slide in slides.split_slides(deck.read_text())
-                          for image in slides.referenced_images(slide))
-        assert sorted((image["slide"], Path(image["src"]).name) for image in report["loadedImages"]) == expected
+        expected = sorted(
+            (slide.number, Path(image).name)
+            for slide in slides.split_slides(deck.read_text())
+            for image in slides.referenced_images(slide)
+        )
+        assert (
+            sorted((image["slide"], Path(image["src"]).name) for image in report["loadedImages"]) == expected
+        )

@@ -41,15 +41,28 @@ def cluster(tmp_path_factory):
 
 def _job_env(results: Path, **settings: str) -> dict[str, str]:
     env = {key: value for key, value in os.environ.items() if not key.startswith(("SLURM_", "COURSE_"))}
-    env.update(COURSE_CLUSTER="local", COURSE_DATASET="digits", COURSE_MODEL="digits_cnn", COURSE_EPOCHS="1",
-               COURSE_GLOBAL_BATCH="64", COURSE_RESULTS=str(results), COURSE_EXTRA_ARGS="--max-steps 3")
+    env.update(
+        COURSE_CLUSTER="local",
+        COURSE_DATASET="digits",
+        COURSE_MODEL="digits_cnn",
+        COURSE_EPOCHS="1",
+        COURSE_GLOBAL_BATCH="64",
+        COURSE_RESULTS=str(results),
+        COURSE_EXTRA_ARGS="--max-steps 3",
+    )
     env.update(settings)
     return env
 
 
 def _sbatch(script: str, env: dict, output: Path, *options: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["sbatch", "--parsable", f"--output={output}", *options, f"slurm/{script}.sbatch"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        ["sbatch", "--parsable", f"--output={output}", *options, f"slurm/{script}.sbatch"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def _job_state(job_id: str) -> str:
@@ -99,22 +112,35 @@ TWO_TASKS = ("--ntasks-per-node=2", "--gpus-per-node=2")
 
 
 def test_a_preempted_job_checkpoints_requeues_resumes_and_ends_identical(cluster, tmp_path):
-    longer = dict(COURSE_DATASET="synthetic", COURSE_MODEL="cifar_cnn", COURSE_EPOCHS="2",
-                  COURSE_EXTRA_ARGS="--checkpoint-every 8")
-    state, output = _submit_and_wait("ddp_1node", _job_env(tmp_path / "straight", COURSE_RUN_NAME="run", **longer),
-                                     tmp_path / "straight-%j.out", *TWO_TASKS)
+    longer = dict(
+        COURSE_DATASET="synthetic",
+        COURSE_MODEL="cifar_cnn",
+        COURSE_EPOCHS="2",
+        COURSE_EXTRA_ARGS="--checkpoint-every 8",
+    )
+    state, output = _submit_and_wait(
+        "ddp_1node",
+        _job_env(tmp_path / "straight", COURSE_RUN_NAME="run", **longer),
+        tmp_path / "straight-%j.out",
+        *TWO_TASKS,
+    )
     assert state == "COMPLETED", output
     expected_step, expected = latest_weights(tmp_path / "straight" / "ckpt" / "run")
 
     results = tmp_path / "preempted"
-    submitted = _sbatch("ddp_1node", _job_env(results, COURSE_RUN_NAME="run", **longer), tmp_path / "preempted.out",
-                        *TWO_TASKS)
+    submitted = _sbatch(
+        "ddp_1node",
+        _job_env(results, COURSE_RUN_NAME="run", **longer),
+        tmp_path / "preempted.out",
+        *TWO_TASKS,
+    )
     job_id = submitted.stdout.strip().split(";")[0]
     checkpoints = results / "ckpt" / "run"
     deadline = time.monotonic() + 240
     while not (checkpoints / "step-00000008").is_dir():
-        assert time.monotonic() < deadline and _job_state(job_id) in ("PENDING", "RUNNING", "CONFIGURING"), \
-            (tmp_path / "preempted.out").read_text()
+        assert time.monotonic() < deadline and _job_state(job_id) in ("PENDING", "RUNNING", "CONFIGURING"), (
+            tmp_path / "preempted.out"
+        ).read_text()
         time.sleep(0.2)
     # what --signal=B:USR1@120 does before the time limit, now
     subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True)
@@ -135,8 +161,14 @@ def test_the_scaling_study_runs_collects_a_failed_run_and_plots(cluster, tmp_pat
     results = tmp_path / "study"
 
     def scaling(*args):
-        return subprocess.run([sys.executable, "-m", "course_lib.tools.study", *args, "--results", str(results)],
-                              cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        return subprocess.run(
+            [sys.executable, "-m", "course_lib.tools.study", *args, "--results", str(results)],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
 
     # A global batch that splits over 8 ranks is refused up front, before any job is submitted.
     refused = scaling("submit", "--gpus", "1", "8", "--global-batch-size", "60")
@@ -145,21 +177,48 @@ def test_the_scaling_study_runs_collects_a_failed_run_and_plots(cluster, tmp_pat
 
     # The 8-rank run is cancelled as soon as it is submitted (as a time limit or an operator would):
     # collect must list it as failed and tabulate the others.
-    submitted = scaling("submit", "--gpus", "1", "2", "4", "8", "--strategies", "ddp", "--gpus-per-node", "4",
-                        "--dataset", "digits", "--model", "digits_cnn", "--epochs", "2", "--global-batch-size", "64")
+    submitted = scaling(
+        "submit",
+        "--gpus",
+        "1",
+        "2",
+        "4",
+        "8",
+        "--strategies",
+        "ddp",
+        "--gpus-per-node",
+        "4",
+        "--dataset",
+        "digits",
+        "--model",
+        "digits_cnn",
+        "--epochs",
+        "2",
+        "--global-batch-size",
+        "64",
+    )
     assert submitted.returncode == 0, submitted.stderr
     plan = json.loads((results / "study.json").read_text())
-    assert [(r["name"], r["nodes"], r["tasks_per_node"]) for r in plan["runs"]] == \
-        [("ddp-1", 1, 1), ("ddp-2", 1, 2), ("ddp-4", 1, 4), ("ddp-8", 2, 4)]
+    assert [(r["name"], r["nodes"], r["tasks_per_node"]) for r in plan["runs"]] == [
+        ("ddp-1", 1, 1),
+        ("ddp-2", 1, 2),
+        ("ddp-4", 1, 4),
+        ("ddp-8", 2, 4),
+    ]
     subprocess.run(["scancel", plan["runs"][-1]["job_id"]], check=True)
     for run in plan["runs"]:
         _wait(run["job_id"])
     collected = scaling("collect")
     assert collected.returncode == 0, collected.stderr
-    assert "failed or missing: ddp-8: no metrics (exit status: no status; see ddp-8-*.out)" in collected.stderr
+    assert (
+        "failed or missing: ddp-8: no metrics (exit status: no status; see ddp-8-*.out)" in collected.stderr
+    )
     rows = (results / "scaling.csv").read_text().splitlines()
-    assert rows[0].startswith("run,strategy,world_size") and [r.split(",")[0] for r in rows[1:]] == \
-        ["ddp-1", "ddp-2", "ddp-4"]
+    assert rows[0].startswith("run,strategy,world_size") and [r.split(",")[0] for r in rows[1:]] == [
+        "ddp-1",
+        "ddp-2",
+        "ddp-4",
+    ]
     plotted = scaling("plot")
     assert plotted.returncode == 0, plotted.stderr
     assert (results / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -169,20 +228,38 @@ def test_a_request_larger_than_the_cluster_is_rejected_at_submission(cluster, tm
     rejected = _sbatch("ddp_1node", _job_env(tmp_path), tmp_path / "%j.out", "--gpus-per-node=8")
     assert rejected.returncode != 0
     assert "Requested node configuration is not available" in rejected.stderr
-    assert subprocess.run(["squeue", "-h"], capture_output=True, text=True).stdout.strip() == ""  # nothing pending
+    assert (
+        subprocess.run(["squeue", "-h"], capture_output=True, text=True).stdout.strip() == ""
+    )  # nothing pending
 
 
-@pytest.mark.parametrize("settings, options, message", [
-    (dict(COURSE_DATASET="cifar10", COURSE_MODEL="cifar_cnn", COURSE_DATA_DIR="/nonexistent/course-data"), (),
-     "CIFAR-10 was not found in /nonexistent/course-data"),
-    (dict(COURSE_CLUSTER="nosuch"), (), "cluster profile 'nosuch' does not exist: set COURSE_CLUSTER to one of: "
-                                        "alps generic local"),
-    (dict(COURSE_CLUSTER="alps"), (), "cluster alps charges every job to a project: submit with sbatch "
-                                      "--account=<project>"),
-])
+@pytest.mark.parametrize(
+    "settings, options, message",
+    [
+        (
+            dict(
+                COURSE_DATASET="cifar10", COURSE_MODEL="cifar_cnn", COURSE_DATA_DIR="/nonexistent/course-data"
+            ),
+            (),
+            "CIFAR-10 was not found in /nonexistent/course-data",
+        ),
+        (
+            dict(COURSE_CLUSTER="nosuch"),
+            (),
+            "cluster profile 'nosuch' does not exist: set COURSE_CLUSTER to one of: alps generic local",
+        ),
+        (
+            dict(COURSE_CLUSTER="alps"),
+            (),
+            "cluster alps charges every job to a project: submit with sbatch --account=<project>",
+        ),
+    ],
+)
 def test_mistakes_fail_at_once_with_a_clear_message(cluster, tmp_path, settings, options, message):
     started = time.monotonic()
-    state, output = _submit_and_wait("ddp_1node", _job_env(tmp_path, **settings), tmp_path / "%j.out", *options)
+    state, output = _submit_and_wait(
+        "ddp_1node", _job_env(tmp_path, **settings), tmp_path / "%j.out", *options
+    )
     assert state == "FAILED"
     assert message in output
     assert "training exited" not in output  # no process was started

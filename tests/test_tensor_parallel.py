@@ -23,7 +23,9 @@ def _whole(t):
     return t
 
 
-def _compare(dense: nn.Module, parallel: nn.Module, x: torch.Tensor, slices: dict, input_cut=_whole, output_cut=_whole):
+def _compare(
+    dense: nn.Module, parallel: nn.Module, x: torch.Tensor, slices: dict, input_cut=_whole, output_cut=_whole
+):
     """Outputs, input gradients, and each parallel weight's gradient against this rank's cut of the dense one.
 
     ``input_cut`` / ``output_cut``: what part of the dense input (output) this rank's layer takes (gives).
@@ -53,16 +55,38 @@ def _layer_cases():
     mlp, attention = models.MLP(D_MODEL, 4 * D_MODEL), models.SelfAttention(D_MODEL, HEADS)
     x, x_wide = _inputs(BATCH, SEQ, D_MODEL), _inputs(BATCH, SEQ, 4 * D_MODEL)
     return {
-        "column": _compare(wide, tp.ColumnParallelLinear.from_dense(wide), x, {"weight": rows, "bias": rows},
-                           output_cut=columns),
-        "column gathered": _compare(_copy(wide), tp.ColumnParallelLinear.from_dense(wide, gather_output=True), x,
-                                    {"weight": rows, "bias": rows}),
-        "row": _compare(narrow, tp.RowParallelLinear.from_dense(narrow), x_wide,
-                        {"weight": columns, "bias": _whole}, input_cut=columns),
-        "mlp": _compare(mlp, tp.parallel_mlp(_copy(mlp)), x,
-                        {"fc1.weight": rows, "fc1.bias": rows, "fc2.weight": columns, "fc2.bias": _whole}),
-        "attention": _compare(attention, tp.parallel_attention(_copy(attention), HEADS), x,
-                              {"q.weight": rows, "v.bias": rows, "out.weight": columns, "out.bias": _whole}),
+        "column": _compare(
+            wide,
+            tp.ColumnParallelLinear.from_dense(wide),
+            x,
+            {"weight": rows, "bias": rows},
+            output_cut=columns,
+        ),
+        "column gathered": _compare(
+            _copy(wide),
+            tp.ColumnParallelLinear.from_dense(wide, gather_output=True),
+            x,
+            {"weight": rows, "bias": rows},
+        ),
+        "row": _compare(
+            narrow,
+            tp.RowParallelLinear.from_dense(narrow),
+            x_wide,
+            {"weight": columns, "bias": _whole},
+            input_cut=columns,
+        ),
+        "mlp": _compare(
+            mlp,
+            tp.parallel_mlp(_copy(mlp)),
+            x,
+            {"fc1.weight": rows, "fc1.bias": rows, "fc2.weight": columns, "fc2.bias": _whole},
+        ),
+        "attention": _compare(
+            attention,
+            tp.parallel_attention(_copy(attention), HEADS),
+            x,
+            {"q.weight": rows, "v.bias": rows, "out.weight": columns, "out.bias": _whole},
+        ),
     }
 
 
@@ -85,7 +109,9 @@ def test_layers_equal_their_dense_counterparts_forward_and_backward(degree):
 def _converted_transformer():
     torch.manual_seed(0)
     inputs, targets, vocabulary = data.zen_windows(16)
-    dense = models.TinyTransformer(len(vocabulary), d_model=D_MODEL, n_heads=HEADS, n_layers=2, max_seq_len=16)
+    dense = models.TinyTransformer(
+        len(vocabulary), d_model=D_MODEL, n_heads=HEADS, n_layers=2, max_seq_len=16
+    )
     parallel = tp.parallelize_transformer(_copy(dense))
     batch, labels = inputs[:BATCH], targets[:BATCH]
     dense_loss, parallel_loss = models.lm_loss(dense(batch), labels), models.lm_loss(parallel(batch), labels)
@@ -94,8 +120,11 @@ def _converted_transformer():
     # replicated parameters (embeddings, norms, row biases) get the full gradient on every rank
     replicated = ["0.tokens.weight", "1.norm1.weight", "1.attention.out.bias", "3.proj.weight"]
     dense_params, parallel_params = dict(dense.named_parameters()), dict(parallel.named_parameters())
-    return (parallel_loss.detach(), dense_loss.detach(),
-            [(parallel_params[n].grad, dense_params[n].grad) for n in replicated])
+    return (
+        parallel_loss.detach(),
+        dense_loss.detach(),
+        [(parallel_params[n].grad, dense_params[n].grad) for n in replicated],
+    )
 
 
 @pytest.mark.parametrize("degree", [2, 4])
@@ -109,8 +138,10 @@ def test_a_converted_dense_transformer_computes_the_same(degree):
 def _traffic():
     torch.manual_seed(0)
     counted = {}
-    for name, block in {"mlp": tp.parallel_mlp(models.MLP(D_MODEL, 4 * D_MODEL)),
-                        "attention": tp.parallel_attention(models.SelfAttention(D_MODEL, HEADS), HEADS)}.items():
+    for name, block in {
+        "mlp": tp.parallel_mlp(models.MLP(D_MODEL, 4 * D_MODEL)),
+        "attention": tp.parallel_attention(models.SelfAttention(D_MODEL, HEADS), HEADS),
+    }.items():
         with comm.CommLog() as log:
             block(_inputs(BATCH, SEQ, D_MODEL)).sum().backward()  # the input requires grad, as inside a model
         counted[name] = (log.count("all_reduce"), {record.tensor_bytes for record in log.records})
@@ -135,8 +166,10 @@ def test_tp_benchmark_prints_the_promised_json():
 
 def _bad_degrees():
     errors = {}
-    for name, make in {"linear": lambda: tp.ColumnParallelLinear(10, 9),
-                       "heads": lambda: tp.parallel_attention(models.SelfAttention(24, 3), 3)}.items():
+    for name, make in {
+        "linear": lambda: tp.ColumnParallelLinear(10, 9),
+        "heads": lambda: tp.parallel_attention(models.SelfAttention(24, 3), 3),
+    }.items():
         try:
             make()
         except UserError as error:

@@ -87,19 +87,25 @@ def test_bf16_autocast_stays_close_to_fp32(single_reference):
 
 # -- validation -----------------------------------------------------------------------------
 
-ODD_VALIDATION = TensorDataset(torch.randn(37, 1, 8, 8, generator=torch.Generator().manual_seed(1)),
-                               torch.randint(0, 10, (37,), generator=torch.Generator().manual_seed(2)))
+ODD_VALIDATION = TensorDataset(
+    torch.randn(37, 1, 8, 8, generator=torch.Generator().manual_seed(1)),
+    torch.randint(0, 10, (37,), generator=torch.Generator().manual_seed(2)),
+)
 
 
 def _evaluate_on_odd_dataset(strategy: str):
     ctx = runtime.context()
     torch.manual_seed(0)
-    model = strategies.wrap_model(models.build_model("digits_cnn"), strategy=strategy, impl="torch", context=ctx)
+    model = strategies.wrap_model(
+        models.build_model("digits_cnn"), strategy=strategy, impl="torch", context=ctx
+    )
     loader = data.validation_loader(ODD_VALIDATION, batch_size=4, rank=ctx.rank, world_size=ctx.world_size)
     return evaluate(model, loader, ctx.device)
 
 
-@pytest.mark.parametrize("world_size, strategy", [(1, "single"), (2, "ddp"), (3, "fsdp"), (4, "ddp"), (4, "fsdp")])
+@pytest.mark.parametrize(
+    "world_size, strategy", [(1, "single"), (2, "ddp"), (3, "fsdp"), (4, "ddp"), (4, "fsdp")]
+)
 def test_validation_counts_every_sample_exactly_once(world_size, strategy):
     reference = launch(_evaluate_on_odd_dataset, 1, "single")[0]
     metrics = launch(_evaluate_on_odd_dataset, world_size, strategy)
@@ -110,6 +116,7 @@ def test_validation_counts_every_sample_exactly_once(world_size, strategy):
 
 
 # -- checkpoints and resume -----------------------------------------------------------------
+
 
 def test_resume_gives_identical_weights(tmp_path):
     straight, _ = run_training(dataclasses.replace(BASE, strategy="ddp", epochs=2, max_steps=None), 2)
@@ -123,8 +130,9 @@ def test_resume_gives_identical_weights(tmp_path):
 
 def test_resume_mid_epoch_gives_identical_weights(tmp_path):
     straight, _ = run_training(dataclasses.replace(BASE, strategy="fsdp", max_steps=9), 2)
-    interrupted = dataclasses.replace(BASE, strategy="fsdp", max_steps=5, checkpoint_dir=str(tmp_path),
-                                      checkpoint_every=2)
+    interrupted = dataclasses.replace(
+        BASE, strategy="fsdp", max_steps=5, checkpoint_dir=str(tmp_path), checkpoint_every=2
+    )
     run_training(interrupted, 2)
     assert [p.name for p in checkpoint.checkpoint_dirs(tmp_path)] == ["step-00000004", "step-00000005"]
     meta = checkpoint.read_meta(tmp_path / "step-00000005")
@@ -152,8 +160,12 @@ def test_ddp_checkpoint_resumes_under_fsdp(tmp_path):
 
 
 def test_checkpoints_keep_the_last_two(tmp_path):
-    run_training(dataclasses.replace(BASE, strategy="single", max_steps=4, checkpoint_every=1,
-                                     checkpoint_dir=str(tmp_path)), 1)
+    run_training(
+        dataclasses.replace(
+            BASE, strategy="single", max_steps=4, checkpoint_every=1, checkpoint_dir=str(tmp_path)
+        ),
+        1,
+    )
     assert [p.name for p in checkpoint.checkpoint_dirs(tmp_path)] == ["step-00000003", "step-00000004"]
     assert not list(tmp_path.glob("*.tmp"))
 
@@ -181,7 +193,8 @@ def _save_then_get_killed_while_saving(directory: str, ready_flag: str):
 def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     ready = tmp_path / "writing"
     child = multiprocessing.get_context("fork").Process(
-        target=_save_then_get_killed_while_saving, args=(str(tmp_path / "ckpt"), str(ready)))
+        target=_save_then_get_killed_while_saving, args=(str(tmp_path / "ckpt"), str(ready))
+    )
     child.start()
     deadline = time.monotonic() + 60
     while not ready.exists() and time.monotonic() < deadline:
@@ -191,14 +204,19 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     child.join()
     assert (tmp_path / "ckpt" / "step-00000003.tmp").is_dir()  # the half-written one
     assert checkpoint.latest_checkpoint(tmp_path / "ckpt").name == "step-00000002"
-    resumed, history = run_training(dataclasses.replace(BASE, strategy="single", max_steps=4, resume="latest",
-                                                        checkpoint_dir=str(tmp_path / "ckpt")), 1)
+    resumed, history = run_training(
+        dataclasses.replace(
+            BASE, strategy="single", max_steps=4, resume="latest", checkpoint_dir=str(tmp_path / "ckpt")
+        ),
+        1,
+    )
     straight, _ = run_training(dataclasses.replace(BASE, strategy="single", max_steps=4), 1)
     assert torch.equal(resumed, straight)
     assert not (tmp_path / "ckpt" / "step-00000003.tmp").exists()  # cleaned up by the next save
 
 
 # -- checkpoints that must be refused --------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def saved_checkpoint(tmp_path_factory):
@@ -212,10 +230,14 @@ def _resume(config):
 
 
 def test_refuses_a_checkpoint_from_another_model(saved_checkpoint):
-    config = dataclasses.replace(BASE, strategy="ddp", dataset="synthetic", model="cifar_cnn",
-                                 resume=str(saved_checkpoint))
-    with pytest.raises(UserError, match=r"was written with --model digits_cnn but this run uses --model cifar_cnn: "
-                                        r"pass --model digits_cnn to resume it, or use a new --checkpoint-dir"):
+    config = dataclasses.replace(
+        BASE, strategy="ddp", dataset="synthetic", model="cifar_cnn", resume=str(saved_checkpoint)
+    )
+    with pytest.raises(
+        UserError,
+        match=r"was written with --model digits_cnn but this run uses --model cifar_cnn: "
+        r"pass --model digits_cnn to resume it, or use a new --checkpoint-dir",
+    ):
         launch(_resume, 2, config)
 
 
@@ -249,7 +271,9 @@ def test_refuses_a_corrupt_checkpoint(saved_checkpoint, tmp_path):
 # -- the course's sharded implementations in the harness --------------------------------------
 
 COURSE_SHARDED = {
-    "zero1": dict(zero_stage=1), "zero2": dict(zero_stage=2), "FULL_SHARD": {},
+    "zero1": dict(zero_stage=1),
+    "zero2": dict(zero_stage=2),
+    "FULL_SHARD": {},
     "SHARD_GRAD_OP": dict(sharding="SHARD_GRAD_OP", cpu_offload="full", activation_checkpointing=True),
 }
 
@@ -265,8 +289,12 @@ def test_course_sharded_implementations_train_like_one_process(variant, single_r
 
 
 @pytest.mark.parametrize("zero_stage", [2, 3])
-def test_course_sharded_checkpoint_from_two_ranks_resumes_on_four_and_refuses_another_layout(tmp_path, zero_stage):
-    course = dataclasses.replace(BASE, strategy="fsdp", impl="course", clip_grad_norm=0.5, zero_stage=zero_stage)
+def test_course_sharded_checkpoint_from_two_ranks_resumes_on_four_and_refuses_another_layout(
+    tmp_path, zero_stage
+):
+    course = dataclasses.replace(
+        BASE, strategy="fsdp", impl="course", clip_grad_norm=0.5, zero_stage=zero_stage
+    )
     straight, _ = run_training(dataclasses.replace(course, max_steps=8), 2)
     saved = dataclasses.replace(course, max_steps=4, checkpoint_dir=str(tmp_path))
     run_training(saved, 2)
@@ -274,23 +302,39 @@ def test_course_sharded_checkpoint_from_two_ranks_resumes_on_four_and_refuses_an
     resumed, history = run_training(dataclasses.replace(saved, max_steps=8, resume="latest"), 4)
     assert history[-1]["world_size"] == 4
     torch.testing.assert_close(resumed, straight, **TOLERANCE)
-    with pytest.raises(UserError, match=r"resume with the --strategy, --impl, --zero-stage and model of the run "
-                                        rf"that wrote it \(its flags: --strategy fsdp --impl course --zero-stage {zero_stage}\)"):
+    with pytest.raises(
+        UserError,
+        match=r"resume with the --strategy, --impl, --zero-stage and model of the run "
+        rf"that wrote it \(its flags: --strategy fsdp --impl course --zero-stage {zero_stage}\)",
+    ):
         other_layout = dict(zero_stage=3) if zero_stage == 2 else dict(impl="torch")
         launch(_resume, 2, dataclasses.replace(saved, max_steps=9, resume="latest", **other_layout))
 
 
-@pytest.mark.parametrize("changes, message", [
-    (dict(strategy="ddp", zero_stage=2), "--zero-stage choose(s) among the course's sharded implementations: "
-                                         "add --strategy fsdp --impl course"),
-    (dict(strategy="fsdp", impl="torch", sharding="NO_SHARD"), "add --strategy fsdp --impl course"),
-    (dict(strategy="fsdp", impl="course", zero_stage=1, cpu_offload="params"),
-     "--cpu-offload configure FSDP (ZeRO stage 3), but --zero-stage is 1"),
-    (dict(strategy="fsdp", impl="course", hybrid_shard_size=2), "--hybrid-shard-size needs --sharding HYBRID_SHARD"),
-    (dict(strategy="fsdp", impl="course", zero_stage=4), "--zero-stage must be 1"),
-    (dict(strategy="fsdp", impl="course", clip_grad_norm=0.0),
-     "--clip-grad-norm must be a finite number above 0, got 0.0"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (
+            dict(strategy="ddp", zero_stage=2),
+            "--zero-stage choose(s) among the course's sharded implementations: "
+            "add --strategy fsdp --impl course",
+        ),
+        (dict(strategy="fsdp", impl="torch", sharding="NO_SHARD"), "add --strategy fsdp --impl course"),
+        (
+            dict(strategy="fsdp", impl="course", zero_stage=1, cpu_offload="params"),
+            "--cpu-offload configure FSDP (ZeRO stage 3), but --zero-stage is 1",
+        ),
+        (
+            dict(strategy="fsdp", impl="course", hybrid_shard_size=2),
+            "--hybrid-shard-size needs --sharding HYBRID_SHARD",
+        ),
+        (dict(strategy="fsdp", impl="course", zero_stage=4), "--zero-stage must be 1"),
+        (
+            dict(strategy="fsdp", impl="course", clip_grad_norm=0.0),
+            "--clip-grad-norm must be a finite number above 0, got 0.0",
+        ),
+    ],
+)
 def test_sharding_flags_are_checked_before_any_rank_waits(changes, message):
     from course_lib.trainer import validate_config
 

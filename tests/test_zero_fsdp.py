@@ -1,4 +1,4 @@
-"""The course's ZeRO-1/2 and FSDP equal a single process and PyTorch's FSDP2, and shard memory as the model says."""
+"""The course's ZeRO-1/2 and FSDP equal one process and PyTorch's FSDP2; they shard memory as modelled."""
 
 from __future__ import annotations
 
@@ -8,17 +8,20 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import run_bench
 from course_lib import comm, memory, models, runtime
-from course_lib.tools import bench
 from course_lib.errors import UserError
 from course_lib.launch import launch
 from course_lib.parallel.fsdp import FullyShardedDataParallel, MixedPrecision
 from course_lib.parallel.zero import ZeroDataParallel
+from course_lib.tools import bench
+
+from conftest import run_bench
 
 GLOBAL_BATCH, STEPS = 60, 3
 TOLERANCE = dict(rtol=1e-5, atol=5e-6)
-BF16_TOLERANCE = dict(rtol=0, atol=2e-2)  # bf16 keeps 8 bits of mantissa: ~0.4% per rounding, a few steps of it
+BF16_TOLERANCE = dict(
+    rtol=0, atol=2e-2
+)  # bf16 keeps 8 bits of mantissa: ~0.4% per rounding, a few steps of it
 ADAM_LR = 1e-2
 PARAMS = 35_173  # digits_cnn: odd, divisible by none of 2, 3, 4
 VARIANTS = {
@@ -37,7 +40,9 @@ OPTIMIZERS = {
 
 def _global_batch(step: int):
     generator = torch.Generator().manual_seed(100 + step)
-    return torch.randn(GLOBAL_BATCH, 1, 8, 8, generator=generator), torch.randint(0, 10, (GLOBAL_BATCH,), generator=generator)
+    return torch.randn(GLOBAL_BATCH, 1, 8, 8, generator=generator), torch.randint(
+        0, 10, (GLOBAL_BATCH,), generator=generator
+    )
 
 
 def _wrap(kind: str, model: nn.Module, **options) -> nn.Module:
@@ -59,7 +64,9 @@ def _full_weights(model: nn.Module) -> torch.Tensor:
     if hasattr(model, "full_state_dict"):
         state = model.full_state_dict()
     else:
-        state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in model.state_dict().items()}
+        state = {
+            k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in model.state_dict().items()
+        }
     keys = models.build_model("digits_cnn").state_dict().keys()
     return torch.cat([state[k].detach().float().reshape(-1) for k in keys])
 
@@ -78,8 +85,11 @@ def _train(kind: str, optimizer: str = "adamw", steps: int = STEPS, clip: float 
         opt.zero_grad()
         F.cross_entropy(model(inputs).float(), targets).backward()
         if clip is not None:
-            clipper = model.clip_grad_norm_ if hasattr(model, "clip_grad_norm_") else \
-                (lambda c: torch.nn.utils.clip_grad_norm_(model.parameters(), c))
+            clipper = (
+                model.clip_grad_norm_
+                if hasattr(model, "clip_grad_norm_")
+                else (lambda c: torch.nn.utils.clip_grad_norm_(model.parameters(), c))
+            )
             norms.append(float(clipper(clip)))
         opt.step()
     return _full_weights(model), norms
@@ -103,7 +113,9 @@ def test_every_stage_and_strategy_equals_one_process_and_fsdp2(world_size, optim
         for name in VARIANTS:
             torch.testing.assert_close(rank_result[name], ranks[0][name], rtol=0, atol=0)
     for name in VARIANTS:
-        torch.testing.assert_close(ranks[0][name], single[optimizer], **TOLERANCE, msg=f"{name} vs one process")
+        torch.testing.assert_close(
+            ranks[0][name], single[optimizer], **TOLERANCE, msg=f"{name} vs one process"
+        )
         torch.testing.assert_close(ranks[0][name], ranks[0]["fsdp2"], **TOLERANCE, msg=f"{name} vs FSDP2")
 
 
@@ -125,7 +137,9 @@ def test_hybrid_shard_on_a_2x2_mesh_equals_hsdp_and_one_process(single):
 def _offload_and_checkpointing():
     plain = _train("fsdp")[0]
     return {mode: _train("fsdp", cpu_offload=mode)[0] for mode in ("params", "full")} | {
-        "checkpointed": _train("fsdp", activation_checkpointing=True)[0], "plain": plain}
+        "checkpointed": _train("fsdp", activation_checkpointing=True)[0],
+        "plain": plain,
+    }
 
 
 def test_offload_and_activation_checkpointing_change_nothing_numerically():
@@ -137,8 +151,12 @@ def test_offload_and_activation_checkpointing_change_nothing_numerically():
 def _bf16():
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    ours = _train("fsdp", mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))[0]
-    theirs = _train("fsdp2", mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))[0]
+    ours = _train(
+        "fsdp", mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    )[0]
+    theirs = _train(
+        "fsdp2", mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    )[0]
     return ours, theirs
 
 
@@ -211,8 +229,10 @@ def _save_sharded(directory: str, steps: int):
     model = _wrap("fsdp", models.build_model("digits_cnn"))
     optimizer = OPTIMIZERS["adamw"](model.parameters())
     _steps(model, optimizer, range(steps))
-    dcp.save({"model": model.sharded_state_dict(), "optimizer": model.sharded_optimizer_state_dict(optimizer)},
-             checkpoint_id=directory)
+    dcp.save(
+        {"model": model.sharded_state_dict(), "optimizer": model.sharded_optimizer_state_dict(optimizer)},
+        checkpoint_id=directory,
+    )
     return _full_weights(model)
 
 
@@ -242,7 +262,9 @@ def test_sharded_checkpoint_saved_on_2_ranks_resumes_on_1_3_and_4(tmp_path):
     for world_size in (1, 3, 4):
         loaded, continued = launch(_resume_sharded, world_size, str(tmp_path / "ckpt"), 2, 4)[0]
         torch.testing.assert_close(loaded, saved, rtol=0, atol=0)
-        torch.testing.assert_close(continued, uninterrupted, **TOLERANCE, msg=f"resumed on {world_size} ranks")
+        torch.testing.assert_close(
+            continued, uninterrupted, **TOLERANCE, msg=f"resumed on {world_size} ranks"
+        )
 
 
 def _full_state_round_trip():
@@ -321,14 +343,18 @@ def _bad_inputs():
     errors = {}
     cases = {
         "nothing": lambda: _wrap_with(models.build_model("digits_cnn"), auto_wrap_policy=nn.LSTM),
-        "everything": lambda: _wrap_with(models.build_model("digits_cnn"), auto_wrap_policy=lambda module: True),
+        "everything": lambda: _wrap_with(
+            models.build_model("digits_cnn"), auto_wrap_policy=lambda module: True
+        ),
         "root": lambda: _wrap_with(models.build_model("digits_cnn"), auto_wrap_policy=models.DigitsCNN),
-        "hybrid": lambda: _wrap_with(models.build_model("digits_cnn"), sharding_strategy="HYBRID_SHARD",
-                                     hybrid_shard_size=3),
+        "hybrid": lambda: _wrap_with(
+            models.build_model("digits_cnn"), sharding_strategy="HYBRID_SHARD", hybrid_shard_size=3
+        ),
         "offload": lambda: _wrap_with(models.build_model("digits_cnn"), cpu_offload="params", device="cuda"),
         "dtypes": lambda: FullyShardedDataParallel(_TwoDtypes()),
-        "mixed_precision": lambda: _wrap_with(models.build_model("digits_cnn"),
-                                              mixed_precision=MixedPrecision(param_dtype=torch.int8)),
+        "mixed_precision": lambda: _wrap_with(
+            models.build_model("digits_cnn"), mixed_precision=MixedPrecision(param_dtype=torch.int8)
+        ),
         "strategy": lambda: _wrap_with(models.build_model("digits_cnn"), sharding_strategy="FULL"),
         "zero_stage": lambda: ZeroDataParallel(models.build_model("digits_cnn"), stage=3),
     }
@@ -354,7 +380,10 @@ def test_bad_inputs_get_clear_errors_on_every_rank():
     assert errors[0] == errors[1]
     errors = errors[0]
     assert "wraps no submodule with parameters" in errors["nothing"] and "'Sequential'" in errors["nothing"]
-    assert "wraps every one of the 12 submodules, even 5 without parameters (such as ReLU)" in errors["everything"]
+    assert (
+        "wraps every one of the 12 submodules, even 5 without parameters (such as ReLU)"
+        in errors["everything"]
+    )
     assert "matches the model itself (DigitsCNN)" in errors["root"]
     assert "shard group size that divides the 2 ranks, got 3" in errors["hybrid"]
     assert "sees no CUDA device" in errors["offload"] and "cpu_offload='params'" in errors["offload"]
@@ -366,20 +395,29 @@ def test_bad_inputs_get_clear_errors_on_every_rank():
 
 
 def test_fsdp_benchmark_prints_the_promised_json():
-    result = run_bench("fsdp", "--width", "63", "--layers", "3", "--steps", "2", "--warmup", "1", "--world-size", "3")
+    result = run_bench(
+        "fsdp", "--width", "63", "--layers", "3", "--steps", "2", "--warmup", "1", "--world-size", "3"
+    )
     for key in ("torch_step_ms", "course_step_ms", "ratio", "step_ms_by_sharding_strategy"):
         assert key in result
-    assert set(result["step_ms_by_sharding_strategy"]) == {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"}
+    assert set(result["step_ms_by_sharding_strategy"]) == {
+        "FULL_SHARD",
+        "SHARD_GRAD_OP",
+        "NO_SHARD",
+        "HYBRID_SHARD",
+    }
     assert result["params"] == 3 * 64 * 63
     # two all-gathers and one reduce-scatter of the padded units: a few elements more than 3(N-1)/N Ψ
-    assert result["full_shard_bytes_per_rank_measured"] == pytest.approx(result["full_shard_bytes_per_rank_theory"],
-                                                                         rel=1e-3)
+    assert result["full_shard_bytes_per_rank_measured"] == pytest.approx(
+        result["full_shard_bytes_per_rank_theory"], rel=1e-3
+    )
 
 
 def test_memory_benchmark_matches_the_model_within_two_percent():
     result = run_bench("memory", "--width", "65", "--layers", "2", "--world-sizes", "2", "3")
-    assert [(row["world_size"], row["stage"]) for row in result["rows"]] == \
-        [(n, stage) for n in (2, 3) for stage in memory.STAGES]
+    assert [(row["world_size"], row["stage"]) for row in result["rows"]] == [
+        (n, stage) for n in (2, 3) for stage in memory.STAGES
+    ]
     assert result["max_ratio_error"] < 0.02
     assert result["max_traffic_ratio_error"] < 0.01
 
@@ -405,5 +443,6 @@ def _frozen_middle(kind: str):
 
 
 def test_a_frozen_unit_is_gathered_for_backward_and_not_updated():
-    torch.testing.assert_close(launch(_frozen_middle, 3, "fsdp")[0], launch(_frozen_middle, 1, "single")[0],
-                               **TOLERANCE)
+    torch.testing.assert_close(
+        launch(_frozen_middle, 3, "fsdp")[0], launch(_frozen_middle, 1, "single")[0], **TOLERANCE
+    )

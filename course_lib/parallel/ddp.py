@@ -41,8 +41,8 @@ outside it reduces the accumulated sum (gradient accumulation without extra traf
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -69,7 +69,7 @@ class Bucket:
         """Each parameter with its view into the flat buffer."""
         start = 0
         for param in self.params:
-            yield param, self.buffer[start:start + param.numel()].view_as(param)
+            yield param, self.buffer[start : start + param.numel()].view_as(param)
             start += param.numel()
 
 
@@ -83,7 +83,9 @@ def make_buckets(params: list[nn.Parameter], bucket_mb: float) -> list[list[nn.P
     buckets, current, current_bytes = [], [], 0
     for param in reversed(params):
         size = param.numel() * param.element_size()
-        if current and (current_bytes + size > limit or param.dtype != current[0].dtype):  # one dtype per buffer
+        if current and (
+            current_bytes + size > limit or param.dtype != current[0].dtype
+        ):  # one dtype per buffer
             buckets.append(current)
             current, current_bytes = [], 0
         current.append(param)
@@ -95,8 +97,10 @@ def make_buckets(params: list[nn.Parameter], bucket_mb: float) -> list[list[nn.P
 
 def check_same_model_everywhere(module: nn.Module, group) -> None:
     """All ranks compare parameter names and shapes, and all raise the same error if they differ."""
-    signature = [(name, f"shape {tuple(p.shape)} {str(p.dtype).replace('torch.', '')}")
-                 for name, p in module.named_parameters()]
+    signature = [
+        (name, f"shape {tuple(p.shape)} {str(p.dtype).replace('torch.', '')}")
+        for name, p in module.named_parameters()
+    ]
     everyone = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, signature, group=group)
     ours = dict(everyone[0])
@@ -107,10 +111,14 @@ def check_same_model_everywhere(module: nn.Module, group) -> None:
         for name in [*ours, *(n for n in theirs if n not in ours)]:  # rank 0's order first
             if ours.get(name) != theirs.get(name):
                 raise UserError(
-                    f"parameter {name!r} has {ours.get(name, 'no entry')} on rank 0 but {theirs.get(name, 'no entry')} "
-                    f"on rank {rank}: every rank must build the same model (same code, same arguments) before wrapping it"
+                    f"parameter {name!r} has {ours.get(name, 'no entry')} on rank 0 but "
+                    f"{theirs.get(name, 'no entry')} "
+                    f"on rank {rank}: every rank must build the same model (same code, same arguments) "
+                    "before wrapping it"
                 )
-        raise UserError(f"rank {rank} lists its parameters in another order than rank 0: build the same model everywhere")
+        raise UserError(
+            f"rank {rank} lists its parameters in another order than rank 0: build the same model everywhere"
+        )
 
 
 def first_rank(*, group=None) -> int:
@@ -182,8 +190,16 @@ class DataParallel(GradientSyncSwitch, nn.Module):
     come, and launching buckets in a different order on different ranks would mismatch messages.
     """
 
-    def __init__(self, module: nn.Module, *, bucket_mb: float = DEFAULT_BUCKET_MB, sync: str = "overlapped",
-                 broadcast_buffers: bool = False, find_unused_parameters: bool = False, group=None):
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        bucket_mb: float = DEFAULT_BUCKET_MB,
+        sync: str = "overlapped",
+        broadcast_buffers: bool = False,
+        find_unused_parameters: bool = False,
+        group=None,
+    ):
         super().__init__()
         check_module("module", module)
         check_number("bucket_mb (the size of one all-reduce message, in MB)", bucket_mb, above=0)
@@ -200,8 +216,14 @@ class DataParallel(GradientSyncSwitch, nn.Module):
 
         params = [p for p in module.parameters() if p.requires_grad]
         self.buckets = [
-            Bucket(group_params, torch.zeros(sum(p.numel() for p in group_params), dtype=group_params[0].dtype,
-                                             device=group_params[0].device))
+            Bucket(
+                group_params,
+                torch.zeros(
+                    sum(p.numel() for p in group_params),
+                    dtype=group_params[0].dtype,
+                    device=group_params[0].device,
+                ),
+            )
             for group_params in make_buckets(params, bucket_mb)
         ]
         self._slot = {id(p): (bucket, view) for bucket in self.buckets for p, view in bucket.slices()}
@@ -222,7 +244,8 @@ class DataParallel(GradientSyncSwitch, nn.Module):
     def _gradient_ready(self, param: nn.Parameter) -> None:
         if not self._end_of_backward.queued and self._sync_this_backward != self.require_gradient_sync:
             raise UserError(
-                "a backward ran on the other side of a no_sync() block than its forward: keep the forward and "
+                "a backward ran on the other side of a no_sync() block than its forward: keep the forward "
+                "and "
                 "the backward of a micro-step inside the same `with model.no_sync():` block"
             )
         self._end_of_backward.request()
@@ -249,6 +272,7 @@ class DataParallel(GradientSyncSwitch, nn.Module):
                 return
             bucket.work = comm.all_reduce(bucket.buffer, op="sum", group=self.group, async_op=True)
             self._next_to_launch += 1
+
     # #endregion launch-buckets
 
     def _finish_backward(self) -> None:
@@ -291,7 +315,8 @@ class DataParallel(GradientSyncSwitch, nn.Module):
             names = [name for name, p in self.module.named_parameters() if id(p) in unused]
             raise UserError(
                 f"parameters {names[:5]} received no gradient in this backward, so their "
-                "bucket can never be reduced: pass find_unused_parameters=True to DataParallel, or use them in forward"
+                "bucket can never be reduced: pass find_unused_parameters=True to DataParallel, or use them "
+                "in forward"
             )
 
     def _fill_unused_gradients(self) -> dict[int, bool] | None:

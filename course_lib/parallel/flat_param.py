@@ -52,13 +52,18 @@ def check_same_dtype(named_params: list[tuple[str, nn.Parameter]], unit: str) ->
     for name, param in named_params[1:]:
         if param.dtype != first.dtype or param.requires_grad != first.requires_grad:
             raise UserError(
-                f"unit {unit or '<root>'} mixes {first_name} ({first.dtype}, requires_grad={first.requires_grad}) "
-                f"and {name} ({param.dtype}, requires_grad={param.requires_grad}), which cannot share one flat "
-                "parameter: convert the model to one dtype (model.float()) and freeze whole units, or wrap the "
+                f"unit {unit or '<root>'} mixes {first_name} ({first.dtype}, "
+                f"requires_grad={first.requires_grad}) "
+                f"and {name} ({param.dtype}, requires_grad={param.requires_grad}), which cannot share one "
+                "flat "
+                "parameter: convert the model to one dtype (model.float()) and freeze whole units, or wrap "
+                "the "
                 "differing parameters in a unit of their own"
             )
     if not first.dtype.is_floating_point:
-        raise UserError(f"parameter {first_name} is {first.dtype}: only floating-point parameters can be trained")
+        raise UserError(
+            f"parameter {first_name} is {first.dtype}: only floating-point parameters can be trained"
+        )
     return first.dtype
 
 
@@ -73,15 +78,25 @@ class FlatParameter:
     ZeRO-3.
     """
 
-    def __init__(self, name: str, named_params: list[tuple[str, nn.Module, str, nn.Parameter]],
-                 shard_group, replicate_group=None, compute_device: torch.device | None = None,
-                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-                 shard_device: torch.device | None = None, shard_is_view: bool = False):
+    def __init__(
+        self,
+        name: str,
+        named_params: list[tuple[str, nn.Module, str, nn.Parameter]],
+        shard_group,
+        replicate_group=None,
+        compute_device: torch.device | None = None,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
+        shard_device: torch.device | None = None,
+        shard_is_view: bool = False,
+    ):
         self.name = name
         self.shard_group, self.replicate_group = shard_group, replicate_group
         self.group_size = dist.get_world_size(shard_group)
         self.index = dist.get_rank(shard_group)
-        self.data_parallel_size = self.group_size * (dist.get_world_size(replicate_group) if replicate_group else 1)
+        self.data_parallel_size = self.group_size * (
+            dist.get_world_size(replicate_group) if replicate_group else 1
+        )
         dtype = check_same_dtype([(fqn, p) for fqn, _, _, p in named_params], name)
         self.requires_grad = named_params[0][3].requires_grad
         self.compute_device = compute_device or named_params[0][3].device
@@ -93,17 +108,25 @@ class FlatParameter:
         self.shard_numel = math.ceil(self.total / self.group_size)
         self.padded = self.shard_numel * self.group_size
         start = self.index * self.shard_numel
-        self.valid = max(0, min(self.shard_numel, self.total - start))  # real elements in this shard; the rest is padding
+        self.valid = max(
+            0, min(self.shard_numel, self.total - start)
+        )  # real elements in this shard; the rest is padding
 
         flat = torch.zeros(self.padded, dtype=dtype, device=self.compute_device)
         with torch.no_grad():
-            torch.cat([p.detach().reshape(-1) for *_, p in named_params], out=flat[:self.total])
-        self.full = flat if shard_is_view else torch.empty(self.padded, dtype=self.param_dtype, device=self.compute_device)
-        own = flat[start:start + self.shard_numel]
+            torch.cat([p.detach().reshape(-1) for *_, p in named_params], out=flat[: self.total])
+        self.full = (
+            flat
+            if shard_is_view
+            else torch.empty(self.padded, dtype=self.param_dtype, device=self.compute_device)
+        )
+        own = flat[start : start + self.shard_numel]
         if shard_is_view:
             self.shard = nn.Parameter(own, requires_grad=self.requires_grad)
         else:
-            pin = shard_device.type == "cpu" and torch.cuda.is_available()  # pinned memory needs a CUDA driver
+            pin = (
+                shard_device.type == "cpu" and torch.cuda.is_available()
+            )  # pinned memory needs a CUDA driver
             copy = own.detach().to(shard_device, torch.float32, copy=True)
             self.shard = nn.Parameter(copy.pin_memory() if pin else copy, requires_grad=self.requires_grad)
 
@@ -113,8 +136,10 @@ class FlatParameter:
             # A plain tensor (not a Parameter) that autograd treats as a leaf: its .grad is where
             # backward puts the gradient. ``.data =`` makes it a view of ``full`` while keeping its
             # own version counter, so refilling ``full`` later does not upset autograd.
-            leaf = torch.empty(0, dtype=self.param_dtype, device=self.compute_device, requires_grad=self.requires_grad)
-            leaf.data = self.full[offset:offset + param.numel()].view(param.shape)
+            leaf = torch.empty(
+                0, dtype=self.param_dtype, device=self.compute_device, requires_grad=self.requires_grad
+            )
+            leaf.data = self.full[offset : offset + param.numel()].view(param.shape)
             del module._parameters[attr]
             setattr(module, attr, leaf)
             self.slots.append(ParamSlot(fqn, module, attr, param.shape, offset, leaf))
@@ -143,6 +168,7 @@ class FlatParameter:
         """Release the full parameters' memory; the views keep their shapes, their storage is empty."""
         self.full.untyped_storage().resize_(0)
         self.is_gathered = False
+
     # #endregion gather-free
 
     # -- gradients ------------------------------------------------------------------------------
@@ -154,13 +180,13 @@ class FlatParameter:
             out.zero_()
         for slot in self.slots:
             if slot.leaf.grad is not None:
-                out[slot.offset:slot.offset + slot.numel].copy_(slot.leaf.grad.reshape(-1))
+                out[slot.offset : slot.offset + slot.numel].copy_(slot.leaf.grad.reshape(-1))
                 slot.leaf.grad = None
         return out
 
     def reduce_gradient(self, flat_gradient: torch.Tensor) -> torch.Tensor:
         """Average ``flat_gradient`` over all data-parallel ranks, keeping only this rank's shard of it."""
-        own = flat_gradient[self.index * self.shard_numel:(self.index + 1) * self.shard_numel]
+        own = flat_gradient[self.index * self.shard_numel : (self.index + 1) * self.shard_numel]
         if self.group_size == 1:
             reduced = own
         else:
@@ -183,21 +209,25 @@ class FlatParameter:
         """All elements (no padding) in fp32 on every rank of the shard group: for full state dicts."""
         local = self.shard.detach().to(self.compute_device, torch.float32)
         if self.group_size == 1:
-            return local[:self.total].clone()
+            return local[: self.total].clone()
         flat = torch.empty(self.padded, dtype=torch.float32, device=self.compute_device)
         comm.all_gather_into_tensor(flat, local, group=self.shard_group)
-        return flat[:self.total]
+        return flat[: self.total]
 
     def split(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """A flat vector back as the original named tensors."""
-        return {slot.fqn: flat[slot.offset:slot.offset + slot.numel].view(slot.shape) for slot in self.slots}
+        return {
+            slot.fqn: flat[slot.offset : slot.offset + slot.numel].view(slot.shape) for slot in self.slots
+        }
 
     def load_full(self, tensors: dict[str, torch.Tensor]) -> None:
         """Take this rank's shard out of full tensors named like the original parameters."""
-        flat = torch.cat([tensors[slot.fqn].detach().reshape(-1).to(torch.float32).cpu() for slot in self.slots])
+        flat = torch.cat(
+            [tensors[slot.fqn].detach().reshape(-1).to(torch.float32).cpu() for slot in self.slots]
+        )
         start = self.index * self.shard_numel
         with torch.no_grad():
-            self.shard[:self.valid].copy_(flat[start:start + self.valid])
+            self.shard[: self.valid].copy_(flat[start : start + self.valid])
 
     def shard_piece(self, tensor: torch.Tensor, mesh) -> torch.Tensor:
         """This rank's real elements of a shard-shaped tensor, as a DTensor of the whole unit (for DCP).
@@ -209,8 +239,14 @@ class FlatParameter:
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
         placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
-        return DTensor.from_local(tensor.detach()[:self.valid], mesh, placements, run_check=False,
-                                  shape=torch.Size([self.total]), stride=(1,))
+        return DTensor.from_local(
+            tensor.detach()[: self.valid],
+            mesh,
+            placements,
+            run_check=False,
+            shape=torch.Size([self.total]),
+            stride=(1,),
+        )
 
 
 def initialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -236,7 +272,9 @@ def initialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         param.grad = grad
 
 
-def clip_sharded_grad_norm_(flats: list[FlatParameter], group, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_sharded_grad_norm_(
+    flats: list[FlatParameter], group, max_norm: float, norm_type: float = 2.0
+) -> torch.Tensor:
     """Scale the shards' gradients so that the norm of the *whole* gradient is at most ``max_norm``.
 
     Each rank only sees its shard, so the norm is assembled: for the 2-norm, every rank sums the
@@ -262,7 +300,7 @@ def clip_sharded_grad_norm_(flats: list[FlatParameter], group, max_norm: float, 
 
 
 class FlatShardedMixin(GradientSyncSwitch):
-    """State dicts, gradient clipping and ``no_sync`` for wrappers made of flat parameters (ZeRO-1/2 here, FSDP in ``fsdp.py``).
+    """State dicts, gradient clipping and ``no_sync`` for wrappers made of flat parameters (ZeRO, FSDP).
 
     - ``full_state_dict()``: every original parameter, whole, under its original name, on every
       rank (an all-gather per flat parameter). Loads into a plain model with ``load_state_dict``.
@@ -274,6 +312,7 @@ class FlatShardedMixin(GradientSyncSwitch):
     flat_params: list[FlatParameter]
     state_mesh = None  # the DeviceMesh the shards are spread over
     shard_group = None  # the ranks that hold different shards (None: all)
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradient of the whole model, of which this rank holds a shard; returns its norm."""
         return clip_sharded_grad_norm_(self.flat_params, self.shard_group, max_norm, norm_type)
@@ -287,12 +326,15 @@ class FlatShardedMixin(GradientSyncSwitch):
         return state
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        expected = {slot.fqn for flat in self.flat_params for slot in flat.slots} | \
-                   {name for name, _ in self.module.named_buffers()}
+        expected = {slot.fqn for flat in self.flat_params for slot in flat.slots} | {
+            name for name, _ in self.module.named_buffers()
+        }
         missing, unexpected = expected - set(state), set(state) - expected
         if missing or unexpected:
-            raise UserError(f"state dict does not fit this model: missing {sorted(missing)[:5]}, "
-                            f"unexpected {sorted(unexpected)[:5]}: load a state dict of the same model")
+            raise UserError(
+                f"state dict does not fit this model: missing {sorted(missing)[:5]}, "
+                f"unexpected {sorted(unexpected)[:5]}: load a state dict of the same model"
+            )
         for flat in self.flat_params:
             flat.load_full(state)
         with torch.no_grad():
@@ -303,7 +345,9 @@ class FlatShardedMixin(GradientSyncSwitch):
         return f"{flat.name}.flat_param" if flat.name else "flat_param"
 
     def sharded_state_dict(self) -> dict[str, torch.Tensor]:
-        state = {self._flat_key(flat): flat.shard_piece(flat.shard, self.state_mesh) for flat in self.flat_params}
+        state = {
+            self._flat_key(flat): flat.shard_piece(flat.shard, self.state_mesh) for flat in self.flat_params
+        }
         state.update({name: buffer for name, buffer in self.module.named_buffers()})
         return state
 
@@ -314,7 +358,9 @@ class FlatShardedMixin(GradientSyncSwitch):
             for key, value in optimizer.state.get(flat.shard, {}).items():
                 name = f"{self._flat_key(flat)}.{key}"
                 if isinstance(value, torch.Tensor) and value.shape == flat.shard.shape:
-                    state[name] = flat.shard_piece(value, self.state_mesh)  # element-wise state: sharded like the weights
+                    state[name] = flat.shard_piece(
+                        value, self.state_mesh
+                    )  # element-wise state: sharded like the weights
                 else:
                     state[name] = value  # a step counter: the same on every rank
         return state
@@ -322,10 +368,14 @@ class FlatShardedMixin(GradientSyncSwitch):
     @property
     def state_layout(self) -> str:
         """What a sharded checkpoint of this wrapper holds: only the same layout can load it."""
-        return f"{type(self).__name__} flat parameters " + ", ".join(self._flat_key(f) for f in self.flat_params)
+        return f"{type(self).__name__} flat parameters " + ", ".join(
+            self._flat_key(f) for f in self.flat_params
+        )
 
 
-def owned_parameters(module: nn.Module, skip: set[int] | None = None) -> list[tuple[str, nn.Module, str, nn.Parameter]]:
+def owned_parameters(
+    module: nn.Module, skip: set[int] | None = None
+) -> list[tuple[str, nn.Module, str, nn.Parameter]]:
     """(name, owner module, attribute, parameter) for every parameter of ``module`` not in ``skip``."""
     found = []
     for module_name, owner in module.named_modules():

@@ -46,15 +46,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .. import comm
 from ..checks import check_group, check_int, check_module
 from ..errors import UserError
 from .ddp import EndOfBackward, start_as_replicas
@@ -62,7 +61,7 @@ from .flat_param import FlatParameter, FlatShardedMixin, owned_parameters
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 OFFLOAD_MODES = ("none", "params", "full")
-WrapPolicy = Union[None, int, type, Iterable[type], Iterable[nn.Module], Callable[[nn.Module], bool]]
+WrapPolicy = None | int | type | Iterable[type] | Iterable[nn.Module] | Callable[[nn.Module], bool]
 
 
 @dataclass(frozen=True)
@@ -89,6 +88,7 @@ class Unit:
 
 # -- choosing the units --------------------------------------------------------------------
 
+
 def select_units(model: nn.Module, policy: WrapPolicy) -> list[nn.Module]:
     """The submodules that become units, parents before children. ``policy`` is one of:
 
@@ -100,7 +100,9 @@ def select_units(model: nn.Module, policy: WrapPolicy) -> list[nn.Module]:
     if policy is None:
         return []
     if isinstance(policy, bool):
-        raise UserError("auto_wrap_policy must be a parameter count, module classes, modules or a function, not a bool")
+        raise UserError(
+            "auto_wrap_policy must be a parameter count, module classes, modules or a function, not a bool"
+        )
     if isinstance(policy, int):
         if policy < 1:
             raise UserError(f"a size-based wrap policy needs min_num_params >= 1, got {policy}")
@@ -118,12 +120,15 @@ def select_units(model: nn.Module, policy: WrapPolicy) -> list[nn.Module]:
         unwrapped_count(model)
         ordered = [m for m in model.modules() if any(m is c for c in chosen)]
         return ordered
-    if isinstance(policy, type) or (isinstance(policy, (tuple, list, set)) and policy
-                                    and all(isinstance(p, type) for p in policy)):
+    if isinstance(policy, type) or (
+        isinstance(policy, (tuple, list, set)) and policy and all(isinstance(p, type) for p in policy)
+    ):
         classes = (policy,) if isinstance(policy, type) else tuple(policy)
         if isinstance(model, classes):
-            raise UserError(f"the wrap policy matches the model itself ({type(model).__name__}), so every parameter "
-                            "is in one unit gathered at once: name the classes of its blocks instead")
+            raise UserError(
+                f"the wrap policy matches the model itself ({type(model).__name__}), so every parameter "
+                "is in one unit gathered at once: name the classes of its blocks instead"
+            )
         return [m for m in model.modules() if m is not model and isinstance(m, classes)]
     if callable(policy) and not isinstance(policy, nn.Module):
         return [m for m in model.modules() if m is not model and policy(m)]
@@ -147,12 +152,13 @@ def describe_policy(policy: WrapPolicy) -> str:
 
 
 def check_units(model: nn.Module, units: list[nn.Module], policy: WrapPolicy) -> None:
-    """Refuse a policy that wraps nothing (one unit: no saving) or everything (every submodule, even a ReLU)."""
+    """Refuse a policy that wraps nothing (one unit: no saving) or everything (even submodules like ReLU)."""
     with_params = [u for u in units if any(True for _ in u.parameters())]
     if policy is not None and not with_params:
         classes = sorted({type(m).__name__ for m in model.modules() if m is not model})
         raise UserError(
-            f"the wrap policy {describe_policy(policy)} wraps no submodule with parameters, so the whole model would be one unit, "
+            f"the wrap policy {describe_policy(policy)} wraps no submodule with parameters, so the whole "
+            "model would be one unit, "
             f"gathered whole at once (no memory saved over SHARD_GRAD_OP): choose among the model's classes "
             f"{classes} or lower the parameter threshold"
         )
@@ -160,7 +166,8 @@ def check_units(model: nn.Module, units: list[nn.Module], policy: WrapPolicy) ->
     empty = [type(u).__name__ for u in units if not any(True for _ in u.parameters())]
     if len(submodules) > 1 and len(units) == len(submodules) and empty:
         raise UserError(
-            f"the wrap policy {describe_policy(policy)} wraps every one of the {len(submodules)} submodules, even {len(empty)} without "
+            f"the wrap policy {describe_policy(policy)} wraps every one of the {len(submodules)} "
+            f"submodules, even {len(empty)} without "
             f"parameters (such as {empty[0]}): name the classes of the blocks to shard, e.g. "
             "auto_wrap_policy={nn.Linear} or a transformer block class"
         )
@@ -168,15 +175,20 @@ def check_units(model: nn.Module, units: list[nn.Module], policy: WrapPolicy) ->
 
 # -- checks on the options -----------------------------------------------------------------
 
+
 def _check_options(sharding_strategy: str, cpu_offload: str, mixed_precision: MixedPrecision) -> None:
     if sharding_strategy not in SHARDING_STRATEGIES:
-        raise UserError(f"unknown sharding strategy {sharding_strategy!r}: choose one of {', '.join(SHARDING_STRATEGIES)}")
+        raise UserError(
+            f"unknown sharding strategy {sharding_strategy!r}: choose one of {', '.join(SHARDING_STRATEGIES)}"
+        )
     if cpu_offload not in OFFLOAD_MODES:
         raise UserError(f"unknown cpu_offload {cpu_offload!r}: choose one of {', '.join(OFFLOAD_MODES)}")
     for role in ("param_dtype", "reduce_dtype", "buffer_dtype"):
         dtype = getattr(mixed_precision, role)
         if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-            raise UserError(f"MixedPrecision({role}={dtype!r}): use a floating-point torch dtype such as torch.bfloat16")
+            raise UserError(
+                f"MixedPrecision({role}={dtype!r}): use a floating-point torch dtype such as torch.bfloat16"
+            )
 
 
 @dataclass
@@ -191,8 +203,9 @@ class ShardLayout:
     start_groups: tuple = (None,)
 
 
-def shard_layout(sharding_strategy: str | None, hybrid_shard_size: int | None, group, mesh,
-                 device_type: str) -> ShardLayout:
+def shard_layout(
+    sharding_strategy: str | None, hybrid_shard_size: int | None, group, mesh, device_type: str
+) -> ShardLayout:
     """Where the shards live: the whole world, a process group, or a 1-D or 2-D device mesh.
 
     - no ``group`` and no ``mesh``: every rank. FULL_SHARD and SHARD_GRAD_OP shard over all of
@@ -213,54 +226,86 @@ def shard_layout(sharding_strategy: str | None, hybrid_shard_size: int | None, g
         check_int("hybrid_shard_size", hybrid_shard_size, minimum=1)
     if mesh is not None and mesh.ndim == 2:
         if sharding_strategy not in (None, "HYBRID_SHARD"):
-            raise UserError(f"a 2-D mesh means HYBRID_SHARD (replicate over its first dimension, shard over its second), "
-                            f"not {sharding_strategy}: pass a 1-D mesh or a group to shard over one dimension")
+            raise UserError(
+                f"a 2-D mesh means HYBRID_SHARD (replicate over its first dimension, shard over its second), "
+                f"not {sharding_strategy}: pass a 1-D mesh or a group to shard over one dimension"
+            )
         if hybrid_shard_size is not None:
             raise UserError("hybrid_shard_size is the size of the 2-D mesh's second dimension: leave it out")
         everyone = mesh.size() == dist.get_world_size()
-        return ShardLayout("HYBRID_SHARD", mesh, mesh.get_group(1), mesh.get_group(0),
-                           (None,) if everyone else (mesh.get_group(0), mesh.get_group(1)))
+        return ShardLayout(
+            "HYBRID_SHARD",
+            mesh,
+            mesh.get_group(1),
+            mesh.get_group(0),
+            (None,) if everyone else (mesh.get_group(0), mesh.get_group(1)),
+        )
     if mesh is not None and mesh.ndim != 1:
-        raise UserError(f"FullyShardedDataParallel takes a 1-D or 2-D mesh, got {mesh.ndim} dimensions: "
-                        "pass the dimension to shard over, e.g. mesh['data']")
+        raise UserError(
+            f"FullyShardedDataParallel takes a 1-D or 2-D mesh, got {mesh.ndim} dimensions: "
+            "pass the dimension to shard over, e.g. mesh['data']"
+        )
     sharding_strategy = sharding_strategy or "FULL_SHARD"
     if sharding_strategy not in SHARDING_STRATEGIES:
-        raise UserError(f"unknown sharding strategy {sharding_strategy!r}: choose one of {', '.join(SHARDING_STRATEGIES)}")
+        raise UserError(
+            f"unknown sharding strategy {sharding_strategy!r}: choose one of {', '.join(SHARDING_STRATEGIES)}"
+        )
     if sharding_strategy != "HYBRID_SHARD" and hybrid_shard_size is not None:
         raise UserError("hybrid_shard_size only applies to sharding_strategy='HYBRID_SHARD'")
     if mesh is not None:
         group = mesh.get_group()
     if group is not None and dist.get_world_size(group) != dist.get_world_size():
         if sharding_strategy in ("NO_SHARD", "HYBRID_SHARD"):
-            raise UserError(f"{sharding_strategy} over a group of some ranks needs a 2-D mesh: build it on every rank "
-                            "with init_device_mesh(device, (replicas, shards)) and pass mesh=")
+            raise UserError(
+                f"{sharding_strategy} over a group of some ranks needs a 2-D mesh: build it on every rank "
+                "with init_device_mesh(device, (replicas, shards)) and pass mesh="
+            )
         ranks = dist.get_process_group_ranks(group)
-        state_mesh = mesh if mesh is not None else DeviceMesh.from_group(group, device_type, mesh=torch.tensor(ranks))
+        state_mesh = (
+            mesh if mesh is not None else DeviceMesh.from_group(group, device_type, mesh=torch.tensor(ranks))
+        )
         return ShardLayout(sharding_strategy, state_mesh, group, None, (group,))
     world = dist.get_world_size()
     if sharding_strategy == "HYBRID_SHARD":
         shard_size = hybrid_shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
         if world % shard_size:
-            raise UserError(f"HYBRID_SHARD needs a shard group size that divides the {world} ranks, got {shard_size}: "
-                            f"pass hybrid_shard_size among {[d for d in range(1, world + 1) if world % d == 0]}")
+            raise UserError(
+                f"HYBRID_SHARD needs a shard group size that divides the {world} ranks, got {shard_size}: "
+                f"pass hybrid_shard_size among {[d for d in range(1, world + 1) if world % d == 0]}"
+            )
     else:
         shard_size = 1 if sharding_strategy == "NO_SHARD" else world
     # Rows are replicas, columns are shards: ranks [0, 1] share one model on a 2x2 mesh.
-    state_mesh = init_device_mesh(device_type, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
-    return ShardLayout(sharding_strategy, state_mesh, state_mesh.get_group("shard"), state_mesh.get_group("replicate"))
+    state_mesh = init_device_mesh(
+        device_type, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard")
+    )
+    return ShardLayout(
+        sharding_strategy, state_mesh, state_mesh.get_group("shard"), state_mesh.get_group("replicate")
+    )
 
 
 def _compute_device(module: nn.Module, device: torch.device | str | None, cpu_offload: str) -> torch.device:
     first = next(module.parameters(), None)
-    device = torch.device(device) if device is not None else (first.device if first is not None else torch.device("cpu"))
+    device = (
+        torch.device(device)
+        if device is not None
+        else (first.device if first is not None else torch.device("cpu"))
+    )
     if device.type == "cuda" and not torch.cuda.is_available():
-        wanted = f"cpu_offload={cpu_offload!r} keeps shards in CPU memory and computes on the GPU, but" \
-            if cpu_offload != "none" else "the model is meant for a GPU, but"
-        raise UserError(f"{wanted} this process sees no CUDA device: run it on a GPU node, or compute on the CPU "
-                        "(device='cpu'), where the parameters already live in CPU memory")
+        wanted = (
+            f"cpu_offload={cpu_offload!r} keeps shards in CPU memory and computes on the GPU, but"
+            if cpu_offload != "none"
+            else "the model is meant for a GPU, but"
+        )
+        raise UserError(
+            f"{wanted} this process sees no CUDA device: run it on a GPU node, or compute on the CPU "
+            "(device='cpu'), where the parameters already live in CPU memory"
+        )
     if first is not None and first.device != device:
-        raise UserError(f"the model's parameters are on {first.device} but FSDP computes on {device}: "
-                        f"move the model first (model.to({str(device)!r}))")
+        raise UserError(
+            f"the model's parameters are on {first.device} but FSDP computes on {device}: "
+            f"move the model first (model.to({str(device)!r}))"
+        )
     return device
 
 
@@ -283,15 +328,27 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
         device: where to compute (default: where the parameters are).
     """
 
-    def __init__(self, module: nn.Module, *, group=None, mesh=None, auto_wrap_policy: WrapPolicy = None,
-                 sharding_strategy: str | None = None, hybrid_shard_size: int | None = None, cpu_offload: str = "none",
-                 mixed_precision: MixedPrecision | None = None, activation_checkpointing: bool = False,
-                 device: torch.device | str | None = None):
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        group=None,
+        mesh=None,
+        auto_wrap_policy: WrapPolicy = None,
+        sharding_strategy: str | None = None,
+        hybrid_shard_size: int | None = None,
+        cpu_offload: str = "none",
+        mixed_precision: MixedPrecision | None = None,
+        activation_checkpointing: bool = False,
+        device: torch.device | str | None = None,
+    ):
         super().__init__()
         check_module("module", module)
         check_group("group", group)
         if not isinstance(mixed_precision, (MixedPrecision, type(None))):
-            raise UserError(f"mixed_precision must be a fsdp.MixedPrecision(...), got {type(mixed_precision).__name__}")
+            raise UserError(
+                f"mixed_precision must be a fsdp.MixedPrecision(...), got {type(mixed_precision).__name__}"
+            )
         mixed_precision = mixed_precision or MixedPrecision()
         _check_options(sharding_strategy or "FULL_SHARD", cpu_offload, mixed_precision)
         compute_device = _compute_device(module, device, cpu_offload)
@@ -302,8 +359,11 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
             start_as_replicas(module, group=ranks)
 
         self.module = module
-        self.sharding_strategy, self.cpu_offload, self.mixed_precision = layout.sharding_strategy, cpu_offload, \
-            mixed_precision
+        self.sharding_strategy, self.cpu_offload, self.mixed_precision = (
+            layout.sharding_strategy,
+            cpu_offload,
+            mixed_precision,
+        )
         self.state_mesh, self.shard_group = layout.state_mesh, layout.shard_group
         replicate_group = layout.replicate_group
         names = {id(m): name for name, m in module.named_modules()}
@@ -313,14 +373,31 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
         # Children first: building a unit replaces its parameters by views, so its parents no longer see them.
         for unit_module in reversed([module, *unit_modules]):
             prefix = names[id(unit_module)]
-            params = [(f"{prefix}.{fqn}" if prefix else fqn, owner, attr, p)
-                      for fqn, owner, attr, p in owned_parameters(unit_module)]
+            params = [
+                (f"{prefix}.{fqn}" if prefix else fqn, owner, attr, p)
+                for fqn, owner, attr, p in owned_parameters(unit_module)
+            ]
             if not params:
                 continue
-            flat = FlatParameter(prefix, params, self.shard_group, replicate_group, compute_device,
-                                 mixed_precision.param_dtype, mixed_precision.reduce_dtype, shard_device)
-            self.units.insert(0, Unit(unit_module, prefix, flat,
-                                      reshard_after_forward=layout.sharding_strategy != "SHARD_GRAD_OP"))
+            flat = FlatParameter(
+                prefix,
+                params,
+                self.shard_group,
+                replicate_group,
+                compute_device,
+                mixed_precision.param_dtype,
+                mixed_precision.reduce_dtype,
+                shard_device,
+            )
+            self.units.insert(
+                0,
+                Unit(
+                    unit_module,
+                    prefix,
+                    flat,
+                    reshard_after_forward=layout.sharding_strategy != "SHARD_GRAD_OP",
+                ),
+            )
         self.flat_params = [unit.flat for unit in self.units]
         self.flat_shards = nn.ParameterList([flat.shard for flat in self.flat_params])
         if mixed_precision.buffer_dtype is not None:
@@ -332,11 +409,15 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
         self._end_of_backward = EndOfBackward(self._finish_backward)
         self._peak: dict[str, int] = {}
         for unit in self.units:
-            unit.hooks.append(unit.module.register_forward_pre_hook(functools.partial(self._before_forward, unit)))
+            unit.hooks.append(
+                unit.module.register_forward_pre_hook(functools.partial(self._before_forward, unit))
+            )
             unit.hooks.append(unit.module.register_forward_hook(functools.partial(self._after_forward, unit)))
             for slot in unit.flat.slots:
                 if slot.leaf.requires_grad:
-                    slot.leaf.register_post_accumulate_grad_hook(functools.partial(self._gradient_ready, unit))
+                    slot.leaf.register_post_accumulate_grad_hook(
+                        functools.partial(self._gradient_ready, unit)
+                    )
         if activation_checkpointing:
             self._checkpoint_leaf_units()
 
@@ -344,8 +425,10 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
         from torch.utils.checkpoint import checkpoint
 
         for unit in self.units:
-            nested = any(other is not unit and any(other.module is m for m in unit.module.modules())
-                         for other in self.units)
+            nested = any(
+                other is not unit and any(other.module is m for m in unit.module.modules())
+                for other in self.units
+            )
             if unit.module is self.module or nested:
                 continue  # recomputing a unit that contains units would gather and free them mid-backward
             unit.module.forward = functools.partial(checkpoint, unit.module.forward, use_reentrant=False)
@@ -358,8 +441,11 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
             cast = lambda t: t.to(param_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
             args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
         offload_activations = self.cpu_offload == "full" and torch.is_grad_enabled()
-        saving = torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()) if offload_activations \
+        saving = (
+            torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+            if offload_activations
             else contextlib.nullcontext()
+        )
         with saving:
             return self.module(*args, **kwargs)
 
@@ -370,12 +456,15 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
 
     def _after_forward(self, unit: Unit, module: nn.Module, args, output) -> None:
         outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        if torch.is_grad_enabled() and outputs:  # a frozen unit too: backward needs its weights to go through it
+        if (
+            torch.is_grad_enabled() and outputs
+        ):  # a frozen unit too: backward needs its weights to go through it
             for tensor in outputs:  # fires when the gradient reaches this unit's output: its backward begins
                 tensor.register_hook(functools.partial(self._before_backward, unit))
             if not unit.reshard_after_forward:
                 return
         unit.flat.free()
+
     # #endregion forward-hooks
 
     # -- backward -------------------------------------------------------------------------------
@@ -410,7 +499,7 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
 
     # -- inspection -----------------------------------------------------------------------------
     def gather_parameters(self) -> None:
-        """Make every unit whole (e.g. to inspect or export the weights); ``reshard_parameters()`` undoes it."""
+        """Make every unit whole (to inspect or export the weights); ``reshard_parameters()`` undoes it."""
         for unit in self.units:
             unit.flat.gather()
         self._record_peak()
@@ -457,7 +546,11 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
         """Bytes this rank holds now and at most so far, by category (optimizer state if one is given)."""
         current = self._current_bytes()
         if optimizer is not None:
-            current["optimizer_state"] = sum(v.untyped_storage().nbytes() for state in optimizer.state.values()
-                                             for v in state.values() if isinstance(v, torch.Tensor))
+            current["optimizer_state"] = sum(
+                v.untyped_storage().nbytes()
+                for state in optimizer.state.values()
+                for v in state.values()
+                if isinstance(v, torch.Tensor)
+            )
         current["total"] = sum(current.values())
         return {"current": current, "peak": dict(self._peak)}

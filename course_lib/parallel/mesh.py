@@ -39,16 +39,20 @@ def check_degrees(world_size: int, *, data: int = 1, pipeline: int = 1, tensor: 
         if degree < 1:
             raise UserError(f"the {name} degree must be at least 1, got {degree}")
     if data * pipeline * tensor != world_size:
-        raise UserError(f"data {data} x pipeline {pipeline} x tensor {tensor} = {data * pipeline * tensor} ranks, "
-                        f"but {world_size} were started: start {data * pipeline * tensor} processes, or choose "
-                        f"degrees whose product is {world_size}")
+        raise UserError(
+            f"data {data} x pipeline {pipeline} x tensor {tensor} = {data * pipeline * tensor} ranks, "
+            f"but {world_size} were started: start {data * pipeline * tensor} processes, or choose "
+            f"degrees whose product is {world_size}"
+        )
 
 
 def rank_at(pipeline: int, data: int, tensor: int, degrees: dict[str, int]) -> int:
     return (pipeline * degrees["data"] + data) * degrees["tensor"] + tensor
 
 
-def grid_groups(world_size: int, *, data: int = 1, pipeline: int = 1, tensor: int = 1) -> dict[str, list[list[int]]]:
+def grid_groups(
+    world_size: int, *, data: int = 1, pipeline: int = 1, tensor: int = 1
+) -> dict[str, list[list[int]]]:
     """Every group of ranks along each axis, e.g. {"tensor": [[0, 1], [2, 3]], ...}."""
     check_degrees(world_size, data=data, pipeline=pipeline, tensor=tensor)
     degrees = {"data": data, "pipeline": pipeline, "tensor": tensor}
@@ -66,8 +70,10 @@ def grid_groups(world_size: int, *, data: int = 1, pipeline: int = 1, tensor: in
 def describe_grid(world_size: int, *, data: int = 1, pipeline: int = 1, tensor: int = 1) -> str:
     """A printout of the layout: each rank's coordinates and every group."""
     groups = grid_groups(world_size, data=data, pipeline=pipeline, tensor=tensor)
-    lines = [f"{world_size} ranks = data {data} x pipeline {pipeline} x tensor {tensor}",
-             "rank  pipeline  data  tensor"]
+    lines = [
+        f"{world_size} ranks = data {data} x pipeline {pipeline} x tensor {tensor}",
+        "rank  pipeline  data  tensor",
+    ]
     degrees = {"data": data, "pipeline": pipeline, "tensor": tensor}
     for p in range(pipeline):
         for d in range(data):

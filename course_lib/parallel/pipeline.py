@@ -57,14 +57,20 @@ class Action:
     peer: int | None = None  # the other rank, for sends and receives
 
     def __str__(self) -> str:
-        arrow = "" if self.peer is None else (f"->{self.peer}" if self.kind.startswith("SEND") else f"<-{self.peer}")
+        arrow = (
+            ""
+            if self.peer is None
+            else (f"->{self.peer}" if self.kind.startswith("SEND") else f"<-{self.peer}")
+        )
         return f"{self.kind}{self.stage}.{self.microbatch}{arrow}"
 
 
 # -- cutting the model ------------------------------------------------------------------------
 
-def split_model(layers: nn.Sequential | list[nn.Module], num_stages: int,
-                *, cut_points: list[int] | None = None) -> list[nn.Sequential]:
+
+def split_model(
+    layers: nn.Sequential | list[nn.Module], num_stages: int, *, cut_points: list[int] | None = None
+) -> list[nn.Sequential]:
     """Cut a sequence of layers into ``num_stages`` stages.
 
     ``cut_points``: the index of the first layer of every stage but the first (e.g. [3, 6]);
@@ -74,16 +80,20 @@ def split_model(layers: nn.Sequential | list[nn.Module], num_stages: int,
     if num_stages < 1:
         raise UserError(f"the number of stages must be at least 1, got {num_stages}")
     if num_stages > len(layers):
-        raise UserError(f"cannot cut {len(layers)} layers into {num_stages} stages: every stage needs at least one "
-                        f"layer; use at most {len(layers)} stages (pipeline degree x virtual stages)")
+        raise UserError(
+            f"cannot cut {len(layers)} layers into {num_stages} stages: every stage needs at least one "
+            f"layer; use at most {len(layers)} stages (pipeline degree x virtual stages)"
+        )
     if cut_points is None:
         base, extra = divmod(len(layers), num_stages)
         sizes = [base + (1 if s < extra else 0) for s in range(num_stages)]
         cut_points = [sum(sizes[:s]) for s in range(1, num_stages)]
     bounds = [0, *cut_points, len(layers)]
     if len(cut_points) != num_stages - 1 or any(a >= b for a, b in zip(bounds, bounds[1:])):
-        raise UserError(f"cut points {cut_points} must be {num_stages - 1} increasing layer indices "
-                        f"between 1 and {len(layers) - 1}")
+        raise UserError(
+            f"cut points {cut_points} must be {num_stages - 1} increasing layer indices "
+            f"between 1 and {len(layers) - 1}"
+        )
     return [nn.Sequential(*layers[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
@@ -94,7 +104,10 @@ def rank_of_stage(stage: int, pipeline_size: int) -> int:
 
 # -- the schedules as pure functions ------------------------------------------------------------
 
-def check_schedule_arguments(schedule: str, pipeline_size: int, microbatches: int, *, virtual_stages: int = 1) -> None:
+
+def check_schedule_arguments(
+    schedule: str, pipeline_size: int, microbatches: int, *, virtual_stages: int = 1
+) -> None:
     if schedule not in SCHEDULES:
         raise UserError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
     if pipeline_size < 1 or microbatches < 1 or virtual_stages < 1:
@@ -102,13 +115,16 @@ def check_schedule_arguments(schedule: str, pipeline_size: int, microbatches: in
     if schedule != "interleaved_1f1b" and virtual_stages != 1:
         raise UserError(f"{schedule} runs one stage per rank: virtual stages need schedule interleaved_1f1b")
     if schedule == "interleaved_1f1b" and microbatches % pipeline_size:
-        raise UserError(f"interleaved 1F1B sends micro-batches round the {pipeline_size} ranks in groups of "
-                        f"{pipeline_size}: use a number of micro-batches that is a multiple of {pipeline_size}, "
-                        f"not {microbatches}")
+        raise UserError(
+            f"interleaved 1F1B sends micro-batches round the {pipeline_size} ranks in groups of "
+            f"{pipeline_size}: use a number of micro-batches that is a multiple of {pipeline_size}, "
+            f"not {microbatches}"
+        )
 
 
-def compute_order(schedule: str, pipeline_size: int, microbatches: int,
-                  *, virtual_stages: int = 1) -> dict[int, list[Action]]:
+def compute_order(
+    schedule: str, pipeline_size: int, microbatches: int, *, virtual_stages: int = 1
+) -> dict[int, list[Action]]:
     """Each rank's forwards and backwards, in the order it runs them (no communication yet)."""
     check_schedule_arguments(schedule, pipeline_size, microbatches, virtual_stages=virtual_stages)
     p, m, v = pipeline_size, microbatches, virtual_stages
@@ -148,8 +164,9 @@ def _interleaved_order(rank: int, p: int, m: int, v: int) -> list[Action]:
     return actions
 
 
-def build_schedule(schedule: str, pipeline_size: int, microbatches: int,
-                   *, virtual_stages: int = 1) -> dict[int, list[Action]]:
+def build_schedule(
+    schedule: str, pipeline_size: int, microbatches: int, *, virtual_stages: int = 1
+) -> dict[int, list[Action]]:
     """Each rank's complete list: compute actions with the sends and receives they need around them."""
     order = compute_order(schedule, pipeline_size, microbatches, virtual_stages=virtual_stages)
     last = pipeline_size * virtual_stages - 1
@@ -178,8 +195,9 @@ def build_schedule(schedule: str, pipeline_size: int, microbatches: int,
     return full
 
 
-def check_schedule(actions: dict[int, list[Action]], pipeline_size: int, microbatches: int,
-                   *, virtual_stages: int = 1) -> None:
+def check_schedule(
+    actions: dict[int, list[Action]], pipeline_size: int, microbatches: int, *, virtual_stages: int = 1
+) -> None:
     """Raise ``ValueError`` unless the schedule is complete, causal, matched and deadlock-free.
 
     Replays all ranks together with non-blocking sends and receives that wait for their send:
@@ -188,15 +206,21 @@ def check_schedule(actions: dict[int, list[Action]], pipeline_size: int, microba
     """
     stages = pipeline_size * virtual_stages
     expected = {(kind, s, i) for kind in COMPUTE for s in range(stages) for i in range(microbatches)}
-    seen = [(a.kind, a.stage, a.microbatch) for rank_actions in actions.values() for a in rank_actions
-            if a.kind in COMPUTE]
+    seen = [
+        (a.kind, a.stage, a.microbatch)
+        for rank_actions in actions.values()
+        for a in rank_actions
+        if a.kind in COMPUTE
+    ]
     if sorted(seen) != sorted(expected):
         raise ValueError("the schedule does not run every forward and backward exactly once")
     for rank, rank_actions in actions.items():
         for action in rank_actions:
             if action.kind in COMPUTE and rank_of_stage(action.stage, pipeline_size) != rank:
-                raise ValueError(f"{action} is on rank {rank}, but stage {action.stage} lives on rank "
-                                 f"{rank_of_stage(action.stage, pipeline_size)}")
+                raise ValueError(
+                    f"{action} is on rank {rank}, but stage {action.stage} lives on rank "
+                    f"{rank_of_stage(action.stage, pipeline_size)}"
+                )
     sent: set[tuple] = set()  # (kind, stage, microbatch, to rank)
     done: set[tuple] = set()
     available: set[tuple] = set()  # inputs a rank holds: ("F"|"B", stage, microbatch)
@@ -214,7 +238,11 @@ def check_schedule(actions: dict[int, list[Action]], pipeline_size: int, microba
                 elif a.kind.startswith("RECV"):
                     ready = (a.kind[-1], a.stage, a.microbatch, rank) in sent
                 else:  # a send needs what it sends to have been computed
-                    ready = (a.kind[-1], a.stage - 1 if a.kind == "SEND_F" else a.stage + 1, a.microbatch) in done
+                    ready = (
+                        a.kind[-1],
+                        a.stage - 1 if a.kind == "SEND_F" else a.stage + 1,
+                        a.microbatch,
+                    ) in done
                 if not ready:
                     break
                 if a.kind in COMPUTE:
@@ -233,21 +261,27 @@ def check_schedule(actions: dict[int, list[Action]], pipeline_size: int, microba
         if not progressed:
             stuck = {r: str(actions[r][position[r]]) for r in actions if position[r] < len(actions[r])}
             raise ValueError(f"deadlock: every rank waits ({stuck})")
-    unmatched = sent - {(a.kind[-1], a.stage, a.microbatch, r) for r, acts in actions.items() for a in acts
-                        if a.kind.startswith("RECV")}
+    unmatched = sent - {
+        (a.kind[-1], a.stage, a.microbatch, r)
+        for r, acts in actions.items()
+        for a in acts
+        if a.kind.startswith("RECV")
+    }
     if unmatched:
         raise ValueError(f"sends nobody receives: {sorted(unmatched)[:3]}")
 
 
 # -- what the theory says ---------------------------------------------------------------------
 
+
 def bubble_fraction_theory(pipeline_size: int, microbatches: int, *, virtual_stages: int = 1) -> float:
     """Idle share of each rank's step: (p - 1) / (v·m + p - 1)."""
     return (pipeline_size - 1) / (virtual_stages * microbatches + pipeline_size - 1)
 
 
-def peak_activations_theory(schedule: str, pipeline_size: int, microbatches: int, rank: int,
-                            *, virtual_stages: int = 1) -> int:
+def peak_activations_theory(
+    schedule: str, pipeline_size: int, microbatches: int, rank: int, *, virtual_stages: int = 1
+) -> int:
     """Micro-batches whose activations a rank holds at most (counted per virtual stage)."""
     p, m, v = pipeline_size, microbatches, virtual_stages
     if schedule == "gpipe":
@@ -268,8 +302,13 @@ def peak_in_flight(actions: list[Action]) -> int:
     return peak
 
 
-def simulate_timeline(actions: dict[int, list[Action]], pipeline_size: int, *, forward_time: float = 1.0,
-                      backward_time: float = 2.0) -> dict[int, list[tuple[str, int, int, float, float]]]:
+def simulate_timeline(
+    actions: dict[int, list[Action]],
+    pipeline_size: int,
+    *,
+    forward_time: float = 1.0,
+    backward_time: float = 2.0,
+) -> dict[int, list[tuple[str, int, int, float, float]]]:
     """Start and end of every forward/backward if each takes the given time and messages are free."""
     finished: dict[tuple, float] = {}
     events: dict[int, list] = defaultdict(list)
@@ -309,6 +348,7 @@ def bubble_fraction(events: dict[int, list[tuple[str, int, int, float, float]]])
 
 # -- the executor ---------------------------------------------------------------------------------
 
+
 @dataclass
 class PipelineStats:
     """What one ``step`` did on this rank."""
@@ -334,20 +374,36 @@ class PipelineExecutor:
     stage order (default: all).
     """
 
-    def __init__(self, stages: dict[int, nn.Module], num_stages: int, schedule: str, microbatches: int,
-                 loss_fn, boundary_shape: tuple[int, ...], *, group=None, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        stages: dict[int, nn.Module],
+        num_stages: int,
+        schedule: str,
+        microbatches: int,
+        loss_fn,
+        boundary_shape: tuple[int, ...],
+        *,
+        group=None,
+        dtype: torch.dtype = torch.float32,
+    ):
         if not isinstance(stages, dict) or not stages:
-            raise UserError("stages must be a non-empty dict {stage index: module} of the stages this rank holds "
-                            f"(see rank_of_stage), got {type(stages).__name__}")
+            raise UserError(
+                "stages must be a non-empty dict {stage index: module} of the stages this rank holds "
+                f"(see rank_of_stage), got {type(stages).__name__}"
+            )
         for index, stage in stages.items():
             check_module(f"stages[{index}]", stage)
         check_int("num_stages", num_stages, minimum=1)
         check_int("microbatches", microbatches, minimum=1)
         if not callable(loss_fn):
-            raise UserError(f"loss_fn must be a function (outputs, targets) -> loss, got {type(loss_fn).__name__}")
+            raise UserError(
+                f"loss_fn must be a function (outputs, targets) -> loss, got {type(loss_fn).__name__}"
+            )
         if not all(isinstance(size, int) and size >= 1 for size in boundary_shape):
-            raise UserError(f"boundary_shape must be positive whole numbers, e.g. (micro_batch, seq, d_model), got "
-                            f"{tuple(boundary_shape)}")
+            raise UserError(
+                f"boundary_shape must be positive whole numbers, e.g. (micro_batch, seq, d_model), got "
+                f"{tuple(boundary_shape)}"
+            )
         check_group("group", group)
         self.group = group
         self.pipeline_size = dist.get_world_size(group)
@@ -355,7 +411,9 @@ class PipelineExecutor:
         if num_stages % self.pipeline_size:
             raise UserError(f"{num_stages} stages do not go round {self.pipeline_size} pipeline ranks evenly")
         self.virtual_stages = num_stages // self.pipeline_size
-        self.actions = build_schedule(schedule, self.pipeline_size, microbatches, virtual_stages=self.virtual_stages)[self.rank]
+        self.actions = build_schedule(
+            schedule, self.pipeline_size, microbatches, virtual_stages=self.virtual_stages
+        )[self.rank]
         expected = {s for s in range(num_stages) if rank_of_stage(s, self.pipeline_size) == self.rank}
         if set(stages) != expected:
             raise UserError(f"rank {self.rank} must hold stages {sorted(expected)}, got {sorted(stages)}")
@@ -372,7 +430,9 @@ class PipelineExecutor:
         """One tag per message, so a receive can only match the send meant for it."""
         return (receiving_stage * self.microbatches + microbatch) * 2 + (direction == "B")
 
-    def step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor | None:
+    def step(
+        self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """One forward and backward of the whole batch; returns the mean loss on the last stage's rank.
 
         The first stage's rank needs ``inputs``, the last stage's rank ``targets``; gradients are
@@ -383,10 +443,14 @@ class PipelineExecutor:
         # Both ends check, so that neither waits for the other after a mistake.
         for needed, tensor, name in ((has_first, inputs, "inputs"), (has_last, targets, "targets")):
             if needed and tensor is None:
-                raise UserError(f"this rank holds the {'first' if name == 'inputs' else 'last'} stage: pass {name}")
+                raise UserError(
+                    f"this rank holds the {'first' if name == 'inputs' else 'last'} stage: pass {name}"
+                )
             if needed and tensor.shape[0] % m:
-                raise UserError(f"a batch of {tensor.shape[0]} samples does not split into {m} equal micro-batches: "
-                                f"use a batch size that is a multiple of {m}")
+                raise UserError(
+                    f"a batch of {tensor.shape[0]} samples does not split into {m} equal micro-batches: "
+                    f"use a batch size that is a multiple of {m}"
+                )
         input_chunks = inputs.chunk(m) if has_first else None
         target_chunks = targets.chunk(m) if has_last else None
         inbox = {}  # ("F" | "B", stage, microbatch) -> what that stage receives (activation or gradient)
@@ -399,12 +463,20 @@ class PipelineExecutor:
             s, i, direction = action.stage, action.microbatch, action.kind[-1]
             if action.kind.startswith("RECV"):
                 buffer = torch.empty(self.boundary_shape, dtype=self.dtype, device=self.device)
-                comm.recv(buffer, src=self._global(action.peer), group=self.group, tag=self._tag(direction, s, i))
+                comm.recv(
+                    buffer, src=self._global(action.peer), group=self.group, tag=self._tag(direction, s, i)
+                )
                 inbox[(direction, s, i)] = buffer
             elif action.kind.startswith("SEND"):
                 message = outbox.pop((direction, s, i))
-                in_flight.append(comm.isend(message, dst=self._global(action.peer), group=self.group,
-                                            tag=self._tag(direction, s, i)))
+                in_flight.append(
+                    comm.isend(
+                        message,
+                        dst=self._global(action.peer),
+                        group=self.group,
+                        tag=self._tag(direction, s, i),
+                    )
+                )
             elif action.kind == "F":
                 begin = time.perf_counter()
                 x = input_chunks[i] if s == 0 else inbox.pop(("F", s, i)).requires_grad_()

@@ -69,6 +69,8 @@ class _ReduceFromParallel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
+
+
 # #endregion f-and-g
 
 
@@ -108,30 +110,47 @@ def _split_size(total: int, group, what: str) -> int:
     size = dist.get_world_size(group)
     if total % size:
         divisors = [d for d in range(1, total + 1) if total % d == 0 and d <= 64]
-        raise UserError(f"{what} {total} does not divide by the tensor-parallel degree {size}: "
-                        f"use a degree among {divisors}, or change the layer size")
+        raise UserError(
+            f"{what} {total} does not divide by the tensor-parallel degree {size}: "
+            f"use a degree among {divisors}, or change the layer size"
+        )
     return total // size
 
 
 class ColumnParallelLinear(nn.Module):
     """``nn.Linear(in, out)`` whose output features are split over the group (this rank: out / T of them)."""
 
-    def __init__(self, in_features: int, out_features: int, *, bias: bool = True, gather_output: bool = False,
-                 group=None, copy_input: bool = True):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = True,
+        gather_output: bool = False,
+        group=None,
+        copy_input: bool = True,
+    ):
         super().__init__()
         # copy_input=False: the caller already applied f to the input (several layers sharing one input)
         self.group, self.gather_output, self.copy_input = group, gather_output, copy_input
         self.out_per_rank = _split_size(out_features, group, "output features")
         self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features))
         self.bias = nn.Parameter(torch.zeros(self.out_per_rank)) if bias else None
-        nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
+        nn.init.kaiming_uniform_(self.weight, a=5**0.5)
 
     @classmethod
-    def from_dense(cls, dense: nn.Linear, *, gather_output: bool = False, group=None,
-                   copy_input: bool = True) -> "ColumnParallelLinear":
+    def from_dense(
+        cls, dense: nn.Linear, *, gather_output: bool = False, group=None, copy_input: bool = True
+    ) -> ColumnParallelLinear:
         """This rank's rows of a dense layer's weight (and bias): the same function, split."""
-        layer = cls(dense.in_features, dense.out_features, bias=dense.bias is not None, gather_output=gather_output,
-                    group=group, copy_input=copy_input)
+        layer = cls(
+            dense.in_features,
+            dense.out_features,
+            bias=dense.bias is not None,
+            gather_output=gather_output,
+            group=group,
+            copy_input=copy_input,
+        )
         rank = dist.get_rank(group)
         rows = slice(rank * layer.out_per_rank, (rank + 1) * layer.out_per_rank)
         with torch.no_grad():
@@ -141,7 +160,9 @@ class ColumnParallelLinear(nn.Module):
         return layer.to(dense.weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = nn.functional.linear(copy_to_parallel(x, group=self.group) if self.copy_input else x, self.weight, self.bias)
+        y = nn.functional.linear(
+            copy_to_parallel(x, group=self.group) if self.copy_input else x, self.weight, self.bias
+        )
         return gather_from_parallel(y, group=self.group) if self.gather_output else y
 
 
@@ -154,10 +175,10 @@ class RowParallelLinear(nn.Module):
         self.in_per_rank = _split_size(in_features, group, "input features")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None  # added once, after the sum
-        nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
+        nn.init.kaiming_uniform_(self.weight, a=5**0.5)
 
     @classmethod
-    def from_dense(cls, dense: nn.Linear, *, group=None) -> "RowParallelLinear":
+    def from_dense(cls, dense: nn.Linear, *, group=None) -> RowParallelLinear:
         layer = cls(dense.in_features, dense.out_features, bias=dense.bias is not None, group=group)
         rank = dist.get_rank(group)
         columns = slice(rank * layer.in_per_rank, (rank + 1) * layer.in_per_rank)
@@ -183,8 +204,10 @@ def parallel_mlp(mlp: nn.Module, *, group=None) -> nn.Module:
     check_module("mlp", mlp)
     for name in ("fc1", "fc2"):
         if not isinstance(getattr(mlp, name, None), nn.Linear):
-            raise UserError(f"mlp.{name} must be an nn.Linear (a models.MLP has fc1, act, fc2), got "
-                            f"{type(getattr(mlp, name, None)).__name__}")
+            raise UserError(
+                f"mlp.{name} must be an nn.Linear (a models.MLP has fc1, act, fc2), got "
+                f"{type(getattr(mlp, name, None)).__name__}"
+            )
     mlp.fc1 = ColumnParallelLinear.from_dense(mlp.fc1, group=group)
     mlp.fc2 = RowParallelLinear.from_dense(mlp.fc2, group=group)
     return mlp
@@ -201,10 +224,15 @@ def parallel_attention(attention: nn.Module, n_heads: int, *, group=None) -> nn.
     check_module("attention", attention)
     _split_size(n_heads, group, "attention heads")
     for name in ("q", "k", "v"):
-        setattr(attention, name, ColumnParallelLinear.from_dense(getattr(attention, name), group=group,
-                                                                 copy_input=False))
+        setattr(
+            attention,
+            name,
+            ColumnParallelLinear.from_dense(getattr(attention, name), group=group, copy_input=False),
+        )
     attention.out = RowParallelLinear.from_dense(attention.out, group=group)
-    attention.register_forward_pre_hook(lambda module, args: (copy_to_parallel(args[0], group=group), *args[1:]))
+    attention.register_forward_pre_hook(
+        lambda module, args: (copy_to_parallel(args[0], group=group), *args[1:])
+    )
     return attention
 
 
@@ -218,16 +246,26 @@ def parallelize_transformer(model: nn.Module, *, group=None) -> nn.Module:
     check_module("model", model)
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     if not blocks:
-        raise UserError("no transformer Block found to parallelize: pass a models.TinyTransformer or its blocks")
+        raise UserError(
+            "no transformer Block found to parallelize: pass a models.TinyTransformer or its blocks"
+        )
     for block in blocks:
-        parallel_attention(block.attention, block.attention.out.out_features // block.attention.head_dim, group=group)
+        parallel_attention(
+            block.attention, block.attention.out.out_features // block.attention.head_dim, group=group
+        )
         parallel_mlp(block.mlp, group=group)
     return model
 
 
 def check_tensor_parallel_degree(d_model: int, n_heads: int, mlp_hidden: int, degree: int) -> None:
     """Before any process waits: does this model split ``degree`` ways?"""
-    for what, total in (("attention heads", n_heads), ("hidden size d_model", d_model), ("MLP hidden size", mlp_hidden)):
+    for what, total in (
+        ("attention heads", n_heads),
+        ("hidden size d_model", d_model),
+        ("MLP hidden size", mlp_hidden),
+    ):
         if total % degree:
-            raise UserError(f"tensor-parallel degree {degree} does not divide the {what} ({total}): "
-                            f"use a degree that divides {n_heads} heads and {d_model} features")
+            raise UserError(
+                f"tensor-parallel degree {degree} does not divide the {what} ({total}): "
+                f"use a degree that divides {n_heads} heads and {d_model} features"
+            )

@@ -40,23 +40,49 @@ def build_local_model(model: nn.Module, mesh: Mesh) -> dict[int, nn.Module]:
     return {stage_index: stage}
 
 
-def check_run(world_size: int, data_degree: int, pipeline: int, tensor: int, global_batch: int, microbatches: int,
-              n_layers: int, d_model: int, n_heads: int) -> None:
+def check_run(
+    world_size: int,
+    data_degree: int,
+    pipeline: int,
+    tensor: int,
+    global_batch: int,
+    microbatches: int,
+    n_layers: int,
+    d_model: int,
+    n_heads: int,
+) -> None:
     """Everything that can be wrong, checked before any process waits on another."""
     from .mesh import check_degrees
 
     check_degrees(world_size, data=data_degree, pipeline=pipeline, tensor=tensor)
     tp.check_tensor_parallel_degree(d_model, n_heads, 4 * d_model, tensor)
     if pipeline > n_layers + 2:
-        raise UserError(f"cannot cut {n_layers + 2} layers (embedding, {n_layers} blocks, head) into {pipeline} stages")
+        raise UserError(
+            f"cannot cut {n_layers + 2} layers (embedding, {n_layers} blocks, head) into {pipeline} stages"
+        )
     if global_batch % (data_degree * microbatches):
-        raise UserError(f"the global batch of {global_batch} must split into {data_degree} data-parallel parts of "
-                        f"{microbatches} micro-batches each: use a multiple of {data_degree * microbatches}")
+        raise UserError(
+            f"the global batch of {global_batch} must split into {data_degree} data-parallel parts of "
+            f"{microbatches} micro-batches each: use a multiple of {data_degree * microbatches}"
+        )
 
 
-def train_3d(*, data_degree: int = 2, pipeline: int = 2, tensor: int = 2, steps: int = 20, global_batch: int = 16,
-             microbatches: int = 2, schedule: str = "1f1b", lr: float = 3e-3, seq_len: int = 32,
-             d_model: int = 64, n_heads: int = 4, n_layers: int = 4, seed: int = 0) -> list[float] | None:
+def train_3d(
+    *,
+    data_degree: int = 2,
+    pipeline: int = 2,
+    tensor: int = 2,
+    steps: int = 20,
+    global_batch: int = 16,
+    microbatches: int = 2,
+    schedule: str = "1f1b",
+    lr: float = 3e-3,
+    seq_len: int = 32,
+    d_model: int = 64,
+    n_heads: int = 4,
+    n_layers: int = 4,
+    seed: int = 0,
+) -> list[float] | None:
     """Train on the current process group laid out as a mesh; return the loss of every step on rank 0.
 
     With 1 x 1 x 1 it is the single-process reference.
@@ -71,15 +97,24 @@ def train_3d(*, data_degree: int = 2, pipeline: int = 2, tensor: int = 2, steps:
     params = [p for stage in stages.values() for p in stage.parameters()]
     optimizer = torch.optim.AdamW(params, lr=lr)
     local_batch = global_batch // data_degree
-    executor = pp.PipelineExecutor(stages, pipeline, schedule, microbatches, models.lm_loss,
-                                   (local_batch // microbatches, seq_len, d_model), group=mesh.group("pipeline"))
+    executor = pp.PipelineExecutor(
+        stages,
+        pipeline,
+        schedule,
+        microbatches,
+        models.lm_loss,
+        (local_batch // microbatches, seq_len, d_model),
+        group=mesh.group("pipeline"),
+    )
     generator = torch.Generator().manual_seed(seed)
     losses = []
     last_stage = mesh.coordinates.pipeline == pipeline - 1
     reporter = rank_at(pipeline - 1, 0, 0, mesh.degrees)  # a rank of the last stage
     for _ in range(steps):
-        batch = torch.randint(0, len(inputs), (global_batch,), generator=generator)  # the same draw everywhere
-        mine = batch[mesh.coordinates.data::data_degree]  # this replica's share
+        batch = torch.randint(
+            0, len(inputs), (global_batch,), generator=generator
+        )  # the same draw everywhere
+        mine = batch[mesh.coordinates.data :: data_degree]  # this replica's share
         optimizer.zero_grad()
         loss = executor.step(inputs[mine], targets[mine])
         for param in params:  # average the replicas' gradients: the gradient of the whole batch

@@ -61,8 +61,10 @@ class ZeroDataParallel(FlatShardedMixin, nn.Module):
         check_module("module", module)
         check_group("group", group)
         if stage not in (1, 2):
-            raise UserError(f"ZeroDataParallel does stage 1 or 2, not {stage!r}: for stage 3 use "
-                            "course_lib.parallel.fsdp.FullyShardedDataParallel")
+            raise UserError(
+                f"ZeroDataParallel does stage 1 or 2, not {stage!r}: for stage 3 use "
+                "course_lib.parallel.fsdp.FullyShardedDataParallel"
+            )
         params = owned_parameters(module)
         if not params:
             raise UserError("the model has no parameters to shard")
@@ -77,14 +79,19 @@ class ZeroDataParallel(FlatShardedMixin, nn.Module):
         self._gradient_buffer = torch.zeros_like(self.flat.full) if stage == 1 else None
         from torch.distributed.device_mesh import DeviceMesh
 
-        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-        self.state_mesh = DeviceMesh.from_group(group or dist.group.WORLD, self.flat.compute_device.type,
-                                                mesh=torch.tensor(ranks))
+        ranks = (
+            dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        )
+        self.state_mesh = DeviceMesh.from_group(
+            group or dist.group.WORLD, self.flat.compute_device.type, mesh=torch.tensor(ranks)
+        )
         for slot in self.flat.slots:
             slot.leaf.register_post_accumulate_grad_hook(self._gradient_ready)
 
     def forward(self, *args, **kwargs):
-        if self.flat_shard._version != self._gathered_version:  # the optimizer stepped (or a load wrote) the shard
+        if (
+            self.flat_shard._version != self._gathered_version
+        ):  # the optimizer stepped (or a load wrote) the shard
             self.gather_parameters()
         return self.module(*args, **kwargs)
 
@@ -105,7 +112,7 @@ class ZeroDataParallel(FlatShardedMixin, nn.Module):
         flat_gradient = self.flat.flat_gradient(self._gradient_buffer)
         reduced = self.flat.reduce_gradient(flat_gradient)
         if self.stage == 1:  # the averaged shard goes back into its range of the kept buffer
-            own = flat_gradient[self.flat.index * self.flat.shard_numel:][:self.flat.shard_numel]
+            own = flat_gradient[self.flat.index * self.flat.shard_numel :][: self.flat.shard_numel]
             own.copy_(reduced)
             self.flat_shard.grad = own
         else:

@@ -1,4 +1,4 @@
-"""Benchmarks: ``python -m course_lib.tools.bench ddp|fsdp|memory|pipeline|tp`` prints one JSON object on stdout.
+"""Benchmarks: ``python -m course_lib.tools.bench ddp|fsdp|memory|pipeline|tp`` prints one JSON object.
 
 How to compare two implementations honestly on a noisy machine: run them in the *same*
 processes, on the same model and data, interleaved step by step (their order rotating every
@@ -35,7 +35,7 @@ import json
 import statistics
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -61,15 +61,21 @@ def mlp(width: int, layers: int) -> nn.Sequential:
 
 def _training_step(model: nn.Module, optimizer, inputs, targets) -> Callable[[], None]:
     """One optimizer step of ``model`` on a fixed batch, as a function to time."""
+
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
         F.mse_loss(model(inputs), targets).backward()
         optimizer.step()
+
     return step
 
 
-def _interleaved_medians(steps_by_name: dict[str, Callable[[], object]], steps: int, warmup: int,
-                         after_each_round: Callable[[], None] | None = None) -> dict[str, float]:
+def _interleaved_medians(
+    steps_by_name: dict[str, Callable[[], object]],
+    steps: int,
+    warmup: int,
+    after_each_round: Callable[[], None] | None = None,
+) -> dict[str, float]:
     """Median milliseconds of each step function, the variants run in rotating order round by round.
 
     Rotating makes slow drifts of the machine (clock, caches, the other processes on the cores)
@@ -96,7 +102,9 @@ def _rank_batch(batch: int, width: int):
     return torch.randn(batch, width, generator=generator), torch.randn(batch, width, generator=generator)
 
 
-def _ddp_benchmark(width: int, layers: int, batch: int, steps: int, warmup: int, bucket_mb: float) -> dict | None:
+def _ddp_benchmark(
+    width: int, layers: int, batch: int, steps: int, warmup: int, bucket_mb: float
+) -> dict | None:
     from torch.nn.parallel import DistributedDataParallel
 
     from ..parallel.ddp import DataParallel
@@ -113,7 +121,9 @@ def _ddp_benchmark(width: int, layers: int, batch: int, steps: int, warmup: int,
             wrapped = DistributedDataParallel(replica, bucket_cap_mb=bucket_mb)
         else:
             wrapped = DataParallel(replica, bucket_mb=bucket_mb, sync=name)
-        variants[name] = _training_step(wrapped, torch.optim.SGD(wrapped.parameters(), lr=1e-3), inputs, targets)
+        variants[name] = _training_step(
+            wrapped, torch.optim.SGD(wrapped.parameters(), lr=1e-3), inputs, targets
+        )
     median_ms = _interleaved_medians(variants, steps, warmup)
 
     with comm.CommLog() as log:
@@ -150,8 +160,12 @@ def _fsdp_benchmark(width: int, layers: int, batch: int, steps: int, warmup: int
     hybrid_size = world // 2 if world % 2 == 0 else world
     torch.manual_seed(0)
     reference = mlp(width, layers)
-    strategies = {"FULL_SHARD": {}, "SHARD_GRAD_OP": {}, "NO_SHARD": {},
-                  "HYBRID_SHARD": {"hybrid_shard_size": hybrid_size}}
+    strategies = {
+        "FULL_SHARD": {},
+        "SHARD_GRAD_OP": {},
+        "NO_SHARD": {},
+        "HYBRID_SHARD": {"hybrid_shard_size": hybrid_size},
+    }
     inputs, targets = _rank_batch(batch, width)
     variants = {}
     for name in ("torch", *strategies):
@@ -163,8 +177,12 @@ def _fsdp_benchmark(width: int, layers: int, batch: int, steps: int, warmup: int
                 fully_shard(unit)
             wrapped = fully_shard(model)
         else:
-            wrapped = FullyShardedDataParallel(model, auto_wrap_policy=units, sharding_strategy=name, **strategies[name])
-        variants[name] = _training_step(wrapped, torch.optim.SGD(wrapped.parameters(), lr=1e-3), inputs, targets)
+            wrapped = FullyShardedDataParallel(
+                model, auto_wrap_policy=units, sharding_strategy=name, **strategies[name]
+            )
+        variants[name] = _training_step(
+            wrapped, torch.optim.SGD(wrapped.parameters(), lr=1e-3), inputs, targets
+        )
     median_ms = _interleaved_medians(variants, steps, warmup)
 
     with comm.CommLog() as log:
@@ -203,8 +221,14 @@ def wrap_for_stage(model: nn.Module, stage: str, units: list[nn.Module] | None =
     return FullyShardedDataParallel(model, auto_wrap_policy=units)
 
 
-def measure_stage(model: nn.Module, stage: str, inputs: torch.Tensor, targets: torch.Tensor,
-                  units: list[nn.Module] | None = None, loss=F.cross_entropy):
+def measure_stage(
+    model: nn.Module,
+    stage: str,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    units: list[nn.Module] | None = None,
+    loss=F.cross_entropy,
+):
     """Two Adam steps of ``model`` under ``stage``; returns (model-state bytes held, bytes sent in step 2)."""
     model = wrap_for_stage(model, stage, units)
     optimizer = torch.optim.Adam(model.parameters())
@@ -228,14 +252,29 @@ def _memory_benchmark(width: int, layers: int, batch: int) -> list[dict] | None:
         measured, sent = measure_stage(model, stage, inputs, targets, units, loss=F.mse_loss)
         expected = memory.model_state_bytes(params, world, stage, **memory.FP32_ADAM)
         traffic = 4 * memory.traffic_elements_per_rank(params, world, stage)
-        rows.append({
-            "world_size": world, "stage": stage, "params": params,
-            "measured_bytes": measured.total, "model_bytes": expected.total,
-            "ratio": measured.total / expected.total,
-            "measured_by_kind": {"params": measured.params, "grads": measured.grads, "optimizer": measured.optimizer},
-            "model_by_kind": {"params": expected.params, "grads": expected.grads, "optimizer": expected.optimizer},
-            "traffic_bytes_measured": sent, "traffic_bytes_model": traffic, "traffic_ratio": sent / traffic,
-        })
+        rows.append(
+            {
+                "world_size": world,
+                "stage": stage,
+                "params": params,
+                "measured_bytes": measured.total,
+                "model_bytes": expected.total,
+                "ratio": measured.total / expected.total,
+                "measured_by_kind": {
+                    "params": measured.params,
+                    "grads": measured.grads,
+                    "optimizer": measured.optimizer,
+                },
+                "model_by_kind": {
+                    "params": expected.params,
+                    "grads": expected.grads,
+                    "optimizer": expected.optimizer,
+                },
+                "traffic_bytes_measured": sent,
+                "traffic_bytes_model": traffic,
+                "traffic_ratio": sent / traffic,
+            }
+        )
     return rows if runtime.is_main() else None
 
 
@@ -248,7 +287,12 @@ def _transformer(layers: int, d_model: int, seq: int):
 
 
 def _pipeline_benchmark(d_model: int, seq: int, batch: int, steps: int, warmup: int) -> list[dict] | None:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
 
     from .. import models
     from ..parallel import pipeline as pp
@@ -257,13 +301,22 @@ def _pipeline_benchmark(d_model: int, seq: int, batch: int, steps: int, warmup: 
     rows = []
     for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
         for m in PIPELINE_MICROBATCHES:
-            model, inputs, targets = _transformer(2 * p * v - 2, d_model, seq)  # two pipeline entries per stage
+            model, inputs, targets = _transformer(
+                2 * p * v - 2, d_model, seq
+            )  # two pipeline entries per stage
             stages = pp.split_model(model, p * v)
             mine = {s: stages[s] for s in range(p * v) if pp.rank_of_stage(s, p) == rank}
-            executor = pp.PipelineExecutor(mine, p * v, schedule, m, models.lm_loss, (batch // m, seq, d_model))
+            executor = pp.PipelineExecutor(
+                mine, p * v, schedule, m, models.lm_loss, (batch // m, seq, d_model)
+            )
             torch_stages = [PipelineStage(stages[s], s, p * v, torch.device("cpu")) for s in mine]
-            runner = ScheduleInterleaved1F1B(torch_stages, m, loss_fn=models.lm_loss) if v > 1 else \
-                {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](torch_stages[0], m, loss_fn=models.lm_loss)
+            runner = (
+                ScheduleInterleaved1F1B(torch_stages, m, loss_fn=models.lm_loss)
+                if v > 1
+                else {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](
+                    torch_stages[0], m, loss_fn=models.lm_loss
+                )
+            )
             x, y = inputs[:batch], targets[:batch]
             first, last = 0 in mine, p * v - 1 in mine
 
@@ -276,23 +329,42 @@ def _pipeline_benchmark(d_model: int, seq: int, batch: int, steps: int, warmup: 
                 comm.barrier()
 
             bubbles = []
-            median_ms = _interleaved_medians({"course": course_step, "torch": torch_step}, steps, warmup,
-                                             after_each_round=lambda: bubbles.append(executor.stats.bubble_fraction))
+            median_ms = _interleaved_medians(
+                {"course": course_step, "torch": torch_step},
+                steps,
+                warmup,
+                after_each_round=lambda: bubbles.append(executor.stats.bubble_fraction),
+            )
             for module in mine.values():
                 module.zero_grad(set_to_none=True)
             gathered = [None] * p
-            torch.distributed.all_gather_object(gathered, (statistics.median(bubbles), executor.stats.peak_activations,
-                                                           executor.stats.peak_activation_bytes))
+            torch.distributed.all_gather_object(
+                gathered,
+                (
+                    statistics.median(bubbles),
+                    executor.stats.peak_activations,
+                    executor.stats.peak_activation_bytes,
+                ),
+            )
             course_ms, torch_ms = median_ms["course"], median_ms["torch"]
-            rows.append({
-                "schedule": schedule, "stages": p, "virtual_stages": v, "microbatches": m,
-                "course_step_ms": course_ms, "torch_step_ms": torch_ms, "ratio": course_ms / torch_ms,
-                "bubble_measured": statistics.mean(g[0] for g in gathered),
-                "bubble_theory": pp.bubble_fraction_theory(p, m, virtual_stages=v),
-                "peak_activations_measured": [g[1] for g in gathered],
-                "peak_activations_theory": [pp.peak_activations_theory(schedule, p, m, r, virtual_stages=v) for r in range(p)],
-                "peak_activation_bytes_measured": [g[2] for g in gathered],
-            })
+            rows.append(
+                {
+                    "schedule": schedule,
+                    "stages": p,
+                    "virtual_stages": v,
+                    "microbatches": m,
+                    "course_step_ms": course_ms,
+                    "torch_step_ms": torch_ms,
+                    "ratio": course_ms / torch_ms,
+                    "bubble_measured": statistics.mean(g[0] for g in gathered),
+                    "bubble_theory": pp.bubble_fraction_theory(p, m, virtual_stages=v),
+                    "peak_activations_measured": [g[1] for g in gathered],
+                    "peak_activations_theory": [
+                        pp.peak_activations_theory(schedule, p, m, r, virtual_stages=v) for r in range(p)
+                    ],
+                    "peak_activation_bytes_measured": [g[2] for g in gathered],
+                }
+            )
     return rows if runtime.is_main() else None
 
 
@@ -310,25 +382,45 @@ def _tp_benchmark(d_model: int, seq: int, batch: int, steps: int, warmup: int) -
     torch.manual_seed(0)
     heads = TP_HEADS_PER_RANK * degree
     dense = {"mlp": models.MLP(d_model, 4 * d_model), "attention": models.SelfAttention(d_model, heads)}
-    plans = {"mlp": {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()},
-             "attention": {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
-                           "out": RowwiseParallel()}}
-    course = {"mlp": tp.parallel_mlp(copy.deepcopy(dense["mlp"])),
-              "attention": tp.parallel_attention(copy.deepcopy(dense["attention"]), heads)}
+    plans = {
+        "mlp": {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()},
+        "attention": {
+            "q": ColwiseParallel(),
+            "k": ColwiseParallel(),
+            "v": ColwiseParallel(),
+            "out": RowwiseParallel(),
+        },
+    }
+    course = {
+        "mlp": tp.parallel_mlp(copy.deepcopy(dense["mlp"])),
+        "attention": tp.parallel_attention(copy.deepcopy(dense["attention"]), heads),
+    }
     # the input requires grad, as a block's input does inside a model: backward then all-reduces its gradient
     inputs = torch.randn(batch, seq, d_model, generator=torch.Generator().manual_seed(1), requires_grad=True)
-    result = {"benchmark": "tp", "tensor_degree": degree, "threads_per_rank": torch.get_num_threads(),
-              "activation_shape": [batch, seq, d_model]}
+    result = {
+        "benchmark": "tp",
+        "tensor_degree": degree,
+        "threads_per_rank": torch.get_num_threads(),
+        "activation_shape": [batch, seq, d_model],
+    }
     activation_bytes = 4 * batch * seq * d_model
     for name in ("mlp", "attention"):
         theirs = parallelize_module(copy.deepcopy(dense[name]), mesh, plans[name])
-        median_ms = _interleaved_medians({"course": lambda block=course[name]: block(inputs).sum().backward(),
-                                          "torch": lambda block=theirs: block(inputs).sum().backward()}, steps, warmup)
+        median_ms = _interleaved_medians(
+            {
+                "course": lambda block=course[name]: block(inputs).sum().backward(),
+                "torch": lambda block=theirs: block(inputs).sum().backward(),
+            },
+            steps,
+            warmup,
+        )
         with comm.CommLog() as log:
             course[name](inputs).sum().backward()
         course_ms, torch_ms = median_ms["course"], median_ms["torch"]
         result[name] = {
-            "course_step_ms": course_ms, "torch_step_ms": torch_ms, "ratio": course_ms / torch_ms,
+            "course_step_ms": course_ms,
+            "torch_step_ms": torch_ms,
+            "ratio": course_ms / torch_ms,
             "all_reduces_per_step": log.count("all_reduce"),
             "bytes_per_rank_measured": log.bytes_per_rank(),
             "bytes_per_rank_theory": 2 * comm.ring_bytes("all_reduce", activation_bytes, degree),
@@ -337,26 +429,44 @@ def _tp_benchmark(d_model: int, seq: int, batch: int, steps: int, warmup: int) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = checks.CommandParser(prog="python -m course_lib.tools.bench", description=__doc__.split("\n\n")[0])
+    parser = checks.CommandParser(
+        prog="python -m course_lib.tools.bench", description=__doc__.split("\n\n")[0]
+    )
     sub = parser.add_subparsers(dest="benchmark", required=True)
     formatter = argparse.ArgumentDefaultsHelpFormatter
     ddp = sub.add_parser("ddp", help="course DDP (3 modes) against torch DDP", formatter_class=formatter)
-    fsdp = sub.add_parser("fsdp", help="course FSDP (4 sharding strategies) against FSDP2", formatter_class=formatter)
-    mem = sub.add_parser("memory", help="measured memory and traffic of DDP, ZeRO-1/2/3 against the model",
-                         formatter_class=formatter)
-    pipe = sub.add_parser("pipeline", help="course pipeline schedules against torch.distributed.pipelining",
-                          formatter_class=formatter)
-    tensor = sub.add_parser("tp", help="course tensor parallelism against DTensor parallelize_module",
-                            formatter_class=formatter)
+    fsdp = sub.add_parser(
+        "fsdp", help="course FSDP (4 sharding strategies) against FSDP2", formatter_class=formatter
+    )
+    mem = sub.add_parser(
+        "memory",
+        help="measured memory and traffic of DDP, ZeRO-1/2/3 against the model",
+        formatter_class=formatter,
+    )
+    pipe = sub.add_parser(
+        "pipeline",
+        help="course pipeline schedules against torch.distributed.pipelining",
+        formatter_class=formatter,
+    )
+    tensor = sub.add_parser(
+        "tp", help="course tensor parallelism against DTensor parallelize_module", formatter_class=formatter
+    )
     positive, processes = checks.int_at_least(1), checks.int_at_least(1, max_processes())
     for command in (pipe, tensor):
         command.add_argument("--d-model", type=positive, default=128)
         command.add_argument("--seq", type=positive, default=64)
-        command.add_argument("--batch", type=positive, default=16, help="samples per step (the whole pipeline's batch)")
+        command.add_argument(
+            "--batch", type=positive, default=16, help="samples per step (the whole pipeline's batch)"
+        )
         command.add_argument("--steps", type=positive, default=10, help="timed steps per variant")
         command.add_argument("--warmup", type=checks.int_at_least(0), default=2)
-    pipe.add_argument("--stages", type=checks.int_at_least(2, max_processes()), nargs="+", default=[2, 4],
-                      help="pipeline sizes (one run each)")
+    pipe.add_argument(
+        "--stages",
+        type=checks.int_at_least(2, max_processes()),
+        nargs="+",
+        default=[2, 4],
+        help="pipeline sizes (one run each)",
+    )
     tensor.add_argument("--world-size", type=processes, default=2, help="the tensor-parallel degree")
     for command in (ddp, fsdp, mem):
         command.add_argument("--width", type=positive, default=1024)
@@ -366,17 +476,25 @@ def main(argv: list[str] | None = None) -> int:
         command.add_argument("--world-size", type=processes, default=2)
         command.add_argument("--steps", type=positive, default=30, help="timed steps per variant")
         command.add_argument("--warmup", type=checks.int_at_least(0), default=3)
-    ddp.add_argument("--bucket-mb", type=checks.number_above(0), default=4.0,
-                     help="bucket size, the same for both implementations")
+    ddp.add_argument(
+        "--bucket-mb",
+        type=checks.number_above(0),
+        default=4.0,
+        help="bucket size, the same for both implementations",
+    )
     mem.add_argument("--world-sizes", type=processes, nargs="+", default=[2, 4])
     args = parser.parse_args(argv)
     parser = sub.choices[args.benchmark]  # later mistakes are reported as this subcommand's
     if args.benchmark == "pipeline" and args.batch % PIPELINE_MICROBATCHES[-1]:
-        parser.error(f"argument --batch: must be a multiple of {PIPELINE_MICROBATCHES[-1]} (it is cut into "
-                     f"{' and '.join(map(str, PIPELINE_MICROBATCHES))} micro-batches), got {args.batch}")
+        parser.error(
+            f"argument --batch: must be a multiple of {PIPELINE_MICROBATCHES[-1]} (it is cut into "
+            f"{' and '.join(map(str, PIPELINE_MICROBATCHES))} micro-batches), got {args.batch}"
+        )
     if args.benchmark == "tp" and args.d_model % (heads := TP_HEADS_PER_RANK * args.world_size):
-        parser.error(f"argument --d-model: must be a multiple of {heads} (the attention's {TP_HEADS_PER_RANK} heads "
-                     f"per rank x --world-size {args.world_size}), got {args.d_model}")
+        parser.error(
+            f"argument --d-model: must be a multiple of {heads} (the attention's {TP_HEADS_PER_RANK} heads "
+            f"per rank x --world-size {args.world_size}), got {args.d_model}"
+        )
     try:
         return _run_benchmark(args)
     except UserError as error:
@@ -389,32 +507,78 @@ def _run_benchmark(args: argparse.Namespace) -> int:
         rows = []
         for stages in args.stages:
             print(f"benchmarking pipelines of {stages} stages...", file=sys.stderr, flush=True)
-            rows += launch(_pipeline_benchmark, stages, args.d_model, args.seq, args.batch, args.steps, args.warmup,
-                           timeout_s=1800)[0]
-        print(json.dumps({"benchmark": "pipeline", "threads_per_rank": "cores / ranks", "rows": rows}, indent=2))
+            rows += launch(
+                _pipeline_benchmark,
+                stages,
+                args.d_model,
+                args.seq,
+                args.batch,
+                args.steps,
+                args.warmup,
+                timeout_s=1800,
+            )[0]
+        print(
+            json.dumps({"benchmark": "pipeline", "threads_per_rank": "cores / ranks", "rows": rows}, indent=2)
+        )
         return 0
     if args.benchmark == "tp":
-        print(f"benchmarking tensor parallelism on {args.world_size} processes...", file=sys.stderr, flush=True)
-        print(json.dumps(launch(_tp_benchmark, args.world_size, args.d_model, args.seq, args.batch, args.steps,
-                                args.warmup, timeout_s=1800)[0], indent=2))
+        print(
+            f"benchmarking tensor parallelism on {args.world_size} processes...", file=sys.stderr, flush=True
+        )
+        print(
+            json.dumps(
+                launch(
+                    _tp_benchmark,
+                    args.world_size,
+                    args.d_model,
+                    args.seq,
+                    args.batch,
+                    args.steps,
+                    args.warmup,
+                    timeout_s=1800,
+                )[0],
+                indent=2,
+            )
+        )
         return 0
     if args.benchmark == "memory":
         rows = []
         for world in args.world_sizes:
             print(f"measuring memory on {world} processes...", file=sys.stderr, flush=True)
             rows += launch(_memory_benchmark, world, args.width, args.layers, args.batch, timeout_s=1800)[0]
-        result = {"benchmark": "memory", "optimizer": "Adam, fp32 (K = 8 bytes of state per parameter)",
-                  "max_ratio_error": max(abs(row["ratio"] - 1) for row in rows),
-                  "max_traffic_ratio_error": max(abs(row["traffic_ratio"] - 1) for row in rows), "rows": rows}
+        result = {
+            "benchmark": "memory",
+            "optimizer": "Adam, fp32 (K = 8 bytes of state per parameter)",
+            "max_ratio_error": max(abs(row["ratio"] - 1) for row in rows),
+            "max_traffic_ratio_error": max(abs(row["traffic_ratio"] - 1) for row in rows),
+            "rows": rows,
+        }
         print(json.dumps(result, indent=2))
         return 0
     print(f"benchmarking {args.benchmark} on {args.world_size} processes...", file=sys.stderr, flush=True)
     if args.benchmark == "ddp":
-        results = launch(_ddp_benchmark, args.world_size, args.width, args.layers, args.batch, args.steps,
-                         args.warmup, args.bucket_mb, timeout_s=1800)
+        results = launch(
+            _ddp_benchmark,
+            args.world_size,
+            args.width,
+            args.layers,
+            args.batch,
+            args.steps,
+            args.warmup,
+            args.bucket_mb,
+            timeout_s=1800,
+        )
     else:
-        results = launch(_fsdp_benchmark, args.world_size, args.width, args.layers, args.batch, args.steps,
-                         args.warmup, timeout_s=1800)
+        results = launch(
+            _fsdp_benchmark,
+            args.world_size,
+            args.width,
+            args.layers,
+            args.batch,
+            args.steps,
+            args.warmup,
+            timeout_s=1800,
+        )
     print(json.dumps(results[0], indent=2))
     return 0
 

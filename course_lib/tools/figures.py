@@ -10,8 +10,8 @@ follow; a test fails if a committed figure differs from what this command draws.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Rectangle
@@ -32,7 +32,9 @@ def _box(axis, x, y, w, h, text, colour="#dde6f3", size=9):
 
 
 def _arrow(axis, start, end, colour="black"):
-    axis.add_patch(FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=12, color=colour, linewidth=1))
+    axis.add_patch(
+        FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=12, color=colour, linewidth=1)
+    )
 
 
 def _blank(width, height):
@@ -51,8 +53,17 @@ def data_parallel():
         _box(axis, x, 1.2, 1.3, 0.7, f"rank {r}\nfull model", "#dde6f3")
         _arrow(axis, (x + 0.65, 2.3), (x + 0.65, 1.9))
         _arrow(axis, (x + 0.65, 1.2), (x + 0.65, 0.75))
-    _box(axis, 0.3, 0.2, 6.4, 0.55, "all-reduce (average) of the gradients: 2(N-1)/N x gradient bytes per rank", "#e3f3dd")
-    axis.set_xlim(0, 7.2); axis.set_ylim(0, 3)
+    _box(
+        axis,
+        0.3,
+        0.2,
+        6.4,
+        0.55,
+        "all-reduce (average) of the gradients: 2(N-1)/N x gradient bytes per rank",
+        "#e3f3dd",
+    )
+    axis.set_xlim(0, 7.2)
+    axis.set_ylim(0, 3)
     return figure
 
 
@@ -69,8 +80,10 @@ def ring_all_reduce():
                 axis.text(c, r, frame[r][c], ha="center", va="center", fontsize=8)
         phase = "start" if step == 0 else ("reduce-scatter" if step < n else "all-gather")
         axis.set_title(f"{phase} {step if step else ''}".strip(), fontsize=8)
-        axis.set_xticks([]); axis.set_yticks([])
-        axis.set_xlabel("chunk", fontsize=7); axis.set_ylabel("rank", fontsize=7)
+        axis.set_xticks([])
+        axis.set_yticks([])
+        axis.set_xlabel("chunk", fontsize=7)
+        axis.set_ylabel("rank", fontsize=7)
     figure.tight_layout()
     return figure
 
@@ -82,14 +95,18 @@ def zero_memory():
     kinds = ("params", "grads", "optimizer")
     bottoms = [0.0] * len(memory.STAGES)
     for kind, colour in zip(kinds, ("#4c72b0", "#55a868", "#c44e52")):
-        values = [getattr(memory.model_state_bytes(7.5e9, 64, s, **memory.MIXED_PRECISION_ADAM), kind) / 1e9
-                  for s in memory.STAGES]
+        values = [
+            getattr(memory.model_state_bytes(7.5e9, 64, s, **memory.MIXED_PRECISION_ADAM), kind) / 1e9
+            for s in memory.STAGES
+        ]
         axis.bar(memory.STAGES, values, bottom=bottoms, label=kind, color=colour)
         bottoms = [b + v for b, v in zip(bottoms, values)]
     for index, total in enumerate(bottoms):
         axis.text(index, total + 2, f"{total:.1f} GB", ha="center", fontsize=8)
-    axis.set_ylabel("GB per GPU"); axis.set_title("7.5B parameters, 64 GPUs, mixed-precision Adam")
-    axis.legend(); figure.tight_layout()
+    axis.set_ylabel("GB per GPU")
+    axis.set_title("7.5B parameters, 64 GPUs, mixed-precision Adam")
+    axis.legend()
+    figure.tight_layout()
     return figure
 
 
@@ -101,16 +118,27 @@ def fsdp_timeline(units: int = 4):
     for phase, order in (("forward", range(units)), ("backward", reversed(range(units)))):
         for unit in order:
             axis.barh(unit, 0.3, left=t, color="#c44e52")  # all-gather
-            axis.barh(unit, 1.0 if phase == "forward" else 2.0, left=t + 0.3, color="#4c72b0" if phase == "forward"
-                      else "#55a868")
+            axis.barh(
+                unit,
+                1.0 if phase == "forward" else 2.0,
+                left=t + 0.3,
+                color="#4c72b0" if phase == "forward" else "#55a868",
+            )
             t += 1.3 if phase == "forward" else 2.3
             if phase == "backward":
                 axis.barh(unit, 0.3, left=t, color="#8172b2")  # reduce-scatter
                 t += 0.3
-    axis.set_yticks(range(units), [f"unit {u}" for u in range(units)]); axis.invert_yaxis()
+    axis.set_yticks(range(units), [f"unit {u}" for u in range(units)])
+    axis.invert_yaxis()
     axis.set_xlabel("time")
     handles = [Rectangle((0, 0), 1, 1, color=c) for c in ("#c44e52", "#4c72b0", "#55a868", "#8172b2")]
-    axis.legend(handles, ["all-gather", "forward", "backward", "reduce-scatter"], ncol=4, fontsize=7, loc="lower right")
+    axis.legend(
+        handles,
+        ["all-gather", "forward", "backward", "reduce-scatter"],
+        ncol=4,
+        fontsize=7,
+        loc="lower right",
+    )
     figure.tight_layout()
     return figure
 
@@ -121,13 +149,18 @@ def tensor_parallel():
     colours = ("#dde6f3", "#f3e6dd")
     _box(axis, 0.2, 1.1, 0.8, 0.8, "x\n(all ranks)", "#eeeeee")
     for r in range(2):
-        _box(axis, 1.6, 0.4 + 1.3 * r, 1.4, 0.9, f"A{r + 1}: rows {r + 1}/2\n(column parallel)", colours[r], 8)
-        _box(axis, 3.6, 0.4 + 1.3 * r, 1.4, 0.9, f"B{r + 1}: columns {r + 1}/2\n(row parallel)", colours[r], 8)
+        _box(
+            axis, 1.6, 0.4 + 1.3 * r, 1.4, 0.9, f"A{r + 1}: rows {r + 1}/2\n(column parallel)", colours[r], 8
+        )
+        _box(
+            axis, 3.6, 0.4 + 1.3 * r, 1.4, 0.9, f"B{r + 1}: columns {r + 1}/2\n(row parallel)", colours[r], 8
+        )
         _arrow(axis, (1.0, 1.5), (1.6, 0.85 + 1.3 * r))
         _arrow(axis, (3.0, 0.85 + 1.3 * r), (3.6, 0.85 + 1.3 * r))
         _arrow(axis, (5.0, 0.85 + 1.3 * r), (5.6, 1.5))
     _box(axis, 5.6, 1.1, 1.2, 0.8, "all-reduce\n(sum)", "#e3f3dd")
-    axis.set_xlim(0, 7); axis.set_ylim(0, 3)
+    axis.set_xlim(0, 7)
+    axis.set_ylim(0, 3)
     return figure
 
 
@@ -136,8 +169,10 @@ def _schedule(name: str, virtual: int = 1) -> Callable:
         actions = pipeline.build_schedule(name, 4, 8, virtual_stages=virtual)
         events = pipeline.simulate_timeline(actions, 4)
         title = f"{name}: 4 stages, 8 micro-batches" + (f", {virtual} virtual stages" if virtual > 1 else "")
-        return plots.plot_timeline(events, title=f"{title}, bubble {pipeline.bubble_fraction(events):.0%}",
-                                      pipeline_size=4)
+        return plots.plot_timeline(
+            events, title=f"{title}, bubble {pipeline.bubble_fraction(events):.0%}", pipeline_size=4
+        )
+
     return draw
 
 
@@ -151,14 +186,15 @@ def mesh_layout():
         for index, group in enumerate(groups[kind]):
             for position, rank in enumerate(group):
                 _box(axis, position * 1.1, 3 - index * 0.9, 1.0, 0.7, f"rank {rank}", f"C{index}", 8)
-        axis.set_xlim(-0.1, 2.3); axis.set_ylim(0, 4)
+        axis.set_xlim(-0.1, 2.3)
+        axis.set_ylim(0, 4)
         axis.set_title(f"{kind} groups", fontsize=9)
     figure.tight_layout()
     return figure
 
 
 def strong_scaling():
-    """The strong-scaling plot from recorded results (slides/recorded/scaling.csv), as ``study plot`` draws it."""
+    """The strong-scaling plot of slides/recorded/scaling.csv, as ``study plot`` draws it."""
     rows = read_csv(RECORDED_SCALING)
     return plots.draw_study(rows, panels=("time_per_epoch_s", "speedup"), panel_size=(4.0, 3.2))
 
@@ -189,7 +225,9 @@ def draw_all(directory: str | Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = checks.CommandParser(prog="python -m course_lib.tools.figures", description=__doc__.split("\n\n")[0])
+    parser = checks.CommandParser(
+        prog="python -m course_lib.tools.figures", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("directory", nargs="?", type=checks.folder_to_write, default="slides/public/images")
     args = parser.parse_args(argv)
     for path in draw_all(args.directory):

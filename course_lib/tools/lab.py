@@ -32,8 +32,8 @@ from .. import checks, runtime
 from ..data import DATASETS
 from ..models import MODELS
 from ..scaling import add_speedup, format_table, read_metrics, summarize
-from .plots import plot_study
 from ..trainer import MAX_LEARNING_RATE
+from .plots import plot_study
 
 RUNS = (("single", 1), ("ddp", 2), ("fsdp", 2))
 LARGEST_RUN = max(nprocs for _, nprocs in RUNS)
@@ -45,36 +45,72 @@ def command_for(strategy: str, nprocs: int, train_args: list[str]) -> list[str]:
     train = ["-m", "course_lib.train", "--strategy", strategy, *train_args]
     if nprocs == 1:
         return [sys.executable, *train]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}", *train]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nprocs}",
+        *train,
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = checks.CommandParser(prog="python -m course_lib.tools.lab", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = checks.CommandParser(
+        prog="python -m course_lib.tools.lab",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--dataset", choices=DATASETS, default="digits")
     parser.add_argument("--model", choices=MODELS, default="digits_cnn")
     parser.add_argument("--epochs", type=checks.int_at_least(1), default=10)
-    parser.add_argument("--global-batch-size", type=checks.int_at_least(1), default=256,
-                        help=f"summed over the ranks of a run: a multiple of {LARGEST_RUN}")
-    parser.add_argument("--lr", type=checks.argument_type(checks.check_number, float, above=0,
-                                                         maximum=MAX_LEARNING_RATE), default=0.01)
-    parser.add_argument("--threads-per-process", type=checks.int_at_least(1, runtime.usable_cpus()), default=None,
-                        help="CPU threads per rank (default: the machine's cores shared between the ranks of a run; "
-                             "1 compares one worker per core, like one GPU per rank)")
+    parser.add_argument(
+        "--global-batch-size",
+        type=checks.int_at_least(1),
+        default=256,
+        help=f"summed over the ranks of a run: a multiple of {LARGEST_RUN}",
+    )
+    parser.add_argument(
+        "--lr",
+        type=checks.argument_type(checks.check_number, float, above=0, maximum=MAX_LEARNING_RATE),
+        default=0.01,
+    )
+    parser.add_argument(
+        "--threads-per-process",
+        type=checks.int_at_least(1, runtime.usable_cpus()),
+        default=None,
+        help="CPU threads per rank (default: the machine's cores shared between the ranks of a run; "
+        "1 compares one worker per core, like one GPU per rank)",
+    )
     parser.add_argument("--results-dir", type=checks.folder_to_write, default="results")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"2 epochs at global batch {QUICK_GLOBAL_BATCH} (2 steps each on digits): checks the "
-                             "whole lab in seconds (used by the tests)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"2 epochs at global batch {QUICK_GLOBAL_BATCH} (2 steps each on digits): checks the "
+        "whole lab in seconds (used by the tests)",
+    )
     args = parser.parse_args(argv)
     if args.global_batch_size % LARGEST_RUN:
-        parser.error(f"argument --global-batch-size: must be a multiple of {LARGEST_RUN} (the DDP and FSDP runs "
-                     f"split it over {LARGEST_RUN} processes), got {args.global_batch_size}")
+        parser.error(
+            f"argument --global-batch-size: must be a multiple of {LARGEST_RUN} (the DDP and FSDP runs "
+            f"split it over {LARGEST_RUN} processes), got {args.global_batch_size}"
+        )
 
     results = args.results_dir
     results.mkdir(parents=True, exist_ok=True)
     global_batch = QUICK_GLOBAL_BATCH if args.quick else args.global_batch_size
-    train_args = ["--dataset", args.dataset, "--model", args.model, "--global-batch-size", str(global_batch),
-                  "--lr", str(args.lr), "--epochs", str(2 if args.quick else args.epochs)]
+    train_args = [
+        "--dataset",
+        args.dataset,
+        "--model",
+        args.model,
+        "--global-batch-size",
+        str(global_batch),
+        "--lr",
+        str(args.lr),
+        "--epochs",
+        str(2 if args.quick else args.epochs),
+    ]
     if args.quick or not sys.stdout.isatty():
         train_args.append("--no-progress")
 
@@ -89,8 +125,12 @@ def main(argv: list[str] | None = None) -> int:
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         finished = subprocess.run(command, env=env)
         if finished.returncode != 0:
-            print(f"\nlab: the {strategy} run failed with exit status {finished.returncode} (its error is above); "
-                  "fix it and run `make lab` again", file=sys.stderr)
+            print(
+                f"\nlab: the {strategy} run failed with exit status {finished.returncode} (its error is "
+                "above); "
+                "fix it and run `make lab` again",
+                file=sys.stderr,
+            )
             return finished.returncode
         rows.append(summarize(strategy, read_metrics(metrics)))
 
@@ -98,17 +138,27 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + format_table(rows))
     (results / "lab_summary.json").write_text(json.dumps(rows, indent=2) + "\n")
     plot = results / "strong_scaling.png"
-    plot_study(rows, plot, panels=("time_per_epoch_s", "speedup"),
-               title=f"{args.model} on {args.dataset}, global batch {rows[0]['global_batch_size']}")
+    plot_study(
+        rows,
+        plot,
+        panels=("time_per_epoch_s", "speedup"),
+        title=f"{args.model} on {args.dataset}, global batch {rows[0]['global_batch_size']}",
+    )
     print(f"\nwrote {results}/lab-*.jsonl, {results}/lab_summary.json and {plot}")
     losses = [row["val_loss"] for row in rows]
     spread = (max(losses) - min(losses)) / min(losses)
     if spread < SAME_MODEL_TOLERANCE:
-        print(f"All runs trained the same model: validation losses agree within {spread:.1e} (relative). Sums taken in "
-              "another order round differently, so the last digits may differ.")
+        print(
+            f"All runs trained the same model: validation losses agree within {spread:.1e} (relative). Sums "
+            "taken in "
+            "another order round differently, so the last digits may differ."
+        )
     else:
-        print(f"warning: validation losses differ by {spread:.1%} between runs; with the same global batch and seed "
-              "they should agree to rounding")
+        print(
+            f"warning: validation losses differ by {spread:.1%} between runs; with the same global batch "
+            "and seed "
+            "they should agree to rounding"
+        )
     return 0
 
 

@@ -27,6 +27,7 @@ from types import ModuleType
 
 from .. import checks
 
+LINE_LENGTH = 110  # pyproject.toml's [tool.ruff] line-length: exercises are formatted like the code
 LABS_DIR = Path(__file__).resolve().parent.parent.parent / "labs"
 BEGIN = re.compile(r"^(?P<indent>\s*)# BEGIN SOLUTION: (?P<hint>.+)$")
 END = re.compile(r"^\s*# END SOLUTION\s*$")
@@ -34,6 +35,16 @@ END = re.compile(r"^\s*# END SOLUTION\s*$")
 
 def lab_names() -> list[str]:
     return sorted(path.parent.name for path in LABS_DIR.glob("*/solution.py"))
+
+
+def _raise_todo(indent: str, hint: str) -> list[str]:
+    """``raise NotImplementedError("TODO: hint")`` laid out as the project's formatter lays it out."""
+    message = f"TODO: {hint}"
+    literal = repr(message) if '"' in message else '"' + message.replace("\\", "\\\\") + '"'
+    one_line = f"{indent}raise NotImplementedError({literal})"
+    if len(one_line) <= LINE_LENGTH:
+        return [one_line]
+    return [f"{indent}raise NotImplementedError(", f"{indent}    {literal}", f"{indent})"]
 
 
 def exercise_text(solution: str) -> str:
@@ -46,7 +57,7 @@ def exercise_text(solution: str) -> str:
                 raise ValueError(f"line {number}: BEGIN SOLUTION inside another solution region")
             inside = True
             indent, hint = begin["indent"], begin["hint"].strip()
-            out += [f"{indent}# TODO: {hint}", f"{indent}raise NotImplementedError({'TODO: ' + hint!r})"]
+            out += [f"{indent}# TODO: {hint}", *_raise_todo(indent, hint)]
         elif END.match(line):
             if not inside:
                 raise ValueError(f"line {number}: END SOLUTION without BEGIN")
@@ -90,7 +101,9 @@ def load(path: Path) -> ModuleType:
 
 def _first_todo(error: BaseException, path: Path) -> str:
     """The TODO's text and where it is: from this process's traceback, or the one a rank sent back."""
-    lines = [frame.lineno for frame in traceback.extract_tb(error.__traceback__) if Path(frame.filename) == path]
+    lines = [
+        frame.lineno for frame in traceback.extract_tb(error.__traceback__) if Path(frame.filename) == path
+    ]
     for note in getattr(error, "__notes__", []):  # launch() attaches the failing rank's traceback
         lines += [int(n) for n in re.findall(rf'File "{re.escape(str(path))}", line (\d+)', note)]
     where = f" ({path.name}, line {lines[-1]})" if lines else ""
@@ -120,13 +133,19 @@ def check(name: str, file: Path | None = None) -> tuple[bool, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = checks.CommandParser(prog="python -m course_lib.tools.labs", description=__doc__.split("\n\n")[0])
+    parser = checks.CommandParser(
+        prog="python -m course_lib.tools.labs", description=__doc__.split("\n\n")[0]
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("generate", help="write every exercise.py from its solution.py")
     checker = sub.add_parser("check", help="run your exercise and compare it with the solution")
     checker.add_argument("lab", help=f"one of: {', '.join(lab_names())}")
-    checker.add_argument("--file", type=checks.file_to_read, default=None,
-                         help="the file to check (default: the lab's exercise.py)")
+    checker.add_argument(
+        "--file",
+        type=checks.file_to_read,
+        default=None,
+        help="the file to check (default: the lab's exercise.py)",
+    )
     args = parser.parse_args(argv)
     if args.command == "generate":
         for path in generate():

@@ -19,7 +19,9 @@ from ..parallel.pipeline import bubble_fraction
 PNG_DPI = 120
 
 
-def save(figure: Figure, path: str | Path | None, *, dpi: int = PNG_DPI, metadata: dict | None = None) -> Figure:
+def save(
+    figure: Figure, path: str | Path | None, *, dpi: int = PNG_DPI, metadata: dict | None = None
+) -> Figure:
     """Write ``figure`` as a PNG at ``path`` (its folder created), unless ``path`` is None; return the figure.
 
     Args:
@@ -37,8 +39,14 @@ def save(figure: Figure, path: str | Path | None, *, dpi: int = PNG_DPI, metadat
 
 # -- pipeline schedules -------------------------------------------------------------------------
 
-def plot_timeline(events: dict[int, list[tuple[str, int, int, float, float]]], path: str | Path | None = None, *,
-                  title: str = "", pipeline_size: int | None = None) -> Figure:
+
+def plot_timeline(
+    events: dict[int, list[tuple[str, int, int, float, float]]],
+    path: str | Path | None = None,
+    *,
+    title: str = "",
+    pipeline_size: int | None = None,
+) -> Figure:
     """A Gantt chart of a pipeline step, one row per rank: forwards blue, backwards green.
 
     Args:
@@ -77,8 +85,12 @@ STUDY_PANELS = {
 }
 
 
-def draw_study(rows: list[dict[str, Any]], *, panels: tuple[str, ...] = tuple(STUDY_PANELS),
-               panel_size: tuple[float, float] = (4.4, 4.0)) -> Figure:
+def draw_study(
+    rows: list[dict[str, Any]],
+    *,
+    panels: tuple[str, ...] = tuple(STUDY_PANELS),
+    panel_size: tuple[float, float] = (4.4, 4.0),
+) -> Figure:
     """The study as a matplotlib figure: one panel per metric of ``panels`` against the number of
     processes (log scale), one line per strategy, and the ideal where there is one (time 1/N,
     speedup N, efficiency 1).
@@ -125,8 +137,13 @@ def draw_study(rows: list[dict[str, Any]], *, panels: tuple[str, ...] = tuple(ST
     return figure
 
 
-def plot_study(rows: list[dict[str, Any]], path: str | Path | None = None, *, title: str = "Strong scaling study",
-               panels: tuple[str, ...] = tuple(STUDY_PANELS)) -> Figure:
+def plot_study(
+    rows: list[dict[str, Any]],
+    path: str | Path | None = None,
+    *,
+    title: str = "Strong scaling study",
+    panels: tuple[str, ...] = tuple(STUDY_PANELS),
+) -> Figure:
     """``draw_study`` with ``title`` above it, saved as a PNG at ``path`` when one is given.
 
     Args:
@@ -141,6 +158,7 @@ def plot_study(rows: list[dict[str, Any]], path: str | Path | None = None, *, ti
 
 
 # -- loss curves ----------------------------------------------------------------------------------
+
 
 def plot_loss_curves(curves: dict[str, list[float]], path: str | Path | None = None) -> Figure:
     """Training loss against step, one line per run (the first drawn thick, so a match shows).

@@ -50,7 +50,10 @@ SNIPPET_IMPORT = re.compile(r"^<<<[ \t]*(\S.*?)(#[\w-]+)?[ \t]*(?:[ \t](\S+?))?[
 REGION_MARKERS = [  # (start, end) comment forms a file may mark a region with
     (re.compile(r"^\s*#\s*#?region\b\s*(.*?)\s*$"), re.compile(r"^\s*#\s*#?endregion\b\s*(.*?)\s*$")),
     (re.compile(r"^\s*//\s*#?region\b\s*(.*?)\s*$"), re.compile(r"^\s*//\s*#?endregion\b\s*(.*?)\s*$")),
-    (re.compile(r"^\s*<!--\s*#?region\b\s*(.*?)\s*-->"), re.compile(r"^\s*<!--\s*#?endregion\b\s*(.*?)\s*-->")),
+    (
+        re.compile(r"^\s*<!--\s*#?region\b\s*(.*?)\s*-->"),
+        re.compile(r"^\s*<!--\s*#?endregion\b\s*(.*?)\s*-->"),
+    ),
 ]
 MARKDOWN_IMAGE = re.compile(r"!\[[^\]]*\]\(\s*<?([^)\s>]+)")
 HTML_IMAGE = re.compile(r"<img\b[^>]*\bsrc\s*=\s*[\"']([^\"']+)[\"']", re.IGNORECASE)
@@ -119,7 +122,7 @@ def split_slides(text: str) -> list[Slide]:
         nonlocal start, content_start
         if start == end:
             return
-        frontmatter = lines[start + 1:content_start - 1] if content_start > start else []
+        frontmatter = lines[start + 1 : content_start - 1] if content_start > start else []
         content = [(number + 1, lines[number]) for number in range(content_start, end)]
         slides.append(Slide(len(slides) + 1, start + 1, frontmatter, content, _fenced_blocks(content)))
         start = content_start = end + 1
@@ -186,13 +189,17 @@ def check_images(deck: Path, slide: Slide) -> list[str]:
     problems = []
     for image in referenced_images(slide):
         if re.match(r"^[a-z]+://|^//", image):
-            problems.append(f"image {image} comes from the internet: the decks must work offline; "
-                            "save it under slides/public/images (or draw it in course_lib/tools/figures.py)")
+            problems.append(
+                f"image {image} comes from the internet: the decks must work offline; "
+                "save it under slides/public/images (or draw it in course_lib/tools/figures.py)"
+            )
             continue
         path = PUBLIC_DIR / image.lstrip("/") if image.startswith("/") else deck.parent / image
         if not path.is_file():
-            problems.append(f"image {image} does not exist ({_relative(path)}): draw it with "
-                            "`python -m course_lib.tools.figures slides/public/images` or fix the name")
+            problems.append(
+                f"image {image} does not exist ({_relative(path)}): draw it with "
+                "`python -m course_lib.tools.figures slides/public/images` or fix the name"
+            )
     return problems
 
 
@@ -224,8 +231,10 @@ def check_code_imports(deck: Path, slide: Slide) -> list[str]:
         if not path.is_file():
             problems.append(f"code import {source} names no file ({_relative(path)})")
         elif region and find_region(path.read_text().splitlines(), region) is None:
-            problems.append(f"code import {source}#{region}: {_relative(path)} has no region '{region}' "
-                            f"(mark it with `# #region {region}` and `# #endregion {region}`)")
+            problems.append(
+                f"code import {source}#{region}: {_relative(path)} has no region '{region}' "
+                f"(mark it with `# #region {region}` and `# #endregion {region}`)"
+            )
     return problems
 
 
@@ -269,8 +278,11 @@ def check_command_line(module_name: str, argv: list[str]) -> str | None:
         raise Parsed
 
     errors = io.StringIO()
-    with mock.patch.object(argparse.ArgumentParser, "parse_args", parse_then_stop), \
-            contextlib.redirect_stderr(errors), contextlib.redirect_stdout(io.StringIO()):
+    with (
+        mock.patch.object(argparse.ArgumentParser, "parse_args", parse_then_stop),
+        contextlib.redirect_stderr(errors),
+        contextlib.redirect_stdout(io.StringIO()),
+    ):
         try:
             module.main(argv)
         except Parsed:
@@ -296,9 +308,11 @@ def check_shell_block(block: Block) -> list[tuple[int, str]]:
                 problems.append((line_number, f"{word} does not exist in the repository"))
         for i, word in enumerate(words[:-1]):
             if word == "-m" and words[i + 1].startswith("course_lib"):
-                error = check_command_line(words[i + 1], words[i + 2:])
+                error = check_command_line(words[i + 1], words[i + 2 :])
                 if error:
-                    problems.append((line_number, f"`python -m {words[i + 1]}` refuses this command line: {error}"))
+                    problems.append(
+                        (line_number, f"`python -m {words[i + 1]}` refuses this command line: {error}")
+                    )
                 break
     return problems
 
@@ -308,14 +322,23 @@ def run_python_blocks(deck: Path, slides: list[Slide], timeout_s: float = SNIPPE
     if not any(block.language in PYTHON_LANGUAGES for slide in slides for block in slide.blocks):
         return []
     # A session of its own, so that a snippet that hangs is stopped with every process it started.
-    child = subprocess.Popen([sys.executable, "-m", "course_lib.tools.slides", "_run-python", str(deck)], cwd=REPOSITORY,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    child = subprocess.Popen(
+        [sys.executable, "-m", "course_lib.tools.slides", "_run-python", str(deck)],
+        cwd=REPOSITORY,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         _, errors = child.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(child.pid, signal.SIGKILL)
         child.communicate()
-        return [f"{_relative(deck)}: its python blocks did not finish within {timeout_s:g} s: does a snippet wait forever?"]
+        return [
+            f"{_relative(deck)}: its python blocks did not finish within {timeout_s:g} s: does a snippet "
+            "wait forever?"
+        ]
     if child.returncode == 0:
         return []
     return [errors.strip() or f"the python blocks of {_relative(deck)} exited with status {child.returncode}"]
@@ -336,8 +359,11 @@ def _run_python_here(deck: Path) -> int:
                 exec(compile(source, str(deck), "exec"), namespace)
             except BaseException as error:  # noqa: BLE001 - any failure of a snippet is the finding
                 details = "".join(traceback.format_exception(error)[-6:]).rstrip()
-                print(f"{_relative(deck)}, slide {slide.number}: the python block at line {block.first_line} "
-                      f"failed: {type(error).__name__}: {error}\n{details}", file=sys.stderr)
+                print(
+                    f"{_relative(deck)}, slide {slide.number}: the python block at line {block.first_line} "
+                    f"failed: {type(error).__name__}: {error}\n{details}",
+                    file=sys.stderr,
+                )
                 return 1
     return 0
 
@@ -369,10 +395,13 @@ def _relative(path: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m course_lib.tools.slides",
-                                     description="Check the lecture decks against the code.")
+    parser = argparse.ArgumentParser(
+        prog="python -m course_lib.tools.slides", description="Check the lecture decks against the code."
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="{check,count}")
-    check = commands.add_parser("check", help="images, code imports, python blocks and command lines of the decks")
+    check = commands.add_parser(
+        "check", help="images, code imports, python blocks and command lines of the decks"
+    )
     check.add_argument("decks", nargs="*", type=Path, help="deck files (default: every slides/[0-9]*.md)")
     check.add_argument("--no-python", action="store_true", help="do not run the python blocks")
     count = commands.add_parser("count", help="print each deck's number of slides")

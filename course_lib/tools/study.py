@@ -60,49 +60,83 @@ def plan_runs(gpus: list[int], strategies: list[str], gpus_per_node: int) -> lis
         for n in sorted(set(gpus)):
             nodes = math.ceil(n / gpus_per_node)
             if n > gpus_per_node and n % gpus_per_node:
-                raise ValueError(f"{n} GPUs do not fill whole nodes of {gpus_per_node}: choose multiples of "
-                                 f"{gpus_per_node} above one node")
+                raise ValueError(
+                    f"{n} GPUs do not fill whole nodes of {gpus_per_node}: choose multiples of "
+                    f"{gpus_per_node} above one node"
+                )
             runs.append(PlannedRun(f"{strategy}-{n}", strategy, n, nodes, n // nodes))
     return runs
 
 
 def _save_plan(results: Path, runs: list[PlannedRun], settings: dict[str, Any]) -> None:
     results.mkdir(parents=True, exist_ok=True)
-    (results / STUDY_FILE).write_text(json.dumps({"settings": settings, "runs": [asdict(r) for r in runs]}, indent=2))
+    (results / STUDY_FILE).write_text(
+        json.dumps({"settings": settings, "runs": [asdict(r) for r in runs]}, indent=2)
+    )
 
 
 def load_plan(results: Path) -> tuple[list[PlannedRun], dict[str, Any]]:
     path = results / STUDY_FILE
     if not path.is_file():
-        raise SystemExit(f"error: {path} does not exist: run `python -m course_lib.tools.study submit --results {results}` "
-                         "first")
+        raise SystemExit(
+            f"error: {path} does not exist: run `python -m course_lib.tools.study submit --results "
+            f"{results}` "
+            "first"
+        )
     study = json.loads(path.read_text())
     return [PlannedRun(**run) for run in study["runs"]], study["settings"]
 
 
 def _training_environment(results: Path, run: PlannedRun, settings: dict[str, Any]) -> dict[str, str]:
     env = dict(os.environ)
-    env.update({"COURSE_STRATEGY": run.strategy, "COURSE_RUN_NAME": run.name, "COURSE_RESULTS": str(results),
-                "COURSE_DATASET": settings["dataset"], "COURSE_MODEL": settings["model"],
-                "COURSE_EPOCHS": str(settings["epochs"]), "COURSE_GLOBAL_BATCH": str(settings["global_batch_size"])})
+    env.update(
+        {
+            "COURSE_STRATEGY": run.strategy,
+            "COURSE_RUN_NAME": run.name,
+            "COURSE_RESULTS": str(results),
+            "COURSE_DATASET": settings["dataset"],
+            "COURSE_MODEL": settings["model"],
+            "COURSE_EPOCHS": str(settings["epochs"]),
+            "COURSE_GLOBAL_BATCH": str(settings["global_batch_size"]),
+        }
+    )
     if settings.get("data_dir"):
         env["COURSE_DATA_DIR"] = settings["data_dir"]
     return env
 
 
-def submit_slurm(results: Path, runs: list[PlannedRun], settings: dict[str, Any], sbatch_args: list[str]) -> None:
+def submit_slurm(
+    results: Path, runs: list[PlannedRun], settings: dict[str, Any], sbatch_args: list[str]
+) -> None:
     """``sbatch`` one job per run; a rejected submission is recorded, not fatal."""
     for run in runs:
-        command = ["sbatch", "--parsable", f"--nodes={run.nodes}", f"--ntasks-per-node={run.tasks_per_node}",
-                   f"--gpus-per-node={run.tasks_per_node}", f"--job-name=scaling-{run.name}",
-                   f"--output={results}/{run.name}-%j.out", *sbatch_args, str(REPO / "slurm" / "scaling_run.sbatch")]
-        done = subprocess.run(command, cwd=REPO, env=_training_environment(results, run, settings),
-                              capture_output=True, text=True)
+        command = [
+            "sbatch",
+            "--parsable",
+            f"--nodes={run.nodes}",
+            f"--ntasks-per-node={run.tasks_per_node}",
+            f"--gpus-per-node={run.tasks_per_node}",
+            f"--job-name=scaling-{run.name}",
+            f"--output={results}/{run.name}-%j.out",
+            *sbatch_args,
+            str(REPO / "slurm" / "scaling_run.sbatch"),
+        ]
+        done = subprocess.run(
+            command,
+            cwd=REPO,
+            env=_training_environment(results, run, settings),
+            capture_output=True,
+            text=True,
+        )
         if done.returncode == 0:
             run.job_id = done.stdout.strip().split(";")[0]
             print(f"submitted {run.name}: job {run.job_id}")
         else:
-            run.problem = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"sbatch exit {done.returncode}"
+            run.problem = (
+                done.stderr.strip().splitlines()[-1]
+                if done.stderr.strip()
+                else f"sbatch exit {done.returncode}"
+            )
             print(f"could not submit {run.name}: {run.problem}", file=sys.stderr)
 
 
@@ -110,7 +144,9 @@ def wait_for_jobs(runs: list[PlannedRun], poll_s: float = 2.0) -> None:
     """Block until none of the runs' jobs is pending or running (requeued jobs are waited for too)."""
     jobs = [run.job_id for run in runs if run.job_id and run.job_id != "local"]
     while jobs:
-        queued = subprocess.run(["squeue", "-h", "-o", "%i", "-j", ",".join(jobs)], capture_output=True, text=True)
+        queued = subprocess.run(
+            ["squeue", "-h", "-o", "%i", "-j", ",".join(jobs)], capture_output=True, text=True
+        )
         if not queued.stdout.strip() and queued.returncode == 0:
             return
         time.sleep(poll_s)
@@ -120,21 +156,42 @@ def run_locally(results: Path, runs: list[PlannedRun], settings: dict[str, Any])
     """The same study without Slurm: each size in turn on this machine (torchrun for N > 1)."""
     for run in runs:
         env = _training_environment(results, run, settings)
-        flags = ["--strategy", run.strategy, "--dataset", settings["dataset"], "--model", settings["model"],
-                 "--epochs", str(settings["epochs"]), "--global-batch-size", str(settings["global_batch_size"]),
-                 "--metrics", str(run.metrics_path(results)), "--no-progress"]
+        flags = [
+            "--strategy",
+            run.strategy,
+            "--dataset",
+            settings["dataset"],
+            "--model",
+            settings["model"],
+            "--epochs",
+            str(settings["epochs"]),
+            "--global-batch-size",
+            str(settings["global_batch_size"]),
+            "--metrics",
+            str(run.metrics_path(results)),
+            "--no-progress",
+        ]
         if settings.get("data_dir"):
             flags += ["--data-dir", settings["data_dir"]]
         if run.world_size == 1:
             command = [sys.executable, "-m", "course_lib.train", *flags]
         else:
             torchrun = str(Path(sys.executable).with_name("torchrun"))
-            command = [torchrun, "--standalone", f"--nproc-per-node={run.world_size}", "-m", "course_lib.train", *flags]
+            command = [
+                torchrun,
+                "--standalone",
+                f"--nproc-per-node={run.world_size}",
+                "-m",
+                "course_lib.train",
+                *flags,
+            ]
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(run.world_size, 1)))
         print(f"running {run.name} here...", flush=True)
         run.metrics_path(results).unlink(missing_ok=True)
         with open(results / f"{run.name}-local.out", "w") as log:
-            status = subprocess.run(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+            status = subprocess.run(
+                command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT
+            ).returncode
         (results / f"{run.name}.status").write_text(f"{status}\n")
         run.job_id = "local"
 
@@ -149,8 +206,11 @@ def collect(results: Path) -> tuple[list[dict[str, Any]], list[str]]:
         if run.problem or not records or len(records) < settings["epochs"]:
             status_file = results / f"{run.name}.status"
             status = status_file.read_text().strip() if status_file.is_file() else "no status"
-            reason = run.problem or (f"{len(records)} of {settings['epochs']} epochs in {metrics.name}" if records
-                                     else f"no metrics (exit status: {status}; see {run.name}-*.out)")
+            reason = run.problem or (
+                f"{len(records)} of {settings['epochs']} epochs in {metrics.name}"
+                if records
+                else f"no metrics (exit status: {status}; see {run.name}-*.out)"
+            )
             failed.append(f"{run.name}: {reason}")
             continue
         row = summarize(run.name, records)
@@ -165,8 +225,21 @@ def collect(results: Path) -> tuple[list[dict[str, Any]], list[str]]:
 
 
 def write_csv(rows: list[dict[str, Any]], path: Path) -> Path:
-    columns = ["run", "strategy", "world_size", "global_batch_size", "epochs", "time_per_epoch_s", "samples_per_s",
-               "speedup", "efficiency", "val_acc", "val_loss", "peak_mem_mb", "peak_mem_kind"]
+    columns = [
+        "run",
+        "strategy",
+        "world_size",
+        "global_batch_size",
+        "epochs",
+        "time_per_epoch_s",
+        "samples_per_s",
+        "speedup",
+        "efficiency",
+        "val_acc",
+        "val_loss",
+        "peak_mem_mb",
+        "peak_mem_kind",
+    ]
     with open(path, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
@@ -189,17 +262,31 @@ def main(argv: list[str] | None = None) -> int:
     from ..data import DATASETS
     from ..models import MODELS
 
-    parser = checks.CommandParser(prog="python -m course_lib.tools.study", description=__doc__.split("\n\n")[0])
+    parser = checks.CommandParser(
+        prog="python -m course_lib.tools.study", description=__doc__.split("\n\n")[0]
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    submit = sub.add_parser("submit", help="run the study: on Slurm (default) or here (--local)",
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    submit.add_argument("--results", type=checks.folder_to_write, default=Path("results/scaling"),
-                        help="the study's folder")
-    for command in [sub.add_parser("collect", help="table, scaling.csv, failed runs"),
-                    sub.add_parser("plot", help="scaling.png from scaling.csv")]:
-        command.add_argument("--results", type=checks.folder_to_read, default=Path("results/scaling"),
-                             help="the study's folder")
-    submit.add_argument("--gpus", type=checks.int_at_least(1), nargs="+", default=[1, 2, 4, 8], help="sizes to run")
+    submit = sub.add_parser(
+        "submit",
+        help="run the study: on Slurm (default) or here (--local)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    submit.add_argument(
+        "--results", type=checks.folder_to_write, default=Path("results/scaling"), help="the study's folder"
+    )
+    for command in [
+        sub.add_parser("collect", help="table, scaling.csv, failed runs"),
+        sub.add_parser("plot", help="scaling.png from scaling.csv"),
+    ]:
+        command.add_argument(
+            "--results",
+            type=checks.folder_to_read,
+            default=Path("results/scaling"),
+            help="the study's folder",
+        )
+    submit.add_argument(
+        "--gpus", type=checks.int_at_least(1), nargs="+", default=[1, 2, 4, 8], help="sizes to run"
+    )
     submit.add_argument("--strategies", nargs="+", choices=("ddp", "fsdp"), default=["ddp", "fsdp"])
     submit.add_argument("--gpus-per-node", type=checks.int_at_least(1), default=4)
     submit.add_argument("--local", action="store_true", help="no Slurm: run each size here with torchrun")
@@ -207,30 +294,50 @@ def main(argv: list[str] | None = None) -> int:
     submit.add_argument("--dataset", choices=DATASETS, default=os.environ.get("COURSE_DATASET", "cifar10"))
     submit.add_argument("--data-dir", type=checks.folder_to_read, default=os.environ.get("COURSE_DATA_DIR"))
     submit.add_argument("--model", choices=MODELS, default=os.environ.get("COURSE_MODEL", "resnet18"))
-    submit.add_argument("--epochs", type=checks.int_at_least(1), default=3,
-                        help="the first epoch (warm-up) is left out of the timing")
-    submit.add_argument("--global-batch-size", type=checks.int_at_least(1), default=256,
-                        help="the same at every size: strong scaling")
-    submit.add_argument("--sbatch-arg", action="append", default=[],
-                        help="passed to sbatch, e.g. --sbatch-arg=--account=x")
+    submit.add_argument(
+        "--epochs",
+        type=checks.int_at_least(1),
+        default=3,
+        help="the first epoch (warm-up) is left out of the timing",
+    )
+    submit.add_argument(
+        "--global-batch-size",
+        type=checks.int_at_least(1),
+        default=256,
+        help="the same at every size: strong scaling",
+    )
+    submit.add_argument(
+        "--sbatch-arg", action="append", default=[], help="passed to sbatch, e.g. --sbatch-arg=--account=x"
+    )
     args = parser.parse_args(argv)
     parser = sub.choices[args.command]  # later mistakes are reported as this subcommand's
     if args.command == "submit":
         uneven = [n for n in args.gpus if args.global_batch_size % n]
         if uneven:
-            parser.error(f"argument --global-batch-size: {args.global_batch_size} does not divide over {uneven} "
-                         f"processes; choose a multiple of every size in --gpus, e.g. {math.lcm(*args.gpus) * 32}")
+            parser.error(
+                f"argument --global-batch-size: {args.global_batch_size} does not divide over {uneven} "
+                f"processes; choose a multiple of every size in --gpus, e.g. {math.lcm(*args.gpus) * 32}"
+            )
     elif not args.results.is_dir():
-        parser.error(f"argument --results: {args.results} does not exist: run `python -m course_lib.tools.study submit "
-                     f"--results {args.results}` first")
+        parser.error(
+            f"argument --results: {args.results} does not exist: run `python -m course_lib.tools.study "
+            "submit "
+            f"--results {args.results}` first"
+        )
 
     if args.command == "submit":
         try:
             runs = plan_runs(args.gpus, args.strategies, args.gpus_per_node)
         except ValueError as error:
             parser.error(f"argument --gpus: {error}")
-        settings = {"dataset": args.dataset, "model": args.model, "epochs": args.epochs, "data_dir": args.data_dir,
-                    "global_batch_size": args.global_batch_size, "where": "local" if args.local else "slurm"}
+        settings = {
+            "dataset": args.dataset,
+            "model": args.model,
+            "epochs": args.epochs,
+            "data_dir": args.data_dir,
+            "global_batch_size": args.global_batch_size,
+            "where": "local" if args.local else "slurm",
+        }
         args.results = args.results.resolve()
         args.results.mkdir(parents=True, exist_ok=True)
         if args.local:
@@ -249,7 +356,9 @@ def main(argv: list[str] | None = None) -> int:
         for problem in failed:
             print(f"failed or missing: {problem}", file=sys.stderr)
         return 0 if rows else 1
-    rows = read_csv(args.results / CSV_FILE) if (args.results / CSV_FILE).is_file() else collect(args.results)[0]
+    rows = (
+        read_csv(args.results / CSV_FILE) if (args.results / CSV_FILE).is_file() else collect(args.results)[0]
+    )
     if not rows:
         print("error: no finished run to plot: run collect to see why", file=sys.stderr)
         return 1

@@ -47,11 +47,15 @@ class Requirement:
     files: tuple[Path, ...] = ()  # ... or any of these files exists
 
     def present(self) -> bool:
-        return any(shutil.which(command) for command in self.commands) or any(path.exists() for path in self.files)
+        return any(shutil.which(command) for command in self.commands) or any(
+            path.exists() for path in self.files
+        )
 
 
 REQUIREMENTS = (
-    Requirement("chromium", "exporting the slides and opening them", commands=("chromium", "chromium-browser")),
+    Requirement(
+        "chromium", "exporting the slides and opening them", commands=("chromium", "chromium-browser")
+    ),
     Requirement("poppler-utils", "counting the exported PDF pages", commands=("pdfinfo",)),
     Requirement("fonts-dejavu-core", "the slides' offline fonts", files=(DEJAVU_FONT,)),
     Requirement("iproute2", "a loopback-only network to prove the slides build offline", commands=("ip",)),
@@ -85,26 +89,33 @@ def node_problem() -> str | None:
 def install_command(packages: list[str]) -> list[list[str]]:
     """The apt-get calls that install ``packages`` (prefixed with sudo when not root)."""
     prefix = [] if os.geteuid() == 0 else ["sudo"]
-    return [[*prefix, "apt-get", "update", "-qq"],
-            [*prefix, "apt-get", "install", "-y", "-qq", *packages]]
+    return [[*prefix, "apt-get", "update", "-qq"], [*prefix, "apt-get", "install", "-y", "-qq", *packages]]
 
 
 def may_install() -> bool:
     """True where this user may run apt-get: root, or a password-less sudo."""
     if os.geteuid() == 0:
         return True
-    return bool(shutil.which("sudo")) and subprocess.run(["sudo", "-n", "true"], capture_output=True).returncode == 0
+    return (
+        bool(shutil.which("sudo"))
+        and subprocess.run(["sudo", "-n", "true"], capture_output=True).returncode == 0
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="course_lib/tools/system_deps.py", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="course_lib/tools/system_deps.py", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--dry-run", action="store_true", help="say what would be installed, install nothing")
     args = parser.parse_args(argv)
 
     problem = node_problem()
     if problem:
-        print(f"error: {problem}; the slide tests need Node.js {MINIMUM_NODE_MAJOR} or newer: install it from "
-              "https://nodejs.org/en/download (or run `make test-fast`, which needs no Node)", file=sys.stderr)
+        print(
+            f"error: {problem}; the slide tests need Node.js {MINIMUM_NODE_MAJOR} or newer: install it from "
+            "https://nodejs.org/en/download (or run `make test-fast`, which needs no Node)",
+            file=sys.stderr,
+        )
         return EXIT_MISSING
     missing = missing_packages()
     if not missing:
@@ -120,21 +131,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"with: {shown}")
         return 0
     if not shutil.which("apt-get"):
-        print(f"error: the tests need {' '.join(names)} (Debian's package names) and this machine has no apt-get: "
-              "install them with its own package manager (or run `make test-fast`, which needs none of them)",
-              file=sys.stderr)
+        print(
+            f"error: the tests need {' '.join(names)} (Debian's package names) and this machine has no "
+            "apt-get: "
+            "install them with its own package manager (or run `make test-fast`, which needs none of them)",
+            file=sys.stderr,
+        )
         return EXIT_MISSING
     if not may_install():
-        print(f"error: the tests need these system packages, and this user cannot install them: run `{shown}` "
-              "as an administrator (or `make test-fast`, which needs none of them)", file=sys.stderr)
+        print(
+            f"error: the tests need these system packages, and this user cannot install them: run `{shown}` "
+            "as an administrator (or `make test-fast`, which needs none of them)",
+            file=sys.stderr,
+        )
         return EXIT_MISSING
     print(f"Installing the system packages the tests need (once): {' '.join(names)}", flush=True)
     environment = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     for command in commands:
         finished = subprocess.run(command, env=environment, stdout=subprocess.DEVNULL)
         if finished.returncode != 0:
-            print(f"error: `{shlex.join(command)}` failed with exit status {finished.returncode} (its message is "
-                  "above); fix that and run `make test` again", file=sys.stderr)
+            print(
+                f"error: `{shlex.join(command)}` failed with exit status {finished.returncode} (its message "
+                "is "
+                "above); fix that and run `make test` again",
+                file=sys.stderr,
+            )
             return EXIT_MISSING
     still_missing = [requirement.package for requirement in missing_packages()]
     if still_missing:

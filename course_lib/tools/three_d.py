@@ -22,8 +22,11 @@ from .plots import plot_loss_curves
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m course_lib.tools.three_d``: a 3-D run beside the one-process run, step by step."""
-    parser = checks.CommandParser(prog="python -m course_lib.tools.three_d", description=__doc__.split("\n\n")[0],
-                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = checks.CommandParser(
+        prog="python -m course_lib.tools.three_d",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     positive = checks.int_at_least(1)
     parser.add_argument("--data", type=positive, default=2, help="data-parallel degree")
     parser.add_argument("--pipeline", type=positive, default=2, help="pipeline stages")
@@ -32,27 +35,56 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--global-batch", type=positive, default=16)
     parser.add_argument("--microbatches", type=positive, default=2)
     parser.add_argument("--schedule", choices=pp.SCHEDULES[:2], default="1f1b")
-    parser.add_argument("--plot", type=checks.file_to_write, default=None, help="save the two loss curves to this PNG")
+    parser.add_argument(
+        "--plot", type=checks.file_to_write, default=None, help="save the two loss curves to this PNG"
+    )
     args = parser.parse_args(argv)
     world = args.data * args.pipeline * args.tensor
     try:
-        check_run(world, args.data, args.pipeline, args.tensor, args.global_batch, args.microbatches, 4, 64, 4)
+        check_run(
+            world, args.data, args.pipeline, args.tensor, args.global_batch, args.microbatches, 4, 64, 4
+        )
         check_process_count(world)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(describe_grid(world, data=args.data, pipeline=args.pipeline, tensor=args.tensor), file=sys.stderr)
     print(f"training on 1 process, then on {world}...", file=sys.stderr, flush=True)
-    options = {"steps": args.steps, "global_batch": args.global_batch, "microbatches": args.microbatches,
-               "schedule": args.schedule}
+    options = {
+        "steps": args.steps,
+        "global_batch": args.global_batch,
+        "microbatches": args.microbatches,
+        "schedule": args.schedule,
+    }
     single = launch(train_3d, 1, data_degree=1, pipeline=1, tensor=1, **options)[0]
-    grid = launch(train_3d, world, data_degree=args.data, pipeline=args.pipeline, tensor=args.tensor, timeout_s=1800,
-                  **options)[0]
+    grid = launch(
+        train_3d,
+        world,
+        data_degree=args.data,
+        pipeline=args.pipeline,
+        tensor=args.tensor,
+        timeout_s=1800,
+        **options,
+    )[0]
     if args.plot:
-        plot_loss_curves({"1 process": single,
-                          f"data {args.data} x pipeline {args.pipeline} x tensor {args.tensor}": grid}, args.plot)
-    print(json.dumps({"world_size": world, "single_process_loss": single, "grid_loss": grid,
-                      "max_difference": max(abs(a - b) for a, b in zip(single, grid))}, indent=2))
+        plot_loss_curves(
+            {
+                "1 process": single,
+                f"data {args.data} x pipeline {args.pipeline} x tensor {args.tensor}": grid,
+            },
+            args.plot,
+        )
+    print(
+        json.dumps(
+            {
+                "world_size": world,
+                "single_process_loss": single,
+                "grid_loss": grid,
+                "max_difference": max(abs(a - b) for a, b in zip(single, grid)),
+            },
+            indent=2,
+        )
+    )
     return 0
 
 

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from course_lib import comm, data, models, runtime
-from course_lib.tools.labs import compare_training
 from course_lib.launch import launch
+from course_lib.tools.labs import compare_training
 
 STEPS, GLOBAL_BATCH, LR = 40, 64, 0.05
 
@@ -23,19 +23,25 @@ STEPS, GLOBAL_BATCH, LR = 40, 64, 0.05
 def my_slice(inputs: torch.Tensor, targets: torch.Tensor, rank: int, world_size: int):
     """This rank's share of a global batch: every world_size-th sample, starting at ``rank``."""
     # TODO: return every world_size-th sample starting at rank, for inputs and targets (x[rank::world_size])
-    raise NotImplementedError('TODO: return every world_size-th sample starting at rank, for inputs and targets (x[rank::world_size])')
+    raise NotImplementedError(
+        "TODO: return every world_size-th sample starting at rank, for inputs and targets (x[rank::world_size])"
+    )
 
 
 def same_start(model: torch.nn.Module) -> None:
     """Make every replica start from rank 0's weights."""
     # TODO: broadcast every parameter from rank 0 (comm.broadcast(param.data, src=0))
-    raise NotImplementedError('TODO: broadcast every parameter from rank 0 (comm.broadcast(param.data, src=0))')
+    raise NotImplementedError(
+        "TODO: broadcast every parameter from rank 0 (comm.broadcast(param.data, src=0))"
+    )
 
 
 def average_gradients(model: torch.nn.Module) -> None:
     """After backward: every rank's gradients become the average over all ranks."""
     # TODO: all-reduce each param.grad with comm.all_reduce (a sum), then divide it by the world size
-    raise NotImplementedError('TODO: all-reduce each param.grad with comm.all_reduce (a sum), then divide it by the world size')
+    raise NotImplementedError(
+        "TODO: all-reduce each param.grad with comm.all_reduce (a sum), then divide it by the world size"
+    )
 
 
 def train(lab) -> dict:
@@ -63,16 +69,21 @@ def train(lab) -> dict:
     val_images, val_labels = bundle.val.tensors
     with torch.no_grad():
         accuracy = (model(val_images).argmax(1) == val_labels).float().mean().item()
-    return {"losses": losses, "accuracy": accuracy,
-            "weights": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
+    return {
+        "losses": losses,
+        "accuracy": accuracy,
+        "weights": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+    }
 
 
 def check_run(lab) -> dict:
     """What `python -m course_lib.tools.labs check` runs: ``train`` on 2 processes, rank 0's results."""
     ranks = launch(train, 2, lab, timeout_s=120)
     if not torch.equal(ranks[0]["weights"], ranks[1]["weights"]):
-        raise AssertionError("the two ranks ended with different weights: replicas must stay identical "
-                             "(same_start, and average_gradients on every rank)")
+        raise AssertionError(
+            "the two ranks ended with different weights: replicas must stay identical "
+            "(same_start, and average_gradients on every rank)"
+        )
     return ranks[0]
 
 

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from course_lib import comm, data, models, runtime
-from course_lib.tools.labs import compare_training
 from course_lib.launch import launch
+from course_lib.tools.labs import compare_training
 
 STEPS, GLOBAL_BATCH, LR = 40, 64, 0.05
 
@@ -70,16 +70,21 @@ def train(lab) -> dict:
     val_images, val_labels = bundle.val.tensors
     with torch.no_grad():
         accuracy = (model(val_images).argmax(1) == val_labels).float().mean().item()
-    return {"losses": losses, "accuracy": accuracy,
-            "weights": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
+    return {
+        "losses": losses,
+        "accuracy": accuracy,
+        "weights": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+    }
 
 
 def check_run(lab) -> dict:
     """What `python -m course_lib.tools.labs check` runs: ``train`` on 2 processes, rank 0's results."""
     ranks = launch(train, 2, lab, timeout_s=120)
     if not torch.equal(ranks[0]["weights"], ranks[1]["weights"]):
-        raise AssertionError("the two ranks ended with different weights: replicas must stay identical "
-                             "(same_start, and average_gradients on every rank)")
+        raise AssertionError(
+            "the two ranks ended with different weights: replicas must stay identical "
+            "(same_start, and average_gradients on every rank)"
+        )
     return ranks[0]
 
 

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from course_lib import comm, data, models, runtime
-from course_lib.tools.labs import compare_training
 from course_lib.launch import launch
+from course_lib.tools.labs import compare_training
 
 STEPS, GLOBAL_BATCH, LR = 40, 64, 0.05
 
@@ -28,8 +28,8 @@ def my_shard(flat: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     # BEGIN SOLUTION: shard size = ceil(numel / world_size); pad with zeros to size * world_size; clone piece number rank
     size = math.ceil(flat.numel() / world_size)
     padded = torch.zeros(size * world_size, dtype=flat.dtype)
-    padded[:flat.numel()] = flat
-    return padded[rank * size:(rank + 1) * size].clone()
+    padded[: flat.numel()] = flat
+    return padded[rank * size : (rank + 1) * size].clone()
     # END SOLUTION
 
 
@@ -47,7 +47,7 @@ def reduce_my_gradient(flat_grad: torch.Tensor, rank: int, world_size: int) -> t
     # BEGIN SOLUTION: pad like my_shard, comm.reduce_scatter_tensor(out, padded, op="mean") into a shard-sized out
     size = math.ceil(flat_grad.numel() / world_size)
     padded = torch.zeros(size * world_size, dtype=flat_grad.dtype)
-    padded[:flat_grad.numel()] = flat_grad
+    padded[: flat_grad.numel()] = flat_grad
     out = torch.empty(size, dtype=flat_grad.dtype)
     comm.reduce_scatter_tensor(out, padded, op="mean")
     return out
@@ -73,7 +73,9 @@ def train(lab) -> dict:
         model.zero_grad()
         loss = F.cross_entropy(model(inputs), targets)
         loss.backward()
-        grad_shard = lab.reduce_my_gradient(parameters_to_vector(p.grad for p in model.parameters()), rank, world_size)
+        grad_shard = lab.reduce_my_gradient(
+            parameters_to_vector(p.grad for p in model.parameters()), rank, world_size
+        )
         velocity.mul_(0.9).add_(grad_shard)
         shard -= LR * velocity
         everyone = loss.detach().clone()
@@ -84,14 +86,21 @@ def train(lab) -> dict:
         vector_to_parameters(full, model.parameters())
         val_images, val_labels = bundle.val.tensors
         accuracy = (model(val_images).argmax(1) == val_labels).float().mean().item()
-    return {"losses": losses, "accuracy": accuracy, "weights": full.clone(), "shard_numel": shard.numel(),
-            "model_numel": numel}
+    return {
+        "losses": losses,
+        "accuracy": accuracy,
+        "weights": full.clone(),
+        "shard_numel": shard.numel(),
+        "model_numel": numel,
+    }
 
 
 def check_run(lab) -> dict:
     """``train`` on 3 processes (35,173 parameters do not divide by 3: the padding matters)."""
     ranks = launch(train, 3, lab, timeout_s=120)
-    if any(r["shard_numel"] * 3 < r["model_numel"] or r["shard_numel"] > r["model_numel"] // 3 + 1 for r in ranks):
+    if any(
+        r["shard_numel"] * 3 < r["model_numel"] or r["shard_numel"] > r["model_numel"] // 3 + 1 for r in ranks
+    ):
         raise AssertionError("each shard must hold ceil(parameters / world size) elements")
     return ranks[0]
 
@@ -101,5 +110,7 @@ def compare(got: dict, expected: dict) -> list[str]:
 
 
 def summary(result: dict) -> str:
-    return (f"final loss {result['losses'][-1]:.3f}, validation accuracy {result['accuracy']:.1%}, "
-            f"{result['shard_numel']:,} of {result['model_numel']:,} parameters per rank")
+    return (
+        f"final loss {result['losses'][-1]:.3f}, validation accuracy {result['accuracy']:.1%}, "
+        f"{result['shard_numel']:,} of {result['model_numel']:,} parameters per rank"
+    )

@@ -208,8 +208,8 @@ def check_compatible(meta: dict[str, Any], config: dict[str, Any], path: str | P
             flag = "--" + key.replace("_", "-")
             raise UserError(
                 f"checkpoint {path} was written with {flag} {saved.get(key)} but this run uses {flag} "
-                f"{config.get(key)}: "
-                f"pass {flag} {saved.get(key)} to resume it, or use a new --checkpoint-dir to start afresh"
+                f"{config.get(key)}: pass {flag} {saved.get(key)} to resume it, or use a new "
+                "--checkpoint-dir to start afresh"
             )
 
 
@@ -223,12 +223,10 @@ def load(
     if meta.get("layout", "named parameters") != _layout(model):
         raise UserError(
             f"checkpoint {path} holds {meta.get('layout', 'named parameters')}, but this model is laid out "
-            "as "
-            f"{_layout(model)}: resume with the --strategy, --impl, --zero-stage and model of the run that "
-            "wrote it "
-            f"(its flags: --strategy {meta['config'].get('strategy')} --impl {meta['config'].get('impl')} "
-            f"--zero-stage {meta['config'].get('zero_stage', 3)}), or start afresh with a new "
-            "--checkpoint-dir"
+            f"as {_layout(model)}: resume with the --strategy, --impl, --zero-stage and model of the run "
+            f"that wrote it (its flags: --strategy {meta['config'].get('strategy')} --impl "
+            f"{meta['config'].get('impl')} --zero-stage {meta['config'].get('zero_stage', 3)}), or start "
+            "afresh with a new --checkpoint-dir"
         )
     state = _state(model, optimizer)
     try:
@@ -239,8 +237,8 @@ def load(
         first_line = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
         raise UserError(
             f"checkpoint {path} cannot be loaded into this model ({first_line}): it is corrupt or from "
-            "another "
-            "model; delete it to resume from the previous one, or start afresh with a new --checkpoint-dir"
+            "another model; delete it to resume from the previous one, or start afresh with a new "
+            "--checkpoint-dir"
         ) from None
     if not hasattr(model, "sharded_state_dict"):  # the course's wrappers were filled in place
         set_state_dict(

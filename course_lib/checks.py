@@ -117,8 +117,8 @@ def _check_can_write_in(flag: str | None, path: Path, what: str, folder: Path) -
             pass
     except OSError as error:
         raise UserError(
-            f"{_shown(flag)}{path} cannot be written ({error.strerror} in {existing}): choose a "
-            "location you can write to"
+            f"{_shown(flag)}{path} cannot be written ({error.strerror} in {existing}): choose a location you "
+            "can write to"
         ) from None
 
 
@@ -186,8 +186,8 @@ def check_module(name: str, value: Any) -> Any:
 
     if not isinstance(value, nn.Module):
         raise UserError(
-            f"{name} must be a torch.nn.Module, got {type(value).__name__}: pass the model itself "
-            "(built on every rank), not its output or its parameters"
+            f"{name} must be a torch.nn.Module, got {type(value).__name__}: pass the model itself (built on "
+            "every rank), not its output or its parameters"
         )
     return value
 
@@ -198,8 +198,8 @@ def check_group(name: str, group: Any) -> Any:
 
     if not dist.is_initialized():
         raise UserError(
-            f"{name}: no process group exists yet: call course_lib.runtime.init() first (torchrun jobs), "
-            "or run the code through course_lib.launch.launch(), which does it for you"
+            f"{name}: no process group exists yet: call course_lib.runtime.init() first (torchrun jobs), or "
+            "run the code through course_lib.launch.launch(), which does it for you"
         )
     if group is None:
         return group
@@ -207,8 +207,8 @@ def check_group(name: str, group: Any) -> Any:
     outside = group is dist.GroupMember.NON_GROUP_MEMBER
     if outside or (isinstance(group, dist.ProcessGroup) and dist.get_rank(group) < 0):
         raise UserError(
-            f"{name} does not contain this rank (global rank {dist.get_rank()}): call this only on the "
-            "ranks of the group, or pass a group that holds every rank that calls it"
+            f"{name} does not contain this rank (global rank {dist.get_rank()}): call this only on the ranks "
+            "of the group, or pass a group that holds every rank that calls it"
         )
     if not isinstance(group, dist.ProcessGroup):
         raise UserError(

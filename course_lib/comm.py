@@ -27,6 +27,11 @@ N is*. Adding ranks does not add traffic per rank; that is why it scales.
 ``ring_all_reduce`` builds the all-reduce from ``send``/``recv`` to show where the 2(N-1)/N comes
 from: N-1 steps of reduce-scatter, then N-1 steps of all-gather, each moving one N-th of the
 tensor to the right-hand neighbour.
+
+Papers: the ring all-reduce and why it is bandwidth-optimal, Patarasuk and Yuan, "Bandwidth
+optimal all-reduce algorithms for clusters of workstations", JPDC 2009; the per-operation costs
+and the latency-bandwidth (alpha-beta) model, Thakur, Rabenseifner and Gropp, "Optimization of
+Collective Communication Operations in MPICH", IJHPCA 2005.
 """
 
 from __future__ import annotations
@@ -163,8 +168,7 @@ def _check_device(*tensors: torch.Tensor) -> None:
             wanted = "cuda" if backend == "nccl" else "cpu (or cuda)"
             raise UserError(
                 f"a {tuple(tensor.shape)} tensor on {tensor.device} was passed to a {backend} collective, "
-                "which "
-                f"needs {wanted} tensors: move it with tensor.to(course_lib.runtime.context().device)"
+                f"which needs {wanted} tensors: move it with tensor.to(course_lib.runtime.context().device)"
             )
 
 

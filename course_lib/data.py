@@ -93,8 +93,7 @@ def cifar10_missing_message(data_dir: Path) -> str:
     return (
         f"CIFAR-10 was not found in {data_dir} (compute nodes have no internet, so it is never downloaded "
         "during training): on a login node run `python -m course_lib.data download cifar10 --data-dir "
-        f"{data_dir}`, "
-        "then pass the same --data-dir"
+        f"{data_dir}`, then pass the same --data-dir"
     )
 
 
@@ -152,8 +151,8 @@ def per_rank_batch_size(global_batch_size: int, world_size: int, grad_accum_step
         lower = max(shards, global_batch_size // shards * shards)
         raise UserError(
             f"global batch size {global_batch_size} does not divide into {world_size} rank(s) x "
-            f"{grad_accum_steps} accumulation step(s): use a multiple of {shards}, e.g. "
-            f"--global-batch-size {lower} or {lower + shards}"
+            f"{grad_accum_steps} accumulation step(s): use a multiple of {shards}, e.g. --global-batch-size "
+            f"{lower} or {lower + shards}"
         )
     return global_batch_size // shards
 

@@ -165,8 +165,7 @@ def check_process_count(nprocs: int, cores: int | None = None) -> None:
         _told_about_sharing = True
         print(
             f"note: {nprocs} processes share {cores} CPU core(s), one thread each: the results are exactly "
-            "those "
-            f"of {nprocs} separate machines, only the times are slower",
+            f"those of {nprocs} separate machines, only the times are slower",
             file=sys.stderr,
             flush=True,
         )
@@ -193,8 +192,8 @@ def launch(
 
     if dist.is_initialized():
         raise RuntimeError(
-            "launch() was called from a process that already joined a process group; forked children "
-            "would inherit its sockets. Call course_lib.runtime.shutdown() first, or restart the kernel."
+            "launch() was called from a process that already joined a process group; forked children would "
+            "inherit its sockets. Call course_lib.runtime.shutdown() first, or restart the kernel."
         )
     context = multiprocessing.get_context("fork")
     port = free_port()
@@ -225,8 +224,8 @@ def launch(
                 if failures:
                     break
                 raise TimeoutError(
-                    f"ranks {sorted(pending.values())} of {nprocs} did not finish within {timeout_s} s; "
-                    "they were stopped (a rank waiting in a collective that another rank never called?)"
+                    f"ranks {sorted(pending.values())} of {nprocs} did not finish within {timeout_s} s; they "
+                    "were stopped (a rank waiting in a collective that another rank never called?)"
                 )
             for receive_end in ready:
                 rank = pending.pop(receive_end)
@@ -237,8 +236,8 @@ def launch(
                     message = (
                         "error",
                         None,
-                        f"rank {rank} exited with code {processes[rank].exitcode} "
-                        "without reporting (killed, or a crash in native code)",
+                        f"rank {rank} exited with code {processes[rank].exitcode} without reporting (killed, "
+                        "or a crash in native code)",
                     )
                 receive_end.close()
                 if message[0] == "ok":

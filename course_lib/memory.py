@@ -29,6 +29,10 @@ Multiply by the element size of what travels (2 bytes in mixed precision, 4 in f
 
 ``measure_model_states`` counts what a rank really holds (the local shard of a sharded
 parameter, gradients, optimizer state), so any wrapper can be checked against the model.
+
+Paper: Rajbhandari, Rasley, Ruwase and He, "ZeRO: Memory Optimizations Toward Training Trillion
+Parameter Models", SC 2020 (arXiv:1910.02054), section 3 (the 16Ψ and its table); the 7.5B
+example is theirs.
 """
 
 from __future__ import annotations

@@ -196,8 +196,7 @@ def check_model_fits_data(model_name: str, dataset_name: str, input_shape: tuple
         fitting = [m for m in MODELS if model_input_shape(m) == tuple(input_shape)]
         raise UserError(
             f"model {model_name} expects {'x'.join(map(str, expected))} images but dataset {dataset_name} "
-            "has "
-            f"{'x'.join(map(str, input_shape))}: use --model {' or --model '.join(fitting)}"
+            f"has {'x'.join(map(str, input_shape))}: use --model {' or --model '.join(fitting)}"
         )
 
 

@@ -117,8 +117,8 @@ def resolve_environment(environ: Mapping[str, str] | None = None) -> DistEnviron
     if "RANK" in environ:
         if "WORLD_SIZE" not in environ:
             raise UserError(
-                "RANK is set but WORLD_SIZE is not: launch with torchrun (which sets both), "
-                "or set WORLD_SIZE to the number of processes"
+                "RANK is set but WORLD_SIZE is not: launch with torchrun (which sets both), or set "
+                "WORLD_SIZE to the number of processes"
             )
         rank, world_size = _int_variable(environ, "RANK"), _int_variable(environ, "WORLD_SIZE")
         local_rank = _int_variable(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else 0
@@ -129,8 +129,8 @@ def resolve_environment(environ: Mapping[str, str] | None = None) -> DistEnviron
             raise UserError(f"RANK={rank} is outside 0..{world_size - 1} (WORLD_SIZE={world_size})")
         if world_size > 1 and ("MASTER_ADDR" not in environ or "MASTER_PORT" not in environ):
             raise UserError(
-                "MASTER_ADDR and MASTER_PORT must be set when WORLD_SIZE > 1: "
-                "launch with torchrun, or export the address and a free port of rank 0's host"
+                "MASTER_ADDR and MASTER_PORT must be set when WORLD_SIZE > 1: launch with torchrun, or "
+                "export the address and a free port of rank 0's host"
             )
         return DistEnvironment(
             rank=rank,
@@ -210,8 +210,7 @@ def choose_backend(requested: str, cuda_available: bool) -> tuple[str, str]:
         if not cuda_available:
             raise UserError(
                 "backend nccl needs a GPU but torch sees none: use --backend gloo (or auto) on a CPU "
-                "machine, "
-                "or request GPUs from Slurm (--gpus-per-node)"
+                "machine, or request GPUs from Slurm (--gpus-per-node)"
             )
         return "nccl", "cuda"
     if requested == "gloo":
@@ -266,9 +265,8 @@ def init(
     if device_type == "cuda":
         if env.local_rank >= torch.cuda.device_count():
             raise UserError(
-                f"LOCAL_RANK={env.local_rank} but only {torch.cuda.device_count()} GPU(s) are visible: "
-                "start one "
-                "process per GPU (--nproc-per-node / --ntasks-per-node equal to the GPUs per node)"
+                f"LOCAL_RANK={env.local_rank} but only {torch.cuda.device_count()} GPU(s) are visible: start "
+                "one process per GPU (--nproc-per-node / --ntasks-per-node equal to the GPUs per node)"
             )
         device = torch.device("cuda", env.local_rank)
         torch.cuda.set_device(device)

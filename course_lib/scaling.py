@@ -88,8 +88,7 @@ def format_table(rows: Iterable[dict[str, Any]]) -> str:
     for row in rows:
         lines.append(
             f"{row['run']:<10} {row['world_size']:>5} {row['time_per_epoch_s']:>9.3f} "
-            f"{row['samples_per_s']:>10.0f} "
-            f"{row['speedup']:>8.2f} {row['efficiency']:>10.0%} {row['val_acc']:>8.2%} "
-            f"{row['peak_mem_mb']:>8.0f}"
+            f"{row['samples_per_s']:>10.0f} {row['speedup']:>8.2f} {row['efficiency']:>10.0%} "
+            f"{row['val_acc']:>8.2%} {row['peak_mem_mb']:>8.0f}"
         )
     return "\n".join(lines)

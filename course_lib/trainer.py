@@ -168,8 +168,8 @@ def _check_sharding_flags(config: TrainConfig) -> None:
 
     if config.zero_stage not in (1, 2, 3):
         raise UserError(
-            f"--zero-stage must be 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters: FSDP), "
-            f"got {config.zero_stage}"
+            "--zero-stage must be 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters: FSDP), got "
+            f"{config.zero_stage}"
         )
     if config.sharding not in SHARDING_STRATEGIES:
         raise UserError(
@@ -183,8 +183,8 @@ def _check_sharding_flags(config: TrainConfig) -> None:
     if config.zero_stage != 3 and fsdp_only:
         flags = ", ".join("--" + name.replace("_", "-") for name in fsdp_only)
         raise UserError(
-            f"{flags} configure FSDP (ZeRO stage 3), but --zero-stage is {config.zero_stage}: "
-            "drop them or use --zero-stage 3"
+            f"{flags} configure FSDP (ZeRO stage 3), but --zero-stage is {config.zero_stage}: drop them or "
+            "use --zero-stage 3"
         )
     if config.hybrid_shard_size is not None and config.sharding != "HYBRID_SHARD":
         raise UserError("--hybrid-shard-size needs --sharding HYBRID_SHARD")
@@ -339,8 +339,7 @@ class Trainer:
         if self.steps_per_epoch == 0:
             raise UserError(
                 f"global batch size {config.global_batch_size} is larger than the {len(self.data.train)} "
-                "training "
-                "samples: use a smaller --global-batch-size"
+                "training samples: use a smaller --global-batch-size"
             )
         self.position = checkpoint.TrainingPosition(config=config.as_dict())
         resume_path = resolve_resume_path(config)
@@ -350,8 +349,8 @@ class Trainer:
                 group["lr"], group["weight_decay"] = config.lr, config.weight_decay  # after a divergence)
             self.position.config = config.as_dict()
             runtime.print0(
-                f"resumed from {resume_path} at epoch {self.position.epoch + 1}, "
-                f"step {self.position.step_in_epoch} of {self.steps_per_epoch}"
+                f"resumed from {resume_path} at epoch {self.position.epoch + 1}, step "
+                f"{self.position.step_in_epoch} of {self.steps_per_epoch}"
             )
 
     # -- one optimizer step ------------------------------------------------------------------
@@ -437,8 +436,8 @@ class Trainer:
                 },
             )
         raise Diverged(
-            f"training diverged at step {step} (epoch {position.epoch + 1}): {what}; "
-            f"try {', '.join(tries[:-1])} or {tries[-1]}{resume}"
+            f"training diverged at step {step} (epoch {position.epoch + 1}): {what}; try "
+            f"{', '.join(tries[:-1])} or {tries[-1]}{resume}"
         )
 
     def _save(self) -> None:
@@ -540,8 +539,8 @@ class Trainer:
     def fit(self, collect_state: bool = False) -> TrainResult:
         config, position = self.config, self.position
         runtime.print0(
-            f"training {config.model} on {config.dataset}: strategy {config.strategy} ({config.impl}"
-            f"{', ' + self.sharding_label if self.sharding_label else ''}), "
+            f"training {config.model} on {config.dataset}: strategy {config.strategy} "
+            f"({config.impl}{', ' + self.sharding_label if self.sharding_label else ''}), "
             f"{self.ctx.world_size} rank(s) on {self.ctx.device.type}/{self.ctx.backend}, global batch "
             f"{config.global_batch_size} = {self.ctx.world_size} x {config.grad_accum} x {self.micro_batch}, "
             f"{self.steps_per_epoch} steps per epoch"
@@ -556,10 +555,8 @@ class Trainer:
                     _append_metrics(config.metrics, record)
                 tqdm.write(
                     f"epoch {record['epoch']}/{config.epochs}: train loss {record['train_loss']:.4f}, val "
-                    "loss "
-                    f"{record['val_loss']:.4f}, val acc {record['val_acc']:.2%}, "
-                    f"{record['epoch_time_s']:.2f} s, "
-                    f"{record['samples_per_s']:.0f} samples/s",
+                    f"loss {record['val_loss']:.4f}, val acc {record['val_acc']:.2%}, "
+                    f"{record['epoch_time_s']:.2f} s, {record['samples_per_s']:.0f} samples/s",
                     file=sys.stdout,
                 )
                 sys.stdout.flush()

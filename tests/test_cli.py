@@ -66,8 +66,8 @@ def test_global_batch_not_divisible_by_world_size():
     outcomes = run_ranks(["--strategy", "ddp", "--global-batch-size", "64", "--no-progress"], nprocs=3)
     assert_user_error(
         outcomes,
-        "global batch size 64 does not divide into 3 rank(s) x 1 accumulation step(s): "
-        "use a multiple of 3, e.g. --global-batch-size 63 or 66",
+        "global batch size 64 does not divide into 3 rank(s) x 1 accumulation step(s): use a multiple of 3, "
+        "e.g. --global-batch-size 63 or 66",
     )
 
 
@@ -150,8 +150,8 @@ def test_checkpoint_from_another_model(cli_checkpoint, quick_args):
     )
     assert_user_error(
         outcomes,
-        "was written with --model digits_cnn but this run uses --model cifar_cnn: "
-        "pass --model digits_cnn to resume it, or use a new --checkpoint-dir",
+        "was written with --model digits_cnn but this run uses --model cifar_cnn: pass --model digits_cnn "
+        "to resume it, or use a new --checkpoint-dir",
     )
 
 

@@ -316,8 +316,8 @@ def test_course_sharded_checkpoint_from_two_ranks_resumes_on_four_and_refuses_an
     [
         (
             dict(strategy="ddp", zero_stage=2),
-            "--zero-stage choose(s) among the course's sharded implementations: "
-            "add --strategy fsdp --impl course",
+            "--zero-stage choose(s) among the course's sharded implementations: add --strategy fsdp --impl "
+            "course",
         ),
         (dict(strategy="fsdp", impl="torch", sharding="NO_SHARD"), "add --strategy fsdp --impl course"),
         (

@@ -36,6 +36,10 @@ gradient in it, and nothing is copied back out.
 
 ``no_sync()``: backward passes inside it only accumulate gradients locally; the next backward
 outside it reduces the accumulated sum (gradient accumulation without extra traffic).
+
+Paper: Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel Training",
+VLDB 2020 (arXiv:2006.15704): buckets, overlap, ``no_sync`` and unused parameters as PyTorch's
+``DistributedDataParallel`` does them.
 """
 
 from __future__ import annotations
@@ -112,9 +116,8 @@ def check_same_model_everywhere(module: nn.Module, group) -> None:
             if ours.get(name) != theirs.get(name):
                 raise UserError(
                     f"parameter {name!r} has {ours.get(name, 'no entry')} on rank 0 but "
-                    f"{theirs.get(name, 'no entry')} "
-                    f"on rank {rank}: every rank must build the same model (same code, same arguments) "
-                    "before wrapping it"
+                    f"{theirs.get(name, 'no entry')} on rank {rank}: every rank must build the same model "
+                    "(same code, same arguments) before wrapping it"
                 )
         raise UserError(
             f"rank {rank} lists its parameters in another order than rank 0: build the same model everywhere"
@@ -245,8 +248,7 @@ class DataParallel(GradientSyncSwitch, nn.Module):
         if not self._end_of_backward.queued and self._sync_this_backward != self.require_gradient_sync:
             raise UserError(
                 "a backward ran on the other side of a no_sync() block than its forward: keep the forward "
-                "and "
-                "the backward of a micro-step inside the same `with model.no_sync():` block"
+                "and the backward of a micro-step inside the same `with model.no_sync():` block"
             )
         self._end_of_backward.request()
         if not (self._sync_this_backward and self.overlap):
@@ -314,9 +316,8 @@ class DataParallel(GradientSyncSwitch, nn.Module):
         if unused and not self.find_unused_parameters:
             names = [name for name, p in self.module.named_parameters() if id(p) in unused]
             raise UserError(
-                f"parameters {names[:5]} received no gradient in this backward, so their "
-                "bucket can never be reduced: pass find_unused_parameters=True to DataParallel, or use them "
-                "in forward"
+                f"parameters {names[:5]} received no gradient in this backward, so their bucket can never be "
+                "reduced: pass find_unused_parameters=True to DataParallel, or use them in forward"
             )
 
     def _fill_unused_gradients(self) -> dict[int, bool] | None:

@@ -53,12 +53,10 @@ def check_same_dtype(named_params: list[tuple[str, nn.Parameter]], unit: str) ->
         if param.dtype != first.dtype or param.requires_grad != first.requires_grad:
             raise UserError(
                 f"unit {unit or '<root>'} mixes {first_name} ({first.dtype}, "
-                f"requires_grad={first.requires_grad}) "
-                f"and {name} ({param.dtype}, requires_grad={param.requires_grad}), which cannot share one "
-                "flat "
-                "parameter: convert the model to one dtype (model.float()) and freeze whole units, or wrap "
-                "the "
-                "differing parameters in a unit of their own"
+                f"requires_grad={first.requires_grad}) and {name} ({param.dtype}, "
+                f"requires_grad={param.requires_grad}), which cannot share one flat parameter: convert the "
+                "model to one dtype (model.float()) and freeze whole units, or wrap the differing "
+                "parameters in a unit of their own"
             )
     if not first.dtype.is_floating_point:
         raise UserError(
@@ -332,8 +330,8 @@ class FlatShardedMixin(GradientSyncSwitch):
         missing, unexpected = expected - set(state), set(state) - expected
         if missing or unexpected:
             raise UserError(
-                f"state dict does not fit this model: missing {sorted(missing)[:5]}, "
-                f"unexpected {sorted(unexpected)[:5]}: load a state dict of the same model"
+                f"state dict does not fit this model: missing {sorted(missing)[:5]}, unexpected "
+                f"{sorted(unexpected)[:5]}: load a state dict of the same model"
             )
         for flat in self.flat_params:
             flat.load_full(state)

@@ -39,6 +39,12 @@ buffer_dtype)``: compute and gather in e.g. bf16 (half the traffic), reduce grad
 ``reduce_dtype``, while the shards the optimizer updates stay fp32 master weights.
 ``activation_checkpointing``: units (without nested units) keep only their inputs for backward
 and recompute the rest.
+
+Papers: Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models", SC 2020 (arXiv:1910.02054), stage P_os+g+p; Zhao et al., "PyTorch FSDP: Experiences on
+Scaling Fully Sharded Data Parallel", VLDB 2023 (arXiv:2304.11277), for units, the sharding
+strategies and mixed precision as PyTorch does them; Ren et al., "ZeRO-Offload: Democratizing
+Billion-Scale Model Training", USENIX ATC 2021 (arXiv:2101.06840), for ``cpu_offload``.
 """
 
 from __future__ import annotations
@@ -126,8 +132,8 @@ def select_units(model: nn.Module, policy: WrapPolicy) -> list[nn.Module]:
         classes = (policy,) if isinstance(policy, type) else tuple(policy)
         if isinstance(model, classes):
             raise UserError(
-                f"the wrap policy matches the model itself ({type(model).__name__}), so every parameter "
-                "is in one unit gathered at once: name the classes of its blocks instead"
+                f"the wrap policy matches the model itself ({type(model).__name__}), so every parameter is "
+                "in one unit gathered at once: name the classes of its blocks instead"
             )
         return [m for m in model.modules() if m is not model and isinstance(m, classes)]
     if callable(policy) and not isinstance(policy, nn.Module):
@@ -158,18 +164,16 @@ def check_units(model: nn.Module, units: list[nn.Module], policy: WrapPolicy) ->
         classes = sorted({type(m).__name__ for m in model.modules() if m is not model})
         raise UserError(
             f"the wrap policy {describe_policy(policy)} wraps no submodule with parameters, so the whole "
-            "model would be one unit, "
-            f"gathered whole at once (no memory saved over SHARD_GRAD_OP): choose among the model's classes "
-            f"{classes} or lower the parameter threshold"
+            "model would be one unit, gathered whole at once (no memory saved over SHARD_GRAD_OP): choose "
+            f"among the model's classes {classes} or lower the parameter threshold"
         )
     submodules = [m for m in model.modules() if m is not model]
     empty = [type(u).__name__ for u in units if not any(True for _ in u.parameters())]
     if len(submodules) > 1 and len(units) == len(submodules) and empty:
         raise UserError(
-            f"the wrap policy {describe_policy(policy)} wraps every one of the {len(submodules)} "
-            f"submodules, even {len(empty)} without "
-            f"parameters (such as {empty[0]}): name the classes of the blocks to shard, e.g. "
-            "auto_wrap_policy={nn.Linear} or a transformer block class"
+            f"the wrap policy {describe_policy(policy)} wraps every one of the {len(submodules)} submodules, "
+            f"even {len(empty)} without parameters (such as {empty[0]}): name the classes of the blocks to "
+            "shard, e.g. auto_wrap_policy={nn.Linear} or a transformer block class"
         )
 
 
@@ -227,7 +231,7 @@ def shard_layout(
     if mesh is not None and mesh.ndim == 2:
         if sharding_strategy not in (None, "HYBRID_SHARD"):
             raise UserError(
-                f"a 2-D mesh means HYBRID_SHARD (replicate over its first dimension, shard over its second), "
+                "a 2-D mesh means HYBRID_SHARD (replicate over its first dimension, shard over its second), "
                 f"not {sharding_strategy}: pass a 1-D mesh or a group to shard over one dimension"
             )
         if hybrid_shard_size is not None:
@@ -242,8 +246,8 @@ def shard_layout(
         )
     if mesh is not None and mesh.ndim != 1:
         raise UserError(
-            f"FullyShardedDataParallel takes a 1-D or 2-D mesh, got {mesh.ndim} dimensions: "
-            "pass the dimension to shard over, e.g. mesh['data']"
+            f"FullyShardedDataParallel takes a 1-D or 2-D mesh, got {mesh.ndim} dimensions: pass the "
+            "dimension to shard over, e.g. mesh['data']"
         )
     sharding_strategy = sharding_strategy or "FULL_SHARD"
     if sharding_strategy not in SHARDING_STRATEGIES:
@@ -303,8 +307,8 @@ def _compute_device(module: nn.Module, device: torch.device | str | None, cpu_of
         )
     if first is not None and first.device != device:
         raise UserError(
-            f"the model's parameters are on {first.device} but FSDP computes on {device}: "
-            f"move the model first (model.to({str(device)!r}))"
+            f"the model's parameters are on {first.device} but FSDP computes on {device}: move the model "
+            f"first (model.to({str(device)!r}))"
         )
     return device
 

@@ -18,6 +18,10 @@ The layout (Megatron-LM's): tensor fastest, then data, then pipeline,
 ``grid_groups`` computes every group as lists of ranks (pure: it can be printed and tested
 without processes); ``Mesh`` creates them as process groups, through PyTorch's ``DeviceMesh``
 with the same layout, and tells each rank its coordinates.
+
+Paper: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+Megatron-LM", SC 2021 (arXiv:2104.04473), section 3: why tensor parallelism stays inside a node
+and how the three degrees combine.
 """
 
 from __future__ import annotations
@@ -40,9 +44,9 @@ def check_degrees(world_size: int, *, data: int = 1, pipeline: int = 1, tensor: 
             raise UserError(f"the {name} degree must be at least 1, got {degree}")
     if data * pipeline * tensor != world_size:
         raise UserError(
-            f"data {data} x pipeline {pipeline} x tensor {tensor} = {data * pipeline * tensor} ranks, "
-            f"but {world_size} were started: start {data * pipeline * tensor} processes, or choose "
-            f"degrees whose product is {world_size}"
+            f"data {data} x pipeline {pipeline} x tensor {tensor} = {data * pipeline * tensor} ranks, but "
+            f"{world_size} were started: start {data * pipeline * tensor} processes, or choose degrees whose "
+            f"product is {world_size}"
         )
 
 

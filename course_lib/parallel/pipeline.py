@@ -27,6 +27,13 @@ backward, a send is non-blocking (``isend``), a receive blocks. Because every sc
 checked (``check_schedule``) to complete when sends never block and receives wait for their
 send, the run cannot deadlock. Each loss is divided by m, so the gradients are the average over
 micro-batches: exactly the gradient of the whole batch.
+
+Papers: GPipe, Huang et al., "GPipe: Efficient Training of Giant Neural Networks using Pipeline
+Parallelism", NeurIPS 2019 (arXiv:1811.06965); 1F1B, Narayanan et al., "PipeDream: Generalized
+Pipeline Parallelism for DNN Training", SOSP 2019, in its synchronous form (PipeDream-Flush:
+Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN Training", ICML 2021,
+arXiv:2006.09503); the interleaved schedule, Narayanan et al., "Efficient Large-Scale Language
+Model Training on GPU Clusters Using Megatron-LM", SC 2021 (arXiv:2104.04473), section 2.2.
 """
 
 from __future__ import annotations
@@ -91,8 +98,8 @@ def split_model(
     bounds = [0, *cut_points, len(layers)]
     if len(cut_points) != num_stages - 1 or any(a >= b for a, b in zip(bounds, bounds[1:])):
         raise UserError(
-            f"cut points {cut_points} must be {num_stages - 1} increasing layer indices "
-            f"between 1 and {len(layers) - 1}"
+            f"cut points {cut_points} must be {num_stages - 1} increasing layer indices between 1 and "
+            f"{len(layers) - 1}"
         )
     return [nn.Sequential(*layers[a:b]) for a, b in zip(bounds, bounds[1:])]
 
@@ -117,8 +124,8 @@ def check_schedule_arguments(
     if schedule == "interleaved_1f1b" and microbatches % pipeline_size:
         raise UserError(
             f"interleaved 1F1B sends micro-batches round the {pipeline_size} ranks in groups of "
-            f"{pipeline_size}: use a number of micro-batches that is a multiple of {pipeline_size}, "
-            f"not {microbatches}"
+            f"{pipeline_size}: use a number of micro-batches that is a multiple of {pipeline_size}, not "
+            f"{microbatches}"
         )
 
 
@@ -388,8 +395,8 @@ class PipelineExecutor:
     ):
         if not isinstance(stages, dict) or not stages:
             raise UserError(
-                "stages must be a non-empty dict {stage index: module} of the stages this rank holds "
-                f"(see rank_of_stage), got {type(stages).__name__}"
+                "stages must be a non-empty dict {stage index: module} of the stages this rank holds (see "
+                f"rank_of_stage), got {type(stages).__name__}"
             )
         for index, stage in stages.items():
             check_module(f"stages[{index}]", stage)
@@ -401,7 +408,7 @@ class PipelineExecutor:
             )
         if not all(isinstance(size, int) and size >= 1 for size in boundary_shape):
             raise UserError(
-                f"boundary_shape must be positive whole numbers, e.g. (micro_batch, seq, d_model), got "
+                "boundary_shape must be positive whole numbers, e.g. (micro_batch, seq, d_model), got "
                 f"{tuple(boundary_shape)}"
             )
         check_group("group", group)
@@ -448,8 +455,8 @@ class PipelineExecutor:
                 )
             if needed and tensor.shape[0] % m:
                 raise UserError(
-                    f"a batch of {tensor.shape[0]} samples does not split into {m} equal micro-batches: "
-                    f"use a batch size that is a multiple of {m}"
+                    f"a batch of {tensor.shape[0]} samples does not split into {m} equal micro-batches: use "
+                    f"a batch size that is a multiple of {m}"
                 )
         input_chunks = inputs.chunk(m) if has_first else None
         target_chunks = targets.chunk(m) if has_last else None

@@ -32,6 +32,10 @@ produces the gradient of *its* slice's contribution, and the input's true gradie
 
 Memory: each rank holds 1/T of the split weights (and their gradients and optimizer state);
 norms, embeddings and biases of row-parallel layers stay replicated.
+
+Paper: Shoeybi et al., "Megatron-LM: Training Multi-Billion Parameter Language Models Using
+Model Parallelism", 2019 (arXiv:1909.08053), section 3: the f and g operators, the MLP and
+attention splits.
 """
 
 from __future__ import annotations
@@ -111,8 +115,8 @@ def _split_size(total: int, group, what: str) -> int:
     if total % size:
         divisors = [d for d in range(1, total + 1) if total % d == 0 and d <= 64]
         raise UserError(
-            f"{what} {total} does not divide by the tensor-parallel degree {size}: "
-            f"use a degree among {divisors}, or change the layer size"
+            f"{what} {total} does not divide by the tensor-parallel degree {size}: use a degree among "
+            f"{divisors}, or change the layer size"
         )
     return total // size
 
@@ -266,6 +270,6 @@ def check_tensor_parallel_degree(d_model: int, n_heads: int, mlp_hidden: int, de
     ):
         if total % degree:
             raise UserError(
-                f"tensor-parallel degree {degree} does not divide the {what} ({total}): "
-                f"use a degree that divides {n_heads} heads and {d_model} features"
+                f"tensor-parallel degree {degree} does not divide the {what} ({total}): use a degree that "
+                f"divides {n_heads} heads and {d_model} features"
             )

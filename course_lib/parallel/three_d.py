@@ -16,6 +16,9 @@ Every rank starts from the same dense model (same seed) and keeps its pieces, so
 computes what one process would: the test compares the loss curves. The cost per rank: 1/(P·T)
 of the weights; activation all-reduces in the tensor group (the most traffic: keep T inside a
 node), activation sends between stages, one gradient all-reduce over the data group per step.
+
+Paper: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+Megatron-LM", SC 2021 (arXiv:2104.04473): PTD-P, pipeline x tensor x data parallelism.
 """
 
 from __future__ import annotations

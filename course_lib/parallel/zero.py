@@ -33,6 +33,9 @@ The two stages differ in what happens to the full gradient after step 2:
 Element-wise is the condition: an optimizer whose update of one element depends on others
 (LAMB's per-tensor trust ratio, L-BFGS) would see a shard, not the tensor, and compute
 something else.
+
+Paper: Rajbhandari, Rasley, Ruwase and He, "ZeRO: Memory Optimizations Toward Training Trillion
+Parameter Models", SC 2020 (arXiv:1910.02054): stages P_os (ZeRO-1) and P_os+g (ZeRO-2).
 """
 
 from __future__ import annotations

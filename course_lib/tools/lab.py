@@ -92,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.global_batch_size % LARGEST_RUN:
         parser.error(
-            f"argument --global-batch-size: must be a multiple of {LARGEST_RUN} (the DDP and FSDP runs "
-            f"split it over {LARGEST_RUN} processes), got {args.global_batch_size}"
+            f"argument --global-batch-size: must be a multiple of {LARGEST_RUN} (the DDP and FSDP runs split "
+            f"it over {LARGEST_RUN} processes), got {args.global_batch_size}"
         )
 
     results = args.results_dir
@@ -127,8 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         if finished.returncode != 0:
             print(
                 f"\nlab: the {strategy} run failed with exit status {finished.returncode} (its error is "
-                "above); "
-                "fix it and run `make lab` again",
+                "above); fix it and run `make lab` again",
                 file=sys.stderr,
             )
             return finished.returncode
@@ -150,14 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     if spread < SAME_MODEL_TOLERANCE:
         print(
             f"All runs trained the same model: validation losses agree within {spread:.1e} (relative). Sums "
-            "taken in "
-            "another order round differently, so the last digits may differ."
+            "taken in another order round differently, so the last digits may differ."
         )
     else:
         print(
-            f"warning: validation losses differ by {spread:.1%} between runs; with the same global batch "
-            "and seed "
-            "they should agree to rounding"
+            f"warning: validation losses differ by {spread:.1%} between runs; with the same global batch and "
+            "seed they should agree to rounding"
         )
     return 0
 

@@ -190,15 +190,15 @@ def check_images(deck: Path, slide: Slide) -> list[str]:
     for image in referenced_images(slide):
         if re.match(r"^[a-z]+://|^//", image):
             problems.append(
-                f"image {image} comes from the internet: the decks must work offline; "
-                "save it under slides/public/images (or draw it in course_lib/tools/figures.py)"
+                f"image {image} comes from the internet: the decks must work offline; save it under "
+                "slides/public/images (or draw it in course_lib/tools/figures.py)"
             )
             continue
         path = PUBLIC_DIR / image.lstrip("/") if image.startswith("/") else deck.parent / image
         if not path.is_file():
             problems.append(
-                f"image {image} does not exist ({_relative(path)}): draw it with "
-                "`python -m course_lib.tools.figures slides/public/images` or fix the name"
+                f"image {image} does not exist ({_relative(path)}): draw it with `python -m "
+                "course_lib.tools.figures slides/public/images` or fix the name"
             )
     return problems
 
@@ -232,8 +232,8 @@ def check_code_imports(deck: Path, slide: Slide) -> list[str]:
             problems.append(f"code import {source} names no file ({_relative(path)})")
         elif region and find_region(path.read_text().splitlines(), region) is None:
             problems.append(
-                f"code import {source}#{region}: {_relative(path)} has no region '{region}' "
-                f"(mark it with `# #region {region}` and `# #endregion {region}`)"
+                f"code import {source}#{region}: {_relative(path)} has no region '{region}' (mark it with `# "
+                f"#region {region}` and `# #endregion {region}`)"
             )
     return problems
 

@@ -80,8 +80,7 @@ def load_plan(results: Path) -> tuple[list[PlannedRun], dict[str, Any]]:
     if not path.is_file():
         raise SystemExit(
             f"error: {path} does not exist: run `python -m course_lib.tools.study submit --results "
-            f"{results}` "
-            "first"
+            f"{results}` first"
         )
     study = json.loads(path.read_text())
     return [PlannedRun(**run) for run in study["runs"]], study["settings"]
@@ -321,8 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     elif not args.results.is_dir():
         parser.error(
             f"argument --results: {args.results} does not exist: run `python -m course_lib.tools.study "
-            "submit "
-            f"--results {args.results}` first"
+            f"submit --results {args.results}` first"
         )
 
     if args.command == "submit":

@@ -133,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     if not shutil.which("apt-get"):
         print(
             f"error: the tests need {' '.join(names)} (Debian's package names) and this machine has no "
-            "apt-get: "
-            "install them with its own package manager (or run `make test-fast`, which needs none of them)",
+            "apt-get: install them with its own package manager (or run `make test-fast`, which needs none "
+            "of them)",
             file=sys.stderr,
         )
         return EXIT_MISSING
@@ -152,8 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         if finished.returncode != 0:
             print(
                 f"error: `{shlex.join(command)}` failed with exit status {finished.returncode} (its message "
-                "is "
-                "above); fix that and run `make test` again",
+                "is above); fix that and run `make test` again",
                 file=sys.stderr,
             )
             return EXIT_MISSING

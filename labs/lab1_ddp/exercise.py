@@ -81,8 +81,8 @@ def check_run(lab) -> dict:
     ranks = launch(train, 2, lab, timeout_s=120)
     if not torch.equal(ranks[0]["weights"], ranks[1]["weights"]):
         raise AssertionError(
-            "the two ranks ended with different weights: replicas must stay identical "
-            "(same_start, and average_gradients on every rank)"
+            "the two ranks ended with different weights: replicas must stay identical (same_start, and "
+            "average_gradients on every rank)"
         )
     return ranks[0]
 

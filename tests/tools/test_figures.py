@@ -5,7 +5,9 @@ from __future__ import annotations
 from course_lib import comm
 from course_lib.tools import figures
 
-IMAGES = figures.Path(__file__).resolve().parent.parent / "slides" / "public" / "images"
+from conftest import REPO
+
+IMAGES = REPO / "slides" / "public" / "images"
 
 
 def test_every_committed_figure_is_what_the_command_draws_now(tmp_path):
@@ -15,8 +17,8 @@ def test_every_committed_figure_is_what_the_command_draws_now(tmp_path):
     orphans = sorted(set(committed) - set(fresh))
     stale = sorted(name for name in set(fresh) & set(committed) if fresh[name] != committed[name])
     assert not (missing or orphans or stale), (
-        f"missing {missing}, drawn by nothing {orphans}, stale {stale}: "
-        "run `python -m course_lib.tools.figures slides/public/images` and commit the images"
+        f"missing {missing}, drawn by nothing {orphans}, stale {stale}: run `python -m "
+        "course_lib.tools.figures slides/public/images` and commit the images"
     )
 
 

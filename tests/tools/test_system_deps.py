@@ -80,8 +80,7 @@ def test_a_missing_or_old_node_is_named_with_where_to_get_it(tmp_path, version, 
     assert shown.returncode == system_deps.EXIT_MISSING
     assert shown.stderr.strip().splitlines() == [
         f"error: {problem}; the slide tests need Node.js 20 or newer: install it from "
-        "https://nodejs.org/en/download "
-        "(or run `make test-fast`, which needs no Node)"
+        "https://nodejs.org/en/download (or run `make test-fast`, which needs no Node)"
     ]
 
 
@@ -94,9 +93,9 @@ def test_a_user_who_cannot_install_is_told_the_exact_command(tmp_path, monkeypat
     assert system_deps.main([]) == system_deps.EXIT_MISSING
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(
-        "error: the tests need these system packages, and this user cannot install them: run "
-        "`sudo apt-get update -qq && sudo apt-get install -y -qq chromium slurmctld slurmd "
-        "slurm-client munge` as an administrator"
+        "error: the tests need these system packages, and this user cannot install them: run `sudo apt-get "
+        "update -qq && sudo apt-get install -y -qq chromium slurmctld slurmd slurm-client munge` as an "
+        "administrator"
     )
 
 

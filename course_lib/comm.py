@@ -446,9 +446,8 @@ def ring_all_reduce(tensor: torch.Tensor, *, group=None) -> torch.Tensor:
 
     def exchange(send_index: int, receive_index: int) -> torch.Tensor:
         incoming = torch.empty_like(chunks[receive_index])
-        outgoing = isend(
-            chunks[send_index].clone(), right, group=group
-        )  # clone: we modify chunks while it flies
+        # clone: we modify chunks while it flies
+        outgoing = isend(chunks[send_index].clone(), right, group=group)
         recv(incoming, left, group=group)
         outgoing.wait()
         return incoming

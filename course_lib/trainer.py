@@ -503,9 +503,8 @@ class Trainer:
                 self._stop_for_requeue()
         if self.ctx.device.type == "cuda":
             torch.cuda.synchronize(self.ctx.device)
-        epoch_time = _reduce_max(
-            time.perf_counter() - started, self.ctx.device
-        )  # the slowest rank sets the pace
+        # the slowest rank sets the pace
+        epoch_time = _reduce_max(time.perf_counter() - started, self.ctx.device)
         bar.close()
         loss_sum, samples = _reduce_sum([loss_sum, samples], self.ctx.device)
         steps = last_step - first_step

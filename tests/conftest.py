@@ -165,8 +165,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if str(item.fspath).endswith(".ipynb"):
             item.add_marker(pytest.mark.notebooks)
+    # stable: the order inside a file is kept
     items.sort(
         key=lambda item: (
             LONGEST_FIRST.index(item.path.name) if item.path.name in LONGEST_FIRST else len(LONGEST_FIRST)
         )
-    )  # stable: the order inside a file is kept
+    )

@@ -274,9 +274,8 @@ def test_lab_end_to_end(tmp_path):
     rows = json.loads((tmp_path / "lab_summary.json").read_text())
     assert [(row["run"], row["world_size"]) for row in rows] == [("single", 1), ("ddp", 2), ("fsdp", 2)]
     assert rows[0]["speedup"] == 1.0 and all(row["time_per_epoch_s"] > 0 for row in rows)
-    assert all(
-        row["epochs"] == 2 for row in rows
-    )  # the multi-epoch path (first epoch left out of the median)
+    # the multi-epoch path (first epoch left out of the median)
+    assert all(row["epochs"] == 2 for row in rows)
     from course_lib.scaling import format_table
 
     assert format_table(rows) in lab.stdout and "All runs trained the same model" in lab.stdout

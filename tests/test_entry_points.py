@@ -20,9 +20,8 @@ from course_lib.parallel import ddp, fsdp, mesh, pipeline, tensor, zero
 
 
 def _odd_model() -> nn.Module:
-    return nn.Sequential(
-        nn.Linear(7, 5), nn.ReLU(), nn.Linear(5, 3)
-    )  # 58 parameters: divides by neither 2 nor 3
+    # 58 parameters: divides by neither 2 nor 3
+    return nn.Sequential(nn.Linear(7, 5), nn.ReLU(), nn.Linear(5, 3))
 
 
 def _stage_of_this_rank() -> dict[int, nn.Module]:

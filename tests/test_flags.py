@@ -261,9 +261,8 @@ def test_a_diverging_run_stops_every_rank_at_the_same_step_and_keeps_the_last_go
         )
         time.sleep(0.05)
     outcomes = finish(processes, timeout=10)
-    assert (
-        max(exited.values()) - min(exited.values()) < 5
-    )  # together, not one rank left waiting for the others
+    # together, not one rank left waiting for the others
+    assert max(exited.values()) - min(exited.values()) < 5
     assert [o.returncode for o in outcomes] == [EXIT_DIVERGED] * nprocs, [o.stderr for o in outcomes]
     stderr = "".join(o.stderr for o in outcomes)
     assert stderr.count("error: training diverged at step ") == 1 and "Traceback" not in stderr, stderr

@@ -228,9 +228,8 @@ def test_a_request_larger_than_the_cluster_is_rejected_at_submission(cluster, tm
     rejected = _sbatch("ddp_1node", _job_env(tmp_path), tmp_path / "%j.out", "--gpus-per-node=8")
     assert rejected.returncode != 0
     assert "Requested node configuration is not available" in rejected.stderr
-    assert (
-        subprocess.run(["squeue", "-h"], capture_output=True, text=True).stdout.strip() == ""
-    )  # nothing pending
+    # nothing pending
+    assert subprocess.run(["squeue", "-h"], capture_output=True, text=True).stdout.strip() == ""
 
 
 @pytest.mark.parametrize(

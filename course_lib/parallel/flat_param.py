@@ -106,9 +106,8 @@ class FlatParameter:
         self.shard_numel = math.ceil(self.total / self.group_size)
         self.padded = self.shard_numel * self.group_size
         start = self.index * self.shard_numel
-        self.valid = max(
-            0, min(self.shard_numel, self.total - start)
-        )  # real elements in this shard; the rest is padding
+        # real elements in this shard; the rest is padding
+        self.valid = max(0, min(self.shard_numel, self.total - start))
 
         flat = torch.zeros(self.padded, dtype=dtype, device=self.compute_device)
         with torch.no_grad():
@@ -122,9 +121,8 @@ class FlatParameter:
         if shard_is_view:
             self.shard = nn.Parameter(own, requires_grad=self.requires_grad)
         else:
-            pin = (
-                shard_device.type == "cpu" and torch.cuda.is_available()
-            )  # pinned memory needs a CUDA driver
+            # pinned memory needs a CUDA driver
+            pin = shard_device.type == "cpu" and torch.cuda.is_available()
             copy = own.detach().to(shard_device, torch.float32, copy=True)
             self.shard = nn.Parameter(copy.pin_memory() if pin else copy, requires_grad=self.requires_grad)
 
@@ -356,9 +354,8 @@ class FlatShardedMixin(GradientSyncSwitch):
             for key, value in optimizer.state.get(flat.shard, {}).items():
                 name = f"{self._flat_key(flat)}.{key}"
                 if isinstance(value, torch.Tensor) and value.shape == flat.shard.shape:
-                    state[name] = flat.shard_piece(
-                        value, self.state_mesh
-                    )  # element-wise state: sharded like the weights
+                    # element-wise state: sharded like the weights
+                    state[name] = flat.shard_piece(value, self.state_mesh)
                 else:
                     state[name] = value  # a step counter: the same on every rank
         return state

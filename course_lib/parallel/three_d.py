@@ -114,9 +114,8 @@ def train_3d(
     last_stage = mesh.coordinates.pipeline == pipeline - 1
     reporter = rank_at(pipeline - 1, 0, 0, mesh.degrees)  # a rank of the last stage
     for _ in range(steps):
-        batch = torch.randint(
-            0, len(inputs), (global_batch,), generator=generator
-        )  # the same draw everywhere
+        # the same draw everywhere
+        batch = torch.randint(0, len(inputs), (global_batch,), generator=generator)
         mine = batch[mesh.coordinates.data :: data_degree]  # this replica's share
         optimizer.zero_grad()
         loss = executor.step(inputs[mine], targets[mine])

@@ -301,9 +301,8 @@ def _pipeline_benchmark(d_model: int, seq: int, batch: int, steps: int, warmup: 
     rows = []
     for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
         for m in PIPELINE_MICROBATCHES:
-            model, inputs, targets = _transformer(
-                2 * p * v - 2, d_model, seq
-            )  # two pipeline entries per stage
+            # two pipeline entries per stage
+            model, inputs, targets = _transformer(2 * p * v - 2, d_model, seq)
             stages = pp.split_model(model, p * v)
             mine = {s: stages[s] for s in range(p * v) if pp.rank_of_stage(s, p) == rank}
             executor = pp.PipelineExecutor(

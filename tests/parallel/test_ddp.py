@@ -77,9 +77,8 @@ def test_course_ddp_equals_torch_ddp_and_a_single_process(world_size, sync, sing
     torch.testing.assert_close(ours[0][0], single, **TOLERANCE)
 
 
-@pytest.mark.parametrize(
-    "world_size", [1, 3]
-)  # 60 / N samples per rank must split into 4 equal micro-batches
+# 60 / N samples per rank must split into 4 equal micro-batches
+@pytest.mark.parametrize("world_size", [1, 3])
 def test_no_sync_accumulation_equals_one_step_on_the_whole_batch(world_size, single):
     flat, all_reduces, _ = launch(_train, world_size, "course", "overlapped", 0.05, 4)[0]
     torch.testing.assert_close(flat, single, **TOLERANCE)

@@ -113,9 +113,8 @@ def test_executor_gradients_equal_one_process(schedule, p, m, v, single):
     grads = {}
     for rank, (_loss, rank_grads, peak) in enumerate(ranks):
         grads.update(rank_grads)
-        assert peak == pp.peak_activations_theory(
-            schedule, p, m, rank, virtual_stages=v
-        )  # measured while running
+        # measured while running
+        assert peak == pp.peak_activations_theory(schedule, p, m, rank, virtual_stages=v)
     torch.testing.assert_close(ranks[p - 1][0], expected_loss, **TOLERANCE)  # the last stage's rank
     assert sorted(grads) == sorted(expected_grads)  # every parameter lives on exactly one rank
     for name, grad in grads.items():

@@ -19,9 +19,8 @@ from conftest import run_bench
 
 GLOBAL_BATCH, STEPS = 60, 3
 TOLERANCE = dict(rtol=1e-5, atol=5e-6)
-BF16_TOLERANCE = dict(
-    rtol=0, atol=2e-2
-)  # bf16 keeps 8 bits of mantissa: ~0.4% per rounding, a few steps of it
+# bf16 keeps 8 bits of mantissa: ~0.4% per rounding, a few steps of it
+BF16_TOLERANCE = dict(rtol=0, atol=2e-2)
 ADAM_LR = 1e-2
 PARAMS = 35_173  # digits_cnn: odd, divisible by none of 2, 3, 4
 VARIANTS = {

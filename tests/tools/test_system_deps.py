@@ -85,9 +85,8 @@ def test_a_missing_or_old_node_is_named_with_where_to_get_it(tmp_path, version, 
 
 
 def test_a_user_who_cannot_install_is_told_the_exact_command(tmp_path, monkeypatch, capsys):
-    folder = _fake_bin(
-        tmp_path / "bin", "apt-get", "pdfinfo", "ip", "unshare"
-    )  # no sudo, no chromium, no Slurm
+    # no sudo, no chromium, no Slurm
+    folder = _fake_bin(tmp_path / "bin", "apt-get", "pdfinfo", "ip", "unshare")
     monkeypatch.setenv("PATH", str(folder))
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert system_deps.main([]) == system_deps.EXIT_MISSING

@@ -43,6 +43,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from . import runtime
 from .errors import UserError
 from .strategies import unwrap
 
@@ -83,7 +84,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _all_gather_objects(obj: Any) -> list[Any]:
-    gathered = [None] * dist.get_world_size()
+    gathered = [None] * runtime.world_size()
     dist.all_gather_object(gathered, obj)
     return gathered
 
@@ -137,7 +138,7 @@ def save(
     directory = Path(directory)
     final = directory / f"step-{position.global_step:08d}"
     temporary = directory / f"{final.name}.tmp"
-    if dist.get_rank() == 0:
+    if runtime.rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(temporary, ignore_errors=True)
         temporary.mkdir()
@@ -146,7 +147,7 @@ def save(
     dcp.save(_state(model, optimizer), checkpoint_id=str(temporary))
     rng_states = _all_gather_objects(_rng_state())
 
-    if dist.get_rank() == 0:
+    if runtime.rank() == 0:
         meta = {
             "format_version": FORMAT_VERSION,
             "epoch": position.epoch,
@@ -154,7 +155,7 @@ def save(
             "global_step": position.global_step,
             "config": position.config,
             "history": position.history,
-            "world_size": dist.get_world_size(),
+            "world_size": runtime.world_size(),
             "layout": _layout(model),
             "rng": rng_states,
         }
@@ -244,11 +245,11 @@ def load(
         set_state_dict(
             unwrap(model), optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
         )
-    if meta["world_size"] == dist.get_world_size():
-        _set_rng_state(meta["rng"][dist.get_rank()])
+    if meta["world_size"] == runtime.world_size():
+        _set_rng_state(meta["rng"][runtime.rank()])
     else:
         # A different number of ranks has no per-rank generator to inherit: derive one from the step.
-        torch.manual_seed(config["seed"] * 1_000_003 + meta["global_step"] * 101 + dist.get_rank())
+        torch.manual_seed(config["seed"] * 1_000_003 + meta["global_step"] * 101 + runtime.rank())
     return TrainingPosition(
         epoch=meta["epoch"],
         step_in_epoch=meta["step_in_epoch"],

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import runtime
 from .errors import UserError
 
 REDUCE_OPS = {
@@ -68,7 +69,14 @@ class CommRecord:
 
 
 def ring_bytes(op: str, tensor_bytes: int, group_size: int) -> float:
-    """Bytes each rank sends for ``op`` on a tensor of ``tensor_bytes`` (see the module's table)."""
+    """Bytes each rank sends for ``op`` on a tensor of ``tensor_bytes`` (see the module's table).
+
+    Args:
+        op: ``"all_reduce"``, ``"reduce_scatter"``, ``"all_gather"``, ``"broadcast"``, ``"reduce"``,
+            ``"gather"``, ``"scatter"``, ``"send"``, ``"recv"`` or ``"barrier"``.
+        tensor_bytes: S, the full tensor (the output of an all-gather, the input of a reduce-scatter).
+        group_size: N, the ranks taking part.
+    """
     n = group_size
     if n <= 1 or op == "barrier" or op == "recv":
         return 0.0
@@ -156,7 +164,7 @@ class _LoggedWork:
 
 
 def _group_size(group) -> int:
-    return dist.get_world_size(group)
+    return runtime.world_size(group=group)
 
 
 def _check_device(*tensors: torch.Tensor) -> None:
@@ -222,11 +230,24 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scat
 
 
 def nbytes(tensor: torch.Tensor) -> int:
+    """Bytes of ``tensor``'s elements.
+
+    Args:
+        tensor: any tensor.
+    """
     return tensor.numel() * tensor.element_size()
 
 
 def all_reduce(tensor: torch.Tensor, *, op: str = "sum", group=None, async_op: bool = False):
-    """Every rank ends with the reduction (sum, mean, min, max, product) of all ``tensor``s, in place."""
+    """Every rank ends with the reduction (sum, mean, min, max, product) of all ``tensor``s, in place.
+
+    Args:
+        tensor: this rank's contribution, overwritten with the result.
+        op: ``"sum"``, ``"mean"``, ``"min"``, ``"max"`` or ``"product"``.
+        group: the process group (None: every rank); every member must make the same call.
+        async_op: return a work handle at once (``handle.wait()`` before using the result)
+            instead of blocking until the collective is done.
+    """
     _check_device(tensor)
     reduce_op, divide = _reduce_op(op), _mean_divider(tensor, op, group)
     return _run(
@@ -240,7 +261,15 @@ def all_reduce(tensor: torch.Tensor, *, op: str = "sum", group=None, async_op: b
 
 
 def broadcast(tensor: torch.Tensor, *, src: int = 0, group=None, async_op: bool = False):
-    """Every rank ends with rank ``src``'s ``tensor`` (``src`` is a global rank)."""
+    """Every rank ends with rank ``src``'s ``tensor``.
+
+    Args:
+        tensor: the data on ``src``; on the other ranks, overwritten with it.
+        src: the global rank that sends.
+        group: the process group (None: every rank); every member must make the same call.
+        async_op: return a work handle at once (``handle.wait()`` before using the result)
+            instead of blocking until the collective is done.
+    """
     _check_device(tensor)
     return _run(
         "broadcast",
@@ -252,7 +281,15 @@ def broadcast(tensor: torch.Tensor, *, src: int = 0, group=None, async_op: bool 
 
 
 def all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, *, group=None, async_op: bool = False):
-    """``output`` (N times larger along dim 0) gets every rank's ``tensor``, in rank order."""
+    """``output`` (N times larger along dim 0) gets every rank's ``tensor``, in rank order.
+
+    Args:
+        output: where the N pieces are written, one after the other.
+        tensor: this rank's piece.
+        group: the process group (None: every rank); every member must make the same call.
+        async_op: return a work handle at once (``handle.wait()`` before using the result)
+            instead of blocking until the collective is done.
+    """
     _check_device(output, tensor)
     return _run(
         "all_gather",
@@ -264,7 +301,15 @@ def all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, *, group=
 
 
 def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, *, group=None, async_op: bool = False):
-    """``tensor_list[i]`` gets rank i's ``tensor``."""
+    """``tensor_list[i]`` gets rank i's ``tensor``.
+
+    Args:
+        tensor_list: N tensors the pieces are written to.
+        tensor: this rank's piece.
+        group: the process group (None: every rank); every member must make the same call.
+        async_op: return a work handle at once (``handle.wait()`` before using the result)
+            instead of blocking until the collective is done.
+    """
     _check_device(tensor, *tensor_list)
     return _run(
         "all_gather",
@@ -278,7 +323,16 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, *, group=N
 def reduce_scatter_tensor(
     output: torch.Tensor, tensor: torch.Tensor, *, op: str = "sum", group=None, async_op: bool = False
 ):
-    """Reduce everyone's ``tensor`` and give rank i the i-th N-th of the result, in ``output``."""
+    """Reduce everyone's ``tensor`` and give rank i the i-th N-th of the result, in ``output``.
+
+    Args:
+        output: this rank's share of the result (1/N of ``tensor`` along dim 0).
+        tensor: this rank's full contribution.
+        op: ``"sum"``, ``"mean"``, ``"min"``, ``"max"`` or ``"product"``.
+        group: the process group (None: every rank); every member must make the same call.
+        async_op: return a work handle at once (``handle.wait()`` before using the result)
+            instead of blocking until the collective is done.
+    """
     _check_device(output, tensor)
     reduce_op, divide = _reduce_op(op), _mean_divider(output, op, group)
     return _run(
@@ -299,7 +353,16 @@ def reduce_scatter(
     group=None,
     async_op: bool = False,
 ):
-    """Rank i gets the reduction of everyone's ``tensor_list[i]`` (the pieces may differ in size)."""
+    """Rank i gets the reduction of everyone's ``tensor_list[i]`` (the pieces may differ in size).
+
+    Args:
+        output: this rank's reduced piece.
+        tensor_list: this rank's contribution, cut into N pieces.
+        op: ``"sum"``, ``"mean"``, ``"min"``, ``"max"`` or ``"product"``.
+        group: the process group (None: every rank); every member must make the same call.
+        async_op: return a work handle at once (``handle.wait()`` before using the result)
+            instead of blocking until the collective is done.
+    """
     _check_device(output, *tensor_list)
     reduce_op, divide = _reduce_op(op), _mean_divider(output, op, group)
     return _run(
@@ -313,10 +376,19 @@ def reduce_scatter(
 
 
 def reduce(tensor: torch.Tensor, *, dst: int = 0, op: str = "sum", group=None, async_op: bool = False):
-    """Rank ``dst`` ends with the reduction of everyone's ``tensor`` (the others' tensors are scratch)."""
+    """Rank ``dst`` ends with the reduction of everyone's ``tensor`` (the others' tensors are scratch).
+
+    Args:
+        tensor: this rank's contribution; on ``dst``, overwritten with the result.
+        dst: the global rank that receives the result.
+        op: ``"sum"``, ``"mean"``, ``"min"``, ``"max"`` or ``"product"``.
+        group: the process group (None: every rank); every member must make the same call.
+        async_op: return a work handle at once (``handle.wait()`` before using the result)
+            instead of blocking until the collective is done.
+    """
     _check_device(tensor)
     reduce_op = _reduce_op(op)
-    divide = _mean_divider(tensor, op, group) if dist.get_rank() == dst else None
+    divide = _mean_divider(tensor, op, group) if runtime.rank() == dst else None
     return _run(
         "reduce",
         nbytes(tensor),
@@ -329,13 +401,22 @@ def reduce(tensor: torch.Tensor, *, dst: int = 0, op: str = "sum", group=None, a
 
 def gather(
     tensor: torch.Tensor,
-    gather_list: list[torch.Tensor] | None = None,
+    gather_list: list[torch.Tensor] | None,
     *,
     dst: int = 0,
     group=None,
     async_op: bool = False,
 ):
-    """Rank ``dst`` gets everyone's ``tensor`` in ``gather_list`` (None on the other ranks)."""
+    """Rank ``dst`` gets everyone's ``tensor`` in ``gather_list``.
+
+    Args:
+        tensor: this rank's piece.
+        gather_list: on ``dst``, N tensors the pieces are written to; None on the other ranks.
+        dst: the global rank that receives.
+        group: the process group (None: every rank); every member must make the same call.
+        async_op: return a work handle at once (``handle.wait()`` before using the result)
+            instead of blocking until the collective is done.
+    """
     _check_device(tensor)
     total = nbytes(tensor) * _group_size(group)
     return _run(
@@ -349,13 +430,22 @@ def gather(
 
 def scatter(
     tensor: torch.Tensor,
-    scatter_list: list[torch.Tensor] | None = None,
+    scatter_list: list[torch.Tensor] | None,
     *,
     src: int = 0,
     group=None,
     async_op: bool = False,
 ):
-    """Rank i gets ``scatter_list[i]`` of rank ``src`` into ``tensor``."""
+    """Rank i gets ``scatter_list[i]`` of rank ``src`` into ``tensor``.
+
+    Args:
+        tensor: where this rank's piece is written.
+        scatter_list: on ``src``, the N pieces to hand out; None on the other ranks.
+        src: the global rank that sends.
+        group: the process group (None: every rank); every member must make the same call.
+        async_op: return a work handle at once (``handle.wait()`` before using the result)
+            instead of blocking until the collective is done.
+    """
     _check_device(tensor)
     total = nbytes(tensor) * _group_size(group)
     return _run(
@@ -368,22 +458,51 @@ def scatter(
 
 
 def barrier(*, group=None, async_op: bool = False):
-    """Wait until every rank of the group has arrived."""
+    """Wait until every rank of the group has arrived.
+
+    Args:
+        group: the process group (None: every rank); every member must make the same call.
+        async_op: return a work handle at once (``handle.wait()`` before using the result)
+            instead of blocking until the collective is done.
+    """
     return _run("barrier", 0, group, lambda: dist.barrier(group=group, async_op=async_op), async_op)
 
 
 def send(tensor: torch.Tensor, dst: int, *, group=None, tag: int = 0) -> None:
-    """Send to global rank ``dst``; ``tag`` tells apart messages between the same two ranks."""
+    """Send ``tensor`` to one rank and wait until it is handed over.
+
+    Args:
+        tensor: what to send.
+        dst: the global rank that receives (it must call ``recv``).
+        group: the process group ``dst`` is counted in (None: every rank).
+        tag: tells apart messages between the same two ranks.
+    """
     _check_device(tensor)
     _run("send", nbytes(tensor), group, lambda: dist.send(tensor, dst=dst, group=group, tag=tag), False)
 
 
 def recv(tensor: torch.Tensor, src: int, *, group=None, tag: int = 0) -> None:
+    """Receive into ``tensor`` what rank ``src`` sends; blocks until it has arrived.
+
+    Args:
+        tensor: where the message is written (the sender's shape and dtype).
+        src: the global rank that sends.
+        group: the process group (None: every rank).
+        tag: the sender's tag.
+    """
     _check_device(tensor)
     _run("recv", nbytes(tensor), group, lambda: dist.recv(tensor, src=src, group=group, tag=tag), False)
 
 
 def isend(tensor: torch.Tensor, dst: int, *, group=None, tag: int = 0):
+    """``send`` without waiting: returns a work handle; keep ``tensor`` unchanged until ``wait()``.
+
+    Args:
+        tensor: what to send.
+        dst: the global rank that receives.
+        group: the process group (None: every rank).
+        tag: tells apart messages between the same two ranks.
+    """
     _check_device(tensor)
     return _run(
         "send", nbytes(tensor), group, lambda: dist.isend(tensor, dst=dst, group=group, tag=tag), True
@@ -391,6 +510,14 @@ def isend(tensor: torch.Tensor, dst: int, *, group=None, tag: int = 0):
 
 
 def irecv(tensor: torch.Tensor, src: int, *, group=None, tag: int = 0):
+    """``recv`` without waiting: returns a work handle; ``tensor`` holds the message after ``wait()``.
+
+    Args:
+        tensor: where the message is written.
+        src: the global rank that sends.
+        group: the process group (None: every rank).
+        tag: the sender's tag.
+    """
     _check_device(tensor)
     return _run(
         "recv", nbytes(tensor), group, lambda: dist.irecv(tensor, src=src, group=group, tag=tag), True
@@ -406,6 +533,9 @@ def ring_all_reduce_counts(n: int) -> list[list[list[int]]]:
     ``frames[step][rank][chunk]``: in reduce-scatter step k, rank r sends chunk (r - k) mod n to
     rank r + 1, which adds it to its own; after n - 1 steps rank r holds the complete chunk
     (r + 1) mod n. In the n - 1 all-gather steps the complete chunks travel on round the ring.
+
+    Args:
+        n: the ranks in the ring (and chunks of the tensor).
     """
     counts = [[1] * n for _ in range(n)]
     frames = [[row[:] for row in counts]]
@@ -435,8 +565,12 @@ def ring_all_reduce(tensor: torch.Tensor, *, group=None) -> torch.Tensor:
        rank r sends chunk (r + 1 - s) mod N and stores the chunk (r - s) mod N it receives.
 
     Each rank sent 2(N-1) chunks of S/N bytes: 2(N-1)/N · S, whatever N is.
+
+    Args:
+        tensor: this rank's contribution, overwritten with the sum.
+        group: the ranks of the ring (None: every rank), in their order in the group.
     """
-    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    n, rank = runtime.world_size(group=group), runtime.rank(group=group)
     if n == 1:
         return tensor
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(n))

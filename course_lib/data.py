@@ -122,7 +122,16 @@ def load_cifar10_bundle(data_dir: str | Path) -> DataBundle:
     return DataBundle("cifar10", train, val, num_classes=10, input_shape=(3, 32, 32))
 
 
-def load_dataset(name: str, data_dir: str | Path = "data", seed: int = 0) -> DataBundle:
+def load_dataset(name: str, *, data_dir: str | Path = "data", seed: int = 0) -> DataBundle:
+    """Both splits of a dataset, ready for training, from files on this machine (nothing is downloaded).
+
+    Args:
+        name: ``"digits"`` (scikit-learn's 8x8 digits, bundled: works offline), ``"synthetic"``
+            (noise images with a class pattern, for throughput) or ``"cifar10"`` (its files must be
+            in ``data_dir``: ``python -m course_lib.data download cifar10`` on a login node).
+        data_dir: the folder that holds ``cifar-10-batches-py``; unused by the other datasets.
+        seed: the seed of the synthetic images; unused by the other datasets.
+    """
     if name == "digits":
         return load_digits_bundle()
     if name == "synthetic":
@@ -140,8 +149,18 @@ def check_data_available(name: str, data_dir: str | Path) -> None:
         raise UserError(cifar10_missing_message(Path(data_dir)))
 
 
-def per_rank_batch_size(global_batch_size: int, world_size: int, grad_accum_steps: int = 1) -> int:
-    """Samples one rank feeds through the model in one forward (a *micro-batch*)."""
+def per_rank_batch_size(global_batch_size: int, world_size: int, *, grad_accum_steps: int = 1) -> int:
+    """Samples one rank feeds through the model in one forward (a *micro-batch*).
+
+    The global batch is what one optimizer step sees, summed over ranks and accumulation steps; it
+    must divide evenly, or ranks would train on different amounts and the runs at different world
+    sizes would no longer be the same experiment.
+
+    Args:
+        global_batch_size: samples per optimizer step, over all ranks.
+        world_size: how many ranks share each step.
+        grad_accum_steps: micro-batches each rank accumulates before the step.
+    """
     if global_batch_size < 1:
         raise UserError(f"--global-batch-size must be positive, got {global_batch_size}")
     if grad_accum_steps < 1:
@@ -205,8 +224,27 @@ def train_loader(
 
 
 def validation_loader(
-    dataset: Dataset, batch_size: int, rank: int, world_size: int, workers: int = 0, pin_memory: bool = False
+    dataset: Dataset,
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    *,
+    workers: int = 0,
+    pin_memory: bool = False,
 ) -> DataLoader:
+    """This rank's share of ``dataset`` for evaluation: no shuffling, every sample seen once overall.
+
+    ``DistributedSampler`` pads the dataset to a multiple of ``world_size`` by repeating a few
+    samples; ``trainer.evaluate`` leaves those repeats out of the metrics.
+
+    Args:
+        dataset: the validation split.
+        batch_size: samples per forward on this rank.
+        rank: this rank's index among ``world_size`` (``runtime.rank()``).
+        world_size: how many ranks share the evaluation (``runtime.world_size()``).
+        workers: data-loading processes per rank (0: load in the training process).
+        pin_memory: page-locked batches, for faster copies to a GPU.
+    """
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
     return DataLoader(
         dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, pin_memory=pin_memory
@@ -231,11 +269,14 @@ def zen_of_python() -> str:
     return codecs.decode(encoded, "rot13")
 
 
-def zen_windows(seq_len: int = 32) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+def zen_windows(*, seq_len: int = 32) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     """Character-level language modelling on the Zen of Python, available offline everywhere.
 
     Returns (inputs, targets, vocabulary): every window of ``seq_len`` characters as token ids,
     and the same window shifted by one character (the next-character targets).
+
+    Args:
+        seq_len: characters per window (the transformer's sequence length).
     """
     text = zen_of_python()
     vocabulary = sorted(set(text))

@@ -179,6 +179,15 @@ def launch(
     Each process has joined a process group (``runtime.init``) before ``fn`` starts. If any rank
     raises, the others are stopped and the exception is raised here. If they do not all finish
     within ``timeout_s`` seconds, they are stopped and ``TimeoutError`` is raised.
+
+    Args:
+        fn: the function every rank runs; define it at the top level of a module or a notebook
+            (forked children inherit it). What it returns must pickle.
+        nprocs: how many processes (ranks) to start on this machine.
+        args: positional arguments passed to ``fn`` on every rank.
+        backend: ``"gloo"`` (CPU), ``"nccl"`` (one GPU per rank) or ``"auto"``.
+        timeout_s: how long the ranks may take, together, before they are stopped.
+        kwargs: keyword arguments passed to ``fn`` on every rank.
     """
     from .checks import check_choice, check_int, check_number
 

@@ -69,7 +69,18 @@ def model_state_bytes(
     grad_bytes: float = 2,
     optimizer_bytes: float = 12,
 ) -> ModelStateBytes:
-    """Bytes per rank for ``stage`` (ddp, zero1, zero2, zero3) with Ψ = ``num_params``."""
+    """Bytes per rank for ``stage`` with Ψ = ``num_params``: the table above, for any element sizes.
+
+    Args:
+        num_params: Ψ, the model's parameter count.
+        world_size: N, the ranks the states are sharded over.
+        stage: ``"ddp"`` (nothing sharded), ``"zero1"`` (optimizer state), ``"zero2"`` (+ gradients)
+            or ``"zero3"`` (+ parameters: FSDP).
+        param_bytes: bytes per parameter element (2 in bf16/fp16, 4 in fp32).
+        grad_bytes: bytes per gradient element.
+        optimizer_bytes: bytes of optimizer state per parameter, K (12 for mixed-precision Adam:
+            fp32 master weights and two moments; 8 for fp32 Adam).
+    """
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}: choose one of {', '.join(STAGES)}")
     if world_size < 1:
@@ -89,7 +100,13 @@ def model_state_bytes(
 
 
 def traffic_elements_per_rank(num_params: float, world_size: int, stage: str) -> float:
-    """Elements each rank sends per step with ring collectives: 2(N-1)/N Ψ, or 3(N-1)/N Ψ for ZeRO-3."""
+    """Elements each rank sends per step with ring collectives: 2(N-1)/N Ψ, or 3(N-1)/N Ψ for ZeRO-3.
+
+    Args:
+        num_params: Ψ, the model's parameter count.
+        world_size: N, the data-parallel ranks.
+        stage: ``"ddp"``, ``"zero1"``, ``"zero2"`` or ``"zero3"``.
+    """
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}: choose one of {', '.join(STAGES)}")
     passes = 3 if stage == "zero3" else 2
@@ -121,13 +138,19 @@ def _storage_bytes(tensors: list[torch.Tensor | None]) -> int:
     return total
 
 
-def measure_model_states(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> ModelStateBytes:
+def measure_model_states(
+    model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None
+) -> ModelStateBytes:
     """Bytes of parameters, gradients and optimizer state that this rank holds right now.
 
     For a plain model (or DDP, FSDP2) that is its parameters and their gradients. The course's
     ZeRO and FSDP wrappers hide the full parameters from ``parameters()`` (the optimizer must only
     see the shards), so they list what they hold in ``memory_tensors()``, and the memory behind
     those tensors is counted.
+
+    Args:
+        model: a plain module, or one wrapped by DDP, FSDP2, or the course's ZeRO and FSDP.
+        optimizer: its optimizer, whose state tensors are counted (None: count no optimizer state).
     """
     optimizer_bytes = 0
     if optimizer is not None:
@@ -150,11 +173,21 @@ def strategies_that_fit(
     num_params: float,
     gpu_memory_bytes: float,
     world_size: int,
+    *,
     reserve_fraction: float = 0.2,
     **bytes_per_element,
 ) -> dict[str, bool]:
     """Which stages keep the model states inside ``gpu_memory_bytes``, leaving ``reserve_fraction``
-    of it for activations, temporary buffers and the framework itself."""
+    of it for activations, temporary buffers and the framework itself.
+
+    Args:
+        num_params: Ψ, the model's parameter count.
+        gpu_memory_bytes: the memory of one device.
+        world_size: N, the ranks the states are sharded over.
+        reserve_fraction: the part of the memory kept for everything but model states.
+        bytes_per_element: ``param_bytes``, ``grad_bytes``, ``optimizer_bytes`` as in
+            ``model_state_bytes`` (mixed-precision Adam by default).
+    """
     budget = gpu_memory_bytes * (1 - reserve_fraction)
     return {
         stage: model_state_bytes(num_params, world_size, stage, **bytes_per_element).total <= budget

@@ -39,11 +39,15 @@ MODELS = ("digits_cnn", "cifar_cnn", "resnet18")
 
 
 class DigitsCNN(nn.Sequential):
-    """Two convolutions and two linear layers for 1x8x8 digits (35,173 parameters)."""
+    """Two convolutions and two linear layers for 1x8x8 digits (35,173 parameters).
+
+    Args:
+        num_classes: outputs of the last layer, one logit per class.
+    """
 
     input_shape = (1, 8, 8)
 
-    def __init__(self, num_classes: int = 10):
+    def __init__(self, *, num_classes: int = 10):
         super().__init__(
             nn.Sequential(nn.Conv2d(1, 15, 3, padding=1), nn.ReLU()),
             nn.Sequential(nn.Conv2d(15, 30, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)),  # -> 30 x 4 x 4
@@ -57,7 +61,7 @@ class CifarCNN(nn.Sequential):
 
     input_shape = (3, 32, 32)
 
-    def __init__(self, num_classes: int = 10):
+    def __init__(self, *, num_classes: int = 10):
         def block(c_in, c_out, pool):
             layers = [nn.Conv2d(c_in, c_out, 3, padding=1), nn.ReLU()]
             return nn.Sequential(*layers, nn.MaxPool2d(2)) if pool else nn.Sequential(*layers)
@@ -72,7 +76,7 @@ class CifarCNN(nn.Sequential):
         )
 
 
-def resnet18_cifar(num_classes: int = 10) -> nn.Module:
+def resnet18_cifar(*, num_classes: int = 10) -> nn.Module:
     """torchvision's ResNet-18 for 32x32 inputs: a 3x3 stem, no max-pool, GroupNorm for BatchNorm."""
     from torchvision.models import resnet18
 
@@ -121,6 +125,13 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
+    """The transformer's feed-forward layer: ``fc2(gelu(fc1(x)))``, widening to ``hidden`` and back.
+
+    Args:
+        d_model: the width of the tokens it reads and writes.
+        hidden: the width in between (4 x ``d_model`` in ``Block``).
+    """
+
     def __init__(self, d_model: int, hidden: int):
         super().__init__()
         self.fc1, self.act, self.fc2 = nn.Linear(d_model, hidden), nn.GELU(), nn.Linear(hidden, d_model)
@@ -154,10 +165,24 @@ class LMHead(nn.Module):
 
 
 class TinyTransformer(nn.Sequential):
-    """[Embedding, Block x n_layers, LMHead]: a character-level GPT small enough for a laptop CPU."""
+    """[Embedding, Block x n_layers, LMHead]: a character-level GPT small enough for a laptop CPU.
+
+    Args:
+        vocab_size: how many distinct tokens (characters) it reads and predicts.
+        d_model: the width of every token's vector.
+        n_heads: attention heads per block (``d_model`` must be a multiple).
+        n_layers: transformer blocks.
+        max_seq_len: the longest sequence its position embedding covers.
+    """
 
     def __init__(
-        self, vocab_size: int, d_model: int = 64, n_heads: int = 4, n_layers: int = 4, max_seq_len: int = 32
+        self,
+        vocab_size: int,
+        *,
+        d_model: int = 64,
+        n_heads: int = 4,
+        n_layers: int = 4,
+        max_seq_len: int = 32,
     ):
         super().__init__(
             Embedding(vocab_size, d_model, max_seq_len),
@@ -168,17 +193,28 @@ class TinyTransformer(nn.Sequential):
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of next-token prediction over every position."""
+    """Mean cross-entropy of next-token prediction over every position.
+
+    Args:
+        logits: (batch, seq, vocabulary) scores, the output of ``TinyTransformer``.
+        targets: (batch, seq) token ids, the inputs shifted by one (``data.zen_windows``).
+    """
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def build_model(name: str, num_classes: int = 10) -> nn.Module:
+def build_model(name: str, *, num_classes: int = 10) -> nn.Module:
+    """A fresh network of the lab, by name (the table above); the seed set before decides its weights.
+
+    Args:
+        name: ``"digits_cnn"``, ``"cifar_cnn"`` or ``"resnet18"``.
+        num_classes: outputs of the last layer.
+    """
     if name == "digits_cnn":
-        return DigitsCNN(num_classes)
+        return DigitsCNN(num_classes=num_classes)
     if name == "cifar_cnn":
-        return CifarCNN(num_classes)
+        return CifarCNN(num_classes=num_classes)
     if name == "resnet18":
-        return resnet18_cifar(num_classes)
+        return resnet18_cifar(num_classes=num_classes)
     raise UserError(f"unknown model {name!r}: choose one of {', '.join(MODELS)}")
 
 
@@ -205,6 +241,9 @@ def sharding_units(model: nn.Module) -> list[nn.Module]:
 
     Our CNNs are sequences of blocks, so each block with parameters is a unit; for ResNet-18 each
     residual block is one. Smaller units mean less memory held at once, but more, smaller messages.
+
+    Args:
+        model: one of the lab's CNNs or ResNet-18 (``build_model``).
     """
     from torchvision.models import ResNet
 
@@ -216,6 +255,11 @@ def sharding_units(model: nn.Module) -> list[nn.Module]:
 
 
 def count_parameters(model: nn.Module) -> int:
+    """Elements in every parameter of ``model`` (Ψ in the memory and traffic formulas).
+
+    Args:
+        model: any module.
+    """
     return sum(p.numel() for p in model.parameters())
 
 

@@ -110,8 +110,13 @@ def first_slurm_host(nodelist: str) -> str:
     return prefix + first
 
 
-def resolve_environment(environ: Mapping[str, str] | None = None) -> DistEnvironment:
-    """Read rank, world size and rendezvous address from torchrun, srun, or nothing at all."""
+def resolve_environment(*, environ: Mapping[str, str] | None = None) -> DistEnvironment:
+    """Read rank, world size and rendezvous address from torchrun, srun, or nothing at all.
+
+    Args:
+        environ: the variables to read (None: this process's ``os.environ``); pass a dict to see
+            what a launcher's variables mean without starting anything.
+    """
     environ = os.environ if environ is None else environ
 
     if "RANK" in environ:
@@ -203,7 +208,12 @@ def cpu_threads_per_rank(local_world_size: int, environ: Mapping[str, str] | Non
 
 
 def choose_backend(requested: str, cuda_available: bool) -> tuple[str, str]:
-    """Return (backend, device type) for ``requested`` in {"auto", "nccl", "gloo"}."""
+    """Return (backend, device type): NCCL on GPUs, gloo on CPUs.
+
+    Args:
+        requested: ``"auto"`` (NCCL where CUDA is, else gloo), ``"nccl"`` or ``"gloo"``.
+        cuda_available: whether this process sees a GPU (``torch.cuda.is_available()``).
+    """
     if requested == "auto":
         return ("nccl", "cuda") if cuda_available else ("gloo", "cpu")
     if requested == "nccl":
@@ -245,8 +255,13 @@ def init(
     """Join the process group described by the environment and return this process's ``Context``.
 
     Safe to call twice: the second call returns the context of the first.
-    ``num_threads`` overrides the CPU thread count (default: OMP_NUM_THREADS if set, otherwise this
-    node's cores shared evenly between its ranks, so two ranks on two cores do not fight over them).
+
+    Args:
+        backend: ``"auto"`` (NCCL where CUDA is, else gloo), ``"nccl"`` or ``"gloo"``.
+        timeout_s: how long a collective may wait for the other ranks before it fails.
+        num_threads: CPU threads for this process's torch operations (None: OMP_NUM_THREADS if set,
+            otherwise this node's cores shared evenly between its ranks, so two ranks on two cores
+            do not fight over them).
     """
     global _context
     if _context is not None:
@@ -345,7 +360,7 @@ def is_peer_failure(error: BaseException) -> bool:
 # -- who am I: one way to ask, everywhere -------------------------------------------------------
 
 
-def rank(group=None) -> int:
+def rank(*, group=None) -> int:
     """This process's rank in ``group`` (the whole world by default); 0 before any process group exists.
 
     Args:
@@ -357,7 +372,7 @@ def rank(group=None) -> int:
     return dist.get_rank(group) if dist.is_initialized() else 0
 
 
-def world_size(group=None) -> int:
+def world_size(*, group=None) -> int:
     """How many ranks ``group`` has (the whole world by default); 1 before any process group exists.
 
     Args:
@@ -368,13 +383,13 @@ def world_size(group=None) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
-def is_main(group=None) -> bool:
+def is_main(*, group=None) -> bool:
     """True on the first rank of ``group`` (rank 0 of the world by default): the one that prints and saves.
 
     Args:
         group: a process group, or None for every rank.
     """
-    return rank(group) == 0
+    return rank(group=group) == 0
 
 
 def print0(*args, **kwargs) -> None:
@@ -384,7 +399,7 @@ def print0(*args, **kwargs) -> None:
         print(*args, **kwargs)
 
 
-def barrier(group=None) -> None:
+def barrier(*, group=None) -> None:
     """Wait until every rank of ``group`` (default: all) arrives here; a no-op in a world of one.
 
     Args:
@@ -392,7 +407,7 @@ def barrier(group=None) -> None:
     """
     import torch.distributed as dist
 
-    if world_size(group) > 1:
+    if world_size(group=group) > 1:
         dist.barrier(group)
 
 

@@ -28,20 +28,33 @@ from typing import Any
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The epoch records of a JSON-lines metrics file (events such as a divergence are left out)."""
+    """The epoch records of a JSON-lines metrics file (events such as a divergence are left out).
+
+    Args:
+        path: the file ``--metrics`` named.
+    """
     with open(path) as handle:
         records = [json.loads(line) for line in handle if line.strip()]
     return [record for record in records if "event" not in record]
 
 
 def time_per_epoch(records: list[dict[str, Any]]) -> float:
-    """Median epoch time, leaving out the first epoch when there are others (it pays for warm-up)."""
+    """Median epoch time, leaving out the first epoch when there are others (it pays for warm-up).
+
+    Args:
+        records: one run's epoch records (``read_metrics``).
+    """
     times = [record["epoch_time_s"] for record in records]
     return statistics.median(times[1:] if len(times) > 1 else times)
 
 
 def summarize(label: str, records: list[dict[str, Any]]) -> dict[str, Any]:
-    """One row of a scaling table from one run's metrics."""
+    """One row of a scaling table from one run's metrics.
+
+    Args:
+        label: the run's name in the table.
+        records: its epoch records (``read_metrics``).
+    """
     last = records[-1]
     seconds = time_per_epoch(records)
     return {
@@ -60,6 +73,12 @@ def summarize(label: str, records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def add_speedup(rows: list[dict[str, Any]], baseline_seconds: float) -> list[dict[str, Any]]:
+    """Add ``speedup`` (baseline time / this time) and ``efficiency`` (speedup / ranks) to each row.
+
+    Args:
+        rows: table rows (``summarize``), changed in place and returned.
+        baseline_seconds: the time per epoch of the reference run (usually one process).
+    """
     for row in rows:
         row["speedup"] = baseline_seconds / row["time_per_epoch_s"]
         row["efficiency"] = row["speedup"] / row["world_size"]
@@ -67,19 +86,32 @@ def add_speedup(rows: list[dict[str, Any]], baseline_seconds: float) -> list[dic
 
 
 def amdahl_speedup(processes: float, serial_fraction: float) -> float:
-    """Amdahl's law: the speedup on N processes when a fraction s of the work cannot be split."""
+    """Amdahl's law: the speedup on N processes when a fraction s of the work cannot be split.
+
+    Args:
+        processes: N.
+        serial_fraction: s, between 0 and 1.
+    """
     return 1 / (serial_fraction + (1 - serial_fraction) / processes)
 
 
 def fit_serial_fraction(points: Iterable[tuple[float, float]]) -> float:
-    """The serial fraction (0..1, steps of 0.001) whose Amdahl curve best fits (processes, speedup) points."""
+    """The serial fraction (0..1, steps of 0.001) whose Amdahl curve best fits (processes, speedup) points.
+
+    Args:
+        points: measured (processes, speedup) pairs.
+    """
     points = list(points)
     candidates = [i / 1000 for i in range(1001)]
     return min(candidates, key=lambda s: sum((amdahl_speedup(n, s) - speedup) ** 2 for n, speedup in points))
 
 
 def format_table(rows: Iterable[dict[str, Any]]) -> str:
-    """A fixed-width text table a student can read in a terminal: one row per run."""
+    """A fixed-width text table a student can read in a terminal: one row per run.
+
+    Args:
+        rows: table rows with speedup and efficiency (``summarize``, then ``add_speedup``).
+    """
     header = (
         f"{'run':<10} {'ranks':>5} {'s/epoch':>9} {'samples/s':>10} {'speedup':>8} {'efficiency':>10} "
         f"{'val acc':>8} {'peak MB':>8}"

@@ -43,19 +43,49 @@ PRECISIONS = ("fp32", "bf16")
 OPTIMIZERS = ("adamw", "sgd")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainConfig:
-    """Every knob of a run; the command-line flags map one to one onto these fields."""
+    """Every knob of a run; the command-line flags map one to one onto these fields.
+
+    Args:
+        strategy: ``"single"`` (one process), ``"ddp"`` or ``"fsdp"``.
+        impl: ``"torch"`` (PyTorch's own DDP and FSDP2) or ``"course"`` (``course_lib.parallel``).
+        zero_stage: with ``--strategy fsdp --impl course``: 1 or 2 shard the optimizer state (and
+            the gradients) with ZeRO, 3 is FSDP.
+        sharding: the FSDP sharding strategy (stage 3, ``--impl course``): ``"FULL_SHARD"``,
+            ``"SHARD_GRAD_OP"``, ``"HYBRID_SHARD"`` or ``"NO_SHARD"``.
+        hybrid_shard_size: ranks per shard group for HYBRID_SHARD (None: the ranks of a node).
+        cpu_offload: the course FSDP's offload: ``"none"``, ``"params"`` or ``"full"``.
+        activation_checkpointing: the course FSDP recomputes each unit's activations in backward.
+        dataset: ``"digits"``, ``"synthetic"`` or ``"cifar10"``.
+        data_dir: where CIFAR-10's files are.
+        model: ``"digits_cnn"``, ``"cifar_cnn"`` or ``"resnet18"``.
+        epochs: passes over the training split.
+        global_batch_size: samples per optimizer step over all ranks and accumulation steps.
+        lr: the learning rate.
+        optimizer: ``"adamw"`` or ``"sgd"`` (with momentum 0.9).
+        weight_decay: the optimizer's weight decay.
+        clip_grad_norm: clip the whole gradient's 2-norm to this before each step (None: never).
+        seed: the seed of the weights and of the data order, the same on every rank.
+        precision: ``"fp32"`` or ``"bf16"`` (autocast).
+        grad_accum: micro-batches each rank accumulates before a step.
+        eval_batch_size: samples per forward when validating.
+        checkpoint_dir: where checkpoints are written (None: none are).
+        checkpoint_every: also save every N steps (0: only at the end of each epoch).
+        resume: ``"latest"`` (the newest in ``checkpoint_dir``) or a checkpoint folder.
+        metrics: a JSON-lines file that gets one line per epoch.
+        max_steps: stop after this many optimizer steps in total (None: run every epoch).
+        workers: data-loading processes per rank.
+        progress: show a progress bar on rank 0.
+    """
 
     strategy: str = "single"
     impl: str = "torch"
-    zero_stage: int = (
-        3  # --strategy fsdp --impl course: 1 or 2 shard optimizer state (and gradients), 3 is FSDP
-    )
-    sharding: str = "FULL_SHARD"  # FSDP (stage 3) sharding strategy, --impl course
-    hybrid_shard_size: int | None = None  # ranks per shard group for HYBRID_SHARD (default: ranks per node)
-    cpu_offload: str = "none"  # course FSDP: none, params, full
-    activation_checkpointing: bool = False  # course FSDP: recompute each unit's activations in backward
+    zero_stage: int = 3
+    sharding: str = "FULL_SHARD"
+    hybrid_shard_size: int | None = None
+    cpu_offload: str = "none"
+    activation_checkpointing: bool = False
     dataset: str = "digits"
     data_dir: str = "data"
     model: str = "digits_cnn"
@@ -64,16 +94,16 @@ class TrainConfig:
     lr: float = 3e-3
     optimizer: str = "adamw"
     weight_decay: float = 0.0
-    clip_grad_norm: float | None = None  # clip the whole gradient's 2-norm to this before each step
+    clip_grad_norm: float | None = None
     seed: int = 0
     precision: str = "fp32"
     grad_accum: int = 1
     eval_batch_size: int = 256
     checkpoint_dir: str | None = None
-    checkpoint_every: int = 0  # also save every N steps (0: only at the end of each epoch)
-    resume: str | None = None  # "latest" (newest in checkpoint_dir) or a checkpoint directory
-    metrics: str | None = None  # JSON-lines file, one line per epoch
-    max_steps: int | None = None  # stop after this many optimizer steps in total
+    checkpoint_every: int = 0
+    resume: str | None = None
+    metrics: str | None = None
+    max_steps: int | None = None
     workers: int = 0
     progress: bool = True
 
@@ -125,7 +155,7 @@ def validate_config(config: TrainConfig, world_size: int) -> None:
     checks.check_folder_to_read("--data-dir", config.data_dir)
     data.check_data_available(config.dataset, config.data_dir)
     models.check_model_fits_data(config.model, config.dataset, data.INPUT_SHAPES[config.dataset])
-    data.per_rank_batch_size(config.global_batch_size, world_size, config.grad_accum)
+    data.per_rank_batch_size(config.global_batch_size, world_size, grad_accum_steps=config.grad_accum)
     if config.precision not in PRECISIONS:
         raise UserError(f"unknown precision {config.precision!r}: choose one of {', '.join(PRECISIONS)}")
     if config.optimizer not in OPTIMIZERS:
@@ -205,7 +235,7 @@ def autocast(device: torch.device, precision: str):
 
 @torch.no_grad()
 def evaluate(
-    model: torch.nn.Module, loader, device: torch.device, precision: str = "fp32"
+    model: torch.nn.Module, loader, device: torch.device, *, precision: str = "fp32"
 ) -> dict[str, float]:
     """Loss and accuracy over the whole validation set, every sample counted exactly once.
 
@@ -214,6 +244,12 @@ def evaluate(
     ``rank + i * world_size`` of the padded order, and it is padding if that position is past
     the end of the dataset. Those samples still run through the model (with FSDP every rank
     must run the same number of forwards) but are left out of the sums.
+
+    Args:
+        model: the (wrapped) model, the same on every rank.
+        loader: this rank's ``data.validation_loader``.
+        device: where the model computes.
+        precision: ``"fp32"`` or ``"bf16"`` (autocast), as in training.
     """
     was_training = model.training
     model.eval()
@@ -231,7 +267,7 @@ def evaluate(
         position += sampler.num_replicas * len(targets)
         correct = (logits.argmax(dim=1) == targets) & real
         totals += torch.stack([losses[real].double().sum(), correct.double().sum(), real.double().sum()])
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if dist.is_initialized() and runtime.world_size() > 1:
         dist.all_reduce(totals)
     model.train(was_training)
     loss_sum, correct, samples = totals.tolist()
@@ -247,7 +283,7 @@ def peak_memory_mb(device: torch.device) -> tuple[float, str]:
 
 
 def _reduce_max(value: float, device: torch.device | str = "cpu") -> float:
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+    if not (dist.is_initialized() and runtime.world_size() > 1):
         return value
     tensor = torch.tensor([value], dtype=torch.float64, device=device)  # NCCL reduces only GPU tensors
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
@@ -256,7 +292,7 @@ def _reduce_max(value: float, device: torch.device | str = "cpu") -> float:
 
 def _reduce_sum(values: list[float], device: torch.device | str = "cpu") -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if dist.is_initialized() and runtime.world_size() > 1:
         dist.all_reduce(tensor)
     return tensor.tolist()
 
@@ -287,14 +323,14 @@ class Trainer:
         self.ctx = runtime.context()
         validate_config(config, self.ctx.world_size)
         self.micro_batch = data.per_rank_batch_size(
-            config.global_batch_size, self.ctx.world_size, config.grad_accum
+            config.global_batch_size, self.ctx.world_size, grad_accum_steps=config.grad_accum
         )
 
         # The same seed on every rank gives every replica the same initial weights.
         torch.manual_seed(config.seed)
         random.seed(config.seed)
-        self.data = data.load_dataset(config.dataset, config.data_dir, config.seed)
-        model = models.build_model(config.model, self.data.num_classes).to(self.ctx.device)
+        self.data = data.load_dataset(config.dataset, data_dir=config.data_dir, seed=config.seed)
+        model = models.build_model(config.model, num_classes=self.data.num_classes).to(self.ctx.device)
         course_sharded = (config.strategy, config.impl) == ("fsdp", "course")
         # What is sharded, for the metrics: zero1, zero2, or the FSDP sharding strategy.
         self.sharding_label = (
@@ -333,7 +369,12 @@ class Trainer:
             pin,
         )
         self.val_loader = data.validation_loader(
-            self.data.val, config.eval_batch_size, self.ctx.rank, self.ctx.world_size, config.workers, pin
+            self.data.val,
+            config.eval_batch_size,
+            self.ctx.rank,
+            self.ctx.world_size,
+            workers=config.workers,
+            pin_memory=pin,
         )
         self.steps_per_epoch = len(self.data.train) // config.global_batch_size
         if self.steps_per_epoch == 0:
@@ -528,7 +569,7 @@ class Trainer:
             "samples_per_s": steps * config.global_batch_size / epoch_time,
             "train_loss": loss_sum / samples,
         }
-        record.update(evaluate(self.model, self.val_loader, self.ctx.device, config.precision))
+        record.update(evaluate(self.model, self.val_loader, self.ctx.device, precision=config.precision))
         record["peak_mem_mb"] = _reduce_max(peak_mb, self.ctx.device)
         record["peak_mem_kind"] = peak_kind
         if position.step_in_epoch == self.steps_per_epoch:
@@ -572,12 +613,17 @@ class Trainer:
         return result
 
 
-def train(config: TrainConfig, collect_state: bool = False, stop_on_signals: bool = False) -> TrainResult:
+def train(config: TrainConfig, *, collect_state: bool = False, stop_on_signals: bool = False) -> TrainResult:
     """Train with ``config`` inside an initialised process group (see ``runtime.init``).
 
     The model and optimizer live only inside this call, so they are freed when it returns,
     before ``runtime.shutdown()`` destroys the process group. With ``stop_on_signals``, SIGUSR1 or
     SIGTERM stop training at the next step boundary with a checkpoint (``preemption.Preempted``).
+
+    Args:
+        config: the run.
+        collect_state: also return the full trained weights (on rank 0), for comparisons.
+        stop_on_signals: stop at a step boundary, checkpointed, on SIGUSR1 or SIGTERM.
     """
     stop_requests = StopRequests() if stop_on_signals else None
     try:

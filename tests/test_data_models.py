@@ -65,13 +65,13 @@ def test_set_epoch_reshuffles_and_skip_resumes_mid_epoch():
 )
 def test_per_rank_batch_size(batch, world, accum, ok):
     if ok is not None:
-        assert data.per_rank_batch_size(batch, world, accum) == ok
+        assert data.per_rank_batch_size(batch, world, grad_accum_steps=accum) == ok
     else:
         with pytest.raises(
             UserError,
             match=rf"does not divide into {world} rank\(s\) x {accum} .*multiple of {world * accum}",
         ):
-            data.per_rank_batch_size(batch, world, accum)
+            data.per_rank_batch_size(batch, world, grad_accum_steps=accum)
 
 
 def test_cifar10_missing_offline_says_how_to_download(tmp_path):
@@ -79,12 +79,12 @@ def test_cifar10_missing_offline_says_how_to_download(tmp_path):
         UserError,
         match=r"not found in .* on a login node run `python -m course_lib.data download cifar10 --data-dir",
     ):
-        data.load_dataset("cifar10", tmp_path)
+        data.load_dataset("cifar10", data_dir=tmp_path)
     with pytest.raises(UserError, match="download cifar10"):
         data.check_data_available("cifar10", tmp_path)
     (tmp_path / "cifar-10-batches-py").mkdir()  # present but empty: torchvision's checksum fails
     with pytest.raises(UserError, match="download cifar10"):
-        data.load_dataset("cifar10", tmp_path)
+        data.load_dataset("cifar10", data_dir=tmp_path)
 
 
 def test_unknown_dataset():

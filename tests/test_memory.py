@@ -43,7 +43,7 @@ def test_measured_bytes_of_a_single_process_adam_match_fp32_adam():
     optimizer = torch.optim.Adam(model.parameters())
     torch.nn.functional.cross_entropy(model(torch.randn(4, 1, 8, 8)), torch.tensor([1, 2, 3, 4])).backward()
     optimizer.step()
-    measured = memory.measure_model_states(model, optimizer)
+    measured = memory.measure_model_states(model, optimizer=optimizer)
     expected = memory.model_state_bytes(35_173, 1, "ddp", **memory.FP32_ADAM)
     assert (measured.params, measured.grads) == (expected.params, expected.grads)
     steps = len(optimizer.state) * 4  # Adam also keeps one fp32 step counter per parameter tensor
@@ -61,7 +61,7 @@ def _fsdp_measured():
     optimizer = torch.optim.Adam(model.parameters())
     model(torch.randn(4, 1, 8, 8)).sum().backward()
     optimizer.step()
-    return memory.measure_model_states(model, optimizer), runtime.world_size()
+    return memory.measure_model_states(model, optimizer=optimizer), runtime.world_size()
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

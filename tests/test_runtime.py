@@ -9,13 +9,13 @@ from course_lib.runtime import choose_backend, first_slurm_host, resolve_environ
 
 
 def test_plain_process_is_rank_zero_of_one():
-    env = resolve_environment({})
+    env = resolve_environment(environ={})
     assert (env.rank, env.world_size, env.local_rank, env.launcher) == (0, 1, 0, "single")
 
 
 def test_torchrun_variables():
     env = resolve_environment(
-        {
+        environ={
             "RANK": "3",
             "LOCAL_RANK": "1",
             "WORLD_SIZE": "8",
@@ -30,7 +30,7 @@ def test_torchrun_variables():
 
 def test_srun_one_task_per_gpu():
     env = resolve_environment(
-        {
+        environ={
             "SLURM_PROCID": "5",
             "SLURM_LOCALID": "1",
             "SLURM_NTASKS": "8",
@@ -47,7 +47,7 @@ def test_srun_one_task_per_gpu():
 
 def test_srun_respects_explicit_master():
     env = resolve_environment(
-        {
+        environ={
             "SLURM_PROCID": "0",
             "SLURM_NTASKS": "2",
             "SLURM_JOB_NODELIST": "a,b",
@@ -61,7 +61,7 @@ def test_srun_respects_explicit_master():
 def test_torchrun_inside_slurm_wins_over_inherited_procid():
     # Every torchrun child inherits SLURM_PROCID=0 from the batch step; RANK must win.
     env = resolve_environment(
-        {
+        environ={
             "SLURM_PROCID": "0",
             "SLURM_NTASKS": "1",
             "SLURM_JOB_NODELIST": "n1",
@@ -77,23 +77,28 @@ def test_torchrun_inside_slurm_wins_over_inherited_procid():
 
 def test_batch_script_without_srun_is_a_single_process():
     env = resolve_environment(
-        {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "1", "SLURM_JOB_NODELIST": "n1"}
+        environ={
+            "SLURM_PROCID": "0",
+            "SLURM_NTASKS": "4",
+            "SLURM_STEP_NUM_TASKS": "1",
+            "SLURM_JOB_NODELIST": "n1",
+        }
     )
     assert (env.rank, env.world_size, env.launcher) == (0, 1, "single")
 
 
 def test_rank_without_world_size_names_the_fix():
     with pytest.raises(UserError, match="RANK is set but WORLD_SIZE is not: launch with torchrun"):
-        resolve_environment({"RANK": "0"})
+        resolve_environment(environ={"RANK": "0"})
 
 
 def test_rank_outside_world_and_missing_master():
     with pytest.raises(UserError, match="outside 0..1"):
-        resolve_environment({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "1"})
+        resolve_environment(environ={"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "1"})
     with pytest.raises(UserError, match="MASTER_ADDR and MASTER_PORT"):
-        resolve_environment({"RANK": "0", "WORLD_SIZE": "2"})
+        resolve_environment(environ={"RANK": "0", "WORLD_SIZE": "2"})
     with pytest.raises(UserError, match="not an integer"):
-        resolve_environment({"RANK": "zero", "WORLD_SIZE": "2"})
+        resolve_environment(environ={"RANK": "zero", "WORLD_SIZE": "2"})
 
 
 @pytest.mark.parametrize(

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import comm
+from .. import comm, runtime
 from ..checks import check_choice, check_group, check_module, check_number
 from ..errors import UserError
 
@@ -105,7 +105,7 @@ def check_same_model_everywhere(module: nn.Module, group) -> None:
         (name, f"shape {tuple(p.shape)} {str(p.dtype).replace('torch.', '')}")
         for name, p in module.named_parameters()
     ]
-    everyone = [None] * dist.get_world_size(group)
+    everyone = [None] * runtime.world_size(group=group)
     dist.all_gather_object(everyone, signature, group=group)
     ours = dict(everyone[0])
     for rank, theirs in enumerate(everyone):
@@ -148,6 +148,9 @@ class EndOfBackward:
     A gradient hook only sees one parameter; finishing the step (waiting for the last all-reduce,
     reducing what is left) needs to know that backward is over. The autograd engine runs queued
     callbacks once, after the whole graph: the first hook of a backward queues one.
+
+    Args:
+        callback: what to run, without arguments, once the backward pass has finished.
     """
 
     def __init__(self, callback):
@@ -191,6 +194,16 @@ class DataParallel(GradientSyncSwitch, nn.Module):
     small all-reduce per step tells which are unused on *every* rank, and those keep no gradient).
     It also turns overlap off: a rank cannot know during backward which gradients will never
     come, and launching buckets in a different order on different ranks would mismatch messages.
+
+    Args:
+        module: the model; every rank must build the same one (rank 0's weights are broadcast).
+        bucket_mb: the size of one all-reduce message, in MB (PyTorch's ``bucket_cap_mb``, 25).
+        sync: ``"overlapped"`` (buckets reduced during backward), ``"bucketed"`` (after backward)
+            or ``"naive"`` (one all-reduce per parameter, after backward).
+        broadcast_buffers: send rank 0's buffers (running statistics) to every rank before each
+            forward, as PyTorch's DDP does by default.
+        find_unused_parameters: allow parameters that get no gradient in a step (see above).
+        group: the data-parallel process group (None: every rank), e.g. one dimension of a mesh.
     """
 
     def __init__(
@@ -211,7 +224,7 @@ class DataParallel(GradientSyncSwitch, nn.Module):
         self.module = module
         self.sync, self.bucket_mb, self.group = sync, bucket_mb, group
         self.broadcast_buffers, self.find_unused_parameters = broadcast_buffers, find_unused_parameters
-        self.world_size = dist.get_world_size(group)
+        self.world_size = runtime.world_size(group=group)
         self.overlap = sync == "overlapped" and not find_unused_parameters
         self._sync_this_backward = True
         self._end_of_backward = EndOfBackward(self._finish_backward)

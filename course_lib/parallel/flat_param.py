@@ -22,10 +22,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from .. import comm
+from .. import comm, runtime
 from ..errors import UserError
 from .ddp import GradientSyncSwitch
 
@@ -74,6 +73,19 @@ class FlatParameter:
     shard is simply this rank's range of ``full`` (ZeRO-1/2, nothing to duplicate); otherwise
     ``full`` can be freed between uses (``free()``) and rebuilt by an all-gather (``gather()``):
     ZeRO-3.
+
+    Args:
+        name: the module's name in the model (a prefix of its parameters' names).
+        named_params: (name, owner module, attribute, parameter) of every parameter to flatten,
+            as ``owned_parameters`` lists them; one dtype, all trainable or all frozen.
+        shard_group: the G ranks the vector is sharded over (None: every rank).
+        replicate_group: the ranks holding the same shard, whose gradients are also averaged
+            (HYBRID_SHARD across nodes); None when the shard group is the whole data group.
+        compute_device: where ``full`` lives and forward runs (default: the parameters' device).
+        param_dtype: the dtype of ``full``, gathered and computed in (default: the parameters').
+        reduce_dtype: the dtype gradients are reduced in (default: ``param_dtype``).
+        shard_device: where the fp32 shard and its optimizer state live (``cpu`` to offload).
+        shard_is_view: make the shard a view of ``full`` (ZeRO-1/2) instead of its own copy.
     """
 
     def __init__(
@@ -81,6 +93,7 @@ class FlatParameter:
         name: str,
         named_params: list[tuple[str, nn.Module, str, nn.Parameter]],
         shard_group,
+        *,
         replicate_group=None,
         compute_device: torch.device | None = None,
         param_dtype: torch.dtype | None = None,
@@ -90,10 +103,10 @@ class FlatParameter:
     ):
         self.name = name
         self.shard_group, self.replicate_group = shard_group, replicate_group
-        self.group_size = dist.get_world_size(shard_group)
-        self.index = dist.get_rank(shard_group)
+        self.group_size = runtime.world_size(group=shard_group)
+        self.index = runtime.rank(group=shard_group)
         self.data_parallel_size = self.group_size * (
-            dist.get_world_size(replicate_group) if replicate_group else 1
+            runtime.world_size(group=replicate_group) if replicate_group else 1
         )
         dtype = check_same_dtype([(fqn, p) for fqn, _, _, p in named_params], name)
         self.requires_grad = named_params[0][3].requires_grad
@@ -188,7 +201,7 @@ class FlatParameter:
         else:
             reduced = torch.empty(self.shard_numel, dtype=flat_gradient.dtype, device=flat_gradient.device)
             comm.reduce_scatter_tensor(reduced, flat_gradient, op="sum", group=self.shard_group)
-        if self.replicate_group is not None and dist.get_world_size(self.replicate_group) > 1:
+        if self.replicate_group is not None and runtime.world_size(group=self.replicate_group) > 1:
             # HYBRID_SHARD: the same shard lives on one rank of every replica; average across them.
             comm.all_reduce(reduced, op="sum", group=self.replicate_group)
         return reduced.div_(self.data_parallel_size)

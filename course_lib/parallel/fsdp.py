@@ -34,9 +34,9 @@ NO_SHARD        every rank keeps everything and gradients are all-reduced: DDP.
 Options. ``cpu_offload``: ``"params"`` keeps parameter shards, their gradients and therefore the
 optimizer state and step in CPU memory (ZeRO-Offload), copying a shard to the device only to
 gather it; ``"full"`` also moves the activations saved for backward to CPU. Memory is pinned
-only when a CUDA driver is present. ``mixed_precision=MixedPrecision(param_dtype, reduce_dtype,
-buffer_dtype)``: compute and gather in e.g. bf16 (half the traffic), reduce gradients in
-``reduce_dtype``, while the shards the optimizer updates stay fp32 master weights.
+only when a CUDA driver is present. ``mixed_precision=MixedPrecision(param_dtype=torch.bfloat16,
+reduce_dtype=torch.float32)``: compute and gather in bf16 (half the traffic), reduce gradients in
+fp32, while the shards the optimizer updates stay fp32 master weights.
 ``activation_checkpointing``: units (without nested units) keep only their inputs for backward
 and recompute the rest.
 
@@ -60,6 +60,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .. import runtime
 from ..checks import check_group, check_int, check_module
 from ..errors import UserError
 from .ddp import EndOfBackward, start_as_replicas
@@ -70,9 +71,15 @@ OFFLOAD_MODES = ("none", "params", "full")
 WrapPolicy = None | int | type | Iterable[type] | Iterable[nn.Module] | Callable[[nn.Module], bool]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MixedPrecision:
-    """Dtypes for computing and gathering (``param_dtype``), reducing gradients, and buffers."""
+    """Dtypes for computing and gathering (``param_dtype``), reducing gradients, and buffers.
+
+    Args:
+        param_dtype: the dtype parameters are gathered and computed in (None: their own, fp32).
+        reduce_dtype: the dtype gradients are reduced in (None: ``param_dtype``).
+        buffer_dtype: the dtype of buffers such as running statistics (None: unchanged).
+    """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
@@ -236,7 +243,7 @@ def shard_layout(
             )
         if hybrid_shard_size is not None:
             raise UserError("hybrid_shard_size is the size of the 2-D mesh's second dimension: leave it out")
-        everyone = mesh.size() == dist.get_world_size()
+        everyone = mesh.size() == runtime.world_size()
         return ShardLayout(
             "HYBRID_SHARD",
             mesh,
@@ -258,7 +265,7 @@ def shard_layout(
         raise UserError("hybrid_shard_size only applies to sharding_strategy='HYBRID_SHARD'")
     if mesh is not None:
         group = mesh.get_group()
-    if group is not None and dist.get_world_size(group) != dist.get_world_size():
+    if group is not None and runtime.world_size(group=group) != runtime.world_size():
         if sharding_strategy in ("NO_SHARD", "HYBRID_SHARD"):
             raise UserError(
                 f"{sharding_strategy} over a group of some ranks needs a 2-D mesh: build it on every rank "
@@ -269,7 +276,7 @@ def shard_layout(
             mesh if mesh is not None else DeviceMesh.from_group(group, device_type, mesh=torch.tensor(ranks))
         )
         return ShardLayout(sharding_strategy, state_mesh, group, None, (group,))
-    world = dist.get_world_size()
+    world = runtime.world_size()
     if sharding_strategy == "HYBRID_SHARD":
         shard_size = hybrid_shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
         if world % shard_size:
@@ -327,7 +334,7 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
         hybrid_shard_size: ranks per shard group for HYBRID_SHARD without a mesh (default: a node).
         cpu_offload: ``"none"``, ``"params"`` (shards, their gradients and the optimizer state in
             CPU memory) or ``"full"`` (also the activations saved for backward).
-        mixed_precision: ``MixedPrecision(param_dtype, reduce_dtype, buffer_dtype)``, or None for fp32.
+        mixed_precision: a ``MixedPrecision`` (compute, reduce and buffer dtypes), or None for fp32.
         activation_checkpointing: units without nested units recompute their activations in backward.
         device: where to compute (default: where the parameters are).
     """
@@ -387,11 +394,11 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
                 prefix,
                 params,
                 self.shard_group,
-                replicate_group,
-                compute_device,
-                mixed_precision.param_dtype,
-                mixed_precision.reduce_dtype,
-                shard_device,
+                replicate_group=replicate_group,
+                compute_device=compute_device,
+                param_dtype=mixed_precision.param_dtype,
+                reduce_dtype=mixed_precision.reduce_dtype,
+                shard_device=shard_device,
             )
             self.units.insert(
                 0,

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from .. import runtime
 from ..checks import check_choice, check_group
 from ..errors import UserError
 
@@ -57,7 +58,14 @@ def rank_at(pipeline: int, data: int, tensor: int, degrees: dict[str, int]) -> i
 def grid_groups(
     world_size: int, *, data: int = 1, pipeline: int = 1, tensor: int = 1
 ) -> dict[str, list[list[int]]]:
-    """Every group of ranks along each axis, e.g. {"tensor": [[0, 1], [2, 3]], ...}."""
+    """Every group of ranks along each axis, e.g. {"tensor": [[0, 1], [2, 3]], ...}.
+
+    Args:
+        world_size: the number of ranks; must equal ``data * pipeline * tensor``.
+        data: D, the replicas that split the batch.
+        pipeline: P, the stages the layers are cut into.
+        tensor: T, the ranks each layer's matrices are split over.
+    """
     check_degrees(world_size, data=data, pipeline=pipeline, tensor=tensor)
     degrees = {"data": data, "pipeline": pipeline, "tensor": tensor}
     coordinates = [(p, d, t) for p in range(pipeline) for d in range(data) for t in range(tensor)]
@@ -72,7 +80,14 @@ def grid_groups(
 
 
 def describe_grid(world_size: int, *, data: int = 1, pipeline: int = 1, tensor: int = 1) -> str:
-    """A printout of the layout: each rank's coordinates and every group."""
+    """A printout of the layout: each rank's coordinates and every group.
+
+    Args:
+        world_size: the number of ranks; must equal ``data * pipeline * tensor``.
+        data: D, the replicas that split the batch.
+        pipeline: P, the stages the layers are cut into.
+        tensor: T, the ranks each layer's matrices are split over.
+    """
     groups = grid_groups(world_size, data=data, pipeline=pipeline, tensor=tensor)
     lines = [
         f"{world_size} ranks = data {data} x pipeline {pipeline} x tensor {tensor}",
@@ -100,6 +115,12 @@ class Mesh:
 
     Every rank must create the same Mesh (creating groups is collective); the degrees are checked
     against the world size first, so a mistake is an error on every rank, before anyone waits.
+
+    Args:
+        data: D, the replicas that split the batch.
+        pipeline: P, the stages the layers are cut into.
+        tensor: T, the ranks each layer's matrices are split over.
+        device_type: ``"cpu"`` or ``"cuda"`` (default: ``"cuda"`` under NCCL, else ``"cpu"``).
     """
 
     def __init__(self, *, data: int = 1, pipeline: int = 1, tensor: int = 1, device_type: str | None = None):
@@ -108,7 +129,7 @@ class Mesh:
         check_group("Mesh", None)
         if device_type is not None:
             check_choice("device_type", device_type, ("cpu", "cuda"))
-        world = dist.get_world_size()
+        world = runtime.world_size()
         check_degrees(world, data=data, pipeline=pipeline, tensor=tensor)
         self.degrees = {"data": data, "pipeline": pipeline, "tensor": tensor}
         device_type = device_type or ("cuda" if dist.get_backend() == "nccl" else "cpu")
@@ -125,4 +146,4 @@ class Mesh:
         return dist.get_process_group_ranks(self.groups[axis])
 
     def describe(self) -> str:
-        return describe_grid(dist.get_world_size(), **self.degrees)
+        return describe_grid(runtime.world_size(), **self.degrees)

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import comm
+from .. import comm, runtime
 from ..checks import check_group, check_int, check_module
 from ..errors import UserError
 
@@ -80,8 +80,12 @@ def split_model(
 ) -> list[nn.Sequential]:
     """Cut a sequence of layers into ``num_stages`` stages.
 
-    ``cut_points``: the index of the first layer of every stage but the first (e.g. [3, 6]);
-    by default the layers are shared out evenly, earlier stages taking one more when it does not divide.
+    Args:
+        layers: the model as a sequence (an ``nn.Sequential`` or a list of modules).
+        num_stages: how many stages (pipeline ranks x virtual stages per rank).
+        cut_points: the index of the first layer of every stage but the first (e.g. [3, 6]); by
+            default the layers are shared out evenly, earlier stages taking one more when it does
+            not divide.
     """
     layers = list(layers)
     if num_stages < 1:
@@ -174,7 +178,14 @@ def _interleaved_order(rank: int, p: int, m: int, v: int) -> list[Action]:
 def build_schedule(
     schedule: str, pipeline_size: int, microbatches: int, *, virtual_stages: int = 1
 ) -> dict[int, list[Action]]:
-    """Each rank's complete list: compute actions with the sends and receives they need around them."""
+    """Each rank's complete list: compute actions with the sends and receives they need around them.
+
+    Args:
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
+        pipeline_size: p, the ranks of the pipeline.
+        microbatches: m, the pieces each batch is cut into.
+        virtual_stages: v, stages per rank (more than 1 only for ``"interleaved_1f1b"``).
+    """
     order = compute_order(schedule, pipeline_size, microbatches, virtual_stages=virtual_stages)
     last = pipeline_size * virtual_stages - 1
     full = {}
@@ -210,6 +221,12 @@ def check_schedule(
     Replays all ranks together with non-blocking sends and receives that wait for their send:
     every forward and backward of every (stage, micro-batch) exactly once, on the stage's rank,
     each forward before its backward, each input received (or produced locally) before use.
+
+    Args:
+        actions: {rank: its list of actions}, as ``build_schedule`` returns (or a student writes).
+        pipeline_size: p, the ranks of the pipeline.
+        microbatches: m, the pieces each batch is cut into.
+        virtual_stages: v, stages per rank.
     """
     stages = pipeline_size * virtual_stages
     expected = {(kind, s, i) for kind in COMPUTE for s in range(stages) for i in range(microbatches)}
@@ -282,7 +299,13 @@ def check_schedule(
 
 
 def bubble_fraction_theory(pipeline_size: int, microbatches: int, *, virtual_stages: int = 1) -> float:
-    """Idle share of each rank's step: (p - 1) / (v·m + p - 1)."""
+    """Idle share of each rank's step: (p - 1) / (v·m + p - 1).
+
+    Args:
+        pipeline_size: p, the ranks of the pipeline.
+        microbatches: m, the pieces each batch is cut into.
+        virtual_stages: v, stages per rank (interleaved schedule).
+    """
     return (pipeline_size - 1) / (virtual_stages * microbatches + pipeline_size - 1)
 
 
@@ -301,7 +324,11 @@ def peak_activations_theory(
 
 
 def peak_in_flight(actions: list[Action]) -> int:
-    """Count the forwards whose backward has not run yet, at the worst moment of a rank's list."""
+    """Count the forwards whose backward has not run yet, at the worst moment of a rank's list.
+
+    Args:
+        actions: one rank's list of actions.
+    """
     live = peak = 0
     for action in actions:
         live += {"F": 1, "B": -1}.get(action.kind, 0)
@@ -316,7 +343,17 @@ def simulate_timeline(
     forward_time: float = 1.0,
     backward_time: float = 2.0,
 ) -> dict[int, list[tuple[str, int, int, float, float]]]:
-    """Start and end of every forward/backward if each takes the given time and messages are free."""
+    """Start and end of every forward/backward if each takes the given time and messages are free.
+
+    Returns {rank: [(kind, stage, microbatch, start, end), ...]}, what ``plots.plot_timeline``
+    draws and ``bubble_fraction`` measures.
+
+    Args:
+        actions: {rank: its list of actions}, as ``build_schedule`` returns.
+        pipeline_size: p, the ranks of the pipeline.
+        forward_time: how long one forward of one micro-batch on one stage takes.
+        backward_time: how long its backward takes (about twice the forward).
+    """
     finished: dict[tuple, float] = {}
     events: dict[int, list] = defaultdict(list)
     clock = {rank: 0.0 for rank in actions}
@@ -346,7 +383,12 @@ def simulate_timeline(
 
 
 def bubble_fraction(events: dict[int, list[tuple[str, int, int, float, float]]]) -> float:
-    """Mean over ranks of the idle share of the step, from start and end times."""
+    """Mean over ranks of the idle share of the step, from start and end times.
+
+    Args:
+        events: {rank: [(kind, stage, microbatch, start, end), ...]}, simulated
+            (``simulate_timeline``) or measured (``PipelineStats.events``).
+    """
     begin = min(e[3] for rank_events in events.values() for e in rank_events)
     end = max(e[4] for rank_events in events.values() for e in rank_events)
     busy = [sum(e[4] - e[3] for e in rank_events) for rank_events in events.values()]
@@ -375,10 +417,17 @@ class PipelineStats:
 class PipelineExecutor:
     """Run one rank's share of a pipeline schedule with real sends and receives.
 
-    ``stages``: {stage index: module} for the stages this rank holds (see ``rank_of_stage``).
-    ``boundary_shape``: the shape of one micro-batch's activation between stages, e.g.
-    (micro_batch, seq, d_model); receives allocate it. ``group``: the pipeline's ranks, in
-    stage order (default: all).
+    Args:
+        stages: {stage index: module} for the stages this rank holds (see ``rank_of_stage``).
+        num_stages: the stages of the whole pipeline (ranks x virtual stages).
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
+        microbatches: m, the pieces each batch is cut into.
+        loss_fn: ``loss_fn(outputs, targets)`` on the last stage; each micro-batch's loss is
+            divided by m, so the gradients are those of the whole batch.
+        boundary_shape: the shape of one micro-batch's activation between stages, e.g.
+            (micro_batch, seq, d_model); receives allocate it.
+        group: the pipeline's ranks, in stage order (default: all).
+        dtype: the dtype of the activations sent between stages.
     """
 
     def __init__(
@@ -413,8 +462,8 @@ class PipelineExecutor:
             )
         check_group("group", group)
         self.group = group
-        self.pipeline_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+        self.pipeline_size = runtime.world_size(group=group)
+        self.rank = runtime.rank(group=group)
         if num_stages % self.pipeline_size:
             raise UserError(f"{num_stages} stages do not go round {self.pipeline_size} pipeline ranks evenly")
         self.virtual_stages = num_stages // self.pipeline_size

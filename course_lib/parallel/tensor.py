@@ -41,10 +41,9 @@ attention splits.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from .. import comm
+from .. import comm, runtime
 from ..checks import check_group, check_int, check_module
 from ..errors import UserError
 
@@ -82,14 +81,14 @@ class _GatherFromParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        size = dist.get_world_size(group)
+        size = runtime.world_size(group=group)
         pieces = [torch.empty_like(x) for _ in range(size)]
         comm.all_gather(pieces, x.contiguous(), group=group)
         return torch.cat(pieces, dim=-1)
 
     @staticmethod
     def backward(ctx, grad):
-        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        size, rank = runtime.world_size(group=ctx.group), runtime.rank(group=ctx.group)
         return grad.chunk(size, dim=-1)[rank].contiguous(), None
 
 
@@ -111,7 +110,7 @@ def gather_from_parallel(x: torch.Tensor, *, group=None) -> torch.Tensor:
 def _split_size(total: int, group, what: str) -> int:
     check_int(what, total, minimum=1)
     check_group("group", group)
-    size = dist.get_world_size(group)
+    size = runtime.world_size(group=group)
     if total % size:
         divisors = [d for d in range(1, total + 1) if total % d == 0 and d <= 64]
         raise UserError(
@@ -122,7 +121,18 @@ def _split_size(total: int, group, what: str) -> int:
 
 
 class ColumnParallelLinear(nn.Module):
-    """``nn.Linear(in, out)`` whose output features are split over the group (this rank: out / T of them)."""
+    """``nn.Linear(in, out)`` whose output features are split over the group (this rank: out / T of them).
+
+    Args:
+        in_features: the width of the input, which every rank holds whole.
+        out_features: the width of the whole output; must divide by the group's size T.
+        bias: learn a bias (split like the output features).
+        gather_output: all-gather the T slices so every rank gets the whole output; leave it off
+            when a row-parallel layer follows, which wants exactly this rank's slice.
+        group: the tensor-parallel process group (None: every rank).
+        copy_input: apply f (identity forward, all-reduce of the gradient backward) to the input;
+            off when the caller applied it once for several layers that read the same input.
+    """
 
     def __init__(
         self,
@@ -135,7 +145,6 @@ class ColumnParallelLinear(nn.Module):
         copy_input: bool = True,
     ):
         super().__init__()
-        # copy_input=False: the caller already applied f to the input (several layers sharing one input)
         self.group, self.gather_output, self.copy_input = group, gather_output, copy_input
         self.out_per_rank = _split_size(out_features, group, "output features")
         self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features))
@@ -155,7 +164,7 @@ class ColumnParallelLinear(nn.Module):
             group=group,
             copy_input=copy_input,
         )
-        rank = dist.get_rank(group)
+        rank = runtime.rank(group=group)
         rows = slice(rank * layer.out_per_rank, (rank + 1) * layer.out_per_rank)
         with torch.no_grad():
             layer.weight.copy_(dense.weight[rows])
@@ -171,7 +180,15 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """``nn.Linear(in, out)`` whose input features are split over the group; the outputs are summed."""
+    """``nn.Linear(in, out)`` whose input features are split over the group; the outputs are summed.
+
+    Args:
+        in_features: the width of the whole input; must divide by the group's size T (each rank
+            reads in / T of them, the slice a column-parallel layer produced).
+        out_features: the width of the output, which every rank gets whole after the all-reduce.
+        bias: learn a bias, added once after the sum (replicated on every rank).
+        group: the tensor-parallel process group (None: every rank).
+    """
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True, group=None):
         super().__init__()
@@ -184,7 +201,7 @@ class RowParallelLinear(nn.Module):
     @classmethod
     def from_dense(cls, dense: nn.Linear, *, group=None) -> RowParallelLinear:
         layer = cls(dense.in_features, dense.out_features, bias=dense.bias is not None, group=group)
-        rank = dist.get_rank(group)
+        rank = runtime.rank(group=group)
         columns = slice(rank * layer.in_per_rank, (rank + 1) * layer.in_per_rank)
         with torch.no_grad():
             layer.weight.copy_(dense.weight[:, columns])
@@ -204,6 +221,10 @@ def parallel_mlp(mlp: nn.Module, *, group=None) -> nn.Module:
 
     One all-reduce forward (in fc2), one backward (in fc1's f): the hidden activation, 4x wider
     than the model, never travels.
+
+    Args:
+        mlp: a dense ``models.MLP``; its weights are cut, not re-initialised.
+        group: the tensor-parallel process group (None: every rank).
     """
     check_module("mlp", mlp)
     for name in ("fc1", "fc2"):
@@ -224,6 +245,11 @@ def parallel_attention(attention: nn.Module, n_heads: int, *, group=None) -> nn.
     attention itself needs no communication; ``out`` is row parallel and sums the heads' parts.
     q, k and v read the same input, so f is applied once, to it (a forward pre-hook): the three
     gradients add up before the single backward all-reduce, as with Megatron's fused QKV layer.
+
+    Args:
+        attention: a dense ``models.SelfAttention``; its weights are cut, not re-initialised.
+        n_heads: its number of heads; must divide by the group's size T.
+        group: the tensor-parallel process group (None: every rank).
     """
     check_module("attention", attention)
     _split_size(n_heads, group, "attention heads")
@@ -244,6 +270,11 @@ def parallelize_transformer(model: nn.Module, *, group=None) -> nn.Module:
     """Convert every block of a dense ``models.TinyTransformer`` (or a slice of one) in place.
 
     The dense weights are cut, not re-initialised: the converted model computes the same function.
+
+    Args:
+        model: a ``models.TinyTransformer``, a pipeline stage of one, or any module holding its
+            ``Block``s.
+        group: the tensor-parallel process group (None: every rank).
     """
     from ..models import Block
 

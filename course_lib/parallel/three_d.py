@@ -89,13 +89,30 @@ def train_3d(
     """Train on the current process group laid out as a mesh; return the loss of every step on rank 0.
 
     With 1 x 1 x 1 it is the single-process reference.
+
+    Args:
+        data_degree: D, the replicas that split the global batch.
+        pipeline: P, the stages the transformer is cut into.
+        tensor: T, the ranks each block's matrices are split over.
+        steps: optimizer steps.
+        global_batch: windows per step over all replicas; must divide by D x ``microbatches``.
+        microbatches: m, the pieces each replica's batch is cut into for the pipeline.
+        schedule: the pipeline schedule, ``"gpipe"`` or ``"1f1b"``.
+        lr: AdamW's learning rate.
+        seq_len: characters per window.
+        d_model: the transformer's width (a multiple of 4 x T).
+        n_heads: attention heads per block (a multiple of T).
+        n_layers: blocks (with the embedding and head, at least P pieces to cut).
+        seed: the seed of the weights and of the batches, the same on every rank.
     """
     world = runtime.world_size()
     check_run(world, data_degree, pipeline, tensor, global_batch, microbatches, n_layers, d_model, n_heads)
     mesh = Mesh(data=data_degree, pipeline=pipeline, tensor=tensor)
-    inputs, targets, vocabulary = data.zen_windows(seq_len)
+    inputs, targets, vocabulary = data.zen_windows(seq_len=seq_len)
     torch.manual_seed(seed)
-    model = models.TinyTransformer(len(vocabulary), d_model, n_heads, n_layers, seq_len)
+    model = models.TinyTransformer(
+        len(vocabulary), d_model=d_model, n_heads=n_heads, n_layers=n_layers, max_seq_len=seq_len
+    )
     stages = build_local_model(model, mesh)
     params = [p for stage in stages.values() for p in stage.parameters()]
     optimizer = torch.optim.AdamW(params, lr=lr)

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import comm
+from .. import comm, runtime
 from ..checks import check_group, check_module
 from ..errors import UserError
 from .ddp import EndOfBackward, start_as_replicas
@@ -57,6 +57,11 @@ class ZeroDataParallel(FlatShardedMixin, nn.Module):
     ``model.parameters()`` is one flat shard (this rank's 1/N of the model), so the optimizer
     keeps state for, and updates, only that. The full parameters are all-gathered lazily, at the
     next forward after the optimizer changed the shard.
+
+    Args:
+        module: the model; every rank must build the same one (rank 0's weights are broadcast).
+        stage: 1 shards the optimizer state, 2 also the gradients.
+        group: the data-parallel process group to shard over (None: every rank).
     """
 
     def __init__(self, module: nn.Module, *, stage: int = 2, group=None):
@@ -83,7 +88,7 @@ class ZeroDataParallel(FlatShardedMixin, nn.Module):
         from torch.distributed.device_mesh import DeviceMesh
 
         ranks = (
-            dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+            dist.get_process_group_ranks(group) if group is not None else list(range(runtime.world_size()))
         )
         self.state_mesh = DeviceMesh.from_group(
             group or dist.group.WORLD, self.flat.compute_device.type, mesh=torch.tensor(ranks)

@@ -59,8 +59,9 @@ def mlp(width: int, layers: int) -> nn.Sequential:
     return nn.Sequential(*blocks[:-1])
 
 
-def _training_step(model: nn.Module, optimizer, inputs, targets) -> Callable[[], None]:
-    """One optimizer step of ``model`` on a fixed batch, as a function to time."""
+def _training_step(model: nn.Module, inputs, targets) -> Callable[[], None]:
+    """One SGD step of ``model`` on a fixed batch, as a function to time."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -102,9 +103,21 @@ def _rank_batch(batch: int, width: int):
     return torch.randn(batch, width, generator=generator), torch.randn(batch, width, generator=generator)
 
 
-def _ddp_benchmark(
-    width: int, layers: int, batch: int, steps: int, warmup: int, bucket_mb: float
+def ddp_benchmark(
+    *, width: int, layers: int, batch: int, steps: int, warmup: int, bucket_mb: float
 ) -> dict | None:
+    """PyTorch's DDP and the course's three DDPs, interleaved on one MLP; the JSON row on rank 0.
+
+    Run it on every rank (``launch(ddp_benchmark, 2, width=..., ...)``); other ranks return None.
+
+    Args:
+        width: the MLP's width (its layers are width x width).
+        layers: its linear layers.
+        batch: samples per rank per step.
+        steps: timed steps; the median is reported.
+        warmup: untimed steps first (allocations, caches and lazy set-up settle in them).
+        bucket_mb: the all-reduce message size, for both implementations.
+    """
     from torch.nn.parallel import DistributedDataParallel
 
     from ..parallel.ddp import DataParallel
@@ -121,9 +134,7 @@ def _ddp_benchmark(
             wrapped = DistributedDataParallel(replica, bucket_cap_mb=bucket_mb)
         else:
             wrapped = DataParallel(replica, bucket_mb=bucket_mb, sync=name)
-        variants[name] = _training_step(
-            wrapped, torch.optim.SGD(wrapped.parameters(), lr=1e-3), inputs, targets
-        )
+        variants[name] = _training_step(wrapped, inputs, targets)
     median_ms = _interleaved_medians(variants, steps, warmup)
 
     with comm.CommLog() as log:
@@ -151,7 +162,16 @@ def _ddp_benchmark(
     }
 
 
-def _fsdp_benchmark(width: int, layers: int, batch: int, steps: int, warmup: int) -> dict | None:
+def fsdp_benchmark(*, width: int, layers: int, batch: int, steps: int, warmup: int) -> dict | None:
+    """FSDP2 and the course's FSDP (four sharding strategies), interleaved; the JSON row on rank 0.
+
+    Args:
+        width: the MLP's width (its layers are width x width).
+        layers: its linear layers.
+        batch: samples per rank per step.
+        steps: timed steps; the median is reported.
+        warmup: untimed steps first (allocations, caches and lazy set-up settle in them).
+    """
     from torch.distributed.fsdp import fully_shard
 
     from ..parallel.fsdp import FullyShardedDataParallel
@@ -180,9 +200,7 @@ def _fsdp_benchmark(width: int, layers: int, batch: int, steps: int, warmup: int
             wrapped = FullyShardedDataParallel(
                 model, auto_wrap_policy=units, sharding_strategy=name, **strategies[name]
             )
-        variants[name] = _training_step(
-            wrapped, torch.optim.SGD(wrapped.parameters(), lr=1e-3), inputs, targets
-        )
+        variants[name] = _training_step(wrapped, inputs, targets)
     median_ms = _interleaved_medians(variants, steps, warmup)
 
     with comm.CommLog() as log:
@@ -226,10 +244,20 @@ def measure_stage(
     stage: str,
     inputs: torch.Tensor,
     targets: torch.Tensor,
+    *,
     units: list[nn.Module] | None = None,
     loss=F.cross_entropy,
 ):
-    """Two Adam steps of ``model`` under ``stage``; returns (model-state bytes held, bytes sent in step 2)."""
+    """Two Adam steps of ``model`` under ``stage``; returns (model-state bytes held, bytes sent in step 2).
+
+    Args:
+        model: the model, the same on every rank.
+        stage: ``"ddp"``, ``"zero1"``, ``"zero2"`` or ``"zero3"`` (the course's wrappers).
+        inputs: this rank's batch.
+        targets: its labels.
+        units: the FSDP units for ``"zero3"`` (None: the whole model is one unit).
+        loss: ``loss(outputs, targets)``.
+    """
     model = wrap_for_stage(model, stage, units)
     optimizer = torch.optim.Adam(model.parameters())
     for _ in range(2):
@@ -237,10 +265,17 @@ def measure_stage(
         with comm.CommLog() as log:  # ZeRO-1/2 gather the previous update in this step's forward
             loss(model(inputs), targets).backward()
             optimizer.step()
-    return memory.measure_model_states(model, optimizer), log.bytes_per_rank()
+    return memory.measure_model_states(model, optimizer=optimizer), log.bytes_per_rank()
 
 
-def _memory_benchmark(width: int, layers: int, batch: int) -> list[dict] | None:
+def memory_benchmark(*, width: int, layers: int, batch: int) -> list[dict] | None:
+    """Model-state bytes held and bytes sent by DDP and ZeRO-1/2/3, against the memory model.
+
+    Args:
+        width: the MLP's width (its layers are width x width).
+        layers: its linear layers.
+        batch: samples per rank per step.
+    """
     world = runtime.world_size()
     inputs, targets = _rank_batch(batch, width)
     rows = []
@@ -249,7 +284,7 @@ def _memory_benchmark(width: int, layers: int, batch: int) -> list[dict] | None:
         model = mlp(width, layers)
         params = sum(p.numel() for p in model.parameters())
         units = [m for m in model if isinstance(m, nn.Linear)]
-        measured, sent = measure_stage(model, stage, inputs, targets, units, loss=F.mse_loss)
+        measured, sent = measure_stage(model, stage, inputs, targets, units=units, loss=F.mse_loss)
         expected = memory.model_state_bytes(params, world, stage, **memory.FP32_ADAM)
         traffic = 4 * memory.traffic_elements_per_rank(params, world, stage)
         rows.append(
@@ -281,12 +316,25 @@ def _memory_benchmark(width: int, layers: int, batch: int) -> list[dict] | None:
 def _transformer(layers: int, d_model: int, seq: int):
     from .. import data, models
 
-    inputs, targets, vocabulary = data.zen_windows(seq)
+    inputs, targets, vocabulary = data.zen_windows(seq_len=seq)
     torch.manual_seed(0)
-    return models.TinyTransformer(len(vocabulary), d_model, 4, layers, seq), inputs, targets
+    return (
+        models.TinyTransformer(len(vocabulary), d_model=d_model, n_heads=4, n_layers=layers, max_seq_len=seq),
+        inputs,
+        targets,
+    )
 
 
-def _pipeline_benchmark(d_model: int, seq: int, batch: int, steps: int, warmup: int) -> list[dict] | None:
+def pipeline_benchmark(*, d_model: int, seq: int, batch: int, steps: int, warmup: int) -> list[dict] | None:
+    """Each schedule's step time, bubble and peak activations against theory and against PyTorch.
+
+    Args:
+        d_model: the transformer's width.
+        seq: characters per sequence.
+        batch: sequences per step (per pipeline for ``pipeline``).
+        steps: timed steps; the median is reported.
+        warmup: untimed steps first (allocations, caches and lazy set-up settle in them).
+    """
     from torch.distributed.pipelining import (
         PipelineStage,
         Schedule1F1B,
@@ -367,7 +415,16 @@ def _pipeline_benchmark(d_model: int, seq: int, batch: int, steps: int, warmup: 
     return rows if runtime.is_main() else None
 
 
-def _tp_benchmark(d_model: int, seq: int, batch: int, steps: int, warmup: int) -> dict | None:
+def tp_benchmark(*, d_model: int, seq: int, batch: int, steps: int, warmup: int) -> dict | None:
+    """The course's tensor-parallel MLP and attention against DTensor's, and their bytes against theory.
+
+    Args:
+        d_model: the transformer's width.
+        seq: characters per sequence.
+        batch: sequences per step (per pipeline for ``pipeline``).
+        steps: timed steps; the median is reported.
+        warmup: untimed steps first (allocations, caches and lazy set-up settle in them).
+    """
     import copy
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -502,49 +559,27 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_benchmark(args: argparse.Namespace) -> int:
+    def given(*flags: str) -> dict:
+        """The values of these flags, by the benchmark function's argument names."""
+        return {flag: getattr(args, flag) for flag in flags}
+
+    def on(world: int, benchmark: Callable, options: dict):
+        """Rank 0's result of ``benchmark`` run on ``world`` local processes."""
+        print(f"benchmarking {args.benchmark} on {world} processes...", file=sys.stderr, flush=True)
+        return launch(benchmark, world, timeout_s=1800, **options)[0]
+
+    transformer = ("d_model", "seq", "batch", "steps", "warmup")
     if args.benchmark == "pipeline":
-        rows = []
-        for stages in args.stages:
-            print(f"benchmarking pipelines of {stages} stages...", file=sys.stderr, flush=True)
-            rows += launch(
-                _pipeline_benchmark,
-                stages,
-                args.d_model,
-                args.seq,
-                args.batch,
-                args.steps,
-                args.warmup,
-                timeout_s=1800,
-            )[0]
-        print(
-            json.dumps({"benchmark": "pipeline", "threads_per_rank": "cores / ranks", "rows": rows}, indent=2)
-        )
-        return 0
-    if args.benchmark == "tp":
-        print(
-            f"benchmarking tensor parallelism on {args.world_size} processes...", file=sys.stderr, flush=True
-        )
-        print(
-            json.dumps(
-                launch(
-                    _tp_benchmark,
-                    args.world_size,
-                    args.d_model,
-                    args.seq,
-                    args.batch,
-                    args.steps,
-                    args.warmup,
-                    timeout_s=1800,
-                )[0],
-                indent=2,
-            )
-        )
-        return 0
-    if args.benchmark == "memory":
-        rows = []
-        for world in args.world_sizes:
-            print(f"measuring memory on {world} processes...", file=sys.stderr, flush=True)
-            rows += launch(_memory_benchmark, world, args.width, args.layers, args.batch, timeout_s=1800)[0]
+        rows = [row for stages in args.stages for row in on(stages, pipeline_benchmark, given(*transformer))]
+        result = {"benchmark": "pipeline", "threads_per_rank": "cores / ranks", "rows": rows}
+    elif args.benchmark == "tp":
+        result = on(args.world_size, tp_benchmark, given(*transformer))
+    elif args.benchmark == "memory":
+        rows = [
+            row
+            for world in args.world_sizes
+            for row in on(world, memory_benchmark, given("width", "layers", "batch"))
+        ]
         result = {
             "benchmark": "memory",
             "optimizer": "Adam, fp32 (K = 8 bytes of state per parameter)",
@@ -552,33 +587,13 @@ def _run_benchmark(args: argparse.Namespace) -> int:
             "max_traffic_ratio_error": max(abs(row["traffic_ratio"] - 1) for row in rows),
             "rows": rows,
         }
-        print(json.dumps(result, indent=2))
-        return 0
-    print(f"benchmarking {args.benchmark} on {args.world_size} processes...", file=sys.stderr, flush=True)
-    if args.benchmark == "ddp":
-        results = launch(
-            _ddp_benchmark,
-            args.world_size,
-            args.width,
-            args.layers,
-            args.batch,
-            args.steps,
-            args.warmup,
-            args.bucket_mb,
-            timeout_s=1800,
+    elif args.benchmark == "ddp":
+        result = on(
+            args.world_size, ddp_benchmark, given("width", "layers", "batch", "steps", "warmup", "bucket_mb")
         )
     else:
-        results = launch(
-            _fsdp_benchmark,
-            args.world_size,
-            args.width,
-            args.layers,
-            args.batch,
-            args.steps,
-            args.warmup,
-            timeout_s=1800,
-        )
-    print(json.dumps(results[0], indent=2))
+        result = on(args.world_size, fsdp_benchmark, given("width", "layers", "batch", "steps", "warmup"))
+    print(json.dumps(result, indent=2))
     return 0
 
 

@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     plot = results / "strong_scaling.png"
     plot_study(
         rows,
-        plot,
+        path=plot,
         panels=("time_per_epoch_s", "speedup"),
         title=f"{args.model} on {args.dataset}, global batch {rows[0]['global_batch_size']}",
     )

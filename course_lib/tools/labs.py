@@ -79,8 +79,14 @@ def generate(names: list[str] | None = None) -> list[Path]:
     return written
 
 
-def compare_training(got: dict, expected: dict, tolerance: float = 1e-4) -> list[str]:
-    """Differences between two training runs' ``losses`` (step by step) and final ``weights``."""
+def compare_training(got: dict, expected: dict, *, tolerance: float = 1e-4) -> list[str]:
+    """Differences between two training runs' ``losses`` (step by step) and final ``weights``.
+
+    Args:
+        got: the student's run: ``{"losses": [...], "weights": flat tensor}``.
+        expected: the solution's run, in the same form.
+        tolerance: the largest difference taken as rounding.
+    """
     problems = []
     for step, (ours, theirs) in enumerate(zip(got["losses"], expected["losses"])):
         if abs(ours - theirs) > tolerance:

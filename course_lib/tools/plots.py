@@ -42,8 +42,8 @@ def save(
 
 def plot_timeline(
     events: dict[int, list[tuple[str, int, int, float, float]]],
-    path: str | Path | None = None,
     *,
+    path: str | Path | None = None,
     title: str = "",
     pipeline_size: int | None = None,
 ) -> Figure:
@@ -139,8 +139,8 @@ def draw_study(
 
 def plot_study(
     rows: list[dict[str, Any]],
-    path: str | Path | None = None,
     *,
+    path: str | Path | None = None,
     title: str = "Strong scaling study",
     panels: tuple[str, ...] = tuple(STUDY_PANELS),
 ) -> Figure:
@@ -160,7 +160,7 @@ def plot_study(
 # -- loss curves ----------------------------------------------------------------------------------
 
 
-def plot_loss_curves(curves: dict[str, list[float]], path: str | Path | None = None) -> Figure:
+def plot_loss_curves(curves: dict[str, list[float]], *, path: str | Path | None = None) -> Figure:
     """Training loss against step, one line per run (the first drawn thick, so a match shows).
 
     Args:

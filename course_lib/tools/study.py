@@ -196,7 +196,11 @@ def run_locally(results: Path, runs: list[PlannedRun], settings: dict[str, Any])
 
 
 def collect(results: Path) -> tuple[list[dict[str, Any]], list[str]]:
-    """Rows (with speedup and efficiency against each strategy's smallest run) and the failed runs."""
+    """Rows (with speedup and efficiency against each strategy's smallest run) and the failed runs.
+
+    Args:
+        results: the study's folder (where ``submit`` wrote ``study.json`` and the runs' metrics).
+    """
     runs, settings = load_plan(results)
     rows, failed = [], []
     for run in runs:
@@ -247,6 +251,11 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> Path:
 
 
 def read_csv(path: Path) -> list[dict[str, Any]]:
+    """The rows of a ``scaling.csv`` that ``collect`` wrote, with numbers as numbers.
+
+    Args:
+        path: the CSV file.
+    """
     with open(path) as handle:
         rows = list(csv.DictReader(handle))
     for row in rows:
@@ -360,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         print("error: no finished run to plot: run collect to see why", file=sys.stderr)
         return 1
-    plot_study(rows, args.results / PLOT_FILE)
+    plot_study(rows, path=args.results / PLOT_FILE)
     print(f"wrote {args.results / PLOT_FILE}")
     return 0
 

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                 "1 process": single,
                 f"data {args.data} x pipeline {args.pipeline} x tensor {args.tensor}": grid,
             },
-            args.plot,
+            path=args.plot,
         )
     print(
         json.dumps(

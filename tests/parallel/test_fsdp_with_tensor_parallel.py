@@ -42,7 +42,7 @@ def _dtensor_plan() -> dict:
 
 def _train(kind: str) -> list[float]:
     """The loss of every step, averaged over the data replicas: ``single``, ``course`` or ``torch``."""
-    inputs, targets, vocabulary = data.zen_windows(SEQ)
+    inputs, targets, vocabulary = data.zen_windows(seq_len=SEQ)
     torch.manual_seed(0)
     model = models.TinyTransformer(len(vocabulary), d_model=32, n_heads=4, n_layers=2, max_seq_len=SEQ)
     data_rank, data_group = 0, None
@@ -105,7 +105,7 @@ def _shard_counts() -> tuple[int, int, int]:
     torch.manual_seed(0)
     model = FullyShardedDataParallel(torch.nn.Linear(7, 5), group=grid.group("data"))  # 40 elements, 2 shards
     flat = model.flat_params[0]
-    return flat.group_size, flat.shard_numel, runtime.rank(grid.group("data"))
+    return flat.group_size, flat.shard_numel, runtime.rank(group=grid.group("data"))
 
 
 def test_fsdp_on_a_group_shards_over_that_group_only():

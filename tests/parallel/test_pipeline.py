@@ -61,7 +61,7 @@ def test_broken_schedules_are_caught():
 
 
 def _model_and_batch():
-    inputs, targets, vocabulary = data.zen_windows(SEQ)
+    inputs, targets, vocabulary = data.zen_windows(seq_len=SEQ)
     torch.manual_seed(0)
     model = models.TinyTransformer(
         len(vocabulary), d_model=D_MODEL, n_heads=4, n_layers=LAYERS, max_seq_len=SEQ
@@ -161,9 +161,9 @@ def test_course_pipeline_equals_torch_pipelining(schedule, p, m, v):
 
 def test_timelines_are_drawn_from_a_schedule_and_from_a_run(tmp_path):
     schedule = pp.simulate_timeline(pp.build_schedule("interleaved_1f1b", 2, 4, virtual_stages=2), 2)
-    plots.plot_timeline(schedule, tmp_path / "schedule.png", pipeline_size=2)
+    plots.plot_timeline(schedule, path=tmp_path / "schedule.png", pipeline_size=2)
     events = launch(_events, 2)
-    plots.plot_timeline(dict(enumerate(events)), tmp_path / "measured.png", title="measured")
+    plots.plot_timeline(dict(enumerate(events)), path=tmp_path / "measured.png", title="measured")
     for name in ("schedule.png", "measured.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert all(len(rank_events) == 2 * 4 for rank_events in events)  # 4 forwards and 4 backwards each

@@ -108,7 +108,7 @@ def test_layers_equal_their_dense_counterparts_forward_and_backward(degree):
 
 def _converted_transformer():
     torch.manual_seed(0)
-    inputs, targets, vocabulary = data.zen_windows(16)
+    inputs, targets, vocabulary = data.zen_windows(seq_len=16)
     dense = models.TinyTransformer(
         len(vocabulary), d_model=D_MODEL, n_heads=HEADS, n_layers=2, max_seq_len=16
     )

@@ -32,7 +32,7 @@ setup:
 	  touch "$(VENV_DIR)/.complete"; \
 	fi; \
 	ln -sfn "$(VENV_DIR)" .venv; \
-	if [ "$$($(PY) -c 'import course_lib, pathlib; print(pathlib.Path(course_lib.__file__).parent.parent)')" != "$(CURDIR)" ]; then \
+	if [ "$$($(PY) -P -c 'import course_lib, pathlib; print(pathlib.Path(course_lib.__file__).parent.parent)')" != "$(CURDIR)" ]; then \
 	  $(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e . ; \
 	fi
 

@@ -13,6 +13,9 @@ import pytest
 os.environ.setdefault("MPLBACKEND", "Agg")
 
 REPO = Path(__file__).resolve().parent.parent
+# Every process the tests start (notebook kernels included) imports this checkout's course_lib,
+# even when the virtual environment, shared between clones, was last installed from another one.
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 
 
 @dataclass

@@ -39,9 +39,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from . import runtime
 from .errors import UserError
@@ -119,6 +116,9 @@ def _layout(model: torch.nn.Module) -> str:
 
 def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The model and optimizer state DCP writes, or fills in place when loading."""
+    # DCP is imported where it is used: it costs a second at the start of every run, saving or not
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     if hasattr(model, "sharded_state_dict"):  # the course's ZeRO and FSDP: flat shards
         return {
             "model": model.sharded_state_dict(),
@@ -143,6 +143,8 @@ def save(
         shutil.rmtree(temporary, ignore_errors=True)
         temporary.mkdir()
     dist.barrier()
+
+    import torch.distributed.checkpoint as dcp
 
     dcp.save(_state(model, optimizer), checkpoint_id=str(temporary))
     rng_states = _all_gather_objects(_rng_state())
@@ -229,6 +231,10 @@ def load(
             f"{meta['config'].get('impl')} --zero-stage {meta['config'].get('zero_stage', 3)}), or start "
             "afresh with a new --checkpoint-dir"
         )
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
     state = _state(model, optimizer)
     try:
         dcp.load(state, checkpoint_id=str(path))

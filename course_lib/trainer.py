@@ -32,7 +32,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from tqdm import tqdm
 
 from . import checkpoint, checks, data, models, runtime, strategies
@@ -608,6 +607,8 @@ class Trainer:
             if hasattr(self.model, "full_state_dict"):  # the course's ZeRO and FSDP
                 result.state_dict = self.model.full_state_dict()
             else:
+                from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
                 options = StateDictOptions(full_state_dict=True, cpu_offload=True)
                 result.state_dict = get_model_state_dict(strategies.unwrap(self.model), options=options)
         return result

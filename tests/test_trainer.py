@@ -178,14 +178,16 @@ def _save_then_get_killed_while_saving(directory: str, ready_flag: str):
     config = dataclasses.replace(BASE, strategy="single", max_steps=2, checkpoint_dir=directory)
     trainer = Trainer(config)
     trainer.fit()  # writes step-00000002
-    real_save = checkpoint.dcp.save
+    import torch.distributed.checkpoint as dcp  # what checkpoint.save calls
+
+    real_save = dcp.save
 
     def slow_save(state, checkpoint_id):
         real_save(state, checkpoint_id=checkpoint_id)  # the tensors are on disk, meta.pt is not yet
         open(ready_flag, "w").close()
         time.sleep(600)
 
-    checkpoint.dcp.save = slow_save
+    dcp.save = slow_save
     trainer.position.global_step = 3
     checkpoint.save(directory, trainer.model, trainer.optimizer, trainer.position)
 

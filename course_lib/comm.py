@@ -163,10 +163,6 @@ class _LoggedWork:
         return self._done or self._work.is_completed()
 
 
-def _group_size(group) -> int:
-    return runtime.world_size(group=group)
-
-
 def _check_device(*tensors: torch.Tensor) -> None:
     backend = dist.get_backend()
     for tensor in tensors:
@@ -189,7 +185,7 @@ def _run(
     after: Callable[[], None] | None = None,
 ):
     """Call ``call()`` (a torch.distributed operation), log it, and finish with ``after`` when complete."""
-    size = _group_size(group)
+    size = runtime.world_size(group=group)
     record = CommRecord(op, tensor_bytes, ring_bytes(op, tensor_bytes, size), size)
     for log in _active_logs:
         log.records.append(record)
@@ -218,7 +214,7 @@ def _mean_divider(tensor: torch.Tensor, op: str, group) -> Callable[[], None] | 
         raise UserError(
             f"the mean of a {tensor.dtype} tensor is not a {tensor.dtype}: use op='sum' or a float tensor"
         )
-    size = _group_size(group)
+    size = runtime.world_size(group=group)
     return lambda: tensor.div_(size)
 
 
@@ -418,7 +414,7 @@ def gather(
             instead of blocking until the collective is done.
     """
     _check_device(tensor)
-    total = nbytes(tensor) * _group_size(group)
+    total = nbytes(tensor) * runtime.world_size(group=group)
     return _run(
         "gather",
         total,
@@ -447,7 +443,7 @@ def scatter(
             instead of blocking until the collective is done.
     """
     _check_device(tensor)
-    total = nbytes(tensor) * _group_size(group)
+    total = nbytes(tensor) * runtime.world_size(group=group)
     return _run(
         "scatter",
         total,

@@ -104,18 +104,23 @@ def run_ranks(
     return finish(start_ranks(args, nprocs, env, module), timeout)
 
 
-def run_bench(*args: str) -> dict:
-    """``python -m course_lib.tools.bench ARGS`` in a fresh process; the JSON it printed."""
-    import json
-
-    shown = subprocess.run(
-        [sys.executable, "-m", "course_lib.tools.bench", *args],
+def run_tool(tool: str, *args: str) -> subprocess.CompletedProcess:
+    """``python -m course_lib.tools.TOOL ARGS`` in a fresh process, as a user would type it."""
+    return subprocess.run(
+        [sys.executable, "-m", f"course_lib.tools.{tool}", *args],
         cwd=REPO,
         env=clean_env(),
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+def run_bench(*args: str) -> dict:
+    """``python -m course_lib.tools.bench ARGS`` in a fresh process; the JSON it printed."""
+    import json
+
+    shown = run_tool("bench", *args)
     assert shown.returncode == 0, shown.stderr
     return json.loads(shown.stdout)
 

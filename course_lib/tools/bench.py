@@ -331,7 +331,7 @@ def pipeline_benchmark(*, d_model: int, seq: int, batch: int, steps: int, warmup
     Args:
         d_model: the transformer's width.
         seq: characters per sequence.
-        batch: sequences per step (per pipeline for ``pipeline``).
+        batch: sequences per step, for the whole pipeline.
         steps: timed steps; the median is reported.
         warmup: untimed steps first (allocations, caches and lazy set-up settle in them).
     """
@@ -421,7 +421,7 @@ def tp_benchmark(*, d_model: int, seq: int, batch: int, steps: int, warmup: int)
     Args:
         d_model: the transformer's width.
         seq: characters per sequence.
-        batch: sequences per step (per pipeline for ``pipeline``).
+        batch: sequences per step.
         steps: timed steps; the median is reported.
         warmup: untimed steps first (allocations, caches and lazy set-up settle in them).
     """
@@ -568,18 +568,15 @@ def _run_benchmark(args: argparse.Namespace) -> int:
         print(f"benchmarking {args.benchmark} on {world} processes...", file=sys.stderr, flush=True)
         return launch(benchmark, world, timeout_s=1800, **options)[0]
 
-    transformer = ("d_model", "seq", "batch", "steps", "warmup")
+    mlp, transformer, timing = ("width", "layers", "batch"), ("d_model", "seq", "batch"), ("steps", "warmup")
     if args.benchmark == "pipeline":
-        rows = [row for stages in args.stages for row in on(stages, pipeline_benchmark, given(*transformer))]
+        options = given(*transformer, *timing)
+        rows = [row for stages in args.stages for row in on(stages, pipeline_benchmark, options)]
         result = {"benchmark": "pipeline", "threads_per_rank": "cores / ranks", "rows": rows}
     elif args.benchmark == "tp":
-        result = on(args.world_size, tp_benchmark, given(*transformer))
+        result = on(args.world_size, tp_benchmark, given(*transformer, *timing))
     elif args.benchmark == "memory":
-        rows = [
-            row
-            for world in args.world_sizes
-            for row in on(world, memory_benchmark, given("width", "layers", "batch"))
-        ]
+        rows = [row for world in args.world_sizes for row in on(world, memory_benchmark, given(*mlp))]
         result = {
             "benchmark": "memory",
             "optimizer": "Adam, fp32 (K = 8 bytes of state per parameter)",
@@ -588,11 +585,9 @@ def _run_benchmark(args: argparse.Namespace) -> int:
             "rows": rows,
         }
     elif args.benchmark == "ddp":
-        result = on(
-            args.world_size, ddp_benchmark, given("width", "layers", "batch", "steps", "warmup", "bucket_mb")
-        )
+        result = on(args.world_size, ddp_benchmark, given(*mlp, *timing, "bucket_mb"))
     else:
-        result = on(args.world_size, fsdp_benchmark, given("width", "layers", "batch", "steps", "warmup"))
+        result = on(args.world_size, fsdp_benchmark, given(*mlp, *timing))
     print(json.dumps(result, indent=2))
     return 0
 

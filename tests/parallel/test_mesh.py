@@ -152,28 +152,26 @@ def test_bad_grids_are_refused_on_every_rank_before_waiting(arguments, message):
 
 def test_the_3d_command_prints_both_curves_and_refuses_a_bad_grid(tmp_path):
     import json
-    import subprocess
-    import sys
 
-    from conftest import REPO, clean_env
+    from conftest import run_tool
 
-    def run(*args):
-        return subprocess.run(
-            [sys.executable, "-m", "course_lib.tools.three_d", *args],
-            cwd=REPO,
-            env=clean_env(),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-
-    shown = run(
-        "--data", "1", "--pipeline", "2", "--tensor", "1", "--steps", "3", "--plot", str(tmp_path / "l.png")
+    shown = run_tool(
+        "three_d",
+        "--data",
+        "1",
+        "--pipeline",
+        "2",
+        "--tensor",
+        "1",
+        "--steps",
+        "3",
+        "--plot",
+        str(tmp_path / "l.png"),
     )
     assert shown.returncode == 0, shown.stderr
     result = json.loads(shown.stdout)
     assert result["max_difference"] < 1e-4 and len(result["grid_loss"]) == 3
     assert "tensor groups:   [0] [1]" in shown.stderr and (tmp_path / "l.png").exists()
-    refused = run("--data", "3", "--pipeline", "1", "--tensor", "1")
+    refused = run_tool("three_d", "--data", "3", "--pipeline", "1", "--tensor", "1")
     assert refused.returncode == 2
     assert "the global batch of 16 must split into 3 data-parallel parts of 2 micro-batches" in refused.stderr

@@ -66,9 +66,9 @@ clean-results:
 	rm -rf results checkpoints
 
 # The lecture slides: Slidev decks slides/[0-9]*.md, built with the pinned Slidev of
-# slides/package-lock.json (Node.js 20 or newer), exported to PDF with Chromium, and each PDF page
-# drawn as a PNG by pdftoppm (Debian: apt-get install chromium poppler-utils): one browser export
-# per deck instead of two.
+# slides/package-lock.json (Node.js 20 or newer) into static sites, each printed to PDF by one
+# Chromium once every slide has drawn (slides/export-built-decks.mjs), and each PDF page drawn as a
+# PNG by pdftoppm (Debian: apt-get install chromium poppler-utils).
 #   make slides   draw the figures from the code, then build every deck and export it:
 #                 slides/dist/site/<deck>/ (a static site: serve slides/dist over HTTP),
 #                 slides/dist/pdf/<deck>.pdf and slides/dist/png/<deck>/<slide>.png
@@ -97,10 +97,14 @@ slides-build:
 	@set -euo pipefail; cd slides; \
 	[ -x $(SLIDEV) ] || { echo "error: Slidev is not installed: run make slides-setup" >&2; exit 2; }; \
 	rm -rf "$(SLIDES_OUT)/site" "$(SLIDES_OUT)/pdf" "$(SLIDES_OUT)/png"; \
+	echo "== building $(SLIDES_DECKS)"; \
+	mkdir -p "$(SLIDES_OUT)"; \
+	$(SLIDEV) build $(SLIDES_DECKS) --base ./ --out "$(SLIDES_OUT)/site" >"$(SLIDES_OUT)/build.log" 2>&1 \
+	  || { tail -40 "$(SLIDES_OUT)/build.log" >&2; exit 1; }; \
+	echo "== printing each deck to PDF"; \
+	node export-built-decks.mjs "$(CHROMIUM)" "$(SLIDES_OUT)/site" "$(SLIDES_OUT)/pdf" $(SLIDES_DECKS:.md=); \
 	for deck in $(SLIDES_DECKS); do \
-	  name=$${deck%.md}; echo "== $$deck"; \
-	  $(SLIDEV) build $$deck --base ./ --out "$(SLIDES_OUT)/site/$$name" >/dev/null; \
-	  $(SLIDEV) export $$deck --executable-path "$(CHROMIUM)" --output "$(SLIDES_OUT)/pdf/$$name" >/dev/null; \
+	  name=$${deck%.md}; \
 	  mkdir -p "$(SLIDES_OUT)/png/$$name"; \
 	  pdftoppm -png -scale-to-x 1960 -scale-to-y -1 "$(SLIDES_OUT)/pdf/$$name.pdf" "$(SLIDES_OUT)/png/$$name/page"; \
 	  for page in "$(SLIDES_OUT)/png/$$name"/page-*.png; do \

@@ -21,7 +21,10 @@ bytes of parameters, gradients and optimizer state a rank really holds after two
 
 ``pipeline``: for each schedule (GPipe, 1F1B, interleaved 1F1B with 2 virtual stages) at 2 and
 4 stages and 4 and 8 micro-batches, the course executor's step time, measured bubble and peak
-activations against theory, and ``torch.distributed.pipelining`` on the same split (ratio).
+activations against theory, and ``torch.distributed.pipelining`` on the same split (ratio). Then
+the compute-bound rows (GPipe and 1F1B, equal stages of wide MLP blocks whose compute per
+micro-batch dwarfs its message): there the measured bubble meets (p - 1) / (m + p - 1); they run
+only where each stage has a core of its own.
 
 ``tp``: the course's tensor-parallel MLP and attention against DTensor's ``parallelize_module``
 (ColwiseParallel / RowwiseParallel), and the bytes moved per forward+backward against theory:
@@ -47,6 +50,10 @@ from ..launch import launch, max_processes
 
 PIPELINE_MICROBATCHES = (4, 8)
 """Micro-batches per step in the pipeline benchmark: the bubble shrinks as they grow."""
+PIPELINE_BUBBLE_WIDTH = 256
+"""Features sent between stages in the compute-bound pipeline rows: messages of a few kB."""
+PIPELINE_BUBBLE_BATCH = 1024
+"""Samples per step in the compute-bound pipeline rows: tens of milliseconds per micro-batch."""
 TP_HEADS_PER_RANK = 4
 """Attention heads each rank owns in the tensor-parallel benchmark."""
 
@@ -415,6 +422,95 @@ def pipeline_benchmark(*, d_model: int, seq: int, batch: int, steps: int, warmup
     return rows if runtime.is_main() else None
 
 
+def stage_counts_with_a_core_each(stage_counts: list[int], *, cores: int) -> list[int]:
+    """The pipeline sizes whose processes each get a core of their own.
+
+    Processes that share a core wait for each other's time slices as well as for the pipeline,
+    so the bubble they measure is not the schedule's.
+
+    Args:
+        stage_counts: the pipeline sizes asked for.
+        cores: the CPU cores this machine lets the processes use.
+    """
+    return [stages for stages in stage_counts if stages <= cores]
+
+
+def pipeline_bubble_benchmark(
+    *, width: int, hidden: int, blocks_per_stage: int, batch: int, steps: int, warmup: int
+) -> list[dict] | None:
+    """The bubble measured where the theory's assumptions hold, against (p - 1) / (m + p - 1).
+
+    The theory assumes equal stages and free messages. Here every stage is the same stack of wide
+    MLP blocks (width -> hidden -> width) and the loss is cheap, so each stage computes for
+    milliseconds per micro-batch while the activation it sends is a few kilobytes. The transformer
+    rows of ``pipeline_benchmark`` break both assumptions (the embedding and the head make the
+    first and last stages longer, and each micro-batch's compute is as short as a message).
+
+    Args:
+        width: features of the activation sent between stages (what a message holds).
+        hidden: features inside each block (what the compute scales with).
+        blocks_per_stage: MLP blocks each stage holds.
+        batch: samples per step, for the whole pipeline.
+        steps: timed steps; the median bubble is reported.
+        warmup: untimed steps first.
+    """
+    from ..parallel import pipeline as pp
+
+    p, rank = runtime.world_size(), runtime.rank()
+    torch.manual_seed(0)
+    stages = [
+        nn.Sequential(
+            *(
+                nn.Sequential(nn.Linear(width, hidden), nn.ReLU(), nn.Linear(hidden, width))
+                for _ in range(blocks_per_stage)
+            )
+        )
+        for _ in range(p)
+    ]
+    # The first stage computes its input's gradient too, so that it does the same work as the others.
+    inputs, targets = torch.randn(batch, width, requires_grad=True), torch.randn(batch, width)
+    rows = []
+    for schedule in ("gpipe", "1f1b"):
+        for m in PIPELINE_MICROBATCHES:
+            executor = pp.PipelineExecutor(
+                {rank: stages[rank]}, p, schedule, m, F.mse_loss, (batch // m, width)
+            )
+
+            def step():
+                executor.step(inputs if rank == 0 else None, targets if rank == p - 1 else None)
+                comm.barrier()
+
+            bubbles, compute_ms = [], []
+
+            def record():
+                bubbles.append(executor.stats.bubble_fraction)
+                forwards = [end - start for kind, *_, start, end in executor.stats.events if kind == "F"]
+                compute_ms.append(1000 * statistics.mean(forwards))
+
+            median_ms = _interleaved_medians({"step": step}, steps, warmup, after_each_round=record)["step"]
+            stages[rank].zero_grad(set_to_none=True)
+            gathered = [None] * p
+            torch.distributed.all_gather_object(
+                gathered, (statistics.median(bubbles), statistics.median(compute_ms))
+            )
+            measured = statistics.mean(g[0] for g in gathered)
+            theory = pp.bubble_fraction_theory(p, m)
+            rows.append(
+                {
+                    "schedule": schedule,
+                    "stages": p,
+                    "microbatches": m,
+                    "step_ms": median_ms,
+                    "forward_ms_per_microbatch": statistics.mean(g[1] for g in gathered),
+                    "message_bytes": (batch // m) * width * 4,
+                    "bubble_measured": measured,
+                    "bubble_theory": theory,
+                    "bubble_error": measured - theory,
+                }
+            )
+    return rows if runtime.is_main() else None
+
+
 def tp_benchmark(*, d_model: int, seq: int, batch: int, steps: int, warmup: int) -> dict | None:
     """The course's tensor-parallel MLP and attention against DTensor's, and their bytes against theory.
 
@@ -517,6 +613,12 @@ def main(argv: list[str] | None = None) -> int:
         command.add_argument("--steps", type=positive, default=10, help="timed steps per variant")
         command.add_argument("--warmup", type=checks.int_at_least(0), default=2)
     pipe.add_argument(
+        "--bubble-hidden",
+        type=positive,
+        default=4096,
+        help="hidden features of the compute-bound rows' MLP blocks (their compute per micro-batch)",
+    )
+    pipe.add_argument(
         "--stages",
         type=checks.int_at_least(2, max_processes()),
         nargs="+",
@@ -572,7 +674,31 @@ def _run_benchmark(args: argparse.Namespace) -> int:
     if args.benchmark == "pipeline":
         options = given(*transformer, *timing)
         rows = [row for stages in args.stages for row in on(stages, pipeline_benchmark, options)]
-        result = {"benchmark": "pipeline", "threads_per_rank": "cores / ranks", "rows": rows}
+        fits = stage_counts_with_a_core_each(args.stages, cores=runtime.usable_cpus())
+        bubble_options = dict(
+            width=PIPELINE_BUBBLE_WIDTH,
+            hidden=args.bubble_hidden,
+            blocks_per_stage=2,
+            batch=PIPELINE_BUBBLE_BATCH,
+            **given(*timing),
+        )
+        compute_bound = [
+            row for stages in fits for row in on(stages, pipeline_bubble_benchmark, bubble_options)
+        ]
+        result = {
+            "benchmark": "pipeline",
+            "threads_per_rank": "cores / ranks",
+            "rows": rows,
+            "compute_bound_rows": compute_bound,
+            "compute_bound_max_bubble_error": max(
+                (abs(row["bubble_error"]) for row in compute_bound), default=None
+            ),
+            "compute_bound_not_run": [
+                f"{stages} stages: more processes than the {runtime.usable_cpus()} cores"
+                for stages in args.stages
+                if stages not in fits
+            ],
+        }
     elif args.benchmark == "tp":
         result = on(args.world_size, tp_benchmark, given(*transformer, *timing))
     elif args.benchmark == "memory":

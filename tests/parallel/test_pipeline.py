@@ -213,7 +213,7 @@ def _uneven_batch():
 def test_pipeline_benchmark_prints_the_promised_json():
     from conftest import run_bench
 
-    rows = run_bench(
+    result = run_bench(
         "pipeline",
         "--stages",
         "2",
@@ -227,7 +227,8 @@ def test_pipeline_benchmark_prints_the_promised_json():
         "1",
         "--warmup",
         "0",
-    )["rows"]
+    )
+    rows = result["rows"]
     assert [(r["schedule"], r["microbatches"]) for r in rows] == [
         (s, m) for s in ("gpipe", "1f1b", "interleaved_1f1b") for m in (4, 8)
     ]
@@ -237,3 +238,34 @@ def test_pipeline_benchmark_prints_the_promised_json():
             pp.bubble_fraction_theory(2, row["microbatches"], virtual_stages=row["virtual_stages"])
         )
         assert row["ratio"] > 0
+
+
+def test_where_stages_compute_far_longer_than_a_message_the_measured_bubble_is_the_theory():
+    """The benchmark's compute-bound rows: equal stages of wide MLP blocks, kilobyte messages.
+
+    ``bench pipeline`` on this machine, with its default steps, measures these bubbles within
+    about 0.05 of (p - 1) / (m + p - 1); the margin here is wider because the test shares the
+    machine's cores with the rest of the suite.
+    """
+    from conftest import run_bench
+
+    result = run_bench(
+        "pipeline", "--stages", "2", "--d-model", "16", "--seq", "8", "--batch", "8", "--steps", "4"
+    )
+    rows = result["compute_bound_rows"]
+    assert [(r["schedule"], r["stages"], r["microbatches"]) for r in rows] == [
+        (s, 2, m) for s in ("gpipe", "1f1b") for m in (4, 8)
+    ]
+    for row in rows:
+        assert row["bubble_theory"] == pytest.approx(1 / (row["microbatches"] + 1))
+        # compute-bound: a micro-batch's forward takes milliseconds, its message a few hundred kB
+        assert row["forward_ms_per_microbatch"] > 2 and row["message_bytes"] < 1e6
+        assert abs(row["bubble_measured"] - row["bubble_theory"]) < 0.12, row
+    assert result["compute_bound_max_bubble_error"] == max(abs(r["bubble_error"]) for r in rows)
+
+
+def test_the_compute_bound_rows_are_measured_only_where_each_stage_has_its_own_core():
+    from course_lib.tools import bench
+
+    assert bench.stage_counts_with_a_core_each([2, 4, 8], cores=4) == [2, 4]
+    assert bench.stage_counts_with_a_core_each([4], cores=2) == []

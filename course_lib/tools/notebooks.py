@@ -1,0 +1,148 @@
+"""Run the notebooks as a student would and check what they leave on the page.
+
+    python -m course_lib.tools.notebooks run [NAME ...]   execute in place, outputs saved
+    python -m course_lib.tools.notebooks check            what the committed outputs must hold
+
+``run`` executes each notebook top to bottom in a fresh kernel started in ``notebooks/`` (the
+folder JupyterLab starts it in), with the environment a student has: no matplotlib backend chosen
+from outside, so the figures come out as inline images. The outputs it saves are the ones nbval
+compares against. ``check`` finds, in the committed outputs:
+
+- a cell that draws (it calls ``plt.``, ``plots.`` or ``figures.``) with no ``image/png`` output;
+- an output that holds an absolute path of the machine that ran it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
+DRAWING_MODULES = ("plt", "plots", "figures")
+# A path that names a machine's folders: /home/..., /Users/..., /work/..., /tmp/..., C:\...
+MACHINE_PATH = re.compile(
+    r"(?<![\w.~])(?:/(?:home|Users|root|work|tmp|scratch|capstor|users|private|var|mnt|opt)/|[A-Z]:\\\\?\w)"
+)
+
+
+def notebook_paths(names: list[str] | None = None) -> list[Path]:
+    """The course's notebooks in order, or those named (with or without ``.ipynb``).
+
+    Args:
+        names: notebook names such as ``06_pipeline_parallel``; None for all of them.
+    """
+    every = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+    if not names:
+        return every
+    by_name = {path.stem: path for path in every}
+    unknown = [name for name in names if name.removesuffix(".ipynb") not in by_name]
+    if unknown:
+        raise SystemExit(f"error: no notebook {', '.join(unknown)}; there are: {', '.join(by_name)}")
+    return [by_name[name.removesuffix(".ipynb")] for name in names]
+
+
+def draws(source: str) -> bool:
+    """Whether a code cell draws: it calls a function of ``plt``, ``plots`` or ``figures``.
+
+    Args:
+        source: the cell's code (IPython magics such as ``%matplotlib inline`` are allowed).
+    """
+    code = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines())
+    for node in ast.walk(ast.parse(code)):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id in DRAWING_MODULES
+        ):
+            return True
+    return False
+
+
+def output_text(output: dict) -> str:
+    """Everything an output shows as text: streams, results, errors."""
+    parts = [output.get("text", "")]
+    parts += [value for key, value in output.get("data", {}).items() if key.startswith("text/")]
+    parts += output.get("traceback", [])
+    return "".join("".join(part) if isinstance(part, list) else part for part in parts)
+
+
+def problems(path: Path) -> list[str]:
+    """What is wrong with a notebook's committed outputs, one line each naming the cell.
+
+    Args:
+        path: the ``.ipynb`` file.
+    """
+    found = []
+    notebook = json.loads(path.read_text())
+    code_cells = [cell for cell in notebook["cells"] if cell["cell_type"] == "code"]
+    for number, cell in enumerate(code_cells, start=1):
+        source = "".join(cell["source"])
+        outputs = cell.get("outputs", [])
+        where = f"{path.name} code cell {number}"
+        if draws(source) and not any("image/png" in output.get("data", {}) for output in outputs):
+            found.append(f"{where} draws but shows no image: end it with the Figure, or display() each one")
+        for output in outputs:
+            match = MACHINE_PATH.search(output_text(output))
+            if match:
+                text = output_text(output)
+                line = text[text.rfind("\n", 0, match.start()) + 1 :].split("\n", 1)[0]
+                found.append(f"{where} shows a path of this machine: {line.strip()[:120]}")
+    return found
+
+
+def run(paths: list[Path], *, cell_timeout: int = 600) -> None:
+    """Execute notebooks in place, as JupyterLab would, and save their outputs.
+
+    Args:
+        paths: the notebooks to run.
+        cell_timeout: seconds a cell may take before the run stops with an error.
+    """
+    import nbformat
+    from nbclient import NotebookClient
+
+    # A student's kernel has no backend chosen from outside: the figures must show inline.
+    os.environ.pop("MPLBACKEND", None)
+    for path in paths:
+        started = time.perf_counter()
+        notebook = nbformat.read(path, as_version=4)
+        NotebookClient(
+            notebook,
+            timeout=cell_timeout,
+            kernel_name="python3",
+            resources={"metadata": {"path": str(NOTEBOOKS)}},
+        ).execute()
+        nbformat.write(notebook, path)
+        print(f"{path.name}: ran in {time.perf_counter() - started:.0f} s", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m course_lib.tools.notebooks", description=__doc__.split("\n\n")[0]
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    run_parser = commands.add_parser("run", help="execute notebooks in place and save their outputs")
+    run_parser.add_argument(
+        "names", nargs="*", help="notebooks to run (default: all), e.g. 06_pipeline_parallel"
+    )
+    commands.add_parser(
+        "check", help="check the committed outputs: images where cells draw, no machine paths"
+    )
+    args = parser.parse_args(argv)
+    paths = notebook_paths(getattr(args, "names", None))
+    if args.command == "run":
+        run(paths)
+    found = [problem for path in paths for problem in problems(path)]
+    for problem in found:
+        print(problem, file=sys.stderr)
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

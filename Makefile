@@ -58,9 +58,9 @@ format: setup
 test: system-deps setup lint
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
-# Everything but the multi-minute parts (notebooks, Slurm, slides): the inner loop while editing.
+# Everything but the multi-minute parts (notebooks, the browser, Slurm, slides): the inner loop while editing.
 test-fast: setup
-	$(PY) -m pytest -m "not slow and not notebooks and not slurm and not slides" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow and not notebooks and not slurm and not slides and not browser" $(PYTEST_ARGS)
 
 clean-results:
 	rm -rf results checkpoints

@@ -12,8 +12,11 @@ different N train the *same* model: the accuracy column must not change with N, 
 does, something is wrong with the distribution, not with the hardware.
 
 This file turns a run's metrics (the JSON lines ``course_lib.train --metrics`` writes) into the
-rows of a scaling table and fits Amdahl's law (Amdahl, "Validity of the single processor
-approach to achieving large scale computing capabilities", 1967). Running a whole study on
+rows of a scaling table, and models the time as T(N) = T_compute/N + T_comm(N) + T_fixed, with
+T_comm from the alpha-beta model of a ring all-reduce (Thakur, Rabenseifner and Gropp,
+"Optimization of collective communication operations in MPICH", 2005). Amdahl's law (Amdahl,
+1967) is kept for what it describes, a serial fraction that does not depend on N, and the
+Karp-Flatt metric (1990) tells the two apart from measured speedups. Running a whole study on
 Slurm or locally is a tool: ``python -m course_lib.tools.study`` (``course_lib/tools/study.py``),
 and its pictures are drawn by ``course_lib.tools.plots``.
 """
@@ -104,6 +107,57 @@ def fit_serial_fraction(points: Iterable[tuple[float, float]]) -> float:
     points = list(points)
     candidates = [i / 1000 for i in range(1001)]
     return min(candidates, key=lambda s: sum((amdahl_speedup(n, s) - speedup) ** 2 for n, speedup in points))
+
+
+def karp_flatt(speedup: float, processes: int) -> float:
+    """The serial fraction a measured speedup implies (Karp and Flatt, CACM 1990).
+
+    e = (1/S - 1/N) / (1 - 1/N). Amdahl's serial fraction would stay the same at every N; an e
+    that grows with N says the loss is overhead that grows with N (communication), not a fixed
+    serial part. Above 1 (a speedup below 1), the overhead outweighs the whole compute saved.
+
+    Args:
+        speedup: S, the measured T(1) / T(N).
+        processes: N, at least 2.
+    """
+    if processes < 2:
+        raise ValueError(f"the Karp-Flatt metric needs at least 2 processes, got {processes}")
+    return (1 / speedup - 1 / processes) / (1 - 1 / processes)
+
+
+def ring_all_reduce_seconds(
+    processes: int, *, message_bytes: float, latency_s: float, bandwidth_bytes_per_s: float
+) -> float:
+    """The alpha-beta model of a ring all-reduce: 2(N - 1) messages of 1/N of the tensor each.
+
+    T = 2 (N - 1) (alpha + bytes / (N beta)): the latency term grows with N, the bandwidth term
+    approaches 2 bytes / beta. Zero on one process, where there is nothing to reduce.
+
+    Args:
+        processes: N.
+        message_bytes: the bytes all-reduced (a step's gradients).
+        latency_s: alpha, the fixed cost of one message.
+        bandwidth_bytes_per_s: beta, bytes per second one link carries.
+    """
+    return 2 * (processes - 1) * (latency_s + message_bytes / processes / bandwidth_bytes_per_s)
+
+
+def strong_scaling_seconds(
+    processes: int, *, compute_s: float, communication_s: float, fixed_s: float
+) -> float:
+    """The time of a strong-scaling step or epoch: T(N) = T_compute / N + T_comm(N) + T_fixed.
+
+    Unlike Amdahl's law, communication is its own term: zero at N = 1 and growing with N (from
+    ``ring_all_reduce_seconds``). The speedup falls below 1 as soon as
+    T_comm(N) > T_compute (1 - 1/N): the communication costs more than the compute it saves.
+
+    Args:
+        processes: N.
+        compute_s: T_compute, the work that splits over the processes.
+        communication_s: T_comm(N), at this N.
+        fixed_s: T_fixed, what every process does whole (data loading, launch, Python).
+    """
+    return compute_s / processes + communication_s + fixed_s
 
 
 def format_table(rows: Iterable[dict[str, Any]]) -> str:

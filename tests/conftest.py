@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("MPLBACKEND", "Agg")
+# No matplotlib backend is chosen for the processes the tests start: the notebook kernels must draw
+# inline, as in JupyterLab (the library only makes Figures, which need none).
+os.environ.pop("MPLBACKEND", None)
 
 REPO = Path(__file__).resolve().parent.parent
 # Every process the tests start (notebook kernels included) imports this checkout's course_lib,

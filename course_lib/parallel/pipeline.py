@@ -299,7 +299,11 @@ def check_schedule(
 
 
 def bubble_fraction_theory(pipeline_size: int, microbatches: int, *, virtual_stages: int = 1) -> float:
-    """Idle share of each rank's step: (p - 1) / (v·m + p - 1).
+    """Idle share of each rank's step, what the course measures: (p - 1) / (v·m + p - 1).
+
+    Megatron-LM and most papers state the bubble relative to the ideal compute time instead,
+    (p - 1) / (v·m) (``bubble_overhead_theory``); the two say the same thing, since
+    fraction = overhead / (1 + overhead).
 
     Args:
         pipeline_size: p, the ranks of the pipeline.
@@ -307,6 +311,17 @@ def bubble_fraction_theory(pipeline_size: int, microbatches: int, *, virtual_sta
         virtual_stages: v, stages per rank (interleaved schedule).
     """
     return (pipeline_size - 1) / (virtual_stages * microbatches + pipeline_size - 1)
+
+
+def bubble_overhead_theory(pipeline_size: int, microbatches: int, *, virtual_stages: int = 1) -> float:
+    """Idle time relative to the ideal compute time (Megatron-LM's form): (p - 1) / (v·m).
+
+    Args:
+        pipeline_size: p, the ranks of the pipeline.
+        microbatches: m, the pieces each batch is cut into.
+        virtual_stages: v, stages per rank (interleaved schedule).
+    """
+    return (pipeline_size - 1) / (virtual_stages * microbatches)
 
 
 def peak_activations_theory(
@@ -351,14 +366,18 @@ def simulate_timeline(
     Args:
         actions: {rank: its list of actions}, as ``build_schedule`` returns.
         pipeline_size: p, the ranks of the pipeline.
-        forward_time: how long one forward of one micro-batch on one stage takes.
-        backward_time: how long its backward takes (about twice the forward).
+        forward_time: how long one micro-batch's forward through one rank's share of the model
+            takes. With v virtual stages a rank's share is cut into v chunks, each 1/v of it:
+            that is where interleaving wins.
+        backward_time: the same for the backward (about twice the forward).
     """
     finished: dict[tuple, float] = {}
     events: dict[int, list] = defaultdict(list)
     clock = {rank: 0.0 for rank in actions}
     pending = {rank: [a for a in acts if a.kind in COMPUTE] for rank, acts in actions.items()}
     stages = max(a.stage for acts in pending.values() for a in acts) + 1
+    virtual_stages = stages // pipeline_size
+    forward_time, backward_time = forward_time / virtual_stages, backward_time / virtual_stages
     while any(pending.values()):
         progressed = False
         for rank, queue in pending.items():

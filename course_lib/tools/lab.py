@@ -11,10 +11,12 @@ prints a comparison table and writes under ``results/``:
 - ``strong_scaling.png``: time per epoch and speedup against processes, with the ideal lines.
 
 The default model (35k parameters on 8x8 digits) is so small that communicating costs more than
-computing: expect DDP and FSDP on 2 processes to be *slower* than one, and ask why. By default
-every run gets the whole machine (one process with all cores as threads, or the cores shared
-between the ranks); ``--threads-per-process 1`` instead compares one worker per core, the way
-a cluster gives one GPU per rank. A heavier workload::
+computing: expect DDP and FSDP on 2 processes to be *slower* than one, and ask why. Every rank
+computes with one thread by default, the way a cluster gives each rank a device of its own: two
+processes then have twice the compute of one, and what they lose is communication.
+``--share-cores`` is the other lesson: each run gets the whole machine, its cores split between
+its ranks (one process with every core as threads against two with half each), which measures
+how well PyTorch's threads use the cores as much as the communication. A heavier workload::
 
     python -m course_lib.tools.lab --dataset synthetic --model cifar_cnn --epochs 3 --lr 0.001
 """
@@ -75,12 +77,18 @@ def main(argv: list[str] | None = None) -> int:
         type=checks.argument_type(checks.check_number, float, above=0, maximum=MAX_LEARNING_RATE),
         default=0.01,
     )
-    parser.add_argument(
+    threads = parser.add_mutually_exclusive_group()
+    threads.add_argument(
         "--threads-per-process",
         type=checks.int_at_least(1, runtime.usable_cpus()),
-        default=None,
-        help="CPU threads per rank (default: the machine's cores shared between the ranks of a run; "
-        "1 compares one worker per core, like one GPU per rank)",
+        default=1,
+        help="CPU threads per rank: 1 gives each rank a worker of its own, like one GPU per rank",
+    )
+    threads.add_argument(
+        "--share-cores",
+        action="store_true",
+        help="give every run the whole machine, its cores split between its ranks (one process gets "
+        "them all as threads)",
     )
     parser.add_argument("--results-dir", type=checks.folder_to_write, default="results")
     parser.add_argument(
@@ -120,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         metrics.unlink(missing_ok=True)
         command = command_for(strategy, nprocs, [*train_args, "--metrics", str(metrics)])
         print(f"\n=== {strategy} on {nprocs} process(es): {shlex.join(command)}", flush=True)
-        # Share this machine's cores between the ranks (and keep torchrun from warning about it).
-        threads = args.threads_per_process or max(1, runtime.usable_cpus() // nprocs)
+        # Set for every run, so that torchrun does not choose (and warn about it).
+        threads = max(1, runtime.usable_cpus() // nprocs) if args.share_cores else args.threads_per_process
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         finished = subprocess.run(command, env=env)
         if finished.returncode != 0:

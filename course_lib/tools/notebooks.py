@@ -107,8 +107,12 @@ def run(paths: list[Path], *, cell_timeout: int = 600) -> None:
     import nbformat
     from nbclient import NotebookClient
 
-    # A student's kernel has no backend chosen from outside: the figures must show inline.
+    # A student's kernel has no backend chosen from outside: the figures must show inline. And it
+    # imports this checkout's course_lib, whichever one the virtual environment was installed from.
     os.environ.pop("MPLBACKEND", None)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(NOTEBOOKS.parent), os.environ.get("PYTHONPATH")])
+    )
     for path in paths:
         started = time.perf_counter()
         notebook = nbformat.read(path, as_version=4)

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import checks
+from .. import checks, runtime
 from ..scaling import add_speedup, format_table, read_metrics, summarize
 from .plots import plot_study
 
@@ -151,8 +151,19 @@ def wait_for_jobs(runs: list[PlannedRun], poll_s: float = 2.0) -> None:
         time.sleep(poll_s)
 
 
-def run_locally(results: Path, runs: list[PlannedRun], settings: dict[str, Any]) -> None:
-    """The same study without Slurm: each size in turn on this machine (torchrun for N > 1)."""
+def run_locally(
+    results: Path, runs: list[PlannedRun], settings: dict[str, Any], *, share_cores: bool = False
+) -> None:
+    """The same study without Slurm: each size in turn on this machine (torchrun for N > 1).
+
+    Args:
+        results: the study's folder.
+        runs: the runs ``plan_runs`` chose.
+        settings: dataset, model, epochs, global batch (and data_dir) of every run.
+        share_cores: give every run all the cores, split between its ranks, instead of one thread
+            per rank (a cluster's one device per rank); it then measures threads as well as
+            communication.
+    """
     for run in runs:
         env = _training_environment(results, run, settings)
         flags = [
@@ -184,7 +195,8 @@ def run_locally(results: Path, runs: list[PlannedRun], settings: dict[str, Any])
                 "course_lib.train",
                 *flags,
             ]
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(run.world_size, 1)))
+        threads = max(1, runtime.usable_cpus() // run.world_size) if share_cores else 1
+        env["OMP_NUM_THREADS"] = str(threads)
         print(f"running {run.name} here...", flush=True)
         run.metrics_path(results).unlink(missing_ok=True)
         with open(results / f"{run.name}-local.out", "w") as log:
@@ -299,6 +311,12 @@ def main(argv: list[str] | None = None) -> int:
     submit.add_argument("--gpus-per-node", type=checks.int_at_least(1), default=4)
     submit.add_argument("--local", action="store_true", help="no Slurm: run each size here with torchrun")
     submit.add_argument("--wait", action="store_true", help="return when every job has ended")
+    submit.add_argument(
+        "--share-cores",
+        action="store_true",
+        help="with --local: every run gets all the cores, split between its ranks (default: one thread "
+        "per rank, as a cluster gives each rank its own device)",
+    )
     submit.add_argument("--dataset", choices=DATASETS, default=os.environ.get("COURSE_DATASET", "cifar10"))
     submit.add_argument("--data-dir", type=checks.folder_to_read, default=os.environ.get("COURSE_DATA_DIR"))
     submit.add_argument("--model", choices=MODELS, default=os.environ.get("COURSE_MODEL", "resnet18"))
@@ -320,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     parser = sub.choices[args.command]  # later mistakes are reported as this subcommand's
     if args.command == "submit":
+        if args.share_cores and not args.local:
+            parser.error("argument --share-cores: only with --local (on Slurm each rank has its own GPU)")
         uneven = [n for n in args.gpus if args.global_batch_size % n]
         if uneven:
             parser.error(
@@ -345,10 +365,12 @@ def main(argv: list[str] | None = None) -> int:
             "global_batch_size": args.global_batch_size,
             "where": "local" if args.local else "slurm",
         }
+        if args.local:
+            settings["threads_per_rank"] = "cores / ranks" if args.share_cores else 1
         args.results = args.results.resolve()
         args.results.mkdir(parents=True, exist_ok=True)
         if args.local:
-            run_locally(args.results, runs, settings)
+            run_locally(args.results, runs, settings, share_cores=args.share_cores)
         else:
             submit_slurm(args.results, runs, settings, args.sbatch_arg)
         _save_plan(args.results, runs, settings)

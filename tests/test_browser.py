@@ -114,11 +114,15 @@ def browser():
         chromium.close()
 
 
+def _kernels(base: str, token: str) -> list[dict]:
+    """The kernels the server runs, as its REST API describes them."""
+    with urllib.request.urlopen(f"{base}/api/kernels?token={token}", timeout=10) as answer:
+        return json.load(answer)
+
+
 def _shut_down_kernels(base: str, token: str) -> None:
     """Stop the kernels the notebook started: the next notebook gets the machine's cores."""
-    with urllib.request.urlopen(f"{base}/api/kernels?token={token}", timeout=10) as answer:
-        kernels = json.load(answer)
-    for kernel in kernels:
+    for kernel in _kernels(base, token):
         request = urllib.request.Request(f"{base}/api/kernels/{kernel['id']}?token={token}", method="DELETE")
         urllib.request.urlopen(request, timeout=30).close()
 
@@ -126,9 +130,8 @@ def _shut_down_kernels(base: str, token: str) -> None:
 def _wait_for_an_idle_kernel(base: str, token: str, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        with urllib.request.urlopen(f"{base}/api/kernels?token={token}", timeout=10) as answer:
-            if [kernel["execution_state"] for kernel in json.load(answer)] == ["idle"]:
-                return
+        if [kernel["execution_state"] for kernel in _kernels(base, token)] == ["idle"]:
+            return
         time.sleep(0.5)
     raise AssertionError(f"the notebook's kernel was not ready within {timeout_s} s")
 

@@ -51,9 +51,13 @@ from ..launch import launch, max_processes
 PIPELINE_MICROBATCHES = (4, 8)
 """Micro-batches per step in the pipeline benchmark: the bubble shrinks as they grow."""
 PIPELINE_BUBBLE_WIDTH = 256
-"""Features sent between stages in the compute-bound pipeline rows: messages of a few kB."""
+"""Features sent between stages in the compute-bound pipeline rows: messages of 128-256 kB."""
 PIPELINE_BUBBLE_BATCH = 1024
 """Samples per step in the compute-bound pipeline rows: tens of milliseconds per micro-batch."""
+PIPELINE_BUBBLE_HIDDEN = 4096
+"""Hidden features of the compute-bound rows' MLP blocks (their compute per micro-batch)."""
+PIPELINE_BUBBLE_BLOCKS_PER_STAGE = 2
+"""MLP blocks each stage holds in the compute-bound pipeline rows."""
 TP_HEADS_PER_RANK = 4
 """Attention heads each rank owns in the tensor-parallel benchmark."""
 
@@ -442,7 +446,8 @@ def pipeline_bubble_benchmark(
 
     The theory assumes equal stages and free messages. Here every stage is the same stack of wide
     MLP blocks (width -> hidden -> width) and the loss is cheap, so each stage computes for
-    milliseconds per micro-batch while the activation it sends is a few kilobytes. The transformer
+    tens of milliseconds per micro-batch while the activation it sends (a few hundred kB)
+    crosses in a fraction of a millisecond. The transformer
     rows of ``pipeline_benchmark`` break both assumptions (the embedding and the head make the
     first and last stages longer, and each micro-batch's compute is as short as a message).
 
@@ -615,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
     pipe.add_argument(
         "--bubble-hidden",
         type=positive,
-        default=4096,
+        default=PIPELINE_BUBBLE_HIDDEN,
         help="hidden features of the compute-bound rows' MLP blocks (their compute per micro-batch)",
     )
     pipe.add_argument(
@@ -674,11 +679,12 @@ def _run_benchmark(args: argparse.Namespace) -> int:
     if args.benchmark == "pipeline":
         options = given(*transformer, *timing)
         rows = [row for stages in args.stages for row in on(stages, pipeline_benchmark, options)]
-        fits = stage_counts_with_a_core_each(args.stages, cores=runtime.usable_cpus())
+        cores = runtime.usable_cpus()
+        fits = stage_counts_with_a_core_each(args.stages, cores=cores)
         bubble_options = dict(
             width=PIPELINE_BUBBLE_WIDTH,
             hidden=args.bubble_hidden,
-            blocks_per_stage=2,
+            blocks_per_stage=PIPELINE_BUBBLE_BLOCKS_PER_STAGE,
             batch=PIPELINE_BUBBLE_BATCH,
             **given(*timing),
         )
@@ -694,7 +700,7 @@ def _run_benchmark(args: argparse.Namespace) -> int:
                 (abs(row["bubble_error"]) for row in compute_bound), default=None
             ),
             "compute_bound_not_run": [
-                f"{stages} stages: more processes than the {runtime.usable_cpus()} cores"
+                f"{stages} stages: more processes than the {cores} cores"
                 for stages in args.stages
                 if stages not in fits
             ],

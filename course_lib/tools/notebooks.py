@@ -89,9 +89,9 @@ def problems(path: Path) -> list[str]:
         if draws(source) and not any("image/png" in output.get("data", {}) for output in outputs):
             found.append(f"{where} draws but shows no image: end it with the Figure, or display() each one")
         for output in outputs:
-            match = MACHINE_PATH.search(output_text(output))
+            text = output_text(output)
+            match = MACHINE_PATH.search(text)
             if match:
-                text = output_text(output)
                 line = text[text.rfind("\n", 0, match.start()) + 1 :].split("\n", 1)[0]
                 found.append(f"{where} shows a path of this machine: {line.strip()[:120]}")
     return found

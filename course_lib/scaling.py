@@ -72,6 +72,8 @@ def summarize(label: str, records: list[dict[str, Any]]) -> dict[str, Any]:
         "val_acc": last["val_acc"],
         "val_loss": last["val_loss"],
         "peak_mem_mb": max(record["peak_mem_mb"] for record in records),
+        # parameters, gradients and optimizer state on the largest rank (NaN in older metrics)
+        "model_state_mb": max(record.get("model_state_mb", float("nan")) for record in records),
     }
 
 
@@ -98,23 +100,15 @@ def amdahl_speedup(processes: float, serial_fraction: float) -> float:
     return 1 / (serial_fraction + (1 - serial_fraction) / processes)
 
 
-def fit_serial_fraction(points: Iterable[tuple[float, float]]) -> float:
-    """The serial fraction (0..1, steps of 0.001) whose Amdahl curve best fits (processes, speedup) points.
-
-    Args:
-        points: measured (processes, speedup) pairs.
-    """
-    points = list(points)
-    candidates = [i / 1000 for i in range(1001)]
-    return min(candidates, key=lambda s: sum((amdahl_speedup(n, s) - speedup) ** 2 for n, speedup in points))
-
-
 def karp_flatt(speedup: float, processes: int) -> float:
     """The serial fraction a measured speedup implies (Karp and Flatt, CACM 1990).
 
-    e = (1/S - 1/N) / (1 - 1/N). Amdahl's serial fraction would stay the same at every N; an e
-    that grows with N says the loss is overhead that grows with N (communication), not a fixed
-    serial part. Above 1 (a speedup below 1), the overhead outweighs the whole compute saved.
+    e = (1/S - 1/N) / (1 - 1/N). Amdahl's serial fraction would give the same e at every N; an e
+    that changes with N says the loss is overhead that depends on N, not a fixed serial part.
+    Communication does: it is zero at N = 1, so a cost that appears with the second process
+    weighs most at N = 2 and e falls after it, while latency (2(N - 1) alpha) and slower links
+    beyond a node make e grow. Above 1 (a speedup below 1), the overhead outweighs the whole
+    compute saved.
 
     Args:
         speedup: S, the measured T(1) / T(N).
@@ -168,13 +162,13 @@ def format_table(rows: Iterable[dict[str, Any]]) -> str:
     """
     header = (
         f"{'run':<10} {'ranks':>5} {'s/epoch':>9} {'samples/s':>10} {'speedup':>8} {'efficiency':>10} "
-        f"{'val acc':>8} {'peak MB':>8}"
+        f"{'val acc':>8} {'state MB':>8} {'peak MB':>8}"
     )
     lines = [header, "-" * len(header)]
     for row in rows:
         lines.append(
             f"{row['run']:<10} {row['world_size']:>5} {row['time_per_epoch_s']:>9.3f} "
             f"{row['samples_per_s']:>10.0f} {row['speedup']:>8.2f} {row['efficiency']:>10.0%} "
-            f"{row['val_acc']:>8.2%} {row['peak_mem_mb']:>8.0f}"
+            f"{row['val_acc']:>8.2%} {row['model_state_mb']:>8.2f} {row['peak_mem_mb']:>8.0f}"
         )
     return "\n".join(lines)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from . import checkpoint, checks, data, models, runtime, strategies
+from . import checkpoint, checks, data, memory, models, runtime, strategies
 from .errors import Diverged, UserError
 from .preemption import Preempted, StopRequests
 
@@ -571,6 +571,10 @@ class Trainer:
         record.update(evaluate(self.model, self.val_loader, self.ctx.device, precision=config.precision))
         record["peak_mem_mb"] = _reduce_max(peak_mb, self.ctx.device)
         record["peak_mem_kind"] = peak_kind
+        # What sharding divides by N, on any device: on a CPU the peak above is the process's
+        # resident memory, mostly PyTorch's own runtime, and hardly moves with N.
+        held = memory.measure_model_states(self.model, optimizer=self.optimizer).total
+        record["model_state_mb"] = _reduce_max(held / 2**20, self.ctx.device)
         if position.step_in_epoch == self.steps_per_epoch:
             position.epoch, position.step_in_epoch = epoch + 1, 0
         return record

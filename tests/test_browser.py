@@ -7,6 +7,12 @@ code cell has run. Then it checks what is on the screen: no error output, an ima
 that draws, and the time the notebook took against its budget. A screenshot of each notebook's
 last cells is saved under ``test-artifacts/notebooks/`` (or ``$COURSE_TEST_ARTIFACTS``).
 
+This is also where the notebooks' text is checked, so that each runs once per ``make test``: the
+test saves the notebook from JupyterLab (File > Save) and compares its outputs with the committed
+ones by nbval's rules (``course_lib.tools.notebooks.output_differences``): cells marked
+``# NBVAL_IGNORE_OUTPUT`` only have to run, the others must print what the committed notebook
+shows. ``pytest --nbval notebooks/`` does the same comparison without a browser.
+
 Chromium is Debian's (``make system-deps`` installs it); Playwright downloads no browser.
 """
 
@@ -94,7 +100,7 @@ def jupyterlab(tmp_path_factory):
                 assert server.poll() is None, (root / "jupyterlab.log").read_text()[-3000:]
                 assert time.monotonic() < deadline, "JupyterLab did not start within 2 minutes"
                 time.sleep(0.5)
-        yield base, token
+        yield base, token, root / "notebooks"
     finally:
         server.terminate()
         try:
@@ -136,6 +142,25 @@ def _wait_for_an_idle_kernel(base: str, token: str, timeout_s: float = 120) -> N
     raise AssertionError(f"the notebook's kernel was not ready within {timeout_s} s")
 
 
+def _save(page, path: Path, timeout_s: float = 60) -> dict:
+    """Save the notebook with JupyterLab's File > Save; the saved file once every code cell is in it."""
+    before = path.stat().st_mtime_ns
+    page.click(".lm-MenuBar-item:has-text('File')")
+    page.click(".lm-Menu-item[data-command='docmanager:save']")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.stat().st_mtime_ns != before:
+            try:
+                saved = json.loads(path.read_text())
+            except json.JSONDecodeError:  # caught while being written
+                saved = None
+            code = [cell for cell in saved["cells"] if cell["cell_type"] == "code"] if saved else []
+            if code and all(cell["execution_count"] is not None for cell in code):
+                return saved
+        time.sleep(0.2)
+    raise AssertionError(f"JupyterLab did not save {path.name} within {timeout_s} s")
+
+
 # The notebook's cells, read back from the page: what each shows, as JupyterLab rendered it.
 READ_CELLS = """() => [...document.querySelectorAll('.jp-Notebook .jp-Cell.jp-CodeCell')].map((cell) => ({
     prompt: cell.querySelector('.jp-InputPrompt')?.textContent.trim() ?? '',
@@ -150,7 +175,7 @@ READ_CELLS = """() => [...document.querySelectorAll('.jp-Notebook .jp-Cell.jp-Co
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[path.stem for path in NOTEBOOKS])
 def test_the_notebook_runs_in_jupyterlab_and_shows_its_pictures(notebook, jupyterlab, browser):
-    base, token = jupyterlab
+    base, token, folder = jupyterlab
     budget = BUDGET_S.get(notebook.stem, DEFAULT_BUDGET_S)
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     try:
@@ -171,6 +196,8 @@ def test_the_notebook_runs_in_jupyterlab_and_shows_its_pictures(notebook, jupyte
         took = time.monotonic() - started
         page.wait_for_timeout(500)  # the last image decoded and laid out
         cells = page.evaluate(READ_CELLS)
+        finished = all(cell["prompt"][1:2].isdigit() and not cell["errors"] for cell in cells)
+        saved = _save(page, folder / notebook.name) if finished else None
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         page.locator(".jp-Notebook .jp-Cell").last.scroll_into_view_if_needed()
         page.screenshot(path=str(ARTIFACTS / f"{notebook.stem}.png"))
@@ -186,4 +213,6 @@ def test_the_notebook_runs_in_jupyterlab_and_shows_its_pictures(notebook, jupyte
     for number, cell in enumerate(cells, start=1):
         if notebooks.draws(cell["source"]):
             assert cell["images"] > 0, f"{where} code cell {number} draws, but no picture is on the page"
+    differences = notebooks.output_differences(executed=saved, committed=json.loads(notebook.read_text()))
+    assert not differences, f"{where}: " + "\n".join(differences)
     print(f"{notebook.stem}: {took:.0f} s in JupyterLab (budget {budget} s)")

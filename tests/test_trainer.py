@@ -56,6 +56,12 @@ def test_same_weights_on_any_world_size(strategy, world_size, single_reference):
     assert history[-1]["world_size"] == world_size and history[-1]["steps"] == 4
     assert history[-1]["val_samples"] == 359
     assert history[-1]["train_loss"] == pytest.approx(reference_history[-1]["train_loss"], rel=1e-5)
+    # the model states a rank holds (the largest rank's): whole under DDP, about 1/N under FSDP
+    held, whole = history[-1]["model_state_mb"], reference_history[-1]["model_state_mb"]
+    if strategy == "ddp":
+        assert held == whole
+    else:  # uneven shards: the first ranks hold up to one row more of each parameter
+        assert whole / world_size <= held < 1.25 * whole / world_size
 
 
 def test_training_moves_the_weights_and_learns(single_reference):

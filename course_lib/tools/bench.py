@@ -48,6 +48,18 @@ from .. import checks, comm, memory, runtime
 from ..errors import EXIT_USER_ERROR, UserError
 from ..launch import launch, max_processes
 
+MLP_WIDTH = 1024
+"""Width of the MLP the ddp, fsdp and memory benchmarks train (layers of width x width)."""
+MLP_LAYERS = 4
+"""Linear layers of that MLP: 4.2M parameters at width 1024."""
+MLP_BATCH = 64
+"""Samples per rank per step in the ddp, fsdp and memory benchmarks."""
+TIMED_STEPS = 30
+"""Timed steps per variant in the ddp and fsdp benchmarks (the median is reported)."""
+WARMUP_STEPS = 3
+"""Untimed steps per variant before them."""
+DDP_BUCKET_MB = 4.0
+"""The ddp benchmark's bucket size, the same for PyTorch's DDP and the course's."""
 PIPELINE_MICROBATCHES = (4, 8)
 """Micro-batches per step in the pipeline benchmark: the bubble shrinks as they grow."""
 PIPELINE_BUBBLE_WIDTH = 256
@@ -632,17 +644,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     tensor.add_argument("--world-size", type=processes, default=2, help="the tensor-parallel degree")
     for command in (ddp, fsdp, mem):
-        command.add_argument("--width", type=positive, default=1024)
-        command.add_argument("--layers", type=positive, default=4)
-        command.add_argument("--batch", type=positive, default=64, help="samples per rank per step")
+        command.add_argument("--width", type=positive, default=MLP_WIDTH)
+        command.add_argument("--layers", type=positive, default=MLP_LAYERS)
+        command.add_argument("--batch", type=positive, default=MLP_BATCH, help="samples per rank per step")
     for command in (ddp, fsdp):
         command.add_argument("--world-size", type=processes, default=2)
-        command.add_argument("--steps", type=positive, default=30, help="timed steps per variant")
-        command.add_argument("--warmup", type=checks.int_at_least(0), default=3)
+        command.add_argument("--steps", type=positive, default=TIMED_STEPS, help="timed steps per variant")
+        command.add_argument("--warmup", type=checks.int_at_least(0), default=WARMUP_STEPS)
     ddp.add_argument(
         "--bucket-mb",
         type=checks.number_above(0),
-        default=4.0,
+        default=DDP_BUCKET_MB,
         help="bucket size, the same for both implementations",
     )
     mem.add_argument("--world-sizes", type=processes, nargs="+", default=[2, 4])

@@ -5,8 +5,9 @@
 
 ``run`` executes each notebook top to bottom in a fresh kernel started in ``notebooks/`` (the
 folder JupyterLab starts it in), with the environment a student has: no matplotlib backend chosen
-from outside, so the figures come out as inline images. The outputs it saves are the ones nbval
-compares against. ``check`` finds, in the committed outputs:
+from outside, so the figures come out as inline images. The outputs it saves are the reference
+that a new execution's text must reproduce (``output_differences``, nbval's rules). ``check``
+finds, in the committed outputs:
 
 - a cell that draws (it calls ``plt.``, ``plots.`` or ``figures.``) with no ``image/png`` output;
 - an output that holds an absolute path of the machine that ran it.
@@ -25,6 +26,13 @@ from pathlib import Path
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 DRAWING_MODULES = ("plt", "plots", "figures")
+SANITIZE_CONFIG = NOTEBOOKS / "nbval_sanitize.cfg"
+"""Regular expressions (nbval's format) for outputs that depend on the machine, removed before comparing."""
+IGNORE_OUTPUT = "# NBVAL_IGNORE_OUTPUT"
+"""A cell with this line must run without error; its output is not compared."""
+# Outputs compared as nbval compares them: text of every kind, not pictures (their bytes differ
+# from one matplotlib build to another; that a picture is there is checked separately).
+NOT_COMPARED = ("image/png", "image/jpeg", "application/vnd.jupyter.widget-view+json")
 # A path that names a machine's folders: /home/..., /Users/..., /work/..., /tmp/..., C:\...
 MACHINE_PATH = re.compile(
     r"(?<![\w.~])(?:/(?:home|Users|root|work|tmp|scratch|capstor|users|private|var|mnt|opt)/|[A-Z]:\\\\?\w)"
@@ -94,6 +102,73 @@ def problems(path: Path) -> list[str]:
             if match:
                 line = text[text.rfind("\n", 0, match.start()) + 1 :].split("\n", 1)[0]
                 found.append(f"{where} shows a path of this machine: {line.strip()[:120]}")
+    return found
+
+
+def _compared_outputs(outputs: list[dict], patterns: list[tuple[str, str]]) -> dict[str, list]:
+    """A cell's outputs as nbval compares them: streams merged by name, then every text value by its
+    kind (stdout, stderr, text/plain, text/html, ename...), with the machine-dependent parts removed."""
+    import nbformat
+    from nbval.plugin import coalesce_streams
+
+    def joined(value):  # a .ipynb file may store text as a list of lines
+        return "".join(value) if isinstance(value, list) else value
+
+    texts = []
+    for output in outputs:
+        output = dict(output)
+        if "text" in output:
+            output["text"] = joined(output["text"])
+        if "data" in output:
+            output["data"] = {kind: joined(value) for kind, value in output["data"].items()}
+        texts.append(nbformat.from_dict(output))
+    compared: dict[str, list] = {}
+    for output in coalesce_streams(texts):
+        if output.output_type == "stream":
+            values = {output.name: output.text}
+        elif output.output_type == "error":
+            values = {"ename": output.ename, "evalue": output.evalue}
+        else:
+            values = {kind: text for kind, text in output.get("data", {}).items() if kind not in NOT_COMPARED}
+        for kind, text in values.items():
+            if isinstance(text, str):
+                for regex, replacement in patterns:
+                    text = re.sub(regex, replacement, text)
+            compared.setdefault(kind, []).append(text)
+    return compared
+
+
+def output_differences(executed: dict, committed: dict) -> list[str]:
+    """Where a fresh execution of a notebook shows other text than its committed outputs.
+
+    The rules are nbval's: a cell marked ``# NBVAL_IGNORE_OUTPUT`` only has to run; in the others,
+    the stream outputs (merged by name) and every textual result must be the same, once the
+    patterns of ``nbval_sanitize.cfg`` are removed; images are not compared.
+
+    Args:
+        executed: the notebook (parsed JSON) as the new execution saved it.
+        committed: the committed notebook, same cells.
+    """
+    from nbval.plugin import get_sanitize_patterns
+
+    patterns = get_sanitize_patterns(SANITIZE_CONFIG.read_text())
+    ran = [cell for cell in executed["cells"] if cell["cell_type"] == "code"]
+    reference = [cell for cell in committed["cells"] if cell["cell_type"] == "code"]
+    if len(ran) != len(reference):
+        return [f"{len(ran)} code cells were executed, the committed notebook has {len(reference)}"]
+    found = []
+    for number, (new, old) in enumerate(zip(ran, reference), start=1):
+        if IGNORE_OUTPUT in (line.strip() for line in "".join(old["source"]).splitlines()):
+            continue
+        got = _compared_outputs(new["outputs"], patterns)
+        expected = _compared_outputs(old["outputs"], patterns)
+        if got != expected:
+            kinds = sorted(set(got) | set(expected))
+            kind = next(kind for kind in kinds if got.get(kind) != expected.get(kind))
+            found.append(
+                f"code cell {number}: its {kind} output differs from the committed one\n"
+                f"  committed: {expected.get(kind)!r:.600}\n  now:       {got.get(kind)!r:.600}"
+            )
     return found
 
 

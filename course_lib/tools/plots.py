@@ -81,7 +81,7 @@ STUDY_PANELS = {
     "speedup": "speedup",
     "efficiency": "parallel efficiency",
     "val_acc": "validation accuracy",
-    "peak_mem_mb": "peak memory per GPU (MB)",
+    "model_state_mb": "model states per rank (MB)",
 }
 
 
@@ -125,8 +125,7 @@ def draw_study(
         axis.set_xticks(sizes)
         axis.get_xaxis().set_major_formatter(ticker.ScalarFormatter())
         axis.set_xlabel("processes (GPUs)")
-        kind = rows[0].get("peak_mem_kind") if key == "peak_mem_mb" else None
-        axis.set_title(STUDY_PANELS[key] + (f", {kind}" if kind else ""))
+        axis.set_title(STUDY_PANELS[key])
         axis.grid(True, alpha=0.3)
         axis.legend()
     if "time_per_epoch_s" in axes:

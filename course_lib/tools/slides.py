@@ -19,7 +19,7 @@ checks, slide by slide:
 A failure names the deck, the slide number and the line::
 
     python -m course_lib.tools.slides check                            # every deck in slides/
-    python -m course_lib.tools.slides check slides/03-zero-fsdp.md     # one deck
+    python -m course_lib.tools.slides check slides/04-zero-fsdp.md     # one deck
 
 Cost: the python blocks start processes (``launch``), about 5 to 20 seconds per deck.
 """

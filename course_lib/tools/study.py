@@ -252,6 +252,7 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> Path:
         "efficiency",
         "val_acc",
         "val_loss",
+        "model_state_mb",
         "peak_mem_mb",
         "peak_mem_kind",
     ]

@@ -46,3 +46,46 @@ def test_a_drawing_cell_is_one_that_calls_the_plotting_modules(source, draws):
 def test_an_unknown_notebook_name_is_refused_with_the_names_there_are():
     with pytest.raises(SystemExit, match="no notebook 99_nothing; there are: 00_processes_and_ranks"):
         notebooks.notebook_paths(["99_nothing"])
+
+
+def _stream(text: str, name: str = "stdout") -> dict:
+    return {"output_type": "stream", "name": name, "text": text}
+
+
+def _notebook(*cells: tuple[str, list[dict]]) -> dict:
+    return {
+        "cells": [
+            {"cell_type": "code", "metadata": {}, "execution_count": 1, "source": source, "outputs": outputs}
+            for source, outputs in cells
+        ]
+    }
+
+
+def _note(cores: int) -> dict:
+    return _stream(f"note: 3 processes share {cores} CPU core(s), one thread each: slower\n", "stderr")
+
+
+def test_a_new_execution_must_print_what_the_committed_notebook_shows():
+    committed = _notebook(
+        ("print(a)\nprint(b)", [_stream("a = 1\nb = 2\n")]),
+        ("# NBVAL_IGNORE_OUTPUT\ntime_it()", [_stream("3.1 ms\n")]),
+        ("launch(f, 3)", [_note(cores=2)]),
+    )
+    # the same text, printed in two pieces; other timings where they are not compared; another
+    # machine's core count where the sanitizer removes it: no difference
+    same = _notebook(
+        ("print(a)\nprint(b)", [_stream("a = 1\n"), _stream("b = 2\n")]),
+        ("# NBVAL_IGNORE_OUTPUT\ntime_it()", [_stream("9.9 ms\n")]),
+        ("launch(f, 3)", [_note(cores=8)]),
+    )
+    assert notebooks.output_differences(executed=same, committed=committed) == []
+    other = _notebook(
+        ("print(a)\nprint(b)", [_stream("a = 1\nb = 3\n")]),
+        *[(cell["source"], cell["outputs"]) for cell in committed["cells"][1:]],
+    )
+    [difference] = notebooks.output_differences(executed=other, committed=committed)
+    assert difference.startswith("code cell 1: its stdout output differs") and "b = 3" in difference
+    shorter = _notebook(*[(cell["source"], cell["outputs"]) for cell in committed["cells"][:2]])
+    assert notebooks.output_differences(executed=shorter, committed=committed) == [
+        "2 code cells were executed, the committed notebook has 3"
+    ]

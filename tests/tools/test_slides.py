@@ -28,10 +28,10 @@ from conftest import REPO
 DECKS = slides.decks()
 LECTURES = [
     "why-distributed",
+    "communication",
     "data-parallel",
     "zero-fsdp",
     "tensor-pipeline-3d",
-    "communication",
     "slurm",
     "lab",
 ]

@@ -245,8 +245,9 @@ def test_no_abort_at_exit_over_repeated_runs(strategy, quick_args):
     so the test guards the whole exit path, however the trap is provoked.
     """
     failures = []
-    # five pairs at once: each pair is mostly interpreter start-up and waiting, so they share the cores
-    pairs = [start_ranks([*quick_args, "--strategy", strategy], nprocs=2) for _ in range(5)]
+    # three pairs at once (six exits, twelve with the other strategy): each pair is mostly
+    # interpreter start-up and waiting, so they share the cores
+    pairs = [start_ranks([*quick_args, "--strategy", strategy], nprocs=2) for _ in range(3)]
     for attempt, pair in enumerate(pairs):
         for outcome in finish(pair, timeout=300):
             if outcome.returncode != 0 or "terminate called" in outcome.stderr:

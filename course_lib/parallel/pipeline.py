@@ -425,10 +425,18 @@ class PipelineStats:
     peak_activation_bytes: int = 0  # bytes of stage inputs and outputs held for backward, at most
     events: list = field(default_factory=list)  # (kind, stage, microbatch, start, end) in seconds
     step_time_s: float = 0.0
+    # time.perf_counter() when the step began; the events are seconds after it. On one machine every
+    # process reads the same monotonic clock, so the ranks' events can be put on one time line.
+    clock_start: float = 0.0
 
     @property
     def bubble_fraction(self) -> float:
-        """Share of the step this rank spent not computing (waiting for its neighbours)."""
+        """Share of this rank's own step it spent not computing (waiting for its neighbours).
+
+        Each rank's step ends when its own last action does, so a rank that finishes early (the
+        last stage, whose last backward comes first) counts less idle time than the theory's
+        common window does; ``bubble_fraction(events)`` over every rank's events measures that one.
+        """
         busy = sum(end - start for *_, start, end in self.events)
         return 1 - busy / self.step_time_s
 
@@ -534,6 +542,7 @@ class PipelineExecutor:
         in_flight, losses, stats = [], [], PipelineStats()
         held_bytes = 0
         started = time.perf_counter()
+        stats.clock_start = started
         for action in self.actions:
             s, i, direction = action.stage, action.microbatch, action.kind[-1]
             if action.kind.startswith("RECV"):

@@ -403,7 +403,7 @@ def pipeline_benchmark(*, d_model: int, seq: int, batch: int, steps: int, warmup
                 {"course": course_step, "torch": torch_step},
                 steps,
                 warmup,
-                after_each_round=lambda: bubbles.append(executor.stats.bubble_fraction),
+                after_each_round=lambda: bubbles.append(_bubble_on_one_time_line(executor.stats)),
             )
             for module in mine.values():
                 module.zero_grad(set_to_none=True)
@@ -449,6 +449,27 @@ def stage_counts_with_a_core_each(stage_counts: list[int], *, cores: int) -> lis
         cores: the CPU cores this machine lets the processes use.
     """
     return [stages for stages in stage_counts if stages <= cores]
+
+
+def _bubble_on_one_time_line(stats) -> float:
+    """The step's bubble as the theory defines it: idle time within one window common to all ranks.
+
+    Every rank's events are gathered onto the machine's monotonic clock (the benchmark's processes
+    share one machine); ``pipeline.bubble_fraction`` then counts, on each rank, the time from the
+    first action of any rank to the last one of any rank that it did not compute.
+
+    Args:
+        stats: this rank's ``PipelineStats`` of the step just run (call it on every rank).
+    """
+    from ..parallel import pipeline as pp
+
+    on_the_clock = [
+        (kind, stage, microbatch, stats.clock_start + start, stats.clock_start + end)
+        for kind, stage, microbatch, start, end in stats.events
+    ]
+    everyone = [None] * runtime.world_size()
+    torch.distributed.all_gather_object(everyone, on_the_clock)
+    return pp.bubble_fraction(dict(enumerate(everyone)))
 
 
 def pipeline_bubble_benchmark(
@@ -497,20 +518,22 @@ def pipeline_bubble_benchmark(
                 executor.step(inputs if rank == 0 else None, targets if rank == p - 1 else None)
                 comm.barrier()
 
-            bubbles, compute_ms = [], []
+            bubbles, forward_ms, backward_ms = [], [], []
 
             def record():
-                bubbles.append(executor.stats.bubble_fraction)
-                forwards = [end - start for kind, *_, start, end in executor.stats.events if kind == "F"]
-                compute_ms.append(1000 * statistics.mean(forwards))
+                bubbles.append(_bubble_on_one_time_line(executor.stats))
+                for kind, times in (("F", forward_ms), ("B", backward_ms)):
+                    spans = [end - start for done, *_, start, end in executor.stats.events if done == kind]
+                    times.append(1000 * statistics.mean(spans))
 
             median_ms = _interleaved_medians({"step": step}, steps, warmup, after_each_round=record)["step"]
             stages[rank].zero_grad(set_to_none=True)
             gathered = [None] * p
             torch.distributed.all_gather_object(
-                gathered, (statistics.median(bubbles), statistics.median(compute_ms))
+                gathered,
+                (statistics.median(bubbles), statistics.median(forward_ms), statistics.median(backward_ms)),
             )
-            measured = statistics.mean(g[0] for g in gathered)
+            measured = gathered[0][0]  # the same on every rank: one time line
             theory = pp.bubble_fraction_theory(p, m)
             rows.append(
                 {
@@ -519,6 +542,9 @@ def pipeline_bubble_benchmark(
                     "microbatches": m,
                     "step_ms": median_ms,
                     "forward_ms_per_microbatch": statistics.mean(g[1] for g in gathered),
+                    # the theory assumes equal stages: how equal they really were, per micro-batch
+                    "forward_ms_by_stage": [g[1] for g in gathered],
+                    "backward_ms_by_stage": [g[2] for g in gathered],
                     "message_bytes": (batch // m) * width * 4,
                     "bubble_measured": measured,
                     "bubble_theory": theory,

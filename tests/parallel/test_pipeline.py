@@ -243,9 +243,9 @@ def test_pipeline_benchmark_prints_the_promised_json():
 def test_where_stages_compute_far_longer_than_a_message_the_measured_bubble_is_the_theory():
     """The benchmark's compute-bound rows: equal stages of wide MLP blocks, kilobyte messages.
 
-    ``bench pipeline`` on this machine, with its default steps, measures these bubbles within
-    about 0.05 of (p - 1) / (m + p - 1); the margin here is wider because the test shares the
-    machine's cores with the rest of the suite.
+    ``bench pipeline`` on this machine, with its default steps, measures these bubbles (on one clock,
+    over the window common to both ranks) 0.01 to 0.08 above (p - 1) / (m + p - 1); the margin here
+    is wider because the test shares the machine's cores with the rest of the suite.
     """
     from conftest import run_bench
 
@@ -260,7 +260,7 @@ def test_where_stages_compute_far_longer_than_a_message_the_measured_bubble_is_t
         assert row["bubble_theory"] == pytest.approx(1 / (row["microbatches"] + 1))
         # compute-bound: a micro-batch's forward takes milliseconds, its message a few hundred kB
         assert row["forward_ms_per_microbatch"] > 2 and row["message_bytes"] < 1e6
-        assert abs(row["bubble_measured"] - row["bubble_theory"]) < 0.12, row
+        assert abs(row["bubble_measured"] - row["bubble_theory"]) < 0.15, row
     assert result["compute_bound_max_bubble_error"] == max(abs(r["bubble_error"]) for r in rows)
 
 

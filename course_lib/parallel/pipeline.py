@@ -513,6 +513,39 @@ class PipelineExecutor:
         """One tag per message, so a receive can only match the send meant for it."""
         return (receiving_stage * self.microbatches + microbatch) * 2 + (direction == "B")
 
+    def _receives_in_order(self) -> list[tuple[int, int]]:
+        """(index of each RECV action, index of the last SEND before it to the same peer, or -1)."""
+        receives, last_send = [], {}
+        for index, action in enumerate(self.actions):
+            if action.kind.startswith("SEND"):
+                last_send[action.peer] = index
+            elif action.kind.startswith("RECV"):
+                receives.append((index, last_send.get(action.peer, -1)))
+        return receives
+
+    def _post_receives(self, receives: list[tuple[int, int]], posted: dict, *, done: int) -> None:
+        """Post every receive that may start now, long before the schedule reaches it.
+
+        A receive may start once every earlier send of this rank to the same peer has started
+        (``done`` is the index of the last action carried out). So between any two ranks the
+        messages still start in the schedule's order: NCCL matches a pair's sends and receives in
+        the order they are posted (gloo by tag). A message its sender sends early then lands while
+        this rank computes; posted only when the schedule reaches it, the transfer would wait for
+        that moment and add to the bubble.
+        """
+        while receives and receives[0][1] <= done:
+            index, _ = receives.pop(0)
+            action = self.actions[index]
+            direction, stage, microbatch = action.kind[-1], action.stage, action.microbatch
+            buffer = torch.empty(self.boundary_shape, dtype=self.dtype, device=self.device)
+            work = comm.irecv(
+                buffer,
+                src=self._global(action.peer),
+                group=self.group,
+                tag=self._tag(direction, stage, microbatch),
+            )
+            posted[index] = (work, buffer)
+
     def step(
         self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None
     ) -> torch.Tensor | None:
@@ -541,15 +574,16 @@ class PipelineExecutor:
         outbox = {}  # ("F" | "B", receiving stage, microbatch) -> what to send
         in_flight, losses, stats = [], [], PipelineStats()
         held_bytes = 0
+        receives = self._receives_in_order()
+        posted = {}  # index of a RECV action -> (work handle, buffer the message lands in)
         started = time.perf_counter()
         stats.clock_start = started
-        for action in self.actions:
+        for index, action in enumerate(self.actions):
+            self._post_receives(receives, posted, done=index - 1)
             s, i, direction = action.stage, action.microbatch, action.kind[-1]
             if action.kind.startswith("RECV"):
-                buffer = torch.empty(self.boundary_shape, dtype=self.dtype, device=self.device)
-                comm.recv(
-                    buffer, src=self._global(action.peer), group=self.group, tag=self._tag(direction, s, i)
-                )
+                work, buffer = posted.pop(index)
+                work.wait()
                 inbox[(direction, s, i)] = buffer
             elif action.kind.startswith("SEND"):
                 message = outbox.pop((direction, s, i))

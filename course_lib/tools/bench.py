@@ -66,8 +66,9 @@ PIPELINE_BUBBLE_WIDTH = 256
 """Features sent between stages in the compute-bound pipeline rows: messages of 128-256 kB."""
 PIPELINE_BUBBLE_BATCH = 1024
 """Samples per step in the compute-bound pipeline rows: tens of milliseconds per micro-batch."""
-PIPELINE_BUBBLE_HIDDEN = 4096
-"""Hidden features of the compute-bound rows' MLP blocks (their compute per micro-batch)."""
+PIPELINE_BUBBLE_HIDDEN = 8192
+"""Hidden features of the compute-bound rows' MLP blocks: 20-70 ms of forward per micro-batch on a
+CPU core, so that what each message costs is a few percent of it."""
 PIPELINE_BUBBLE_BLOCKS_PER_STAGE = 2
 """MLP blocks each stage holds in the compute-bound pipeline rows."""
 TP_HEADS_PER_RANK = 4

@@ -105,25 +105,18 @@ def problems(path: Path) -> list[str]:
     return found
 
 
-def _compared_outputs(outputs: list[dict], patterns: list[tuple[str, str]]) -> dict[str, list]:
+def _compared_outputs(outputs: list, patterns: list[tuple[str, str]]) -> dict[str, list]:
     """A cell's outputs as nbval compares them: streams merged by name, then every text value by its
-    kind (stdout, stderr, text/plain, text/html, ename...), with the machine-dependent parts removed."""
-    import nbformat
+    kind (stdout, stderr, text/plain, text/html, ename...), with the machine-dependent parts removed.
+
+    Args:
+        outputs: the cell's outputs, as nbformat reads them (text joined into strings).
+        patterns: (regex, replacement) pairs from ``nbval_sanitize.cfg``.
+    """
     from nbval.plugin import coalesce_streams
 
-    def joined(value):  # a .ipynb file may store text as a list of lines
-        return "".join(value) if isinstance(value, list) else value
-
-    texts = []
-    for output in outputs:
-        output = dict(output)
-        if "text" in output:
-            output["text"] = joined(output["text"])
-        if "data" in output:
-            output["data"] = {kind: joined(value) for kind, value in output["data"].items()}
-        texts.append(nbformat.from_dict(output))
     compared: dict[str, list] = {}
-    for output in coalesce_streams(texts):
+    for output in coalesce_streams(outputs):
         if output.output_type == "stream":
             values = {output.name: output.text}
         elif output.output_type == "error":
@@ -149,19 +142,23 @@ def output_differences(executed: dict, committed: dict) -> list[str]:
         executed: the notebook (parsed JSON) as the new execution saved it.
         committed: the committed notebook, same cells.
     """
+    import nbformat
+    from nbformat.v4.rwbase import rejoin_lines
     from nbval.plugin import get_sanitize_patterns
 
     patterns = get_sanitize_patterns(SANITIZE_CONFIG.read_text())
-    ran = [cell for cell in executed["cells"] if cell["cell_type"] == "code"]
-    reference = [cell for cell in committed["cells"] if cell["cell_type"] == "code"]
+    # As nbformat reads a file: copies whose text, stored as lists of lines, is joined into strings.
+    executed, committed = (rejoin_lines(nbformat.from_dict(notebook)) for notebook in (executed, committed))
+    ran = [cell for cell in executed.cells if cell.cell_type == "code"]
+    reference = [cell for cell in committed.cells if cell.cell_type == "code"]
     if len(ran) != len(reference):
         return [f"{len(ran)} code cells were executed, the committed notebook has {len(reference)}"]
     found = []
     for number, (new, old) in enumerate(zip(ran, reference), start=1):
-        if IGNORE_OUTPUT in (line.strip() for line in "".join(old["source"]).splitlines()):
+        if IGNORE_OUTPUT in (line.strip() for line in old.source.splitlines()):
             continue
-        got = _compared_outputs(new["outputs"], patterns)
-        expected = _compared_outputs(old["outputs"], patterns)
+        got = _compared_outputs(new.outputs, patterns)
+        expected = _compared_outputs(old.outputs, patterns)
         if got != expected:
             kinds = sorted(set(got) | set(expected))
             kind = next(kind for kind in kinds if got.get(kind) != expected.get(kind))

@@ -210,11 +210,16 @@ def _uneven_batch():
     return "no error"
 
 
-def test_pipeline_benchmark_prints_the_promised_json():
+@pytest.fixture(scope="module")
+def pipeline_bench() -> dict:
+    """``bench pipeline`` at 2 stages, run once for the tests of its transformer and compute-bound rows."""
     from conftest import run_bench
 
-    result = run_bench(*"pipeline --stages 2 --d-model 16 --seq 8 --batch 8 --steps 3 --warmup 1".split())
-    rows = result["rows"]
+    return run_bench(*"pipeline --stages 2 --d-model 16 --seq 8 --batch 8 --steps 3 --warmup 1".split())
+
+
+def test_pipeline_benchmark_prints_the_promised_json(pipeline_bench):
+    rows = pipeline_bench["rows"]
     assert [(r["schedule"], r["microbatches"]) for r in rows] == [
         (s, m) for s in ("gpipe", "1f1b", "interleaved_1f1b") for m in (4, 8)
     ]
@@ -226,30 +231,14 @@ def test_pipeline_benchmark_prints_the_promised_json():
         assert row["ratio"] > 0
 
 
-def test_where_stages_compute_far_longer_than_a_message_the_measured_bubble_is_the_theory():
+def test_where_stages_compute_far_longer_than_a_message_the_measured_bubble_is_the_theory(pipeline_bench):
     """The benchmark's compute-bound rows: equal stages of wide MLP blocks, kilobyte messages.
 
     ``bench pipeline`` on this machine, with its default steps, measures these bubbles (on one clock,
     over the window common to both ranks) 0.01 to 0.04 above (p - 1) / (m + p - 1); the margin here
     is wider because the test shares the machine's cores with the rest of the suite.
     """
-    from conftest import run_bench
-
-    result = run_bench(
-        "pipeline",
-        "--stages",
-        "2",
-        "--d-model",
-        "16",
-        "--seq",
-        "8",
-        "--batch",
-        "8",
-        "--steps",
-        "3",
-        "--warmup",
-        "1",
-    )
+    result = pipeline_bench
     rows = result["compute_bound_rows"]
     assert [(r["schedule"], r["stages"], r["microbatches"]) for r in rows] == [
         (s, 2, m) for s in ("gpipe", "1f1b") for m in (4, 8)

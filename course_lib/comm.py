@@ -20,7 +20,10 @@ send / recv         S / 0                point to point
 barrier             0
 ==================  ===================  ====================================================
 
-(This is NCCL's "bus bandwidth" accounting; with N = 1 nothing is sent.) Note the 2 in
+(This is NCCL's "bus bandwidth" accounting; with N = 1 nothing is sent.) A benchmark that
+all-reduces S bytes in T seconds reports two rates: the *algorithm bandwidth* S/T, which
+depends on N, and the *bus bandwidth* S/T x 2(N-1)/N (``bus_bandwidth``), the rate each rank's
+link really carried, which can be compared with the link's speed at any N. Note the 2 in
 all-reduce: data parallelism sends about twice the model's gradient bytes per step, *whatever
 N is*. Adding ranks does not add traffic per rank; that is why it scales.
 
@@ -91,6 +94,20 @@ def ring_bytes(op: str, tensor_bytes: int, group_size: int) -> float:
         "send": 1.0,
     }[op]
     return factor * tensor_bytes
+
+
+def bus_bandwidth(op: str, algorithm_bandwidth: float, group_size: int) -> float:
+    """The rate a rank's link carried: the algorithm bandwidth S/T times ``ring_bytes``' factor.
+
+    This is how ``nccl-tests`` report "busbw": for an all-reduce, algbw x 2(N-1)/N. A ring that
+    runs at the link's speed shows a bus bandwidth equal to that speed, whatever N is.
+
+    Args:
+        op: the collective, as in ``ring_bytes`` (``"all_reduce"``, ``"all_gather"``...).
+        algorithm_bandwidth: S / T, the tensor's bytes over the operation's seconds.
+        group_size: N, the ranks taking part.
+    """
+    return ring_bytes(op, 1, group_size) * algorithm_bandwidth
 
 
 _active_logs: list[CommLog] = []

@@ -16,7 +16,25 @@ nothing             a plain ``python train.py``: rank 0 of a world of 1
 
 ``resolve_environment()`` turns any of these into one ``DistEnvironment`` (a pure function, so
 it is easy to test); ``init()`` then picks the device and backend (a GPU means ``cuda`` +
-``nccl``, otherwise ``cpu`` + ``gloo``) and joins the process group. Under ``torchrun`` inside a
+``nccl``, otherwise ``cpu`` + ``gloo``) and joins the process group.
+
+Which GPU is mine? Clusters hand GPUs to processes in three common ways, and one rule,
+``gpu_index = local_rank % visible_gpus`` (``gpu_for_process``), serves all of them:
+
+===============================================  ==============  ===============================
+layout                                           GPUs a process  its GPU
+                                                 sees
+===============================================  ==============  ===============================
+``srun --gpus-per-task=1`` (CSCS's advice)       1, its own      index 0 = ``local_rank % 1``
+``srun --gpus-per-node=4``, 4 tasks a node       all 4           index ``local_rank``
+one ``torchrun`` a node, 4 workers               all 4           index ``local_rank``
+===============================================  ==============  ===============================
+
+Slurm's ``--gpus-per-task`` hides the other GPUs of the node (CUDA_VISIBLE_DEVICES holds one),
+so a process with LOCAL_RANK=3 sees a single GPU, numbered 0: "device = local rank" would ask
+for a GPU that does not exist. Taking the rank modulo the visible count never does; a layout
+that gives two processes of one node the same GPU (more processes than GPUs) is refused before
+any GPU work by the job scripts' check (``course_lib.tools.jobcheck gpus``). Under ``torchrun`` inside a
 Slurm job both sets of variables are present and torchrun's win: every torchrun child inherits
 ``SLURM_PROCID=0`` from its parent, so trusting Slurm there would give every child rank 0.
 
@@ -207,6 +225,23 @@ def cpu_threads_per_rank(local_world_size: int, environ: Mapping[str, str] | Non
     return max(1, usable_cpus() // local_world_size)
 
 
+def gpu_for_process(*, local_rank: int, visible_gpus: int) -> int:
+    """The index, among the GPUs this process sees, of the one it computes on: ``local_rank % visible_gpus``.
+
+    Args:
+        local_rank: this process's rank among the processes of its node (LOCAL_RANK, SLURM_LOCALID).
+        visible_gpus: how many GPUs this process sees (``torch.cuda.device_count()``, which honours
+            CUDA_VISIBLE_DEVICES: 1 under ``--gpus-per-task=1``, 4 under ``--gpus-per-node=4``).
+    """
+    if visible_gpus < 1:
+        raise UserError(
+            "this process sees no GPU: request GPUs from Slurm (--gpus-per-task=1), or use --backend gloo"
+        )
+    if local_rank < 0:
+        raise UserError(f"LOCAL_RANK={local_rank} is negative: it counts a node's processes from 0")
+    return local_rank % visible_gpus
+
+
 def choose_backend(requested: str, cuda_available: bool) -> tuple[str, str]:
     """Return (backend, device type): NCCL on GPUs, gloo on CPUs.
 
@@ -220,7 +255,7 @@ def choose_backend(requested: str, cuda_available: bool) -> tuple[str, str]:
         if not cuda_available:
             raise UserError(
                 "backend nccl needs a GPU but torch sees none: use --backend gloo (or auto) on a CPU "
-                "machine, or request GPUs from Slurm (--gpus-per-node)"
+                "machine, or request GPUs from Slurm (--gpus-per-task=1)"
             )
         return "nccl", "cuda"
     if requested == "gloo":
@@ -278,12 +313,8 @@ def init(
 
     backend, device_type = choose_backend(backend, torch.cuda.is_available())
     if device_type == "cuda":
-        if env.local_rank >= torch.cuda.device_count():
-            raise UserError(
-                f"LOCAL_RANK={env.local_rank} but only {torch.cuda.device_count()} GPU(s) are visible: start "
-                "one process per GPU (--nproc-per-node / --ntasks-per-node equal to the GPUs per node)"
-            )
-        device = torch.device("cuda", env.local_rank)
+        index = gpu_for_process(local_rank=env.local_rank, visible_gpus=torch.cuda.device_count())
+        device = torch.device("cuda", index)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")

@@ -136,6 +136,43 @@ def ring_all_reduce_seconds(
     return 2 * (processes - 1) * (latency_s + message_bytes / processes / bandwidth_bytes_per_s)
 
 
+def fit_ring_all_reduce(
+    processes: int, *, message_bytes: list[float], seconds: list[float]
+) -> tuple[float, float]:
+    """Fit ``ring_all_reduce_seconds`` to measured all-reduce times: return (alpha, beta).
+
+    The model is linear in the message size, T = 2(N - 1) alpha + 2(N - 1)/N x bytes / beta, so a
+    straight line through (bytes, seconds) gives both: its intercept is the latency of 2(N - 1)
+    messages, its slope the time per byte. The fit weighs each point by 1/T^2 (it minimises the
+    *relative* error): the times span orders of magnitude, and an ordinary fit would let the
+    largest messages decide the intercept too.
+
+    Args:
+        processes: N, at least 2.
+        message_bytes: the bytes all-reduced at each point (at least two different sizes).
+        seconds: the measured time of each.
+    """
+    if processes < 2:
+        raise ValueError(f"fitting an all-reduce needs at least 2 processes, got {processes}")
+    if len(message_bytes) != len(seconds) or len(set(message_bytes)) < 2:
+        raise ValueError("fitting needs one time per size and at least two different sizes")
+    if min(seconds) <= 0:
+        raise ValueError("every measured time must be positive")
+    weights = [1 / t**2 for t in seconds]
+    # Weighted least squares for T = a + b x, from the normal equations of the 2 x 2 system.
+    sw = sum(weights)
+    sx = sum(w * x for w, x in zip(weights, message_bytes))
+    sy = sum(w * y for w, y in zip(weights, seconds))
+    sxx = sum(w * x * x for w, x in zip(weights, message_bytes))
+    sxy = sum(w * x * y for w, x, y in zip(weights, message_bytes, seconds))
+    slope = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
+    intercept = (sy - slope * sx) / sw
+    steps = 2 * (processes - 1)
+    latency = max(intercept, 0.0) / steps  # noise can push a tiny intercept below zero
+    bandwidth = steps / processes / slope if slope > 0 else float("inf")
+    return latency, bandwidth
+
+
 def strong_scaling_seconds(
     processes: int, *, compute_s: float, communication_s: float, fixed_s: float
 ) -> float:

@@ -17,6 +17,13 @@
 # COURSE_EXTRA_ARGS  more flags for python -m course_lib.train             []
 # COURSE_PYTHON      the Python to use                                     [.venv/bin/python, else python3]
 # COURSE_MAX_REQUEUES  give up after this many requeues                    [3]
+# COURSE_PREFLIGHT   1: the all-reduce check before training, 0: skip it  [1 on several nodes]
+# COURSE_NCCL_PLUGIN_FROM, COURSE_EDF  where NCCL's network plugin comes from (see clusters/alps.sh)
+#
+# Before any GPU time is spent the job checks, and stops with one line naming the fix: the
+# profile, the account, that every process gets a GPU of its own, that NCCL's network plugin is
+# where the profile says, and the training flags (course_lib.train --dry-run); on several nodes,
+# a tiny all-reduce on every rank then proves the network (course_lib.tools.jobcheck preflight).
 set -euo pipefail
 
 fail() {  # one clear line in the job's output file, a non-zero exit, before any GPU time is spent
@@ -51,11 +58,18 @@ COURSE_RESULTS=${COURSE_RESULTS:-$COURSE_ROOT/results/slurm}
 COURSE_RUN_NAME=${COURSE_RUN_NAME:-${SLURM_JOB_NAME:-job}-${SLURM_JOB_ID:-0}}
 COURSE_EXTRA_ARGS=${COURSE_EXTRA_ARGS:-}
 COURSE_MAX_REQUEUES=${COURSE_MAX_REQUEUES:-3}
+# Every job step runs through COURSE_SRUN: in the container of COURSE_EDF when the plugin comes
+# from the container engine (CSCS's --environment), else on the nodes themselves.
+COURSE_SRUN=(srun)
+COURSE_HERE=()  # how the batch shell runs one Python that needs torch (in the container, if any)
+if [ "${COURSE_NCCL_PLUGIN_FROM:-none}" = container ]; then
+  COURSE_SRUN=(srun --environment="${COURSE_EDF:-}")
+  COURSE_HERE=(srun --nodes=1 --ntasks=1 --environment="${COURSE_EDF:-}")
+  COURSE_PYTHON=${COURSE_PYTHON:-python}
+fi
 if [ -z "${COURSE_PYTHON:-}" ]; then
   if [ -x "$COURSE_ROOT/.venv/bin/python" ]; then COURSE_PYTHON=$COURSE_ROOT/.venv/bin/python; else COURSE_PYTHON=python3; fi
 fi
-# One CPU thread per core the task was given (a profile may choose otherwise).
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
 export PYTHONPATH="$COURSE_ROOT${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$COURSE_RESULTS"
 
@@ -69,10 +83,42 @@ COURSE_TRAIN_ARGS=(--dataset "$COURSE_DATASET" --data-dir "$COURSE_DATA_DIR" --m
 echo "job ${SLURM_JOB_ID:-?} (${SLURM_JOB_NAME:-?}) on ${SLURM_JOB_NODELIST:-?}, restart ${SLURM_RESTART_COUNT:-0}," \
      "cluster profile $COURSE_CLUSTER, results in $COURSE_RESULTS/$COURSE_RUN_NAME.jsonl"
 
+course_refuse() {  # the check above printed what to change: record it and stop
+  echo 2 >"$COURSE_RESULTS/$COURSE_RUN_NAME.status"
+  fail "$1"
+}
+
+course_check_resources() {  # GPUs, network plugin, CPU threads: every mistake found now, exit 2
+  # COURSE_PROCS_PER_TASK: processes each Slurm task starts (1 under srun; torchrun's workers).
+  local per_task=${COURSE_PROCS_PER_TASK:-1} needs_gpus=()
+  [ "${COURSE_NEEDS_GPUS:-0}" = 1 ] && needs_gpus=(--needs-gpus)
+  # The checks that need no torch run on the batch node's Python, even for a container job.
+  local checker=python3
+  [ -x "$COURSE_PYTHON" ] && checker=$COURSE_PYTHON
+  "$checker" -m course_lib.tools.jobcheck gpus --processes-per-task "$per_task" "${needs_gpus[@]}" \
+    || course_refuse "the GPU layout above was refused; nothing was started"
+  "$checker" -m course_lib.tools.jobcheck plugin || course_refuse "NCCL's network plugin is missing; nothing was started"
+  # Threads per process = the cores the process was given: a task's cores shared by its processes.
+  local cores=${SLURM_CPUS_PER_TASK:-1}
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / per_task > 0 ? cores / per_task : 1 ))}
+  echo "CPU threads per process: OMP_NUM_THREADS=$OMP_NUM_THREADS ($cores core(s) a task, $per_task process(es) a task)"
+}
+
 course_check() {  # course_check NPROCS --strategy ...: every mistake found now, in one line, exit 2
-  local nprocs=$1; shift
-  WORLD_SIZE=$nprocs RANK=0 LOCAL_RANK=0 MASTER_ADDR=localhost MASTER_PORT=1 "$COURSE_PYTHON" -m course_lib.train "$@" "${COURSE_TRAIN_ARGS[@]}" --dry-run \
-    || { echo 2 >"$COURSE_RESULTS/$COURSE_RUN_NAME.status"; fail "the configuration above was refused; nothing was started"; }
+  local nprocs=$1
+  shift
+  course_check_resources
+  WORLD_SIZE=$nprocs RANK=0 LOCAL_RANK=0 MASTER_ADDR=localhost MASTER_PORT=1 "${COURSE_HERE[@]}" "$COURSE_PYTHON" -m course_lib.train "$@" "${COURSE_TRAIN_ARGS[@]}" --dry-run \
+    || course_refuse "the configuration above was refused; nothing was started"
+}
+
+course_preflight() {  # course_preflight LAUNCHER...: one all-reduce on every rank before training
+  if [ "${COURSE_PREFLIGHT:-$([ "${SLURM_NNODES:-1}" -gt 1 ] && echo 1 || echo 0)}" != 1 ]; then
+    return 0
+  fi
+  # A port of its own: the training's rendezvous comes right after, on the job's usual port.
+  MASTER_PORT=$(( 20000 + (${SLURM_JOB_ID:-0} + 20000) % 40000 )) "$@" -m course_lib.tools.jobcheck preflight \
+    || course_refuse "the preflight all-reduce failed (its line is above); nothing was trained"
 }
 
 course_run() {  # course_run LAUNCHER... : run training, forward a stop request, requeue on preemption

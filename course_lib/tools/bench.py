@@ -1,4 +1,4 @@
-"""Benchmarks: ``python -m course_lib.tools.bench ddp|fsdp|memory|pipeline|tp`` prints one JSON object.
+"""Benchmarks: ``python -m course_lib.tools.bench ddp|fsdp|memory|pipeline|tp|allreduce`` prints JSON.
 
 How to compare two implementations honestly on a noisy machine: run them in the *same*
 processes, on the same model and data, interleaved step by step (their order rotating every
@@ -29,12 +29,23 @@ only where each stage has a core of its own.
 ``tp``: the course's tensor-parallel MLP and attention against DTensor's ``parallelize_module``
 (ColwiseParallel / RowwiseParallel), and the bytes moved per forward+backward against theory:
 two all-reduces of the activation per sub-layer.
+
+``allreduce``: the network itself, as ``nccl-tests``' ``all_reduce_perf`` measures it. For each
+message size from a few bytes to hundreds of MB (16 MB on CPUs), the time of one all-reduce
+(the slowest rank's median over 3 blocks of ``--iterations``), its algorithm bandwidth S/T and its bus
+bandwidth S/T x 2(N-1)/N (``comm.bus_bandwidth``), and the alpha-beta model fitted to all of
+them (``scaling.fit_ring_all_reduce``): alpha, the latency of one message, and beta, the
+bandwidth a link sustains, which the bus bandwidth approaches for large messages. Locally it
+starts ``--world-size`` processes on gloo; under ``srun`` or ``torchrun`` every started process
+is a rank (NCCL on GPUs), so ``slurm/network_check.sbatch`` measures a cluster's network with
+it and ``--expect-gbps`` turns the result into a verdict.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -624,6 +635,137 @@ def tp_benchmark(*, d_model: int, seq: int, batch: int, steps: int, warmup: int)
     return result if runtime.is_main() else None
 
 
+ALLREDUCE_MIN_BYTES = 8
+"""The smallest message of the all-reduce sweep: two float32 numbers, where latency is everything."""
+ALLREDUCE_MAX_MB = {"cpu": 16, "cuda": 512}
+"""The largest message by default: 512 MB on GPUs (bandwidth is everything), 16 MB on a laptop's CPU."""
+ALLREDUCE_SIZE_FACTOR = 4
+"""Each message of the sweep is this many times the previous one."""
+ALLREDUCE_BLOCKS = 3
+"""Timed blocks of ``--iterations`` all-reduces per size."""
+HEALTHY_LINK_FRACTION = 0.7
+"""A network is healthy when the bus bandwidth of large messages reaches this share of the link's
+speed: NCCL over RDMA typically reaches 80-90 %; TCP sockets (a missing plugin) reach far less."""
+
+
+def allreduce_sizes(*, min_bytes: int, max_bytes: int, factor: int = ALLREDUCE_SIZE_FACTOR) -> list[int]:
+    """Message sizes from ``min_bytes`` to ``max_bytes``, each ``factor`` times the last, in whole float32s.
+
+    Args:
+        min_bytes: the first size (rounded up to a multiple of 4 bytes).
+        max_bytes: no size above it; it is the last one when the steps do not land on it.
+        factor: the ratio of two neighbouring sizes, at least 2.
+    """
+    size = max(4, -(-min_bytes // 4) * 4)
+    sizes = []
+    while size < max_bytes:
+        sizes.append(size)
+        size *= factor
+    sizes.append(max(4, max_bytes // 4 * 4))
+    return sorted(set(sizes))
+
+
+def allreduce_benchmark(*, sizes: list[int], iterations: int, warmup: int) -> dict | None:
+    """Time a float32 all-reduce of every size on every rank; the JSON result on rank 0, None elsewhere.
+
+    Run it on every rank of a process group (``launch`` locally, ``srun``/``torchrun`` on a cluster).
+
+    Args:
+        sizes: message sizes in bytes (multiples of 4).
+        iterations: all-reduces timed back to back in each of ``ALLREDUCE_BLOCKS`` blocks per size
+            (the median of the blocks' means is the size's time).
+        warmup: untimed all-reduces per size first (NCCL sets up each size's channels on first use).
+    """
+    import torch.distributed as dist
+
+    from .. import scaling
+
+    context = runtime.context()
+    world, device = context.world_size, context.device
+
+    def synchronized() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    rows = []
+    for size in sizes:
+        # Correctness first: every rank gives rank + 1, so every element must sum to N(N + 1)/2.
+        check = torch.full((size // 4,), float(context.rank + 1), device=device)
+        dist.all_reduce(check)
+        correct = bool(torch.all(check == world * (world + 1) / 2))
+        del check
+        # Then speed, on zeros: repeated sums of zeros stay zeros (never overflow to inf).
+        message = torch.zeros(size // 4, device=device)
+        for _ in range(warmup):
+            dist.all_reduce(message)
+        block_means = []
+        for _ in range(ALLREDUCE_BLOCKS):  # the median of a few blocks shrugs off one burst of noise
+            dist.barrier()
+            start = synchronized()
+            for _ in range(iterations):
+                dist.all_reduce(message)
+            block_means.append((synchronized() - start) / iterations)
+        elapsed = torch.tensor([statistics.median(block_means)], dtype=torch.float64, device=device)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the collective ends when its slowest rank does
+        seconds = float(elapsed)
+        algorithm = size / seconds
+        rows.append(
+            {
+                "bytes": size,
+                "time_us": seconds * 1e6,
+                "algbw_gbps": algorithm / 1e9,
+                "busbw_gbps": comm.bus_bandwidth("all_reduce", algorithm, world) / 1e9,
+                "correct": correct,
+            }
+        )
+    nodes = [None] * world
+    dist.all_gather_object(nodes, os.environ.get("SLURMD_NODENAME") or os.uname().nodename)
+    if not context.is_main:
+        return None
+    result = {
+        "benchmark": "allreduce",
+        "backend": context.backend,
+        "device": device.type,
+        "world_size": world,
+        "nodes": len(set(nodes)),
+        "iterations": iterations,
+        "all_correct": all(row["correct"] for row in rows),
+        "rows": rows,
+    }
+    if world > 1:
+        latency, bandwidth = scaling.fit_ring_all_reduce(
+            world,
+            message_bytes=[row["bytes"] for row in rows],
+            seconds=[row["time_us"] / 1e6 for row in rows],
+        )
+        for row in rows:
+            row["model_time_us"] = 1e6 * scaling.ring_all_reduce_seconds(
+                world, message_bytes=row["bytes"], latency_s=latency, bandwidth_bytes_per_s=bandwidth
+            )
+        result["fit"] = {"latency_us": latency * 1e6, "bandwidth_gbps": bandwidth / 1e9}
+    result["largest_message_busbw_gbps"] = rows[-1]["busbw_gbps"]
+    return result
+
+
+def network_verdict(*, busbw_gbps: float, expected_gbps: float) -> tuple[bool, str]:
+    """(healthy?, one line) for a measured bus bandwidth against the link's speed.
+
+    Args:
+        busbw_gbps: the bus bandwidth of the largest message, in GB/s.
+        expected_gbps: the link's speed, in GB/s (a cluster profile's COURSE_LINK_GBPS).
+    """
+    share = busbw_gbps / expected_gbps
+    measured = f"bus bandwidth {busbw_gbps:.2f} GB/s is {share:.0%} of the link's {expected_gbps:g} GB/s"
+    if share >= HEALTHY_LINK_FRACTION:
+        return True, f"network OK: {measured}"
+    return False, (
+        f"network SLOW: {measured} "
+        f"(healthy: at least {HEALTHY_LINK_FRACTION:.0%}); check that NCCL uses the network plugin "
+        "(the job's preflight line, NCCL_DEBUG=INFO), the profile's variables, and which nodes you got"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = checks.CommandParser(
         prog="python -m course_lib.tools.bench", description=__doc__.split("\n\n")[0]
@@ -647,7 +789,41 @@ def main(argv: list[str] | None = None) -> int:
     tensor = sub.add_parser(
         "tp", help="course tensor parallelism against DTensor parallelize_module", formatter_class=formatter
     )
+    reduce = sub.add_parser(
+        "allreduce",
+        help="all-reduce time, algorithm and bus bandwidth per message size, and the alpha-beta fit",
+        formatter_class=formatter,
+    )
     positive, processes = checks.int_at_least(1), checks.int_at_least(1, max_processes())
+    reduce.add_argument(
+        "--world-size",
+        type=checks.int_at_least(2, max_processes()),
+        default=2,
+        help="local processes (under srun or torchrun, the launcher's processes are the ranks)",
+    )
+    reduce.add_argument(
+        "--min-bytes", type=positive, default=ALLREDUCE_MIN_BYTES, help="the smallest message"
+    )
+    reduce.add_argument(
+        "--max-mb",
+        type=checks.number_above(0),
+        default=None,
+        help=f"the largest message in MB [GPUs: {ALLREDUCE_MAX_MB['cuda']}, CPUs: {ALLREDUCE_MAX_MB['cpu']}]",
+    )
+    reduce.add_argument("--iterations", type=positive, default=20, help="timed all-reduces per size")
+    reduce.add_argument(
+        "--warmup", type=checks.int_at_least(0), default=3, help="untimed all-reduces per size"
+    )
+    reduce.add_argument("--output", type=checks.file_to_write, default=None, help="also write the JSON here")
+    reduce.add_argument(
+        "--plot", type=checks.file_to_write, default=None, help="draw the sweep as a PNG here"
+    )
+    reduce.add_argument(
+        "--expect-gbps",
+        type=checks.number_above(0),
+        default=None,
+        help="the link's speed in GB/s: print a verdict, exit 1 when the bus bandwidth is far below it",
+    )
     for command in (pipe, tensor):
         command.add_argument("--d-model", type=positive, default=128)
         command.add_argument("--seq", type=positive, default=64)
@@ -715,6 +891,8 @@ def _run_benchmark(args: argparse.Namespace) -> int:
         return launch(benchmark, world, timeout_s=1800, **options)[0]
 
     mlp, transformer, timing = ("width", "layers", "batch"), ("d_model", "seq", "batch"), ("steps", "warmup")
+    if args.benchmark == "allreduce":
+        return _run_allreduce(args)
     if args.benchmark == "pipeline":
         options = given(*transformer, *timing)
         rows = [row for stages in args.stages for row in on(stages, pipeline_benchmark, options)]
@@ -761,6 +939,50 @@ def _run_benchmark(args: argparse.Namespace) -> int:
         result = on(args.world_size, fsdp_benchmark, given(*mlp, *timing))
     print(json.dumps(result, indent=2))
     return 0
+
+
+def _run_allreduce(args: argparse.Namespace) -> int:
+    """The sweep on this launcher's ranks (srun, torchrun), or on ``--world-size`` local processes."""
+    launched = runtime.resolve_environment().world_size > 1
+    if launched:
+        context = runtime.init()
+        device = context.device.type
+    else:
+        device = "cpu"  # local processes share one machine: gloo on its CPU
+    max_mb = args.max_mb if args.max_mb is not None else ALLREDUCE_MAX_MB[device]
+    options = dict(
+        sizes=allreduce_sizes(min_bytes=args.min_bytes, max_bytes=int(max_mb * 2**20)),
+        iterations=args.iterations,
+        warmup=args.warmup,
+    )
+    if launched:
+        result = allreduce_benchmark(**options)
+        runtime.shutdown()
+        if result is None:
+            return 0
+    else:
+        print(f"benchmarking allreduce on {args.world_size} processes...", file=sys.stderr, flush=True)
+        result = launch(allreduce_benchmark, args.world_size, timeout_s=1800, **options)[0]
+    healthy = True
+    if args.expect_gbps is not None:
+        healthy, line = network_verdict(
+            busbw_gbps=result["largest_message_busbw_gbps"], expected_gbps=args.expect_gbps
+        )
+        result["verdict"] = line
+        print(line, file=sys.stderr)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.output is not None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(text + "\n")
+    if args.plot is not None:
+        from .plots import plot_allreduce
+
+        plot_allreduce(result, path=args.plot, expected_gbps=args.expect_gbps)
+    if not result["all_correct"]:
+        print("error: some all-reduce gave a wrong sum: the network corrupts data", file=sys.stderr)
+        return 1
+    return 0 if healthy else 1
 
 
 if __name__ == "__main__":

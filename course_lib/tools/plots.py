@@ -1,4 +1,4 @@
-"""Every picture the course draws from data: pipeline timelines, scaling studies, loss curves.
+"""Every picture the course draws from data: pipeline timelines, scaling studies, loss curves, networks.
 
 The lessons compute; this module draws. Each function takes what a lesson returns (a timeline
 of events, the rows of a scaling table, loss curves) and returns a matplotlib ``Figure``, saved
@@ -176,5 +176,54 @@ def plot_loss_curves(curves: dict[str, list[float]], *, path: str | Path | None 
     axis.set_xlabel("step")
     axis.set_ylabel("training loss")
     axis.legend()
+    figure.tight_layout()
+    return save(figure, path)
+
+
+# -- the network ----------------------------------------------------------------------------------
+
+
+def plot_allreduce(
+    result: dict[str, Any], *, path: str | Path | None = None, expected_gbps: float | None = None
+) -> Figure:
+    """An all-reduce sweep (``bench allreduce``): time and bus bandwidth against message size.
+
+    Left, the measured time of each size beside the fitted alpha-beta model: flat where latency
+    rules, a slope of one where bandwidth does. Right, the bus bandwidth climbing towards beta,
+    the fitted bandwidth, and towards the link's speed when one is expected.
+
+    Args:
+        result: the benchmark's JSON object (its ``rows`` and, with 2 or more ranks, its ``fit``).
+        path: save the chart as a PNG here (None: only return it).
+        expected_gbps: the link's speed in GB/s, drawn as a line (None: not drawn).
+    """
+    rows = result["rows"]
+    sizes = [row["bytes"] for row in rows]
+    figure = Figure(figsize=(10, 3.8))
+    timing, bandwidth = figure.subplots(1, 2)
+    timing.loglog(sizes, [row["time_us"] for row in rows], "o", label="measured")
+    fit = result.get("fit")
+    if fit:
+        timing.loglog(
+            sizes,
+            [row["model_time_us"] for row in rows],
+            "-",
+            label=f"alpha-beta fit: alpha {fit['latency_us']:.1f} us, beta {fit['bandwidth_gbps']:.2f} GB/s",
+        )
+    timing.set_xlabel("message size (bytes)")
+    timing.set_ylabel("time of one all-reduce (us)")
+    timing.legend(fontsize="small")
+    bandwidth.semilogx(sizes, [row["busbw_gbps"] for row in rows], "o-", label="bus bandwidth")
+    bandwidth.semilogx(sizes, [row["algbw_gbps"] for row in rows], ".--", label="algorithm bandwidth")
+    if fit:
+        bandwidth.axhline(fit["bandwidth_gbps"], color="C1", linewidth=1, label="beta (fitted)")
+    if expected_gbps is not None:
+        bandwidth.axhline(expected_gbps, color="C3", linestyle=":", label=f"link: {expected_gbps:g} GB/s")
+    bandwidth.set_xlabel("message size (bytes)")
+    bandwidth.set_ylabel("GB/s")
+    bandwidth.legend(fontsize="small")
+    figure.suptitle(
+        f"all-reduce on {result['world_size']} ranks, {result['nodes']} node(s), {result['backend']}"
+    )
     figure.tight_layout()
     return save(figure, path)

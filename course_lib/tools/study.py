@@ -114,7 +114,7 @@ def submit_slurm(
             "--parsable",
             f"--nodes={run.nodes}",
             f"--ntasks-per-node={run.tasks_per_node}",
-            f"--gpus-per-node={run.tasks_per_node}",
+            "--gpus-per-task=1",
             f"--job-name=scaling-{run.name}",
             f"--output={results}/{run.name}-%j.out",
             *sbatch_args,

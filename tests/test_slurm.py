@@ -85,74 +85,201 @@ def _wait(job_id: str, timeout: float = 300) -> str:
     raise AssertionError(f"job {job_id} did not end within {timeout} s")
 
 
-def _submit_and_wait(script: str, env: dict, output: Path, *options: str) -> tuple[str, str]:
-    submitted = _sbatch(script, env, output, *options)
-    assert submitted.returncode == 0, submitted.stderr
-    job_id = submitted.stdout.strip().split(";")[0]
-    return _wait(job_id), output.with_name(output.name.replace("%j", job_id)).read_text()
+# The quick jobs: every script, and every mistake a job must refuse in its first second. They are
+# submitted together (the cluster runs them side by side) and each test waits for its own.
+QUICK_JOBS = {
+    # name: (script, settings, sbatch options)
+    "single_gpu": ("single_gpu", {}, ()),
+    "ddp_1node": ("ddp_1node", {}, ()),
+    "fsdp": ("fsdp", {}, ()),
+    "ddp_multinode": ("ddp_multinode", {}, ()),
+    # The generic profile leaves OMP_NUM_THREADS to the rule: a task's 8 cores shared by 4 workers.
+    "torchrun_per_node": ("torchrun_per_node", {"COURSE_CLUSTER": "generic"}, ("--cpus-per-task=8",)),
+    "network_check": ("network_check", {"COURSE_LINK_GBPS": "0.05", "COURSE_NETWORK_MAX_MB": "1"}, ()),
+    "no_cifar": (
+        "ddp_1node",
+        dict(COURSE_DATASET="cifar10", COURSE_MODEL="cifar_cnn", COURSE_DATA_DIR="/nonexistent/course-data"),
+        (),
+    ),
+    "no_profile": ("ddp_1node", {"COURSE_CLUSTER": "nosuch"}, ()),
+    "no_account": ("ddp_1node", {"COURSE_CLUSTER": "alps"}, ()),
+    "no_plugin": ("ddp_1node", {"COURSE_CLUSTER": "alps", "LD_LIBRARY_PATH": ""}, ("--account=course",)),
+    "container_without_hook": (
+        "ddp_1node",
+        {"COURSE_CLUSTER": "alps", "COURSE_NCCL_PLUGIN_FROM": "container", "COURSE_EDF": "{tmp}/plain.toml"},
+        ("--account=course",),
+    ),
+    "more_tasks_than_gpus": (
+        "ddp_1node",
+        {},
+        ("--ntasks-per-node=8", "--gpus-per-task=0", "--gpus-per-node=4"),
+    ),
+    "ranks_without_a_gpu": ("torchrun_per_node", {"COURSE_PROCS_PER_NODE": "4"}, ("--gpus-per-node=2",)),
+    "no_gpus": ("single_gpu", {}, ("--gpus-per-task=0",)),
+    "no_link_speed": ("network_check", {}, ()),
+}
+
+
+@pytest.fixture(scope="module")
+def quick_jobs(cluster, tmp_path_factory):
+    """Submit every quick job at once; name -> (job id, its output file, its results folder)."""
+    folder = tmp_path_factory.mktemp("quick-jobs")
+    (folder / "plain.toml").write_text('image = "nvcr.io#nvidia/pytorch:26.01-py3"\n')
+    jobs = {}
+    for name, (script, settings, options) in QUICK_JOBS.items():
+        results = folder / name
+        settings = {key: value.replace("{tmp}", str(folder)) for key, value in settings.items()}
+        submitted = _sbatch(script, _job_env(results, **settings), folder / f"{name}.out", *options)
+        assert submitted.returncode == 0, f"{name}: {submitted.stderr}"
+        jobs[name] = (submitted.stdout.strip().split(";")[0], folder / f"{name}.out", results)
+    yield jobs
+    subprocess.run(["scancel", *(job_id for job_id, _, _ in jobs.values())], capture_output=True)
+
+
+def _finished(quick_jobs, name: str) -> tuple[str, str, Path]:
+    """Wait for one quick job: (its final state, its output, its results folder)."""
+    job_id, output, results = quick_jobs[name]
+    state = _wait(job_id)
+    return state, output.read_text(), results
 
 
 @pytest.mark.parametrize("script", JOB_SCRIPTS)
-def test_every_job_script_runs_unmodified_on_the_cluster(cluster, tmp_path, script):
-    state, output = _submit_and_wait(script, _job_env(tmp_path), tmp_path / "%j.out")
+def test_every_job_script_runs_unmodified_on_the_cluster(quick_jobs, script):
+    state, output, results = _finished(quick_jobs, script)
     assert state == "COMPLETED", output
     assert f"configuration OK for {JOB_SCRIPTS[script]} process(es)" in output
     assert "training exited with status 0" in output
-    (metrics,) = tmp_path.glob("*.jsonl")
+    (metrics,) = results.glob("*.jsonl")
     record = json.loads(metrics.read_text().splitlines()[-1])
     assert record["world_size"] == JOB_SCRIPTS[script] and record["backend"] == "gloo"
     assert record["val_samples"] == 359 and 0 < record["val_acc"] <= 1
+
+
+def test_multi_node_jobs_prove_the_network_with_an_all_reduce_before_training(quick_jobs):
+    for script, ranks in (("ddp_multinode", 8), ("torchrun_per_node", 8)):
+        state, output, _ = _finished(quick_jobs, script)
+        line = f"preflight: {ranks} ranks on 2 node(s) all-reduced correctly"
+        assert state == "COMPLETED" and line in output, output
+        assert output.index(line) < output.index("training digits_cnn")
+    # one node: no preflight
+    assert "preflight" not in _finished(quick_jobs, "ddp_1node")[1]
+
+
+def test_threads_per_process_are_the_cores_each_process_was_given(quick_jobs):
+    # torchrun: one task of 8 cores starts 4 workers, so each gets 2 threads
+    output = _finished(quick_jobs, "torchrun_per_node")[1]
+    assert "OMP_NUM_THREADS=2 (8 core(s) a task, 4 process(es) a task)" in output, output
+
+
+def test_the_network_check_sweeps_fits_and_gives_a_verdict(quick_jobs):
+    state, output, results = _finished(quick_jobs, "network_check")
+    assert state == "COMPLETED", output
+    assert "preflight: 2 ranks on 2 node(s)" in output
+    assert "network OK: bus bandwidth" in output and "of the link's 0.05 GB/s" in output
+    (sweep,) = results.glob("*.json")
+    result = json.loads(sweep.read_text())
+    assert result["world_size"] == 2 and result["nodes"] == 2 and result["all_correct"]
+    assert result["rows"][0]["bytes"] == 8 and result["rows"][-1]["bytes"] == 2**20
+    assert result["fit"]["latency_us"] > 0 and result["fit"]["bandwidth_gbps"] > 0
+    assert sweep.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("no_cifar", "CIFAR-10 was not found in /nonexistent/course-data"),
+        (
+            "no_profile",
+            "cluster profile 'nosuch' does not exist: set COURSE_CLUSTER to one of: alps generic local",
+        ),
+        ("no_account", "cluster alps charges every job to a project: submit with sbatch --account=<project>"),
+        (
+            "no_plugin",
+            "error: NCCL_NET='AWS Libfabric' needs the aws-ofi-nccl plugin (libnccl-net.so), and no folder "
+            "on LD_LIBRARY_PATH has it: submit with a uenv that provides it",
+        ),
+        (
+            "container_without_hook",
+            "plain.toml does not enable the plugin hook: add com.hooks.aws_ofi_nccl.enabled",
+        ),
+        ("more_tasks_than_gpus", "error: 8 processes would share 4 GPU(s) (the node has 4 GPU(s))"),
+        (
+            "ranks_without_a_gpu",
+            "error: 4 processes would share 2 GPU(s) (the node has 2 GPU(s)): ranks would find no GPU",
+        ),
+        ("no_gpus", "error: this job has no GPUs: request one per process, e.g. sbatch --gpus-per-task=1"),
+        ("no_link_speed", "cluster profile local does not say how fast its link is: set COURSE_LINK_GBPS"),
+    ],
+)
+def test_mistakes_fail_at_once_with_a_clear_message(quick_jobs, name, message):
+    state, output, _ = _finished(quick_jobs, name)
+    assert state == "FAILED"
+    assert message in output
+    assert "training exited" not in output and "preflight:" not in output  # no process was started
+    assert output.count("error: ") <= 2  # the check's line, and the script's "nothing was started"
 
 
 # Two tasks, not four: a resumed DDP builds its gradient buckets afresh, and with more than two
 # ranks the ring all-reduce then adds each element's N values in another order, which changes the
 # last bit of some sums (measured: ~1e-9 after one epoch). Two values add up the same either way,
 # so with two ranks the resumed run must match the uninterrupted one bit for bit.
-TWO_TASKS = ("--ntasks-per-node=2", "--gpus-per-node=2")
+TWO_TASKS = ("--ntasks-per-node=2",)
+LONGER = dict(
+    COURSE_DATASET="synthetic",
+    COURSE_MODEL="cifar_cnn",
+    COURSE_EPOCHS="2",
+    COURSE_EXTRA_ARGS="--checkpoint-every 8",
+)
 
 
-def test_a_preempted_job_checkpoints_requeues_resumes_and_ends_identical(cluster, tmp_path):
-    longer = dict(
-        COURSE_DATASET="synthetic",
-        COURSE_MODEL="cifar_cnn",
-        COURSE_EPOCHS="2",
-        COURSE_EXTRA_ARGS="--checkpoint-every 8",
-    )
-    state, output = _submit_and_wait(
-        "ddp_1node",
-        _job_env(tmp_path / "straight", COURSE_RUN_NAME="run", **longer),
-        tmp_path / "straight-%j.out",
-        *TWO_TASKS,
-    )
-    assert state == "COMPLETED", output
-    expected_step, expected = latest_weights(tmp_path / "straight" / "ckpt" / "run")
-
-    results = tmp_path / "preempted"
-    submitted = _sbatch(
-        "ddp_1node",
-        _job_env(results, COURSE_RUN_NAME="run", **longer),
-        tmp_path / "preempted.out",
-        *TWO_TASKS,
-    )
-    job_id = submitted.stdout.strip().split(";")[0]
-    checkpoints = results / "ckpt" / "run"
-    deadline = time.monotonic() + 240
-    while not (checkpoints / "step-00000008").is_dir():
-        assert time.monotonic() < deadline and _job_state(job_id) in ("PENDING", "RUNNING", "CONFIGURING"), (
-            tmp_path / "preempted.out"
-        ).read_text()
+def test_a_stop_signal_reaches_every_worker_which_checkpoint_requeue_and_end_identical(cluster, tmp_path):
+    """USR1 to the batch shell (what --signal=B:USR1@120 sends before the time limit), under srun
+    tasks and under torchrun (which forwards it: --signals-to-handle): both runs requeue, resume,
+    and end bit for bit where an uninterrupted run ends. The three jobs run side by side."""
+    runs = {
+        "straight": ("ddp_1node", {}, TWO_TASKS),
+        "srun": ("ddp_1node", {}, TWO_TASKS),
+        # two nodes, one worker each: 2 ranks, as above
+        "torchrun": ("torchrun_per_node", {"COURSE_PROCS_PER_NODE": "1"}, ()),
+    }
+    jobs = {}
+    for name, (script, settings, options) in runs.items():
+        submitted = _sbatch(
+            script,
+            _job_env(tmp_path / name, COURSE_RUN_NAME="run", **LONGER, **settings),
+            tmp_path / f"{name}.out",
+            *options,
+        )
+        assert submitted.returncode == 0, submitted.stderr
+        jobs[name] = submitted.stdout.strip().split(";")[0]
+    signalled = set()
+    deadline = time.monotonic() + 300
+    while signalled != {"srun", "torchrun"}:
+        for name in {"srun", "torchrun"} - signalled:
+            if (tmp_path / name / "ckpt" / "run" / "step-00000008").is_dir():
+                subprocess.run(["scancel", "--batch", "--signal=USR1", jobs[name]], check=True)
+                signalled.add(name)
+            else:
+                assert time.monotonic() < deadline and _job_state(jobs[name]) in (
+                    "PENDING",
+                    "RUNNING",
+                    "CONFIGURING",
+                ), (tmp_path / f"{name}.out").read_text()
         time.sleep(0.2)
-    # what --signal=B:USR1@120 does before the time limit, now
-    subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True)
-    state = _wait(job_id, timeout=400)
-    output = (tmp_path / "preempted.out").read_text()
-    assert state == "COMPLETED", output
-    assert "stop requested" in output and "training exited with status 3" in output
-    assert f"requeueing job {job_id}" in output and "restart 1" in output and "resumed from" in output
-    step, weights = latest_weights(checkpoints)
-    assert step == expected_step
-    for key, tensor in expected.items():
-        assert torch.equal(weights[key], tensor), key  # bit for bit the uninterrupted run
+    states = {name: _wait(job_id, timeout=400) for name, job_id in jobs.items()}
+    outputs = {name: (tmp_path / f"{name}.out").read_text() for name in jobs}
+    for name in jobs:
+        assert states[name] == "COMPLETED", outputs[name]
+    expected_step, expected = latest_weights(tmp_path / "straight" / "ckpt" / "run")
+    for name in ("srun", "torchrun"):
+        output = outputs[name]
+        assert "stop requested" in output and "stopped by SIGUSR1" in output, output
+        assert f"requeueing job {jobs[name]}" in output and "restart 1" in output and "resumed from" in output
+        step, weights = latest_weights(tmp_path / name / "ckpt" / "run")
+        assert step == expected_step
+        for key, tensor in expected.items():
+            assert torch.equal(weights[key], tensor), f"{name}: {key}"  # bit for bit the uninterrupted run
+    assert "closing signal SIGUSR1" in outputs["torchrun"]  # torchrun passed the signal to its worker
 
 
 def test_the_scaling_study_runs_collects_a_failed_run_and_plots(cluster, tmp_path):
@@ -225,41 +352,8 @@ def test_the_scaling_study_runs_collects_a_failed_run_and_plots(cluster, tmp_pat
 
 
 def test_a_request_larger_than_the_cluster_is_rejected_at_submission(cluster, tmp_path):
-    rejected = _sbatch("ddp_1node", _job_env(tmp_path), tmp_path / "%j.out", "--gpus-per-node=8")
+    rejected = _sbatch("ddp_1node", _job_env(tmp_path), tmp_path / "%j.out", "--ntasks-per-node=8")  # 8 GPUs
     assert rejected.returncode != 0
     assert "Requested node configuration is not available" in rejected.stderr
     # nothing pending
     assert subprocess.run(["squeue", "-h"], capture_output=True, text=True).stdout.strip() == ""
-
-
-@pytest.mark.parametrize(
-    "settings, options, message",
-    [
-        (
-            dict(
-                COURSE_DATASET="cifar10", COURSE_MODEL="cifar_cnn", COURSE_DATA_DIR="/nonexistent/course-data"
-            ),
-            (),
-            "CIFAR-10 was not found in /nonexistent/course-data",
-        ),
-        (
-            dict(COURSE_CLUSTER="nosuch"),
-            (),
-            "cluster profile 'nosuch' does not exist: set COURSE_CLUSTER to one of: alps generic local",
-        ),
-        (
-            dict(COURSE_CLUSTER="alps"),
-            (),
-            "cluster alps charges every job to a project: submit with sbatch --account=<project>",
-        ),
-    ],
-)
-def test_mistakes_fail_at_once_with_a_clear_message(cluster, tmp_path, settings, options, message):
-    started = time.monotonic()
-    state, output = _submit_and_wait(
-        "ddp_1node", _job_env(tmp_path, **settings), tmp_path / "%j.out", *options
-    )
-    assert state == "FAILED"
-    assert message in output
-    assert "training exited" not in output  # no process was started
-    assert time.monotonic() - started < 60

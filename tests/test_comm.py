@@ -191,6 +191,13 @@ def test_commlog_bytes_equal_the_formulas(world_size):
     assert "all_reduce" in summary and "total" in summary
 
 
+@pytest.mark.parametrize("world_size, factor", [(1, 0), (2, 1), (4, 1.5), (8, 1.75)])
+def test_bus_bandwidth_is_nccl_tests_busbw(world_size, factor):
+    # nccl-tests: busbw = algbw x 2(N-1)/N for an all-reduce, algbw x (N-1)/N for an all-gather
+    assert comm.bus_bandwidth("all_reduce", 10.0, world_size) == pytest.approx(10 * factor)
+    assert comm.bus_bandwidth("all_gather", 10.0, world_size) == pytest.approx(10 * factor / 2)
+
+
 def test_ring_bytes_with_one_rank_is_zero():
     assert comm.ring_bytes("all_reduce", 1000, 1) == 0 == comm.ring_bytes("broadcast", 1000, 1)
 

@@ -211,6 +211,18 @@ OTHER_MISTAKES = [
         "argument --d-model: must be a multiple of 12",
     ),
     (bench.main, ["tp", "--seq", "0"], "argument --seq: must be a whole number, 1 or more, got 0"),
+    (
+        bench.main,
+        ["allreduce", "--world-size", "1"],
+        "argument --world-size: must be a whole number, from 2 to",
+    ),
+    (bench.main, ["allreduce", "--max-mb", "0"], "argument --max-mb: must be a finite number above 0, got 0"),
+    (bench.main, ["allreduce", "--expect-gbps", "-3"], "argument --expect-gbps: must be a finite number above 0"),
+    (
+        bench.main,
+        ["allreduce", "--plot", "{folder}"],
+        "argument --plot: {folder} is a folder, but a file is expected",
+    ),
     (three_d.main, ["--tensor", "0"], "argument --tensor: must be a whole number, 1 or more, got 0"),
     (three_d.main, ["--steps", "-1"], "argument --steps: must be a whole number, 1 or more, got -1"),
     (three_d.main, ["--data", "8", "--tensor", "4"], "64 processes on"),

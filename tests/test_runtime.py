@@ -153,3 +153,27 @@ def test_cpu_threads_follow_omp_num_threads_or_share_the_cores():
     assert runtime.cpu_threads_per_rank(4, {"OMP_NUM_THREADS": "3"}) == 3
     assert runtime.cpu_threads_per_rank(1, {}) == runtime.usable_cpus()
     assert runtime.cpu_threads_per_rank(10_000, {}) == 1
+
+
+@pytest.mark.parametrize(
+    "layout, local_rank, visible_gpus, gpu",
+    [
+        # srun --gpus-per-task=1: every task sees only its own GPU, numbered 0
+        ("gpus-per-task", 0, 1, 0),
+        ("gpus-per-task", 3, 1, 0),
+        # srun --gpus-per-node=4 with 4 tasks a node: every task sees all four
+        ("gpus-per-node", 0, 4, 0),
+        ("gpus-per-node", 3, 4, 3),
+        # one torchrun a node starting 4 workers: LOCAL_RANK 0..3, all four GPUs visible
+        ("torchrun", 2, 4, 2),
+        # a second node's local ranks start again at 0
+        ("gpus-per-node, node 2", 1, 4, 1),
+    ],
+)
+def test_each_process_gets_the_gpu_of_its_layout(layout, local_rank, visible_gpus, gpu):
+    assert runtime.gpu_for_process(local_rank=local_rank, visible_gpus=visible_gpus) == gpu
+
+
+def test_a_process_that_sees_no_gpu_is_told_how_to_get_one():
+    with pytest.raises(UserError, match=r"sees no GPU: request GPUs from Slurm \(--gpus-per-task=1\)"):
+        runtime.gpu_for_process(local_rank=0, visible_gpus=0)

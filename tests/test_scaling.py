@@ -52,3 +52,29 @@ def test_the_ring_all_reduce_model():
     # the bandwidth term approaches 2 x bytes / beta; the latency term keeps growing with N
     many = scaling.ring_all_reduce_seconds(1000, message_bytes=size, latency_s=0, bandwidth_bytes_per_s=beta)
     assert many == pytest.approx(2 * size / beta, rel=1e-2)
+
+
+@pytest.mark.parametrize("processes", [2, 3, 4, 8])
+def test_the_alpha_beta_fit_recovers_the_model_it_was_made_from(processes):
+    latency, bandwidth = 7e-6, 23e9
+    sizes = [8 * 4**k for k in range(14)]
+    seconds = [
+        scaling.ring_all_reduce_seconds(
+            processes, message_bytes=s, latency_s=latency, bandwidth_bytes_per_s=bandwidth
+        )
+        for s in sizes
+    ]
+    fitted = scaling.fit_ring_all_reduce(processes, message_bytes=sizes, seconds=seconds)
+    assert fitted == pytest.approx((latency, bandwidth), rel=1e-9)
+    # 5 % noise on every time still gives both within 10 %
+    noisy = [t * (1.05 if i % 2 else 0.95) for i, t in enumerate(seconds)]
+    assert scaling.fit_ring_all_reduce(processes, message_bytes=sizes, seconds=noisy) == pytest.approx(
+        (latency, bandwidth), rel=0.1
+    )
+
+
+def test_the_fit_refuses_what_it_cannot_fit():
+    with pytest.raises(ValueError, match="at least 2 processes"):
+        scaling.fit_ring_all_reduce(1, message_bytes=[8, 16], seconds=[1, 2])
+    with pytest.raises(ValueError, match="two different sizes"):
+        scaling.fit_ring_all_reduce(2, message_bytes=[8, 8], seconds=[1, 2])

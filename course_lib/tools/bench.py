@@ -672,8 +672,8 @@ def allreduce_benchmark(*, sizes: list[int], iterations: int, warmup: int) -> di
 
     Args:
         sizes: message sizes in bytes (multiples of 4).
-        iterations: all-reduces timed back to back in each of ``ALLREDUCE_BLOCKS`` blocks per size
-            (the median of the blocks' means is the size's time).
+        iterations: all-reduces timed in each of ``ALLREDUCE_BLOCKS`` blocks per size; the size's
+            time is the median of the blocks' means on GPUs, of every call's time on CPUs.
         warmup: untimed all-reduces per size first (NCCL sets up each size's channels on first use).
     """
     import torch.distributed as dist
@@ -699,14 +699,24 @@ def allreduce_benchmark(*, sizes: list[int], iterations: int, warmup: int) -> di
         message = torch.zeros(size // 4, device=device)
         for _ in range(warmup):
             dist.all_reduce(message)
-        block_means = []
-        for _ in range(ALLREDUCE_BLOCKS):  # the median of a few blocks shrugs off one burst of noise
+        times = []
+        for _ in range(ALLREDUCE_BLOCKS):
             dist.barrier()
-            start = synchronized()
-            for _ in range(iterations):
-                dist.all_reduce(message)
-            block_means.append((synchronized() - start) / iterations)
-        elapsed = torch.tensor([statistics.median(block_means)], dtype=torch.float64, device=device)
+            if device.type == "cuda":
+                # A GPU collective is only queued when the call returns: time a block of them
+                # between two synchronizations, as nccl-tests do, and keep the block's mean.
+                start = synchronized()
+                for _ in range(iterations):
+                    dist.all_reduce(message)
+                times.append((synchronized() - start) / iterations)
+            else:
+                # A CPU collective has finished when the call returns: time each one, so that
+                # the median ignores the moments another process had the core.
+                for _ in range(iterations):
+                    start = time.perf_counter()
+                    dist.all_reduce(message)
+                    times.append(time.perf_counter() - start)
+        elapsed = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the collective ends when its slowest rank does
         seconds = float(elapsed)
         algorithm = size / seconds

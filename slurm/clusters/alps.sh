@@ -14,26 +14,20 @@ COURSE_NEEDS_ACCOUNT=1
 COURSE_NEEDS_GPUS=1
 COURSE_LINK_GBPS=${COURSE_LINK_GBPS:-25}  # one Slingshot NIC per GPU: 200 Gb/s
 export COURSE_NCCL_PLUGIN_FROM=${COURSE_NCCL_PLUGIN_FROM:-uenv}
-# Use the plugin, and fail at start-up if it is missing instead of falling back to TCP sockets.
-export NCCL_NET="AWS Libfabric"
-# GPUDirect RDMA when the GPU and the NIC share a NUMA node (each GH200 module has its own NIC).
-export NCCL_NET_GDR_LEVEL=PHB
-# Let rings and trees use different NICs on each side (Slingshot's NICs are all on one fabric).
-export NCCL_CROSS_NIC=1
-# LL128, on by default since NCCL 2.27 (torch 2.14 ships 2.27+), corrupted data over Slingshot.
-export NCCL_PROTO=^LL128
-# More channels per peer speeds up send/recv (pipeline parallelism) without slowing collectives.
-export NCCL_NCHANNELS_PER_NET_PEER=4
-# libfabric's CXI provider: queue sizes CSCS measured best across applications. 16384 is the
-# largest transmit queue libfabric accepts: a larger value falls back to its default of 1024.
-export FI_CXI_DEFAULT_CQ_SIZE=131072
-export FI_CXI_DEFAULT_TX_SIZE=16384
-# NCCL registers its own buffers: libfabric must not register host memory behind its back.
-export FI_CXI_DISABLE_HOST_REGISTER=1
-export FI_CXI_RX_MATCH_MODE=software
-export FI_MR_CACHE_MONITOR=userfaultfd
-# GPU-aware MPI beside NCCL can deadlock; nothing here uses MPI.
-export MPICH_GPU_SUPPORT_ENABLED=0
+# One line each on why; the page above gives the measurements behind them.
+# #region nccl-variables
+export NCCL_NET="AWS Libfabric"       # the plugin, or fail at start-up: never fall back to TCP
+export NCCL_NET_GDR_LEVEL=PHB         # GPUDirect RDMA: each GH200's GPU and NIC share a NUMA node
+export NCCL_CROSS_NIC=1               # rings and trees may leave and enter by different NICs
+export NCCL_PROTO=^LL128              # LL128 (on since NCCL 2.27) corrupted data over Slingshot
+export NCCL_NCHANNELS_PER_NET_PEER=4  # faster send/recv (pipelines), collectives unharmed
+export FI_CXI_DEFAULT_CQ_SIZE=131072  # libfabric's CXI queues: CSCS's best across applications
+export FI_CXI_DEFAULT_TX_SIZE=16384   # the most libfabric accepts; above, it falls back to 1024
+export FI_CXI_DISABLE_HOST_REGISTER=1 # NCCL registers its own buffers
+export FI_CXI_RX_MATCH_MODE=software  # match messages in software: no hardware-list overflow
+export FI_MR_CACHE_MONITOR=userfaultfd # watch freed memory without hooking malloc
+export MPICH_GPU_SUPPORT_ENABLED=0    # GPU-aware MPI beside NCCL can deadlock; none is used here
+# #endregion nccl-variables
 # If NCCL hangs or its watchdog times out (CSCS's page lists this as still under investigation),
 # disable Slingshot's eager messages: COURSE_NCCL_NO_EAGER=1 sbatch ...
 if [ "${COURSE_NCCL_NO_EAGER:-0}" = 1 ]; then

@@ -26,11 +26,13 @@ Lessons, in reading order:
   explicit branches.
 - ``trainer``, ``checkpoint``, ``preemption``: the training loop, its resumable checkpoints, a
   clean stop when the cluster asks; ``train``: its command line; ``scaling``: speedup and
-  efficiency from a run's metrics.
+  efficiency from a run's metrics, and the alpha-beta model of the network; ``flops``: model
+  FLOPs utilization (MFU), how much of a GPU's arithmetic training uses.
 - ``checks``, ``errors``: every argument checked at the front door, and the exit statuses.
 
 Tools: ``tools.lab`` (``make lab``), ``tools.study`` (the strong-scaling study on Slurm),
-``tools.bench`` (the course against PyTorch, as JSON), ``tools.three_d`` (a 3-D run),
+``tools.bench`` (the course against PyTorch, and the network, as JSON), ``tools.jobcheck``
+(what the Slurm jobs check before they spend GPU time), ``tools.three_d`` (a 3-D run),
 ``tools.plots`` and ``tools.figures`` (every picture, as a matplotlib ``Figure``), ``tools.labs``
 (exercises generated from solutions, and their check), ``tools.slides`` (the slide checker),
 ``tools.system_deps`` (what ``make test`` needs from the system).

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from . import checkpoint, checks, data, memory, models, runtime, strategies
+from . import checkpoint, checks, data, flops, memory, models, runtime, strategies
 from .errors import Diverged, UserError
 from .preemption import Preempted, StopRequests
 
@@ -330,6 +330,9 @@ class Trainer:
         random.seed(config.seed)
         self.data = data.load_dataset(config.dataset, data_dir=config.data_dir, seed=config.seed)
         model = models.build_model(config.model, num_classes=self.data.num_classes).to(self.ctx.device)
+        # The model's arithmetic per sample, counted once on a shape-only copy: throughput x this
+        # is the achieved FLOP/s, and over the GPUs' peak it is MFU (course_lib.flops).
+        self.flops_per_sample = flops.training_flops_per_sample(model, tuple(self.data.train[0][0].shape))
         course_sharded = (config.strategy, config.impl) == ("fsdp", "course")
         # What is sharded, for the metrics: zero1, zero2, or the FSDP sharding strategy.
         self.sharding_label = (
@@ -568,6 +571,18 @@ class Trainer:
             "samples_per_s": steps * config.global_batch_size / epoch_time,
             "train_loss": loss_sum / samples,
         }
+        record["model_tflops"] = self.flops_per_sample * record["samples_per_s"] / 1e12
+        peak = flops.peak_tflops(self.ctx.device, flops.matmul_precision(config.precision))
+        record["mfu"] = (
+            None
+            if peak is None
+            else flops.model_flops_utilization(
+                flops_per_sample=self.flops_per_sample,
+                samples_per_s=record["samples_per_s"],
+                gpus=self.ctx.world_size,
+                peak_tflops_per_gpu=peak,
+            )
+        )
         record.update(evaluate(self.model, self.val_loader, self.ctx.device, precision=config.precision))
         record["peak_mem_mb"] = _reduce_max(peak_mb, self.ctx.device)
         record["peak_mem_kind"] = peak_kind

@@ -217,7 +217,11 @@ OTHER_MISTAKES = [
         "argument --world-size: must be a whole number, from 2 to",
     ),
     (bench.main, ["allreduce", "--max-mb", "0"], "argument --max-mb: must be a finite number above 0, got 0"),
-    (bench.main, ["allreduce", "--expect-gbps", "-3"], "argument --expect-gbps: must be a finite number above 0"),
+    (
+        bench.main,
+        ["allreduce", "--expect-gbps", "-3"],
+        "argument --expect-gbps: must be a finite number above 0",
+    ),
     (
         bench.main,
         ["allreduce", "--plot", "{folder}"],

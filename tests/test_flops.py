@@ -1,0 +1,57 @@
+"""flops: the model's arithmetic per sample, counted on a shape-only copy, and MFU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from course_lib import flops, models
+from course_lib.trainer import TrainConfig
+
+
+def test_a_linear_layers_training_flops_are_counted_exactly():
+    # forward 2*B*in*out; backward: the weight's gradient (2*B*in*out) and, for the second layer
+    # only, the gradient of its input (the first layer's input needs none): 2*B*in*out again.
+    model = nn.Sequential(nn.Linear(100, 50), nn.ReLU(), nn.Linear(50, 10))
+    first, second = 2 * 100 * 50, 2 * 50 * 10
+    assert flops.training_flops_per_sample(model, (100,)) == 2 * first + 3 * second
+
+
+def test_counting_leaves_the_real_model_untouched():
+    model = models.build_model("cifar_cnn")
+    before = {key: value.clone() for key, value in model.state_dict().items()}  # batch-norm statistics too
+    assert flops.training_flops_per_sample(model, (3, 32, 32)) > 0
+    assert all(torch.equal(before[key], value) for key, value in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters()) and next(model.parameters()).device.type == "cpu"
+
+
+def test_mfu_and_the_peaks():
+    mfu = flops.model_flops_utilization(
+        flops_per_sample=1e9, samples_per_s=2e5, gpus=4, peak_tflops_per_gpu=100
+    )
+    assert mfu == pytest.approx(0.5)
+    assert flops.peak_tflops(torch.device("cpu"), "bf16") is None
+    assert flops.matmul_precision("bf16") == "bf16"
+    assert flops.matmul_precision("fp32") in ("tf32", "fp32")
+    for _, peaks in flops.PEAK_TFLOPS:
+        assert peaks["bf16"] > peaks["tf32"] > peaks["fp32"] > 0
+
+
+def test_the_trainer_reports_the_models_tflops_and_no_mfu_on_a_cpu():
+    from course_lib.launch import launch
+
+    config = TrainConfig(strategy="single", global_batch_size=60, epochs=1, max_steps=2, progress=False)
+    (history,) = launch(_history, 1, dataclasses.replace(config))
+    record = history[-1]
+    expected = flops.training_flops_per_sample(models.build_model("digits_cnn"), (1, 8, 8))
+    assert record["model_tflops"] == pytest.approx(expected * record["samples_per_s"] / 1e12)
+    assert record["mfu"] is None
+
+
+def _history(config):
+    from course_lib.trainer import train
+
+    return train(config).history

@@ -148,3 +148,14 @@ def test_bench_allreduce_measures_the_local_network_and_its_alpha_beta_model(tmp
     # a bus bandwidth far below the link's speed is a failing verdict, with the line that says so
     slow = run_tool("bench", "allreduce", "--max-mb", "0.01", "--iterations", "2", "--expect-gbps", "1000")
     assert slow.returncode == 1 and "network SLOW: bus bandwidth" in slow.stderr
+
+
+def test_no_profile_sets_more_threads_than_the_cores_a_process_was_given():
+    """Threads per process come from common.sh (a task's cores over its processes); a profile that
+    fixed them (the old OMP_NUM_THREADS=16 on tasks of 8 cores) would oversubscribe. Only the test
+    cluster, whose advertised cores are not real, pins one thread."""
+    for profile in (REPO / "slurm" / "clusters").glob("*.sh"):
+        sets_threads = "OMP_NUM_THREADS" in profile.read_text()
+        assert sets_threads == (profile.stem == "local"), profile.name
+    common = (REPO / "slurm" / "common.sh").read_text()
+    assert "cores / per_task" in common

@@ -26,31 +26,24 @@ pytestmark = [
 ]
 
 
-def _check(name: str) -> dict:
+def _fresh_python(*args: str) -> str:
+    """``python ARGS`` in a fresh process, which must succeed; its standard output."""
     done = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "gpu_checks.py"), name],
-        cwd=REPO,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
+        [sys.executable, *args], cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=900
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return done.stdout
+
+
+def _check(name: str) -> dict:
+    """One check of ``tests/gpu_checks.py``: the JSON line it printed."""
+    return json.loads(_fresh_python(str(REPO / "tests" / "gpu_checks.py"), name).strip().splitlines()[-1])
 
 
 def _train(tmp_path, name: str, *flags: str) -> list[dict]:
     """``python -m course_lib.train`` on the GPU; the metrics it wrote, one record per epoch."""
     metrics = tmp_path / f"{name}.jsonl"
-    done = subprocess.run(
-        [sys.executable, "-m", "course_lib.train", "--no-progress", "--metrics", str(metrics), *flags],
-        cwd=REPO,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    _fresh_python("-m", "course_lib.train", "--no-progress", "--metrics", str(metrics), *flags)
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 

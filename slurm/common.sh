@@ -83,9 +83,10 @@ COURSE_TRAIN_ARGS=(--dataset "$COURSE_DATASET" --data-dir "$COURSE_DATA_DIR" --m
 echo "job ${SLURM_JOB_ID:-?} (${SLURM_JOB_NAME:-?}) on ${SLURM_JOB_NODELIST:-?}, restart ${SLURM_RESTART_COUNT:-0}," \
      "cluster profile $COURSE_CLUSTER, results in $COURSE_RESULTS/$COURSE_RUN_NAME.jsonl"
 
-course_refuse() {  # the check above printed what to change: record it and stop
+course_refuse() {  # the check above printed its one "error: <what to change>" line: record it and stop
   echo 2 >"$COURSE_RESULTS/$COURSE_RUN_NAME.status"
-  fail "$1"
+  echo "$1 (exit status 2)"
+  exit 2
 }
 
 course_check_resources() {  # GPUs, network plugin, CPU threads: every mistake found now, exit 2
@@ -96,8 +97,8 @@ course_check_resources() {  # GPUs, network plugin, CPU threads: every mistake f
   local checker=python3
   [ -x "$COURSE_PYTHON" ] && checker=$COURSE_PYTHON
   "$checker" -m course_lib.tools.jobcheck gpus --processes-per-task "$per_task" "${needs_gpus[@]}" \
-    || course_refuse "the GPU layout above was refused; nothing was started"
-  "$checker" -m course_lib.tools.jobcheck plugin || course_refuse "NCCL's network plugin is missing; nothing was started"
+    || course_refuse "job stopped by the GPU check above: nothing was started"
+  "$checker" -m course_lib.tools.jobcheck plugin || course_refuse "job stopped by the plugin check above: nothing was started"
   # Threads per process = the cores the process was given: a task's cores shared by its processes.
   local cores=${SLURM_CPUS_PER_TASK:-1}
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / per_task > 0 ? cores / per_task : 1 ))}
@@ -109,7 +110,7 @@ course_check() {  # course_check NPROCS --strategy ...: every mistake found now,
   shift
   course_check_resources
   WORLD_SIZE=$nprocs RANK=0 LOCAL_RANK=0 MASTER_ADDR=localhost MASTER_PORT=1 "${COURSE_HERE[@]}" "$COURSE_PYTHON" -m course_lib.train "$@" "${COURSE_TRAIN_ARGS[@]}" --dry-run \
-    || course_refuse "the configuration above was refused; nothing was started"
+    || course_refuse "job stopped by the configuration check above: nothing was started"
 }
 
 course_preflight() {  # course_preflight LAUNCHER...: one all-reduce on every rank before training
@@ -118,7 +119,7 @@ course_preflight() {  # course_preflight LAUNCHER...: one all-reduce on every ra
   fi
   # A port of its own: the training's rendezvous comes right after, on the job's usual port.
   MASTER_PORT=$(( 20000 + (${SLURM_JOB_ID:-0} + 20000) % 40000 )) "$@" -m course_lib.tools.jobcheck preflight \
-    || course_refuse "the preflight all-reduce failed (its line is above); nothing was trained"
+    || course_refuse "job stopped by the preflight above: nothing was trained"
 }
 
 course_run() {  # course_run LAUNCHER... : run training, forward a stop request, requeue on preemption

@@ -17,7 +17,9 @@ Lessons, in reading order:
 - ``parallel.ddp``: data parallelism written out (buckets, overlap, ``no_sync``).
 - ``memory``: what model states cost per rank under DDP and ZeRO-1/2/3, and what a rank holds.
 - ``parallel.flat_param``: the flat, padded, sharded parameter that ZeRO and FSDP are built on.
-- ``parallel.zero``: ZeRO-1/2, the optimizer state and the gradients sharded.
+- ``parallel.zero``: ZeRO-1/2, the optimizer state and the gradients sharded;
+  ``parallel.zero_optimizer``: ZeRO-1 as an optimizer (``ShardedOptimizer(params, torch.optim.AdamW,
+  lr=...)``), PyTorch's ``ZeroRedundancyOptimizer`` written out.
 - ``parallel.fsdp``: ZeRO-3 as FSDP, parameters gathered only while a unit computes, on a
   group or a device mesh.
 - ``parallel.tensor``: layers split over ranks (Megatron); ``parallel.pipeline``: stages and

@@ -19,13 +19,19 @@ compares the numbers, naming the first difference or the first TODO still to fil
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import sys
+import time
 import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from .. import checks
+from ..launch import launch
 
 LINE_LENGTH = 110  # pyproject.toml's [tool.ruff] line-length: exercises are formatted like the code
 LABS_DIR = Path(__file__).resolve().parent.parent.parent / "labs"
@@ -98,6 +104,158 @@ def compare_training(got: dict, expected: dict, *, tolerance: float = 1e-4) -> l
     return problems
 
 
+# -- grading suites ---------------------------------------------------------------------------------
+
+LAB_TIMEOUT_S = 60
+"""How long the ranks of one property may take (COURSE_LAB_TIMEOUT_S overrides it): a student's
+collective that some rank never calls would otherwise wait forever."""
+
+
+def lab_timeout_s() -> float:
+    return float(os.environ.get("COURSE_LAB_TIMEOUT_S", LAB_TIMEOUT_S))
+
+
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
+"""What gloo says when the rank at the other end of a collective has already exited."""
+
+
+@dataclass(frozen=True)
+class Property:
+    """One thing a lab's grading suite checks.
+
+    Args:
+        name: what holds when the student's code is right, as the check prints it.
+        check: ``check(lab_module)``; raises AssertionError with what differs.
+        hint: shown for the first property that fails: the idea, the API to look up, the pitfall.
+    """
+
+    name: str
+    check: Callable[[ModuleType], None]
+    hint: str
+
+
+@dataclass(frozen=True)
+class Question:
+    """A numeric question of a lab's README, answered in the lab's ``answers.toml``.
+
+    Args:
+        key: the answer's name in ``answers.toml``.
+        answer: computes the right value with the course's own models (never stored as a literal).
+        how: shown when the answer is wrong: which model or measurement gives it, not the number.
+        rel_tol: how close an answer must be (relative), for questions with rounded answers.
+    """
+
+    key: str
+    answer: Callable[[], float]
+    how: str
+    rel_tol: float = 1e-3
+
+
+def check_answers(questions: list[Question], path: Path) -> list[str]:
+    """One PASS or FAIL line per question, from the answers in the TOML file at ``path``."""
+    import math
+    import tomllib
+
+    if not path.is_file():
+        return [f"FAIL  answers: {path} does not exist (copy the lab's answers.toml and fill it in)"]
+    try:
+        given = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as error:
+        return [f"FAIL  answers: {path.name} is not valid TOML: {error}"]
+    lines = []
+    for question in questions:
+        value = given.get(question.key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
+            lines.append(f"FAIL  question {question.key}: not answered yet (a number in {path.name})")
+        elif math.isclose(value, question.answer(), rel_tol=question.rel_tol):
+            lines.append(f"PASS  question {question.key}")
+        else:
+            lines.append(f"FAIL  question {question.key}: {value:g} is not it; {question.how}")
+    return lines
+
+
+class CollectiveHung(Exception):
+    """The ranks of a property did not finish: some rank waits for a collective another never made."""
+
+
+def on_ranks(world_size: int, fn: Callable, *args: Any) -> list:
+    """``fn(*args)`` on ``world_size`` fresh processes (gloo): every rank's result, in rank order.
+
+    Args:
+        world_size: how many processes.
+        fn: the function every rank runs (a module-level function of the grading suite).
+        args: its arguments (the student's module among them: forked processes inherit it).
+    """
+    try:
+        return launch(fn, world_size, *args, timeout_s=lab_timeout_s())
+    except TimeoutError:
+        raise CollectiveHung(
+            f"on {world_size} ranks nothing finished within {lab_timeout_s():g} s: some rank is waiting in a "
+            "collective that another rank never made (every rank must make the same collectives, in the "
+            "same order, and wait on every handle it started)"
+        ) from None
+
+
+def _property_outcome(prop: Property, student: ModuleType, path: Path) -> str | None:
+    """None when the property holds, else the one line that says what is wrong."""
+    try:
+        prop.check(student)
+    except NotImplementedError as error:
+        return f"not finished yet: {_first_todo(error, path)}"
+    except AssertionError as error:
+        return str(error).splitlines()[0] if str(error) else "an assertion failed"
+    except CollectiveHung as error:
+        return str(error)
+    except Exception as error:  # noqa: BLE001 (the student's mistake is reported, never raised)
+        if any(sign in str(error) for sign in PEER_GONE):
+            return (
+                "a rank waited in a collective that another rank never made (that rank had already "
+                "finished): every rank must make the same collectives, in the same order"
+            )
+        if isinstance(error.__cause__, NotImplementedError) or "NotImplementedError" in str(error):
+            return f"not finished yet: {_first_todo(error, path)}"
+        first_line = str(error).splitlines()[0] if str(error) else ""
+        return f"your code raised {type(error).__name__}: {first_line}"
+    return None
+
+
+def run_suite(name: str, path: Path, answers: Path | None = None) -> tuple[bool, list[str]]:
+    """Every property of lab ``name`` on the student's file, then its questions: (all passed, the report).
+
+    Args:
+        name: the lab.
+        path: the student's Python file.
+        answers: the student's answers (None: ``answers.toml`` beside the file, or the lab's).
+    """
+    grading = load(LABS_DIR / name / "grading.py")
+    try:
+        student = load(path)
+    except Exception as error:  # noqa: BLE001
+        return False, [f"FAIL  {path.name} does not load: {type(error).__name__}: {error}"]
+    lines, first_hint = [], None
+    for prop in grading.PROPERTIES:
+        started = time.perf_counter()
+        problem = _property_outcome(prop, student, path)
+        took = f"({time.perf_counter() - started:.1f} s)"
+        if problem is None:
+            lines.append(f"PASS  {prop.name} {took}")
+        else:
+            lines.append(f"FAIL  {prop.name} {took}: {problem}")
+            first_hint = first_hint or prop.hint
+    questions = getattr(grading, "QUESTIONS", [])
+    if questions:
+        if answers is None:
+            beside = path.with_name("answers.toml") if path.parent != LABS_DIR / name else None
+            answers = beside if beside is not None and beside.is_file() else LABS_DIR / name / "answers.toml"
+        lines += check_answers(questions, answers)
+    passed = not any(line.startswith("FAIL") for line in lines)
+    total = len(grading.PROPERTIES) + len(questions)
+    failed = sum(line.startswith("FAIL") for line in lines)
+    summary = f"{name}: {total - failed} of {total} properties and answers hold"
+    lines.append(summary + (f"; hint: {first_hint}" if first_hint else ""))
+    return passed, lines
+
+
 def load(path: Path) -> ModuleType:
     spec = importlib.util.spec_from_file_location(f"lab_{path.parent.name}_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
@@ -152,15 +310,49 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the file to check (default: the lab's exercise.py)",
     )
+    checker.add_argument(
+        "--answers",
+        type=checks.file_to_read,
+        default=None,
+        help="your answers to the README's questions (default: answers.toml beside the file, or the lab's)",
+    )
+    checker.add_argument(
+        "--submissions",
+        type=checks.folder_to_read,
+        default=None,
+        help="instructors: check every .py file in this folder, one report each",
+    )
     args = parser.parse_args(argv)
     if args.command == "generate":
         for path in generate():
             print(f"wrote {path.relative_to(LABS_DIR.parent)}")
         return 0
+    if (LABS_DIR / args.lab / "grading.py").is_file():
+        files = (
+            sorted(args.submissions.glob("*.py"))
+            if args.submissions
+            else [args.file or LABS_DIR / args.lab / "exercise.py"]
+        )
+        if not files:
+            print(f"error: {args.submissions} holds no .py file to check", file=sys.stderr)
+            return 2
+        everyone_passed = True
+        for path in files:
+            if len(files) > 1:
+                print(f"== {path.name}")
+            own_answers = path.with_suffix(".toml") if args.submissions else args.answers
+            passed, lines = run_suite(args.lab, path.resolve(), own_answers)
+            print("\n".join(lines), flush=True)
+            everyone_passed &= passed
+        return 0 if everyone_passed else 1
     passed, message = check(args.lab, args.file)
     print(("PASS " if passed else "NOT YET ") + message)
     return 0 if passed else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # The grading suites import this module by its name: run that module's main, not this copy
+    # (run as __main__), so that both see the same classes (CollectiveHung, Property).
+    from course_lib.tools import labs
+
+    sys.exit(labs.main())

@@ -1,95 +1,90 @@
-"""Exercise: lab 1: data parallelism by hand, from one process to DDP.
+"""Exercise: lab 1: data parallelism by hand: broadcast, overlapped all-reduce, buckets.
 
-Fill in the three functions marked TODO in exercise.py, then check your work:
+``HandDDP`` wraps a model the way PyTorch's ``DistributedDataParallel`` does, in three steps you
+write yourself (the TODOs of exercise.py):
+
+1. ``broadcast_parameters``: every replica starts from rank 0's weights;
+2. per-parameter mode (``bucket_mb=None``): as soon as backward has accumulated a parameter's
+   gradient, a hook launches an *asynchronous* all-reduce of it, so communication runs while
+   backward computes the gradients of earlier layers; ``finish_gradient_sync`` (called right
+   after ``loss.backward()``) waits for every handle and turns the sums into averages;
+3. bucket mode: one message per parameter costs a latency each, so gradients are grouped into
+   buckets of about ``bucket_mb`` MB, in reverse order of the parameters (the order backward
+   produces them); a bucket is flattened and all-reduced as soon as its last gradient is ready.
+
+Check your work (every property, at 2, 3 and 4 processes):
 
     python -m course_lib.tools.labs check lab1_ddp
-
-The check trains the digits CNN for a few steps on 2 CPU processes with your functions and with the
-solution's, and compares the losses and the weights.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 
-from course_lib import comm, data, models, runtime
-from course_lib.launch import launch
-from course_lib.tools.labs import compare_training
-
-STEPS, GLOBAL_BATCH, LR = 40, 64, 0.05
+from course_lib import comm, runtime
 
 
-def my_slice(inputs: torch.Tensor, targets: torch.Tensor, rank: int, world_size: int):
-    """This rank's share of a global batch: every world_size-th sample, starting at ``rank``."""
-    # TODO: return every world_size-th sample starting at rank, for inputs and targets (x[rank::world_size])
+def broadcast_parameters(module: nn.Module) -> None:
+    """Make every rank's parameters and buffers equal to rank 0's."""
+    # TODO: replicas that start equal stay equal; look up comm.broadcast, and do not forget the buffers (batch norm's statistics) nor that a broadcast writes into the tensor you give it
     raise NotImplementedError(
-        "TODO: return every world_size-th sample starting at rank, for inputs and targets (x[rank::world_size])"
+        "TODO: replicas that start equal stay equal; look up comm.broadcast, and do not forget the buffers (batch norm's statistics) nor that a broadcast writes into the tensor you give it"
     )
 
 
-def same_start(model: torch.nn.Module) -> None:
-    """Make every replica start from rank 0's weights."""
-    # TODO: broadcast every parameter from rank 0 (comm.broadcast(param.data, src=0))
+def bucket_parameters(params: list[nn.Parameter], bucket_mb: float) -> list[list[nn.Parameter]]:
+    """Group ``params`` into buckets of at most ``bucket_mb`` MB, starting from the last parameter.
+
+    A parameter larger than a bucket gets a bucket of its own; no bucket is empty.
+    """
+    # TODO: walk the parameters from the last to the first (backward's order), adding each to the current bucket; close the bucket before a parameter that would take it over the limit (numel() x element_size() bytes; 1 MB = 2**20 bytes)
     raise NotImplementedError(
-        "TODO: broadcast every parameter from rank 0 (comm.broadcast(param.data, src=0))"
+        "TODO: walk the parameters from the last to the first (backward's order), adding each to the current bucket; close the bucket before a parameter that would take it over the limit (numel() x element_size() bytes; 1 MB = 2**20 bytes)"
     )
 
 
-def average_gradients(model: torch.nn.Module) -> None:
-    """After backward: every rank's gradients become the average over all ranks."""
-    # TODO: all-reduce each param.grad with comm.all_reduce (a sum), then divide it by the world size
-    raise NotImplementedError(
-        "TODO: all-reduce each param.grad with comm.all_reduce (a sum), then divide it by the world size"
-    )
+class HandDDP(nn.Module):
+    """Data parallelism by hand around ``module``: call ``finish_gradient_sync()`` after backward.
 
+    Args:
+        module: the model, built on every rank (rank 0's weights are broadcast to all).
+        bucket_mb: None to all-reduce each gradient alone, else the bucket size in MB.
+    """
 
-def train(lab) -> dict:
-    """Train with ``lab``'s three functions on this process group; the same on every rank."""
-    rank, world_size = runtime.rank(), runtime.world_size()
-    torch.manual_seed(100 + rank)  # a different start on every rank, on purpose: same_start must fix it
-    model = models.build_model("digits_cnn")
-    lab.same_start(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    bundle = data.load_dataset("digits")
-    images, labels = bundle.train.tensors
-    generator = torch.Generator().manual_seed(0)  # the same global batches on every rank
-    losses = []
-    for _ in range(STEPS):
-        chosen = torch.randint(0, len(images), (GLOBAL_BATCH,), generator=generator)
-        inputs, targets = lab.my_slice(images[chosen], labels[chosen], rank, world_size)
-        optimizer.zero_grad()
-        loss = F.cross_entropy(model(inputs), targets)
-        loss.backward()
-        lab.average_gradients(model)
-        optimizer.step()
-        everyone = loss.detach().clone()
-        comm.all_reduce(everyone, op="mean")
-        losses.append(everyone.item())
-    val_images, val_labels = bundle.val.tensors
-    with torch.no_grad():
-        accuracy = (model(val_images).argmax(1) == val_labels).float().mean().item()
-    return {
-        "losses": losses,
-        "accuracy": accuracy,
-        "weights": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
-    }
+    def __init__(self, module: nn.Module, *, bucket_mb: float | None = None):
+        super().__init__()
+        self.module, self.bucket_mb = module, bucket_mb
+        self.world_size = runtime.world_size()
+        broadcast_parameters(module)
+        # A tied weight appears once in parameters(); a frozen one never gets a gradient.
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.buckets = bucket_parameters(self.params, bucket_mb) if bucket_mb is not None else []
+        self.bucket_of = {id(p): index for index, bucket in enumerate(self.buckets) for p in bucket}
+        self.pending: list = []  # (async handle, what to do once it is done)
+        self.ready_in_bucket = [0] * len(self.buckets)
+        for param in self.params:
+            param.register_post_accumulate_grad_hook(self._gradient_ready)
 
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
 
-def check_run(lab) -> dict:
-    """What `python -m course_lib.tools.labs check` runs: ``train`` on 2 processes, rank 0's results."""
-    ranks = launch(train, 2, lab, timeout_s=120)
-    if not torch.equal(ranks[0]["weights"], ranks[1]["weights"]):
-        raise AssertionError(
-            "the two ranks ended with different weights: replicas must stay identical (same_start, and "
-            "average_gradients on every rank)"
+    def _gradient_ready(self, param: nn.Parameter) -> None:
+        """Called by autograd once ``param.grad`` holds this backward's whole gradient."""
+        if self.bucket_mb is None:
+            # TODO: start the all-reduce of this gradient now, without waiting for it (async_op=True gives a handle); keep the handle, the averaging comes once it is done
+            raise NotImplementedError(
+                "TODO: start the all-reduce of this gradient now, without waiting for it (async_op=True gives a handle); keep the handle, the averaging comes once it is done"
+            )
+            return
+        # TODO: count the ready gradients of this parameter's bucket; when the bucket is complete, copy its gradients into one flat tensor (torch.cat of flattened views) and start its all-reduce asynchronously; remember how to copy the result back
+        raise NotImplementedError(
+            "TODO: count the ready gradients of this parameter's bucket; when the bucket is complete, copy its gradients into one flat tensor (torch.cat of flattened views) and start its all-reduce asynchronously; remember how to copy the result back"
         )
-    return ranks[0]
 
-
-def compare(got: dict, expected: dict) -> list[str]:
-    return compare_training(got, expected)
-
-
-def summary(result: dict) -> str:
-    return f"final loss {result['losses'][-1]:.3f}, validation accuracy {result['accuracy']:.1%}"
+    def finish_gradient_sync(self) -> None:
+        """After ``loss.backward()``: wait for every all-reduce, and leave averaged gradients."""
+        # TODO: wait on every pending handle; a bucket's summed flat tensor goes back into each parameter's .grad (in the order it was packed); every gradient is then divided by the world size; clear what is pending for the next step
+        raise NotImplementedError(
+            "TODO: wait on every pending handle; a bucket's summed flat tensor goes back into each parameter's .grad (in the order it was packed); every gradient is then divided by the world size; clear what is pending for the next step"
+        )

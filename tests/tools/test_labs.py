@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -11,7 +13,8 @@ from course_lib.tools import labs
 
 from conftest import REPO, clean_env
 
-EXPECTED_ACCURACY = {"lab1_ddp": 0.8, "lab2_fsdp": 0.8}
+EXPECTED_ACCURACY = {"lab2_fsdp": 0.8}
+SUITE_LABS = ["lab1_ddp"]  # labs with a grading suite (grading.py) and questions (answers.toml)
 
 
 def test_every_committed_exercise_is_what_the_generator_writes():
@@ -30,7 +33,7 @@ def test_the_generator_refuses_unbalanced_markers():
         labs.exercise_text("x = 1\n# END SOLUTION\n")
 
 
-@pytest.mark.parametrize("name", ["lab1_ddp", "lab2_fsdp", "lab3_scaling"])
+@pytest.mark.parametrize("name", ["lab2_fsdp", "lab3_scaling"])
 def test_the_check_passes_on_the_solution_and_explains_the_untouched_exercise(name):
     def check(*args):
         return subprocess.run(
@@ -53,14 +56,122 @@ def test_the_check_passes_on_the_solution_and_explains_the_untouched_exercise(na
     assert "(exercise.py, line " in untouched.stdout and "fill it in, then check again" in untouched.stdout
 
 
+def _check_command(name: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "course_lib.tools.labs", "check", name, *args],
+        cwd=REPO,
+        env=clean_env(**env) if env else clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.mark.parametrize("name", SUITE_LABS)
+def test_the_suite_passes_on_the_solution_and_fails_helpfully_on_the_untouched_exercise(name):
+    grading = labs.load(labs.LABS_DIR / name / "grading.py")
+    total = len(grading.PROPERTIES) + len(grading.QUESTIONS)
+    solved = _check_command(
+        name, "--file", f"labs/{name}/solution.py", "--answers", f"labs/{name}/solution_answers.toml"
+    )
+    assert solved.returncode == 0, solved.stdout + solved.stderr
+    assert solved.stdout.splitlines()[-1] == f"{name}: {total} of {total} properties and answers hold"
+    assert solved.stdout.count("PASS  ") == total
+
+    untouched = _check_command(name)
+    assert untouched.returncode == 1
+    lines = untouched.stdout.splitlines()
+    first = grading.PROPERTIES[0]
+    assert lines[0].startswith(f"FAIL  {first.name} (") and "not finished yet: TODO: " in lines[0]
+    assert "(exercise.py, line " in lines[0]
+    assert lines[-1] == f"{name}: 0 of {total} properties and answers hold; hint: {first.hint}"
+    assert "not answered yet" in untouched.stdout  # the committed answers.toml holds no answer
+
+
+def _regions(solution: str) -> tuple[list[str], set[str]]:
+    """The code lines inside a solution's BEGIN/END SOLUTION regions, and those outside them."""
+    inside, hidden, given = False, [], set()
+    for line in solution.splitlines():
+        if labs.BEGIN.match(line):
+            inside = True
+        elif labs.END.match(line):
+            inside = False
+        elif inside:
+            hidden.append(line.strip())
+        else:
+            given.add(line.strip())
+    return hidden, given
+
+
+def test_no_exercise_contains_a_line_of_its_solution():
+    for name in labs.lab_names():
+        folder = labs.LABS_DIR / name
+        solution = (folder / "solution.py").read_text()
+        exercise = {line.strip() for line in (folder / "exercise.py").read_text().splitlines()}
+        # the given code may repeat a generic line (a loop header) that a region also has
+        hidden, given = _regions(solution)
+        # non-trivial: real code, not a closing bracket, a bare return or a blank
+        given_away = [
+            line
+            for line in hidden
+            if len(line) > 12 and not line.startswith("#") and line in exercise and line not in given
+        ]
+        assert given_away == [], f"labs/{name}/exercise.py contains its solution's lines: {given_away}"
+
+
+def _mutant(name: str, old: str, new: str, tmp_path) -> Path:
+    source = (labs.LABS_DIR / name / "solution.py").read_text()
+    assert old in source
+    path = tmp_path / "attempt.py"
+    path.write_text(source.replace(old, new))
+    return path
+
+
+def test_lab1_a_wrong_average_a_blocking_call_and_a_one_sided_collective_are_each_named(tmp_path):
+    grading = labs.load(labs.LABS_DIR / "lab1_ddp" / "grading.py")
+    by_name = {prop.check.__name__: prop for prop in grading.PROPERTIES}
+
+    def outcome(check: str, path: Path) -> str | None:
+        return labs._property_outcome(by_name[check], labs.load(path), path)
+
+    halved = _mutant(
+        "lab1_ddp", "param.grad /= self.world_size", "param.grad /= 2 * self.world_size", tmp_path
+    )
+    assert "rank 0's gradient of first.weight differs from the whole batch's" in outcome(
+        "check_per_parameter_gradients", halved
+    )
+    blocking = _mutant(
+        "lab1_ddp",
+        'handle = comm.all_reduce(param.grad, op="sum", async_op=True)',
+        'comm.all_reduce(param.grad, op="sum")\n            handle = comm.barrier(async_op=True)',
+        tmp_path,
+    )
+    assert "still in flight when it returned" in outcome("check_per_parameter_overlap", blocking)
+    one_sided = _mutant(
+        "lab1_ddp",
+        "comm.broadcast(tensor, src=0)",
+        "comm.broadcast(tensor, src=0) if runtime.rank() == 0 else None",
+        tmp_path,
+    )
+    os.environ["COURSE_LAB_TIMEOUT_S"] = "5"
+    try:
+        message = outcome("check_per_parameter_gradients", one_sided)
+    finally:
+        del os.environ["COURSE_LAB_TIMEOUT_S"]
+    assert "some rank is waiting in a collective that another rank never made" in message
+
+
 def test_a_wrong_answer_is_reported_with_the_first_difference(tmp_path):
     wrong = (
-        (labs.LABS_DIR / "lab1_ddp" / "solution.py")
+        (labs.LABS_DIR / "lab2_fsdp" / "solution.py")
         .read_text()
-        .replace("param.grad /= world_size", "param.grad /= 2 * world_size")
+        .replace(
+            'comm.reduce_scatter_tensor(out, padded, op="mean")',
+            'comm.reduce_scatter_tensor(out, padded, op="sum")',
+        )
     )
     path = tmp_path / "attempt.py"
     path.write_text(wrong)
-    passed, message = labs.check("lab1_ddp", path)
+    passed, message = labs.check("lab2_fsdp", path)
     assert not passed
     assert message.startswith("different from the solution: the loss of step 2 is ")

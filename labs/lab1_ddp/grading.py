@@ -1,0 +1,290 @@
+"""The grading suite of lab 1: what ``python -m course_lib.tools.labs check lab1_ddp`` checks.
+
+Every property runs your ``HandDDP`` on real processes (gloo) at 2, 3 and 4 ranks, on a model
+whose parameters divide by none of them, with a frozen layer, a weight used twice and a buffer;
+the references are one process on the whole batch and PyTorch's ``DistributedDataParallel``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from course_lib import comm, models, runtime
+from course_lib.parallel.ddp import make_buckets
+from course_lib.tools.labs import Property, Question, on_ranks
+
+WORLD_SIZES = (2, 3, 4)
+GLOBAL_BATCH = 60  # divides by 2, 3 and 4: every rank's mean loss weighs the same
+BUCKET_SIZES_MB = (0.001, 0.004, 25)  # a few parameters per bucket, about half the model, all of it
+
+
+class LabModel(nn.Module):
+    """Odd sizes, a frozen layer, a weight used twice (one parameter, two uses) and a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(7, 23)
+        self.register_buffer("scale", torch.ones(23))  # state that is not a parameter
+        self.shared = nn.Linear(23, 23)  # applied twice in forward: its gradient has two parts
+        self.frozen = nn.Linear(23, 23)
+        self.frozen.requires_grad_(False)
+        self.last = nn.Linear(23, 5)
+
+    def forward(self, x):
+        h = torch.tanh(self.first(x) * self.scale)
+        h = torch.tanh(self.shared(torch.tanh(self.shared(h))))
+        return self.last(torch.tanh(self.frozen(h)))
+
+
+def _model(seed: int) -> LabModel:
+    torch.manual_seed(seed)
+    model = LabModel()
+    model.scale.uniform_(0.5, 1.5)  # buffers differ too, unless they are broadcast
+    return model
+
+
+def _batch(step: int):
+    generator = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(GLOBAL_BATCH, 7, generator=generator), torch.randint(
+        0, 5, (GLOBAL_BATCH,), generator=generator
+    )
+
+
+def _my_share(step: int):
+    inputs, targets = _batch(step)
+    share = GLOBAL_BATCH // runtime.world_size()
+    mine = slice(runtime.rank() * share, (runtime.rank() + 1) * share)
+    return inputs[mine], targets[mine]
+
+
+def _reference_gradients() -> dict[str, torch.Tensor]:
+    """One process, the whole batch, rank 0's initial weights."""
+    model = _model(seed=0)
+    inputs, targets = _batch(0)
+    F.cross_entropy(model(inputs), targets).backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+# -- the properties, each run on every rank ---------------------------------------------------------
+
+
+def _starts_equal(lab):
+    model = _model(seed=runtime.rank())  # every rank builds other weights on purpose
+    lab.HandDDP(model)
+    state = torch.cat(
+        [t.detach().reshape(-1) for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()]
+    )
+    expected = _model(seed=0)
+    wanted = torch.cat(
+        [t.reshape(-1) for t in [*expected.parameters(), *expected.buffers()] if t.is_floating_point()]
+    )
+    return torch.equal(state, wanted)
+
+
+def _gradients_after_one_step(lab, bucket_mb):
+    model = lab.HandDDP(_model(seed=runtime.rank()), bucket_mb=bucket_mb)
+    inputs, targets = _my_share(0)
+    with comm.CommLog() as log:
+        F.cross_entropy(model(inputs), targets).backward()
+        launched_in_backward = log.count("all_reduce")
+        # an asynchronous call's record gets its time when its handle is waited on, not before
+        still_running = sum(
+            1 for record in log.records if record.op == "all_reduce" and record.seconds is None
+        )
+        model.finish_gradient_sync()
+    grads = {name: p.grad.clone() for name, p in model.module.named_parameters() if p.grad is not None}
+    return grads, (launched_in_backward, still_running), log.count("all_reduce")
+
+
+def _trains_like_torch_ddp(lab, optimizer_name):
+    from torch.nn.parallel import DistributedDataParallel
+
+    runs = {}
+    for kind in ("yours", "torch"):
+        module = _model(seed=runtime.rank())
+        # DDP broadcasts rank 0's parameters and buffers, as HandDDP does
+        model = lab.HandDDP(module, bucket_mb=0.004) if kind == "yours" else DistributedDataParallel(module)
+        params = [p for p in module.parameters() if p.requires_grad]
+        optimizer = (
+            torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+            if optimizer_name == "adamw"
+            else torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        )
+        for step in range(3):
+            optimizer.zero_grad()
+            inputs, targets = _my_share(step)
+            F.cross_entropy(model(inputs), targets).backward()
+            if kind == "yours":
+                model.finish_gradient_sync()
+            optimizer.step()
+        runs[kind] = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    return (runs["yours"] - runs["torch"]).abs().max().item()
+
+
+# -- what the check prints ------------------------------------------------------------------------------
+
+
+def check_starts_equal(lab) -> None:
+    for world in WORLD_SIZES:
+        assert all(on_ranks(world, _starts_equal, lab)), (
+            f"on {world} ranks, some rank's parameters or buffers differ from rank 0's after HandDDP(...)"
+        )
+
+
+def check_buckets(lab) -> None:
+    params = [p for p in _model(seed=0).parameters() if p.requires_grad]
+    for bucket_mb in BUCKET_SIZES_MB:
+        index = {id(p): i for i, p in enumerate(params)}
+        got = [[index[id(p)] for p in bucket] for bucket in lab.bucket_parameters(params, bucket_mb)]
+        wanted = [[index[id(p)] for p in bucket] for bucket in make_buckets(params, bucket_mb)]
+        assert got == wanted, (
+            f"bucket_parameters(params, {bucket_mb}) grouped the parameters (by index) as {got}, not {wanted}"
+        )
+
+
+def _check_gradients(lab, bucket_mb) -> None:
+    reference = _reference_gradients()
+    for world in WORLD_SIZES:
+        for rank, (grads, _, _) in enumerate(on_ranks(world, _gradients_after_one_step, lab, bucket_mb)):
+            assert "frozen.weight" not in grads, (
+                "the frozen layer got a gradient: only sync what requires one"
+            )
+            for name, wanted in reference.items():
+                assert name in grads, f"on {world} ranks, rank {rank} has no gradient for {name}"
+                error = (grads[name] - wanted).abs().max().item()
+                assert error < 1e-6, (
+                    f"on {world} ranks, rank {rank}'s gradient of {name} differs from the whole batch's by "
+                    f"{error:.2e}" + (f" (buckets of {bucket_mb} MB)" if bucket_mb else "")
+                )
+
+
+def check_per_parameter_gradients(lab) -> None:
+    _check_gradients(lab, None)
+
+
+def check_per_parameter_overlap(lab) -> None:
+    trainable = sum(1 for p in _model(seed=0).parameters() if p.requires_grad)
+    _, (during, waiting), total = on_ranks(2, _gradients_after_one_step, lab, None)[0]
+    assert during == trainable, (
+        f"{during} all-reduces had started when backward returned, not {trainable} (one per trainable "
+        "parameter, each started from its gradient's hook)"
+    )
+    assert waiting == during, (
+        f"only {waiting} of the {during} all-reduces started in backward were still in flight when it "
+        "returned: the others blocked backward until they finished (start them asynchronously)"
+    )
+    assert total == trainable, f"{total} all-reduces in the step, not {trainable}: sync each gradient once"
+
+
+def check_bucket_gradients(lab) -> None:
+    for bucket_mb in BUCKET_SIZES_MB:
+        _check_gradients(lab, bucket_mb)
+
+
+def check_bucket_overlap(lab) -> None:
+    params = [p for p in _model(seed=0).parameters() if p.requires_grad]
+    for bucket_mb in BUCKET_SIZES_MB:
+        buckets = len(make_buckets(params, bucket_mb))
+        _, (during, _), total = on_ranks(2, _gradients_after_one_step, lab, bucket_mb)[0]
+        assert (during, total) == (buckets, buckets), (
+            f"with buckets of {bucket_mb} MB: {during} all-reduces started during backward and {total} in all, "
+            f"not {buckets} and {buckets} (one per bucket, each started when its last gradient is ready)"
+        )
+
+
+def check_trains_like_torch_ddp(lab) -> None:
+    for optimizer_name in ("adamw", "sgd"):
+        for world in (2, 3):
+            error = on_ranks(world, _trains_like_torch_ddp, lab, optimizer_name)[0]
+            assert error < 1e-5, (
+                f"after 3 steps of {optimizer_name} on {world} ranks, your weights differ from "
+                f"DistributedDataParallel's by {error:.2e}"
+            )
+
+
+PROPERTIES = [
+    Property(
+        "every replica starts from rank 0's parameters and buffers",
+        check_starts_equal,
+        "Replicas stay equal only if they start equal: rank 0's tensors must reach the others. A broadcast "
+        "writes into the tensor it is given on the receiving ranks, so give it the parameter's own storage; "
+        "a model's state also has buffers (batch norm's statistics), which are not parameters.",
+    ),
+    Property(
+        "buckets are filled from the last parameter, none over the size",
+        check_buckets,
+        "Backward produces the last layer's gradients first, so buckets are filled walking the parameters "
+        "backwards. Count a parameter's bytes as numel() x element_size(); close a bucket before the "
+        "parameter that would overflow it, and give an oversized parameter a bucket of its own.",
+    ),
+    Property(
+        "per parameter: the averaged gradients equal the whole batch's (2, 3, 4 ranks)",
+        check_per_parameter_gradients,
+        "Each rank computed the mean loss of its share; the whole batch's gradient is the average of "
+        "the ranks' gradients. An all-reduce sums; the average needs one more operation, after every "
+        "handle has been waited on (the sum is not there before).",
+    ),
+    Property(
+        "per parameter: every all-reduce starts during backward, from its gradient's hook",
+        check_per_parameter_overlap,
+        "Overlap means the message leaves while backward still computes earlier layers: start it inside "
+        "the hook with async_op=True (which returns a handle at once) and only wait in "
+        "finish_gradient_sync. A blocking call in the hook would stall backward instead.",
+    ),
+    Property(
+        "buckets: the averaged gradients equal the whole batch's, at every bucket size",
+        check_bucket_gradients,
+        "A bucket is all-reduced as one flat tensor made of copies of its gradients: after waiting, the "
+        "summed values must go back into each parameter's .grad, at the offset where you packed them.",
+    ),
+    Property(
+        "buckets: one all-reduce per bucket, started during backward",
+        check_bucket_overlap,
+        "Count, per bucket, how many of its gradients are ready; the hook of the last one launches the "
+        "bucket. Reset the count for the next backward.",
+    ),
+    Property(
+        "training equals PyTorch's DistributedDataParallel (AdamW, SGD with momentum)",
+        check_trains_like_torch_ddp,
+        "If one step's gradients are right, training only goes wrong through state kept between steps: "
+        "clear what is pending after each finish_gradient_sync.",
+    ),
+]
+
+
+# -- the README's questions, answered in answers.toml ---------------------------------------------------
+
+
+def _digits_cnn_parameters() -> list[nn.Parameter]:
+    return list(models.build_model("digits_cnn").parameters())
+
+
+def _gradient_bytes() -> int:
+    return sum(p.numel() * p.element_size() for p in _digits_cnn_parameters())
+
+
+QUESTIONS = [
+    Question(
+        "all_reduces_per_step_per_parameter",
+        lambda: len(_digits_cnn_parameters()),
+        "count the digits CNN's parameter tensors (model.parameters()): each is all-reduced once",
+    ),
+    Question(
+        "all_reduces_per_step_buckets_of_0_05_mb",
+        lambda: len(make_buckets(_digits_cnn_parameters(), 0.05)),
+        "fill buckets of 0.05 MB = 52,429 bytes from the last parameter, as your bucket_parameters does",
+    ),
+    Question(
+        "bytes_sent_per_rank_per_step_on_4_ranks",
+        lambda: comm.ring_bytes("all_reduce", _gradient_bytes(), 4),
+        "a ring all-reduce of S bytes makes each of N ranks send 2(N-1)/N x S (course_lib/comm.py); S is the "
+        "gradients' bytes (4 per fp32 element)",
+    ),
+    Question(
+        "bytes_sent_per_rank_per_step_on_1000_ranks",
+        lambda: comm.ring_bytes("all_reduce", _gradient_bytes(), 1000),
+        "the same formula at N = 1000: what does adding ranks do to each rank's traffic?",
+    ),
+]

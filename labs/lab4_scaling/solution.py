@@ -1,15 +1,15 @@
-"""Exercise: lab 3: reading a strong-scaling study.
+"""Solution of lab 4: reading a strong-scaling study.
 
 After running the study (locally: ``python -m course_lib.tools.study submit --local --gpus 1 2``; on
 the cluster: ``python -m course_lib.tools.study submit --gpus 1 2 4 8 16 --wait``, then ``collect``),
 you have a time per epoch for each number of GPUs. Fill in the two functions marked TODO in
 exercise.py, then check your work (on a reference table shipped with the lab):
 
-    python -m course_lib.tools.labs check lab3_scaling
+    python -m course_lib.tools.labs check lab4_scaling
 
 and run them on your own ``results/scaling/scaling.csv``:
 
-    python labs/lab3_scaling/exercise.py results/scaling/scaling.csv
+    python labs/lab4_scaling/exercise.py results/scaling/scaling.csv
 """
 
 from __future__ import annotations
@@ -28,10 +28,9 @@ REFERENCE = {
 
 def speedup_and_efficiency(seconds: dict[int, float]) -> dict[int, tuple[float, float]]:
     """For each number of GPUs N: (speedup T(1)/T(N), parallel efficiency speedup / N)."""
-    # TODO: speedup = seconds[1] / seconds[n]; efficiency = speedup / n; return {n: (speedup, efficiency)}
-    raise NotImplementedError(
-        "TODO: speedup = seconds[1] / seconds[n]; efficiency = speedup / n; return {n: (speedup, efficiency)}"
-    )
+    # BEGIN SOLUTION: speedup = seconds[1] / seconds[n]; efficiency = speedup / n; return {n: (speedup, efficiency)}
+    return {n: (seconds[1] / t, seconds[1] / t / n) for n, t in sorted(seconds.items())}
+    # END SOLUTION
 
 
 def karp_flatt_metric(speedups: dict[int, float]) -> dict[int, float]:
@@ -40,8 +39,9 @@ def karp_flatt_metric(speedups: dict[int, float]) -> dict[int, float]:
     Amdahl's serial fraction would give the same e at every N; communication gives an e that
     changes with N (Karp and Flatt, 1990).
     """
-    # TODO: invert Amdahl's S = 1 / (e + (1 - e) / N) for e, at each N above 1
-    raise NotImplementedError("TODO: invert Amdahl's S = 1 / (e + (1 - e) / N) for e, at each N above 1")
+    # BEGIN SOLUTION: invert Amdahl's S = 1 / (e + (1 - e) / N) for e, at each N above 1
+    return {n: (1 / speedup - 1 / n) / (1 - 1 / n) for n, speedup in sorted(speedups.items()) if n > 1}
+    # END SOLUTION
 
 
 def check_run(lab) -> dict:

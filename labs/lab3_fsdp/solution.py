@@ -1,11 +1,11 @@
-"""Exercise: lab 2: sharding the model states by hand (ZeRO-3 / FSDP with one unit).
+"""Solution of lab 3: sharding the model states by hand (ZeRO-3 / FSDP with one unit).
 
 Every rank keeps 1/N of the model's parameters, flattened into one vector and padded so that it
 divides by N. Each step it all-gathers the full vector for forward and backward, reduce-scatters
 the gradient so that it keeps only the average of its own shard, and updates only that shard.
 Fill in the three functions marked TODO in exercise.py, then check your work:
 
-    python -m course_lib.tools.labs check lab2_fsdp
+    python -m course_lib.tools.labs check lab3_fsdp
 """
 
 from __future__ import annotations
@@ -25,26 +25,33 @@ STEPS, GLOBAL_BATCH, LR = 40, 64, 0.05
 
 def my_shard(flat: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     """Pad ``flat`` with zeros to a multiple of world_size and return a copy of this rank's piece."""
-    # TODO: shard size = ceil(numel / world_size); pad with zeros to size * world_size; clone piece number rank
-    raise NotImplementedError(
-        "TODO: shard size = ceil(numel / world_size); pad with zeros to size * world_size; clone piece number rank"
-    )
+    # BEGIN SOLUTION: shard size = ceil(numel / world_size); pad with zeros to size * world_size; clone piece number rank
+    size = math.ceil(flat.numel() / world_size)
+    padded = torch.zeros(size * world_size, dtype=flat.dtype)
+    padded[: flat.numel()] = flat
+    return padded[rank * size : (rank + 1) * size].clone()
+    # END SOLUTION
 
 
 def gather_full(shard: torch.Tensor, numel: int) -> torch.Tensor:
     """Every rank's shard, concatenated in rank order, without the padding (``numel`` elements)."""
-    # TODO: comm.all_gather_into_tensor into a tensor world_size times the shard, then keep the first numel
-    raise NotImplementedError(
-        "TODO: comm.all_gather_into_tensor into a tensor world_size times the shard, then keep the first numel"
-    )
+    # BEGIN SOLUTION: comm.all_gather_into_tensor into a tensor world_size times the shard, then keep the first numel
+    full = torch.empty(shard.numel() * runtime.world_size(), dtype=shard.dtype)
+    comm.all_gather_into_tensor(full, shard)
+    return full[:numel]
+    # END SOLUTION
 
 
 def reduce_my_gradient(flat_grad: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     """The average over all ranks of this rank's piece of the (padded) flat gradient."""
-    # TODO: pad like my_shard, comm.reduce_scatter_tensor(out, padded, op="mean") into a shard-sized out
-    raise NotImplementedError(
-        'TODO: pad like my_shard, comm.reduce_scatter_tensor(out, padded, op="mean") into a shard-sized out'
-    )
+    # BEGIN SOLUTION: pad like my_shard, comm.reduce_scatter_tensor(out, padded, op="mean") into a shard-sized out
+    size = math.ceil(flat_grad.numel() / world_size)
+    padded = torch.zeros(size * world_size, dtype=flat_grad.dtype)
+    padded[: flat_grad.numel()] = flat_grad
+    out = torch.empty(size, dtype=flat_grad.dtype)
+    comm.reduce_scatter_tensor(out, padded, op="mean")
+    return out
+    # END SOLUTION
 
 
 def train(lab) -> dict:

@@ -1,9 +1,20 @@
-"""Solution of lab 3: sharding the model states by hand (ZeRO-3 / FSDP with one unit).
+"""Solution of lab 3: FSDP's core, a unit that holds 1/N of its parameters between uses.
 
-Every rank keeps 1/N of the model's parameters, flattened into one vector and padded so that it
-divides by N. Each step it all-gathers the full vector for forward and backward, reduce-scatters
-the gradient so that it keeps only the average of its own shard, and updates only that shard.
-Fill in the three functions marked TODO in exercise.py, then check your work:
+``ShardedUnit(module)`` keeps, on each rank, one shard of the module's trainable parameters,
+flattened and padded so that the flat vector divides by N. Around every use:
+
+1. **forward**: all-gather the full flat vector, compute the module with it, and let it go: after
+   forward nothing of the full parameters is kept (``GatheredUnit.forward``);
+2. **backward**: all-gather it *again*, recompute the module's forward with autograd on (the
+   activations were not kept either: this is activation checkpointing, which FSDP combines with
+   sharding), take the gradients of the parameters and of the inputs, and **reduce-scatter** the
+   parameter gradient: each rank receives the average of its own shard, the gradient the
+   optimizer of its shard needs (``GatheredUnit.backward``).
+
+A model is a chain of units; the optimizer is built on the units' shards. Between two uses a rank
+holds Ψ/N parameters, not Ψ: only one unit at a time is ever whole.
+
+Check your work (every property, at 2, 3 and 4 processes):
 
     python -m course_lib.tools.labs check lab3_fsdp
 """
@@ -13,104 +24,95 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
+from torch import nn
+from torch.func import functional_call
 
-from course_lib import comm, data, models, runtime
-from course_lib.launch import launch
-from course_lib.tools.labs import compare_training
-
-STEPS, GLOBAL_BATCH, LR = 40, 64, 0.05
+from course_lib import comm, runtime
 
 
-def my_shard(flat: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """Pad ``flat`` with zeros to a multiple of world_size and return a copy of this rank's piece."""
-    # BEGIN SOLUTION: shard size = ceil(numel / world_size); pad with zeros to size * world_size; clone piece number rank
-    size = math.ceil(flat.numel() / world_size)
-    padded = torch.zeros(size * world_size, dtype=flat.dtype)
-    padded[: flat.numel()] = flat
-    return padded[rank * size : (rank + 1) * size].clone()
-    # END SOLUTION
+class ShardedUnit(nn.Module):
+    """``module`` with its trainable parameters sharded over the ranks: ``self.shard`` is this rank's piece.
 
+    Args:
+        module: the unit, built the same on every rank.
+    """
 
-def gather_full(shard: torch.Tensor, numel: int) -> torch.Tensor:
-    """Every rank's shard, concatenated in rank order, without the padding (``numel`` elements)."""
-    # BEGIN SOLUTION: comm.all_gather_into_tensor into a tensor world_size times the shard, then keep the first numel
-    full = torch.empty(shard.numel() * runtime.world_size(), dtype=shard.dtype)
-    comm.all_gather_into_tensor(full, shard)
-    return full[:numel]
-    # END SOLUTION
-
-
-def reduce_my_gradient(flat_grad: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """The average over all ranks of this rank's piece of the (padded) flat gradient."""
-    # BEGIN SOLUTION: pad like my_shard, comm.reduce_scatter_tensor(out, padded, op="mean") into a shard-sized out
-    size = math.ceil(flat_grad.numel() / world_size)
-    padded = torch.zeros(size * world_size, dtype=flat_grad.dtype)
-    padded[: flat_grad.numel()] = flat_grad
-    out = torch.empty(size, dtype=flat_grad.dtype)
-    comm.reduce_scatter_tensor(out, padded, op="mean")
-    return out
-    # END SOLUTION
-
-
-def train(lab) -> dict:
-    rank, world_size = runtime.rank(), runtime.world_size()
-    torch.manual_seed(0)
-    model = models.build_model("digits_cnn")
-    numel = sum(p.numel() for p in model.parameters())
-    shard = lab.my_shard(parameters_to_vector(model.parameters()).detach(), rank, world_size)
-    velocity = torch.zeros_like(shard)  # SGD momentum: optimizer state for this rank's shard only
-    bundle = data.load_dataset("digits")
-    images, labels = bundle.train.tensors
-    generator = torch.Generator().manual_seed(0)
-    losses = []
-    for _ in range(STEPS):
-        chosen = torch.randint(0, len(images), (GLOBAL_BATCH,), generator=generator)
-        inputs, targets = images[chosen][rank::world_size], labels[chosen][rank::world_size]
-        with torch.no_grad():
-            vector_to_parameters(lab.gather_full(shard, numel), model.parameters())
-        model.zero_grad()
-        loss = F.cross_entropy(model(inputs), targets)
-        loss.backward()
-        grad_shard = lab.reduce_my_gradient(
-            parameters_to_vector(p.grad for p in model.parameters()), rank, world_size
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+        self.rank, self.world_size = runtime.rank(), runtime.world_size()
+        # named_parameters() lists a tied weight once; frozen parameters stay as they are, whole
+        self.names = [name for name, p in module.named_parameters() if p.requires_grad]
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        self.shapes = [p.shape for p in trainable]
+        self.numel = sum(p.numel() for p in trainable)
+        self.shard_size = math.ceil(self.numel / self.world_size)
+        # BEGIN SOLUTION: flatten the trainable parameters into one vector, pad it with zeros to world_size pieces of shard_size, and keep a copy of piece number rank as an nn.Parameter (the only one the optimizer sees); then empty the module's own trainable tensors (param.data = an empty tensor) so the full model is not kept
+        flat = torch.cat([p.detach().reshape(-1) for p in trainable])
+        padded = torch.zeros(self.shard_size * self.world_size, dtype=flat.dtype)
+        padded[: self.numel] = flat
+        self.shard = nn.Parameter(
+            padded[self.rank * self.shard_size : (self.rank + 1) * self.shard_size].clone()
         )
-        velocity.mul_(0.9).add_(grad_shard)
-        shard -= LR * velocity
-        everyone = loss.detach().clone()
-        comm.all_reduce(everyone, op="mean")
-        losses.append(everyone.item())
-    full = lab.gather_full(shard, numel)
-    with torch.no_grad():
-        vector_to_parameters(full, model.parameters())
-        val_images, val_labels = bundle.val.tensors
-        accuracy = (model(val_images).argmax(1) == val_labels).float().mean().item()
-    return {
-        "losses": losses,
-        "accuracy": accuracy,
-        "weights": full.clone(),
-        "shard_numel": shard.numel(),
-        "model_numel": numel,
-    }
+        for param in trainable:
+            param.data = torch.empty(0, dtype=param.dtype)
+            param.requires_grad_(False)
+        # END SOLUTION
+
+    def gather_full(self, shard: torch.Tensor) -> torch.Tensor:
+        """Every rank's shard, all-gathered: the full flat vector, padding removed."""
+        # BEGIN SOLUTION: all_gather_into_tensor fills a tensor world_size times the shard (the input must not be the output); drop the padding at the end
+        full = torch.empty(self.shard_size * self.world_size, dtype=shard.dtype)
+        comm.all_gather_into_tensor(full, shard.detach().clone())
+        return full[: self.numel]
+        # END SOLUTION
+
+    def as_parameters(self, full: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The full flat vector seen as the module's parameters (views: no copy), by name."""
+        views, offset = {}, 0
+        for name, shape in zip(self.names, self.shapes):
+            views[name] = full[offset : offset + shape.numel()].view(shape)
+            offset += shape.numel()
+        return views
+
+    def reduce_gradient(self, full_gradient: torch.Tensor) -> torch.Tensor:
+        """The average over the ranks of this rank's piece of the full flat gradient."""
+        # BEGIN SOLUTION: pad the gradient like the parameters, then reduce_scatter_tensor with op="mean" into one piece: each rank receives the average of its own piece only
+        padded = torch.zeros(self.shard_size * self.world_size, dtype=full_gradient.dtype)
+        padded[: self.numel] = full_gradient
+        mine = torch.empty(self.shard_size, dtype=full_gradient.dtype)
+        comm.reduce_scatter_tensor(mine, padded, op="mean")
+        return mine
+        # END SOLUTION
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return GatheredUnit.apply(self.shard, self, *inputs)
 
 
-def check_run(lab) -> dict:
-    """``train`` on 3 processes (35,173 parameters do not divide by 3: the padding matters)."""
-    ranks = launch(train, 3, lab, timeout_s=120)
-    if any(
-        r["shard_numel"] * 3 < r["model_numel"] or r["shard_numel"] > r["model_numel"] // 3 + 1 for r in ranks
-    ):
-        raise AssertionError("each shard must hold ceil(parameters / world size) elements")
-    return ranks[0]
+class GatheredUnit(torch.autograd.Function):
+    """A unit's forward and backward with its parameters gathered only while it computes."""
 
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, unit: ShardedUnit, *inputs: torch.Tensor) -> torch.Tensor:
+        # BEGIN SOLUTION: gather the full parameters, compute the module with them (functional_call with as_parameters' dict; autograd is off in here), keep for backward only the unit and the inputs (ctx.save_for_backward), nothing of the full parameters
+        full = unit.gather_full(shard)
+        output = functional_call(unit.module, unit.as_parameters(full), inputs)
+        ctx.unit = unit
+        ctx.save_for_backward(shard, *inputs)
+        return output
+        # END SOLUTION
 
-def compare(got: dict, expected: dict) -> list[str]:
-    return compare_training(got, expected)
-
-
-def summary(result: dict) -> str:
-    return (
-        f"final loss {result['losses'][-1]:.3f}, validation accuracy {result['accuracy']:.1%}, "
-        f"{result['shard_numel']:,} of {result['model_numel']:,} parameters per rank"
-    )
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        # BEGIN SOLUTION: gather the parameters again into a leaf that requires grad; recompute the forward with torch.enable_grad() on inputs detached into leaves; torch.autograd.grad gives the gradients of the full vector and of the inputs that need one; return the reduced shard gradient, None for the unit, then one gradient per input
+        shard, *inputs = ctx.saved_tensors
+        unit = ctx.unit
+        full = unit.gather_full(shard).requires_grad_()
+        leaves = [x.detach().requires_grad_(x.requires_grad) for x in inputs]
+        with torch.enable_grad():
+            output = functional_call(unit.module, unit.as_parameters(full), tuple(leaves))
+        needing = [full, *[x for x in leaves if x.requires_grad]]
+        grads = iter(torch.autograd.grad(output, needing, grad_output))
+        shard_gradient = unit.reduce_gradient(next(grads))
+        return (shard_gradient, None, *[next(grads) if x.requires_grad else None for x in leaves])
+        # END SOLUTION

@@ -37,7 +37,7 @@ def test_the_generator_refuses_unbalanced_markers():
         labs.exercise_text("x = 1\n# END SOLUTION\n")
 
 
-@pytest.mark.parametrize("name", ["lab4_scaling"])
+@pytest.mark.parametrize("name", ["lab6_scaling"])
 def test_the_check_passes_on_the_solution_and_explains_the_untouched_exercise(name):
     def check(*args):
         return subprocess.run(
@@ -167,12 +167,12 @@ def test_lab1_a_wrong_average_a_blocking_call_and_a_one_sided_collective_are_eac
 
 def test_a_wrong_answer_is_reported_with_the_first_difference(tmp_path):
     wrong = (
-        (labs.LABS_DIR / "lab4_scaling" / "solution.py")
+        (labs.LABS_DIR / "lab6_scaling" / "solution.py")
         .read_text()
         .replace("(seconds[1] / t, seconds[1] / t / n)", "(seconds[1] / t, seconds[1] / t)")
     )
     path = tmp_path / "attempt.py"
     path.write_text(wrong)
-    passed, message = labs.check("lab4_scaling", path)
+    passed, message = labs.check("lab6_scaling", path)
     assert not passed
     assert message.startswith("different from the solution: ddp on 2 GPUs: expected speedup")

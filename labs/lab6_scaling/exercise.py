@@ -1,15 +1,15 @@
-"""Exercise: lab 4: reading a strong-scaling study.
+"""Exercise: lab 6: reading a strong-scaling study.
 
 After running the study (locally: ``python -m course_lib.tools.study submit --local --gpus 1 2``; on
 the cluster: ``python -m course_lib.tools.study submit --gpus 1 2 4 8 16 --wait``, then ``collect``),
 you have a time per epoch for each number of GPUs. Fill in the two functions marked TODO in
 exercise.py, then check your work (on a reference table shipped with the lab):
 
-    python -m course_lib.tools.labs check lab4_scaling
+    python -m course_lib.tools.labs check lab6_scaling
 
 and run them on your own ``results/scaling/scaling.csv``:
 
-    python labs/lab4_scaling/exercise.py results/scaling/scaling.csv
+    python labs/lab6_scaling/exercise.py results/scaling/scaling.csv
 """
 
 from __future__ import annotations

@@ -1,0 +1,162 @@
+"""The grading suite of lab 5: what ``python -m course_lib.tools.labs check lab5_pipeline`` checks.
+
+Your 1F1B schedule for pipelines of 1 to 4 ranks and fewer, as many, or more micro-batches than
+stages: checked by ``check_schedule``, its memory and its bubble against theory, then run with real
+sends and receives in the course's ``PipelineExecutor`` at 2, 3 and 4 ranks, whose gradients must
+equal one process's on the whole batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from course_lib import runtime
+from course_lib.parallel import pipeline
+from course_lib.tools.labs import Property, Question, on_ranks
+
+CASES = [(1, 3), (2, 4), (3, 5), (4, 8), (4, 3), (4, 4)]  # (p, m): m below, at and above p
+WIDTH, BATCH = 9, 24  # 24 samples split into 3, 4 or 8 micro-batches
+
+
+def check_compute_order(lab) -> None:
+    for p, m in CASES:
+        for rank in range(p):
+            got = [str(a) for a in lab.compute_order_1f1b(rank, p, m)]
+            wanted = [str(a) for a in pipeline.compute_order("1f1b", p, m)[rank]]
+            assert got == wanted, (
+                f"p={p}, m={m}, rank {rank}: your order starts {got[:6]}, 1F1B's {wanted[:6]}"
+            )
+
+
+def check_schedule_is_valid(lab) -> None:
+    for p, m in CASES:
+        try:
+            pipeline.check_schedule(lab.schedule_1f1b(p, m), p, m)
+        except ValueError as error:
+            raise AssertionError(f"p={p}, m={m}: check_schedule says: {error}") from None
+
+
+def check_memory(lab) -> None:
+    for p, m in CASES:
+        schedule = lab.schedule_1f1b(p, m)
+        for rank in range(p):
+            peak, wanted = (
+                pipeline.peak_in_flight(schedule[rank]),
+                pipeline.peak_activations_theory("1f1b", p, m, rank),
+            )
+            assert peak == wanted, (
+                f"p={p}, m={m}: rank {rank} holds up to {peak} micro-batches' activations, 1F1B at most {wanted}"
+            )
+
+
+def check_bubble(lab) -> None:
+    for p, m in CASES:
+        events = pipeline.simulate_timeline(lab.schedule_1f1b(p, m), p)
+        bubble, theory = pipeline.bubble_fraction(events), pipeline.bubble_fraction_theory(p, m)
+        assert abs(bubble - theory) < 1e-9, (
+            f"p={p}, m={m}: the simulated bubble is {bubble:.3f}, the theory's (p-1)/(m+p-1) is {theory:.3f}"
+        )
+
+
+def _stages(p: int) -> list[nn.Module]:
+    torch.manual_seed(0)
+    hidden = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(p - 1)]
+    return [*hidden, nn.Linear(WIDTH, 5)]
+
+
+def _batch():
+    generator = torch.Generator().manual_seed(7)
+    return torch.randn(BATCH, WIDTH, generator=generator), torch.randint(0, 5, (BATCH,), generator=generator)
+
+
+def _run_in_executor(lab, microbatches: int):
+    p, rank = runtime.world_size(), runtime.rank()
+    stages = _stages(p)
+    executor = pipeline.PipelineExecutor(
+        {rank: stages[rank]},
+        p,
+        "1f1b",
+        microbatches,
+        F.cross_entropy,
+        (BATCH // microbatches, WIDTH),
+    )
+    executor.actions = lab.schedule_1f1b(p, microbatches)[rank]  # your schedule, not the course's
+    inputs, targets = _batch()
+    executor.step(inputs if rank == 0 else None, targets if rank == p - 1 else None)
+    reference = nn.Sequential(*_stages(p))
+    F.cross_entropy(reference(inputs), targets).backward()
+    return max(
+        (mine.grad - theirs.grad).abs().max().item()
+        for mine, theirs in zip(stages[rank].parameters(), reference[rank].parameters())
+    )
+
+
+def check_runs_in_the_executor(lab) -> None:
+    for p, m in ((2, 4), (3, 3), (4, 8)):
+        for rank, error in enumerate(on_ranks(p, _run_in_executor, lab, m)):
+            assert error < 1e-6, (
+                f"your schedule on {p} ranks with {m} micro-batches: rank {rank}'s gradients differ from one "
+                f"process's by {error:.2e}"
+            )
+
+
+PROPERTIES = [
+    Property(
+        "each rank's forwards and backwards come in 1F1B's order",
+        check_compute_order,
+        "Rank r first runs one forward for each stage after it (its micro-batches must reach the last "
+        "stage before any backward can come back), never more than m; then one forward, one backward of "
+        "its oldest micro-batch, until no forward is left; then the remaining backwards.",
+    ),
+    Property(
+        "the schedule is complete, causal and deadlock-free (check_schedule)",
+        check_schedule_is_valid,
+        "Around each compute action put what it needs: a forward receives the previous stage's output "
+        "and sends its own onward; a backward receives the next stage's gradient and sends its input's "
+        "gradient back. The first and the last stage have no neighbour on one side.",
+    ),
+    Property(
+        "no rank holds more activations than 1F1B allows (p - rank)",
+        check_memory,
+        "A micro-batch's activations live from its forward to its backward: the warm-up length decides "
+        "how many are alive at once.",
+    ),
+    Property(
+        "the simulated bubble is (p - 1)/(m + p - 1)",
+        check_bubble,
+        "1F1B idles as long as GPipe: only the order of work changes, not the amount.",
+    ),
+    Property(
+        "run with real sends and receives, the gradients equal one process's (2, 3, 4 ranks)",
+        check_runs_in_the_executor,
+        "The executor matches a receive to its send by the receiving stage and the micro-batch: name "
+        "the stage that receives the message, and the rank at the other end as the peer.",
+    ),
+]
+
+
+QUESTIONS = [
+    Question(
+        "bubble_fraction_p4_m8",
+        lambda: pipeline.bubble_fraction_theory(4, 8),
+        "the idle share of each rank's step: (p - 1)/(m + p - 1), course_lib/parallel/pipeline.py",
+        rel_tol=1e-2,
+    ),
+    Question(
+        "peak_microbatches_in_flight_rank0_1f1b_p4_m8",
+        lambda: pipeline.peak_activations_theory("1f1b", 4, 8, 0),
+        "count the forwards rank 0 runs before its first backward, plus the one that pairs with it",
+    ),
+    Question(
+        "peak_microbatches_in_flight_rank0_gpipe_p4_m8",
+        lambda: pipeline.peak_activations_theory("gpipe", 4, 8, 0),
+        "GPipe runs every forward before any backward",
+    ),
+    Question(
+        "microbatches_for_a_bubble_below_10_percent_p4",
+        lambda: next(m for m in range(1, 1000) if pipeline.bubble_fraction_theory(4, m) < 0.1),
+        "the smallest m with (p - 1)/(m + p - 1) below 0.1",
+    ),
+]

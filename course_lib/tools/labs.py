@@ -11,9 +11,14 @@ replaced by a TODO carrying the hint and a ``raise NotImplementedError`` (so an 
 fails loudly, at the right line). A test fails if a committed exercise differs from what the
 command generates, so the two can never drift apart.
 
-``python -m course_lib.tools.labs check lab1_ddp`` runs the student's ``exercise.py`` (or ``--file``) the
-way the lab's ``check(run)`` says, usually on 2 CPU processes, runs the solution the same way, and
-compares the numbers, naming the first difference or the first TODO still to fill in.
+``python -m course_lib.tools.labs check lab1_ddp`` runs the lab's grading suite (``grading.py``) on the
+student's ``exercise.py`` (or ``--file``): each ``Property`` runs the student's code on real
+processes (gloo) at several world sizes, against one process and PyTorch's own, and prints PASS
+or FAIL with what differs; the first failure comes with a hint that teaches the idea, never the
+line. A rank waiting for a collective another never made is stopped (``LAB_TIMEOUT_S``) with a
+message. Then each ``Question`` of the lab's README is checked from the student's
+``answers.toml``, against the value the course's own models compute. ``--submissions DIR`` grades
+every ``name.py`` in a folder (with ``name.toml``), for instructors.
 """
 
 from __future__ import annotations
@@ -83,25 +88,6 @@ def generate(names: list[str] | None = None) -> list[Path]:
         target.write_text(exercise_text(solution.read_text()))
         written.append(target)
     return written
-
-
-def compare_training(got: dict, expected: dict, *, tolerance: float = 1e-4) -> list[str]:
-    """Differences between two training runs' ``losses`` (step by step) and final ``weights``.
-
-    Args:
-        got: the student's run: ``{"losses": [...], "weights": flat tensor}``.
-        expected: the solution's run, in the same form.
-        tolerance: the largest difference taken as rounding.
-    """
-    problems = []
-    for step, (ours, theirs) in enumerate(zip(got["losses"], expected["losses"])):
-        if abs(ours - theirs) > tolerance:
-            problems.append(f"the loss of step {step + 1} is {ours:.4f}, the solution's {theirs:.4f}")
-            break
-    difference = (got["weights"] - expected["weights"]).abs().max().item()
-    if difference > tolerance:
-        problems.append(f"the final weights differ by up to {difference:.2e}")
-    return problems
 
 
 # -- grading suites ---------------------------------------------------------------------------------
@@ -274,35 +260,15 @@ def _first_todo(error: BaseException, path: Path) -> str:
     return f"{str(error).splitlines()[0]}{where}"
 
 
-def check(name: str, file: Path | None = None) -> tuple[bool, str]:
-    """Run the student's file and the solution the lab's way; (passed, message)."""
-    folder = LABS_DIR / name
-    if not (folder / "solution.py").is_file():
-        raise SystemExit(f"error: no lab named {name!r}: choose one of {', '.join(lab_names())}")
-    student_path = (file or folder / "exercise.py").resolve()
-    solution = load(folder / "solution.py")
-    expected = solution.check_run(solution)
-    try:
-        student = load(student_path)
-        got = solution.check_run(student)
-    except NotImplementedError as error:
-        return False, f"not finished yet: {_first_todo(error, student_path)}: fill it in, then check again"
-    except Exception as error:  # noqa: BLE001 (any mistake in the student's code is reported, not raised)
-        first_line = str(error).splitlines()[0] if str(error) else ""
-        return False, f"your code raised {type(error).__name__}: {first_line}"
-    problems = solution.compare(got, expected)
-    if problems:
-        return False, "different from the solution: " + "; ".join(problems)
-    return True, f"{name}: your {student_path.name} gives the solution's numbers ({solution.summary(got)})"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = checks.CommandParser(
         prog="python -m course_lib.tools.labs", description=__doc__.split("\n\n")[0]
     )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("generate", help="write every exercise.py from its solution.py")
-    checker = sub.add_parser("check", help="run your exercise and compare it with the solution")
+    checker = sub.add_parser(
+        "check", help="run the lab's grading suite on your exercise, and check your answers"
+    )
     checker.add_argument("lab", help=f"one of: {', '.join(lab_names())}")
     checker.add_argument(
         "--file",
@@ -327,27 +293,26 @@ def main(argv: list[str] | None = None) -> int:
         for path in generate():
             print(f"wrote {path.relative_to(LABS_DIR.parent)}")
         return 0
-    if (LABS_DIR / args.lab / "grading.py").is_file():
-        files = (
-            sorted(args.submissions.glob("*.py"))
-            if args.submissions
-            else [args.file or LABS_DIR / args.lab / "exercise.py"]
-        )
-        if not files:
-            print(f"error: {args.submissions} holds no .py file to check", file=sys.stderr)
-            return 2
-        everyone_passed = True
-        for path in files:
-            if len(files) > 1:
-                print(f"== {path.name}")
-            own_answers = path.with_suffix(".toml") if args.submissions else args.answers
-            passed, lines = run_suite(args.lab, path.resolve(), own_answers)
-            print("\n".join(lines), flush=True)
-            everyone_passed &= passed
-        return 0 if everyone_passed else 1
-    passed, message = check(args.lab, args.file)
-    print(("PASS " if passed else "NOT YET ") + message)
-    return 0 if passed else 1
+    if args.lab not in lab_names():
+        print(f"error: no lab named {args.lab!r}: choose one of {', '.join(lab_names())}", file=sys.stderr)
+        return 2
+    files = (
+        sorted(args.submissions.glob("*.py"))
+        if args.submissions
+        else [args.file or LABS_DIR / args.lab / "exercise.py"]
+    )
+    if not files:
+        print(f"error: {args.submissions} holds no .py file to check", file=sys.stderr)
+        return 2
+    everyone_passed = True
+    for path in files:
+        if len(files) > 1:
+            print(f"== {path.name}")
+        own_answers = path.with_suffix(".toml") if args.submissions else args.answers
+        passed, lines = run_suite(args.lab, path.resolve(), own_answers)
+        print("\n".join(lines), flush=True)
+        everyone_passed &= passed
+    return 0 if everyone_passed else 1
 
 
 if __name__ == "__main__":

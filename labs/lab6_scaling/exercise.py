@@ -3,7 +3,7 @@
 After running the study (locally: ``python -m course_lib.tools.study submit --local --gpus 1 2``; on
 the cluster: ``python -m course_lib.tools.study submit --gpus 1 2 4 8 16 --wait``, then ``collect``),
 you have a time per epoch for each number of GPUs. Fill in the two functions marked TODO in
-exercise.py, then check your work (on a reference table shipped with the lab):
+exercise.py, then check your work (the grading suite, on a reference table shipped with the lab):
 
     python -m course_lib.tools.labs check lab6_scaling
 
@@ -28,9 +28,9 @@ REFERENCE = {
 
 def speedup_and_efficiency(seconds: dict[int, float]) -> dict[int, tuple[float, float]]:
     """For each number of GPUs N: (speedup T(1)/T(N), parallel efficiency speedup / N)."""
-    # TODO: speedup = seconds[1] / seconds[n]; efficiency = speedup / n; return {n: (speedup, efficiency)}
+    # TODO: strong scaling compares each run with the one-GPU run of the same work: the speedup is how many times faster, the efficiency how much of the ideal N-fold speedup that is; one entry per N, the one-GPU run included
     raise NotImplementedError(
-        "TODO: speedup = seconds[1] / seconds[n]; efficiency = speedup / n; return {n: (speedup, efficiency)}"
+        "TODO: strong scaling compares each run with the one-GPU run of the same work: the speedup is how many times faster, the efficiency how much of the ideal N-fold speedup that is; one entry per N, the one-GPU run included"
     )
 
 
@@ -40,47 +40,9 @@ def karp_flatt_metric(speedups: dict[int, float]) -> dict[int, float]:
     Amdahl's serial fraction would give the same e at every N; communication gives an e that
     changes with N (Karp and Flatt, 1990).
     """
-    # TODO: invert Amdahl's S = 1 / (e + (1 - e) / N) for e, at each N above 1
-    raise NotImplementedError("TODO: invert Amdahl's S = 1 / (e + (1 - e) / N) for e, at each N above 1")
-
-
-def check_run(lab) -> dict:
-    results = {}
-    for strategy, seconds in REFERENCE.items():
-        table = lab.speedup_and_efficiency(seconds)
-        results[strategy] = {
-            "table": table,
-            "karp_flatt": lab.karp_flatt_metric({n: speedup for n, (speedup, _) in table.items()}),
-        }
-    return results
-
-
-def compare(got: dict, expected: dict) -> list[str]:
-    problems = []
-    for strategy in expected:
-        for n, (speedup, efficiency) in expected[strategy]["table"].items():
-            ours = got[strategy]["table"].get(n)
-            if ours is None or abs(ours[0] - speedup) > 1e-6 or abs(ours[1] - efficiency) > 1e-6:
-                problems.append(
-                    f"{strategy} on {n} GPUs: expected speedup {speedup:.3f} and efficiency "
-                    f"{efficiency:.3f}, got {ours}"
-                )
-                break
-        for n, metric in expected[strategy]["karp_flatt"].items():
-            ours = got[strategy]["karp_flatt"].get(n)
-            if ours is None or abs(ours - metric) > 1e-6:
-                problems.append(
-                    f"{strategy} on {n} GPUs: expected a Karp-Flatt metric of {metric:.4f}, got {ours}"
-                )
-                break
-    return problems
-
-
-def summary(result: dict) -> str:
-    return ", ".join(
-        f"{s} on 16 GPUs: {result[s]['table'][16][1]:.0%} efficient, Karp-Flatt metric "
-        + " ".join(f"{e:.3f}" for e in result[s]["karp_flatt"].values())
-        for s in result
+    # TODO: Amdahl's law gives S from e and N; solve it for e and apply it at each N above 1 (N = 1 tells nothing)
+    raise NotImplementedError(
+        "TODO: Amdahl's law gives S from e and N; solve it for e and apply it at each N above 1 (N = 1 tells nothing)"
     )
 
 

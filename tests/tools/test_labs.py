@@ -146,3 +146,15 @@ def test_a_wrong_formula_is_named_and_a_missing_lab_refused(tmp_path, capsys):
     assert message.startswith("the lab's DDP table, N = 2: you give speedup and efficiency")
     assert labs.main(["check", "lab9_nothing"]) == 2
     assert "no lab named 'lab9_nothing': choose one of lab1_ddp" in capsys.readouterr().err
+
+
+def test_instructors_grade_a_folder_of_submissions(tmp_path):
+    folder = labs.LABS_DIR / "lab6_scaling"
+    (tmp_path / "ada.py").write_text((folder / "solution.py").read_text())
+    (tmp_path / "ada.toml").write_text((folder / "solution_answers.toml").read_text())
+    (tmp_path / "bob.py").write_text((folder / "exercise.py").read_text())  # no answers file at all
+    graded = _check_command("lab6_scaling", "--submissions", str(tmp_path))
+    assert graded.returncode == 1  # not everyone passed
+    ada, bob = graded.stdout.split("== bob.py")
+    assert ada.startswith("== ada.py") and "lab6_scaling: 5 of 5 properties and answers hold" in ada
+    assert "not finished yet: TODO: " in bob and "bob.toml does not exist" in bob

@@ -82,6 +82,10 @@ def make_buckets(params: list[nn.Parameter], bucket_mb: float) -> list[list[nn.P
 
     Backward computes the last layers' gradients first, so reversed definition order is about the
     order in which gradients become ready. A parameter larger than a bucket gets a bucket of its own.
+
+    Args:
+        params: the parameters whose gradients are all-reduced, in the model's order.
+        bucket_mb: the most megabytes (2**20 bytes) of gradient one bucket holds.
     """
     limit = bucket_mb * 2**20
     buckets, current, current_bytes = [], [], 0

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -56,11 +56,20 @@ COMPUTE = ("F", "B")
 
 @dataclass(frozen=True)
 class Action:
-    """One step of a rank's schedule: ``F``/``B`` (compute), ``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B``."""
+    """One step of a rank's schedule: ``F``/``B`` (compute), ``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B``.
+
+    Args:
+        kind: ``"F"`` or ``"B"`` (compute a forward or a backward), ``"SEND_F"``/``"RECV_F"`` (an
+            activation to or from a neighbour), ``"SEND_B"``/``"RECV_B"`` (a gradient).
+        stage: the stage that computes, or for a message the stage that *receives* it.
+        microbatch: which micro-batch.
+        peer: for a send or a receive, the rank at the other end.
+    """
 
     kind: str
     stage: int
     microbatch: int
+    _: KW_ONLY
     peer: int | None = None  # the other rank, for sends and receives
 
     def __str__(self) -> str:
@@ -136,7 +145,14 @@ def check_schedule_arguments(
 def compute_order(
     schedule: str, pipeline_size: int, microbatches: int, *, virtual_stages: int = 1
 ) -> dict[int, list[Action]]:
-    """Each rank's forwards and backwards, in the order it runs them (no communication yet)."""
+    """Each rank's forwards and backwards, in the order it runs them (no communication yet).
+
+    Args:
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
+        pipeline_size: p, the ranks of the pipeline.
+        microbatches: m, the pieces each batch is cut into.
+        virtual_stages: v, stages per rank (more than 1 only for ``"interleaved_1f1b"``).
+    """
     check_schedule_arguments(schedule, pipeline_size, microbatches, virtual_stages=virtual_stages)
     p, m, v = pipeline_size, microbatches, virtual_stages
     order = {}
@@ -196,19 +212,19 @@ def build_schedule(
             if action.kind == "F":
                 source = rank_of_stage(s - 1, pipeline_size)
                 if s > 0 and source != rank:
-                    steps.append(Action("RECV_F", s, i, source))
+                    steps.append(Action("RECV_F", s, i, peer=source))
                 steps.append(action)
                 target = rank_of_stage(s + 1, pipeline_size)
                 if s < last and target != rank:
-                    steps.append(Action("SEND_F", s + 1, i, target))
+                    steps.append(Action("SEND_F", s + 1, i, peer=target))
             else:
                 source = rank_of_stage(s + 1, pipeline_size)
                 if s < last and source != rank:
-                    steps.append(Action("RECV_B", s, i, source))
+                    steps.append(Action("RECV_B", s, i, peer=source))
                 steps.append(action)
                 target = rank_of_stage(s - 1, pipeline_size)
                 if s > 0 and target != rank:
-                    steps.append(Action("SEND_B", s - 1, i, target))
+                    steps.append(Action("SEND_B", s - 1, i, peer=target))
         full[rank] = steps
     return full
 
@@ -327,7 +343,15 @@ def bubble_overhead_theory(pipeline_size: int, microbatches: int, *, virtual_sta
 def peak_activations_theory(
     schedule: str, pipeline_size: int, microbatches: int, rank: int, *, virtual_stages: int = 1
 ) -> int:
-    """Micro-batches whose activations a rank holds at most (counted per virtual stage)."""
+    """Micro-batches whose activations a rank holds at most (counted per virtual stage).
+
+    Args:
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
+        pipeline_size: p, the ranks of the pipeline.
+        microbatches: m, the pieces each batch is cut into.
+        rank: which rank of the pipeline (rank 0 holds the most under 1F1B).
+        virtual_stages: v, stages per rank.
+    """
     p, m, v = pipeline_size, microbatches, virtual_stages
     if schedule == "gpipe":
         return m

@@ -30,7 +30,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -134,6 +134,7 @@ class Question:
     key: str
     answer: Callable[[], float]
     how: str
+    _: KW_ONLY
     rel_tol: float = 1e-3
 
 

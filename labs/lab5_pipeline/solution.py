@@ -44,16 +44,16 @@ def with_messages(rank: int, pipeline_size: int, compute: list[Action]) -> list[
         stage, microbatch = action.stage, action.microbatch
         if action.kind == "F":
             if stage > 0:
-                actions.append(Action("RECV_F", stage, microbatch, rank - 1))
+                actions.append(Action("RECV_F", stage, microbatch, peer=rank - 1))
             actions.append(action)
             if stage < last:
-                actions.append(Action("SEND_F", stage + 1, microbatch, rank + 1))
+                actions.append(Action("SEND_F", stage + 1, microbatch, peer=rank + 1))
         else:
             if stage < last:
-                actions.append(Action("RECV_B", stage, microbatch, rank + 1))
+                actions.append(Action("RECV_B", stage, microbatch, peer=rank + 1))
             actions.append(action)
             if stage > 0:
-                actions.append(Action("SEND_B", stage - 1, microbatch, rank - 1))
+                actions.append(Action("SEND_B", stage - 1, microbatch, peer=rank - 1))
     # END SOLUTION
     return actions
 

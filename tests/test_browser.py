@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -134,12 +135,22 @@ def _shut_down_kernels(base: str, token: str) -> None:
 
 
 def _wait_for_an_idle_kernel(base: str, token: str, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
+    deadline, last_error = time.monotonic() + timeout_s, None
     while time.monotonic() < deadline:
-        if [kernel["execution_state"] for kernel in _kernels(base, token)] == ["idle"]:
+        try:
+            states = [kernel["execution_state"] for kernel in _kernels(base, token)]
+        except urllib.error.HTTPError as error:
+            # While the previous notebook's kernel is being shut down, the server can answer its
+            # kernel list with a 500 for a moment (a kernel between two states): ask again.
+            if error.code < 500:
+                raise
+            last_error, states = error, []
+        if states == ["idle"]:
             return
         time.sleep(0.5)
-    raise AssertionError(f"the notebook's kernel was not ready within {timeout_s} s")
+    raise AssertionError(
+        f"the notebook's kernel was not ready within {timeout_s} s (last error: {last_error})"
+    )
 
 
 def _save(page, path: Path, timeout_s: float = 60) -> dict:

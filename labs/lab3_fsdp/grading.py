@@ -140,24 +140,14 @@ def _train(lab, optimizer_name: str, kind: str):
             fully_shard(unit)
         fully_shard(model)
         params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = (
-        torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
-        if optimizer_name == "AdamW"
-        else torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    )
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        inputs, targets = _batch(step, mine=True)
-        F.cross_entropy(model(inputs), targets).backward()
-        optimizer.step()
+    _fit(model, params, optimizer_name, mine=True)
     if kind == "yours":
         return torch.cat([unit.gather_full(unit.shard) for unit in model])
     return torch.cat([p.full_tensor().reshape(-1) for p in model.parameters() if p.requires_grad])
 
 
-def _one_process(optimizer_name: str) -> torch.Tensor:
-    model = nn.Sequential(*_units())
-    params = [p for p in model.parameters() if p.requires_grad]
+def _fit(model: nn.Module, params: list, optimizer_name: str, *, mine: bool) -> None:
+    """STEPS steps of the named optimizer on this rank's share of each batch (or the whole batch)."""
     optimizer = (
         torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
         if optimizer_name == "AdamW"
@@ -165,9 +155,14 @@ def _one_process(optimizer_name: str) -> torch.Tensor:
     )
     for step in range(STEPS):
         optimizer.zero_grad()
-        inputs, targets = _batch(step, mine=False)
+        inputs, targets = _batch(step, mine=mine)
         F.cross_entropy(model(inputs), targets).backward()
         optimizer.step()
+
+
+def _one_process(optimizer_name: str) -> torch.Tensor:
+    model = nn.Sequential(*_units())
+    _fit(model, [p for p in model.parameters() if p.requires_grad], optimizer_name, mine=False)
     return torch.cat([_flat(unit) for unit in model])
 
 

@@ -16,6 +16,8 @@ reduce_scatter      (N-1)/N · S          S is the full input; each rank keeps 1
 all_gather          (N-1)/N · S          S is the full output; each rank contributes 1/N
 broadcast, reduce   S                    every rank but the last forwards the tensor once
 gather, scatter     (N-1)/N · S          the root receives (sends) everyone else's share
+all_to_all          (N-1)/N · S          S is this rank's input: it keeps 1/N, each other rank
+                                         gets another 1/N (expert parallelism's exchange)
 send / recv         S / 0                point to point
 barrier             0
 ==================  ===================  ====================================================
@@ -88,6 +90,7 @@ def ring_bytes(op: str, tensor_bytes: int, group_size: int) -> float:
         "reduce_scatter": (n - 1) / n,
         "all_gather": (n - 1) / n,
         "gather": (n - 1) / n,
+        "all_to_all": (n - 1) / n,
         "scatter": (n - 1) / n,
         "broadcast": 1.0,
         "reduce": 1.0,
@@ -200,10 +203,16 @@ def _run(
     call: Callable[[], object],
     async_op: bool,
     after: Callable[[], None] | None = None,
+    sent_bytes: float | None = None,
 ):
-    """Call ``call()`` (a torch.distributed operation), log it, and finish with ``after`` when complete."""
+    """Call ``call()`` (a torch.distributed operation), log it, and finish with ``after`` when complete.
+
+    ``sent_bytes``: what this rank sends, when the formula of ``ring_bytes`` does not say it (an
+    all-to-all with uneven pieces).
+    """
     size = runtime.world_size(group=group)
-    record = CommRecord(op, tensor_bytes, ring_bytes(op, tensor_bytes, size), size)
+    sent = ring_bytes(op, tensor_bytes, size) if sent_bytes is None else sent_bytes
+    record = CommRecord(op, tensor_bytes, sent, size)
     for log in _active_logs:
         log.records.append(record)
     started = time.perf_counter()
@@ -467,6 +476,58 @@ def scatter(
         group,
         lambda: dist.scatter(tensor, scatter_list, src=src, group=group, async_op=async_op),
         async_op,
+    )
+
+
+def all_to_all_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    output_split_sizes: list[int] | None = None,
+    input_split_sizes: list[int] | None = None,
+    group=None,
+    async_op: bool = False,
+):
+    """Every rank sends piece j of its ``input`` to rank j, and receives rank j's piece i into ``output``.
+
+    The exchange of expert parallelism: each rank holds tokens for every expert, and each expert
+    lives on one rank, so the tokens are dealt out (dispatch) and their results dealt back (combine).
+
+    Args:
+        output: where the received pieces land, in rank order.
+        input: this rank's pieces, in rank order, cut along dimension 0.
+        output_split_sizes: the rows received from each rank (None: equal pieces).
+        input_split_sizes: the rows sent to each rank (None: equal pieces).
+        group: the process group (None: every rank); every member must make the same call.
+        async_op: return a work handle at once (``handle.wait()`` before using the result)
+            instead of blocking until the collective is done.
+    """
+    _check_device(output, input)
+    size, rank = runtime.world_size(group=group), runtime.rank(group=group)
+    row_bytes = nbytes(input) / max(input.shape[0], 1) if input.dim() else nbytes(input)
+    if input_split_sizes is None:
+        sent = ring_bytes("all_to_all", nbytes(input), size)
+    else:
+        if len(input_split_sizes) != size or sum(input_split_sizes) != input.shape[0]:
+            raise UserError(
+                f"input_split_sizes {input_split_sizes} must give one row count per rank ({size}) summing to "
+                f"the input's {input.shape[0]} rows"
+            )
+        sent = row_bytes * (sum(input_split_sizes) - input_split_sizes[rank])
+    return _run(
+        "all_to_all",
+        nbytes(input),
+        group,
+        lambda: dist.all_to_all_single(
+            output,
+            input,
+            output_split_sizes=output_split_sizes,
+            input_split_sizes=input_split_sizes,
+            group=group,
+            async_op=async_op,
+        ),
+        async_op,
+        sent_bytes=sent,
     )
 
 

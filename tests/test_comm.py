@@ -92,6 +92,20 @@ def _compare_every_wrapper():
     dist.scatter(theirs, [t.clone() for t in source] if source else None, src=1)
     same("scatter", ours, theirs)
 
+    # all-to-all: equal pieces, then rank r sends r + j + 1 rows to rank j (uneven, and different everywhere)
+    pieces = torch.arange(3.0 * n) + 100 * rank
+    ours, theirs = torch.empty(3 * n), torch.empty(3 * n)
+    comm.all_to_all_single(ours, pieces)
+    dist.all_to_all_single(theirs, pieces)
+    same("all_to_all_single", ours, theirs)
+    sends = [rank + j + 1 for j in range(n)]
+    receives = [j + rank + 1 for j in range(n)]
+    rows = torch.arange(float(sum(sends))) + 100 * rank
+    ours, theirs = torch.empty(sum(receives)), torch.empty(sum(receives))
+    comm.all_to_all_single(ours, rows, output_split_sizes=receives, input_split_sizes=sends)
+    dist.all_to_all_single(theirs, rows, output_split_sizes=receives, input_split_sizes=sends)
+    same("all_to_all_single, uneven", ours, theirs)
+
     comm.barrier()
     # send/recv and their async forms around a ring
     right, left = (rank + 1) % n, (rank - 1) % n
@@ -196,6 +210,31 @@ def test_bus_bandwidth_is_nccl_tests_busbw(world_size, factor):
     # nccl-tests: busbw = algbw x 2(N-1)/N for an all-reduce, algbw x (N-1)/N for an all-gather
     assert comm.bus_bandwidth("all_reduce", 10.0, world_size) == pytest.approx(10 * factor)
     assert comm.bus_bandwidth("all_gather", 10.0, world_size) == pytest.approx(10 * factor / 2)
+
+
+def _all_to_all_bytes():
+    rank, n = runtime.rank(), runtime.world_size()
+    sends = [rank + j + 1 for j in range(n)]
+    with comm.CommLog() as log:
+        comm.all_to_all_single(torch.empty(4 * n), torch.zeros(4 * n))
+        even = log.bytes_per_rank("all_to_all")
+        receives = [j + rank + 1 for j in range(n)]
+        comm.all_to_all_single(
+            torch.empty(sum(receives), 2),
+            torch.zeros(sum(sends), 2),
+            output_split_sizes=receives,
+            input_split_sizes=sends,
+        )
+    return even, log.bytes_per_rank("all_to_all") - even, 4 * 2 * (sum(sends) - sends[rank])
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_all_to_all_bytes_are_what_leaves_the_rank(world_size):
+    for rank, (even, uneven, wanted) in enumerate(launch(_all_to_all_bytes, world_size)):
+        assert even == comm.ring_bytes(
+            "all_to_all", 4 * 4 * world_size, world_size
+        )  # keeps 1/N, sends the rest
+        assert uneven == wanted, f"rank {rank}"
 
 
 def test_ring_bytes_with_one_rank_is_zero():

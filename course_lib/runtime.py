@@ -209,6 +209,14 @@ def resolve_environment(*, environ: Mapping[str, str] | None = None) -> DistEnvi
     )
 
 
+def node_name() -> str:
+    """The node this process runs on: Slurm's name for it (SLURMD_NODENAME), else the host's.
+
+    Slurm's name tells apart the simulated nodes of a test cluster, which share one host.
+    """
+    return os.environ.get("SLURMD_NODENAME") or os.uname().nodename
+
+
 def usable_cpus() -> int:
     """CPU cores this process may run on (respects Slurm's and taskset's CPU masks)."""
     try:

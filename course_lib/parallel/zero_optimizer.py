@@ -103,7 +103,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         local_groups = [
             {
                 **{k: v for k, v in g.items() if k != "params"},
-                "params": [p for p in g["params"] if id(p) in self._mine],
+                "params": [p for p in g["params"] if self.owner_of[id(p)] == self.rank],
             }
             for g in self.param_groups
         ]
@@ -120,10 +120,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 f"got {sorted(map(str, dtype_device))}"
             )
         self.largest_share = max(sum(all_params[i].numel() for i in indices) for indices in owners)
-
-    @property
-    def _mine(self) -> set[int]:
-        return {id(p) for p in self.owned}
 
     @torch.no_grad()
     def step(self, closure=None):

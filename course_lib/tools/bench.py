@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -730,7 +729,7 @@ def allreduce_benchmark(*, sizes: list[int], iterations: int, warmup: int) -> di
             }
         )
     nodes = [None] * world
-    dist.all_gather_object(nodes, os.environ.get("SLURMD_NODENAME") or os.uname().nodename)
+    dist.all_gather_object(nodes, runtime.node_name())
     if not context.is_main:
         return None
     result = {
@@ -896,9 +895,7 @@ def _run_benchmark(args: argparse.Namespace) -> int:
         return {flag: getattr(args, flag) for flag in flags}
 
     def on(world: int, benchmark: Callable, options: dict):
-        """Rank 0's result of ``benchmark`` run on ``world`` local processes."""
-        print(f"benchmarking {args.benchmark} on {world} processes...", file=sys.stderr, flush=True)
-        return launch(benchmark, world, timeout_s=1800, **options)[0]
+        return _on_local_processes(args.benchmark, world, benchmark, options)
 
     mlp, transformer, timing = ("width", "layers", "batch"), ("d_model", "seq", "batch"), ("steps", "warmup")
     if args.benchmark == "allreduce":
@@ -951,6 +948,12 @@ def _run_benchmark(args: argparse.Namespace) -> int:
     return 0
 
 
+def _on_local_processes(name: str, world: int, benchmark: Callable, options: dict):
+    """Rank 0's result of ``benchmark`` run on ``world`` local processes."""
+    print(f"benchmarking {name} on {world} processes...", file=sys.stderr, flush=True)
+    return launch(benchmark, world, timeout_s=1800, **options)[0]
+
+
 def _run_allreduce(args: argparse.Namespace) -> int:
     """The sweep on this launcher's ranks (srun, torchrun), or on ``--world-size`` local processes."""
     launched = runtime.resolve_environment().world_size > 1
@@ -971,8 +974,7 @@ def _run_allreduce(args: argparse.Namespace) -> int:
         if result is None:
             return 0
     else:
-        print(f"benchmarking allreduce on {args.world_size} processes...", file=sys.stderr, flush=True)
-        result = launch(allreduce_benchmark, args.world_size, timeout_s=1800, **options)[0]
+        result = _on_local_processes("allreduce", args.world_size, allreduce_benchmark, options)
     healthy = True
     if args.expect_gbps is not None:
         healthy, line = network_verdict(

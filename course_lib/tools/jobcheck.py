@@ -240,9 +240,7 @@ def preflight(*, timeout_s: float) -> int:
     if context.backend == "nccl":
         network = nccl_network("".join(p.read_text(errors="replace") for p in log_dir.glob("nccl.*.log")))
     results: list = [None] * context.world_size
-    dist.all_gather_object(
-        results, (correct, network, os.environ.get("SLURMD_NODENAME") or os.uname().nodename)
-    )
+    dist.all_gather_object(results, (correct, network, runtime.node_name()))
     runtime.shutdown()
     if context.rank != 0:
         return 0 if all(ok for ok, _, _ in results) else EXIT_USER_ERROR

@@ -598,6 +598,52 @@ def irecv(tensor: torch.Tensor, src: int, *, group=None, tag: int = 0):
     )
 
 
+class _AllWork:
+    """Several handles waited on as one."""
+
+    def __init__(self, works):
+        self._works = works
+
+    def wait(self) -> bool:
+        for work in self._works:
+            work.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+
+def send_recv(
+    send_tensor: torch.Tensor, dst: int, recv_tensor: torch.Tensor, src: int, *, group=None, tag: int = 0
+):
+    """Send to one rank and receive from another, posted together; returns a handle to ``wait()`` on.
+
+    The step of every ring (ring attention passes keys and values on this way): each rank sends
+    to its right-hand neighbour while it receives from its left-hand one. Posting both at once
+    (``batch_isend_irecv``) is what keeps NCCL from deadlocking when two ranks are each other's
+    neighbours, and lets the caller compute while the message travels.
+
+    Args:
+        send_tensor: what to send; keep it unchanged until ``wait()``.
+        dst: the global rank that receives it.
+        recv_tensor: where the message from ``src`` is written (after ``wait()``).
+        src: the global rank that sends to this one.
+        group: the process group the ranks are in (None: every rank).
+        tag: tells apart two exchanges in flight between the same ranks.
+    """
+    _check_device(send_tensor, recv_tensor)
+    operations = [
+        dist.P2POp(dist.isend, send_tensor, dst, group, tag),
+        dist.P2POp(dist.irecv, recv_tensor, src, group, tag),
+    ]
+    received = CommRecord("recv", nbytes(recv_tensor), 0.0, runtime.world_size(group=group))
+    for log in _active_logs:
+        log.records.append(received)
+    return _run(
+        "send", nbytes(send_tensor), group, lambda: _AllWork(dist.batch_isend_irecv(operations)), True
+    )
+
+
 # -- the ring all-reduce, by hand -----------------------------------------------------------
 
 

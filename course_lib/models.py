@@ -99,6 +99,17 @@ class Embedding(nn.Module):
         return self.tokens(ids) + self.positions(torch.arange(ids.shape[1], device=ids.device))
 
 
+class CausalAttention(nn.Module):
+    """``softmax(q kᵀ / √d) v`` with a causal mask, on the whole sequence held by this process.
+
+    Context parallelism swaps it for ``parallel.context.RingAttention``, which computes the same
+    on a chunk of the sequence.
+    """
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class SelfAttention(nn.Module):
     """Causal multi-head self-attention; ``q``, ``k``, ``v`` and ``out`` are plain linear layers."""
 
@@ -109,6 +120,7 @@ class SelfAttention(nn.Module):
         self.head_dim = d_model // n_heads
         self.q, self.k, self.v = (nn.Linear(d_model, d_model) for _ in range(3))
         self.out = nn.Linear(d_model, d_model)
+        self.attend = CausalAttention()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -118,9 +130,7 @@ class SelfAttention(nn.Module):
         ):  # (batch, seq, heads * head_dim) -> (batch, heads, seq, head_dim); -1: however many are here
             return t.view(batch, seq, -1, self.head_dim).transpose(1, 2)
 
-        attended = torch.nn.functional.scaled_dot_product_attention(
-            heads(self.q(x)), heads(self.k(x)), heads(self.v(x)), is_causal=True
-        )
+        attended = self.attend(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)))
         return self.out(attended.transpose(1, 2).reshape(batch, seq, -1))
 
 

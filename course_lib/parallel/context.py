@@ -1,0 +1,422 @@
+"""Context parallelism: ring attention, so that one sequence can be longer than one rank can hold.
+
+Tensor and sequence parallelism split a layer; context parallelism splits the *sequence* for
+the whole model. Each of C ranks holds a chunk of every sequence: its tokens' activations, and
+its queries, keys and values in attention. Everything but attention is per token, so it needs
+no communication. Attention needs every key for every query, so the key/value chunks travel:
+
+    for step in 0 .. C-1:
+        start sending my current K/V chunk to the next rank, receiving the previous rank's
+        attend my queries to the K/V chunk I hold (one block of the attention matrix)
+        merge the block's result into my running result
+        wait for the message: the next step's chunk
+
+After C steps every query has met every key, and no rank ever held more than two K/V chunks.
+The message travels while the block is computed: the ring costs no time if computing a block
+takes longer than sending a chunk.
+
+**Merging partial results (online softmax).** A block gives, for each query, the softmax of
+its scores over *this block's* keys, ``o_b``, and the log of that softmax's denominator,
+``lse_b = log Σ exp(scores)``. Two blocks merge exactly:
+
+    lse = log(exp(lse_1) + exp(lse_2)),    o = exp(lse_1 - lse)·o_1 + exp(lse_2 - lse)·o_2
+
+(the same rule as FlashAttention's tiles). The backward runs the ring again: each block's
+gradient needs only the block and the final ``o`` and ``lse``, and the key/value gradients
+travel with their keys and values until they are home.
+
+**Causal masking and balance.** With a causal mask, query i sees keys j <= i. A block whose keys
+all come after its queries is entirely masked: it is skipped, not computed. With contiguous
+chunks (rank r holds chunk r), rank 0 computes 1 block and rank C-1 computes C: the ring waits
+for the slowest, so it runs at about 2x the ideal time. The **zig-zag** layout cuts the
+sequence into 2C chunks and gives rank r chunks r and 2C-1-r (one early, one late): every rank
+then computes the same work (``attention_work``). Chunks may be uneven: a sequence of 50 on 4
+ranks cuts into pieces of 7 and 6.
+
+Cost per rank: activations and attention inputs of S/C tokens; the attention block of
+(S/C)² scores at a time instead of S²; sent per layer: C-1 K/V chunks forward, C-1 K/V chunks
+and C K/V-gradient chunks backward, i.e. about 2·(C-1)/C of the layer's keys and values, each way.
+
+PyTorch's twin, ``torch.distributed.tensor.experimental.context_parallel``, shards the buffers
+and swaps scaled_dot_product_attention for a ring; it supports only the CUDA attention kernels
+(on CPU it stops with "Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not
+have a sharding strategy registered"), so on CPU the course compares with one process.
+
+Papers: Liu, Zaharia and Abbeel, "Ring Attention with Blockwise Transformers for Near-Infinite
+Context", 2023 (arXiv:2310.01889); the online softmax, Milakov and Gimelshein, 2018
+(arXiv:1805.02867) and Dao et al., "FlashAttention", NeurIPS 2022 (arXiv:2205.14135); the
+zig-zag layout, Brandon et al., "Striped Attention", 2023 (arXiv:2311.09431) and Megatron-LM's
+context parallelism (load-balanced chunks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import comm, runtime
+from ..checks import check_group, check_int, check_module
+from ..errors import UserError
+
+
+def chunk_lengths(total: int, pieces: int) -> list[int]:
+    """``total`` tokens cut into ``pieces`` consecutive chunks, the first ``total % pieces`` one longer.
+
+    Args:
+        total: the sequence length.
+        pieces: how many chunks.
+    """
+    return [total // pieces + (i < total % pieces) for i in range(pieces)]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of consecutive positions of the sequence: ``start`` to ``start + length``."""
+
+    start: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+def check_context_split(seq_len: int, degree: int, *, zigzag: bool) -> None:
+    """Refuse, before any process waits, a sequence too short to give every rank its chunk(s)."""
+    check_int("sequence length", seq_len, minimum=1)
+    check_int("context-parallel degree", degree, minimum=1)
+    pieces = 2 * degree if zigzag else degree
+    if seq_len < pieces:
+        layout = f"zig-zag needs 2 x {degree}" if zigzag else f"{degree} ranks need"
+        raise UserError(
+            f"a sequence of {seq_len} tokens does not split over context-parallel degree {degree}: {layout} = "
+            f"{pieces} chunks of at least one token; use sequences of at least {pieces} tokens or a smaller degree"
+        )
+
+
+@dataclass(frozen=True)
+class SequenceLayout:
+    """Which positions of a sequence each context-parallel rank holds.
+
+    Args:
+        seq_len: S, the whole sequence.
+        degree: C, the ranks sharing it.
+        zigzag: cut into 2C chunks and give rank r chunks r and 2C-1-r (balanced causal work);
+            otherwise rank r holds chunk r of C.
+    """
+
+    seq_len: int
+    degree: int
+    zigzag: bool = True
+
+    def __post_init__(self):
+        check_context_split(self.seq_len, self.degree, zigzag=self.zigzag)
+
+    def segments(self, rank: int) -> list[Segment]:
+        """The runs of positions rank ``rank`` holds, in the order they sit in its local tensors."""
+        pieces = 2 * self.degree if self.zigzag else self.degree
+        lengths = chunk_lengths(self.seq_len, pieces)
+        starts = [sum(lengths[:i]) for i in range(pieces)]
+        owned = [rank, pieces - 1 - rank] if self.zigzag else [rank]
+        return [Segment(starts[i], lengths[i]) for i in owned]
+
+    def tokens(self, rank: int) -> int:
+        return sum(segment.length for segment in self.segments(rank))
+
+    def positions(self, rank: int) -> torch.Tensor:
+        """The global positions of rank ``rank``'s tokens (what its position embedding looks up)."""
+        return torch.cat([torch.arange(s.start, s.end) for s in self.segments(rank)])
+
+    def local(self, tensor: torch.Tensor, rank: int, *, dim: int = 1) -> torch.Tensor:
+        """Rank ``rank``'s tokens of a whole-sequence ``tensor`` (sequence along ``dim``)."""
+        return torch.cat([tensor.narrow(dim, s.start, s.length) for s in self.segments(rank)], dim=dim)
+
+    def whole(self, pieces: list[torch.Tensor], *, dim: int = 1) -> torch.Tensor:
+        """The inverse of ``local``: every rank's piece (rank order) put back in sequence order."""
+        parts = []
+        for rank, piece in enumerate(pieces):
+            offset = 0
+            for segment in self.segments(rank):
+                parts.append((segment.start, piece.narrow(dim, offset, segment.length)))
+                offset += segment.length
+        return torch.cat([part for _, part in sorted(parts, key=lambda item: item[0])], dim=dim)
+
+
+def block_is_needed(query: Segment, key: Segment, *, causal: bool) -> bool:
+    """Does any query of ``query`` see a key of ``key``? (Causal: not if every key comes later.)"""
+    return not causal or key.start < query.end
+
+
+def attention_work(layout: SequenceLayout, *, causal: bool = True) -> list[int]:
+    """Query-key scores each rank computes in one ring attention (per batch entry and head).
+
+    The sum over ranks is S² (non-causal) or what the mask keeps of it; the largest entry is
+    what the ring's time follows.
+
+    Args:
+        layout: who holds which positions.
+        causal: skip the blocks a causal mask hides entirely.
+    """
+    work = []
+    for rank in range(layout.degree):
+        total = 0
+        for owner in range(layout.degree):
+            for query in layout.segments(rank):
+                for key in layout.segments(owner):
+                    if block_is_needed(query, key, causal=causal):
+                        total += query.length * key.length
+        work.append(total)
+    return work
+
+
+def ring_schedule(layout: SequenceLayout, *, causal: bool = True) -> list[list[dict]]:
+    """What happens at every step of the ring, for drawing it: ``steps[s][rank]``.
+
+    Each entry holds ``"owner"`` (whose K/V chunk the rank holds at that step), ``"blocks"`` (the
+    (query segment, key segment) pairs it computes) and ``"skipped"`` (the pairs the mask hides).
+    """
+    steps = []
+    for step in range(layout.degree):
+        row = []
+        for rank in range(layout.degree):
+            owner = (rank - step) % layout.degree
+            pairs = [(q, k) for q in layout.segments(rank) for k in layout.segments(owner)]
+            row.append(
+                {
+                    "owner": owner,
+                    "blocks": [p for p in pairs if block_is_needed(*p, causal=causal)],
+                    "skipped": [p for p in pairs if not block_is_needed(*p, causal=causal)],
+                }
+            )
+        steps.append(row)
+    return steps
+
+
+# -- one block of attention, forward and backward ----------------------------------------------
+
+
+def _scores(q, k, query: Segment, key: Segment, causal: bool, scale: float) -> torch.Tensor:
+    scores = q @ k.transpose(-1, -2) * scale
+    if causal and key.end > query.start:  # the diagonal block: hide the keys after each query
+        q_pos = torch.arange(query.start, query.end, device=q.device)
+        k_pos = torch.arange(key.start, key.end, device=q.device)
+        scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    return scores
+
+
+def _block_forward(q, k, v, query, key, causal, scale):
+    """Softmax attention of ``q`` over this block's keys, and the log of its denominator."""
+    scores = _scores(q, k, query, key, causal, scale)
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.exp(scores - lse.unsqueeze(-1)) @ v, lse
+
+
+def merge_partial_attention(out, lse, block_out, block_lse):
+    """The online-softmax rule: two blocks' results as if one softmax had covered both."""
+    if out is None:
+        return block_out, block_lse
+    merged = torch.logaddexp(lse, block_lse)
+    return (
+        torch.exp(lse - merged).unsqueeze(-1) * out + torch.exp(block_lse - merged).unsqueeze(-1) * block_out,
+        merged,
+    )
+
+
+def _block_backward(q, k, v, out_grad, lse, delta, query, key, causal, scale):
+    """FlashAttention's backward for one block, from the final lse and delta = rowsum(dO · O)."""
+    probabilities = torch.exp(_scores(q, k, query, key, causal, scale) - lse.unsqueeze(-1))
+    v_grad = probabilities.transpose(-1, -2) @ out_grad
+    score_grad = probabilities * (out_grad @ v.transpose(-1, -2) - delta.unsqueeze(-1))
+    return score_grad @ k * scale, score_grad.transpose(-1, -2) @ q * scale, v_grad
+
+
+def _split(tensor: torch.Tensor, segments: list[Segment]) -> list[torch.Tensor]:
+    return list(tensor.split([s.length for s in segments], dim=-2))
+
+
+class _Ring:
+    """The ring's neighbours and the shapes of the chunks that travel on it."""
+
+    def __init__(self, layout: SequenceLayout, group, like: torch.Tensor):
+        self.layout, self.group = layout, group
+        self.rank, self.size = runtime.rank(group=group), runtime.world_size(group=group)
+
+        def global_rank(i):
+            return dist.get_global_rank(group, i) if group is not None else i
+
+        self.next, self.previous = global_rank((self.rank + 1) % self.size), global_rank((self.rank - 1) % self.size)
+        self.like = like
+
+    def owner_at(self, step: int) -> int:
+        return (self.rank - step) % self.size
+
+    def pass_on(self, chunk: torch.Tensor, step: int, *, tag: int = 0):
+        """Start sending ``chunk`` on; return (handle, buffer) for the chunk of step + 1."""
+        incoming_tokens = self.layout.tokens(self.owner_at(step + 1))
+        shape = (*chunk.shape[:-2], incoming_tokens, chunk.shape[-1])
+        buffer = torch.empty(shape, dtype=chunk.dtype, device=chunk.device)
+        return comm.send_recv(chunk.contiguous(), self.next, buffer, self.previous, group=self.group, tag=tag), buffer
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, layout, causal, group):
+        ring = _Ring(layout, group, q)
+        scale = q.shape[-1] ** -0.5
+        queries = layout.segments(ring.rank)
+        q_parts = _split(q, queries)
+        results = [(None, None)] * len(queries)
+        key_values = torch.stack([k, v])
+        for step in range(ring.size):
+            if step < ring.size - 1:  # send on what we hold while we compute with it
+                handle, incoming = ring.pass_on(key_values, step)
+            keys = layout.segments(ring.owner_at(step))
+            for k_part, v_part, key in zip(*(_split(t, keys) for t in key_values), keys, strict=True):
+                for i, (q_part, query) in enumerate(zip(q_parts, queries, strict=True)):
+                    if block_is_needed(query, key, causal=causal):
+                        block = _block_forward(q_part, k_part, v_part, query, key, causal, scale)
+                        results[i] = merge_partial_attention(*results[i], *block)
+            if step < ring.size - 1:
+                handle.wait()
+                key_values = incoming
+        out = torch.cat([o for o, _ in results], dim=-2)
+        lse = torch.cat([s for _, s in results], dim=-1)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.layout, ctx.causal, ctx.group = layout, causal, group
+        return out
+
+    @staticmethod
+    def backward(ctx, out_grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        layout, causal, group = ctx.layout, ctx.causal, ctx.group
+        ring = _Ring(layout, group, q)
+        scale = q.shape[-1] ** -0.5
+        queries = layout.segments(ring.rank)
+        out_grad = out_grad.contiguous()
+        delta = (out_grad * out).sum(-1)
+        q_parts, g_parts, lse_parts, delta_parts = (
+            _split(t, queries) for t in (q, out_grad, lse.unsqueeze(-1), delta.unsqueeze(-1))
+        )
+        q_grad = torch.zeros_like(q)
+        q_grad_parts = _split(q_grad, queries)
+        key_values = torch.stack([k, v])
+        for step in range(ring.size):
+            if step < ring.size - 1:
+                handle, incoming = ring.pass_on(key_values, step)
+            keys = layout.segments(ring.owner_at(step))
+            kv_grad = torch.zeros_like(key_values)  # the gradient of the chunk we hold, for its owner
+            for j, key in enumerate(keys):
+                k_part, v_part = (_split(t, keys)[j] for t in key_values)
+                k_grad_part, v_grad_part = (_split(t, keys)[j] for t in kv_grad)
+                for i, query in enumerate(queries):
+                    if block_is_needed(query, key, causal=causal):
+                        dq, dk, dv = _block_backward(
+                            q_parts[i], k_part, v_part, g_parts[i], lse_parts[i].squeeze(-1),
+                            delta_parts[i].squeeze(-1), query, key, causal, scale,
+                        )  # fmt: skip
+                        q_grad_parts[i] += dq
+                        k_grad_part += dk
+                        v_grad_part += dv
+            # The gradients travel behind their chunk: collect what the ring brings, add ours, pass on.
+            if step > 0:
+                kv_grad_handle.wait()
+                kv_grad += arriving_grad
+            if ring.size > 1:
+                kv_grad_handle, arriving_grad = ring.pass_on(kv_grad, step, tag=1)
+            if step < ring.size - 1:
+                handle.wait()
+                key_values = incoming
+        if ring.size > 1:  # after C passes, the gradient of our own chunk is home
+            kv_grad_handle.wait()
+            kv_grad = arriving_grad
+        return q_grad, kv_grad[0], kv_grad[1], None, None, None
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    layout: SequenceLayout,
+    causal: bool = True,
+    group=None,
+) -> torch.Tensor:
+    """Attention of this rank's queries over the whole sequence's keys, the keys travelling a ring.
+
+    Equal, on every rank's tokens, to ``scaled_dot_product_attention`` on the whole sequence.
+
+    Args:
+        q: this rank's queries, (batch, heads, local tokens, head_dim), in ``layout``'s order.
+        k: this rank's keys, the same shape.
+        v: this rank's values, the same shape.
+        layout: which positions every rank of the group holds (its degree is the group's size).
+        causal: each query sees only the keys at or before its position.
+        group: the context-parallel process group (None: every rank).
+    """
+    check_group("group", group)
+    size, rank = runtime.world_size(group=group), runtime.rank(group=group)
+    if layout.degree != size:
+        raise UserError(f"the layout is for {layout.degree} ranks but the group has {size}: build it with degree={size}")
+    if not (q.shape == k.shape == v.shape) or q.shape[-2] != layout.tokens(rank):
+        raise UserError(
+            f"q, k and v must each be (batch, heads, {layout.tokens(rank)} tokens, head_dim) on rank {rank}, got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}: take the tokens with layout.local()"
+        )
+    return _RingAttention.apply(q, k, v, layout, causal, group)
+
+
+class RingAttention(nn.Module):
+    """The attention core of ``models.SelfAttention`` on a chunk of the sequence (causal).
+
+    Args:
+        layout: which positions every rank of the group holds.
+        group: the context-parallel process group (None: every rank).
+    """
+
+    def __init__(self, layout: SequenceLayout, *, group=None):
+        super().__init__()
+        self.layout, self.group = layout, group
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return ring_attention(q, k, v, layout=self.layout, causal=True, group=self.group)
+
+
+class ContextParallelEmbedding(nn.Module):
+    """The token and position embedding of this rank's tokens, looked up at their global positions."""
+
+    def __init__(self, embedding: nn.Module, layout: SequenceLayout, rank: int):
+        super().__init__()
+        self.embedding, self.layout, self.rank = embedding, layout, rank
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = self.layout.positions(self.rank).to(ids.device)
+        return self.embedding.tokens(ids) + self.embedding.positions(positions)
+
+
+def parallelize_context(model: nn.Module, layout: SequenceLayout, *, group=None) -> nn.Module:
+    """Make a ``models.TinyTransformer`` (or a pipeline stage of one) run on this rank's tokens.
+
+    Every block's attention core becomes ``RingAttention``; the embedding looks positions up from
+    the layout. The rest (norms, MLPs, the head) works token by token and is unchanged; the model
+    then takes ``layout.local(ids)`` and returns the logits of those tokens.
+
+    Args:
+        model: the transformer (dense or tensor parallel), changed in place.
+        layout: which positions every rank of the group holds.
+        group: the context-parallel process group (None: every rank).
+    """
+    from ..models import Embedding, SelfAttention
+
+    check_module("model", model)
+    check_group("group", group)
+    rank = runtime.rank(group=group)
+    for name, child in list(model.named_children()):
+        if isinstance(child, Embedding):
+            setattr(model, name, ContextParallelEmbedding(child, layout, rank))
+    for module in model.modules():
+        if isinstance(module, SelfAttention):
+            module.attend = RingAttention(layout, group=group)
+    return model

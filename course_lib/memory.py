@@ -193,3 +193,33 @@ def strategies_that_fit(
         stage: model_state_bytes(num_params, world_size, stage, **bytes_per_element).total <= budget
         for stage in STAGES
     }
+
+
+class saved_tensor_bytes:
+    """Count the bytes autograd keeps for the backward of what runs inside the ``with`` block.
+
+    Every tensor saved for backward (by PyTorch's operations or by a custom autograd function)
+    is counted once per storage: the activation memory of that piece of the model.
+
+    >>> with saved_tensor_bytes() as saved:
+    ...     loss = model(x).sum()
+    >>> saved.bytes
+    """
+
+    def __enter__(self) -> saved_tensor_bytes:
+        import torch
+
+        self.bytes, self._seen = 0, set()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+        self._hooks.__enter__()
+        return self
+
+    def _pack(self, tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in self._seen:
+            self._seen.add(storage.data_ptr())
+            self.bytes += storage.nbytes()
+        return tensor
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)

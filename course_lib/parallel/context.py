@@ -420,3 +420,18 @@ def parallelize_context(model: nn.Module, layout: SequenceLayout, *, group=None)
         if isinstance(module, SelfAttention):
             module.attend = RingAttention(layout, group=group)
     return model
+
+
+def context_parallel_loss(logits: torch.Tensor, targets: torch.Tensor, *, total_tokens: int) -> torch.Tensor:
+    """This rank's share of the whole batch's mean cross-entropy: the ranks' shares add up to it.
+
+    With uneven chunks the ranks hold different numbers of tokens, so each divides its sum by
+    the whole count rather than taking its own mean.
+
+    Args:
+        logits: (batch, local tokens, vocabulary), the model's output on this rank's tokens.
+        targets: (batch, local tokens), their targets (``layout.local(targets, rank)``).
+        total_tokens: the tokens of the whole batch, over every rank.
+    """
+    flat = logits.reshape(-1, logits.shape[-1])
+    return nn.functional.cross_entropy(flat, targets.reshape(-1), reduction="sum") / total_tokens

@@ -204,12 +204,18 @@ class saved_tensor_bytes:
     >>> with saved_tensor_bytes() as saved:
     ...     loss = model(x).sum()
     >>> saved.bytes
+
+    Args:
+        ignore: tensors not to count when saved (the parameters: they are held anyway).
     """
+
+    def __init__(self, *, ignore=()):
+        self._ignored = {tensor.untyped_storage().data_ptr() for tensor in ignore}
 
     def __enter__(self) -> saved_tensor_bytes:
         import torch
 
-        self.bytes, self._seen = 0, set()
+        self.bytes, self._seen = 0, set(self._ignored)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
         self._hooks.__enter__()
         return self

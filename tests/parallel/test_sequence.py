@@ -1,0 +1,183 @@
+"""Sequence parallelism computes what tensor parallelism and one process compute, for the same bytes.
+
+At degrees 1-3 (parameter counts that divide by none of them): the loss, every gradient and a
+few AdamW steps against one process; the blocks' traffic against plain tensor parallelism's; the
+norms' activations per rank against 1/T of one process's; one block against DTensor's
+``SequenceParallel`` plan; a sequence that does not split refused on every rank.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from course_lib import comm, data, models, runtime
+from course_lib.errors import UserError
+from course_lib.launch import launch
+from course_lib.memory import saved_tensor_bytes
+from course_lib.parallel import sequence as sp
+from course_lib.parallel import tensor as tp
+
+SEQ, D_MODEL, HEADS, BATCH = 12, 24, 6, 5
+TOLERANCE = dict(rtol=1e-5, atol=1e-6)
+
+
+def _transformer():
+    torch.manual_seed(0)
+    inputs, targets, vocabulary = data.zen_windows(seq_len=SEQ)
+    model = models.TinyTransformer(len(vocabulary), d_model=D_MODEL, n_heads=HEADS, n_layers=2, max_seq_len=SEQ)
+    return model, inputs, targets
+
+
+def _train_against_one_process(steps: int):
+    dense, inputs, targets = _transformer()
+    parallel = sp.parallelize_sequence(copy.deepcopy(dense))
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=3e-3) for m in (dense, parallel)]
+    generator, losses, first_grads = torch.Generator().manual_seed(1), [], None
+    for _ in range(steps):
+        batch = torch.randint(0, len(inputs), (BATCH,), generator=generator)
+        x, y = inputs[batch], targets[batch]
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        expected = models.lm_loss(dense(x), y)
+        expected.backward()
+        share = sp.sequence_parallel_loss(parallel(x), y)
+        share.backward()
+        sp.all_reduce_sequence_parallel_gradients(parallel)
+        total = share.detach().clone()
+        comm.all_reduce(total, op="sum")
+        losses.append((float(total), float(expected)))
+        if first_grads is None:
+            first_grads = _gradients_against_dense(dense, parallel)
+        for optimizer in optimizers:
+            optimizer.step()
+    return losses, first_grads
+
+
+def _gradients_against_dense(dense, parallel):
+    """Every parallel gradient against its cut of the dense one (rows, columns or whole)."""
+    size, rank = runtime.world_size(), runtime.rank()
+    dense_params = dict(dense.named_parameters())
+    pairs = {}
+    for name, param in parallel.named_parameters():
+        whole = dense_params[name].grad
+        if param.shape != whole.shape:
+            dim = 0 if param.shape[0] != whole.shape[0] else 1
+            whole = whole.chunk(size, dim=dim)[rank]
+        pairs[name] = (param.grad.clone(), whole.clone())
+    return pairs
+
+
+@pytest.mark.parametrize("degree", [1, 2, 3])
+def test_sequence_parallel_trains_like_one_process(degree):
+    for losses, grads in launch(_train_against_one_process, degree, 3):
+        for ours, expected in losses:
+            assert ours == pytest.approx(expected, rel=1e-5)
+        assert len(grads) == sum(1 for _ in _transformer()[0].parameters())
+        for name, (ours, expected) in grads.items():
+            torch.testing.assert_close(ours, expected, **TOLERANCE, msg=name)
+
+
+def _block_traffic_and_norm_memory():
+    torch.manual_seed(0)
+    size, rank = runtime.world_size(), runtime.rank()
+    dense = models.Block(D_MODEL, HEADS)
+    x = torch.randn(BATCH, SEQ, D_MODEL, generator=torch.Generator().manual_seed(2))
+    measured = {}
+    for name, block, block_input in (
+        ("tensor", tp.parallelize_transformer(copy.deepcopy(dense)), x),
+        ("sequence", sp.sequence_parallel_block(copy.deepcopy(dense)), x.chunk(size, dim=1)[rank]),
+    ):
+        with comm.CommLog() as log:
+            block(block_input.clone().requires_grad_()).sum().backward()
+        with saved_tensor_bytes(ignore=block.parameters()) as norms:
+            block.norm1(block_input.clone().requires_grad_())
+        measured[name] = (log.totals(), norms.bytes)
+    return measured
+
+
+@pytest.mark.parametrize("degree", [2, 3])
+def test_the_same_bytes_as_tensor_parallelism_and_norm_activations_divided_by_the_degree(degree):
+    measured = launch(_block_traffic_and_norm_memory, degree)[0]
+    tensor_traffic, tensor_norm_bytes = measured["tensor"]
+    sequence_traffic, sequence_norm_bytes = measured["sequence"]
+    assert tensor_traffic["all_reduce"]["calls"] == 4  # f and g around attention and MLP, both ways
+    assert sequence_traffic["all_gather"]["calls"] == sequence_traffic["reduce_scatter"]["calls"] == 4
+    sequence_bytes = sequence_traffic["all_gather"]["bytes_per_rank"] + sequence_traffic["reduce_scatter"]["bytes_per_rank"]
+    assert sequence_bytes == tensor_traffic["all_reduce"]["bytes_per_rank"]
+    assert sequence_bytes == 8 * comm.ring_bytes("all_gather", BATCH * SEQ * D_MODEL * 4, degree)
+    # a norm keeps its input and, per token, a mean and an inverse deviation
+    assert tensor_norm_bytes == BATCH * SEQ * (D_MODEL + 2) * 4
+    assert sequence_norm_bytes == tensor_norm_bytes // degree
+
+
+def _against_dtensor_sequence_parallel():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    size, rank = runtime.world_size(), runtime.rank()
+    torch.manual_seed(0)
+    dense = models.Block(D_MODEL, HEADS)
+    gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    plan = {
+        "norm1": SequenceParallel(),
+        "attention": gather,
+        "attention.q": ColwiseParallel(),
+        "attention.k": ColwiseParallel(),
+        "attention.v": ColwiseParallel(),
+        "attention.out": RowwiseParallel(output_layouts=Shard(1)),
+        "norm2": SequenceParallel(),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "mlp.fc1": ColwiseParallel(),
+        "mlp.fc2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    theirs = parallelize_module(copy.deepcopy(dense), init_device_mesh("cpu", (size,)), plan)
+    ours = sp.sequence_parallel_block(copy.deepcopy(dense))
+    x = torch.randn(BATCH, SEQ, D_MODEL, generator=torch.Generator().manual_seed(2)).chunk(size, dim=1)[rank]
+    outputs = []
+    for block in (ours, theirs):
+        mine = x.clone().requires_grad_()
+        out = block(mine)
+        out = out.to_local() if hasattr(out, "to_local") else out
+        (out * out).sum().backward()
+        outputs.append((out.detach(), mine.grad))
+    sp.all_reduce_sequence_parallel_gradients(ours)
+    grads = {}
+    for name in ("norm1.weight", "norm2.bias", "attention.out.bias", "attention.q.weight", "mlp.fc1.weight", "mlp.fc2.weight"):
+        theirs_grad = dict(theirs.named_parameters())[name].grad
+        theirs_grad = theirs_grad.full_tensor() if name.startswith("norm") or name.endswith("bias") else theirs_grad.to_local()
+        grads[name] = (dict(ours.named_parameters())[name].grad, theirs_grad)
+    return outputs, grads
+
+
+def test_one_block_equals_dtensor_sequence_parallel():
+    for outputs, grads in launch(_against_dtensor_sequence_parallel, 2):
+        (our_out, our_grad), (their_out, their_grad) = outputs
+        torch.testing.assert_close(our_out, their_out, **TOLERANCE)
+        torch.testing.assert_close(our_grad, their_grad, **TOLERANCE)
+        for name, (ours, theirs) in grads.items():  # gradients up to ~75: sums in another order
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=2e-5, msg=name)
+
+
+def _odd_sequence():
+    model, inputs, _ = _transformer()
+    sp.parallelize_sequence(model)
+    try:
+        model(inputs[:2, :SEQ - 1])
+    except UserError as error:
+        return str(error)
+    return "ran"
+
+
+def test_a_sequence_that_does_not_split_is_refused_on_every_rank():
+    for message in launch(_odd_sequence, 2):
+        assert "a sequence of 11 tokens does not split over tensor/sequence-parallel degree 2" in message

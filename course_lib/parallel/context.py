@@ -92,8 +92,9 @@ def check_context_split(seq_len: int, degree: int, *, zigzag: bool) -> None:
     if seq_len < pieces:
         layout = f"zig-zag needs 2 x {degree}" if zigzag else f"{degree} ranks need"
         raise UserError(
-            f"a sequence of {seq_len} tokens does not split over context-parallel degree {degree}: {layout} = "
-            f"{pieces} chunks of at least one token; use sequences of at least {pieces} tokens or a smaller degree"
+            f"a sequence of {seq_len} tokens does not split over context-parallel degree {degree}: {layout} "
+            f"= {pieces} chunks of at least one token; use sequences of at least {pieces} tokens or a "
+            "smaller degree"
         )
 
 
@@ -247,7 +248,8 @@ class _Ring:
         def global_rank(i):
             return dist.get_global_rank(group, i) if group is not None else i
 
-        self.next, self.previous = global_rank((self.rank + 1) % self.size), global_rank((self.rank - 1) % self.size)
+        self.next = global_rank((self.rank + 1) % self.size)
+        self.previous = global_rank((self.rank - 1) % self.size)
         self.like = like
 
     def owner_at(self, step: int) -> int:
@@ -258,7 +260,10 @@ class _Ring:
         incoming_tokens = self.layout.tokens(self.owner_at(step + 1))
         shape = (*chunk.shape[:-2], incoming_tokens, chunk.shape[-1])
         buffer = torch.empty(shape, dtype=chunk.dtype, device=chunk.device)
-        return comm.send_recv(chunk.contiguous(), self.next, buffer, self.previous, group=self.group, tag=tag), buffer
+        handle = comm.send_recv(
+            chunk.contiguous(), self.next, buffer, self.previous, group=self.group, tag=tag
+        )
+        return handle, buffer
 
 
 class _RingAttention(torch.autograd.Function):
@@ -303,6 +308,7 @@ class _RingAttention(torch.autograd.Function):
         q_grad = torch.zeros_like(q)
         q_grad_parts = _split(q_grad, queries)
         key_values = torch.stack([k, v])
+        kv_grad_handle = arriving_grad = None
         for step in range(ring.size):
             if step < ring.size - 1:
                 handle, incoming = ring.pass_on(key_values, step)
@@ -359,11 +365,13 @@ def ring_attention(
     check_group("group", group)
     size, rank = runtime.world_size(group=group), runtime.rank(group=group)
     if layout.degree != size:
-        raise UserError(f"the layout is for {layout.degree} ranks but the group has {size}: build it with degree={size}")
+        raise UserError(
+            f"the layout is for {layout.degree} ranks but the group has {size}: build it with degree={size}"
+        )
     if not (q.shape == k.shape == v.shape) or q.shape[-2] != layout.tokens(rank):
         raise UserError(
-            f"q, k and v must each be (batch, heads, {layout.tokens(rank)} tokens, head_dim) on rank {rank}, got "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}: take the tokens with layout.local()"
+            f"q, k and v must each be (batch, heads, {layout.tokens(rank)} tokens, head_dim) on rank {rank}, "
+            f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}: take the tokens with layout.local()"
         )
     return _RingAttention.apply(q, k, v, layout, causal, group)
 

@@ -105,7 +105,8 @@ def route(logits: torch.Tensor, *, top_k: int, capacity_factor: float) -> Routin
     chosen = one_hot.sum(dim=0)
     fraction_chosen = chosen.float() / expert.numel()
     aux_loss = num_experts * (fraction_chosen * probabilities.mean(dim=0)).sum()
-    return Routing(token, expert, gates.t().reshape(-1), place_in_queue < capacity, capacity, aux_loss, chosen)
+    kept = place_in_queue < capacity
+    return Routing(token, expert, gates.t().reshape(-1), kept, capacity, aux_loss, chosen)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -116,7 +117,11 @@ class _AllToAll(torch.autograd.Function):
         ctx.group, ctx.send_counts, ctx.receive_counts = group, send_counts, receive_counts
         out = rows.new_empty((sum(receive_counts), *rows.shape[1:]))
         comm.all_to_all_single(
-            out, rows.contiguous(), output_split_sizes=receive_counts, input_split_sizes=send_counts, group=group
+            out,
+            rows.contiguous(),
+            output_split_sizes=receive_counts,
+            input_split_sizes=send_counts,
+            group=group,
         )
         return out
 
@@ -140,8 +145,8 @@ def check_experts(num_experts: int, degree: int, *, top_k: int, capacity_factor:
     check_number("capacity_factor", capacity_factor, above=0)
     if num_experts % degree:
         raise UserError(
-            f"{num_experts} experts do not divide over expert-parallel degree {degree}: use a number of experts "
-            f"that is a multiple of {degree}, or a degree that divides {num_experts}"
+            f"{num_experts} experts do not divide over expert-parallel degree {degree}: use a number of "
+            f"experts that is a multiple of {degree}, or a degree that divides {num_experts}"
         )
 
 
@@ -290,7 +295,9 @@ def moe_transformer(
     """
     from ..models import Block, TinyTransformer
 
-    model = TinyTransformer(vocab_size, d_model=d_model, n_heads=n_heads, n_layers=n_layers, max_seq_len=max_seq_len)
+    model = TinyTransformer(
+        vocab_size, d_model=d_model, n_heads=n_heads, n_layers=n_layers, max_seq_len=max_seq_len
+    )
     for block in model:
         if isinstance(block, Block):
             block.mlp = MoE(

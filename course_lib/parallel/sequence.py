@@ -163,8 +163,8 @@ def check_sequence_split(seq_len: int, degree: int) -> None:
     if seq_len % degree:
         fits = [d for d in range(1, seq_len + 1) if seq_len % d == 0 and d <= 16]
         raise UserError(
-            f"a sequence of {seq_len} tokens does not split over tensor/sequence-parallel degree {degree}: use a "
-            f"degree among {fits} or a sequence length that is a multiple of {degree}"
+            f"a sequence of {seq_len} tokens does not split over tensor/sequence-parallel degree {degree}: "
+            f"use a degree among {fits} or a sequence length that is a multiple of {degree}"
         )
 
 
@@ -201,7 +201,8 @@ def sequence_parallel_parameters(model: nn.Module) -> list[nn.Parameter]:
     for module in model.modules():
         if isinstance(module, Block):
             found += [*module.norm1.parameters(), *module.norm2.parameters()]
-            found += [layer.bias for layer in (module.attention.out, module.mlp.fc2) if layer.bias is not None]
+            rows = (module.attention.out, module.mlp.fc2)
+            found += [layer.bias for layer in rows if layer.bias is not None]
         elif isinstance(module, LMHead):
             found += list(module.parameters())
     return found
@@ -229,5 +230,5 @@ def sequence_parallel_loss(logits: torch.Tensor, targets: torch.Tensor, *, group
     """
     size, rank = runtime.world_size(group=group), runtime.rank(group=group)
     mine = targets.chunk(size, dim=SEQUENCE_DIM)[rank]
-    total = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), mine.reshape(-1), reduction="sum")
-    return total / targets.numel()
+    flat = logits.reshape(-1, logits.shape[-1])
+    return nn.functional.cross_entropy(flat, mine.reshape(-1), reduction="sum") / targets.numel()

@@ -123,7 +123,8 @@ def _train(degree: int, steps: int, seq: int, zigzag: bool):
             loss = models.lm_loss(model(x), y)
             loss.backward()
         else:
-            loss = cp.context_parallel_loss(model(layout.local(x, rank)), layout.local(y, rank), total_tokens=y.numel())
+            logits = model(layout.local(x, rank))
+            loss = cp.context_parallel_loss(logits, layout.local(y, rank), total_tokens=y.numel())
             loss.backward()
             for param in model.parameters():  # every rank's tokens add to the replicated weights' gradients
                 comm.all_reduce(param.grad, op="sum")

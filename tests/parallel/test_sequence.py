@@ -27,7 +27,9 @@ TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 def _transformer():
     torch.manual_seed(0)
     inputs, targets, vocabulary = data.zen_windows(seq_len=SEQ)
-    model = models.TinyTransformer(len(vocabulary), d_model=D_MODEL, n_heads=HEADS, n_layers=2, max_seq_len=SEQ)
+    model = models.TinyTransformer(
+        len(vocabulary), d_model=D_MODEL, n_heads=HEADS, n_layers=2, max_seq_len=SEQ
+    )
     return model, inputs, targets
 
 
@@ -105,7 +107,7 @@ def test_the_same_bytes_as_tensor_parallelism_and_norm_activations_divided_by_th
     sequence_traffic, sequence_norm_bytes = measured["sequence"]
     assert tensor_traffic["all_reduce"]["calls"] == 4  # f and g around attention and MLP, both ways
     assert sequence_traffic["all_gather"]["calls"] == sequence_traffic["reduce_scatter"]["calls"] == 4
-    sequence_bytes = sequence_traffic["all_gather"]["bytes_per_rank"] + sequence_traffic["reduce_scatter"]["bytes_per_rank"]
+    sequence_bytes = sum(sequence_traffic[op]["bytes_per_rank"] for op in ("all_gather", "reduce_scatter"))
     assert sequence_bytes == tensor_traffic["all_reduce"]["bytes_per_rank"]
     assert sequence_bytes == 8 * comm.ring_bytes("all_gather", BATCH * SEQ * D_MODEL * 4, degree)
     # a norm keeps its input and, per token, a mean and an inverse deviation
@@ -152,9 +154,10 @@ def _against_dtensor_sequence_parallel():
         outputs.append((out.detach(), mine.grad))
     sp.all_reduce_sequence_parallel_gradients(ours)
     grads = {}
-    for name in ("norm1.weight", "norm2.bias", "attention.out.bias", "attention.q.weight", "mlp.fc1.weight", "mlp.fc2.weight"):
+    replicated = ("norm1.weight", "norm2.bias", "attention.out.bias")
+    for name in (*replicated, "attention.q.weight", "mlp.fc1.weight", "mlp.fc2.weight"):
         theirs_grad = dict(theirs.named_parameters())[name].grad
-        theirs_grad = theirs_grad.full_tensor() if name.startswith("norm") or name.endswith("bias") else theirs_grad.to_local()
+        theirs_grad = theirs_grad.full_tensor() if name in replicated else theirs_grad.to_local()
         grads[name] = (dict(ours.named_parameters())[name].grad, theirs_grad)
     return outputs, grads
 
@@ -172,7 +175,7 @@ def _odd_sequence():
     model, inputs, _ = _transformer()
     sp.parallelize_sequence(model)
     try:
-        model(inputs[:2, :SEQ - 1])
+        model(inputs[:2, : SEQ - 1])
     except UserError as error:
         return str(error)
     return "ran"

@@ -1,6 +1,6 @@
-"""3-D parallelism: train the transformer with data, pipeline and tensor parallelism at once.
+"""3-D and 4-D parallelism: train the transformer with data, pipeline, context and tensor parallelism.
 
-On a ``Mesh`` of D x P x T ranks, one training step of ``TinyTransformer``:
+On a ``Mesh`` of D x P x C x T ranks, one training step of ``TinyTransformer``:
 
 1. **Pipeline**: the model (embedding, blocks, head) is cut into P stages; the ranks of one
    pipeline group (same data and tensor coordinates) run them with a schedule (1F1B by default)
@@ -8,14 +8,19 @@ On a ``Mesh`` of D x P x T ranks, one training step of ``TinyTransformer``:
 2. **Tensor**: inside each stage, every block's attention and MLP are split over the T ranks of
    a tensor group (``tensor.parallelize_transformer``). The T ranks of a stage hold the same
    activations, so each sends its own copy to its counterpart in the next stage.
-3. **Data**: each of the D replicas of this whole arrangement takes 1/D of the global batch;
+3. **Context**: with C > 1, each sequence is cut over the C ranks of a context group (zig-zag
+   layout); every attention runs as ring attention (``context.parallelize_context``). Each rank's
+   loss is its tokens' share of the batch mean, and the weights' gradients are summed over the
+   context group (each rank's tokens add their part).
+4. **Data**: each of the D replicas of this whole arrangement takes 1/D of the global batch;
    after the pipeline's backward, gradients are averaged over the data group, and every rank
    steps its own parameters.
 
 Every rank starts from the same dense model (same seed) and keeps its pieces, so the run
 computes what one process would: the test compares the loss curves. The cost per rank: 1/(P·T)
-of the weights; activation all-reduces in the tensor group (the most traffic: keep T inside a
-node), activation sends between stages, one gradient all-reduce over the data group per step.
+of the weights and 1/C of the activations; activation all-reduces in the tensor group (the most
+traffic: keep T inside a node), K/V chunks around the context ring, activation sends between
+stages, one gradient all-reduce over the data (and context) group per step.
 
 Paper: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM", SC 2021 (arXiv:2104.04473): PTD-P, pipeline x tensor x data parallelism.
@@ -28,18 +33,23 @@ from torch import nn
 
 from .. import comm, data, models, runtime
 from ..errors import UserError
+from . import context as cp
 from . import pipeline as pp
 from . import tensor as tp
 from .mesh import Mesh, rank_at
 
 
-def build_local_model(model: nn.Module, mesh: Mesh) -> dict[int, nn.Module]:
-    """This rank's stage of ``model`` (a dense ``TinyTransformer``), made tensor parallel."""
+def build_local_model(
+    model: nn.Module, mesh: Mesh, layout: cp.SequenceLayout | None = None
+) -> dict[int, nn.Module]:
+    """This rank's stage of ``model`` (a dense ``TinyTransformer``), made tensor and context parallel."""
     pipeline_size = mesh.degrees["pipeline"]
     stage_index = mesh.coordinates.pipeline
     stage = pp.split_model(model, pipeline_size)[stage_index]
     if mesh.degrees["tensor"] > 1 and any(isinstance(m, models.Block) for m in stage.modules()):
         tp.parallelize_transformer(stage, group=mesh.group("tensor"))
+    if mesh.degrees["context"] > 1:
+        cp.parallelize_context(stage, layout, group=mesh.group("context"))
     return {stage_index: stage}
 
 
@@ -53,12 +63,16 @@ def check_run(
     n_layers: int,
     d_model: int,
     n_heads: int,
+    *,
+    context: int = 1,
+    seq_len: int = 32,
 ) -> None:
     """Everything that can be wrong, checked before any process waits on another."""
     from .mesh import check_degrees
 
-    check_degrees(world_size, data=data_degree, pipeline=pipeline, tensor=tensor)
+    check_degrees(world_size, data=data_degree, pipeline=pipeline, context=context, tensor=tensor)
     tp.check_tensor_parallel_degree(d_model, n_heads, 4 * d_model, tensor)
+    cp.check_context_split(seq_len, context, zigzag=True)
     if pipeline > n_layers + 2:
         raise UserError(
             f"cannot cut {n_layers + 2} layers (embedding, {n_layers} blocks, head) into {pipeline} stages"
@@ -75,6 +89,7 @@ def train_3d(
     data_degree: int = 2,
     pipeline: int = 2,
     tensor: int = 2,
+    context: int = 1,
     steps: int = 20,
     global_batch: int = 16,
     microbatches: int = 2,
@@ -94,6 +109,7 @@ def train_3d(
         data_degree: D, the replicas that split the global batch.
         pipeline: P, the stages the transformer is cut into.
         tensor: T, the ranks each block's matrices are split over.
+        context: C, the ranks each sequence is split over (ring attention, zig-zag layout).
         steps: optimizer steps.
         global_batch: windows per step over all replicas; must divide by D x ``microbatches``.
         microbatches: m, the pieces each replica's batch is cut into for the pipeline.
@@ -106,42 +122,57 @@ def train_3d(
         seed: the seed of the weights and of the batches, the same on every rank.
     """
     world = runtime.world_size()
-    check_run(world, data_degree, pipeline, tensor, global_batch, microbatches, n_layers, d_model, n_heads)
-    mesh = Mesh(data=data_degree, pipeline=pipeline, tensor=tensor)
+    check_run(
+        world, data_degree, pipeline, tensor, global_batch, microbatches, n_layers, d_model, n_heads,
+        context=context, seq_len=seq_len,
+    )  # fmt: skip
+    mesh = Mesh(data=data_degree, pipeline=pipeline, context=context, tensor=tensor)
+    layout = cp.SequenceLayout(seq_len, context, zigzag=True)
+    my_chunk = mesh.coordinates.context
     inputs, targets, vocabulary = data.zen_windows(seq_len=seq_len)
     torch.manual_seed(seed)
     model = models.TinyTransformer(
         len(vocabulary), d_model=d_model, n_heads=n_heads, n_layers=n_layers, max_seq_len=seq_len
     )
-    stages = build_local_model(model, mesh)
+    stages = build_local_model(model, mesh, layout)
     params = [p for stage in stages.values() for p in stage.parameters()]
     optimizer = torch.optim.AdamW(params, lr=lr)
     local_batch = global_batch // data_degree
+    micro = local_batch // microbatches
+
+    def loss_fn(logits, targets):  # this rank's tokens' share of the micro-batch's mean
+        return cp.context_parallel_loss(logits, targets, total_tokens=micro * seq_len)
+
     executor = pp.PipelineExecutor(
         stages,
         pipeline,
         schedule,
         microbatches,
-        models.lm_loss,
-        (local_batch // microbatches, seq_len, d_model),
+        loss_fn,
+        (micro, layout.tokens(my_chunk), d_model),
         group=mesh.group("pipeline"),
     )
     generator = torch.Generator().manual_seed(seed)
     losses = []
     last_stage = mesh.coordinates.pipeline == pipeline - 1
-    reporter = rank_at(pipeline - 1, 0, 0, mesh.degrees)  # a rank of the last stage
+    reporter = rank_at(mesh.degrees, pipeline=pipeline - 1)  # a rank of the last stage
     for _ in range(steps):
         # the same draw everywhere
         batch = torch.randint(0, len(inputs), (global_batch,), generator=generator)
         mine = batch[mesh.coordinates.data :: data_degree]  # this replica's share
         optimizer.zero_grad()
-        loss = executor.step(inputs[mine], targets[mine])
-        for param in params:  # average the replicas' gradients: the gradient of the whole batch
+        loss = executor.step(layout.local(inputs[mine], my_chunk), layout.local(targets[mine], my_chunk))
+        for param in params:
+            if context > 1:  # each chunk of the sequences adds its part
+                comm.all_reduce(param.grad, op="sum", group=mesh.group("context"))
+            # average the replicas' gradients: the gradient of the whole batch
             comm.all_reduce(param.grad, op="mean", group=mesh.group("data"))
         optimizer.step()
         # The loss lives on the last stage: average it over the replicas, then everyone takes it from one.
         report = torch.zeros(1) if loss is None else loss.detach().reshape(1)
         if last_stage:
+            if context > 1:
+                comm.all_reduce(report, op="sum", group=mesh.group("context"))
             comm.all_reduce(report, op="mean", group=mesh.group("data"))
         comm.broadcast(report, src=reporter)
         losses.append(float(report))

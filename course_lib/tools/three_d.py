@@ -1,6 +1,7 @@
-"""3-D parallelism from the command line: a data x pipeline x tensor run beside one process.
+"""3-D and 4-D parallelism from the command line: a data x pipeline x context x tensor run beside one process.
 
-``python -m course_lib.tools.three_d --data 2 --pipeline 2 --tensor 2`` trains the transformer of
+``python -m course_lib.tools.three_d --data 2 --pipeline 2 --tensor 2`` (add ``--context 2`` for
+ring attention over a 4-D grid of 16) trains the transformer of
 ``course_lib.parallel.three_d`` on 8 local processes and on one, prints both loss curves as JSON
 (they must agree), and with ``--plot`` draws them.
 """
@@ -31,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", type=positive, default=2, help="data-parallel degree")
     parser.add_argument("--pipeline", type=positive, default=2, help="pipeline stages")
     parser.add_argument("--tensor", type=positive, default=2, help="tensor-parallel degree")
+    parser.add_argument(
+        "--context", type=positive, default=1, help="context-parallel degree (ring attention)"
+    )
     parser.add_argument("--steps", type=positive, default=20)
     parser.add_argument("--global-batch", type=positive, default=16)
     parser.add_argument("--microbatches", type=positive, default=2)
@@ -39,16 +43,18 @@ def main(argv: list[str] | None = None) -> int:
         "--plot", type=checks.file_to_write, default=None, help="save the two loss curves to this PNG"
     )
     args = parser.parse_args(argv)
-    world = args.data * args.pipeline * args.tensor
+    world = args.data * args.pipeline * args.context * args.tensor
     try:
         check_run(
-            world, args.data, args.pipeline, args.tensor, args.global_batch, args.microbatches, 4, 64, 4
-        )
+            world, args.data, args.pipeline, args.tensor, args.global_batch, args.microbatches, 4, 64, 4,
+            context=args.context,
+        )  # fmt: skip
         check_process_count(world)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(describe_grid(world, data=args.data, pipeline=args.pipeline, tensor=args.tensor), file=sys.stderr)
+    degrees = dict(data=args.data, pipeline=args.pipeline, context=args.context, tensor=args.tensor)
+    print(describe_grid(world, **degrees), file=sys.stderr)
     print(f"training on 1 process, then on {world}...", file=sys.stderr, flush=True)
     options = {
         "steps": args.steps,
@@ -62,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         world,
         data_degree=args.data,
         pipeline=args.pipeline,
+        context=args.context,
         tensor=args.tensor,
         timeout_s=1800,
         **options,
@@ -70,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         plot_loss_curves(
             {
                 "1 process": single,
-                f"data {args.data} x pipeline {args.pipeline} x tensor {args.tensor}": grid,
+                " x ".join(f"{axis} {degree}" for axis, degree in degrees.items() if degree > 1): grid,
             },
             path=args.plot,
         )

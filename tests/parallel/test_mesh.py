@@ -20,6 +20,17 @@ from course_lib.parallel.three_d import train_3d
                 "tensor": [[0, 1], [2, 3], [4, 5], [6, 7]],
                 "data": [[0, 2], [1, 3], [4, 6], [5, 7]],
                 "pipeline": [[0, 4], [1, 5], [2, 6], [3, 7]],
+                "context": [[r] for r in range(8)],
+            },
+        ),
+        (
+            8,
+            dict(data=2, context=2, tensor=2),
+            {
+                "tensor": [[0, 1], [2, 3], [4, 5], [6, 7]],
+                "context": [[0, 2], [1, 3], [4, 6], [5, 7]],
+                "data": [[0, 4], [1, 5], [2, 6], [3, 7]],
+                "pipeline": [[r] for r in range(8)],
             },
         ),
         (
@@ -29,12 +40,18 @@ from course_lib.parallel.three_d import train_3d
                 "tensor": [[0, 1], [2, 3], [4, 5], [6, 7]],
                 "data": [[0, 2, 4, 6], [1, 3, 5, 7]],
                 "pipeline": [[r] for r in range(8)],
+                "context": [[r] for r in range(8)],
             },
         ),
         (
             4,
             dict(pipeline=4),
-            {"tensor": [[0], [1], [2], [3]], "data": [[0], [1], [2], [3]], "pipeline": [[0, 1, 2, 3]]},
+            {
+                "tensor": [[0], [1], [2], [3]],
+                "data": [[0], [1], [2], [3]],
+                "pipeline": [[0, 1, 2, 3]],
+                "context": [[0], [1], [2], [3]],
+            },
         ),
         (
             6,
@@ -43,13 +60,21 @@ from course_lib.parallel.three_d import train_3d
                 "tensor": [[r] for r in range(6)],
                 "data": [[0, 1, 2], [3, 4, 5]],
                 "pipeline": [[0, 3], [1, 4], [2, 5]],
+                "context": [[r] for r in range(6)],
             },
         ),
-        (1, {}, {"tensor": [[0]], "data": [[0]], "pipeline": [[0]]}),
+        (1, {}, {"tensor": [[0]], "data": [[0]], "pipeline": [[0]], "context": [[0]]}),
     ],
 )
 def test_grid_groups_are_the_documented_ones(world, degrees, expected):
     assert mesh.grid_groups(world, **degrees) == expected
+
+
+def test_a_four_dimensional_layout_printout():
+    shown = mesh.describe_grid(16, data=2, pipeline=2, context=2, tensor=2)
+    assert shown.splitlines()[0] == "16 ranks = data 2 x pipeline 2 x context 2 x tensor 2"
+    assert "  13         1     1        0       1" in shown  # ((1·2 + 1)·2 + 0)·2 + 1
+    assert "context groups:  [0, 2] [1, 3]" in shown
 
 
 def test_degrees_must_multiply_to_the_world_size():
@@ -68,19 +93,20 @@ def test_the_layout_printout():
 
 def _mesh_in_processes(degrees: dict):
     grid = mesh.Mesh(**degrees)
-    return grid.coordinates, {axis: grid.ranks(axis) for axis in mesh.AXES}
+    return grid.coordinates, {axis: grid.ranks(axis) for axis in (*mesh.AXES, "expert")}
 
 
 @pytest.mark.parametrize(
-    "degrees", [dict(data=2, tensor=2), dict(pipeline=2, tensor=2), dict(data=2, pipeline=2)]
+    "degrees",
+    [dict(data=2, tensor=2), dict(pipeline=2, tensor=2), dict(data=2, pipeline=2), dict(context=2, tensor=2)],
 )
 def test_the_process_groups_are_those_of_the_grid(degrees):
     expected = mesh.grid_groups(4, **degrees)
-    full = {"data": 1, "pipeline": 1, "tensor": 1} | degrees
     for rank, (coordinates, ranks) in enumerate(launch(_mesh_in_processes, 4, degrees)):
-        assert mesh.rank_at(coordinates.pipeline, coordinates.data, coordinates.tensor, full) == rank
+        assert mesh.rank_at(degrees, **vars(coordinates)) == rank
         for axis in mesh.AXES:
             assert ranks[axis] in expected[axis] and rank in ranks[axis]
+        assert ranks["expert"] == ranks["data"]  # experts spread over the data replicas
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +134,35 @@ def test_other_grids_and_schedules_match_one_process(single_losses):
         schedule="gpipe",
     )[0]  # pipeline x tensor, 4 micro-batches
     assert losses == pytest.approx(single_losses, rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def short_single_losses():
+    return launch(train_3d, 1, data_degree=1, pipeline=1, tensor=1, steps=6)[0]
+
+
+@pytest.mark.slow
+def test_a_4d_run_data_context_tensor_on_8_processes_matches_one_process(short_single_losses):
+    losses = launch(train_3d, 8, data_degree=2, pipeline=1, context=2, tensor=2, steps=6, timeout_s=600)[0]
+    assert losses == pytest.approx(short_single_losses, rel=1e-5)
+
+
+def test_context_with_pipeline_stages_matches_one_process(short_single_losses):
+    losses = launch(train_3d, 4, data_degree=1, pipeline=2, context=2, tensor=1, steps=6)[0]
+    assert losses == pytest.approx(short_single_losses, rel=1e-5)
+
+
+def _refused_context():
+    try:
+        train_3d(data_degree=1, pipeline=1, tensor=1, context=2, seq_len=3)
+    except UserError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_sequence_too_short_for_the_context_degree_is_refused_on_every_rank():
+    for error in launch(_refused_context, 2, timeout_s=60):
+        assert "a sequence of 3 tokens does not split over context-parallel degree 2" in error
 
 
 def _refused(*arguments):

@@ -215,7 +215,7 @@ class saved_tensor_bytes:
     def __enter__(self) -> saved_tensor_bytes:
         import torch
 
-        self.bytes, self._seen = 0, set(self._ignored)
+        self.bytes, self._seen, self._held = 0, set(self._ignored), []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
         self._hooks.__enter__()
         return self
@@ -225,7 +225,9 @@ class saved_tensor_bytes:
         if storage.data_ptr() not in self._seen:
             self._seen.add(storage.data_ptr())
             self.bytes += storage.nbytes()
+            self._held.append(tensor)  # so that its memory is not freed and reused by a later tensor
         return tensor
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
+        self._held.clear()

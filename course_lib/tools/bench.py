@@ -1,4 +1,4 @@
-"""Benchmarks: ``python -m course_lib.tools.bench ddp|fsdp|memory|pipeline|tp|allreduce`` prints JSON.
+"""Benchmarks: ``python -m course_lib.tools.bench NAME`` prints JSON (see ``--help`` for the names).
 
 How to compare two implementations honestly on a noisy machine: run them in the *same*
 processes, on the same model and data, interleaved step by step (their order rotating every
@@ -25,6 +25,8 @@ activations against theory, and ``torch.distributed.pipelining`` on the same spl
 the compute-bound rows (GPipe and 1F1B, equal stages of wide MLP blocks whose compute per
 micro-batch dwarfs its message): there the measured bubble meets (p - 1) / (m + p - 1); they run
 only where each stage has a core of its own.
+
+``sp``, ``cp``, ``ep``: sequence, context and expert parallelism (``bench_sequence``).
 
 ``tp``: the course's tensor-parallel MLP and attention against DTensor's ``parallelize_module``
 (ColwiseParallel / RowwiseParallel), and the bytes moved per forward+backward against theory:
@@ -57,6 +59,7 @@ from torch import nn
 from .. import checks, comm, memory, runtime
 from ..errors import EXIT_USER_ERROR, UserError
 from ..launch import launch, max_processes
+from .timing import interleaved_medians
 
 MLP_WIDTH = 1024
 """Width of the MLP the ddp, fsdp and memory benchmarks train (layers of width x width)."""
@@ -105,33 +108,6 @@ def _training_step(model: nn.Module, inputs, targets) -> Callable[[], None]:
     return step
 
 
-def _interleaved_medians(
-    steps_by_name: dict[str, Callable[[], object]],
-    steps: int,
-    warmup: int,
-    after_each_round: Callable[[], None] | None = None,
-) -> dict[str, float]:
-    """Median milliseconds of each step function, the variants run in rotating order round by round.
-
-    Rotating makes slow drifts of the machine (clock, caches, the other processes on the cores)
-    hit every variant alike, so their ratio is fair. Every rank starts each step together (a
-    barrier), so one rank's lateness is not counted as another's communication.
-    """
-    times = {name: [] for name in steps_by_name}
-    names = list(steps_by_name)
-    for round_index in range(warmup + steps):
-        shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
-            comm.barrier()
-            started = time.perf_counter()
-            steps_by_name[name]()
-            if round_index >= warmup:
-                times[name].append(time.perf_counter() - started)
-        if round_index >= warmup and after_each_round is not None:
-            after_each_round()
-    return {name: 1000 * statistics.median(values) for name, values in times.items()}
-
-
 def _rank_batch(batch: int, width: int):
     generator = torch.Generator().manual_seed(runtime.rank())
     return torch.randn(batch, width, generator=generator), torch.randn(batch, width, generator=generator)
@@ -169,7 +145,7 @@ def ddp_benchmark(
         else:
             wrapped = DataParallel(replica, bucket_mb=bucket_mb, sync=name)
         variants[name] = _training_step(wrapped, inputs, targets)
-    median_ms = _interleaved_medians(variants, steps, warmup)
+    median_ms = interleaved_medians(variants, steps, warmup)
 
     with comm.CommLog() as log:
         variants["overlapped"]()
@@ -235,7 +211,7 @@ def fsdp_benchmark(*, width: int, layers: int, batch: int, steps: int, warmup: i
                 model, auto_wrap_policy=units, sharding_strategy=name, **strategies[name]
             )
         variants[name] = _training_step(wrapped, inputs, targets)
-    median_ms = _interleaved_medians(variants, steps, warmup)
+    median_ms = interleaved_medians(variants, steps, warmup)
 
     with comm.CommLog() as log:
         variants["FULL_SHARD"]()
@@ -410,7 +386,7 @@ def pipeline_benchmark(*, d_model: int, seq: int, batch: int, steps: int, warmup
                 comm.barrier()
 
             bubbles = []
-            median_ms = _interleaved_medians(
+            median_ms = interleaved_medians(
                 {"course": course_step, "torch": torch_step},
                 steps,
                 warmup,
@@ -537,7 +513,7 @@ def pipeline_bubble_benchmark(
                     spans = [end - start for done, *_, start, end in executor.stats.events if done == kind]
                     times.append(1000 * statistics.mean(spans))
 
-            median_ms = _interleaved_medians({"step": step}, steps, warmup, after_each_round=record)["step"]
+            median_ms = interleaved_medians({"step": step}, steps, warmup, after_each_round=record)["step"]
             stages[rank].zero_grad(set_to_none=True)
             gathered = [None] * p
             torch.distributed.all_gather_object(
@@ -612,7 +588,7 @@ def tp_benchmark(*, d_model: int, seq: int, batch: int, steps: int, warmup: int)
     activation_bytes = 4 * batch * seq * d_model
     for name in ("mlp", "attention"):
         theirs = parallelize_module(copy.deepcopy(dense[name]), mesh, plans[name])
-        median_ms = _interleaved_medians(
+        median_ms = interleaved_medians(
             {
                 "course": lambda block=course[name]: block(inputs).sum().backward(),
                 "torch": lambda block=theirs: block(inputs).sum().backward(),
@@ -798,6 +774,15 @@ def main(argv: list[str] | None = None) -> int:
     tensor = sub.add_parser(
         "tp", help="course tensor parallelism against DTensor parallelize_module", formatter_class=formatter
     )
+    sequence = sub.add_parser(
+        "sp", help="course sequence parallelism against DTensor's SequenceParallel", formatter_class=formatter
+    )
+    context = sub.add_parser(
+        "cp", help="ring attention: contiguous against zig-zag, bytes and memory", formatter_class=formatter
+    )
+    experts = sub.add_parser(
+        "ep", help="a mixture-of-experts layer spread over the ranks (all-to-all)", formatter_class=formatter
+    )
     reduce = sub.add_parser(
         "allreduce",
         help="all-reduce time, algorithm and bus bandwidth per message size, and the alpha-beta fit",
@@ -855,6 +840,26 @@ def main(argv: list[str] | None = None) -> int:
         help="pipeline sizes (one run each)",
     )
     tensor.add_argument("--world-size", type=processes, default=2, help="the tensor-parallel degree")
+    sequence.add_argument("--world-size", type=processes, default=2, help="the tensor/sequence degree")
+    sequence.add_argument("--d-model", type=positive, default=128)
+    sequence.add_argument("--heads", type=positive, default=8)
+    sequence.add_argument("--seq", type=positive, default=256)
+    sequence.add_argument("--batch", type=positive, default=8)
+    context.add_argument("--world-size", type=processes, default=4, help="the context-parallel degree")
+    context.add_argument("--seq", type=positive, default=2048, help="tokens of the whole sequence")
+    context.add_argument("--heads", type=positive, default=4)
+    context.add_argument("--head-dim", type=positive, default=32)
+    context.add_argument("--batch", type=positive, default=1)
+    experts.add_argument("--world-size", type=processes, default=2, help="the expert-parallel degree")
+    experts.add_argument("--d-model", type=positive, default=128)
+    experts.add_argument("--hidden", type=positive, default=256, help="each expert's hidden width")
+    experts.add_argument("--experts", type=positive, default=8)
+    experts.add_argument("--tokens", type=positive, default=2048, help="tokens per rank per step")
+    experts.add_argument("--top-k", type=positive, default=2)
+    experts.add_argument("--capacity-factor", type=checks.number_above(0), default=1.25)
+    for command in (sequence, context, experts):
+        command.add_argument("--steps", type=positive, default=10, help="timed steps per variant")
+        command.add_argument("--warmup", type=checks.int_at_least(0), default=2)
     for command in (ddp, fsdp, mem):
         command.add_argument("--width", type=positive, default=MLP_WIDTH)
         command.add_argument("--layers", type=positive, default=MLP_LAYERS)
@@ -881,6 +886,25 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"argument --d-model: must be a multiple of {heads} (the attention's {TP_HEADS_PER_RANK} heads "
             f"per rank x --world-size {args.world_size}), got {args.d_model}"
+        )
+    if args.benchmark == "sp":
+        for flag, value in (("--seq", args.seq), ("--heads", args.heads), ("--d-model", args.d_model)):
+            if value % args.world_size:
+                parser.error(
+                    f"argument {flag}: must be a multiple of --world-size {args.world_size}, got {value}"
+                )
+        if args.d_model % args.heads:
+            parser.error(
+                f"argument --d-model: must be a multiple of --heads {args.heads}, got {args.d_model}"
+            )
+    if args.benchmark == "cp" and args.seq < 2 * args.world_size:
+        parser.error(
+            f"argument --seq: must be at least 2 x --world-size ({2 * args.world_size}), got {args.seq}"
+        )
+    if args.benchmark == "ep" and (args.experts % args.world_size or args.top_k > args.experts):
+        parser.error(
+            f"argument --experts: must be a multiple of --world-size {args.world_size} and at least --top-k "
+            f"{args.top_k}, got {args.experts}"
         )
     try:
         return _run_benchmark(args)
@@ -931,6 +955,18 @@ def _run_benchmark(args: argparse.Namespace) -> int:
         }
     elif args.benchmark == "tp":
         result = on(args.world_size, tp_benchmark, given(*transformer, *timing))
+    elif args.benchmark in ("sp", "cp", "ep"):
+        from . import bench_sequence
+
+        benchmark, flags = {
+            "sp": (bench_sequence.sp_benchmark, ("d_model", "heads", "seq", "batch")),
+            "cp": (bench_sequence.cp_benchmark, ("seq", "heads", "head_dim", "batch")),
+            "ep": (
+                bench_sequence.ep_benchmark,
+                ("d_model", "hidden", "experts", "tokens", "top_k", "capacity_factor"),
+            ),
+        }[args.benchmark]
+        result = on(args.world_size, benchmark, given(*flags, *timing))
     elif args.benchmark == "memory":
         rows = [row for world in args.world_sizes for row in on(world, memory_benchmark, given(*mlp))]
         result = {

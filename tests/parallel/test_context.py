@@ -201,3 +201,18 @@ def test_conversion_keeps_the_dense_weights():
     before, after = launch(_state_dict_keys_before_and_after, 2)[0]
     assert after.keys() == before.keys()
     assert all(torch.equal(after[key], before[key]) for key in before)
+
+
+def test_cp_benchmark_prints_the_promised_json():
+    from conftest import run_bench
+
+    result = run_bench(
+        "cp", "--world-size", "2", "--seq", "40", "--heads", "2", "--head-dim", "8", "--steps", "2"
+    )
+    for layout in ("contiguous", "zigzag"):
+        row = result[layout]
+        assert row["bytes_per_rank_measured"] == row["bytes_per_rank_theory"]
+        assert row["attention_bytes_per_rank"] == row["attention_bytes_theory"]
+        assert len(row["compute_ms_per_rank"]) == 2 and row["step_ms"] > 0
+    assert result["contiguous"]["work_max_over_mean"] > result["zigzag"]["work_max_over_mean"] == 1.0
+    assert "no CPU kernel" in result["native_twin"]

@@ -176,3 +176,24 @@ def test_bad_arguments_are_refused_on_every_rank_before_any_message():
         assert "3 experts do not divide over expert-parallel degree 2" in errors["experts"]
         assert "capacity_factor" in errors["capacity"]
         assert "top_k" in errors["top_k"]
+
+
+def test_ep_benchmark_prints_the_promised_json():
+    from conftest import run_bench
+
+    result = run_bench(
+        "ep", "--tokens", "48", "--d-model", "8", "--hidden", "8", "--experts", "4", "--steps", "2"
+    )
+    assert {"expert_parallel_step_ms", "one_process_step_ms", "ratio", "dropped_tokens_rank0"} <= set(result)
+    assert result["all_to_all_bytes_rank0_measured"] == result["all_to_all_bytes_rank0_theory"]
+    assert sum(result["assignments_per_expert_rank0"]) == 48 * 2  # top-2 by default
+    assert result["expert_parameters_per_rank"] * 2 == result["expert_parameters_one_process"]
+
+
+def test_the_benchmarks_refuse_sizes_that_do_not_split():
+    from conftest import run_tool
+
+    refused = run_tool("bench", "ep", "--experts", "3")
+    assert refused.returncode == 2 and "must be a multiple of --world-size 2" in refused.stderr
+    refused = run_tool("bench", "cp", "--seq", "5")
+    assert refused.returncode == 2 and "--seq: must be at least 2 x --world-size (8)" in refused.stderr

@@ -184,3 +184,14 @@ def _odd_sequence():
 def test_a_sequence_that_does_not_split_is_refused_on_every_rank():
     for message in launch(_odd_sequence, 2):
         assert "a sequence of 11 tokens does not split over tensor/sequence-parallel degree 2" in message
+
+
+def test_sp_benchmark_prints_the_promised_json():
+    from conftest import run_bench
+
+    result = run_bench("sp", "--d-model", "32", "--heads", "4", "--seq", "16", "--batch", "2", "--steps", "2")
+    assert {"course_step_ms", "torch_step_ms", "ratio", "tensor_parallel_step_ms"} <= set(result)
+    assert result["bytes_per_rank_measured"] == result["bytes_per_rank_tensor_parallel"]
+    assert result["bytes_per_rank_measured"] == result["bytes_per_rank_theory"]
+    assert result["norm_activation_bytes_measured"] == result["norm_activation_bytes_theory"]
+    assert result["norm_activation_bytes_one_process"] == 2 * result["norm_activation_bytes_measured"]

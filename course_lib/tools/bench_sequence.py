@@ -1,0 +1,325 @@
+"""Benchmarks of sequence, context and expert parallelism: ``bench sp``, ``bench cp``, ``bench ep``.
+
+Each runs on local processes, interleaves the variants it times (``timing.interleaved_medians``),
+and reports the bytes moved and the activation memory it measured beside the theory's numbers.
+
+``sp``: one transformer block, the course's sequence parallelism against DTensor's
+``SequenceParallel`` plan (ratio of step times, same run), the course's plain tensor parallelism
+beside them; the bytes each rank sent against tensor parallelism's and against theory
+(8 x (T-1)/T x the activation, forward and backward); the norms' saved activations against
+1/T of one process's.
+
+``cp``: ring attention forward and backward on a long sequence, contiguous and zig-zag layouts:
+step times (the ring waits for its slowest rank); each rank's own compute time (its blocks
+alone, no messages) against the work ``attention_work`` counts, so the balance is measured, not
+assumed; the bytes each rank sent against theory; the attention's saved activations per rank
+against 1/C of one process's. PyTorch's ``context_parallel`` has no CPU kernel, so the
+single-process ``scaled_dot_product_attention`` is the reference time.
+
+``ep``: a mixture-of-experts layer with its experts spread over the ranks, against the same layer
+on one process holding every expert (each rank running the layer on its own tokens); the
+all-to-all bytes against the routing; dropped tokens, the load per expert and the balancing loss.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from .. import comm, models, runtime
+from ..memory import saved_tensor_bytes
+from ..parallel import context as cp
+from ..parallel import expert as ep
+from ..parallel import sequence as sp
+from ..parallel import tensor as tp
+from .timing import interleaved_medians
+
+
+def _forward_backward(module, inputs):
+    def step():
+        module(inputs.detach().requires_grad_()).sum().backward()
+
+    return step
+
+
+def sp_benchmark(*, d_model: int, heads: int, seq: int, batch: int, steps: int, warmup: int) -> dict | None:
+    """One block: the course's sequence parallelism, DTensor's, and plain tensor parallelism.
+
+    Args:
+        d_model: the block's width.
+        heads: attention heads (a multiple of the ranks).
+        seq: tokens per sequence (a multiple of the ranks).
+        batch: sequences per step.
+        steps: timed steps; the median is reported.
+        warmup: untimed steps first.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    degree, rank = runtime.world_size(), runtime.rank()
+    sp.check_sequence_split(seq, degree)
+    torch.manual_seed(0)
+    dense = models.Block(d_model, heads)
+    gather = dict(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    plan = {
+        "norm1": SequenceParallel(),
+        "attention": PrepareModuleInput(**gather),
+        **{f"attention.{name}": ColwiseParallel() for name in ("q", "k", "v")},
+        "attention.out": RowwiseParallel(output_layouts=Shard(1)),
+        "norm2": SequenceParallel(),
+        "mlp": PrepareModuleInput(**gather),
+        "mlp.fc1": ColwiseParallel(),
+        "mlp.fc2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    theirs = parallelize_module(copy.deepcopy(dense), init_device_mesh("cpu", (degree,)), plan)
+    ours = sp.sequence_parallel_block(copy.deepcopy(dense))
+    tensor_only = tp.parallelize_transformer(copy.deepcopy(dense))
+    whole = torch.randn(batch, seq, d_model, generator=torch.Generator().manual_seed(1))
+    mine = whole.chunk(degree, dim=1)[rank].contiguous()
+
+    def dtensor_step():
+        out = theirs(mine.detach().requires_grad_())
+        (out.to_local() if hasattr(out, "to_local") else out).sum().backward()
+
+    median_ms = interleaved_medians(
+        {
+            "course_sp": _forward_backward(ours, mine),
+            "torch_sp": dtensor_step,
+            "course_tp": _forward_backward(tensor_only, whole),
+        },
+        steps,
+        warmup,
+    )
+    traffic = {}
+    for name, block, block_input in (("sp", ours, mine), ("tp", tensor_only, whole)):
+        with comm.CommLog() as log:
+            _forward_backward(block, block_input)()
+        traffic[name] = log.bytes_per_rank()
+    norm_bytes = {}
+    for name, block_input in (("sp", mine), ("one_process", whole)):
+        with saved_tensor_bytes(ignore=ours.parameters()) as saved:
+            ours.norm1(block_input.clone().requires_grad_())  # two activations, as in a block
+            ours.norm2(block_input.clone().requires_grad_())
+        norm_bytes[name] = saved.bytes
+    activation_bytes = 4 * batch * seq * d_model
+    result = {
+        "benchmark": "sp",
+        "tensor_degree": degree,
+        "threads_per_rank": torch.get_num_threads(),
+        "activation_shape": [batch, seq, d_model],
+        "course_step_ms": median_ms["course_sp"],
+        "torch_step_ms": median_ms["torch_sp"],
+        "ratio": median_ms["course_sp"] / median_ms["torch_sp"],
+        "tensor_parallel_step_ms": median_ms["course_tp"],
+        "bytes_per_rank_measured": traffic["sp"],
+        "bytes_per_rank_tensor_parallel": traffic["tp"],
+        "bytes_per_rank_theory": 8 * comm.ring_bytes("all_gather", activation_bytes, degree),
+        "norm_activation_bytes_measured": norm_bytes["sp"],
+        "norm_activation_bytes_one_process": norm_bytes["one_process"],
+        "norm_activation_bytes_theory": 2 * 4 * batch * (seq // degree) * (d_model + 2),
+    }
+    return result if rank == 0 else None
+
+
+def _median_ms(function, steps: int, warmup: int) -> float:
+    times = []
+    for index in range(warmup + steps):
+        started = time.perf_counter()
+        function()
+        if index >= warmup:
+            times.append(time.perf_counter() - started)
+    return 1000 * statistics.median(times)
+
+
+def _own_blocks(layout: cp.SequenceLayout, rank: int, shape: tuple[int, int, int], generator) -> callable:
+    """This rank's attention blocks, forward and backward, with no messages: its compute alone."""
+    batch, heads, head_dim = shape
+    q = torch.randn(batch, heads, layout.tokens(rank), head_dim, generator=generator)
+    blocks = [pair for step in cp.ring_schedule(layout) for pair in step[rank]["blocks"]]
+    keys = {
+        owner: torch.randn(2, batch, heads, layout.tokens(owner), head_dim, generator=generator)
+        for owner in range(layout.degree)
+    }
+    offsets = {}
+    for owner in range(layout.degree):
+        offset = 0
+        for segment in layout.segments(owner):
+            offsets[segment] = (owner, offset)
+            offset += segment.length
+    q_offsets, offset = {}, 0
+    for segment in layout.segments(rank):
+        q_offsets[segment] = offset
+        offset += segment.length
+
+    def compute():
+        for query, key in blocks:
+            owner, start = offsets[key]
+            k, v = (t.narrow(-2, start, key.length).requires_grad_() for t in keys[owner])
+            q_part = q.narrow(-2, q_offsets[query], query.length).requires_grad_()
+            scores = q_part @ k.transpose(-1, -2)
+            (scores.softmax(-1) @ v).sum().backward()
+
+    return compute
+
+
+def cp_benchmark(*, seq: int, heads: int, head_dim: int, batch: int, steps: int, warmup: int) -> dict | None:
+    """Ring attention, contiguous and zig-zag: step time, each rank's compute, bytes and memory.
+
+    Args:
+        seq: the whole sequence's tokens.
+        heads: attention heads.
+        head_dim: features per head.
+        batch: sequences per step.
+        steps: timed steps; the median is reported.
+        warmup: untimed steps first.
+    """
+    degree, rank = runtime.world_size(), runtime.rank()
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(batch, heads, seq, head_dim, generator=generator) for _ in range(3))
+    result = {
+        "benchmark": "cp",
+        "context_degree": degree,
+        "threads_per_rank": torch.get_num_threads(),
+        "shape": {"batch": batch, "heads": heads, "seq": seq, "head_dim": head_dim},
+    }
+    with saved_tensor_bytes() as saved:
+        whole = [t.clone().requires_grad_() for t in (q, k, v)]
+        torch.nn.functional.scaled_dot_product_attention(*whole, is_causal=True)
+    result["one_process_attention_bytes"] = saved.bytes
+    for zigzag in (False, True):
+        layout = cp.SequenceLayout(seq, degree, zigzag=zigzag)
+        mine = [layout.local(t, rank, dim=2).clone() for t in (q, k, v)]
+
+        def ring_step(layout=layout, mine=mine):
+            parts = [t.detach().requires_grad_() for t in mine]
+            cp.ring_attention(*parts, layout=layout).sum().backward()
+
+        step_ms = interleaved_medians({"ring": ring_step}, steps, warmup)["ring"]
+        own_blocks = _own_blocks(layout, rank, (batch, heads, head_dim), generator)
+        own_ms = None
+        for turn in range(degree):  # one rank at a time, so that none competes for the cores
+            comm.barrier()
+            if turn == rank:
+                own_ms = _median_ms(own_blocks, steps, warmup)
+        comm.barrier()
+        with comm.CommLog() as log, saved_tensor_bytes() as saved:
+            parts = [t.detach().requires_grad_() for t in mine]
+            out = cp.ring_attention(*parts, layout=layout)
+        with comm.CommLog() as backward_log:
+            out.sum().backward()
+        per_rank = [None] * degree
+        dist.all_gather_object(
+            per_rank,
+            {
+                "compute_ms": own_ms,
+                "bytes": log.bytes_per_rank("send") + backward_log.bytes_per_rank("send"),
+                "attention_bytes": saved.bytes,
+            },
+        )
+        work = cp.attention_work(layout)
+        kv_bytes = 2 * batch * heads * head_dim * 4
+        passed = [[layout.tokens((r - s) % degree) for s in range(degree)] for r in range(degree)]
+        compute = [row["compute_ms"] for row in per_rank]
+        result["zigzag" if zigzag else "contiguous"] = {
+            "step_ms": step_ms,
+            "work_per_rank": work,
+            "work_max_over_mean": max(work) / statistics.mean(work),
+            "compute_ms_per_rank": compute,
+            "compute_max_over_mean": max(compute) / statistics.mean(compute),
+            "bytes_per_rank_measured": [row["bytes"] for row in per_rank],
+            "bytes_per_rank_theory": [
+                kv_bytes * (2 * sum(p[:-1]) + sum(p)) if degree > 1 else 0 for p in passed
+            ],
+            "attention_bytes_per_rank": [row["attention_bytes"] for row in per_rank],
+            "attention_bytes_theory": [
+                4 * batch * heads * layout.tokens(r) * (4 * head_dim + 1) for r in range(degree)
+            ],
+        }
+    reference = [t.clone().requires_grad_() for t in (q, k, v)]
+
+    def one_process():
+        parts = [t.detach().requires_grad_() for t in reference]
+        torch.nn.functional.scaled_dot_product_attention(*parts, is_causal=True).sum().backward()
+
+    result["one_process_sdpa_ms"] = _median_ms(one_process, steps, warmup)
+    result["native_twin"] = (
+        "torch.distributed.tensor.experimental.context_parallel has no CPU kernel "
+        "(aten._scaled_dot_product_flash_attention_for_cpu has no sharding strategy)"
+    )
+    return result if rank == 0 else None
+
+
+def ep_benchmark(
+    *,
+    d_model: int,
+    hidden: int,
+    experts: int,
+    tokens: int,
+    top_k: int,
+    capacity_factor: float,
+    steps: int,
+    warmup: int,
+) -> dict | None:
+    """A mixture-of-experts layer spread over the ranks, against one process holding every expert.
+
+    Args:
+        d_model: the tokens' width.
+        hidden: each expert's hidden width.
+        experts: E, a multiple of the ranks.
+        tokens: tokens per rank per step.
+        top_k: experts per token.
+        capacity_factor: an expert's room, as a multiple of its fair share.
+        steps: timed steps; the median is reported.
+        warmup: untimed steps first.
+    """
+    degree, rank = runtime.world_size(), runtime.rank()
+    torch.manual_seed(0)
+    full = ep.MoE(d_model, hidden, num_experts=experts, top_k=top_k, capacity_factor=capacity_factor)
+    parallel = ep.expert_parallel(copy.deepcopy(full))
+    x = torch.randn(1, tokens, d_model, generator=torch.Generator().manual_seed(10 + rank))
+    median_ms = interleaved_medians(
+        {"expert_parallel": _forward_backward(parallel, x), "one_process": _forward_backward(full, x)},
+        steps,
+        warmup,
+    )
+    with comm.CommLog() as log:
+        _forward_backward(parallel, x)()
+    routing = parallel.last_routing[0]
+    owners = routing.expert[routing.kept] // (experts // degree)
+    everyone = [None] * degree
+    dist.all_gather_object(everyone, owners.tolist())
+    mine_away = sum(1 for owner in everyone[rank] if owner != rank)
+    theirs_here = sum(1 for r in range(degree) if r != rank for owner in everyone[r] if owner == rank)
+    theory = 2 * (mine_away + theirs_here) * d_model * 4 + (experts - experts // degree) * 8
+    result = {
+        "benchmark": "ep",
+        "expert_degree": degree,
+        "threads_per_rank": torch.get_num_threads(),
+        "experts": experts,
+        "top_k": top_k,
+        "capacity_factor": capacity_factor,
+        "capacity": routing.capacity,
+        "tokens_per_rank": tokens,
+        "expert_parallel_step_ms": median_ms["expert_parallel"],
+        "one_process_step_ms": median_ms["one_process"],
+        "ratio": median_ms["expert_parallel"] / median_ms["one_process"],
+        "all_to_all_bytes_rank0_measured": log.bytes_per_rank("all_to_all"),
+        "all_to_all_bytes_rank0_theory": float(theory),
+        "dropped_tokens_rank0": routing.dropped,
+        "assignments_per_expert_rank0": routing.tokens_per_expert.tolist(),
+        "aux_loss_rank0": float(routing.aux_loss.detach()),
+        "expert_parameters_per_rank": sum(p.numel() for p in parallel.experts.parameters()),
+        "expert_parameters_one_process": sum(p.numel() for p in full.experts.parameters()),
+    }
+    return result if rank == 0 else None

@@ -124,7 +124,7 @@ def _mistakes() -> dict[str, str]:
         "both": dict(group=grid.group("data"), mesh=square),
         "no shard on a group": dict(group=grid.group("data"), sharding_strategy="NO_SHARD"),
         "full shard on a 2-D mesh": dict(mesh=square, sharding_strategy="FULL_SHARD"),
-        "3-D mesh": dict(mesh=grid.device_mesh),
+        "the whole grid": dict(mesh=grid.device_mesh),
         "not a mesh": dict(mesh="data"),
     }
     for name, options in cases.items():
@@ -141,5 +141,5 @@ def test_a_wrong_group_or_mesh_is_refused_with_the_fix():
         assert found["both"].startswith("pass either group or mesh")
         assert "needs a 2-D mesh" in found["no shard on a group"]
         assert "a 2-D mesh means HYBRID_SHARD" in found["full shard on a 2-D mesh"]
-        assert "takes a 1-D or 2-D mesh, got 3 dimensions" in found["3-D mesh"]
+        assert "takes a 1-D or 2-D mesh, got 4 dimensions" in found["the whole grid"]  # pipeline, data, context, tensor
         assert found["not a mesh"] == "mesh must be a torch.distributed.device_mesh.DeviceMesh, got str"

@@ -227,3 +227,96 @@ def plot_allreduce(
     )
     figure.tight_layout()
     return save(figure, path)
+
+
+# -- sequence, context and expert parallelism -----------------------------------------------------
+
+
+def plot_ring_attention(schedules: dict[str, list[list[dict]]], seq_len: int, *, path=None) -> Figure:
+    """The attention matrix each rank computes, coloured by the ring step that computes each block.
+
+    One row of panels per layout (``context.ring_schedule``), one panel per rank: query positions
+    down, key positions across; a block is coloured by the step at which its keys reached the
+    rank, grey where the causal mask let it be skipped, white where it belongs to another rank.
+
+    Args:
+        schedules: a title (e.g. "contiguous") -> ``ring_schedule(layout)``.
+        seq_len: the sequence's length S (the matrices are S x S).
+        path: save the chart as a PNG here (None: only return it).
+    """
+    import numpy as np
+    from matplotlib import colormaps
+    from matplotlib.patches import Patch
+
+    rows, degree = len(schedules), len(next(iter(schedules.values()))[0])
+    figure = Figure(figsize=(2.3 * degree + 0.6, 2.8 * rows + 0.4))
+    panels = np.atleast_2d(figure.subplots(rows, degree, squeeze=False))
+    colours = colormaps["viridis"].resampled(degree)
+    for row, (title, schedule) in enumerate(schedules.items()):
+        for rank in range(degree):
+            picture = np.ones((seq_len, seq_len, 3))
+            work = 0
+            for step, entries in enumerate(schedule):
+                entry = entries[rank]
+                for query, key in entry["blocks"]:
+                    block = picture[query.start : query.end, key.start : key.end]
+                    block[:] = colours(step)[:3]
+                    work += query.length * key.length
+                    if key.start == query.start:  # the diagonal block: the mask hides its upper half
+                        hidden = np.triu(np.ones((query.length, key.length), dtype=bool), k=1)
+                        block[hidden] = 0.85
+                for query, key in entry["skipped"]:
+                    picture[query.start : query.end, key.start : key.end] = 0.85
+            axis = panels[row][rank]
+            axis.imshow(picture, interpolation="nearest")
+            axis.set_xticks([])
+            axis.set_yticks([])
+            axis.set_title(f"{title}: rank {rank}\n{work} scores computed", fontsize=8)
+    handles = [Patch(color=colours(step), label=f"step {step}") for step in range(degree)]
+    figure.legend(handles=handles, loc="lower center", ncol=degree, fontsize="small", frameon=False)
+    figure.tight_layout(rect=(0, 0.06, 1, 1))
+    return save(figure, path)
+
+
+def plot_activation_memory(rows: list[dict], *, path=None) -> Figure:
+    """Saved activation bytes per rank against sequence length, one line per degree.
+
+    Args:
+        rows: dicts with ``seq``, ``label`` (e.g. "cp 2") and ``bytes``.
+        path: save the chart as a PNG here (None: only return it).
+    """
+    figure = Figure(figsize=(6, 3.5))
+    axis = figure.subplots()
+    for label in dict.fromkeys(row["label"] for row in rows):
+        mine = [row for row in rows if row["label"] == label]
+        axis.plot([r["seq"] for r in mine], [r["bytes"] / 1e6 for r in mine], "o-", label=label)
+    axis.set_xlabel("sequence length (tokens)")
+    axis.set_ylabel("attention activations per rank (MB)")
+    axis.legend()
+    figure.tight_layout()
+    return save(figure, path)
+
+
+def plot_expert_load(assignments: dict[str, list[int]], capacity: int, *, path=None) -> Figure:
+    """Assignments per expert against the capacity: what is above the line is dropped.
+
+    Args:
+        assignments: a title -> the assignments each expert was chosen for (``Routing.tokens_per_expert``).
+        capacity: the most one expert takes (``expert_capacity``).
+        path: save the chart as a PNG here (None: only return it).
+    """
+    figure = Figure(figsize=(4 * len(assignments), 3.2))
+    panels = figure.subplots(1, len(assignments), squeeze=False)[0]
+    for axis, (title, counts) in zip(panels, assignments.items(), strict=True):
+        kept = [min(count, capacity) for count in counts]
+        dropped = [count - k for count, k in zip(counts, kept, strict=True)]
+        experts = range(len(counts))
+        axis.bar(experts, kept, label="processed")
+        axis.bar(experts, dropped, bottom=kept, color="C3", label="dropped")
+        axis.axhline(capacity, color="black", linestyle="--", linewidth=1, label=f"capacity {capacity}")
+        axis.set_xlabel("expert")
+        axis.set_ylabel("assignments")
+        axis.set_title(f"{title}: {sum(dropped)} dropped", fontsize=9)
+        axis.legend(fontsize="small")
+    figure.tight_layout()
+    return save(figure, path)

@@ -151,9 +151,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attention(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm transformer block: x + attention(norm(x)), then x + mlp(norm(x)).
 
-    def __init__(self, d_model: int, n_heads: int, mlp_ratio: int = 4):
+    Args:
+        d_model: the width of the tokens it reads and writes.
+        n_heads: attention heads (``d_model`` must be a multiple).
+        mlp_ratio: the MLP's hidden width, as a multiple of ``d_model``.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, *, mlp_ratio: int = 4):
         super().__init__()
         self.norm1, self.attention = nn.LayerNorm(d_model), SelfAttention(d_model, n_heads)
         self.norm2, self.mlp = nn.LayerNorm(d_model), MLP(d_model, mlp_ratio * d_model)

@@ -51,7 +51,7 @@ context parallelism (load-balanced chunks).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 import torch
 import torch.distributed as dist
@@ -111,6 +111,7 @@ class SequenceLayout:
 
     seq_len: int
     degree: int
+    _: KW_ONLY
     zigzag: bool = True
 
     def __post_init__(self):
@@ -178,6 +179,10 @@ def ring_schedule(layout: SequenceLayout, *, causal: bool = True) -> list[list[d
 
     Each entry holds ``"owner"`` (whose K/V chunk the rank holds at that step), ``"blocks"`` (the
     (query segment, key segment) pairs it computes) and ``"skipped"`` (the pairs the mask hides).
+
+    Args:
+        layout: who holds which positions.
+        causal: skip the blocks a causal mask hides entirely.
     """
     steps = []
     for step in range(layout.degree):
@@ -215,6 +220,7 @@ def _block_forward(q, k, v, query, key, causal, scale):
     return torch.exp(scores - lse.unsqueeze(-1)) @ v, lse
 
 
+# #region online-softmax
 def merge_partial_attention(out, lse, block_out, block_lse):
     """The online-softmax rule: two blocks' results as if one softmax had covered both."""
     if out is None:
@@ -224,6 +230,9 @@ def merge_partial_attention(out, lse, block_out, block_lse):
         torch.exp(lse - merged).unsqueeze(-1) * out + torch.exp(block_lse - merged).unsqueeze(-1) * block_out,
         merged,
     )
+
+
+# #endregion online-softmax
 
 
 def _block_backward(q, k, v, out_grad, lse, delta, query, key, causal, scale):

@@ -312,9 +312,18 @@ def moe_transformer(
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
+    """Every ``MoE`` layer inside ``model``, in order.
+
+    Args:
+        model: any module (``moe_transformer``'s, typically).
+    """
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
 def aux_loss(model: nn.Module) -> torch.Tensor:
-    """The mean load-balancing loss of every MoE layer's last forward."""
+    """The mean load-balancing loss of every MoE layer's last forward.
+
+    Args:
+        model: a module holding ``MoE`` layers, after a forward.
+    """
     return torch.stack([layer.aux_loss for layer in moe_layers(model)]).mean()

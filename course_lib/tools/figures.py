@@ -193,6 +193,31 @@ def mesh_layout():
     return figure
 
 
+def ring_attention():
+    """The blocks each of 4 ranks computes at each ring step, contiguous and zig-zag, causal."""
+    from ..parallel import context
+
+    schedules = {
+        name: context.ring_schedule(context.SequenceLayout(16, 4, zigzag=zigzag))
+        for name, zigzag in (("contiguous", False), ("zig-zag", True))
+    }
+    return plots.plot_ring_attention(schedules, 16)
+
+
+def expert_load():
+    """A skewed router's top-2 assignments per expert against the capacity (factor 1.0 and 2.0)."""
+    import torch
+
+    from ..parallel import expert
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 8, generator=generator) + torch.linspace(1.5, -1.5, 8)
+    routing = expert.route(logits, top_k=2, capacity_factor=1.0)
+    return plots.plot_expert_load(
+        {"64 tokens, top-2, 8 experts": routing.tokens_per_expert.tolist()}, routing.capacity
+    )
+
+
 def strong_scaling():
     """The strong-scaling plot of slides/recorded/scaling.csv, as ``study plot`` draws it."""
     rows = read_csv(RECORDED_SCALING)
@@ -210,6 +235,8 @@ FIGURES: dict[str, Callable] = {
     "pipeline_interleaved": _schedule("interleaved_1f1b", 2),
     "mesh_3d": mesh_layout,
     "strong_scaling": strong_scaling,
+    "ring_attention": ring_attention,
+    "expert_load": expert_load,
 }
 
 

@@ -34,6 +34,7 @@ LECTURES = [
     "tensor-pipeline-3d",
     "slurm",
     "lab",
+    "sequence-context-experts",
 ]
 
 

@@ -141,5 +141,6 @@ def test_a_wrong_group_or_mesh_is_refused_with_the_fix():
         assert found["both"].startswith("pass either group or mesh")
         assert "needs a 2-D mesh" in found["no shard on a group"]
         assert "a 2-D mesh means HYBRID_SHARD" in found["full shard on a 2-D mesh"]
-        assert "takes a 1-D or 2-D mesh, got 4 dimensions" in found["the whole grid"]  # pipeline, data, context, tensor
+        # the grid has four dimensions: pipeline, data, context, tensor
+        assert "takes a 1-D or 2-D mesh, got 4 dimensions" in found["the whole grid"]
         assert found["not a mesh"] == "mesh must be a torch.distributed.device_mesh.DeviceMesh, got str"

@@ -181,3 +181,16 @@ def pytest_collection_modifyitems(config, items):
             LONGEST_FIRST.index(item.path.name) if item.path.name in LONGEST_FIRST else len(LONGEST_FIRST)
         )
     )
+
+
+def user_errors(attempts: dict) -> dict[str, str]:
+    """Call each attempt; the message of the ``UserError`` each raised, by name (none: left out)."""
+    from course_lib.errors import UserError
+
+    errors = {}
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+        except UserError as error:
+            errors[name] = str(error)
+    return errors

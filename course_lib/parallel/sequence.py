@@ -63,7 +63,7 @@ def _reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
 
 # #region gather-and-reduce-scatter
 class _GatherSequence(torch.autograd.Function):
-    """Entering a tensor-parallel region: every rank needs every token."""
+    """Entering a TP region: every rank needs every token."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -71,12 +71,13 @@ class _GatherSequence(torch.autograd.Function):
         return _all_gather_sequence(x, group)
 
     @staticmethod
-    def backward(ctx, grad):  # each rank's gradient is a partial sum over its heads / hidden units
+    def backward(ctx, grad):
+        # partial sums (my heads' share): add them up, keep my tokens
         return _reduce_scatter_sequence(grad, ctx.group), None
 
 
 class _ReduceScatterSequence(torch.autograd.Function):
-    """Leaving it: add the ranks' partial sums, and keep only this rank's tokens."""
+    """Leaving it: add the partial sums, keep my tokens."""
 
     @staticmethod
     def forward(ctx, x, group):

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from course_lib import comm, data, models, runtime
-from course_lib.errors import UserError
 from course_lib.launch import launch
 from course_lib.memory import saved_tensor_bytes
 from course_lib.parallel import context as cp
@@ -144,22 +143,19 @@ def test_the_transformer_trains_with_context_parallelism_like_one_process():
 
 
 def _bad_inputs():
-    errors = {}
-    cases = {
-        "short": lambda: cp.SequenceLayout(5, 3, zigzag=True),
-        "group": lambda: cp.ring_attention(
-            *(torch.zeros(1, 1, 4, 2) for _ in range(3)), layout=cp.SequenceLayout(8, 4, zigzag=False)
-        ),
-        "shape": lambda: cp.ring_attention(
-            *(torch.zeros(1, 1, 3, 2) for _ in range(3)), layout=cp.SequenceLayout(8, 2, zigzag=False)
-        ),
-    }
-    for name, make in cases.items():
-        try:
-            make()
-        except UserError as error:
-            errors[name] = str(error)
-    return errors
+    from conftest import user_errors
+
+    return user_errors(
+        {
+            "short": lambda: cp.SequenceLayout(5, 3, zigzag=True),
+            "group": lambda: cp.ring_attention(
+                *(torch.zeros(1, 1, 4, 2) for _ in range(3)), layout=cp.SequenceLayout(8, 4, zigzag=False)
+            ),
+            "shape": lambda: cp.ring_attention(
+                *(torch.zeros(1, 1, 3, 2) for _ in range(3)), layout=cp.SequenceLayout(8, 2, zigzag=False)
+            ),
+        }
+    )
 
 
 def test_bad_inputs_are_refused_on_every_rank_before_any_message():

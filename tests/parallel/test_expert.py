@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from course_lib import comm, data, models, runtime
-from course_lib.errors import UserError
 from course_lib.launch import launch
 from course_lib.parallel import expert as ep
 
@@ -157,18 +156,15 @@ def test_a_transformer_with_moe_blocks_trains_on_several_ranks_like_one_process(
 
 
 def _bad_arguments():
-    errors = {}
-    cases = {
-        "experts": lambda: ep.expert_parallel(ep.MoE(4, 4, num_experts=3)),
-        "capacity": lambda: ep.MoE(4, 4, capacity_factor=0),
-        "top_k": lambda: ep.MoE(4, 4, num_experts=2, top_k=3),
-    }
-    for name, make in cases.items():
-        try:
-            make()
-        except UserError as error:
-            errors[name] = str(error)
-    return errors
+    from conftest import user_errors
+
+    return user_errors(
+        {
+            "experts": lambda: ep.expert_parallel(ep.MoE(4, 4, num_experts=3)),
+            "capacity": lambda: ep.MoE(4, 4, capacity_factor=0),
+            "top_k": lambda: ep.MoE(4, 4, num_experts=2, top_k=3),
+        }
+    )
 
 
 def test_bad_arguments_are_refused_on_every_rank_before_any_message():

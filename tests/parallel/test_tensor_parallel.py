@@ -165,16 +165,14 @@ def test_tp_benchmark_prints_the_promised_json():
 
 
 def _bad_degrees():
-    errors = {}
-    for name, make in {
-        "linear": lambda: tp.ColumnParallelLinear(10, 9),
-        "heads": lambda: tp.parallel_attention(models.SelfAttention(24, 3), 3),
-    }.items():
-        try:
-            make()
-        except UserError as error:
-            errors[name] = str(error)
-    return errors
+    from conftest import user_errors
+
+    return user_errors(
+        {
+            "linear": lambda: tp.ColumnParallelLinear(10, 9),
+            "heads": lambda: tp.parallel_attention(models.SelfAttention(24, 3), 3),
+        }
+    )
 
 
 def test_a_degree_that_does_not_divide_is_refused():

@@ -250,7 +250,7 @@ def _split(tensor: torch.Tensor, segments: list[Segment]) -> list[torch.Tensor]:
 class _Ring:
     """The ring's neighbours and the shapes of the chunks that travel on it."""
 
-    def __init__(self, layout: SequenceLayout, group, like: torch.Tensor):
+    def __init__(self, layout: SequenceLayout, group):
         self.layout, self.group = layout, group
         self.rank, self.size = runtime.rank(group=group), runtime.world_size(group=group)
 
@@ -259,7 +259,6 @@ class _Ring:
 
         self.next = global_rank((self.rank + 1) % self.size)
         self.previous = global_rank((self.rank - 1) % self.size)
-        self.like = like
 
     def owner_at(self, step: int) -> int:
         return (self.rank - step) % self.size
@@ -278,7 +277,7 @@ class _Ring:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, layout, causal, group):
-        ring = _Ring(layout, group, q)
+        ring = _Ring(layout, group)
         scale = q.shape[-1] ** -0.5
         queries = layout.segments(ring.rank)
         q_parts = _split(q, queries)
@@ -306,7 +305,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, out_grad):
         q, k, v, out, lse = ctx.saved_tensors
         layout, causal, group = ctx.layout, ctx.causal, ctx.group
-        ring = _Ring(layout, group, q)
+        ring = _Ring(layout, group)
         scale = q.shape[-1] ** -0.5
         queries = layout.segments(ring.rank)
         out_grad = out_grad.contiguous()

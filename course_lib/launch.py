@@ -93,6 +93,10 @@ def _child(
     exit_code = 0
     try:
         runtime.init(backend=backend, timeout_s=timeout_s, num_threads=1)
+        # Every rank connected before any starts: a function that makes no collective (one that
+        # only checks its arguments) would otherwise let a fast rank exit while a slow one is still
+        # connecting to it ("Connection closed by peer" in init).
+        runtime.barrier()
         result = fn(*args, **kwargs)
         try:
             _send(connection, ("ok", result))

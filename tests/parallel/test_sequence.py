@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from course_lib import comm, data, models, runtime
-from course_lib.errors import UserError
 from course_lib.launch import launch
 from course_lib.memory import saved_tensor_bytes
 from course_lib.parallel import sequence as sp
@@ -171,19 +170,25 @@ def test_one_block_equals_dtensor_sequence_parallel():
             torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=2e-5, msg=name)
 
 
-def _odd_sequence():
+def _refusals():
+    from conftest import user_errors
+
     model, inputs, _ = _transformer()
-    sp.parallelize_sequence(model)
-    try:
-        model(inputs[:2, : SEQ - 1])
-    except UserError as error:
-        return str(error)
-    return "ran"
+    return user_errors(
+        {
+            "sequence": lambda: sp.parallelize_sequence(model)(inputs[:2, : SEQ - 1]),
+            "heads": lambda: sp.sequence_parallel_block(models.Block(D_MODEL, 4)),
+        }
+    )
 
 
-def test_a_sequence_that_does_not_split_is_refused_on_every_rank():
-    for message in launch(_odd_sequence, 2):
-        assert "a sequence of 11 tokens does not split over tensor/sequence-parallel degree 2" in message
+def test_a_sequence_or_heads_that_do_not_split_are_refused_on_every_rank():
+    for errors in launch(_refusals, 3):
+        assert (
+            "a sequence of 11 tokens does not split over tensor/sequence-parallel degree 3"
+            in errors["sequence"]
+        )
+        assert "attention heads 4 does not divide by the tensor-parallel degree 3" in errors["heads"]
 
 
 def test_sp_benchmark_prints_the_promised_json():

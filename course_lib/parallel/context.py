@@ -174,6 +174,23 @@ def attention_work(layout: SequenceLayout, *, causal: bool = True) -> list[int]:
     return work
 
 
+def ring_bytes_per_rank(layout: SequenceLayout, rank: int, *, bytes_per_token: int) -> int:
+    """What rank ``rank`` sends in one ring attention, forward and backward (the theory).
+
+    Forward it passes on C-1 K/V chunks (all but the last it holds); backward the same C-1
+    chunks again, and C chunks of their gradients (the last pass takes them home).
+
+    Args:
+        layout: who holds which positions.
+        rank: the rank that sends.
+        bytes_per_token: K and V of one token (2 x batch x heads x head_dim x element size).
+    """
+    if layout.degree == 1:
+        return 0
+    held = [layout.tokens((rank - step) % layout.degree) for step in range(layout.degree)]
+    return bytes_per_token * (2 * sum(held[:-1]) + sum(held))
+
+
 def ring_schedule(layout: SequenceLayout, *, causal: bool = True) -> list[list[dict]]:
     """What happens at every step of the ring, for drawing it: ``steps[s][rank]``.
 
@@ -243,8 +260,8 @@ def _block_backward(q, k, v, out_grad, lse, delta, query, key, causal, scale):
     return score_grad @ k * scale, score_grad.transpose(-1, -2) @ q * scale, v_grad
 
 
-def _split(tensor: torch.Tensor, segments: list[Segment]) -> list[torch.Tensor]:
-    return list(tensor.split([s.length for s in segments], dim=-2))
+def _split(tensor: torch.Tensor, segments: list[Segment], *, dim: int = -2) -> list[torch.Tensor]:
+    return list(tensor.split([s.length for s in segments], dim=dim))
 
 
 class _Ring:
@@ -310,11 +327,9 @@ class _RingAttention(torch.autograd.Function):
         queries = layout.segments(ring.rank)
         out_grad = out_grad.contiguous()
         delta = (out_grad * out).sum(-1)
-        q_parts, g_parts, lse_parts, delta_parts = (
-            _split(t, queries) for t in (q, out_grad, lse.unsqueeze(-1), delta.unsqueeze(-1))
-        )
         q_grad = torch.zeros_like(q)
-        q_grad_parts = _split(q_grad, queries)
+        q_parts, g_parts, q_grad_parts = (_split(t, queries) for t in (q, out_grad, q_grad))
+        lse_parts, delta_parts = (_split(t, queries, dim=-1) for t in (lse, delta))
         key_values = torch.stack([k, v])
         kv_grad_handle = arriving_grad = None
         for step in range(ring.size):
@@ -322,14 +337,13 @@ class _RingAttention(torch.autograd.Function):
                 handle, incoming = ring.pass_on(key_values, step)
             keys = layout.segments(ring.owner_at(step))
             kv_grad = torch.zeros_like(key_values)  # the gradient of the chunk we hold, for its owner
-            for j, key in enumerate(keys):
-                k_part, v_part = (_split(t, keys)[j] for t in key_values)
-                k_grad_part, v_grad_part = (_split(t, keys)[j] for t in kv_grad)
+            pieces = (_split(t, keys) for t in (*key_values, *kv_grad))  # views: += lands in kv_grad
+            for k_part, v_part, k_grad_part, v_grad_part, key in zip(*pieces, keys, strict=True):
                 for i, query in enumerate(queries):
                     if block_is_needed(query, key, causal=causal):
                         dq, dk, dv = _block_backward(
-                            q_parts[i], k_part, v_part, g_parts[i], lse_parts[i].squeeze(-1),
-                            delta_parts[i].squeeze(-1), query, key, causal, scale,
+                            q_parts[i], k_part, v_part, g_parts[i], lse_parts[i], delta_parts[i],
+                            query, key, causal, scale,
                         )  # fmt: skip
                         q_grad_parts[i] += dq
                         k_grad_part += dk

@@ -109,6 +109,28 @@ def route(logits: torch.Tensor, *, top_k: int, capacity_factor: float) -> Routin
     return Routing(token, expert, gates.t().reshape(-1), kept, capacity, aux_loss, chosen)
 
 
+def all_to_all_bytes(kept_experts: list[torch.Tensor], rank: int, *, num_experts: int, row_bytes: int) -> int:
+    """What rank ``rank`` sends in one expert-parallel layer, forward and backward (the theory).
+
+    Each kept row bound for another rank's expert leaves once to be computed (dispatch) and once
+    as its gradient (backward of combine); each row another rank sent here leaves once as its
+    result (combine) and once as its gradient (backward of dispatch). Plus the int64 row counts
+    for the other ranks' experts.
+
+    Args:
+        kept_experts: for every rank, in rank order, the expert of each of its kept assignments
+            (``routing.expert[routing.kept]``).
+        rank: the rank that sends.
+        num_experts: E, spread evenly over ``len(kept_experts)`` ranks.
+        row_bytes: one token's bytes (d_model x element size).
+    """
+    size = len(kept_experts)
+    owners = [experts // (num_experts // size) for experts in kept_experts]
+    mine_away = int((owners[rank] != rank).sum())
+    theirs_here = sum(int((owners[r] == rank).sum()) for r in range(size) if r != rank)
+    return 2 * (mine_away + theirs_here) * row_bytes + (num_experts - num_experts // size) * 8
+
+
 class _AllToAll(torch.autograd.Function):
     """Rows dealt out to the ranks; backward deals their gradients back the same way reversed."""
 

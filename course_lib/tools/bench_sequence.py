@@ -46,6 +46,33 @@ def _forward_backward(module, inputs):
     return step
 
 
+def dtensor_sequence_parallel_plan() -> dict:
+    """PyTorch's twin of ``sequence.sequence_parallel_block``: DTensor's plan for one ``models.Block``.
+
+    The norms work on the sequence shards (``SequenceParallel``); attention and the MLP gather the
+    sequence on the way in and reduce-scatter it on the way out (``RowwiseParallel`` to ``Shard(1)``).
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    gather = dict(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    return {
+        "norm1": SequenceParallel(),
+        "attention": PrepareModuleInput(**gather),
+        **{f"attention.{name}": ColwiseParallel() for name in ("q", "k", "v")},
+        "attention.out": RowwiseParallel(output_layouts=Shard(1)),
+        "norm2": SequenceParallel(),
+        "mlp": PrepareModuleInput(**gather),
+        "mlp.fc1": ColwiseParallel(),
+        "mlp.fc2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
 def sp_benchmark(*, d_model: int, heads: int, seq: int, batch: int, steps: int, warmup: int) -> dict | None:
     """One block: the course's sequence parallelism, DTensor's, and plain tensor parallelism.
 
@@ -58,30 +85,13 @@ def sp_benchmark(*, d_model: int, heads: int, seq: int, batch: int, steps: int, 
         warmup: untimed steps first.
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
+    from torch.distributed.tensor.parallel import parallelize_module
 
     degree, rank = runtime.world_size(), runtime.rank()
     sp.check_sequence_split(seq, degree)
     torch.manual_seed(0)
     dense = models.Block(d_model, heads)
-    gather = dict(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-    plan = {
-        "norm1": SequenceParallel(),
-        "attention": PrepareModuleInput(**gather),
-        **{f"attention.{name}": ColwiseParallel() for name in ("q", "k", "v")},
-        "attention.out": RowwiseParallel(output_layouts=Shard(1)),
-        "norm2": SequenceParallel(),
-        "mlp": PrepareModuleInput(**gather),
-        "mlp.fc1": ColwiseParallel(),
-        "mlp.fc2": RowwiseParallel(output_layouts=Shard(1)),
-    }
+    plan = dtensor_sequence_parallel_plan()
     theirs = parallelize_module(copy.deepcopy(dense), init_device_mesh("cpu", (degree,)), plan)
     ours = sp.sequence_parallel_block(copy.deepcopy(dense))
     tensor_only = tp.parallelize_transformer(copy.deepcopy(dense))
@@ -229,7 +239,6 @@ def cp_benchmark(*, seq: int, heads: int, head_dim: int, batch: int, steps: int,
         )
         work = cp.attention_work(layout)
         kv_bytes = 2 * batch * heads * head_dim * 4
-        passed = [[layout.tokens((r - s) % degree) for s in range(degree)] for r in range(degree)]
         compute = [row["compute_ms"] for row in per_rank]
         result["zigzag" if zigzag else "contiguous"] = {
             "step_ms": step_ms,
@@ -239,7 +248,7 @@ def cp_benchmark(*, seq: int, heads: int, head_dim: int, batch: int, steps: int,
             "compute_max_over_mean": max(compute) / statistics.mean(compute),
             "bytes_per_rank_measured": [row["bytes"] for row in per_rank],
             "bytes_per_rank_theory": [
-                kv_bytes * (2 * sum(p[:-1]) + sum(p)) if degree > 1 else 0 for p in passed
+                cp.ring_bytes_per_rank(layout, r, bytes_per_token=kv_bytes) for r in range(degree)
             ],
             "attention_bytes_per_rank": [row["attention_bytes"] for row in per_rank],
             "attention_bytes_theory": [
@@ -296,12 +305,9 @@ def ep_benchmark(
     with comm.CommLog() as log:
         _forward_backward(parallel, x)()
     routing = parallel.last_routing[0]
-    owners = routing.expert[routing.kept] // (experts // degree)
     everyone = [None] * degree
-    dist.all_gather_object(everyone, owners.tolist())
-    mine_away = sum(1 for owner in everyone[rank] if owner != rank)
-    theirs_here = sum(1 for r in range(degree) if r != rank for owner in everyone[r] if owner == rank)
-    theory = 2 * (mine_away + theirs_here) * d_model * 4 + (experts - experts // degree) * 8
+    dist.all_gather_object(everyone, routing.expert[routing.kept])
+    theory = ep.all_to_all_bytes(everyone, rank, num_experts=experts, row_bytes=d_model * 4)
     result = {
         "benchmark": "ep",
         "expert_degree": degree,

@@ -237,7 +237,7 @@ PROPERTIES = [
 
 
 def _digits_cnn_parameters() -> int:
-    return sum(p.numel() for p in models.build_model("digits_cnn").parameters())
+    return models.count_parameters(models.build_model("digits_cnn"))
 
 
 def _fp32_adam(stage: str, world: int):

@@ -287,7 +287,7 @@ PROPERTIES = [
 
 
 def _digits_cnn_parameters() -> int:
-    return sum(p.numel() for p in models.build_model("digits_cnn").parameters())
+    return models.count_parameters(models.build_model("digits_cnn"))
 
 
 QUESTIONS = [

@@ -65,13 +65,6 @@ def _ring_against_one_process(zigzag: bool, causal: bool, seq: int):
     return [(ours.detach(), theirs.detach()) for ours, theirs in pairs], log.bytes_per_rank("send")
 
 
-def _ring_theory_bytes(layout: cp.SequenceLayout, rank: int) -> float:
-    """K and V of every chunk this rank passes on: C-1 forward, C-1 backward; their gradients C times."""
-    per_token = 2 * BATCH * HEADS * HEAD_DIM * 4
-    passed = [layout.tokens((rank - step) % layout.degree) for step in range(layout.degree)]
-    return per_token * (2 * sum(passed[:-1]) + sum(passed)) if layout.degree > 1 else 0.0
-
-
 @pytest.mark.parametrize("degree", [1, 2, 3, 4])
 def test_ring_attention_equals_one_process_forward_and_backward(degree):
     for zigzag in (False, True):
@@ -83,7 +76,9 @@ def test_ring_attention_equals_one_process_forward_and_backward(degree):
                     torch.testing.assert_close(
                         ours, theirs, rtol=1e-5, atol=1e-5, msg=f"{what} zigzag={zigzag} causal={causal}"
                     )
-                assert sent == _ring_theory_bytes(layout, rank)
+                assert sent == cp.ring_bytes_per_rank(
+                    layout, rank, bytes_per_token=2 * BATCH * HEADS * HEAD_DIM * 4
+                )
 
 
 def _attention_memory(seq: int):

@@ -53,7 +53,7 @@ def _expert_parallel_against_one_process(top_k: int, capacity_factor: float):
         torch.randn(3, 5, D_MODEL, generator=torch.Generator().manual_seed(20 + r)) for r in range(size)
     ]
     # The reference: one process, every expert, each rank's tokens routed as their own group.
-    reference, outputs, owners = copy.deepcopy(moe), [], []
+    reference, outputs, kept_experts = copy.deepcopy(moe), [], []
     input_grads = []
     for r in range(size):
         reference.router.zero_grad()
@@ -63,7 +63,7 @@ def _expert_parallel_against_one_process(top_k: int, capacity_factor: float):
         outputs.append(y.detach())
         input_grads.append(mine.grad)
         routing = reference.last_routing[0]
-        owners.append(routing.expert[routing.kept] // (EXPERTS // size))  # the rank of each kept row's expert
+        kept_experts.append(routing.expert[routing.kept])
         if r == rank:
             router_grad, dropped = reference.router.weight.grad.clone(), reference.dropped
     parallel = ep.expert_parallel(copy.deepcopy(moe))
@@ -77,12 +77,7 @@ def _expert_parallel_against_one_process(top_k: int, capacity_factor: float):
         experts += [
             (ours.grad, theirs.grad) for ours, theirs in zip(expert.parameters(), everyone.parameters())
         ]
-    # What leaves this rank: forward, its rows for other ranks' experts (dispatch) and the results
-    # of other ranks' rows (combine); backward, the gradients of the same rows, the other way; and
-    # the row counts for the other ranks' experts (int64).
-    mine_away = int((owners[rank] != rank).sum())
-    theirs_here = sum(int((owners[r] == rank).sum()) for r in range(size) if r != rank)
-    theory = 2 * (mine_away + theirs_here) * D_MODEL * 4 + (EXPERTS - EXPERTS // size) * 8
+    theory = ep.all_to_all_bytes(kept_experts, rank, num_experts=EXPERTS, row_bytes=D_MODEL * 4)
     return {
         "output": (y.detach(), outputs[rank]),
         "input gradient": (mine.grad, input_grads[rank]),

@@ -116,31 +116,14 @@ def test_the_same_bytes_as_tensor_parallelism_and_norm_activations_divided_by_th
 
 def _against_dtensor_sequence_parallel():
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from course_lib.tools.bench_sequence import dtensor_sequence_parallel_plan
 
     size, rank = runtime.world_size(), runtime.rank()
     torch.manual_seed(0)
     dense = models.Block(D_MODEL, HEADS)
-    gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-    plan = {
-        "norm1": SequenceParallel(),
-        "attention": gather,
-        "attention.q": ColwiseParallel(),
-        "attention.k": ColwiseParallel(),
-        "attention.v": ColwiseParallel(),
-        "attention.out": RowwiseParallel(output_layouts=Shard(1)),
-        "norm2": SequenceParallel(),
-        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "mlp.fc1": ColwiseParallel(),
-        "mlp.fc2": RowwiseParallel(output_layouts=Shard(1)),
-    }
+    plan = dtensor_sequence_parallel_plan()
     theirs = parallelize_module(copy.deepcopy(dense), init_device_mesh("cpu", (size,)), plan)
     ours = sp.sequence_parallel_block(copy.deepcopy(dense))
     x = torch.randn(BATCH, SEQ, D_MODEL, generator=torch.Generator().manual_seed(2)).chunk(size, dim=1)[rank]

@@ -2,9 +2,11 @@
 #   make lab    set up if needed, then train the digits CNN on 1 process, DDP on 2, FSDP on 2
 #   make test   set up if needed (Python packages, and the system packages the tests need), then run every test
 #
-# The virtual environment (about 5 GB: torch ships its CUDA libraries) lives outside the clone,
-# in $(VENV_CACHE)/<hash of pyproject.toml + constraints.txt>, so a second clone or a rerun
-# reuses it; `.venv` in the clone is a link to it.
+# The packages (about 5 GB: torch ships its CUDA libraries) live outside the clone, in a shared
+# virtual environment $(VENV_CACHE)/<hash of pyproject.toml + constraints.txt>, so a second clone
+# or a rerun reuses them. `.venv` in the clone is a small virtual environment of its own that sees
+# those packages and *this* clone's course_lib: two clones on one machine each run their own code,
+# whoever started the Python (a notebook server, a script run from elsewhere, torchrun).
 
 SHELL := /bin/bash
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
@@ -12,6 +14,9 @@ VENV_CACHE ?= $(HOME)/.cache/course-venvs
 DEPS_HASH := $(shell "$(PYTHON)" -c 'import hashlib; print(hashlib.sha256(open("pyproject.toml", "rb").read() + open("constraints.txt", "rb").read()).hexdigest()[:16])')
 VENV_DIR := $(VENV_CACHE)/$(DEPS_HASH)
 PY := .venv/bin/python
+PY_VERSION := $(shell "$(PYTHON)" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+SHARED_SITE := $(VENV_DIR)/lib/python$(PY_VERSION)/site-packages
+CLONE_SITE := .venv/lib/python$(PY_VERSION)/site-packages
 PYTEST_ARGS ?=
 # make test runs the test files on this many workers (pytest-xdist), a whole file per worker: a
 # notebook's cells, the Slurm cluster and the built slides each stay with one worker.
@@ -31,8 +36,24 @@ setup:
 	  "$(VENV_DIR)/bin/pip" install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'; \
 	  touch "$(VENV_DIR)/.complete"; \
 	fi; \
-	ln -sfn "$(VENV_DIR)" .venv; \
-	if [ "$$($(PY) -P -c 'import course_lib, pathlib; print(pathlib.Path(course_lib.__file__).parent.parent)')" != "$(CURDIR)" ]; then \
+	if ls "$(SHARED_SITE)"/course_lib-*.dist-info >/dev/null 2>&1; then \
+	  "$(VENV_DIR)/bin/pip" uninstall --quiet --yes course_lib; \
+	fi; \
+	if [ -L .venv ] || [ "$$(cat .venv/shared-venv 2>/dev/null)" != "$(VENV_DIR) $(CURDIR)" ] || [ ! -x $(PY) ]; then \
+	  rm -rf .venv; \
+	  "$(VENV_DIR)/bin/python" -m venv --without-pip .venv; \
+	  echo "import site; site.addsitedir('$(SHARED_SITE)')" > "$(CLONE_SITE)/_course_shared_packages.pth"; \
+	  ln -s "$(VENV_DIR)/share" .venv/share; ln -s "$(VENV_DIR)/etc" .venv/etc; \
+	  for tool in "$(VENV_DIR)"/bin/*; do \
+	    name=$${tool##*/}; \
+	    case "$$name" in python*|pip*|activate*|Activate*) continue;; esac; \
+	    if head -1 "$$tool" | grep -qa "^#!$(VENV_DIR)/bin/python"; then \
+	      { echo "#!$(CURDIR)/.venv/bin/python"; tail -n +2 "$$tool"; } > ".venv/bin/$$name"; chmod +x ".venv/bin/$$name"; \
+	    else ln -s "$$tool" ".venv/bin/$$name"; fi; \
+	  done; \
+	  echo "$(VENV_DIR) $(CURDIR)" > .venv/shared-venv; \
+	fi; \
+	if [ "$$($(PY) -P -c 'import course_lib, pathlib; print(pathlib.Path(course_lib.__file__).parent.parent)' 2>/dev/null)" != "$(CURDIR)" ]; then \
 	  $(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e . ; \
 	fi
 

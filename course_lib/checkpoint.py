@@ -3,10 +3,11 @@
 A long job on a cluster *will* be interrupted: a time limit, a preemption, a node failure.
 Two properties make that harmless:
 
-1. **Atomic.** Every rank writes into ``step-00000120.tmp/``; only when all have finished does
-   rank 0 rename it to ``step-00000120/``. A rename is atomic on POSIX file systems, so a kill
-   at any moment leaves either the complete new checkpoint or none, and the previous one is
-   always intact. Leftover ``.tmp`` directories are ignored and cleaned up later.
+1. **Atomic.** Every rank writes into ``step-00000120.<run>.tmp/``; only when all have finished
+   does rank 0 rename it to ``step-00000120/``. A rename is atomic on POSIX file systems, so a
+   kill, or a disk that fills up, at any moment leaves either the complete new checkpoint or
+   none, and the previous one is always intact. Leftover ``.tmp`` directories are ignored and
+   cleaned up later by the run that wrote them.
 2. **Resharding.** Model and optimizer state are written with ``torch.distributed.checkpoint``
    (DCP): each rank writes the pieces it holds, plus a global index of where every piece of
    every tensor lives. Loading reads, on each rank, exactly the pieces the *new* layout needs.
@@ -20,8 +21,15 @@ only the same layout (same strategy, stage and units) can read them; ``meta.pt``
 layout and a mismatch is refused with the flags to use.
 
 Beside the tensors, ``meta.pt`` (written last, read with ``torch.load(weights_only=True)``, which
-cannot execute code) records where training stood: the epoch, the step inside it, the run's
-configuration, and each rank's random-number-generator state.
+cannot execute code) records where training stood: the epoch, the step inside it (and what the
+epoch's metrics had summed so far), the run's configuration, each rank's random-number-generator
+state, and the run it belongs to.
+
+One folder, one run. A run has an id, kept when it is resumed. Only the newest ``KEEP_LAST``
+checkpoints *of this run* are kept; a checkpoint another run wrote is never deleted. So that
+``--resume latest`` can never pick up another run's checkpoint, a fresh run refuses a folder
+that already holds checkpoints, and a run resumed from an older checkpoint refuses a folder that
+holds a newer one (``check_folder_for_run``).
 
 Cost: a save writes the model and optimizer state once in total (not once per rank), i.e. about
 16 bytes per parameter with Adam (fp32 weights + two moments), and pauses training meanwhile.
@@ -33,6 +41,7 @@ import os
 import random
 import re
 import shutil
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +56,7 @@ from .strategies import unwrap
 FORMAT_VERSION = 1
 KEEP_LAST = 2
 META_FILE = "meta.pt"
+DCP_INDEX = ".metadata"  # torch.distributed.checkpoint's index of where every piece of every tensor is
 CHECKPOINT_NAME = re.compile(r"^step-(\d{8})$")
 
 MUST_MATCH = ("model", "dataset", "optimizer", "global_batch_size", "seed")
@@ -55,15 +65,26 @@ only fit the same model and optimizer, and the position inside an epoch only mea
 for the same data order (dataset, seed) and the same steps (global batch size)."""
 
 
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
 @dataclass
 class TrainingPosition:
-    """Where training stands: the next epoch to run and how many of its steps are done."""
+    """Where training stands: the next epoch to run and how many of its steps are done.
+
+    ``epoch_sums`` holds what the running epoch's metrics have added up so far over every rank
+    (the loss summed over samples, the samples, the steps, the seconds spent training), so that
+    an epoch interrupted and resumed is reported whole, as if it had run in one go.
+    """
 
     epoch: int = 0
     step_in_epoch: int = 0
     global_step: int = 0
     config: dict[str, Any] = field(default_factory=dict)
     history: list[dict[str, Any]] = field(default_factory=list)
+    run_id: str = field(default_factory=new_run_id)
+    epoch_sums: dict[str, float] = field(default_factory=dict)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -100,6 +121,37 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
+def step_of(path: Path) -> int:
+    """The step a checkpoint folder ``step-XXXXXXXX`` was written at."""
+    return int(CHECKPOINT_NAME.match(path.name).group(1))
+
+
+def check_folder_for_run(directory: str | Path, resume_path: Path | None) -> None:
+    """Refuse a folder where this run's checkpoints could be mistaken for another run's, or the reverse.
+
+    Args:
+        directory: the run's ``--checkpoint-dir``.
+        resume_path: the checkpoint it resumes from (None: a fresh start).
+    """
+    found = checkpoint_dirs(directory)
+    if resume_path is None:
+        if found:
+            raise UserError(
+                f"--checkpoint-dir {directory} already holds another run's checkpoints (the newest is "
+                f"{found[-1].name}): continue that run with --resume latest, or give this one an empty "
+                "--checkpoint-dir"
+            )
+        return
+    resumed_step = read_meta(resume_path)["global_step"]
+    newer = [path for path in found if step_of(path) > resumed_step]
+    if newer:
+        raise UserError(
+            f"--checkpoint-dir {directory} holds {newer[-1].name}, later than the step {resumed_step} you "
+            "resume from: this run's checkpoints would sit beside it and --resume latest could take either; "
+            f"keep this run apart with a new --checkpoint-dir (it still resumes from {resume_path})"
+        )
+
+
 def _write_meta(path: Path, meta: dict[str, Any]) -> None:
     temporary = path.with_suffix(".partial")
     with open(temporary, "wb") as handle:
@@ -128,53 +180,118 @@ def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str
     return {"model": model_state, "optimizer": optimizer_state}
 
 
+def _why_not_written(error: BaseException) -> str:
+    """The operating system's reason, from an OSError or DCP's wrapper of one rank's error."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(error, CheckpointException) and error.failures:
+        error = next(iter(error.failures.values()))
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    text = str(error).strip()
+    return text.splitlines()[0][:160] if text else type(error).__name__
+
+
 def save(
     directory: str | Path,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     position: TrainingPosition,
 ) -> Path:
-    """Write a checkpoint of the current step (every rank must call this). Returns its path."""
+    """Write a checkpoint of the current step (every rank must call this). Returns its path.
+
+    If the file system refuses (full, a name too long, gone read-only), every rank raises the
+    same ``UserError``, the half-written checkpoint is removed, and the previous one is intact.
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+
     directory = Path(directory)
     final = directory / f"step-{position.global_step:08d}"
-    temporary = directory / f"{final.name}.tmp"
+    temporary = directory / f"{final.name}.{position.run_id}.tmp"
+    problem = None
     if runtime.rank() == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(temporary, ignore_errors=True)
-        temporary.mkdir()
-    dist.barrier()
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(temporary, ignore_errors=True)
+            temporary.mkdir()
+        except OSError as error:
+            problem = _why_not_written(error)
+    problem = _agree(problem)
+    if problem is None:
+        import torch.distributed.checkpoint as dcp
 
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save(_state(model, optimizer), checkpoint_id=str(temporary))
-    rng_states = _all_gather_objects(_rng_state())
-
-    if runtime.rank() == 0:
-        meta = {
-            "format_version": FORMAT_VERSION,
-            "epoch": position.epoch,
-            "step_in_epoch": position.step_in_epoch,
-            "global_step": position.global_step,
-            "config": position.config,
-            "history": position.history,
-            "world_size": runtime.world_size(),
-            "layout": _layout(model),
-            "rng": rng_states,
-        }
-        _write_meta(temporary / META_FILE, meta)
-        if final.exists():  # the same step saved twice (e.g. end of epoch and on request): keep the first
-            shutil.rmtree(temporary)
-        else:
-            os.rename(temporary, final)
-        _prune(directory)
-    dist.barrier()
+        try:  # DCP gathers every rank's outcome: if one rank's write fails, all of them raise
+            dcp.save(_state(model, optimizer), checkpoint_id=str(temporary))
+        except (OSError, CheckpointException) as error:
+            problem = _why_not_written(error)
+    if problem is None:
+        rng_states = _all_gather_objects(_rng_state())
+        if runtime.rank() == 0:
+            try:
+                _finish(directory, temporary, final, _meta(model, position, rng_states), position.run_id)
+            except OSError as error:
+                problem = _why_not_written(error)
+        problem = _agree(problem)
+    if problem is not None:
+        if runtime.rank() == 0:
+            shutil.rmtree(temporary, ignore_errors=True)
+        previous = latest_checkpoint(directory)
+        kept = f"the newest checkpoint, {previous.name}, is intact" if previous else "no checkpoint was kept"
+        raise UserError(
+            f"could not write checkpoint {final.name} in {directory} ({problem}); {kept}: free some space or "
+            "choose another --checkpoint-dir, then rerun with --resume latest"
+        )
     return final
 
 
-def _prune(directory: Path) -> None:
-    for old in checkpoint_dirs(directory)[:-KEEP_LAST]:
+def _agree(problem: str | None) -> str | None:
+    """Rank 0's problem, on every rank (rank 0 alone touches the folder's names)."""
+    if runtime.world_size() == 1:
+        return problem
+    shared = [problem]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]
+
+
+def _meta(model: torch.nn.Module, position: TrainingPosition, rng_states: list) -> dict[str, Any]:
+    return {
+        "format_version": FORMAT_VERSION,
+        "epoch": position.epoch,
+        "step_in_epoch": position.step_in_epoch,
+        "global_step": position.global_step,
+        "config": position.config,
+        "history": position.history,
+        "run_id": position.run_id,
+        "epoch_sums": dict(position.epoch_sums),
+        "world_size": runtime.world_size(),
+        "layout": _layout(model),
+        "rng": rng_states,
+    }
+
+
+def _finish(directory: Path, temporary: Path, final: Path, meta: dict[str, Any], run_id: str) -> None:
+    """Rank 0: write ``meta.pt`` last, rename the checkpoint into place, drop this run's old ones."""
+    _write_meta(temporary / META_FILE, meta)
+    if final.exists():  # the same step saved twice (e.g. end of epoch and on request): keep the first
+        shutil.rmtree(temporary)
+    else:
+        os.rename(temporary, final)
+    _prune(directory, run_id)
+
+
+def _run_of(path: Path) -> str | None:
+    try:
+        return read_meta(path).get("run_id")
+    except UserError:
+        return None
+
+
+def _prune(directory: Path, run_id: str) -> None:
+    """Keep this run's ``KEEP_LAST`` newest checkpoints; never touch what another run wrote."""
+    own = [path for path in checkpoint_dirs(directory) if _run_of(path) == run_id]
+    for old in own[:-KEEP_LAST]:
         shutil.rmtree(old, ignore_errors=True)
-    for leftover in directory.glob("step-*.tmp"):
+    for leftover in directory.glob(f"step-*.{run_id}.tmp"):
         shutil.rmtree(leftover, ignore_errors=True)
 
 
@@ -186,11 +303,12 @@ def read_meta(path: str | Path) -> dict[str, Any]:
         raise UserError(
             f"checkpoint {path} does not exist: pass a step-XXXXXXXX directory or --resume latest"
         )
-    if not meta_file.is_file():
-        raise UserError(
-            f"checkpoint {path} is incomplete ({META_FILE} is missing): resume from an older one or start "
-            "afresh"
-        )
+    for needed in (META_FILE, DCP_INDEX):
+        if not (path / needed).is_file():
+            raise UserError(
+                f"checkpoint {path} is incomplete ({needed} is missing): resume from an older one or start "
+                "afresh"
+            )
     try:
         meta = torch.load(meta_file, weights_only=True)
     except Exception as error:  # truncated, overwritten, not a torch file...
@@ -216,6 +334,25 @@ def check_compatible(meta: dict[str, Any], config: dict[str, Any], path: str | P
             )
 
 
+def layout_kind(config: dict[str, Any]) -> str:
+    """How a run's checkpoint names its tensors, from its flags alone: the start of ``_layout``."""
+    if (config.get("strategy"), config.get("impl")) != ("fsdp", "course"):
+        return "named parameters"
+    return "ZeroDataParallel" if config.get("zero_stage", 3) < 3 else "FullyShardedDataParallel"
+
+
+def check_layout(meta: dict[str, Any], layout: str, path: str | Path) -> None:
+    """Refuse a checkpoint whose tensors are laid out otherwise than ``layout`` (or starts so)."""
+    saved = meta.get("layout", "named parameters")
+    if not saved.startswith(layout):
+        raise UserError(
+            f"checkpoint {path} holds {saved}, but this run lays its model out as {layout}: resume with the "
+            f"--strategy, --impl, --zero-stage and model of the run that wrote it (its flags: --strategy "
+            f"{meta['config'].get('strategy')} --impl {meta['config'].get('impl')} --zero-stage "
+            f"{meta['config'].get('zero_stage', 3)}), or start afresh with a new --checkpoint-dir"
+        )
+
+
 def load(
     path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: dict[str, Any]
 ) -> TrainingPosition:
@@ -223,14 +360,7 @@ def load(
     path = Path(path)
     meta = read_meta(path)
     check_compatible(meta, config, path)
-    if meta.get("layout", "named parameters") != _layout(model):
-        raise UserError(
-            f"checkpoint {path} holds {meta.get('layout', 'named parameters')}, but this model is laid out "
-            f"as {_layout(model)}: resume with the --strategy, --impl, --zero-stage and model of the run "
-            f"that wrote it (its flags: --strategy {meta['config'].get('strategy')} --impl "
-            f"{meta['config'].get('impl')} --zero-stage {meta['config'].get('zero_stage', 3)}), or start "
-            "afresh with a new --checkpoint-dir"
-        )
+    check_layout(meta, _layout(model), path)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_state_dict
@@ -262,4 +392,6 @@ def load(
         global_step=meta["global_step"],
         config=meta["config"],
         history=list(meta.get("history", [])),
+        run_id=meta.get("run_id") or new_run_id(),
+        epoch_sums=dict(meta.get("epoch_sums", {})),
     )

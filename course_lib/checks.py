@@ -79,8 +79,16 @@ def check_number(
     return float(value)
 
 
+def _exists(path: Path) -> bool:
+    """``path.exists()``, where a name too long for the file system is a path that does not exist."""
+    try:
+        return path.exists()
+    except OSError:  # ENAMETOOLONG: the write checks below name the limit
+        return False
+
+
 def _nearest_existing(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
+    while not _exists(path) and path != path.parent:
         path = path.parent
     return path
 
@@ -88,7 +96,7 @@ def _nearest_existing(path: Path) -> Path:
 def check_folder_to_read(flag: str | None, path: str | os.PathLike) -> Path:
     """A path that, if it exists, is a folder (whether it must exist is the caller's business)."""
     path = Path(path)
-    if path.exists() and not path.is_dir():
+    if _exists(path) and not path.is_dir():
         raise UserError(f"{_shown(flag)}{path} is a file, but a folder is expected: name a folder instead")
     return path
 
@@ -96,20 +104,51 @@ def check_folder_to_read(flag: str | None, path: str | os.PathLike) -> Path:
 def check_file_to_read(flag: str | None, path: str | os.PathLike) -> Path:
     """A file that exists."""
     path = Path(path)
-    if path.is_dir():
+    if _exists(path) and path.is_dir():
         raise UserError(f"{_shown(flag)}{path} is a folder, but a file is expected: name the file inside it")
-    if not path.is_file():
+    if not _exists(path) or not path.is_file():
         raise UserError(f"{_shown(flag)}{path} does not exist: check the path")
     return path
 
 
-def _check_can_write_in(flag: str | None, path: Path, what: str, folder: Path) -> None:
+INSIDE_A_FOLDER = 64
+"""Room kept for the names a command writes inside a folder it is given (``step-00000120.<run>.tmp/
+__0_0.distcp``), so that the file system's limit on a whole path is met by them too."""
+
+
+def _short(path: Path | str) -> str:
+    text = str(path)
+    return text if len(text) <= 80 else f"{text[:40]}...{text[-20:]}"
+
+
+def _check_name_lengths(flag: str | None, path: Path, existing: Path, room: int) -> None:
+    """Refuse names the file system would refuse (ENAMETOOLONG), before anything is written."""
+    name_max = os.pathconf(existing, "PC_NAME_MAX")
+    path_max = os.pathconf(existing, "PC_PATH_MAX")
+    for part in path.absolute().parts[len(existing.parts) :]:
+        size = len(os.fsencode(part))
+        if size > name_max:
+            raise UserError(
+                f"{_shown(flag)}{_short(path)} cannot be created: the name {_short(part[:24])}... is {size} "
+                f"bytes long, more than the {name_max} this file system allows; choose a shorter name"
+            )
+    length = len(os.fsencode(str(path.absolute())))
+    if length + room > path_max:
+        raise UserError(
+            f"{_shown(flag)}{_short(path)} cannot be created: its path is {length} bytes long"
+            f"{' (plus the names written inside it)' if room else ''}, more than the {path_max} this file "
+            "system allows; choose a shorter path"
+        )
+
+
+def _check_can_write_in(flag: str | None, path: Path, what: str, folder: Path, room: int = 0) -> None:
     """Can this process write ``path`` in ``folder``? Asks the nearest existing folder; leaves nothing."""
     existing = _nearest_existing(folder.absolute())
     if not existing.is_dir():
         raise UserError(
             f"{_shown(flag)}{path} cannot be {what}: {existing} is a file; choose another location"
         )
+    _check_name_lengths(flag, path, existing, room)
     try:
         # Permission bits do not stop root, but a read-only file system or /proc does: the only
         # honest test of "can I write here" is to write (a temporary file, removed at once).
@@ -125,14 +164,14 @@ def _check_can_write_in(flag: str | None, path: Path, what: str, folder: Path) -
 def check_folder_to_write(flag: str | None, path: str | os.PathLike) -> Path:
     """A folder this process can write into, or create (the command creates it when it writes)."""
     path = check_folder_to_read(flag, path)
-    _check_can_write_in(flag, path, "a folder", folder=path)
+    _check_can_write_in(flag, path, "a folder", folder=path, room=INSIDE_A_FOLDER)
     return path
 
 
 def check_file_to_write(flag: str | None, path: str | os.PathLike) -> Path:
     """A file this process can create or append to (its folder is created when it is written)."""
     path = Path(path)
-    if path.is_dir():
+    if _exists(path) and path.is_dir():
         raise UserError(f"{_shown(flag)}{path} is a folder, but a file is expected: name a file inside it")
     _check_can_write_in(flag, path, "a file", folder=path.parent)
     return path

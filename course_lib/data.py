@@ -43,6 +43,7 @@ INPUT_SHAPES = {"digits": (1, 8, 8), "cifar10": (3, 32, 32), "synthetic": (3, 32
 VALIDATION_FRACTION = 0.2
 SPLIT_SEED = 1234  # the train/validation split does not change with --seed
 SYNTHETIC_SIZES = (2048, 512)  # train, validation
+DIGITS_SAMPLES, CIFAR10_TRAIN_SAMPLES = 1797, 50_000
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 
 
@@ -155,6 +156,19 @@ def load_dataset(name: str, *, data_dir: str | Path = "data", seed: int = 0) -> 
     if name == "cifar10":
         return load_cifar10_bundle(data_dir)
     raise UserError(f"unknown dataset {name!r}: choose one of {', '.join(DATASETS)}")
+
+
+def train_samples(name: str) -> int:
+    """Samples in a dataset's training split, known without loading it (for the checks before a run).
+
+    Args:
+        name: ``"digits"``, ``"synthetic"`` or ``"cifar10"``.
+    """
+    return {
+        "digits": DIGITS_SAMPLES - int(round(DIGITS_SAMPLES * VALIDATION_FRACTION)),
+        "synthetic": SYNTHETIC_SIZES[0],
+        "cifar10": CIFAR10_TRAIN_SAMPLES,
+    }[name]
 
 
 def check_data_available(name: str, data_dir: str | Path) -> None:

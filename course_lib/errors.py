@@ -13,7 +13,7 @@ EXIT_USER_ERROR = 2
 """Exit status for a mistake in flags, data or checkpoints (the same status argparse uses)."""
 
 EXIT_CRASH = 1
-"""Exit status for an unexpected failure on this rank or on another one."""
+"""Exit status for an unexpected failure on this rank or on another one, or for ranks that never met."""
 
 
 EXIT_REQUEUE = 3
@@ -31,3 +31,7 @@ class UserError(Exception):
 
 class Diverged(Exception):
     """Training produced a non-finite loss or gradient; every rank stopped at the same step."""
+
+
+class RendezvousFailed(Exception):
+    """This rank could not meet rank 0 (it never started, or the address names another host): exit 1."""

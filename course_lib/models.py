@@ -189,6 +189,8 @@ class TinyTransformer(nn.Sequential):
         n_heads: attention heads per block (``d_model`` must be a multiple).
         n_layers: transformer blocks.
         max_seq_len: the longest sequence its position embedding covers.
+        tie_embeddings: the output projection *is* the token embedding (one parameter in two
+            places, as in GPT-2): fewer parameters, and both uses train the same weights.
     """
 
     def __init__(
@@ -199,6 +201,7 @@ class TinyTransformer(nn.Sequential):
         n_heads: int = 4,
         n_layers: int = 4,
         max_seq_len: int = 32,
+        tie_embeddings: bool = False,
     ):
         super().__init__(
             Embedding(vocab_size, d_model, max_seq_len),
@@ -206,6 +209,8 @@ class TinyTransformer(nn.Sequential):
             LMHead(d_model, vocab_size),
         )
         self.d_model, self.n_heads, self.vocab_size = d_model, n_heads, vocab_size
+        if tie_embeddings:
+            self[-1].proj.weight = self[0].tokens.weight
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -268,6 +273,20 @@ def sharding_units(model: nn.Module) -> list[nn.Module]:
             block for layer in (model.layer1, model.layer2, model.layer3, model.layer4) for block in layer
         ]
     return [child for child in model.children() if any(True for _ in child.parameters())]
+
+
+def tied_parameters(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter that ``model`` holds in more than one place (tied weights).
+
+    ``model.parameters()`` lists such a parameter once and ``state_dict()`` under every name.
+
+    Args:
+        model: any module.
+    """
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -58,7 +58,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .errors import UserError
+from .errors import RendezvousFailed, UserError
 
 DEFAULT_TIMEOUT_S = 300
 """How long a collective waits for a missing rank before failing (instead of hanging forever)."""
@@ -103,12 +103,53 @@ class Context:
 _context: Context | None = None
 
 
-def _int_variable(environ: Mapping[str, str], name: str) -> int:
-    value = environ[name]
+LAUNCHER_VARIABLES = {
+    "RANK": "torchrun and course_lib.launch set it; unset it to run one process",
+    "WORLD_SIZE": "the number of processes; torchrun sets it (--nproc-per-node x --nnodes)",
+    "LOCAL_RANK": "this process's number among its node's; torchrun sets it",
+    "LOCAL_WORLD_SIZE": "the processes of this node; torchrun sets it",
+    "MASTER_PORT": "a free TCP port on rank 0's host, 1024 to 65535 (or let torchrun pick: --standalone)",
+    "SLURM_NTASKS": "srun sets it to the number of tasks (--ntasks); do not set it by hand",
+    "SLURM_STEP_NUM_TASKS": "srun sets it to the tasks of this step; do not set it by hand",
+    "SLURM_PROCID": "srun sets it to this task's number; do not set it by hand",
+    "SLURM_LOCALID": "srun sets it to this task's number on its node; do not set it by hand",
+    "SLURM_NNODES": "Slurm sets it to the job's node count (--nodes)",
+    "SLURM_STEP_NUM_NODES": "srun sets it to the nodes of this step",
+    "SLURM_JOB_ID": "Slurm sets it to the job's number",
+}
+"""What each launcher variable holds and who sets it: the second half of the message when one is wrong."""
+
+MAX_PORT = 65535
+
+
+def _int_variable(
+    environ: Mapping[str, str], name: str, *, minimum: int = 0, maximum: int | None = None, default=None
+) -> int:
+    """An integer launcher variable in ``minimum .. maximum``, or one line that names it and the fix."""
+    if name not in environ and default is not None:
+        return default
+    value = environ[name].strip()
     try:
-        return int(value)
+        number = int(value)
     except ValueError:
-        raise UserError(f"environment variable {name}={value!r} is not an integer") from None
+        number = None
+    if number is None or number < minimum or (maximum is not None and number > maximum):
+        allowed = f"from {minimum} to {maximum}" if maximum is not None else f"{minimum} or more"
+        raise UserError(
+            f"environment variable {name}={environ[name]!r} is not a whole number {allowed}: "
+            f"{LAUNCHER_VARIABLES.get(name, 'fix or unset it')}"
+        )
+    return number
+
+
+def _address_variable(environ: Mapping[str, str], name: str) -> str:
+    value = environ[name].strip()
+    if not value or any(c.isspace() for c in value):
+        raise UserError(
+            f"environment variable {name}={environ[name]!r} is not a host name or address: set it to the "
+            "name or IP address of rank 0's host (torchrun and Slurm jobs set it for you)"
+        )
+    return value
 
 
 def first_slurm_host(nodelist: str) -> str:
@@ -143,13 +184,10 @@ def resolve_environment(*, environ: Mapping[str, str] | None = None) -> DistEnvi
                 "RANK is set but WORLD_SIZE is not: launch with torchrun (which sets both), or set "
                 "WORLD_SIZE to the number of processes"
             )
-        rank, world_size = _int_variable(environ, "RANK"), _int_variable(environ, "WORLD_SIZE")
-        local_rank = _int_variable(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else 0
-        local_world = (
-            _int_variable(environ, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in environ else world_size
-        )
-        if not 0 <= rank < world_size:
-            raise UserError(f"RANK={rank} is outside 0..{world_size - 1} (WORLD_SIZE={world_size})")
+        world_size = _int_variable(environ, "WORLD_SIZE", minimum=1)
+        rank = _int_variable(environ, "RANK", maximum=world_size - 1)
+        local_world = _int_variable(environ, "LOCAL_WORLD_SIZE", minimum=1, default=world_size)
+        local_rank = _int_variable(environ, "LOCAL_RANK", maximum=local_world - 1, default=0)
         if world_size > 1 and ("MASTER_ADDR" not in environ or "MASTER_PORT" not in environ):
             raise UserError(
                 "MASTER_ADDR and MASTER_PORT must be set when WORLD_SIZE > 1: launch with torchrun, or "
@@ -160,21 +198,28 @@ def resolve_environment(*, environ: Mapping[str, str] | None = None) -> DistEnvi
             local_rank=local_rank,
             world_size=world_size,
             local_world_size=local_world,
-            master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=int(environ.get("MASTER_PORT", "0")),
+            master_addr=_address_variable(environ, "MASTER_ADDR")
+            if "MASTER_ADDR" in environ
+            else "127.0.0.1",
+            master_port=_int_variable(environ, "MASTER_PORT", minimum=1, maximum=MAX_PORT, default=0),
             launcher="torchrun",
         )
 
     # srun starts one task per GPU. Inside a batch script *without* srun, SLURM_PROCID is 0 but
     # the step has a single task: then this is an ordinary single process.
-    step_tasks = environ.get("SLURM_STEP_NUM_TASKS", environ.get("SLURM_NTASKS"))
-    if "SLURM_PROCID" in environ and step_tasks is not None and int(step_tasks) > 1:
-        world_size = int(step_tasks)
-        rank = _int_variable(environ, "SLURM_PROCID")
-        local_rank = _int_variable(environ, "SLURM_LOCALID") if "SLURM_LOCALID" in environ else 0
-        nodes = int(environ.get("SLURM_STEP_NUM_NODES", environ.get("SLURM_NNODES", "1")))
+    tasks_variable = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS"
+    if "SLURM_PROCID" in environ and tasks_variable in environ:
+        world_size = _int_variable(environ, tasks_variable, minimum=1)
+    else:
+        world_size = 1
+    if world_size > 1:
+        rank = _int_variable(environ, "SLURM_PROCID", maximum=world_size - 1)
+        nodes_variable = "SLURM_STEP_NUM_NODES" if "SLURM_STEP_NUM_NODES" in environ else "SLURM_NNODES"
+        nodes = _int_variable(environ, nodes_variable, minimum=1, maximum=world_size, default=1)
+        local_world = max(1, world_size // nodes)
+        local_rank = _int_variable(environ, "SLURM_LOCALID", default=0)
         if "MASTER_ADDR" in environ:
-            master_addr = environ["MASTER_ADDR"]
+            master_addr = _address_variable(environ, "MASTER_ADDR")
         elif "SLURM_STEP_NODELIST" in environ or "SLURM_JOB_NODELIST" in environ:
             master_addr = first_slurm_host(
                 environ.get("SLURM_STEP_NODELIST", environ.get("SLURM_JOB_NODELIST", ""))
@@ -184,15 +229,15 @@ def resolve_environment(*, environ: Mapping[str, str] | None = None) -> DistEnvi
                 "under srun, neither MASTER_ADDR nor SLURM_JOB_NODELIST is set: export MASTER_ADDR"
             )
         if "MASTER_PORT" in environ:
-            master_port = _int_variable(environ, "MASTER_PORT")
+            master_port = _int_variable(environ, "MASTER_PORT", minimum=1, maximum=MAX_PORT)
         else:
-            job_id = int(environ.get("SLURM_JOB_ID", "0"))
+            job_id = _int_variable(environ, "SLURM_JOB_ID", default=0)
             master_port = SLURM_PORT_BASE + job_id % SLURM_PORT_SPAN
         return DistEnvironment(
             rank=rank,
             local_rank=local_rank,
             world_size=world_size,
-            local_world_size=max(1, world_size // max(1, nodes)),
+            local_world_size=local_world,
             master_addr=master_addr,
             master_port=master_port,
             launcher="slurm",
@@ -282,14 +327,53 @@ def _rendezvous_store(env: DistEnvironment, timeout: datetime.timedelta):
     import torch.distributed as dist
 
     agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(
-        env.master_addr,
-        env.master_port,
-        env.world_size,
-        is_master=env.rank == 0 and not agent_hosts_it,
-        timeout=timeout,
-    )
+    hosts = env.rank == 0 and not agent_hosts_it
+    if not hosts and not agent_hosts_it:
+        _wait_until_listening(env, timeout)
+    try:
+        store = dist.TCPStore(
+            env.master_addr, env.master_port, env.world_size, is_master=hosts, timeout=timeout
+        )
+    except (dist.DistError, RuntimeError) as error:
+        where = f"{env.master_addr}:{env.master_port}"
+        if "EADDRINUSE" in str(error) or "address already in use" in str(error):
+            raise UserError(
+                f"MASTER_PORT {env.master_port} is already in use on {env.master_addr} (another job, or an "
+                "earlier run that has not ended yet): choose another MASTER_PORT, or let torchrun pick a "
+                "free one (--standalone)"
+            ) from None
+        if hosts and "waiting for clients" in str(error):
+            raise RendezvousFailed(
+                f"rank 0 waited {timeout.total_seconds():g} s at {where} for all {env.world_size} ranks to "
+                "join, and some never came: they did not start (see their logs), or they look for rank 0 "
+                "at another MASTER_ADDR or MASTER_PORT"
+            ) from None
+        raise
     return dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+def _wait_until_listening(env: DistEnvironment, timeout: datetime.timedelta) -> None:
+    """Wait, with plain sockets, until rank 0 listens at MASTER_ADDR:MASTER_PORT, or say it never did.
+
+    c10d would wait too, but it reports a rank 0 that never comes with pages of C++ frames; the
+    cause fits in one line.
+    """
+    import socket
+    import time
+
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        try:
+            with socket.create_connection((env.master_addr, env.master_port), timeout=1.0):
+                return
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise RendezvousFailed(
+                    f"rank {env.rank} could not reach rank 0 at {env.master_addr}:{env.master_port} within "
+                    f"{timeout.total_seconds():g} s: rank 0 did not start (see its log), or MASTER_ADDR and "
+                    "MASTER_PORT do not name its host and port"
+                ) from None
+            time.sleep(0.1)
 
 
 def init(

@@ -33,7 +33,15 @@ import traceback
 
 from . import checks, runtime
 from .data import DATASETS
-from .errors import EXIT_CRASH, EXIT_DIVERGED, EXIT_REQUEUE, EXIT_USER_ERROR, Diverged, UserError
+from .errors import (
+    EXIT_CRASH,
+    EXIT_DIVERGED,
+    EXIT_REQUEUE,
+    EXIT_USER_ERROR,
+    Diverged,
+    RendezvousFailed,
+    UserError,
+)
 from .models import MODELS
 from .parallel.fsdp import OFFLOAD_MODES, SHARDING_STRATEGIES
 from .preemption import Preempted
@@ -194,7 +202,7 @@ def run(
         checks.check_number("--timeout", timeout_s, above=0, maximum=runtime.MAX_TIMEOUT_S)
         env = runtime.resolve_environment()
         runtime.choose_backend(backend, _cuda_available())
-        validate_config(config, env.world_size)
+        validate_config(config, env.world_size, env.local_world_size)
         if dry_run:
             if checks.launched_rank() == "0":
                 print(f"configuration OK for {env.world_size} process(es)", flush=True)
@@ -213,6 +221,9 @@ def run(
     except UserError as error:
         _report_user_error(error)
         status = EXIT_USER_ERROR
+    except RendezvousFailed as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        status = EXIT_CRASH
     except KeyboardInterrupt:
         print(f"rank {checks.launched_rank()}: interrupted", file=sys.stderr, flush=True)
         status = EXIT_CRASH

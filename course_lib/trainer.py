@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import random
 import resource
 import sys
@@ -128,12 +129,20 @@ def resolve_resume_path(config: TrainConfig) -> Path | None:
     return Path(config.resume)
 
 
-def validate_config(config: TrainConfig, world_size: int) -> None:
+def validate_config(config: TrainConfig, world_size: int, ranks_per_node: int | None = None) -> None:
     """Every check that needs no other process: run it on every rank before they meet.
 
     Each number must be finite and in its meaningful range, each path must be a folder or a
     file as expected and writable where the run will write: a mistake then stops every rank at
-    once with the same one-line message, instead of a traceback from deep inside torch.
+    once with the same one-line message, instead of a traceback from deep inside torch. What a
+    run would refuse later (a batch larger than the data, shard groups that do not cut the
+    ranks, a checkpoint of another layout) is refused here too, so that ``--dry-run`` refuses
+    everything the run itself would.
+
+    Args:
+        config: the run.
+        world_size: the processes it runs on.
+        ranks_per_node: the processes of one node (None: all of them).
     """
     checks.check_int("--epochs", config.epochs, minimum=1)
     checks.check_int("--global-batch-size", config.global_batch_size, minimum=1)
@@ -155,11 +164,17 @@ def validate_config(config: TrainConfig, world_size: int) -> None:
     data.check_data_available(config.dataset, config.data_dir)
     models.check_model_fits_data(config.model, config.dataset, data.INPUT_SHAPES[config.dataset])
     data.per_rank_batch_size(config.global_batch_size, world_size, grad_accum_steps=config.grad_accum)
+    steps_per_epoch(config)
     if config.precision not in PRECISIONS:
         raise UserError(f"unknown precision {config.precision!r}: choose one of {', '.join(PRECISIONS)}")
     if config.optimizer not in OPTIMIZERS:
         raise UserError(f"unknown optimizer {config.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
     _check_sharding_flags(config)
+    hybrid = ("fsdp", "course", 3, "HYBRID_SHARD")
+    if (config.strategy, config.impl, config.zero_stage, config.sharding) == hybrid:
+        from .parallel.fsdp import hybrid_shard_group_size
+
+        hybrid_shard_group_size(config.hybrid_shard_size, world_size, ranks_per_node or world_size)
     if config.checkpoint_every and not config.checkpoint_dir:
         raise UserError("--checkpoint-every needs --checkpoint-dir (where to write the checkpoints)")
     if config.checkpoint_dir:
@@ -170,7 +185,26 @@ def validate_config(config: TrainConfig, world_size: int) -> None:
         checks.check_folder_to_read("--resume", config.resume)
     resume_path = resolve_resume_path(config)
     if resume_path is not None:
-        checkpoint.check_compatible(checkpoint.read_meta(resume_path), config.as_dict(), resume_path)
+        meta = checkpoint.read_meta(resume_path)
+        checkpoint.check_compatible(meta, config.as_dict(), resume_path)
+        checkpoint.check_layout(meta, checkpoint.layout_kind(config.as_dict()), resume_path)
+    if config.checkpoint_dir:
+        checkpoint.check_folder_for_run(config.checkpoint_dir, resume_path)
+
+
+EMPTY_EPOCH_SUMS = {"loss_sum": 0.0, "samples": 0.0, "steps": 0, "seconds": 0.0}
+"""What an epoch's record adds up over its steps, before the first one."""
+
+
+def steps_per_epoch(config: TrainConfig) -> int:
+    """Optimizer steps in one pass over the training split (the last, incomplete global batch is dropped)."""
+    samples = data.train_samples(config.dataset)
+    if config.global_batch_size > samples:
+        raise UserError(
+            f"--global-batch-size {config.global_batch_size} is larger than the {samples} training samples "
+            f"of {config.dataset}: use at most {samples}"
+        )
+    return samples // config.global_batch_size
 
 
 MAX_LEARNING_RATE = 1e6
@@ -308,9 +342,45 @@ def _gradients_finite(model: torch.nn.Module) -> bool:
 
 
 def _append_metrics(path: str, record: dict[str, Any]) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as handle:
-        handle.write(json.dumps(record) + "\n")
+    """Append one JSON line, whole or not at all: a line cut short by a full disk is taken back."""
+    line = (json.dumps(record) + "\n").encode()
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "ab") as handle:
+            start = handle.tell()
+            try:
+                handle.write(line)
+                handle.flush()
+                os.fsync(handle.fileno())
+            except OSError:
+                with contextlib.suppress(OSError):  # a device such as /dev/full cannot be truncated
+                    handle.truncate(start)
+                raise
+    except OSError as error:
+        raise UserError(
+            f"could not write the metrics to {path} ({error.strerror or error}); the lines written before "
+            "are intact: free some space or choose another --metrics file, then rerun with --resume latest"
+        ) from None
+
+
+def _on_first_rank(action) -> None:
+    """Run ``action`` on rank 0 only, and stop every rank with its error if it raises ``UserError``.
+
+    Without this, rank 0 would stop alone and the others would wait for it in their next
+    collective until the timeout.
+    """
+    problem = None
+    if runtime.is_main():
+        try:
+            action()
+        except UserError as error:
+            problem = str(error)
+    if runtime.world_size() > 1:
+        shared = [problem]
+        dist.broadcast_object_list(shared, src=0)
+        problem = shared[0]
+    if problem is not None:
+        raise UserError(problem)
 
 
 class Trainer:
@@ -320,7 +390,7 @@ class Trainer:
         self.config = config
         self.stop_requests = stop_requests  # if given, a stop signal ends training at a step boundary
         self.ctx = runtime.context()
-        validate_config(config, self.ctx.world_size)
+        validate_config(config, self.ctx.world_size, self.ctx.local_world_size)
         self.micro_batch = data.per_rank_batch_size(
             config.global_batch_size, self.ctx.world_size, grad_accum_steps=config.grad_accum
         )
@@ -378,12 +448,7 @@ class Trainer:
             workers=config.workers,
             pin_memory=pin,
         )
-        self.steps_per_epoch = len(self.data.train) // config.global_batch_size
-        if self.steps_per_epoch == 0:
-            raise UserError(
-                f"global batch size {config.global_batch_size} is larger than the {len(self.data.train)} "
-                "training samples: use a smaller --global-batch-size"
-            )
+        self.steps_per_epoch = steps_per_epoch(config)
         self.position = checkpoint.TrainingPosition(config=config.as_dict())
         resume_path = resolve_resume_path(config)
         if resume_path is not None:
@@ -397,11 +462,12 @@ class Trainer:
             )
 
     # -- one optimizer step ------------------------------------------------------------------
-    def _train_step(self, batches) -> tuple[float, int, bool]:
+    def _train_step(self, batches) -> tuple[float, float, bool]:
         """Forward and backward over ``grad_accum`` micro-batches, then one update.
 
-        Returns this rank's (loss sum, samples) and whether any rank asked to stop. Raises
-        ``Diverged`` on every rank, before the update, if any rank's loss or gradient is not finite.
+        Returns the loss summed over the global batch's samples, their number (the same on every
+        rank) and whether any rank asked to stop. Raises ``Diverged`` on every rank, before the
+        update, if any rank's loss or gradient is not finite.
         """
         config, device = self.config, self.ctx.device
         self.optimizer.zero_grad(set_to_none=True)
@@ -420,24 +486,25 @@ class Trainer:
         if config.clip_grad_norm is not None:
             grad_norm = float(strategies.clip_grad_norm_(self.model, config.clip_grad_norm))
         finite = math.isfinite(loss_sum) and _gradients_finite(self.model)
-        step_loss, diverged, stop = self._agree_on_step(loss_sum, samples, finite)
+        loss_total, samples_total, diverged, stop = self._agree_on_step(loss_sum, samples, finite)
         if diverged:
-            self._stop_diverged(step_loss, grad_norm)
+            self._stop_diverged(loss_total / samples_total, grad_norm)
         self.optimizer.step()
-        return loss_sum, samples, stop
+        return loss_total, samples_total, stop
 
-    def _agree_on_step(self, loss_sum: float, samples: int, finite: bool) -> tuple[float, bool, bool]:
+    def _agree_on_step(self, loss_sum: float, samples: int, finite: bool) -> tuple[float, float, bool, bool]:
         """One tiny all-reduce per step, so that every rank takes the same decision at the same step.
 
         It sums, over ranks: the loss (a NaN anywhere makes the sum NaN), the samples, the ranks
         that saw a non-finite value, and the ranks that received a stop signal (the signal may
-        reach them milliseconds apart). Returns (mean loss of the global batch, diverged, stop).
+        reach them milliseconds apart). Returns (the global batch's loss sum, its samples,
+        diverged, stop).
         """
         stop = self.stop_requests is not None and self.stop_requests.received is not None
         summary = [loss_sum, float(samples), 0.0 if finite else 1.0, 1.0 if stop else 0.0]
         loss_total, samples_total, non_finite_ranks, stopping_ranks = _reduce_sum(summary, self.ctx.device)
-        step_loss = loss_total / samples_total
-        return step_loss, non_finite_ranks > 0 or not math.isfinite(step_loss), stopping_ranks > 0
+        diverged = non_finite_ranks > 0 or not math.isfinite(loss_total / samples_total)
+        return loss_total, samples_total, diverged, stopping_ranks > 0
 
     def _stop_diverged(self, step_loss: float, grad_norm: float | None) -> None:
         """Record the divergence, tell the user what to try, and stop (no update, no checkpoint)."""
@@ -459,25 +526,24 @@ class Trainer:
         if config.precision != "fp32":
             tries.append("--precision fp32")
         saved = checkpoint.latest_checkpoint(config.checkpoint_dir) if config.checkpoint_dir else None
-        # Resuming the newest checkpoint replays the same batch, so an older one may be the way back.
+        # Resuming the newest checkpoint replays the same batch, so an older one may be the way back;
+        # its run then needs a folder of its own, where the newer checkpoint cannot be taken for its own.
         resume = (
             f"; the checkpoints from before it are kept: the newest is {saved} (--resume latest), an older "
-            f"one resumes with --resume {saved.parent}/step-XXXXXXXX"
+            f"one resumes with --resume {saved.parent}/step-XXXXXXXX and a new --checkpoint-dir"
             if saved
             else ""
         )
-        if self.ctx.is_main and config.metrics:
-            _append_metrics(
-                config.metrics,
-                {
-                    "event": "diverged",
-                    "epoch": position.epoch + 1,
-                    "step": step,
-                    "loss": repr(step_loss),
-                    "grad_norm": grad_norm,
-                    "lr": config.lr,
-                },
-            )
+        if config.metrics:
+            record = {
+                "event": "diverged",
+                "epoch": position.epoch + 1,
+                "step": step,
+                "loss": repr(step_loss),
+                "grad_norm": grad_norm,
+                "lr": config.lr,
+            }
+            _on_first_rank(lambda: _append_metrics(config.metrics, record))
         raise Diverged(
             f"training diverged at step {step} (epoch {position.epoch + 1}): {what}; try "
             f"{', '.join(tries[:-1])} or {tries[-1]}{resume}"
@@ -526,12 +592,17 @@ class Trainer:
         )
         if self.ctx.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.ctx.device)
-        loss_sum = samples = 0.0
+        # What the epoch's metrics add up; a resumed epoch goes on from what the checkpoint had summed.
+        sums = dict(EMPTY_EPOCH_SUMS) | (position.epoch_sums if first_step else {})
+        seconds_before = sums["seconds"]
         started = time.perf_counter()
         for step in range(first_step, last_step):
             step_loss, step_samples, stop = self._train_step(batches)
-            loss_sum += step_loss
-            samples += step_samples
+            sums["loss_sum"] += step_loss
+            sums["samples"] += step_samples
+            sums["steps"] += 1
+            sums["seconds"] = seconds_before + time.perf_counter() - started
+            position.epoch_sums = dict(sums)
             position.step_in_epoch, position.global_step = step + 1, position.global_step + 1
             bar.update(1)
             bar.set_postfix(loss=f"{step_loss / step_samples:.4f}", refresh=False)
@@ -546,11 +617,10 @@ class Trainer:
                 self._stop_for_requeue()
         if self.ctx.device.type == "cuda":
             torch.cuda.synchronize(self.ctx.device)
-        # the slowest rank sets the pace
-        epoch_time = _reduce_max(time.perf_counter() - started, self.ctx.device)
+        # the slowest rank sets the pace (a resumed epoch: the time before the stop, plus this part)
+        epoch_time = _reduce_max(seconds_before + time.perf_counter() - started, self.ctx.device)
         bar.close()
-        loss_sum, samples = _reduce_sum([loss_sum, samples], self.ctx.device)
-        steps = last_step - first_step
+        steps = int(sums["steps"])
         peak_mb, peak_kind = peak_memory_mb(self.ctx.device)
         record = {
             "epoch": epoch + 1,
@@ -567,10 +637,14 @@ class Trainer:
             "device": self.ctx.device.type,
             "backend": self.ctx.backend,
             "steps": steps,
+            # False when --max-steps ended it early: its numbers then describe only those steps
+            "epoch_complete": position.step_in_epoch == self.steps_per_epoch,
             "epoch_time_s": epoch_time,
             "samples_per_s": steps * config.global_batch_size / epoch_time,
-            "train_loss": loss_sum / samples,
+            "train_loss": sums["loss_sum"] / sums["samples"],
         }
+        if first_step:  # stopped and resumed inside this epoch: the sums above still cover all of it
+            record["resumed_at_step"] = first_step
         record["model_tflops"] = self.flops_per_sample * record["samples_per_s"] / 1e12
         peak = flops.peak_tflops(self.ctx.device, flops.matmul_precision(config.precision))
         record["mfu"] = (
@@ -591,7 +665,7 @@ class Trainer:
         held = memory.measure_model_states(self.model, optimizer=self.optimizer).total
         record["model_state_mb"] = _reduce_max(held / 2**20, self.ctx.device)
         if position.step_in_epoch == self.steps_per_epoch:
-            position.epoch, position.step_in_epoch = epoch + 1, 0
+            position.epoch, position.step_in_epoch, position.epoch_sums = epoch + 1, 0, {}
         return record
 
     def fit(self, collect_state: bool = False) -> TrainResult:
@@ -608,9 +682,9 @@ class Trainer:
             if record is None:
                 break
             position.history.append(record)
+            if config.metrics:
+                _on_first_rank(lambda: _append_metrics(config.metrics, record))
             if self.ctx.is_main:
-                if config.metrics:
-                    _append_metrics(config.metrics, record)
                 tqdm.write(
                     f"epoch {record['epoch']}/{config.epochs}: train loss {record['train_loss']:.4f}, val "
                     f"loss {record['val_loss']:.4f}, val acc {record['val_acc']:.2%}, "

@@ -92,13 +92,48 @@ def test_rank_without_world_size_names_the_fix():
         resolve_environment(environ={"RANK": "0"})
 
 
-def test_rank_outside_world_and_missing_master():
-    with pytest.raises(UserError, match="outside 0..1"):
-        resolve_environment(environ={"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "1"})
-    with pytest.raises(UserError, match="MASTER_ADDR and MASTER_PORT"):
-        resolve_environment(environ={"RANK": "0", "WORLD_SIZE": "2"})
-    with pytest.raises(UserError, match="not an integer"):
-        resolve_environment(environ={"RANK": "zero", "WORLD_SIZE": "2"})
+TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+SRUN = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "nid[1-2]"}
+
+# (the launcher's variables, with one of them wrong; what the one line must say)
+MALFORMED = [
+    (TORCHRUN | {"RANK": "2"}, "RANK='2' is not a whole number from 0 to 1: torchrun and course_lib.launch"),
+    (TORCHRUN | {"RANK": "zero"}, "RANK='zero' is not a whole number from 0 to 1"),
+    (
+        TORCHRUN | {"WORLD_SIZE": "0"},
+        "WORLD_SIZE='0' is not a whole number 1 or more: the number of processes",
+    ),
+    (TORCHRUN | {"WORLD_SIZE": "two"}, "WORLD_SIZE='two' is not a whole number 1 or more"),
+    (TORCHRUN | {"LOCAL_RANK": "-1"}, "LOCAL_RANK='-1' is not a whole number from 0 to 1"),
+    (TORCHRUN | {"LOCAL_WORLD_SIZE": "x"}, "LOCAL_WORLD_SIZE='x' is not a whole number 1 or more"),
+    (
+        TORCHRUN | {"MASTER_PORT": "http"},
+        "MASTER_PORT='http' is not a whole number from 1 to 65535: a free TCP",
+    ),
+    (TORCHRUN | {"MASTER_PORT": "70000"}, "MASTER_PORT='70000' is not a whole number from 1 to 65535"),
+    (TORCHRUN | {"MASTER_PORT": "0"}, "MASTER_PORT='0' is not a whole number from 1 to 65535"),
+    (
+        TORCHRUN | {"MASTER_ADDR": ""},
+        "MASTER_ADDR='' is not a host name or address: set it to the name or IP",
+    ),
+    (SRUN | {"SLURM_NTASKS": "four"}, "SLURM_NTASKS='four' is not a whole number 1 or more: srun sets it"),
+    (SRUN | {"SLURM_STEP_NUM_TASKS": "0"}, "SLURM_STEP_NUM_TASKS='0' is not a whole number 1 or more"),
+    (SRUN | {"SLURM_PROCID": "4"}, "SLURM_PROCID='4' is not a whole number from 0 to 3: srun sets it"),
+    (SRUN | {"SLURM_PROCID": "first"}, "SLURM_PROCID='first' is not a whole number from 0 to 3"),
+    (SRUN | {"SLURM_LOCALID": "-2"}, "SLURM_LOCALID='-2' is not a whole number 0 or more"),
+    (SRUN | {"SLURM_NNODES": "9"}, "SLURM_NNODES='9' is not a whole number from 1 to 4: Slurm sets it"),
+    (SRUN | {"SLURM_JOB_ID": "abc"}, "SLURM_JOB_ID='abc' is not a whole number 0 or more: Slurm sets it"),
+    (SRUN | {"MASTER_PORT": "-5"}, "MASTER_PORT='-5' is not a whole number from 1 to 65535"),
+    ({"RANK": "0"}, "RANK is set but WORLD_SIZE is not: launch with torchrun"),
+    ({"RANK": "0", "WORLD_SIZE": "2"}, "MASTER_ADDR and MASTER_PORT must be set when WORLD_SIZE > 1"),
+]
+
+
+@pytest.mark.parametrize("environ, message", MALFORMED, ids=[m.split(" is ")[0] for _, m in MALFORMED])
+def test_a_malformed_launcher_variable_is_named_with_its_fix(environ, message):
+    with pytest.raises(UserError) as refused:
+        resolve_environment(environ=environ)
+    assert message in str(refused.value)
 
 
 @pytest.mark.parametrize(

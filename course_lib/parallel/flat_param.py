@@ -28,17 +28,49 @@ from .. import comm, runtime
 from ..errors import UserError
 from .ddp import GradientSyncSwitch
 
+Place = tuple[str, nn.Module, str]
+"""Where a parameter sits: (its name in the model, the module holding it, that module's attribute)."""
+
+
+@dataclass
+class OwnedParameter:
+    """One parameter of a model and every place that holds it.
+
+    A tied weight (a language model's token embedding reused as its output projection, set by
+    ``head.weight = embedding.weight``) is *one* parameter in two places. It must stay one: one
+    slot in the flat vector, one leaf that both places compute with, so that autograd adds the
+    two gradients into one ``.grad``, and one update. Flattened once per place, it would become
+    two parameters trained apart: a different model, with no error anywhere.
+    """
+
+    param: nn.Parameter
+    places: list[Place]  # the first one names it (as ``named_parameters`` does)
+
+    @property
+    def fqn(self) -> str:
+        return self.places[0][0]
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _, _ in self.places]
+
 
 @dataclass
 class ParamSlot:
     """Where one of the module's original parameters lives inside the flat parameter."""
 
-    fqn: str  # its name in the unwrapped model, e.g. "2.1.weight"
-    module: nn.Module  # the module that owns it
-    attr: str  # its attribute name on that module, e.g. "weight"
+    places: list[Place]  # every (name, module, attribute) that holds it: more than one if tied
     shape: torch.Size
     offset: int  # first element in the flat vector
-    leaf: torch.Tensor  # what the module now uses: a view into the unsharded flat vector
+    leaf: torch.Tensor  # what the modules now use: a view into the unsharded flat vector
+
+    @property
+    def fqn(self) -> str:
+        return self.places[0][0]
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _, _ in self.places]
 
     @property
     def numel(self) -> int:
@@ -76,8 +108,8 @@ class FlatParameter:
 
     Args:
         name: the module's name in the model (a prefix of its parameters' names).
-        named_params: (name, owner module, attribute, parameter) of every parameter to flatten,
-            as ``owned_parameters`` lists them; one dtype, all trainable or all frozen.
+        owned: every parameter to flatten with the places that hold it, as ``owned_parameters``
+            lists them (a tied parameter once); one dtype, all trainable or all frozen.
         shard_group: the G ranks the vector is sharded over (None: every rank).
         replicate_group: the ranks holding the same shard, whose gradients are also averaged
             (HYBRID_SHARD across nodes); None when the shard group is the whole data group.
@@ -91,7 +123,7 @@ class FlatParameter:
     def __init__(
         self,
         name: str,
-        named_params: list[tuple[str, nn.Module, str, nn.Parameter]],
+        owned: list[OwnedParameter],
         shard_group,
         *,
         replicate_group=None,
@@ -108,14 +140,14 @@ class FlatParameter:
         self.data_parallel_size = self.group_size * (
             runtime.world_size(group=replicate_group) if replicate_group else 1
         )
-        dtype = check_same_dtype([(fqn, p) for fqn, _, _, p in named_params], name)
-        self.requires_grad = named_params[0][3].requires_grad
-        self.compute_device = compute_device or named_params[0][3].device
+        dtype = check_same_dtype([(o.fqn, o.param) for o in owned], name)
+        self.requires_grad = owned[0].param.requires_grad
+        self.compute_device = compute_device or owned[0].param.device
         self.param_dtype = param_dtype or dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
         shard_device = shard_device or self.compute_device
 
-        self.total = sum(p.numel() for *_, p in named_params)
+        self.total = sum(o.param.numel() for o in owned)
         self.shard_numel = math.ceil(self.total / self.group_size)
         self.padded = self.shard_numel * self.group_size
         start = self.index * self.shard_numel
@@ -124,7 +156,7 @@ class FlatParameter:
 
         flat = torch.zeros(self.padded, dtype=dtype, device=self.compute_device)
         with torch.no_grad():
-            torch.cat([p.detach().reshape(-1) for *_, p in named_params], out=flat[: self.total])
+            torch.cat([o.param.detach().reshape(-1) for o in owned], out=flat[: self.total])
         self.full = (
             flat
             if shard_is_view
@@ -141,7 +173,8 @@ class FlatParameter:
 
         self.slots: list[ParamSlot] = []
         offset = 0
-        for fqn, module, attr, param in named_params:
+        for entry in owned:
+            param = entry.param
             # A plain tensor (not a Parameter) that autograd treats as a leaf: its .grad is where
             # backward puts the gradient. ``.data =`` makes it a view of ``full`` while keeping its
             # own version counter, so refilling ``full`` later does not upset autograd.
@@ -149,9 +182,10 @@ class FlatParameter:
                 0, dtype=self.param_dtype, device=self.compute_device, requires_grad=self.requires_grad
             )
             leaf.data = self.full[offset : offset + param.numel()].view(param.shape)
-            del module._parameters[attr]
-            setattr(module, attr, leaf)
-            self.slots.append(ParamSlot(fqn, module, attr, param.shape, offset, leaf))
+            for _, module, attr in entry.places:  # every place of a tied weight uses the same leaf
+                del module._parameters[attr]
+                setattr(module, attr, leaf)
+            self.slots.append(ParamSlot(list(entry.places), param.shape, offset, leaf))
             offset += param.numel()
         self.is_gathered = True
         if not shard_is_view:
@@ -224,9 +258,11 @@ class FlatParameter:
         return flat[: self.total]
 
     def split(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """A flat vector back as the original named tensors."""
+        """A flat vector back as the original named tensors (a tied one under each of its names)."""
         return {
-            slot.fqn: flat[slot.offset : slot.offset + slot.numel].view(slot.shape) for slot in self.slots
+            name: flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            for slot in self.slots
+            for name in slot.names
         }
 
     def load_full(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -335,7 +371,7 @@ class FlatShardedMixin(GradientSyncSwitch):
         return state
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        expected = {slot.fqn for flat in self.flat_params for slot in flat.slots} | {
+        expected = {name for flat in self.flat_params for slot in flat.slots for name in slot.names} | {
             name for name, _ in self.module.named_buffers()
         }
         missing, unexpected = expected - set(state), set(state) - expected
@@ -381,15 +417,12 @@ class FlatShardedMixin(GradientSyncSwitch):
         )
 
 
-def owned_parameters(
-    module: nn.Module, skip: set[int] | None = None
-) -> list[tuple[str, nn.Module, str, nn.Parameter]]:
-    """(name, owner module, attribute, parameter) for every parameter of ``module`` not in ``skip``."""
-    found = []
+def owned_parameters(module: nn.Module) -> list[OwnedParameter]:
+    """Every parameter of ``module`` once, in the model's order, with every place that holds it."""
+    found: dict[int, OwnedParameter] = {}
     for module_name, owner in module.named_modules():
-        if skip and id(owner) in skip:
-            continue
         for attr, param in owner._parameters.items():
             if param is not None:
-                found.append((f"{module_name}.{attr}" if module_name else attr, owner, attr, param))
-    return found
+                place = (f"{module_name}.{attr}" if module_name else attr, owner, attr)
+                found.setdefault(id(param), OwnedParameter(param, [])).places.append(place)
+    return list(found.values())

@@ -7,7 +7,9 @@ precision Adam, and rebuilds a piece of the model only for the moment it compute
 Units. The model is cut into *units* (``auto_wrap_policy``: module classes such as a
 transformer block, a parameter-count threshold, or an explicit list of modules; the root module
 is always a unit, for the parameters left over). Each unit's parameters form one
-``FlatParameter``: flattened, padded, sharded. Per unit and step:
+``FlatParameter``: flattened, padded, sharded. A weight tied between two units (an embedding
+reused as the output head) belongs to the innermost unit that holds both, so it stays one
+weight, gathered while either use computes. Per unit and step:
 
 1. before its forward: **all-gather** the full parameters (forward pre-hook);
 2. after its forward: **free** them (``reshard_after_forward``); only one unit is whole at a time;
@@ -214,6 +216,28 @@ class ShardLayout:
     start_groups: tuple = (None,)
 
 
+def hybrid_shard_group_size(hybrid_shard_size: int | None, world_size: int, ranks_per_node: int) -> int:
+    """The ranks of one HYBRID_SHARD shard group: ``hybrid_shard_size``, by default a node's ranks.
+
+    The groups must cut the ranks evenly: checked here, before any process waits (the training
+    command calls this from its configuration check, so ``--dry-run`` refuses it too).
+
+    Args:
+        hybrid_shard_size: the size asked for (None: ``ranks_per_node``).
+        world_size: all the ranks.
+        ranks_per_node: the ranks on one node (LOCAL_WORLD_SIZE).
+    """
+    shard_size = hybrid_shard_size or ranks_per_node
+    if world_size % shard_size:
+        sizes = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        asked = "" if hybrid_shard_size else f" (the ranks of one node, {ranks_per_node}, by default)"
+        raise UserError(
+            f"HYBRID_SHARD needs a shard group size that divides the {world_size} ranks, got {shard_size}"
+            f"{asked}: pass --hybrid-shard-size (hybrid_shard_size) among {sizes}"
+        )
+    return shard_size
+
+
 def shard_layout(
     sharding_strategy: str | None, hybrid_shard_size: int | None, group, mesh, device_type: str
 ) -> ShardLayout:
@@ -278,12 +302,9 @@ def shard_layout(
         return ShardLayout(sharding_strategy, state_mesh, group, None, (group,))
     world = runtime.world_size()
     if sharding_strategy == "HYBRID_SHARD":
-        shard_size = hybrid_shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        if world % shard_size:
-            raise UserError(
-                f"HYBRID_SHARD needs a shard group size that divides the {world} ranks, got {shard_size}: "
-                f"pass hybrid_shard_size among {[d for d in range(1, world + 1) if world % d == 0]}"
-            )
+        shard_size = hybrid_shard_group_size(
+            hybrid_shard_size, world, int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        )
     else:
         shard_size = 1 if sharding_strategy == "NO_SHARD" else world
     # Rows are replicas, columns are shards: ranks [0, 1] share one model on a 2x2 mesh.
@@ -381,13 +402,17 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
         shard_device = torch.device("cpu") if cpu_offload != "none" else compute_device
 
         self.units: list[Unit] = []
-        # Children first: building a unit replaces its parameters by views, so its parents no longer see them.
+        unassigned = owned_parameters(module)
+        # Children first, so that a nested unit takes its parameters before its parent does. A
+        # parameter belongs to the innermost unit that holds *every* place of it: a weight tied
+        # between two units (an embedding and the output head) goes to their common ancestor,
+        # which is gathered for as long as either of them computes (FSDP's rule for shared
+        # parameters).
         for unit_module in reversed([module, *unit_modules]):
             prefix = names[id(unit_module)]
-            params = [
-                (f"{prefix}.{fqn}" if prefix else fqn, owner, attr, p)
-                for fqn, owner, attr, p in owned_parameters(unit_module)
-            ]
+            inside = {id(m) for m in unit_module.modules()}
+            params = [o for o in unassigned if all(id(owner) in inside for _, owner, _ in o.places)]
+            unassigned = [o for o in unassigned if not any(o is p for p in params)]
             if not params:
                 continue
             flat = FlatParameter(

@@ -114,7 +114,23 @@ def split_model(
             f"cut points {cut_points} must be {num_stages - 1} increasing layer indices between 1 and "
             f"{len(layers) - 1}"
         )
-    return [nn.Sequential(*layers[a:b]) for a, b in zip(bounds, bounds[1:])]
+    stages = [nn.Sequential(*layers[a:b]) for a, b in zip(bounds, bounds[1:])]
+    _check_no_tie_across_stages(stages)
+    return stages
+
+
+def _check_no_tie_across_stages(stages: list[nn.Sequential]) -> None:
+    """Each rank keeps only its stage, so a weight tied across two stages would train as two weights."""
+    stage_of: dict[int, int] = {}
+    for index, stage in enumerate(stages):
+        for name, param in stage.named_parameters(remove_duplicate=False):
+            first = stage_of.setdefault(id(param), index)
+            if first != index:
+                raise UserError(
+                    f"a weight is tied between stage {first} and stage {index} (here as {name}): each "
+                    "pipeline rank keeps one copy of its own stage, so the two would train apart; build the "
+                    "model untied (tie_embeddings=False), or cut so that both uses are in one stage"
+                )
 
 
 def rank_of_stage(stage: int, pipeline_size: int) -> int:

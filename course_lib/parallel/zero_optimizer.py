@@ -93,6 +93,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         all_params = [p for g in self.param_groups for p in g["params"]]
         if not all_params:
             raise UserError("ShardedOptimizer got no parameters: pass model.parameters()")
+        if len({id(p) for p in all_params}) != len(all_params):
+            # A tied weight gathered from each module that holds it: one owner must update it once.
+            raise UserError(
+                "a parameter is listed twice (a weight tied between two layers?): pass model.parameters(), "
+                "which lists each parameter once"
+            )
         self.group, self.optimizer_cls = group, optimizer_cls
         self.world_size, self.rank = runtime.world_size(group=group), runtime.rank(group=group)
         owners = partition_parameters([p.numel() for p in all_params], self.world_size)

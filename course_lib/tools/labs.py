@@ -19,14 +19,25 @@ line. A rank waiting for a collective another never made is stopped (``LAB_TIMEO
 message. Then each ``Question`` of the lab's README is checked from the student's
 ``answers.toml``, against the value the course's own models compute. ``--submissions DIR`` grades
 every ``name.py`` in a folder (with ``name.toml``), for instructors.
+
+Each submission is graded in a process of its own, and passes only if that process reaches the
+end of the suite and says so: a file that exits while it is imported (``sys.exit``,
+``os._exit``), kills its grader, or never finishes importing fails with the reason, instead of
+ending the check with status 0 or leaving it waiting.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import queue
 import re
+import signal
+import subprocess
 import sys
+import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -146,7 +157,12 @@ def check_answers(questions: list[Question], path: Path) -> list[str]:
     if not path.is_file():
         return [f"FAIL  answers: {path} does not exist (copy the lab's answers.toml and fill it in)"]
     try:
-        given = tomllib.loads(path.read_text())
+        given = tomllib.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as error:
+        return [
+            f"FAIL  answers: {path.name} is not UTF-8 text (byte {error.object[error.start]:#04x} at "
+            f"position {error.start}): save it as UTF-8 (TOML files must be)"
+        ]
     except tomllib.TOMLDecodeError as error:
         return [f"FAIL  answers: {path.name} is not valid TOML: {error}"]
     lines = []
@@ -187,6 +203,8 @@ def _property_outcome(prop: Property, student: ModuleType, path: Path) -> str | 
     """None when the property holds, else the one line that says what is wrong."""
     try:
         prop.check(student)
+    except SystemExit as stop:
+        return f"your code called sys.exit({stop.code!r}) while it was checked: return or raise instead"
     except NotImplementedError as error:
         return f"not finished yet: {_first_todo(error, path)}"
     except AssertionError as error:
@@ -206,41 +224,167 @@ def _property_outcome(prop: Property, student: ModuleType, path: Path) -> str | 
     return None
 
 
-def run_suite(name: str, path: Path, answers: Path | None = None) -> tuple[bool, list[str]]:
+class ImportHung(Exception):
+    """The student's file did not finish importing in time."""
+
+
+def _load_in_time(path: Path, seconds: float) -> ModuleType:
+    """``load(path)``, stopped after ``seconds`` (code at a file's top level runs when it is imported)."""
+
+    def stop(_signal, _frame):
+        raise ImportHung(
+            f"importing {path.name} did not finish within {seconds:g} s: code at the top level of a file "
+            'runs when it is imported; put it in a function, or under if __name__ == "__main__":'
+        )
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        return load(path)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def run_suite(name: str, path: Path, answers: Path | None = None, *, emit=None) -> tuple[bool, list[str]]:
     """Every property of lab ``name`` on the student's file, then its questions: (all passed, the report).
 
     Args:
         name: the lab.
         path: the student's Python file.
         answers: the student's answers (None: ``answers.toml`` beside the file, or the lab's).
+        emit: called with each line of the report as soon as it is known (for progress).
     """
     grading = load(LABS_DIR / name / "grading.py")
-    try:
-        student = load(path)
-    except Exception as error:  # noqa: BLE001
-        return False, [f"FAIL  {path.name} does not load: {type(error).__name__}: {error}"]
     lines, first_hint = [], None
+
+    def report(line: str) -> None:
+        lines.append(line)
+        if emit is not None:
+            emit(line)
+
+    try:
+        student = _load_in_time(path, lab_timeout_s())
+    except SystemExit as stop:
+        report(
+            f"FAIL  {path.name} called sys.exit({stop.code!r}) while it was imported: a lab file only "
+            'defines things; put code that runs in a function, or under if __name__ == "__main__":'
+        )
+        return False, lines
+    except ImportHung as error:
+        report(f"FAIL  {error}")
+        return False, lines
+    except Exception as error:  # noqa: BLE001
+        report(f"FAIL  {path.name} does not load: {type(error).__name__}: {error}")
+        return False, lines
     for prop in grading.PROPERTIES:
         started = time.perf_counter()
         problem = _property_outcome(prop, student, path)
         took = f"({time.perf_counter() - started:.1f} s)"
         if problem is None:
-            lines.append(f"PASS  {prop.name} {took}")
+            report(f"PASS  {prop.name} {took}")
         else:
-            lines.append(f"FAIL  {prop.name} {took}: {problem}")
+            report(f"FAIL  {prop.name} {took}: {problem}")
             first_hint = first_hint or prop.hint
     questions = getattr(grading, "QUESTIONS", [])
     if questions:
         if answers is None:
             beside = path.with_name("answers.toml") if path.parent != LABS_DIR / name else None
             answers = beside if beside is not None and beside.is_file() else LABS_DIR / name / "answers.toml"
-        lines += check_answers(questions, answers)
+        for line in check_answers(questions, answers):
+            report(line)
     passed = not any(line.startswith("FAIL") for line in lines)
     total = len(grading.PROPERTIES) + len(questions)
     failed = sum(line.startswith("FAIL") for line in lines)
     summary = f"{name}: {total - failed} of {total} properties and answers hold"
-    lines.append(summary + (f"; hint: {first_hint}" if first_hint else ""))
+    report(summary + (f"; hint: {first_hint}" if first_hint else ""))
     return passed, lines
+
+
+# -- each submission in a process of its own --------------------------------------------------------
+
+SILENCE_LIMIT_PER_TIMEOUT = 4
+"""A property runs the student's code on a few world sizes, each bounded by ``lab_timeout_s``; a
+grader silent for this many of those (plus ``GRADER_START_S``) is stuck, and is stopped."""
+
+GRADER_START_S = 15
+"""What a grading process needs before its first line: start Python, import torch and the suite."""
+
+
+def grading_silence_limit_s() -> float:
+    return SILENCE_LIMIT_PER_TIMEOUT * lab_timeout_s() + GRADER_START_S
+
+
+def _grade_in_child(name: str, path: Path, answers: Path | None, verdict: Path) -> int:
+    """The child's side: run the suite, print each line at once, and only at the very end write
+    the verdict file, so that a run that ended early is told from one that finished."""
+    passed, lines = run_suite(name, path, answers, emit=lambda line: print(line, flush=True))
+    finished = verdict.with_suffix(".partial")
+    finished.write_text(json.dumps({"passed": passed, "summary": lines[-1]}))
+    os.replace(finished, verdict)
+    return 0 if passed else 1
+
+
+def grade_submission(name: str, path: Path, answers: Path | None = None, *, echo=print) -> bool:
+    """Grade ``path`` in a child process; True if every property and answer holds.
+
+    The child prints the report line by line (``echo`` shows each). It passes only if it writes
+    its verdict at the end: exiting early, being killed, or falling silent for longer than
+    ``grading_silence_limit_s()`` (a student's file stuck in an endless loop) fails it, with the
+    reason.
+
+    Args:
+        name: the lab.
+        path: the student's Python file.
+        answers: the student's answers (None: the default rule of ``run_suite``).
+        echo: where each line of the report goes.
+    """
+    with tempfile.TemporaryDirectory(prefix="course-grade-") as scratch:
+        verdict = Path(scratch) / "verdict.json"
+        command = [sys.executable, "-m", "course_lib.tools.labs", "_grade", name, str(path), str(verdict)]
+        if answers is not None:
+            command.append(str(answers))
+        child = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            start_new_session=True,  # its own process group: stopping it stops the ranks it started
+        )
+        lines: queue.Queue[str | None] = queue.Queue()
+
+        def read() -> None:
+            for line in child.stdout:
+                lines.put(line.rstrip("\n"))
+            lines.put(None)
+
+        threading.Thread(target=read, daemon=True).start()
+        last_line, silent = "", False
+        while True:
+            try:
+                line = lines.get(timeout=grading_silence_limit_s())
+            except queue.Empty:
+                silent = True
+                os.killpg(child.pid, signal.SIGKILL)
+                break
+            if line is None:
+                break
+            echo(line)
+            last_line = line if line.startswith(("PASS", "FAIL")) else last_line
+        status = child.wait()
+        if verdict.is_file():
+            return json.loads(verdict.read_text())["passed"]
+    where = f" after: {last_line}" if last_line else " while it was imported"
+    why = (
+        f"nothing happened for {grading_silence_limit_s():g} s (an endless loop?), so it was stopped"
+        if silent
+        else f"the process ended with status {status}{where} (a sys.exit or os._exit in the file?)"
+    )
+    echo(f"FAIL  {path.name}: the grading did not reach its end, so nothing is passed: {why}")
+    echo(f"{name}: not graded to the end")
+    return False
 
 
 def load(path: Path) -> ModuleType:
@@ -289,6 +433,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="instructors: check every .py file in this folder, one report each",
     )
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["_grade"]:  # the child of grade_submission (not for people: no help entry)
+        name, path, verdict, *answers = argv[1:]
+        return _grade_in_child(name, Path(path), Path(answers[0]) if answers else None, Path(verdict))
     args = parser.parse_args(argv)
     if args.command == "generate":
         for path in generate():
@@ -310,8 +459,9 @@ def main(argv: list[str] | None = None) -> int:
         if len(files) > 1:
             print(f"== {path.name}")
         own_answers = path.with_suffix(".toml") if args.submissions else args.answers
-        passed, lines = run_suite(args.lab, path.resolve(), own_answers)
-        print("\n".join(lines), flush=True)
+        passed = grade_submission(
+            args.lab, path.resolve(), own_answers, echo=lambda line: print(line, flush=True)
+        )
         everyone_passed &= passed
     return 0 if everyone_passed else 1
 

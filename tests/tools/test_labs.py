@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -158,3 +159,58 @@ def test_instructors_grade_a_folder_of_submissions(tmp_path):
     ada, bob = graded.stdout.split("== bob.py")
     assert ada.startswith("== ada.py") and "lab6_scaling: 5 of 5 properties and answers hold" in ada
     assert "not finished yet: TODO: " in bob and "bob.toml does not exist" in bob
+
+
+def _with_tail(tail: str, tmp_path: Path, answers: bytes | None = None) -> Path:
+    """Lab 6's solution, then ``tail``, run as it is imported (and its answers beside it)."""
+    folder = labs.LABS_DIR / "lab6_scaling"
+    path = tmp_path / "attempt.py"
+    path.write_text((folder / "solution.py").read_text() + "\n" + tail + "\n")
+    path.with_name("answers.toml").write_bytes(
+        answers if answers is not None else (folder / "solution_answers.toml").read_bytes()
+    )
+    return path
+
+
+# (what the file does when imported, what the one FAIL line must say)
+SUBMISSIONS_THAT_NEVER_FINISH = {
+    "sys.exit": ("import sys\nsys.exit(0)", "attempt.py called sys.exit(0) while it was imported"),
+    "os._exit": (
+        "import os\nos._exit(0)",
+        "the grading did not reach its end, so nothing is passed: the process ended with status 0 while it "
+        "was imported",
+    ),
+    "endless import": ("while True:\n    pass", "importing attempt.py did not finish within 2 s"),
+    "endless, deaf to the alarm": (
+        "import signal\nsignal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})\nwhile True:\n    pass",
+        "nothing happened for 23 s (an endless loop?), so it was stopped",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", SUBMISSIONS_THAT_NEVER_FINISH)
+def test_a_submission_that_never_finishes_its_checks_fails_with_the_reason(case, tmp_path):
+    tail, reason = SUBMISSIONS_THAT_NEVER_FINISH[case]
+    path = _with_tail(tail, tmp_path)
+    started = time.monotonic()
+    graded = _check_command("lab6_scaling", "--file", str(path), COURSE_LAB_TIMEOUT_S="2")
+    assert graded.returncode == 1, graded.stdout + graded.stderr
+    assert reason in graded.stdout, graded.stdout
+    assert "PASS" not in graded.stdout and "Traceback" not in graded.stdout + graded.stderr
+    assert time.monotonic() - started < 60
+
+
+def test_the_same_file_without_the_tail_passes(tmp_path):
+    graded = _check_command("lab6_scaling", "--file", str(_with_tail("", tmp_path)))
+    assert graded.returncode == 0, graded.stdout
+
+
+def test_answers_that_are_not_utf8_fail_in_one_line(tmp_path):
+    text = (labs.LABS_DIR / "lab6_scaling" / "solution_answers.toml").read_text()
+    path = _with_tail("# café", tmp_path, answers=("# café\n" + text).encode("latin-1"))
+    graded = _check_command("lab6_scaling", "--file", str(path))
+    assert graded.returncode == 1
+    assert "FAIL  answers: answers.toml is not UTF-8 text (byte 0xe9 at position 5): save it as UTF-8" in (
+        graded.stdout
+    )
+    assert "Traceback" not in graded.stdout + graded.stderr

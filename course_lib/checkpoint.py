@@ -180,14 +180,33 @@ def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str
     return {"model": model_state, "optimizer": optimizer_state}
 
 
-def _why_not_written(error: BaseException) -> str:
-    """The operating system's reason, from an OSError or DCP's wrapper of one rank's error."""
+def _first_failure(error: BaseException) -> BaseException:
+    """The error itself, or the first rank's, when DCP wrapped one (exception, traceback) per rank."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     if isinstance(error, CheckpointException) and error.failures:
-        error = next(iter(error.failures.values()))
+        failure = next(iter(error.failures.values()))
+        return failure[0] if isinstance(failure, tuple) else failure
+    return error
+
+
+def _folder_bytes(path: Path) -> int:
+    return sum(file.stat().st_size for file in path.rglob("*") if file.is_file())
+
+
+def _why_not_written(error: BaseException, directory: Path) -> str:
+    """The operating system's reason, in words. A full disk often reaches Python only as a short
+    write inside torch.save ("unexpected pos"), so the free space is measured to name it."""
+    error = _first_failure(error)
     if isinstance(error, OSError) and error.strerror:
         return error.strerror
+    free = shutil.disk_usage(directory).free
+    previous = latest_checkpoint(directory)
+    if previous is not None and free < _folder_bytes(previous):
+        return (
+            f"No space left on device: {free / 1e6:.1f} MB free, and a checkpoint takes "
+            f"{_folder_bytes(previous) / 1e6:.1f} MB"
+        )
     text = str(error).strip()
     return text.splitlines()[0][:160] if text else type(error).__name__
 
@@ -208,49 +227,44 @@ def save(
     directory = Path(directory)
     final = directory / f"step-{position.global_step:08d}"
     temporary = directory / f"{final.name}.{position.run_id}.tmp"
-    problem = None
+    failure: BaseException | None = None  # this rank's
     if runtime.rank() == 0:
         try:
             directory.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(temporary, ignore_errors=True)
             temporary.mkdir()
         except OSError as error:
-            problem = _why_not_written(error)
-    problem = _agree(problem)
-    if problem is None:
+            failure = error
+    # Rank 0 alone names the folders; what it met, every rank must hear of before the next step.
+    stopped = runtime.from_rank0(failure is not None)
+    if not stopped:
         import torch.distributed.checkpoint as dcp
 
         try:  # DCP gathers every rank's outcome: if one rank's write fails, all of them raise
             dcp.save(_state(model, optimizer), checkpoint_id=str(temporary))
         except (OSError, CheckpointException) as error:
-            problem = _why_not_written(error)
-    if problem is None:
-        rng_states = _all_gather_objects(_rng_state())
-        if runtime.rank() == 0:
-            try:
-                _finish(directory, temporary, final, _meta(model, position, rng_states), position.run_id)
-            except OSError as error:
-                problem = _why_not_written(error)
-        problem = _agree(problem)
-    if problem is not None:
+            failure = error
+        if failure is None:
+            rng_states = _all_gather_objects(_rng_state())
+            if runtime.rank() == 0:
+                try:
+                    _finish(directory, temporary, final, _meta(model, position, rng_states), position.run_id)
+                except OSError as error:
+                    failure = error
+        stopped = runtime.from_rank0(failure is not None)
+    if stopped:
+        reason = None
         if runtime.rank() == 0:
             shutil.rmtree(temporary, ignore_errors=True)
+            reason = _why_not_written(failure, directory)
+        reason = runtime.from_rank0(reason)
         previous = latest_checkpoint(directory)
         kept = f"the newest checkpoint, {previous.name}, is intact" if previous else "no checkpoint was kept"
         raise UserError(
-            f"could not write checkpoint {final.name} in {directory} ({problem}); {kept}: free some space or "
+            f"could not write checkpoint {final.name} in {directory} ({reason}); {kept}: free some space or "
             "choose another --checkpoint-dir, then rerun with --resume latest"
         )
     return final
-
-
-def _agree(problem: str | None) -> str | None:
-    """Rank 0's problem, on every rank (rank 0 alone touches the folder's names)."""
-    if runtime.world_size() == 1:
-        return problem
-    shared = [problem]
-    dist.broadcast_object_list(shared, src=0)
-    return shared[0]
 
 
 def _meta(model: torch.nn.Module, position: TrainingPosition, rng_states: list) -> dict[str, Any]:
@@ -369,8 +383,7 @@ def load(
     try:
         dcp.load(state, checkpoint_id=str(path))
     except (Exception, CheckpointException) as error:  # DCP's exception derives from BaseException
-        if isinstance(error, CheckpointException) and error.failures:  # it wraps one error per rank
-            error = next(iter(error.failures.values()))
+        error = _first_failure(error)
         first_line = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
         raise UserError(
             f"checkpoint {path} cannot be loaded into this model ({first_line}): it is corrupt or from "

@@ -515,6 +515,24 @@ def is_main(*, group=None) -> bool:
     return rank(group=group) == 0
 
 
+def from_rank0(value):
+    """Rank 0's ``value``, on every rank of the world (every rank must call this; any picklable value).
+
+    For decisions one rank takes for all (a run's id, an error met while writing a file), so
+    that every rank then does the same thing.
+
+    Args:
+        value: what this rank has; only rank 0's is kept.
+    """
+    import torch.distributed as dist
+
+    if world_size() == 1:
+        return value
+    shared = [value]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]
+
+
 def print0(*args, **kwargs) -> None:
     """``print`` on rank 0 only: N identical lines teach nothing."""
     if is_main():

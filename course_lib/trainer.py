@@ -375,10 +375,7 @@ def _on_first_rank(action) -> None:
             action()
         except UserError as error:
             problem = str(error)
-    if runtime.world_size() > 1:
-        shared = [problem]
-        dist.broadcast_object_list(shared, src=0)
-        problem = shared[0]
+    problem = runtime.from_rank0(problem)
     if problem is not None:
         raise UserError(problem)
 
@@ -449,7 +446,9 @@ class Trainer:
             pin_memory=pin,
         )
         self.steps_per_epoch = steps_per_epoch(config)
-        self.position = checkpoint.TrainingPosition(config=config.as_dict())
+        # A fresh run's id, the same on every rank: it names the run's temporary checkpoint folders.
+        run_id = runtime.from_rank0(checkpoint.new_run_id())
+        self.position = checkpoint.TrainingPosition(config=config.as_dict(), run_id=run_id)
         resume_path = resolve_resume_path(config)
         if resume_path is not None:
             self.position = checkpoint.load(resume_path, self.model, self.optimizer, config.as_dict())

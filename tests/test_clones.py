@@ -103,4 +103,4 @@ def test_a_notebook_run_by_a_clones_jupyter_imports_that_clones_code(two_clones)
         )
         assert done.returncode == 0, done.stderr
         [output] = json.loads(notebook.read_text())["cells"][0]["outputs"]
-        assert Path(output["text"].strip()) == clone.resolve()
+        assert Path("".join(output["text"]).strip()) == clone.resolve()

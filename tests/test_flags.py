@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 import time
@@ -89,6 +90,23 @@ TRAIN_MISTAKES = [
     (["--metrics", "{file}/m.jsonl"], "--metrics {file}/m.jsonl cannot be a file: {file} is a file"),
     (["--metrics", f"{UNWRITABLE}/m.jsonl"], f"--metrics {UNWRITABLE}/m.jsonl cannot be written"),
     (["--resume", "{file}"], "--resume {file} is a file, but a folder is expected"),
+    (
+        ["--checkpoint-dir", "{tmp}/" + "n" * 300],
+        "cannot be created: the name nnnnnnnnnnnnnnnnnnnnnnnn... is 300 bytes long, more than the 255 this "
+        "file system allows; choose a shorter name",
+    ),
+    (
+        ["--metrics", "{tmp}/" + "m" * 300 + ".jsonl"],
+        "cannot be created: the name mmmmmmmmmmmmmmmmmmmmmmmm... is 306 bytes long",
+    ),
+    (
+        ["--checkpoint-dir", "{tmp}/" + "/".join(["d" * 250] * 17)],
+        "bytes long (plus the names written inside it), more than the 4096 this file system allows",
+    ),
+    (
+        ["--global-batch-size", "5000"],
+        "--global-batch-size 5000 is larger than the 1438 training samples of digits: use at most 1438",
+    ),
 ]
 
 
@@ -152,6 +170,79 @@ def test_a_bad_flag_under_torchrun_is_reported_once_before_the_ranks_meet(flags,
         line for line in output.splitlines() if line.strip().startswith('File "') and "/course_lib/" in line
     ]
     assert not our_frames, output
+
+
+# -- what the run would refuse, the dry run refuses -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def course_fsdp_checkpoint(tmp_path_factory) -> Path:
+    """A checkpoint of the course's FSDP (flat shards), and a copy whose DCP index is missing."""
+    folder = tmp_path_factory.mktemp("course_fsdp")
+    [outcome] = run_ranks(
+        [*QUICK, "--strategy", "fsdp", "--impl", "course", "--checkpoint-dir", str(folder / "run")]
+    )
+    assert outcome.returncode == 0, outcome.stderr
+    [saved] = (folder / "run").iterdir()
+    broken = folder / "broken" / saved.name
+    shutil.copytree(saved, broken)
+    (broken / ".metadata").unlink()
+    return saved
+
+
+# (flags, launcher variables, the one line both runs print); {ckpt} is the course FSDP checkpoint.
+REFUSED_BEFORE_THE_RANKS_MEET = [
+    (
+        ["--strategy", "fsdp", "--impl", "course", "--sharding", "HYBRID_SHARD", "--hybrid-shard-size", "3"],
+        {"WORLD_SIZE": "4"},
+        "HYBRID_SHARD needs a shard group size that divides the 4 ranks, got 3: pass --hybrid-shard-size",
+    ),
+    (
+        ["--strategy", "fsdp", "--impl", "course", "--sharding", "HYBRID_SHARD"],
+        {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "3"},
+        "divides the 4 ranks, got 3 (the ranks of one node, 3, by default)",
+    ),
+    (["--global-batch-size", "2000"], {"WORLD_SIZE": "2"}, "is larger than the 1438 training samples"),
+    (
+        ["--resume", "{ckpt}"],
+        {"WORLD_SIZE": "2"},
+        "holds FullyShardedDataParallel flat parameters 0.flat_param, 1.flat_param, 2.flat_param, "
+        "3.flat_param, but this run lays its model out as named parameters: resume with the --strategy",
+    ),
+    (["--resume", "{broken}"], {"WORLD_SIZE": "2"}, "is incomplete (.metadata is missing)"),
+    (
+        ["--checkpoint-dir", "{run}"],
+        {"WORLD_SIZE": "2"},
+        "already holds another run's checkpoints (the newest is step-00000001): continue that run with "
+        "--resume latest, or give this one an empty --checkpoint-dir",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "flags, variables, message",
+    REFUSED_BEFORE_THE_RANKS_MEET,
+    ids=[" ".join(f) for f, _, _ in REFUSED_BEFORE_THE_RANKS_MEET],
+)
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry run", "real run"])
+def test_the_dry_run_refuses_what_the_run_refuses(
+    flags, variables, message, dry_run, course_fsdp_checkpoint, monkeypatch, capsys
+):
+    from course_lib.launch import free_port
+
+    places = dict(
+        ckpt=course_fsdp_checkpoint,
+        broken=course_fsdp_checkpoint.parent.parent / "broken" / course_fsdp_checkpoint.name,
+        run=course_fsdp_checkpoint.parent,
+    )
+    launcher = {"RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())} | variables
+    for name, value in launcher.items():
+        monkeypatch.setenv(name, value)
+    argv = [*QUICK, "--strategy", "ddp", "--timeout", "5", *[f.format(**places) for f in flags]]
+    status, stderr = exit_and_stderr(train.main, argv + (["--dry-run"] if dry_run else []), capsys)
+    assert status == EXIT_USER_ERROR, stderr
+    assert stderr.strip().splitlines() == [f"error: {stderr.strip().removeprefix('error: ')}"]
+    assert message in stderr, stderr
 
 
 # -- the other commands: argparse types, so nothing starts -----------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
+import shutil
 import signal
 import time
 
@@ -19,7 +20,7 @@ from torch.utils.data import TensorDataset
 from course_lib import checkpoint, data, models, runtime, strategies
 from course_lib.errors import UserError
 from course_lib.launch import launch
-from course_lib.trainer import TrainConfig, Trainer, evaluate, train
+from course_lib.trainer import TrainConfig, Trainer, evaluate, train, validate_config
 
 # Global batch 60 divides by 1, 2, 3 and 4 ranks; digits gives 23 steps per epoch.
 BASE = TrainConfig(global_batch_size=60, epochs=1, max_steps=4, progress=False, lr=3e-3)
@@ -134,17 +135,57 @@ def test_resume_gives_identical_weights(tmp_path):
     assert [record["epoch"] for record in history] == [1, 2]
 
 
-def test_resume_mid_epoch_gives_identical_weights(tmp_path):
-    straight, _ = run_training(dataclasses.replace(BASE, strategy="fsdp", max_steps=9), 2)
+def test_resume_mid_epoch_gives_identical_weights_and_metrics_of_the_whole_epoch(tmp_path):
+    straight, straight_history = run_training(dataclasses.replace(BASE, strategy="fsdp", max_steps=None), 2)
     interrupted = dataclasses.replace(
         BASE, strategy="fsdp", max_steps=5, checkpoint_dir=str(tmp_path), checkpoint_every=2
     )
-    run_training(interrupted, 2)
+    _, partial = run_training(interrupted, 2)
     assert [p.name for p in checkpoint.checkpoint_dirs(tmp_path)] == ["step-00000004", "step-00000005"]
     meta = checkpoint.read_meta(tmp_path / "step-00000005")
     assert (meta["epoch"], meta["step_in_epoch"], meta["global_step"]) == (0, 5, 5)
-    resumed, _ = run_training(dataclasses.replace(interrupted, max_steps=9, resume="latest"), 2)
+    assert partial[-1]["steps"] == 5 and partial[-1]["epoch_complete"] is False  # says it is a part
+    resumed, history = run_training(dataclasses.replace(interrupted, max_steps=None, resume="latest"), 2)
     assert torch.equal(resumed, straight)
+    whole, reference = history[-1], straight_history[-1]
+    assert whole["resumed_at_step"] == 5 and whole["epoch_complete"] is True
+    assert whole["steps"] == reference["steps"] == 23
+    assert whole["train_loss"] == reference["train_loss"]  # every step's loss, summed in the same order
+    assert whole["epoch_time_s"] > partial[-1]["epoch_time_s"]  # the time before the stop counts too
+
+
+def test_a_fresh_run_refuses_a_folder_that_holds_another_runs_checkpoints(saved_checkpoint):
+    fresh = dataclasses.replace(BASE, strategy="single", checkpoint_dir=str(saved_checkpoint.parent))
+    with pytest.raises(UserError, match="already holds another run's checkpoints .* continue that run with"):
+        validate_config(fresh, 1)
+    validate_config(dataclasses.replace(fresh, strategy="ddp", resume="latest"), 2)  # continuing it is fine
+
+
+def test_an_older_checkpoint_resumes_only_into_a_folder_of_its_own_and_no_run_deletes_anothers(tmp_path):
+    first = dataclasses.replace(
+        BASE, strategy="single", max_steps=3, checkpoint_every=1, checkpoint_dir=str(tmp_path / "first")
+    )
+    run_training(first, 1)
+    older = tmp_path / "first" / "step-00000002"
+    back = dataclasses.replace(first, max_steps=5, resume=str(older))
+    with pytest.raises(UserError, match="holds step-00000003, later than the step 2 you resume from"):
+        validate_config(back, 1)
+    # In a folder holding another run's older checkpoint, the branch prunes only its own.
+    run_training(dataclasses.replace(first, max_steps=1, checkpoint_dir=str(tmp_path / "other")), 1)
+    branch = tmp_path / "branch"
+    branch.mkdir()
+    shutil.copytree(tmp_path / "other" / "step-00000001", branch / "step-00000001")
+    run_training(dataclasses.replace(back, checkpoint_dir=str(branch)), 1)
+    assert [p.name for p in checkpoint.checkpoint_dirs(branch)] == [
+        "step-00000001",  # another run's: kept
+        "step-00000004",
+        "step-00000005",
+    ]
+    assert checkpoint.latest_checkpoint(branch).name == "step-00000005"
+    assert [p.name for p in checkpoint.checkpoint_dirs(tmp_path / "first")] == [
+        "step-00000002",
+        "step-00000003",
+    ]
 
 
 @pytest.mark.parametrize("new_world_size", [1, 3])
@@ -210,7 +251,8 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     assert ready.exists(), "the child never reached the middle of its second save"
     os.kill(child.pid, signal.SIGKILL)
     child.join()
-    assert (tmp_path / "ckpt" / "step-00000003.tmp").is_dir()  # the half-written one
+    [half_written] = (tmp_path / "ckpt").glob("step-00000003.*.tmp")
+    assert half_written.is_dir()
     assert checkpoint.latest_checkpoint(tmp_path / "ckpt").name == "step-00000002"
     resumed, history = run_training(
         dataclasses.replace(
@@ -220,7 +262,7 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     )
     straight, _ = run_training(dataclasses.replace(BASE, strategy="single", max_steps=4), 1)
     assert torch.equal(resumed, straight)
-    assert not (tmp_path / "ckpt" / "step-00000003.tmp").exists()  # cleaned up by the next save
+    assert not half_written.exists()  # cleaned up by the next save of the run that wrote it
 
 
 # -- checkpoints that must be refused --------------------------------------------------------

@@ -28,6 +28,7 @@ Two details keep that invariant exact:
 
 from __future__ import annotations
 
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -230,6 +231,20 @@ class ResumableDistributedSampler(DistributedSampler):
         return self.num_samples - self.skip
 
 
+def leave_stop_signals_to_the_trainer(_worker_id: int) -> None:
+    """A data-loading process ignores SIGTERM and SIGUSR1 (``worker_init_fn`` of every loader here).
+
+    ``scancel``, a preemption and the time limit send them to *every* process of a job. A loader
+    that died of one would make the training process fail with "DataLoader worker is killed by
+    signal" before it could checkpoint; ignoring them leaves the stop to the training process,
+    which finishes its step, checkpoints, and shuts its loaders down itself.
+    """
+    from .preemption import STOP_SIGNALS
+
+    for number in STOP_SIGNALS:
+        signal.signal(number, signal.SIG_IGN)
+
+
 def train_loader(
     dataset: Dataset,
     micro_batch_size: int,
@@ -250,6 +265,7 @@ def train_loader(
         num_workers=workers,
         pin_memory=pin_memory,
         persistent_workers=workers > 0,
+        worker_init_fn=leave_stop_signals_to_the_trainer,
     )
 
 
@@ -277,7 +293,12 @@ def validation_loader(
     """
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
     return DataLoader(
-        dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, pin_memory=pin_memory
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=workers,
+        pin_memory=pin_memory,
+        worker_init_fn=leave_stop_signals_to_the_trainer,
     )
 
 

@@ -25,6 +25,21 @@ every rank together, and the newest checkpoint is still the last good one. Reque
 diverge again: change the run (a lower --lr, --clip-grad-norm, fp32) and resume."""
 
 
+STATUS_FOLDER = "COURSE_STATUS_FOLDER"
+"""If set, the folder where each training process leaves its exit status as it ends (``rank-N``):
+a launcher around torchrun (``course_lib.tools.torchrun``) reads them to exit with the run's."""
+
+
+def report_exit_status(status: int) -> None:
+    """Leave this process's exit status where its launcher reads it (nothing if none asked)."""
+    import os
+    from pathlib import Path
+
+    folder = os.environ.get(STATUS_FOLDER)
+    if folder:
+        Path(folder, f"rank-{os.environ.get('RANK', '0')}").write_text(f"{status}\n")
+
+
 class UserError(Exception):
     """A mistake in the input (flag, environment, data, checkpoint) that the message tells how to fix."""
 

@@ -41,6 +41,7 @@ from .errors import (
     Diverged,
     RendezvousFailed,
     UserError,
+    report_exit_status,
 )
 from .models import MODELS
 from .parallel.fsdp import OFFLOAD_MODES, SHARDING_STRATEGIES
@@ -251,8 +252,14 @@ def _cuda_available() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return run(config_from_args(args), backend=args.backend, timeout_s=args.timeout, dry_run=args.dry_run)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as stop:  # a flag argparse refused (2), or --help (0)
+        report_exit_status(stop.code or 0)
+        raise
+    status = run(config_from_args(args), backend=args.backend, timeout_s=args.timeout, dry_run=args.dry_run)
+    report_exit_status(status)
+    return status
 
 
 if __name__ == "__main__":

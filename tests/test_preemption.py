@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from course_lib.errors import EXIT_REQUEUE
+from course_lib.errors import EXIT_CRASH, EXIT_DIVERGED, EXIT_REQUEUE, EXIT_USER_ERROR
+from course_lib.tools.torchrun import verdict
 
 from conftest import REPO, clean_env, latest_weights
 
@@ -111,3 +112,101 @@ def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint(tmp_path, unin
     assert name == uninterrupted[0]
     for key, tensor in uninterrupted[1].items():
         assert torch.equal(weights[key], tensor), key
+
+
+# -- SIGTERM to every process of a run, data loaders included (scancel, preemption, time limit) ------
+COURSE_TORCHRUN = [sys.executable, "-m", "course_lib.tools.torchrun", "--standalone", "--nproc-per-node", "2"]
+LOADERS = ["--workers", "2"]
+
+
+def _descendants(pid: int) -> list[int]:
+    found = []
+    for child in _children(pid):
+        found += [child, *_descendants(child)]
+    return found
+
+
+def _terminate_everything(process: subprocess.Popen) -> None:
+    """SIGTERM to the launcher and every process under it, as Slurm does to a job's processes."""
+    for pid in [process.pid, *_descendants(process.pid)]:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_single_process_and_its_data_loaders_stops_cleanly(tmp_path):
+    command = [sys.executable, *TRAINING, "--strategy", "single", *LOADERS, "--checkpoint-dir", str(tmp_path)]
+    process = subprocess.Popen(
+        command, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    _wait_for(lambda: (tmp_path / "step-00000008").is_dir(), what="the first checkpoint")
+    assert len(_descendants(process.pid)) >= 2  # the loaders are running
+    _terminate_everything(process)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == EXIT_REQUEUE, output
+    assert "stopped by SIGTERM after step" in output and "Traceback" not in output, output
+    stopped_at, _ = latest_weights(tmp_path)
+    assert stopped_at != "step-00000008"  # the step it stopped at was checkpointed
+
+
+@pytest.mark.slow
+def test_sigterm_to_every_process_under_torchrun_stops_cleanly_with_status_3(tmp_path, uninterrupted):
+    process = subprocess.Popen(
+        [*COURSE_TORCHRUN, *TRAINING, *LOADERS, "--checkpoint-dir", str(tmp_path)],
+        cwd=REPO,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    _wait_for(lambda: (tmp_path / "step-00000008").is_dir(), what="the first checkpoint")
+    _terminate_everything(process)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == EXIT_REQUEUE, output
+    assert "Traceback" not in output, output
+    assert output.count("torchrun: stopped by SIGTERM: every rank stopped at the same step") == 1, output
+    rerun = subprocess.run(
+        [*COURSE_TORCHRUN, *TRAINING, *LOADERS, "--checkpoint-dir", str(tmp_path)],
+        cwd=REPO,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    name, weights = latest_weights(tmp_path)
+    assert name == uninterrupted[0]
+    for key, tensor in uninterrupted[1].items():
+        assert torch.equal(weights[key], tensor), key  # bit for bit, data loaders or not
+
+
+def test_the_torchrun_wrapper_passes_on_a_refused_flag_as_status_2_in_one_line():
+    shown = subprocess.run(
+        [*COURSE_TORCHRUN, *TRAINING, "--lr", "nan"],
+        cwd=REPO,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert shown.returncode == EXIT_USER_ERROR, shown.stderr
+    assert shown.stderr.count("--lr must be a finite number") == 1 and "Traceback" not in shown.stderr
+
+
+VERDICTS = [
+    ({0: 0, 1: 0}, 2, 0, None),
+    ({0: 3, 1: 3}, 2, EXIT_REQUEUE, "every rank stopped at the same step and wrote its checkpoint"),
+    ({0: 2, 1: 1}, 2, EXIT_USER_ERROR, None),  # the rank that refused its input said why
+    ({0: 4, 1: 4}, 2, EXIT_DIVERGED, None),
+    ({0: 3, 1: 1}, 2, EXIT_CRASH, "rank 1 exited with status 1"),
+    ({0: 3}, 2, EXIT_CRASH, "1 of the 2 ranks started here ended without reporting their status"),
+]
+
+
+@pytest.mark.parametrize("statuses, workers, status, line", VERDICTS)
+def test_the_run_exits_with_the_status_that_describes_it(statuses, workers, status, line):
+    got_status, got_line = verdict(statuses, workers)
+    assert got_status == status
+    assert (got_line is None) if line is None else (line in got_line)

@@ -1,0 +1,106 @@
+"""``torchrun``, ending with the training command's own exit status and one line, never a traceback.
+
+::
+
+    python -m course_lib.tools.torchrun --standalone --nproc-per-node 2 -m course_lib.train --strategy ddp
+
+takes exactly torchrun's flags and runs torchrun's own launcher (``torch.distributed.run``), with
+SIGUSR1 added to the signals it passes on to its workers. What changes is the end. Plain
+torchrun answers any worker that did not exit 0, and any stop signal it receives itself, with a
+Python traceback and status 1, so a job script cannot tell "stopped cleanly, requeue me" (3)
+from "a flag was wrong" (2) or a crash (1). Here every worker reports its status, and the
+command exits with the one that describes the run:
+
+======  ======================================================================================
+0       every rank finished
+2       a rank refused its input (its one line says how to fix it)
+3       stopped by a signal, every rank having written its checkpoint: rerun with --resume latest
+4       the training diverged (its line says what to try)
+1       anything else: a crash, or a rank killed before it could report
+======  ======================================================================================
+
+SIGTERM or SIGUSR1 sent to this command, to its workers, or to all of them at once (what
+``scancel``, a preemption or the time limit do), ends in the clean stop: each worker finishes its
+step and checkpoints, while torchrun waits ``--shutdown-timeout`` seconds (default here: 90) for
+them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from ..errors import EXIT_CRASH, EXIT_DIVERGED, EXIT_REQUEUE, EXIT_USER_ERROR, STATUS_FOLDER
+
+FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+SHUTDOWN_TIMEOUT_S = "90"
+
+
+def verdict(statuses: dict[int, int], workers: int) -> tuple[int, str | None]:
+    """The run's status from its ranks' statuses, and one line to print when it is not 0.
+
+    Args:
+        statuses: the exit status each rank reported, by global rank.
+        workers: how many ranks this launcher started (a rank that did not report was killed).
+    """
+    if len(statuses) < workers:
+        return EXIT_CRASH, (
+            f"{workers - len(statuses)} of the {workers} ranks started here ended without reporting their "
+            "status (killed, or a crash in native code): see their output above"
+        )
+    codes = set(statuses.values())
+    if codes == {0}:
+        return 0, None
+    for status in (EXIT_USER_ERROR, EXIT_DIVERGED):  # their own line, printed by the rank, says it all
+        if status in codes:
+            return status, None
+    if codes == {EXIT_REQUEUE}:
+        return EXIT_REQUEUE, (
+            "every rank stopped at the same step and wrote its checkpoint: rerun with --resume latest"
+        )
+    # a rank that stopped cleanly (3) is not the cause when another crashed
+    failed = min(rank for rank, code in statuses.items() if code not in (0, EXIT_REQUEUE))
+    return EXIT_CRASH, f"rank {failed} exited with status {statuses[failed]}: see its output above"
+
+
+def _defaults(argv: list[str]) -> list[str]:
+    """torchrun's flags, plus the course's defaults for the two that decide a clean stop."""
+    given = {arg.split("=")[0].replace("_", "-") for arg in argv}
+    extra = []
+    if "--signals-to-handle" not in given:
+        extra.append(f"--signals-to-handle={FORWARDED_SIGNALS}")
+    if "--shutdown-timeout" not in given:
+        extra.append(f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}")
+    return extra + argv
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import determine_local_world_size, parse_args, run
+
+    args = parse_args(_defaults(sys.argv[1:] if argv is None else argv))
+    workers = determine_local_world_size(args.nproc_per_node)
+    with tempfile.TemporaryDirectory(prefix="course-torchrun-") as folder:
+        os.environ[STATUS_FOLDER] = folder  # the workers inherit it (errors.report_exit_status)
+        stopped_by = None
+        try:
+            run(args)
+        except SignalException as stop:  # torchrun passed it on and waited for the workers to stop
+            stopped_by = stop.sigval
+        except ChildFailedError:
+            pass  # the statuses tell which rank, and how
+        statuses = {}
+        for report in Path(folder).glob("rank-*"):
+            statuses[int(report.name.removeprefix("rank-"))] = int(report.read_text())
+    status, line = verdict(statuses, workers)
+    if line:
+        cause = f"stopped by {stopped_by.name}: " if stopped_by is not None else ""
+        print(f"torchrun: {cause}{line}", file=sys.stderr, flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -345,9 +345,20 @@ def download(name: str, data_dir: str | Path) -> Path:
 
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
-    for train in (True, False):
-        torchvision.datasets.CIFAR10(str(data_dir), train=train, download=True)
+    try:
+        for train in (True, False):
+            torchvision.datasets.CIFAR10(str(data_dir), train=train, download=True)
+    except (OSError, RuntimeError) as error:  # URLError is an OSError; a bad checksum a RuntimeError
+        reason = getattr(error, "reason", None) or str(error).strip().splitlines()[0][:120]
+        raise DownloadFailed(
+            f"could not download {name} ({reason}): this machine cannot reach the internet, or the site "
+            "is down; download it on a machine that can (a cluster's login node) into the same --data-dir"
+        ) from None
     return data_dir
+
+
+class DownloadFailed(Exception):
+    """The files could not be fetched (no network, a site down): not a mistake in the input."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -362,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except DownloadFailed as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     print(f"{args.dataset} is in {path}")
     return 0
 

@@ -116,16 +116,26 @@ LAUNCHER_VARIABLES = {
     "SLURM_NNODES": "Slurm sets it to the job's node count (--nodes)",
     "SLURM_STEP_NUM_NODES": "srun sets it to the nodes of this step",
     "SLURM_JOB_ID": "Slurm sets it to the job's number",
+    "SLURM_GPUS_ON_NODE": "Slurm sets it to the job's GPUs on a node (--gpus-per-node)",
+    "SLURM_GPUS_PER_TASK": "Slurm sets it from --gpus-per-task, e.g. 1 or gpu:1",
 }
 """What each launcher variable holds and who sets it: the second half of the message when one is wrong."""
 
 MAX_PORT = 65535
 
 
-def _int_variable(
+def int_variable(
     environ: Mapping[str, str], name: str, *, minimum: int = 0, maximum: int | None = None, default=None
 ) -> int:
-    """An integer launcher variable in ``minimum .. maximum``, or one line that names it and the fix."""
+    """An integer launcher variable in ``minimum .. maximum``, or one line that names it and the fix.
+
+    Args:
+        environ: the variables (``os.environ``).
+        name: the variable.
+        minimum: the smallest value that makes sense.
+        maximum: the largest (None: no bound).
+        default: the value when the variable is not set (None: it must be set).
+    """
     if name not in environ and default is not None:
         return default
     value = environ[name].strip()
@@ -184,10 +194,10 @@ def resolve_environment(*, environ: Mapping[str, str] | None = None) -> DistEnvi
                 "RANK is set but WORLD_SIZE is not: launch with torchrun (which sets both), or set "
                 "WORLD_SIZE to the number of processes"
             )
-        world_size = _int_variable(environ, "WORLD_SIZE", minimum=1)
-        rank = _int_variable(environ, "RANK", maximum=world_size - 1)
-        local_world = _int_variable(environ, "LOCAL_WORLD_SIZE", minimum=1, default=world_size)
-        local_rank = _int_variable(environ, "LOCAL_RANK", maximum=local_world - 1, default=0)
+        world_size = int_variable(environ, "WORLD_SIZE", minimum=1)
+        rank = int_variable(environ, "RANK", maximum=world_size - 1)
+        local_world = int_variable(environ, "LOCAL_WORLD_SIZE", minimum=1, default=world_size)
+        local_rank = int_variable(environ, "LOCAL_RANK", maximum=local_world - 1, default=0)
         if world_size > 1 and ("MASTER_ADDR" not in environ or "MASTER_PORT" not in environ):
             raise UserError(
                 "MASTER_ADDR and MASTER_PORT must be set when WORLD_SIZE > 1: launch with torchrun, or "
@@ -201,7 +211,7 @@ def resolve_environment(*, environ: Mapping[str, str] | None = None) -> DistEnvi
             master_addr=_address_variable(environ, "MASTER_ADDR")
             if "MASTER_ADDR" in environ
             else "127.0.0.1",
-            master_port=_int_variable(environ, "MASTER_PORT", minimum=1, maximum=MAX_PORT, default=0),
+            master_port=int_variable(environ, "MASTER_PORT", minimum=1, maximum=MAX_PORT, default=0),
             launcher="torchrun",
         )
 
@@ -209,15 +219,15 @@ def resolve_environment(*, environ: Mapping[str, str] | None = None) -> DistEnvi
     # the step has a single task: then this is an ordinary single process.
     tasks_variable = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS"
     if "SLURM_PROCID" in environ and tasks_variable in environ:
-        world_size = _int_variable(environ, tasks_variable, minimum=1)
+        world_size = int_variable(environ, tasks_variable, minimum=1)
     else:
         world_size = 1
     if world_size > 1:
-        rank = _int_variable(environ, "SLURM_PROCID", maximum=world_size - 1)
+        rank = int_variable(environ, "SLURM_PROCID", maximum=world_size - 1)
         nodes_variable = "SLURM_STEP_NUM_NODES" if "SLURM_STEP_NUM_NODES" in environ else "SLURM_NNODES"
-        nodes = _int_variable(environ, nodes_variable, minimum=1, maximum=world_size, default=1)
+        nodes = int_variable(environ, nodes_variable, minimum=1, maximum=world_size, default=1)
         local_world = max(1, world_size // nodes)
-        local_rank = _int_variable(environ, "SLURM_LOCALID", default=0)
+        local_rank = int_variable(environ, "SLURM_LOCALID", default=0)
         if "MASTER_ADDR" in environ:
             master_addr = _address_variable(environ, "MASTER_ADDR")
         elif "SLURM_STEP_NODELIST" in environ or "SLURM_JOB_NODELIST" in environ:
@@ -229,9 +239,9 @@ def resolve_environment(*, environ: Mapping[str, str] | None = None) -> DistEnvi
                 "under srun, neither MASTER_ADDR nor SLURM_JOB_NODELIST is set: export MASTER_ADDR"
             )
         if "MASTER_PORT" in environ:
-            master_port = _int_variable(environ, "MASTER_PORT", minimum=1, maximum=MAX_PORT)
+            master_port = int_variable(environ, "MASTER_PORT", minimum=1, maximum=MAX_PORT)
         else:
-            job_id = _int_variable(environ, "SLURM_JOB_ID", default=0)
+            job_id = int_variable(environ, "SLURM_JOB_ID", default=0)
             master_port = SLURM_PORT_BASE + job_id % SLURM_PORT_SPAN
         return DistEnvironment(
             rank=rank,

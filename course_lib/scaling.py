@@ -29,16 +29,33 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from .errors import UserError
+
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """The epoch records of a JSON-lines metrics file (events such as a divergence are left out).
 
+    A last line cut short (the run was killed while writing it, by a course before this one
+    wrote lines whole) is left out; a broken line anywhere else means the file is not a metrics
+    file, and is refused in one line.
+
     Args:
         path: the file ``--metrics`` named.
     """
-    with open(path) as handle:
-        records = [json.loads(line) for line in handle if line.strip()]
-    return [record for record in records if "event" not in record]
+    lines = Path(path).read_text(errors="replace").splitlines(keepends=True)
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number == len(lines) and not line.endswith("\n"):
+                break  # cut short: the epochs before it are whole
+            raise UserError(
+                f"{path}, line {number}, is not a JSON record: is it a metrics file (--metrics) of a run?"
+            ) from None
+    return [record for record in records if isinstance(record, dict) and "event" not in record]
 
 
 def time_per_epoch(records: list[dict[str, Any]]) -> float:

@@ -906,11 +906,71 @@ def main(argv: list[str] | None = None) -> int:
             f"argument --experts: must be a multiple of --world-size {args.world_size} and at least --top-k "
             f"{args.top_k}, got {args.experts}"
         )
+    needed, processes = memory_needed(args)
+    available = available_memory_bytes()
+    if available is not None and needed * processes > available:
+        parser.error(
+            f"these sizes need about {needed / 1e9:.1f} GB on each of {processes} process(es), "
+            f"{needed * processes / 1e9:.1f} GB in all, and this machine has {available / 1e9:.1f} GB "
+            "available: choose smaller sizes"
+        )
     try:
         return _run_benchmark(args)
     except UserError as error:
         print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return EXIT_USER_ERROR
+
+
+PROCESS_BASE_BYTES = 400e6
+"""What one process holds before it computes anything: Python, torch and its libraries."""
+
+
+def available_memory_bytes() -> float | None:
+    """Memory this machine can still give (Linux's MemAvailable), or None where it cannot say."""
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def memory_needed(args: argparse.Namespace) -> tuple[float, int]:
+    """(bytes one process of this benchmark may hold at most, processes on this machine): a generous
+    estimate from its sizes alone, so that sizes that cannot fit are refused before anything starts."""
+    word = 4  # fp32
+    if args.benchmark == "allreduce":
+        largest = args.max_mb * 2**20 if args.max_mb is not None else ALLREDUCE_MAX_MB["cpu"] * 2**20
+        return PROCESS_BASE_BYTES + 4 * largest, args.world_size  # the message, gloo's copies, the check
+    if args.benchmark in ("ddp", "fsdp", "memory"):
+        params = args.layers * args.width * (args.width + 1)
+        # up to 5 models alive (course and torch variants), each with weights, gradients, Adam's two
+        # moments and a gradient bucket, plus the activations of a batch through every layer
+        per_process = 5 * 5 * word * params + 3 * word * args.batch * args.width * args.layers
+        processes = max(args.world_sizes) if args.benchmark == "memory" else args.world_size
+        return PROCESS_BASE_BYTES + per_process, processes
+    if args.benchmark in ("pipeline", "tp"):
+        tokens = args.batch * args.seq
+        attention = args.batch * TP_HEADS_PER_RANK * 4 * args.seq**2  # scores of up to 4 x 4 heads
+        per_process = (
+            3 * word * (40 * tokens * args.d_model + attention) + 5 * 16 * word * args.d_model**2 * 8
+        )
+        processes = max(args.stages) if args.benchmark == "pipeline" else args.world_size
+        return PROCESS_BASE_BYTES + per_process, processes
+    if args.benchmark in ("sp", "cp"):
+        heads = args.heads
+        width = args.d_model if args.benchmark == "sp" else args.heads * args.head_dim
+        tokens = args.batch * args.seq
+        # the one-process reference holds the whole sequence's attention scores
+        per_process = 3 * word * (40 * tokens * width + args.batch * heads * args.seq**2)
+        return PROCESS_BASE_BYTES + per_process, args.world_size
+    # ep: every expert of the one-process reference, and the routed tokens of every rank
+    params = args.experts * 2 * args.d_model * args.hidden
+    tokens = args.tokens * args.world_size * args.top_k
+    per_process = 5 * word * params + 3 * word * tokens * (args.d_model + args.hidden) * 2
+    return PROCESS_BASE_BYTES + per_process, args.world_size
 
 
 def _run_benchmark(args: argparse.Namespace) -> int:

@@ -34,8 +34,8 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from .. import checks
-from ..errors import EXIT_USER_ERROR, UserError
+from .. import checks, runtime
+from ..errors import EXIT_CRASH, EXIT_USER_ERROR, RendezvousFailed, UserError
 
 PLUGIN_SOURCES = ("uenv", "container", "none")
 """Where the aws-ofi-nccl plugin comes from: a CSCS uenv view, the container engine's hook, or nowhere."""
@@ -57,7 +57,10 @@ def tasks_on_first_node(tasks_per_node: str) -> int:
     """The first count of Slurm's SLURM_TASKS_PER_NODE: ``"4(x2)"`` -> 4, ``"3,2"`` -> 3."""
     match = re.match(r"\s*(\d+)", tasks_per_node)
     if not match:
-        raise UserError(f"cannot read SLURM_TASKS_PER_NODE={tasks_per_node!r}")
+        raise UserError(
+            f"cannot read SLURM_TASKS_PER_NODE={tasks_per_node!r}: Slurm sets it (e.g. 4(x2)); do not set it "
+            "by hand"
+        )
     return int(match.group(1))
 
 
@@ -105,12 +108,16 @@ def gpu_layout_from_slurm(
     environ: Mapping[str, str], *, processes_per_task: int, needs_gpus: bool
 ) -> str | None:
     """``gpu_layout_problem`` for the job whose batch shell has these Slurm variables."""
-    gpus_per_task = environ.get("SLURM_GPUS_PER_TASK", "")
+    gpus_per_task = None
+    if environ.get("SLURM_GPUS_PER_TASK", "").strip():  # "1", or "gpu:1" with a type
+        count = {"SLURM_GPUS_PER_TASK": environ["SLURM_GPUS_PER_TASK"].split(":")[-1]}
+        gpus_per_task = runtime.int_variable(count, "SLURM_GPUS_PER_TASK", minimum=1)
+    on_node = {"SLURM_GPUS_ON_NODE": environ.get("SLURM_GPUS_ON_NODE", "").strip() or "0"}
     return gpu_layout_problem(
         tasks_per_node=tasks_on_first_node(environ.get("SLURM_TASKS_PER_NODE", "1")),
         processes_per_task=processes_per_task,
-        gpus_on_node=int(environ.get("SLURM_GPUS_ON_NODE", "0") or 0),
-        gpus_per_task=int(gpus_per_task.split(":")[-1]) if gpus_per_task else None,
+        gpus_on_node=runtime.int_variable(on_node, "SLURM_GPUS_ON_NODE"),
+        gpus_per_task=gpus_per_task,
         needs_gpus=needs_gpus,
     )
 
@@ -320,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
             return preflight(timeout_s=args.timeout_s)
     except UserError as error:
         problem = str(error)
+    except RendezvousFailed as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_CRASH
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return EXIT_USER_ERROR

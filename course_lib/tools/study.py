@@ -22,6 +22,7 @@ import csv
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -30,7 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from .. import checks, runtime
+from ..errors import EXIT_USER_ERROR, UserError
 from ..scaling import add_speedup, format_table, read_metrics, summarize
+from ..trainer import validate_config
 from .plots import plot_study
 
 # -- the study: plan, submit, collect, plot -----------------------------------------------------
@@ -151,6 +154,20 @@ def wait_for_jobs(runs: list[PlannedRun], poll_s: float = 2.0) -> None:
         time.sleep(poll_s)
 
 
+def _training_config(run: PlannedRun, args: argparse.Namespace):
+    """The ``TrainConfig`` a local run of the study trains with (what its command line says)."""
+    from ..trainer import TrainConfig
+
+    return TrainConfig(
+        strategy=run.strategy,
+        dataset=args.dataset,
+        model=args.model,
+        epochs=args.epochs,
+        global_batch_size=args.global_batch_size,
+        data_dir=str(args.data_dir or "data"),
+    )
+
+
 def run_locally(
     results: Path, runs: list[PlannedRun], settings: dict[str, Any], *, share_cores: bool = False
 ) -> None:
@@ -217,7 +234,11 @@ def collect(results: Path) -> tuple[list[dict[str, Any]], list[str]]:
     rows, failed = [], []
     for run in runs:
         metrics = run.metrics_path(results)
-        records = read_metrics(metrics) if metrics.is_file() else []
+        try:
+            records = read_metrics(metrics) if metrics.is_file() else []
+        except UserError as error:
+            failed.append(f"{run.name}: {error}")
+            continue
         if run.problem or not records or len(records) < settings["epochs"]:
             status_file = results / f"{run.name}.status"
             status = status_file.read_text().strip() if status_file.is_file() else "no status"
@@ -269,12 +290,19 @@ def read_csv(path: Path) -> list[dict[str, Any]]:
     Args:
         path: the CSV file.
     """
-    with open(path) as handle:
+    with open(path, newline="") as handle:
         rows = list(csv.DictReader(handle))
-    for row in rows:
+    for number, row in enumerate(rows, 2):  # line 1 holds the column names
         for key, value in row.items():
-            if key not in ("run", "strategy", "peak_mem_kind"):
+            if key in ("run", "strategy", "peak_mem_kind"):
+                continue
+            try:
                 row[key] = float(value)
+            except (TypeError, ValueError):
+                raise UserError(
+                    f"{path}, line {number}: column {key} holds {value!r}, not a number: run `python -m "
+                    "course_lib.tools.study collect` again to rewrite it from the runs' metrics"
+                ) from None
         row["world_size"] = int(row["world_size"])
     return rows
 
@@ -341,6 +369,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "submit":
         if args.share_cores and not args.local:
             parser.error("argument --share-cores: only with --local (on Slurm each rank has its own GPU)")
+        if not args.local and shutil.which("sbatch") is None:
+            parser.error(
+                "sbatch was not found: submit from a Slurm cluster's login node, or run the study on this "
+                "machine with --local"
+            )
         uneven = [n for n in args.gpus if args.global_batch_size % n]
         if uneven:
             parser.error(
@@ -358,6 +391,12 @@ def main(argv: list[str] | None = None) -> int:
             runs = plan_runs(args.gpus, args.strategies, args.gpus_per_node)
         except ValueError as error:
             parser.error(f"argument --gpus: {error}")
+        if args.local:  # every run checked as the training command will check it, before the first starts
+            try:
+                for run in runs:
+                    validate_config(_training_config(run, args), run.world_size)
+            except UserError as error:
+                parser.error(f"{run.name}: {error}")
         settings = {
             "dataset": args.dataset,
             "model": args.model,
@@ -375,9 +414,31 @@ def main(argv: list[str] | None = None) -> int:
         else:
             submit_slurm(args.results, runs, settings, args.sbatch_arg)
         _save_plan(args.results, runs, settings)
+        refused = [run for run in runs if run.problem]
+        if refused:
+            print(f"error: {len(refused)} of {len(runs)} runs could not be submitted", file=sys.stderr)
+            return 1
         if args.wait and not args.local:
             wait_for_jobs(runs)
+        if args.local:
+            failed = collect(args.results)[1]
+            for problem in failed:
+                print(f"failed: {problem}", file=sys.stderr)
+            if failed:
+                print(
+                    f"error: {len(failed)} of {len(runs)} runs failed (their logs are in {args.results})",
+                    file=sys.stderr,
+                )
+                return 1
         return 0
+    try:
+        return _collect_or_plot(args)
+    except UserError as error:
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+def _collect_or_plot(args: argparse.Namespace) -> int:
     if args.command == "collect":
         rows, failed = collect(args.results)
         if rows:

@@ -41,6 +41,9 @@ Collective Communication Operations in MPICH", IJHPCA 2005.
 
 from __future__ import annotations
 
+import contextlib
+import math
+import os
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -183,6 +186,102 @@ class _LoggedWork:
         return self._done or self._work.is_completed()
 
 
+# -- what every call checks ----------------------------------------------------------------
+
+CHECK_COLLECTIVES = "COURSE_CHECK_COLLECTIVES"
+"""With this variable set to 1 (``launch`` sets it in its processes unless told not to), each
+collective first checks that every rank of the group makes the same call with tensors of the
+same shape and dtype: one small all-gather more per call, the price of a clear error. Without
+it, gloo aborts the process ("terminate called") or, for a broadcast, copies part of a tensor
+and goes on. PyTorch checks the same with TORCH_DISTRIBUTED_DEBUG=DETAIL."""
+
+_FINGERPRINT_DIMS = 6
+_OPS = (
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "reduce_scatter",
+    "reduce",
+    "gather",
+    "scatter",
+    "all_to_all",
+)
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8)
+_unchecked_depth = 0
+
+
+@contextlib.contextmanager
+def unchecked():
+    """Collectives inside skip the cross-rank check: for timing them, since the check is a collective too."""
+    global _unchecked_depth
+    _unchecked_depth += 1
+    try:
+        yield
+    finally:
+        _unchecked_depth -= 1
+
+
+def _checking() -> bool:
+    return _unchecked_depth == 0 and os.environ.get(CHECK_COLLECTIVES) == "1"
+
+
+def _check_tensors(op: str, **named) -> None:
+    """Each argument is what ``op`` takes (a tensor, or a list of tensors) on a device the backend uses."""
+    for name, value in named.items():
+        if name.endswith("_list"):
+            if value is None:
+                continue
+            if not isinstance(value, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in value):
+                raise UserError(
+                    f"comm.{op}: {name} must be a list of tensors, one per rank of the group, got "
+                    f"{type(value).__name__}"
+                )
+            _check_device(*value)
+        elif not isinstance(value, torch.Tensor):
+            raise UserError(
+                f"comm.{op}: {name} must be one torch.Tensor, got {type(value).__name__}: stack the values "
+                f"into one tensor (torch.stack), or call {op} once per tensor"
+            )
+        else:
+            _check_device(value)
+
+
+def _fingerprint(op: str, dtype: torch.dtype, shape: tuple[int, ...], numel: int) -> list[int]:
+    dims = list(shape[:_FINGERPRINT_DIMS]) + [-1] * (_FINGERPRINT_DIMS - len(shape[:_FINGERPRINT_DIMS]))
+    dtype_code = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES) + hash(str(dtype)) % 1000
+    return [_OPS.index(op), dtype_code, len(shape), numel, *dims]
+
+
+def _describe(row: list[int]) -> str:
+    op, dtype_code, ndim, numel, *dims = row
+    dtype = str(_DTYPES[dtype_code]).removeprefix("torch.") if dtype_code < len(_DTYPES) else "another dtype"
+    shape = tuple(dims[: min(ndim, _FINGERPRINT_DIMS)])
+    return f"{_OPS[op]} of {dtype} {shape if ndim <= _FINGERPRINT_DIMS else f'{shape}... ({numel} elements)'}"
+
+
+def _check_same_call(op: str, tensor: torch.Tensor, group, *, shape: tuple[int, ...] | None = None) -> None:
+    """Refuse, in one line on every rank, a call that the group's ranks do not all make alike.
+
+    ``shape``: what must agree, when not the tensor's whole shape (an all-to-all's rows differ).
+    """
+    size = runtime.world_size(group=group)
+    if size == 1 or not _checking():
+        return
+    shape = tuple(tensor.shape) if shape is None else shape
+    mine = torch.tensor(_fingerprint(op, tensor.dtype, shape, math.prod(shape)), device=tensor.device)
+    everyone = torch.empty(size * mine.numel(), dtype=mine.dtype, device=mine.device)
+    _all_gather_single(everyone, mine, group=group)
+    rows = everyone.view(size, -1).tolist()
+    if all(row == rows[0] for row in rows):
+        return
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
+    calls = "; ".join(f"rank {rank}: {_describe(row)}" for rank, row in zip(ranks, rows))
+    raise UserError(
+        f"comm: the ranks made different calls ({calls}): every rank of the group must make the "
+        "same collectives, in the same order, with tensors of the same shape and dtype"
+    )
+
+
 def _check_device(*tensors: torch.Tensor) -> None:
     backend = dist.get_backend()
     for tensor in tensors:
@@ -270,7 +369,8 @@ def all_reduce(tensor: torch.Tensor, *, op: str = "sum", group=None, async_op: b
         async_op: return a work handle at once (``handle.wait()`` before using the result)
             instead of blocking until the collective is done.
     """
-    _check_device(tensor)
+    _check_tensors("all_reduce", tensor=tensor)
+    _check_same_call("all_reduce", tensor, group)
     reduce_op, divide = _reduce_op(op), _mean_divider(tensor, op, group)
     return _run(
         "all_reduce",
@@ -292,7 +392,8 @@ def broadcast(tensor: torch.Tensor, *, src: int = 0, group=None, async_op: bool 
         async_op: return a work handle at once (``handle.wait()`` before using the result)
             instead of blocking until the collective is done.
     """
-    _check_device(tensor)
+    _check_tensors("broadcast", tensor=tensor)
+    _check_same_call("broadcast", tensor, group)
     return _run(
         "broadcast",
         nbytes(tensor),
@@ -312,7 +413,8 @@ def all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, *, group=
         async_op: return a work handle at once (``handle.wait()`` before using the result)
             instead of blocking until the collective is done.
     """
-    _check_device(output, tensor)
+    _check_tensors("all_gather_into_tensor", output=output, tensor=tensor)
+    _check_same_call("all_gather", tensor, group)
     return _run(
         "all_gather",
         nbytes(output),
@@ -332,7 +434,8 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, *, group=N
         async_op: return a work handle at once (``handle.wait()`` before using the result)
             instead of blocking until the collective is done.
     """
-    _check_device(tensor, *tensor_list)
+    _check_tensors("all_gather", tensor_list=tensor_list, tensor=tensor)
+    _check_same_call("all_gather", tensor, group)
     return _run(
         "all_gather",
         sum(nbytes(t) for t in tensor_list),
@@ -355,7 +458,8 @@ def reduce_scatter_tensor(
         async_op: return a work handle at once (``handle.wait()`` before using the result)
             instead of blocking until the collective is done.
     """
-    _check_device(output, tensor)
+    _check_tensors("reduce_scatter_tensor", output=output, tensor=tensor)
+    _check_same_call("reduce_scatter", tensor, group)
     reduce_op, divide = _reduce_op(op), _mean_divider(output, op, group)
     return _run(
         "reduce_scatter",
@@ -385,7 +489,8 @@ def reduce_scatter(
         async_op: return a work handle at once (``handle.wait()`` before using the result)
             instead of blocking until the collective is done.
     """
-    _check_device(output, *tensor_list)
+    _check_tensors("reduce_scatter", output=output, tensor_list=tensor_list)
+    _check_same_call("reduce_scatter", output, group, shape=tuple(t.numel() for t in tensor_list))
     reduce_op, divide = _reduce_op(op), _mean_divider(output, op, group)
     return _run(
         "reduce_scatter",
@@ -408,7 +513,8 @@ def reduce(tensor: torch.Tensor, *, dst: int = 0, op: str = "sum", group=None, a
         async_op: return a work handle at once (``handle.wait()`` before using the result)
             instead of blocking until the collective is done.
     """
-    _check_device(tensor)
+    _check_tensors("reduce", tensor=tensor)
+    _check_same_call("reduce", tensor, group)
     reduce_op = _reduce_op(op)
     divide = _mean_divider(tensor, op, group) if runtime.rank() == dst else None
     return _run(
@@ -439,7 +545,8 @@ def gather(
         async_op: return a work handle at once (``handle.wait()`` before using the result)
             instead of blocking until the collective is done.
     """
-    _check_device(tensor)
+    _check_tensors("gather", tensor=tensor, gather_list=gather_list)
+    _check_same_call("gather", tensor, group)
     total = nbytes(tensor) * runtime.world_size(group=group)
     return _run(
         "gather",
@@ -468,7 +575,8 @@ def scatter(
         async_op: return a work handle at once (``handle.wait()`` before using the result)
             instead of blocking until the collective is done.
     """
-    _check_device(tensor)
+    _check_tensors("scatter", tensor=tensor, scatter_list=scatter_list)
+    _check_same_call("scatter", tensor, group)
     total = nbytes(tensor) * runtime.world_size(group=group)
     return _run(
         "scatter",
@@ -502,7 +610,8 @@ def all_to_all_single(
         async_op: return a work handle at once (``handle.wait()`` before using the result)
             instead of blocking until the collective is done.
     """
-    _check_device(output, input)
+    _check_tensors("all_to_all_single", output=output, input=input)
+    _check_same_call("all_to_all", input, group, shape=tuple(input.shape[1:]))
     size, rank = runtime.world_size(group=group), runtime.rank(group=group)
     row_bytes = nbytes(input) / max(input.shape[0], 1) if input.dim() else nbytes(input)
     if input_split_sizes is None:
@@ -551,7 +660,7 @@ def send(tensor: torch.Tensor, dst: int, *, group=None, tag: int = 0) -> None:
         group: the process group ``dst`` is counted in (None: every rank).
         tag: tells apart messages between the same two ranks.
     """
-    _check_device(tensor)
+    _check_tensors("send", tensor=tensor)
     _run("send", nbytes(tensor), group, lambda: dist.send(tensor, dst=dst, group=group, tag=tag), False)
 
 
@@ -564,7 +673,7 @@ def recv(tensor: torch.Tensor, src: int, *, group=None, tag: int = 0) -> None:
         group: the process group (None: every rank).
         tag: the sender's tag.
     """
-    _check_device(tensor)
+    _check_tensors("recv", tensor=tensor)
     _run("recv", nbytes(tensor), group, lambda: dist.recv(tensor, src=src, group=group, tag=tag), False)
 
 
@@ -577,7 +686,7 @@ def isend(tensor: torch.Tensor, dst: int, *, group=None, tag: int = 0):
         group: the process group (None: every rank).
         tag: tells apart messages between the same two ranks.
     """
-    _check_device(tensor)
+    _check_tensors("isend", tensor=tensor)
     return _run(
         "send", nbytes(tensor), group, lambda: dist.isend(tensor, dst=dst, group=group, tag=tag), True
     )
@@ -592,7 +701,7 @@ def irecv(tensor: torch.Tensor, src: int, *, group=None, tag: int = 0):
         group: the process group (None: every rank).
         tag: the sender's tag.
     """
-    _check_device(tensor)
+    _check_tensors("irecv", tensor=tensor)
     return _run(
         "recv", nbytes(tensor), group, lambda: dist.irecv(tensor, src=src, group=group, tag=tag), True
     )
@@ -631,7 +740,7 @@ def send_recv(
         group: the process group the ranks are in (None: every rank).
         tag: tells apart two exchanges in flight between the same ranks.
     """
-    _check_device(send_tensor, recv_tensor)
+    _check_tensors("send_recv", send_tensor=send_tensor, recv_tensor=recv_tensor)
     operations = [
         dist.P2POp(dist.isend, send_tensor, dst, group, tag),
         dist.P2POp(dist.irecv, recv_tensor, src, group, tag),

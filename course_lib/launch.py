@@ -78,8 +78,11 @@ def _child(
     connection,
     backend: str,
     timeout_s: float,
+    check_collectives: bool,
 ) -> None:
     import torch
+
+    from .comm import CHECK_COLLECTIVES
 
     torch.set_num_threads(1)  # first torch call in the child: see the module docstring
     os.environ.update(
@@ -90,6 +93,7 @@ def _child(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
+    os.environ[CHECK_COLLECTIVES] = "1" if check_collectives else "0"
     exit_code = 0
     try:
         runtime.init(backend=backend, timeout_s=timeout_s, num_threads=1)
@@ -176,13 +180,21 @@ def check_process_count(nprocs: int, cores: int | None = None) -> None:
 
 
 def launch(
-    fn: Callable, nprocs: int, *args: Any, backend: str = "gloo", timeout_s: float = 300, **kwargs: Any
+    fn: Callable,
+    nprocs: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout_s: float = 300,
+    check_collectives: bool = True,
+    **kwargs: Any,
 ) -> list:
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` forked processes; return the results in rank order.
 
     Each process has joined a process group (``runtime.init``) before ``fn`` starts. If any rank
     raises, the others are stopped and the exception is raised here. If they do not all finish
-    within ``timeout_s`` seconds, they are stopped and ``TimeoutError`` is raised.
+    within ``timeout_s`` seconds, they are stopped and ``TimeoutError`` is raised. Every
+    collective made through ``course_lib.comm`` first checks that all ranks make the same call
+    with tensors of the same shape (``comm.CHECK_COLLECTIVES``); a timing turns that off.
 
     Args:
         fn: the function every rank runs; define it at the top level of a module or a notebook
@@ -191,6 +203,8 @@ def launch(
         args: positional arguments passed to ``fn`` on every rank.
         backend: ``"gloo"`` (CPU), ``"nccl"`` (one GPU per rank) or ``"auto"``.
         timeout_s: how long the ranks may take, together, before they are stopped.
+        check_collectives: check every collective's call across the ranks first (one small
+            all-gather each): a mistake is named instead of aborting a process. Pass False to time.
         kwargs: keyword arguments passed to ``fn`` on every rank.
     """
     from .checks import check_choice, check_int, check_number
@@ -216,7 +230,7 @@ def launch(
         process = context.Process(
             target=_child,
             name=f"rank{rank}",
-            args=(rank, nprocs, port, fn, args, kwargs, send_end, backend, timeout_s),
+            args=(rank, nprocs, port, fn, args, kwargs, send_end, backend, timeout_s, check_collectives),
         )
         process.start()
         send_end.close()  # only the child writes; closing our copy lets us see EOF if it dies

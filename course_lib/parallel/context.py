@@ -58,7 +58,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm, runtime
-from ..checks import check_group, check_int, check_module
+from ..checks import check_group, check_int, check_module, claim_module
 from ..errors import UserError
 
 
@@ -442,6 +442,7 @@ def parallelize_context(model: nn.Module, layout: SequenceLayout, *, group=None)
 
     check_module("model", model)
     check_group("group", group)
+    claim_module(model, "context parallelism")
     rank = runtime.rank(group=group)
     for name, child in list(model.named_children()):
         if isinstance(child, Embedding):

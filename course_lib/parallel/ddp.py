@@ -53,7 +53,14 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm, runtime
-from ..checks import check_choice, check_group, check_module, check_number
+from ..checks import (
+    DATA_PARALLEL_WRAPPER,
+    check_choice,
+    check_group,
+    check_module,
+    check_number,
+    claim_module,
+)
 from ..errors import UserError
 
 SYNC_MODES = ("naive", "bucketed", "overlapped")
@@ -225,6 +232,7 @@ class DataParallel(GradientSyncSwitch, nn.Module):
         check_number("bucket_mb (the size of one all-reduce message, in MB)", bucket_mb, above=0)
         check_choice("sync", sync, SYNC_MODES)
         check_group("group", group)
+        claim_module(module, "DataParallel", family=DATA_PARALLEL_WRAPPER)
         self.module = module
         self.sync, self.bucket_mb, self.group = sync, bucket_mb, group
         self.broadcast_buffers, self.find_unused_parameters = broadcast_buffers, find_unused_parameters

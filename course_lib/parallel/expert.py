@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from .. import comm, runtime
-from ..checks import check_group, check_int, check_number
+from ..checks import check_group, check_int, check_module, check_number, claim_module
 from ..errors import UserError
 
 
@@ -92,7 +92,13 @@ def route(logits: torch.Tensor, *, top_k: int, capacity_factor: float) -> Routin
         top_k: experts per token; with k > 1 the k gates are renormalised to sum to 1.
         capacity_factor: see ``expert_capacity``.
     """
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        raise UserError(
+            f"route takes the router's scores as one (tokens, experts) tensor, got "
+            f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__}"
+        )
     tokens, num_experts = logits.shape
+    check_experts(num_experts, 1, top_k=top_k, capacity_factor=capacity_factor)
     probabilities = logits.softmax(dim=-1)
     gates, experts = probabilities.topk(top_k, dim=-1)  # (tokens, k)
     if top_k > 1:
@@ -279,9 +285,13 @@ def expert_parallel(moe: MoE, *, group=None) -> MoE:
         moe: an ``MoE`` holding every expert, changed in place.
         group: the expert-parallel process group (None: every rank).
     """
+    check_module("moe", moe)
+    if not isinstance(moe, MoE):
+        raise UserError(f"expert_parallel takes an expert.MoE layer, got {type(moe).__name__}")
     check_group("group", group)
     size, rank = runtime.world_size(group=group), runtime.rank(group=group)
     check_experts(moe.num_experts, size, top_k=moe.top_k, capacity_factor=moe.capacity_factor)
+    claim_module(moe, "expert parallelism")
     if moe.routing_groups != 1:
         raise UserError("an expert-parallel MoE routes each rank's tokens as one group: use routing_groups=1")
     local = moe.num_experts // size

@@ -63,7 +63,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .. import runtime
-from ..checks import check_group, check_int, check_module
+from ..checks import DATA_PARALLEL_WRAPPER, check_group, check_int, check_module, claim_module
 from ..errors import UserError
 from .ddp import EndOfBackward, start_as_replicas
 from .flat_param import FlatParameter, FlatShardedMixin, owned_parameters
@@ -387,6 +387,7 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
         layout = shard_layout(sharding_strategy, hybrid_shard_size, group, mesh, compute_device.type)
         unit_modules = select_units(module, auto_wrap_policy)
         check_units(module, unit_modules, auto_wrap_policy)
+        claim_module(module, "FullyShardedDataParallel", family=DATA_PARALLEL_WRAPPER)
         for ranks in layout.start_groups:  # every rank starts from the first rank's weights
             start_as_replicas(module, group=ranks)
 

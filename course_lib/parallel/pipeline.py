@@ -119,6 +119,17 @@ def split_model(
     return stages
 
 
+def _device_of(stages, group) -> torch.device:
+    """Where this rank's stages compute: their first parameter's or buffer's device, or, for stages
+    that hold neither (an activation, a reshape), the device the backend communicates from."""
+    for stage in stages:
+        for tensor in (*stage.parameters(), *stage.buffers()):
+            return tensor.device
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _check_no_tie_across_stages(stages: list[nn.Sequential]) -> None:
     """Each rank keeps only its stage, so a weight tied across two stages would train as two weights."""
     stage_of: dict[int, int] = {}
@@ -543,7 +554,7 @@ class PipelineExecutor:
         self.stages, self.num_stages, self.schedule = stages, num_stages, schedule
         self.microbatches, self.loss_fn = microbatches, loss_fn
         self.boundary_shape, self.dtype = tuple(boundary_shape), dtype
-        self.device = next(next(iter(stages.values())).parameters()).device
+        self.device = _device_of(stages.values(), group)
         self.stats = PipelineStats()
 
     def _global(self, pipeline_rank: int) -> int:

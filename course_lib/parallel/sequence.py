@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from .. import comm, runtime
-from ..checks import check_group, check_module
+from ..checks import SPLIT_LAYERS, check_group, check_module, claim_module
 from ..errors import UserError
 from .tensor import ColumnParallelLinear, RowParallelLinear, _split_size
 
@@ -147,6 +147,8 @@ def sequence_parallel_block(block: nn.Module, *, group=None) -> nn.Module:
         group: the tensor-parallel process group (None: every rank).
     """
     attention, mlp = block.attention, block.mlp
+    claim_module(attention, "sequence parallelism", family=SPLIT_LAYERS)
+    claim_module(mlp, "sequence parallelism", family=SPLIT_LAYERS)
     _split_size(attention.out.out_features // attention.head_dim, group, "attention heads")
     for name in ("q", "k", "v"):
         dense = getattr(attention, name)

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from .. import comm, runtime
-from ..checks import check_group, check_int, check_module
+from ..checks import SPLIT_LAYERS, check_group, check_int, check_module, check_not_converted, claim_module
 from ..errors import UserError
 
 
@@ -227,6 +227,7 @@ def parallel_mlp(mlp: nn.Module, *, group=None) -> nn.Module:
         group: the tensor-parallel process group (None: every rank).
     """
     check_module("mlp", mlp)
+    claim_module(mlp, "tensor parallelism", family=SPLIT_LAYERS)
     for name in ("fc1", "fc2"):
         if not isinstance(getattr(mlp, name, None), nn.Linear):
             raise UserError(
@@ -253,6 +254,7 @@ def parallel_attention(attention: nn.Module, n_heads: int, *, group=None) -> nn.
     """
     check_module("attention", attention)
     _split_size(n_heads, group, "attention heads")
+    claim_module(attention, "tensor parallelism", family=SPLIT_LAYERS)
     for name in ("q", "k", "v"):
         setattr(
             attention,
@@ -284,6 +286,8 @@ def parallelize_transformer(model: nn.Module, *, group=None) -> nn.Module:
         raise UserError(
             "no transformer Block found to parallelize: pass a models.TinyTransformer or its blocks"
         )
+    for block in blocks:  # read below as dense layers: refuse ones already split first
+        check_not_converted(block, "tensor parallelism", family=SPLIT_LAYERS)
     for block in blocks:
         parallel_attention(
             block.attention, block.attention.out.out_features // block.attention.head_dim, group=group

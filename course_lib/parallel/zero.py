@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm, runtime
-from ..checks import check_group, check_module
+from ..checks import DATA_PARALLEL_WRAPPER, check_group, check_module, claim_module
 from ..errors import UserError
 from .ddp import EndOfBackward, start_as_replicas
 from .flat_param import FlatParameter, FlatShardedMixin, owned_parameters
@@ -73,6 +73,7 @@ class ZeroDataParallel(FlatShardedMixin, nn.Module):
                 f"ZeroDataParallel does stage 1 or 2, not {stage!r}: for stage 3 use "
                 "course_lib.parallel.fsdp.FullyShardedDataParallel"
             )
+        claim_module(module, "ZeroDataParallel", family=DATA_PARALLEL_WRAPPER)
         params = owned_parameters(module)
         if not params:
             raise UserError("the model has no parameters to shard")

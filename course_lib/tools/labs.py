@@ -47,6 +47,7 @@ from types import ModuleType
 from typing import Any
 
 from .. import checks
+from ..errors import UserError
 from ..launch import launch
 
 LINE_LENGTH = 110  # pyproject.toml's [tool.ruff] line-length: exercises are formatted like the code
@@ -210,6 +211,10 @@ def _property_outcome(prop: Property, student: ModuleType, path: Path) -> str | 
     except AssertionError as error:
         return str(error).splitlines()[0] if str(error) else "an assertion failed"
     except CollectiveHung as error:
+        return str(error)
+    except (
+        UserError
+    ) as error:  # the course's own line: a collective made unlike on every rank, a bad argument
         return str(error)
     except Exception as error:  # noqa: BLE001 (the student's mistake is reported, never raised)
         if any(sign in str(error) for sign in PEER_GONE):

@@ -212,9 +212,7 @@ def _property_outcome(prop: Property, student: ModuleType, path: Path) -> str | 
         return str(error).splitlines()[0] if str(error) else "an assertion failed"
     except CollectiveHung as error:
         return str(error)
-    except (
-        UserError
-    ) as error:  # the course's own line: a collective made unlike on every rank, a bad argument
+    except UserError as error:  # the course's own line (collectives that differ across ranks...)
         return str(error)
     except Exception as error:  # noqa: BLE001 (the student's mistake is reported, never raised)
         if any(sign in str(error) for sign in PEER_GONE):

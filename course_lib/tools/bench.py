@@ -906,6 +906,13 @@ def main(argv: list[str] | None = None) -> int:
             f"argument --experts: must be a multiple of --world-size {args.world_size} and at least --top-k "
             f"{args.top_k}, got {args.experts}"
         )
+    if args.benchmark == "allreduce":
+        largest_mb = args.max_mb if args.max_mb is not None else ALLREDUCE_MAX_MB["cpu"]
+        if args.min_bytes >= largest_mb * 2**19:
+            parser.error(
+                f"argument --min-bytes: must be below half of the largest message ({largest_mb:g} MB; "
+                f"--max-mb sets it), so that the sweep has two sizes to fit the model to, got {args.min_bytes}"
+            )
     needed, processes = memory_needed(args)
     available = available_memory_bytes()
     if available is not None and needed * processes > available:

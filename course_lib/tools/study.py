@@ -81,12 +81,16 @@ def _save_plan(results: Path, runs: list[PlannedRun], settings: dict[str, Any]) 
 def load_plan(results: Path) -> tuple[list[PlannedRun], dict[str, Any]]:
     path = results / STUDY_FILE
     if not path.is_file():
-        raise SystemExit(
-            f"error: {path} does not exist: run `python -m course_lib.tools.study submit --results "
-            f"{results}` first"
+        raise UserError(
+            f"{path} does not exist: run `python -m course_lib.tools.study submit --results {results}` first"
         )
-    study = json.loads(path.read_text())
-    return [PlannedRun(**run) for run in study["runs"]], study["settings"]
+    try:
+        study = json.loads(path.read_text())
+        return [PlannedRun(**run) for run in study["runs"]], study["settings"]
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise UserError(
+            f"{path} is not a study's plan ({type(error).__name__}: {error}): submit the study again"
+        ) from None
 
 
 def _training_environment(results: Path, run: PlannedRun, settings: dict[str, Any]) -> dict[str, str]:

@@ -911,7 +911,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.min_bytes >= largest_mb * 2**19:
             parser.error(
                 f"argument --min-bytes: must be below half of the largest message ({largest_mb:g} MB; "
-                f"--max-mb sets it), so that the sweep has two sizes to fit the model to, got {args.min_bytes}"
+                f"--max-mb sets it), so that the sweep has two sizes to fit a model to, got {args.min_bytes}"
             )
     needed, processes = memory_needed(args)
     available = available_memory_bytes()

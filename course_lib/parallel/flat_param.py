@@ -32,8 +32,24 @@ Place = tuple[str, nn.Module, str]
 """Where a parameter sits: (its name in the model, the module holding it, that module's attribute)."""
 
 
+class _HeldInPlaces:
+    """The names of a parameter held in ``self.places`` (more than one if it is tied)."""
+
+    places: list[Place]
+
+    @property
+    def fqn(self) -> str:
+        """Its name: the first place's, as ``named_parameters`` gives it."""
+        return self.places[0][0]
+
+    @property
+    def names(self) -> list[str]:
+        """Every name it has, as ``state_dict`` lists it."""
+        return [name for name, _, _ in self.places]
+
+
 @dataclass
-class OwnedParameter:
+class OwnedParameter(_HeldInPlaces):
     """One parameter of a model and every place that holds it.
 
     A tied weight (a language model's token embedding reused as its output projection, set by
@@ -46,31 +62,15 @@ class OwnedParameter:
     param: nn.Parameter
     places: list[Place]  # the first one names it (as ``named_parameters`` does)
 
-    @property
-    def fqn(self) -> str:
-        return self.places[0][0]
-
-    @property
-    def names(self) -> list[str]:
-        return [name for name, _, _ in self.places]
-
 
 @dataclass
-class ParamSlot:
+class ParamSlot(_HeldInPlaces):
     """Where one of the module's original parameters lives inside the flat parameter."""
 
     places: list[Place]  # every (name, module, attribute) that holds it: more than one if tied
     shape: torch.Size
     offset: int  # first element in the flat vector
     leaf: torch.Tensor  # what the modules now use: a view into the unsharded flat vector
-
-    @property
-    def fqn(self) -> str:
-        return self.places[0][0]
-
-    @property
-    def names(self) -> list[str]:
-        return [name for name, _, _ in self.places]
 
     @property
     def numel(self) -> int:

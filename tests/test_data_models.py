@@ -129,3 +129,8 @@ def test_model_that_does_not_fit_the_data():
         models.check_model_fits_data("digits_cnn", "cifar10", (3, 32, 32))
     with pytest.raises(UserError, match="unknown model"):
         models.build_model("vgg")
+
+
+@pytest.mark.parametrize("name", ["digits", "synthetic"])
+def test_the_training_split_size_known_before_loading_is_the_loaded_one(name):
+    assert data.train_samples(name) == len(data.load_dataset(name).train)

@@ -212,3 +212,59 @@ def test_each_process_gets_the_gpu_of_its_layout(layout, local_rank, visible_gpu
 def test_a_process_that_sees_no_gpu_is_told_how_to_get_one():
     with pytest.raises(UserError, match=r"sees no GPU: request GPUs from Slurm \(--gpus-per-task=1\)"):
         runtime.gpu_for_process(local_rank=0, visible_gpus=0)
+
+
+def _train_as(rank: int, port: int, *extra: str):
+    from conftest import run_ranks
+
+    env = {
+        "RANK": str(rank),
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": str(rank),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+    args = [
+        "--strategy",
+        "ddp",
+        "--epochs",
+        "1",
+        "--max-steps",
+        "1",
+        "--no-progress",
+        "--timeout",
+        "3",
+        *extra,
+    ]
+    [outcome] = run_ranks(args, 1, env=env, timeout=60)
+    return outcome
+
+
+def test_a_port_already_in_use_is_named_in_one_line():
+    import socket
+
+    from course_lib.launch import free_port
+
+    port = free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        outcome = _train_as(0, port)
+    assert outcome.returncode == 2, outcome.stderr
+    assert outcome.stderr.strip().splitlines() == [
+        f"error: MASTER_PORT {port} is already in use on 127.0.0.1 (another job, or an earlier run that has "
+        "not ended yet): choose another MASTER_PORT, or let torchrun pick a free one (--standalone)"
+    ]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_ranks_that_never_meet_say_so_in_one_line(rank):
+    from course_lib.launch import free_port
+
+    outcome = _train_as(rank, free_port())  # the other rank never starts
+    assert outcome.returncode == 1, outcome.stderr
+    [line] = outcome.stderr.strip().splitlines()
+    expected = (
+        "rank 0 waited 3 s at 127.0.0.1:" if rank == 0 else "rank 1 could not reach rank 0 at 127.0.0.1:"
+    )
+    assert line.startswith(f"error: {expected}"), line

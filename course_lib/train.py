@@ -200,8 +200,12 @@ def run(
     from .trainer import train, validate_config
 
     try:
-        checks.check_number("--timeout", timeout_s, above=0, maximum=runtime.MAX_TIMEOUT_S)
         env = runtime.resolve_environment()
+    except UserError as error:  # which process is rank 0 is what is in doubt: every one says it
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
+    try:
+        checks.check_number("--timeout", timeout_s, above=0, maximum=runtime.MAX_TIMEOUT_S)
         runtime.choose_backend(backend, _cuda_available())
         validate_config(config, env.world_size, env.local_world_size)
         if dry_run:

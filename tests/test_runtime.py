@@ -268,3 +268,24 @@ def test_ranks_that_never_meet_say_so_in_one_line(rank):
         "rank 0 waited 3 s at 127.0.0.1:" if rank == 0 else "rank 1 could not reach rank 0 at 127.0.0.1:"
     )
     assert line.startswith(f"error: {expected}"), line
+
+
+@pytest.mark.parametrize(
+    "variables, message",
+    [
+        (SRUN | {"SLURM_PROCID": "4"}, "SLURM_PROCID='4' is not a whole number from 0 to 3"),
+        (TORCHRUN | {"RANK": "one"}, "RANK='one' is not a whole number from 0 to 1"),
+    ],
+    ids=["SLURM_PROCID", "RANK"],
+)
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry run", "real run"])
+def test_the_command_names_a_malformed_launcher_variable_whatever_rank_it_thinks_it_is(
+    variables, message, dry_run
+):
+    from conftest import run_ranks
+
+    args = ["--epochs", "1", "--max-steps", "1", "--no-progress", *(["--dry-run"] if dry_run else [])]
+    [outcome] = run_ranks(args, 1, env=variables, timeout=60)
+    assert outcome.returncode == 2, outcome.stderr
+    [line] = outcome.stderr.strip().splitlines()
+    assert line.startswith("error: environment variable ") and message in line

@@ -366,24 +366,40 @@ def _wait_until_listening(env: DistEnvironment, timeout: datetime.timedelta) -> 
     """Wait, with plain sockets, until rank 0 listens at MASTER_ADDR:MASTER_PORT, or say it never did.
 
     c10d would wait too, but it reports a rank 0 that never comes with pages of C++ frames; the
-    cause fits in one line.
+    cause fits in one line. Each try connects from a port other than MASTER_PORT: on loopback, a
+    connection whose source port happens to be its destination port connects to itself, and
+    would hold the very port rank 0 is about to listen on.
     """
     import socket
     import time
 
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            env.master_addr, env.master_port, type=socket.SOCK_STREAM
+        )[0]
+    except socket.gaierror as error:
+        raise UserError(
+            f"MASTER_ADDR {env.master_addr!r} is not a host this machine knows ({error.strerror}): set it to "
+            "rank 0's host name or address"
+        ) from None
     deadline = time.monotonic() + timeout.total_seconds()
     while True:
-        try:
-            with socket.create_connection((env.master_addr, env.master_port), timeout=1.0):
-                return
-        except OSError:
-            if time.monotonic() >= deadline:
-                raise RendezvousFailed(
-                    f"rank {env.rank} could not reach rank 0 at {env.master_addr}:{env.master_port} within "
-                    f"{timeout.total_seconds():g} s: rank 0 did not start (see its log), or MASTER_ADDR and "
-                    "MASTER_PORT do not name its host and port"
-                ) from None
-            time.sleep(0.1)
+        with socket.socket(family, kind, proto) as probe:
+            probe.settimeout(1.0)
+            try:
+                probe.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
+                if probe.getsockname()[1] != env.master_port:
+                    probe.connect(address)
+                    return
+            except OSError:
+                pass
+        if time.monotonic() >= deadline:
+            raise RendezvousFailed(
+                f"rank {env.rank} could not reach rank 0 at {env.master_addr}:{env.master_port} within "
+                f"{timeout.total_seconds():g} s: rank 0 did not start (see its log), or MASTER_ADDR and "
+                "MASTER_PORT do not name its host and port"
+            )
+        time.sleep(0.1)
 
 
 def init(

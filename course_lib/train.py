@@ -185,6 +185,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**{name: value for name, value in vars(args).items() if name in fields})
 
 
+class RendezvousRefused(UserError):
+    """A mistake in how this process was told to meet the others (an address, a port in use)."""
+
+
 def _report_user_error(error: UserError) -> None:
     if checks.launched_rank() == "0":
         print(f"error: {error}", file=sys.stderr, flush=True)
@@ -212,7 +216,10 @@ def run(
             if checks.launched_rank() == "0":
                 print(f"configuration OK for {env.world_size} process(es)", flush=True)
             return 0
-        runtime.init(backend=backend, timeout_s=timeout_s)
+        try:
+            runtime.init(backend=backend, timeout_s=timeout_s)
+        except UserError as error:  # about this process's own view of the launch: every rank says it
+            raise RendezvousRefused(str(error)) from None
         train(config, stop_on_signals=True)
         status = 0
     except Preempted as stopped:
@@ -223,6 +230,9 @@ def run(
         if checks.launched_rank() == "0":
             print(f"error: {diverged}", file=sys.stderr, flush=True)
         status = EXIT_DIVERGED
+    except RendezvousRefused as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        status = EXIT_USER_ERROR
     except UserError as error:
         _report_user_error(error)
         status = EXIT_USER_ERROR

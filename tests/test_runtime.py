@@ -289,3 +289,14 @@ def test_the_command_names_a_malformed_launcher_variable_whatever_rank_it_thinks
     assert outcome.returncode == 2, outcome.stderr
     [line] = outcome.stderr.strip().splitlines()
     assert line.startswith("error: environment variable ") and message in line
+
+
+def test_a_master_addr_no_one_knows_is_named_by_the_rank_that_looks_for_it():
+    from conftest import run_ranks
+
+    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "nowhere.invalid", "MASTER_PORT": "29400"}
+    args = ["--strategy", "ddp", "--epochs", "1", "--max-steps", "1", "--no-progress", "--timeout", "3"]
+    [outcome] = run_ranks(args, 1, env=env, timeout=60)
+    assert outcome.returncode == 2, outcome.stderr
+    [line] = outcome.stderr.strip().splitlines()
+    assert line.startswith("error: MASTER_ADDR 'nowhere.invalid' is not a host this machine knows (")

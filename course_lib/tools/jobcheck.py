@@ -111,7 +111,7 @@ def gpu_layout_from_slurm(
     gpus_per_task = None
     if environ.get("SLURM_GPUS_PER_TASK", "").strip():  # "1", or "gpu:1" with a type
         count = {"SLURM_GPUS_PER_TASK": environ["SLURM_GPUS_PER_TASK"].split(":")[-1]}
-        gpus_per_task = runtime.int_variable(count, "SLURM_GPUS_PER_TASK", minimum=1)
+        gpus_per_task = runtime.int_variable(count, "SLURM_GPUS_PER_TASK") or None  # 0: none asked for
     on_node = {"SLURM_GPUS_ON_NODE": environ.get("SLURM_GPUS_ON_NODE", "").strip() or "0"}
     return gpu_layout_problem(
         tasks_per_node=tasks_on_first_node(environ.get("SLURM_TASKS_PER_NODE", "1")),

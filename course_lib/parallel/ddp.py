@@ -18,8 +18,13 @@ Three ways to schedule that all-reduce, from slowest to fastest (``sync=``):
 
 - ``naive``: after backward, one all-reduce per parameter. Many small messages: each pays the
   network's latency, and nothing overlaps with computation.
-- ``bucketed``: after backward, gradients are packed into buckets of ``bucket_mb`` megabytes
-  and each bucket is reduced in one message. Fewer, larger messages.
+- ``bucketed``: after backward, gradients are packed into buckets of about ``bucket_mb``
+  megabytes and each bucket is reduced in one message. Fewer, larger messages. The buckets are
+  PyTorch's (``make_buckets``): a bucket closes once it reaches the cap, and the first one is
+  capped at 1 MB by default, so its gradients, the first ready, do not wait for 25 MB of others.
+  (PyTorch reduces everything in one bucket in the very first step, then rebuilds the buckets in
+  the order the gradients arrived; for a model that runs its layers in the order it defines them
+  those are the buckets built here from the start.)
 - ``overlapped`` (the default, what PyTorch does): buckets are filled in the order gradients
   become ready during backward (the last layers first) and each is all-reduced *asynchronously*
   as soon as it is full, while backward goes on computing the earlier layers' gradients. At the
@@ -65,6 +70,7 @@ from ..errors import UserError
 
 SYNC_MODES = ("naive", "bucketed", "overlapped")
 DEFAULT_BUCKET_MB = 25.0  # PyTorch's default bucket_cap_mb
+DEFAULT_FIRST_BUCKET_MB = 1.0  # and its first bucket's (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
 
 
 @dataclass
@@ -84,29 +90,39 @@ class Bucket:
             start += param.numel()
 
 
-def make_buckets(params: list[nn.Parameter], bucket_mb: float) -> list[list[nn.Parameter]]:
-    """Group parameters, in reverse order of definition, into buckets of at most ``bucket_mb`` MB.
+def make_buckets(
+    params: list[nn.Parameter], bucket_mb: float, *, first_bucket_mb: float | None = None
+) -> list[list[nn.Parameter]]:
+    """Group parameters into buckets the way PyTorch's reducer does, in the order backward makes them.
 
-    Backward computes the last layers' gradients first, so reversed definition order is about the
-    order in which gradients become ready. A parameter larger than a bucket gets a bucket of its own.
+    Walking the parameters from the last to the first (backward computes the last layers'
+    gradients first), each one is *added* to the current bucket, and the bucket is closed once it
+    *reaches* the cap, so a bucket holds at least ``bucket_mb`` MB but for the last one, and a
+    large parameter closes its bucket at once. Parameters of another dtype fill buckets of their
+    own (a bucket is one flat buffer). This is ``torch.distributed._compute_bucket_assignment_by_size``.
 
     Args:
         params: the parameters whose gradients are all-reduced, in the model's order.
-        bucket_mb: the most megabytes (2**20 bytes) of gradient one bucket holds.
+        bucket_mb: the cap, in megabytes (2**20 bytes), at which a bucket is closed.
+        first_bucket_mb: a smaller cap for the first bucket (None: ``bucket_mb``). PyTorch's DDP
+            uses 1 MB by default: the first gradients then leave after a short wait instead of
+            waiting for 25 MB of them.
     """
-    limit = bucket_mb * 2**20
-    buckets, current, current_bytes = [], [], 0
+    caps = [first_bucket_mb * 2**20] if first_bucket_mb is not None else []
+    caps.append(bucket_mb * 2**20)
+    buckets: list[list[nn.Parameter]] = []
+    # one bucket filling per (dtype, device): its parameters, its bytes, which cap applies to it
+    open_buckets: dict[tuple, tuple[list[nn.Parameter], float, int]] = {}
     for param in reversed(params):
-        size = param.numel() * param.element_size()
-        if current and (
-            current_bytes + size > limit or param.dtype != current[0].dtype
-        ):  # one dtype per buffer
-            buckets.append(current)
-            current, current_bytes = [], 0
+        kind = (param.dtype, param.device)
+        current, size, cap = open_buckets.get(kind, ([], 0.0, 0))
         current.append(param)
-        current_bytes += size
-    if current:
-        buckets.append(current)
+        size += param.numel() * param.element_size()
+        if size >= caps[cap]:
+            buckets.append(current)
+            current, size, cap = [], 0.0, min(cap + 1, len(caps) - 1)
+        open_buckets[kind] = (current, size, cap)
+    buckets += [current for current, _, _ in open_buckets.values() if current]
     return buckets
 
 
@@ -208,7 +224,9 @@ class DataParallel(GradientSyncSwitch, nn.Module):
 
     Args:
         module: the model; every rank must build the same one (rank 0's weights are broadcast).
-        bucket_mb: the size of one all-reduce message, in MB (PyTorch's ``bucket_cap_mb``, 25).
+        bucket_mb: the size at which a bucket is closed and all-reduced, in MB (``make_buckets``);
+            None: PyTorch's defaults, 1 MB for the first bucket and 25 MB for the others. A value
+            given applies to every bucket, as PyTorch's ``bucket_cap_mb`` does.
         sync: ``"overlapped"`` (buckets reduced during backward), ``"bucketed"`` (after backward)
             or ``"naive"`` (one all-reduce per parameter, after backward).
         broadcast_buffers: send rank 0's buffers (running statistics) to every rank before each
@@ -221,7 +239,7 @@ class DataParallel(GradientSyncSwitch, nn.Module):
         self,
         module: nn.Module,
         *,
-        bucket_mb: float = DEFAULT_BUCKET_MB,
+        bucket_mb: float | None = None,
         sync: str = "overlapped",
         broadcast_buffers: bool = False,
         find_unused_parameters: bool = False,
@@ -229,7 +247,8 @@ class DataParallel(GradientSyncSwitch, nn.Module):
     ):
         super().__init__()
         check_module("module", module)
-        check_number("bucket_mb (the size of one all-reduce message, in MB)", bucket_mb, above=0)
+        if bucket_mb is not None:
+            check_number("bucket_mb (the size of one all-reduce message, in MB)", bucket_mb, above=0)
         check_choice("sync", sync, SYNC_MODES)
         check_group("group", group)
         claim_module(module, "DataParallel", family=DATA_PARALLEL_WRAPPER)
@@ -252,7 +271,11 @@ class DataParallel(GradientSyncSwitch, nn.Module):
                     device=group_params[0].device,
                 ),
             )
-            for group_params in make_buckets(params, bucket_mb)
+            for group_params in make_buckets(
+                params,
+                bucket_mb if bucket_mb is not None else DEFAULT_BUCKET_MB,
+                first_bucket_mb=None if bucket_mb is not None else DEFAULT_FIRST_BUCKET_MB,
+            )
         ]
         self._slot = {id(p): (bucket, view) for bucket in self.buckets for p, view in bucket.slices()}
         self._next_to_launch = 0

@@ -14,6 +14,7 @@ from course_lib import comm, models, runtime
 from course_lib.errors import UserError
 from course_lib.launch import launch
 from course_lib.parallel.ddp import DataParallel, make_buckets
+from course_lib.tools import bench
 
 from conftest import run_bench, run_ranks
 
@@ -93,8 +94,8 @@ def test_bucket_size_changes_only_the_number_of_all_reduces():
         flat, calls, sent = launch(_train, 2, "course", "overlapped", bucket_mb)[0]
         results[bucket_mb] = (flat, calls, sent)
         assert calls == STEPS * len(make_buckets(params, bucket_mb))
-    # 8 tensors; at 1 KB only the first layer's bias and weight (60 + 540 bytes) share a bucket
-    assert [results[b][1] // STEPS for b in (0.001, 0.05, 25)] == [7, 3, 1]
+    # 8 tensors, closed into a bucket once it reaches the cap: at 1 KB a weight closes each bucket
+    assert [results[b][1] // STEPS for b in (0.001, 0.05, 25)] == [4, 2, 1]
     for bucket_mb in (0.001, 25):
         assert torch.equal(results[bucket_mb][0], results[0.05][0])
         assert results[bucket_mb][2] == results[0.05][2]  # the same bytes, in fewer or more messages
@@ -102,10 +103,67 @@ def test_bucket_size_changes_only_the_number_of_all_reduces():
     assert results[25][2] == STEPS * comm.ring_bytes("all_reduce", gradient_bytes, 2)
 
 
-def test_buckets_follow_reverse_definition_order_and_respect_the_cap():
-    params = [nn.Parameter(torch.zeros(n)) for n in (10, 300_000, 20, 30)]
+def test_buckets_follow_reverse_definition_order_and_close_once_they_reach_the_cap():
+    params = [nn.Parameter(torch.zeros(n)) for n in (10, 300_000, 20, 30, 5)]
     buckets = make_buckets(params, 1.0)  # 1 MB = 262,144 floats
-    assert [[p.numel() for p in bucket] for bucket in buckets] == [[30, 20], [300_000], [10]]
+    assert [[p.numel() for p in bucket] for bucket in buckets] == [[5, 30, 20, 300_000], [10]]
+    first_small = make_buckets(params, 1.0, first_bucket_mb=1e-4)  # 104 bytes: the first closes at 35 floats
+    assert [[p.numel() for p in bucket] for bucket in first_small] == [[5, 30], [20, 300_000], [10]]
+
+
+def _torch_buckets_reduced(model_name: str, bucket_mb: float | None) -> int:
+    torch.manual_seed(0)
+    model, batch = _BUCKET_MODELS[model_name]()
+    wrapped = (
+        DistributedDataParallel(model)
+        if bucket_mb is None
+        else DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
+    )
+    for _ in range(3):  # the first step reduces one bucket of everything; then PyTorch rebuilds them
+        wrapped(batch).float().sum().backward()
+    return wrapped._get_ddp_logging_data()["num_buckets_reduced"]
+
+
+def _course_buckets_reduced(model_name: str, bucket_mb: float | None) -> int:
+    torch.manual_seed(0)
+    model, batch = _BUCKET_MODELS[model_name]()
+    wrapped = DataParallel(model, bucket_mb=bucket_mb)
+    with comm.CommLog() as log:
+        wrapped(batch).float().sum().backward()
+    return log.count("all_reduce")
+
+
+def _many_small_tensors():
+    layers = [
+        m for _ in range(40) for m in (nn.Linear(16, 16), nn.LayerNorm(16))
+    ]  # 160 tensors of 64 B to 1 KB
+    return nn.Sequential(*layers), torch.randn(8, 16)
+
+
+_BUCKET_MODELS = {
+    "bench MLP": lambda: (
+        nn.Sequential(*[nn.Linear(bench.MLP_WIDTH, bench.MLP_WIDTH) for _ in range(bench.MLP_LAYERS)]),
+        torch.randn(4, bench.MLP_WIDTH),
+    ),
+    "many small tensors": _many_small_tensors,
+    "digits CNN": lambda: (models.build_model("digits_cnn"), torch.randn(6, 1, 8, 8)),
+}
+
+
+@pytest.mark.parametrize(
+    "model_name, bucket_mb",
+    [
+        ("bench MLP", 4.0),
+        ("bench MLP", None),  # PyTorch's defaults: a first bucket of 1 MB, then 25 MB
+        ("many small tensors", 0.002),
+        ("many small tensors", None),
+        ("digits CNN", 0.05),
+    ],
+)
+def test_the_course_reduces_as_many_buckets_as_pytorchs_ddp(model_name, bucket_mb):
+    theirs = launch(_torch_buckets_reduced, 2, model_name, bucket_mb)[0]
+    ours = launch(_course_buckets_reduced, 2, model_name, bucket_mb)[0]
+    assert ours == theirs, f"{model_name}, bucket_mb={bucket_mb}: course {ours}, PyTorch {theirs}"
 
 
 class _TwoBranches(nn.Module):

@@ -213,11 +213,12 @@ PROPERTIES = [
         "a model's state also has buffers (batch norm's statistics), which are not parameters.",
     ),
     Property(
-        "buckets are filled from the last parameter, none over the size",
+        "buckets are filled from the last parameter and closed as PyTorch's DDP closes them",
         check_buckets,
         "Backward produces the last layer's gradients first, so buckets are filled walking the parameters "
-        "backwards. Count a parameter's bytes as numel() x element_size(); close a bucket before the "
-        "parameter that would overflow it, and give an oversized parameter a bucket of its own.",
+        "backwards. PyTorch's reducer closes a bucket once it has reached the size, never before a "
+        "parameter: a bucket then never waits for a gradient that will not fit, and a large parameter "
+        "closes the bucket it lands in. Count a parameter's bytes as numel() x element_size().",
     ),
     Property(
         "per parameter: the averaged gradients equal the whole batch's (2, 3, 4 ranks)",
@@ -274,7 +275,8 @@ QUESTIONS = [
     Question(
         "all_reduces_per_step_buckets_of_0_05_mb",
         lambda: len(make_buckets(_digits_cnn_parameters(), 0.05)),
-        "fill buckets of 0.05 MB = 52,429 bytes from the last parameter, as your bucket_parameters does",
+        "fill buckets from the last parameter, closing each once it reaches 0.05 MB = 52,429 bytes, as your "
+        "bucket_parameters does",
     ),
     Question(
         "bytes_sent_per_rank_per_step_on_4_ranks",

@@ -35,20 +35,19 @@ def broadcast_parameters(module: nn.Module) -> None:
 
 
 def bucket_parameters(params: list[nn.Parameter], bucket_mb: float) -> list[list[nn.Parameter]]:
-    """Group ``params`` into buckets of at most ``bucket_mb`` MB, starting from the last parameter.
+    """Group ``params`` into buckets as PyTorch's DDP does, starting from the last parameter.
 
-    A parameter larger than a bucket gets a bucket of its own; no bucket is empty.
+    A bucket is closed as soon as it holds ``bucket_mb`` MB or more; no bucket is empty.
     """
-    # BEGIN SOLUTION: walk the parameters from the last to the first (backward's order), adding each to the current bucket; close the bucket before a parameter that would take it over the limit (numel() x element_size() bytes; 1 MB = 2**20 bytes)
+    # BEGIN SOLUTION: walk the parameters in the order backward makes their gradients; a bucket is full once it reaches the size (PyTorch's rule: it never waits for a gradient that would not fit), so check after adding, not before; count bytes, and remember that MB here means 2**20 bytes
     limit = bucket_mb * 2**20
     buckets, current, current_bytes = [], [], 0
     for param in reversed(params):
-        size = param.numel() * param.element_size()
-        if current and current_bytes + size > limit:
+        current.append(param)
+        current_bytes += param.numel() * param.element_size()
+        if current_bytes >= limit:
             buckets.append(current)
             current, current_bytes = [], 0
-        current.append(param)
-        current_bytes += size
     if current:
         buckets.append(current)
     return buckets

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from . import checkpoint, checks, data, flops, memory, models, runtime, strategies
+from . import checkpoint, checks, comm, data, flops, memory, models, runtime, strategies
 from .errors import Diverged, UserError
 from .preemption import Preempted, StopRequests
 
@@ -319,26 +319,26 @@ def _reduce_max(value: float, device: torch.device | str = "cpu") -> float:
     if not (dist.is_initialized() and runtime.world_size() > 1):
         return value
     tensor = torch.tensor([value], dtype=torch.float64, device=device)  # NCCL reduces only GPU tensors
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    comm.all_reduce(tensor, op="max")
     return tensor.item()
 
 
-def _reduce_sum(values: list[float], device: torch.device | str = "cpu") -> list[float]:
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+def _reduce_sum(tensor: torch.Tensor) -> list[float]:
+    """The sum over ranks of ``tensor``, read back as numbers."""
     if dist.is_initialized() and runtime.world_size() > 1:
-        dist.all_reduce(tensor)
+        comm.all_reduce(tensor)
     return tensor.tolist()
 
 
-def _gradients_finite(model: torch.nn.Module) -> bool:
-    """True if every gradient this rank holds is finite (a shard's, for a sharded model)."""
+def _gradients_finite(model: torch.nn.Module, device: torch.device) -> torch.Tensor:
+    """Whether every gradient this rank holds is finite (a shard's, for a sharded model), on the device."""
     gradients = [parameter.grad for parameter in model.parameters() if parameter.grad is not None]
     gradients = [
         grad.to_local() if hasattr(grad, "to_local") else grad for grad in gradients
     ]  # FSDP2's DTensors
     if not gradients:
-        return True
-    return bool(torch.stack([torch.isfinite(grad).all() for grad in gradients]).all())
+        return torch.ones((), dtype=torch.bool, device=device)
+    return torch.stack([torch.isfinite(grad).all().to(device) for grad in gradients]).all()
 
 
 def _append_metrics(path: str, record: dict[str, Any]) -> None:
@@ -467,10 +467,15 @@ class Trainer:
         Returns the loss summed over the global batch's samples, their number (the same on every
         rank) and whether any rank asked to stop. Raises ``Diverged`` on every rank, before the
         update, if any rank's loss or gradient is not finite.
+
+        What a step costs beyond the strategy's own communication: one all-reduce of four numbers
+        and one wait for the device (reading its result). The loss stays on the device during the
+        micro-batches; reading it after each one would stall a GPU once per micro-batch.
         """
         config, device = self.config, self.ctx.device
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum, samples = 0.0, 0
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        samples = 0
         for micro_step in range(config.grad_accum):
             inputs, targets = next(batches)
             inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
@@ -479,29 +484,38 @@ class Trainer:
                 with autocast(device, config.precision):
                     loss = F.cross_entropy(self.model(inputs).float(), targets)
                 (loss / config.grad_accum).backward()
-            loss_sum += loss.item() * len(targets)
+            loss_sum += loss.detach().double() * len(targets)
             samples += len(targets)
         grad_norm = None
         if config.clip_grad_norm is not None:
-            grad_norm = float(strategies.clip_grad_norm_(self.model, config.clip_grad_norm))
-        finite = math.isfinite(loss_sum) and _gradients_finite(self.model)
-        loss_total, samples_total, diverged, stop = self._agree_on_step(loss_sum, samples, finite)
+            grad_norm = strategies.clip_grad_norm_(self.model, config.clip_grad_norm)
+        non_finite = ~_gradients_finite(self.model, device)
+        loss_total, samples_total, diverged, stop = self._agree_on_step(loss_sum, samples, non_finite)
         if diverged:
-            self._stop_diverged(loss_total / samples_total, grad_norm)
+            self._stop_diverged(loss_total / samples_total, None if grad_norm is None else float(grad_norm))
         self.optimizer.step()
         return loss_total, samples_total, stop
 
-    def _agree_on_step(self, loss_sum: float, samples: int, finite: bool) -> tuple[float, float, bool, bool]:
-        """One tiny all-reduce per step, so that every rank takes the same decision at the same step.
+    def _agree_on_step(
+        self, loss_sum: torch.Tensor, samples: int, non_finite: torch.Tensor
+    ) -> tuple[float, float, bool, bool]:
+        """One all-reduce of four numbers per step, so that every rank takes the same decision at once.
 
         It sums, over ranks: the loss (a NaN anywhere makes the sum NaN), the samples, the ranks
-        that saw a non-finite value, and the ranks that received a stop signal (the signal may
-        reach them milliseconds apart). Returns (the global batch's loss sum, its samples,
-        diverged, stop).
+        that saw a non-finite gradient, and the ranks that received a stop signal (the signal may
+        reach them milliseconds apart). Reading the result is the step's one wait for the device.
+        Returns (the global batch's loss sum, its samples, diverged, stop).
         """
         stop = self.stop_requests is not None and self.stop_requests.received is not None
-        summary = [loss_sum, float(samples), 0.0 if finite else 1.0, 1.0 if stop else 0.0]
-        loss_total, samples_total, non_finite_ranks, stopping_ranks = _reduce_sum(summary, self.ctx.device)
+        summary = torch.stack(
+            [
+                loss_sum,
+                torch.tensor(float(samples), dtype=torch.float64, device=loss_sum.device),
+                non_finite.to(torch.float64),
+                torch.tensor(1.0 if stop else 0.0, dtype=torch.float64, device=loss_sum.device),
+            ]
+        )
+        loss_total, samples_total, non_finite_ranks, stopping_ranks = _reduce_sum(summary)
         diverged = non_finite_ranks > 0 or not math.isfinite(loss_total / samples_total)
         return loss_total, samples_total, diverged, stopping_ranks > 0
 

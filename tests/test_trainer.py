@@ -390,3 +390,82 @@ def test_sharding_flags_are_checked_before_any_rank_waits(changes, message):
 
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
         validate_config(dataclasses.replace(BASE, **changes), 2)
+
+
+# -- what one step costs beyond the strategy's own communication -------------------------------------
+
+
+def _one_step(strategy: str, impl: str, extra: dict) -> tuple[dict, int, int]:
+    """The collectives of one warm training step, and the strategy's units and buckets."""
+    from course_lib import comm
+
+    trainer = Trainer(dataclasses.replace(BASE, strategy=strategy, impl=impl, **extra))
+    batches = iter(trainer.train_loader)
+    trainer._train_step(batches)  # the first step builds what is built once
+    with comm.CommLog() as log:
+        trainer._train_step(batches)
+    counts = {op: log.count(op) for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")}
+    model = trainer.model
+    return counts, len(getattr(model, "units", [])), len(getattr(model, "buckets", []))
+
+
+STEP_COLLECTIVES = {
+    # strategy, impl, flags -> what the course's communication adds to the trainer's one all-reduce
+    "torch DDP": ("ddp", "torch", {}, lambda units, buckets: {}),  # PyTorch's own calls are not logged
+    "torch FSDP2": ("fsdp", "torch", {}, lambda units, buckets: {}),
+    "course DDP": ("ddp", "course", {}, lambda units, buckets: {"all_reduce": buckets}),
+    "course ZeRO-2": (
+        "fsdp",
+        "course",
+        dict(zero_stage=2),
+        lambda units, buckets: {"reduce_scatter": 1, "all_gather": 1},
+    ),
+    "course FSDP": (
+        "fsdp",
+        "course",
+        {},
+        lambda units, buckets: {"all_gather": 2 * units, "reduce_scatter": units},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", STEP_COLLECTIVES)
+def test_a_step_makes_one_collective_of_its_own_beside_the_strategys(case):
+    strategy, impl, extra, strategy_calls = STEP_COLLECTIVES[case]
+    counts, units, buckets = launch(_one_step, 2, strategy, impl, extra)[0]
+    expected = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0, "broadcast": 0}
+    expected.update(strategy_calls(units, buckets))
+    expected["all_reduce"] += 1  # the trainer's: loss, samples, finiteness and stop, together
+    assert counts == expected
+
+
+def _host_reads_per_step(grad_accum: int) -> int:
+    """How often the trainer's own code reads a tensor back to the host during one step."""
+    import inspect
+
+    trainer = Trainer(dataclasses.replace(BASE, strategy="single", grad_accum=grad_accum))
+    batches = iter(trainer.train_loader)
+    reads = []
+    originals = {name: getattr(torch.Tensor, name) for name in ("item", "tolist", "__bool__", "__float__")}
+
+    def counting(name):
+        def read(tensor, *args, **kwargs):
+            if inspect.stack()[1].filename.endswith("course_lib/trainer.py"):
+                reads.append(name)
+            return originals[name](tensor, *args, **kwargs)
+
+        return read
+
+    try:
+        for name in originals:
+            setattr(torch.Tensor, name, counting(name))
+        trainer._train_step(batches)
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+    return len(reads)
+
+
+def test_a_step_waits_for_the_device_once_however_many_micro_batches():
+    assert launch(_host_reads_per_step, 1, 1) == [1]
+    assert launch(_host_reads_per_step, 1, 4) == [1]

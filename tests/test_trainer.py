@@ -418,7 +418,7 @@ STEP_COLLECTIVES = {
         "fsdp",
         "course",
         dict(zero_stage=2),
-        lambda units, buckets: {"reduce_scatter": 1, "all_gather": 1},
+        lambda units, buckets: {"reduce_scatter": buckets, "all_gather": 1},  # one per gradient bucket
     ),
     "course FSDP": (
         "fsdp",

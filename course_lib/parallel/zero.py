@@ -26,9 +26,12 @@ The two stages differ in what happens to the full gradient after step 2:
 
 - **ZeRO-1** keeps it: a full-size gradient buffer stays allocated (only this rank's range of
   it is averaged; the rest is scratch). Memory per rank: 4Ψ params + 4Ψ grads + KΨ/N state (fp32).
-- **ZeRO-2** frees it and keeps only this rank's gradient shard: 4Ψ + (4 + K)Ψ/N. (Here the full
-  gradient still exists briefly at the end of backward; DeepSpeed reduces it in buckets *during*
-  backward so that it never exists at once. The steady state is the same.)
+- **ZeRO-2** never holds the full gradient. As in DeepSpeed, gradients are grouped into buckets
+  during backward (PyTorch DDP's buckets, ``ddp.make_buckets``); as soon as a bucket's gradients
+  are all there, they are copied into one buffer and freed, and the buffer is reduce-scattered
+  *asynchronously* while backward goes on: each rank receives the sum of the part of the bucket
+  that falls in its own shard (pieces of unequal size, some empty), and the buffer is freed once
+  the reduction is done. Memory per rank: 4Ψ + (4 + K)Ψ/N, plus the buckets in flight.
 
 Element-wise is the condition: an optimizer whose update of one element depends on others
 (LAMB's per-tensor trust ratio, L-BFGS) would see a shard, not the tensor, and compute
@@ -45,10 +48,36 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm, runtime
-from ..checks import DATA_PARALLEL_WRAPPER, check_group, check_module, claim_module
+from ..checks import DATA_PARALLEL_WRAPPER, check_group, check_module, check_number, claim_module
 from ..errors import UserError
-from .ddp import EndOfBackward, start_as_replicas
-from .flat_param import FlatParameter, FlatShardedMixin, owned_parameters
+from .ddp import DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB, EndOfBackward, make_buckets, start_as_replicas
+from .flat_param import FlatParameter, FlatShardedMixin, ParamSlot, owned_parameters
+
+BUCKETS_IN_FLIGHT = 2
+"""Buckets whose reduce-scatter may run while backward goes on; an older one is waited for first."""
+
+
+class GradientBucket:
+    """A run of the flat vector, ``[start, end)``, whose gradients are reduce-scattered together.
+
+    Rank g owns elements ``[g S, (g+1) S)`` of the flat vector; its piece of this bucket is the
+    overlap of the two ranges, empty when the bucket lies in other ranks' shards.
+    """
+
+    def __init__(self, slots: list[ParamSlot], shard_numel: int, group_size: int):
+        self.slots = slots
+        self.start = min(slot.offset for slot in slots)
+        self.end = max(slot.offset + slot.numel for slot in slots)
+        self.pieces = [
+            (max(self.start, rank * shard_numel), min(self.end, (rank + 1) * shard_numel))
+            for rank in range(group_size)
+        ]
+        self.ready = 0
+        self.buffer: torch.Tensor | None = None  # the bucket's gradients, until they are reduced
+        self.work = None  # the reduce-scatter in flight
+
+    def piece_sizes(self) -> list[int]:
+        return [max(0, end - start) for start, end in self.pieces]
 
 
 class ZeroDataParallel(FlatShardedMixin, nn.Module):
@@ -62,9 +91,11 @@ class ZeroDataParallel(FlatShardedMixin, nn.Module):
         module: the model; every rank must build the same one (rank 0's weights are broadcast).
         stage: 1 shards the optimizer state, 2 also the gradients.
         group: the data-parallel process group to shard over (None: every rank).
+        bucket_mb: with stage 2, the size at which a bucket of gradients is reduce-scattered
+            during backward (None: PyTorch DDP's defaults, 1 MB first, then 25 MB).
     """
 
-    def __init__(self, module: nn.Module, *, stage: int = 2, group=None):
+    def __init__(self, module: nn.Module, *, stage: int = 2, group=None, bucket_mb: float | None = None):
         super().__init__()
         check_module("module", module)
         check_group("group", group)
@@ -94,6 +125,24 @@ class ZeroDataParallel(FlatShardedMixin, nn.Module):
         self.state_mesh = DeviceMesh.from_group(
             group or dist.group.WORLD, self.flat.compute_device.type, mesh=torch.tensor(ranks)
         )
+        if bucket_mb is not None:
+            check_number("bucket_mb (the size of one reduce-scatter, in MB)", bucket_mb, above=0)
+        self.buckets: list[GradientBucket] = []
+        if stage == 2:
+            slot_of = {id(slot.leaf): slot for slot in self.flat.slots}
+            trainable = [slot.leaf for slot in self.flat.slots if slot.leaf.requires_grad]
+            for leaves in make_buckets(
+                trainable,
+                bucket_mb if bucket_mb is not None else DEFAULT_BUCKET_MB,
+                first_bucket_mb=None if bucket_mb is not None else DEFAULT_FIRST_BUCKET_MB,
+            ):
+                slots = [slot_of[id(leaf)] for leaf in leaves]
+                self.buckets.append(GradientBucket(slots, self.flat.shard_numel, self.flat.group_size))
+        self._bucket_of = {id(slot.leaf): bucket for bucket in self.buckets for slot in bucket.slots}
+        self._next_to_launch = 0
+        self._in_flight: list[GradientBucket] = []
+        self._shard_sum: torch.Tensor | None = None  # this rank's shard of the summed gradient, so far
+        self.peak_gradient_bytes = 0  # the most gradient bytes held at once during a backward
         for slot in self.flat.slots:
             slot.leaf.register_post_accumulate_grad_hook(self._gradient_ready)
 
@@ -111,21 +160,77 @@ class ZeroDataParallel(FlatShardedMixin, nn.Module):
             comm.all_gather_into_tensor(self.flat.full, shard, group=self.group)
         self._gathered_version = self.flat_shard._version
 
-    def _gradient_ready(self, _leaf: torch.Tensor) -> None:
-        if self.require_gradient_sync:
-            self._end_of_backward.request()
+    def _gradient_ready(self, leaf: torch.Tensor) -> None:
+        if not self.require_gradient_sync:
+            return  # no_sync(): the gradient accumulates where it is
+        self._end_of_backward.request()
+        if self.stage == 2:
+            self._bucket_of[id(leaf)].ready += 1
+            self._launch_ready_buckets()
+            self._note_gradient_bytes()
+
+    # #region zero2-buckets
+    def _launch_ready_buckets(self, *, all_of_them: bool = False) -> None:
+        """Reduce-scatter every complete bucket, strictly in bucket order (every rank must use one order)."""
+        while self._next_to_launch < len(self.buckets):
+            bucket = self.buckets[self._next_to_launch]
+            if bucket.ready < len(bucket.slots) and not all_of_them:
+                return
+            flat = torch.zeros(
+                bucket.end - bucket.start, dtype=self.flat.reduce_dtype, device=self.flat.compute_device
+            )
+            for slot in bucket.slots:  # then the parameters' own gradients are let go
+                if slot.leaf.grad is not None:
+                    at = slot.offset - bucket.start
+                    flat[at : at + slot.numel].copy_(slot.leaf.grad.reshape(-1))
+                    slot.leaf.grad = None
+            sizes = bucket.piece_sizes()  # the ranks' pieces follow one another: they cut the bucket
+            bucket.buffer = flat  # kept alive until the reduction is done
+            if self._shard_sum is None:  # this rank's piece of each bucket lands in its place at once
+                self._shard_sum = torch.zeros(self.flat.shard_numel, dtype=flat.dtype, device=flat.device)
+            start, end = bucket.pieces[self.flat.index]
+            at = max(0, start - self.flat.index * self.flat.shard_numel)
+            bucket.work = comm.reduce_scatter(
+                self._shard_sum[at : at + max(0, end - start)],
+                list(flat.split(sizes)),
+                op="sum",
+                group=self.group,
+                async_op=True,
+            )
+            self._next_to_launch += 1
+            self._in_flight.append(bucket)
+            while len(self._in_flight) > BUCKETS_IN_FLIGHT:  # bound the memory the buckets hold
+                self._take_in(self._in_flight.pop(0))
+
+    def _take_in(self, bucket: GradientBucket) -> None:
+        """Wait for a bucket's reduce-scatter (its piece is then in this rank's shard), free the bucket."""
+        bucket.work.wait()
+        bucket.ready, bucket.work, bucket.buffer = 0, None, None
+
+    # #endregion zero2-buckets
+
+    def _note_gradient_bytes(self) -> None:
+        held = [s.leaf.grad for s in self.flat.slots] + [self.flat_shard.grad, self._shard_sum]
+        held += [b.buffer for b in self.buckets]
+        total = sum(t.numel() * t.element_size() for t in held if t is not None)
+        self.peak_gradient_bytes = max(self.peak_gradient_bytes, total)
 
     def _reduce_gradients(self) -> None:
-        """End of backward: reduce-scatter the flat gradient; keep it whole (stage 1) or only the shard."""
+        """End of backward: stage 1 reduce-scatters the whole flat gradient and keeps it; stage 2
+        waits for its buckets, already in flight, and keeps this rank's shard of the sum."""
         previous = self.flat_shard.grad.clone() if self.flat_shard.grad is not None else None
-        flat_gradient = self.flat.flat_gradient(self._gradient_buffer)
-        reduced = self.flat.reduce_gradient(flat_gradient)
         if self.stage == 1:  # the averaged shard goes back into its range of the kept buffer
+            flat_gradient = self.flat.flat_gradient(self._gradient_buffer)
+            reduced = self.flat.reduce_gradient(flat_gradient)
             own = flat_gradient[self.flat.index * self.flat.shard_numel :][: self.flat.shard_numel]
             own.copy_(reduced)
             self.flat_shard.grad = own
         else:
-            self.flat_shard.grad = reduced
+            self._launch_ready_buckets(all_of_them=True)  # a parameter that got no gradient counts as zero
+            while self._in_flight:
+                self._take_in(self._in_flight.pop(0))
+            self._next_to_launch = 0
+            self.flat_shard.grad, self._shard_sum = self._shard_sum.div_(self.flat.data_parallel_size), None
         if previous is not None:  # gradients accumulate over optimizer steps if the user did not zero them
             self.flat_shard.grad += previous
 

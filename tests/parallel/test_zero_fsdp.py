@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -11,6 +13,7 @@ from torch import nn
 from course_lib import comm, memory, models, runtime
 from course_lib.errors import UserError
 from course_lib.launch import launch
+from course_lib.parallel import zero
 from course_lib.parallel.fsdp import FullyShardedDataParallel, MixedPrecision
 from course_lib.parallel.zero import ZeroDataParallel
 from course_lib.tools import bench
@@ -419,6 +422,33 @@ def test_memory_benchmark_matches_the_model_within_two_percent():
     ]
     assert result["max_ratio_error"] < 0.02
     assert result["max_traffic_ratio_error"] < 0.01
+
+
+def _zero2_gradient_memory() -> tuple[int, int, int, list[int]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)])  # 8 x 257 KB of fp32 gradients
+    wrapped = ZeroDataParallel(model, stage=2, bucket_mb=0.25)  # a bucket closes at each weight
+    optimizer = torch.optim.Adam(wrapped.parameters())
+    inputs = torch.randn(16, 256) + runtime.rank()
+    with comm.CommLog() as log:
+        for _ in range(2):
+            optimizer.zero_grad()
+            wrapped(inputs).square().mean().backward()
+            optimizer.step()
+    full = 4 * sum(slot.numel for slot in wrapped.flat.slots)
+    held_after = memory.measure_model_states(wrapped, optimizer=optimizer).grads
+    sizes = [r.tensor_bytes for r in log.records if r.op == "reduce_scatter"]
+    return wrapped.peak_gradient_bytes, full, held_after, sizes
+
+
+def test_zero2_reduces_bucket_by_bucket_and_never_holds_the_whole_gradient():
+    peak, full, held_after, sizes = launch(_zero2_gradient_memory, 4)[0]
+    assert len(sizes) == 2 * 8 and sum(sizes) == 2 * full  # one reduce-scatter per bucket, every element once
+    shard = 4 * math.ceil(full / 4 / 4)
+    assert held_after == shard  # after backward only this rank's shard of the gradient is kept
+    # during backward: the shard, one parameter's gradient, and at most two buckets in flight
+    assert peak <= shard + (zero.BUCKETS_IN_FLIGHT + 1) * max(sizes), (peak, full)
+    assert peak < 0.7 * full, (peak, full)  # the whole gradient never exists at once
 
 
 def _frozen_middle(kind: str):

@@ -78,10 +78,15 @@ class ShardedOptimizer:
         )
 
     def step_from_local_gradients(self) -> None:
-        """ZeRO-2: each rank has only its own gradients (no DDP); average just this rank's shard."""
-        # TODO: a reduce-scatter hands each rank the reduction of its piece only: pad the flat local gradient to world_size equal pieces, reduce-scatter it with op="mean" into one piece, and keep the part that is really this rank's shard; then step and share as in ZeRO-1
+        """ZeRO-2: each rank has only its own gradients (no DDP); average just this rank's shard.
+
+        Then the whole local gradient is let go: what a rank keeps is its shard's average only.
+        (The course's ``ZeroDataParallel`` goes further: it reduces bucket by bucket during
+        backward, so the whole gradient never exists even before the step.)
+        """
+        # TODO: a reduce-scatter hands each rank the reduction of its piece only, so its input must cut into world_size equal pieces; keep the real part of yours; the full-size local gradients are then garbage: holding on to them (param.grad) keeps exactly the memory ZeRO-2 exists to save; then step and share as in ZeRO-1
         raise NotImplementedError(
-            'TODO: a reduce-scatter hands each rank the reduction of its piece only: pad the flat local gradient to world_size equal pieces, reduce-scatter it with op="mean" into one piece, and keep the part that is really this rank\'s shard; then step and share as in ZeRO-1'
+            "TODO: a reduce-scatter hands each rank the reduction of its piece only, so its input must cut into world_size equal pieces; keep the real part of yours; the full-size local gradients are then garbage: holding on to them (param.grad) keeps exactly the memory ZeRO-2 exists to save; then step and share as in ZeRO-1"
         )
 
     def state_bytes(self) -> int:

@@ -96,10 +96,12 @@ def _train(lab, optimizer_name: str, stage: int, kind: str = "yours"):
             F.cross_entropy(wrapped(inputs), targets).backward()
             optimizer.step() if stage == 1 else optimizer.step_from_local_gradients()
     state = optimizer.state_bytes() if kind == "yours" else None
+    kept = [name for name, param in model.named_parameters() if param.grad is not None]
     return (
         _weights(model),
         state,
         {op: log.bytes_per_rank(op) for op in ("all_reduce", "all_gather", "reduce_scatter")},
+        kept,
     )
 
 
@@ -121,7 +123,7 @@ def _check_equals_one_process(lab, stage: int) -> None:
     for optimizer_name in OPTIMIZERS:
         reference = _one_process(optimizer_name)
         for world in WORLD_SIZES:
-            for rank, (weights, _, _) in enumerate(on_ranks(world, _train, lab, optimizer_name, stage)):
+            for rank, (weights, _, _, _) in enumerate(on_ranks(world, _train, lab, optimizer_name, stage)):
                 error = (weights - reference).abs().max().item()
                 assert error < 1e-5, (
                     f"ZeRO-{stage} with {optimizer_name} on {world} ranks: rank {rank}'s weights after {STEPS} "
@@ -146,7 +148,7 @@ def check_zero1_equals_zero_redundancy_optimizer(lab) -> None:
 def check_zero1_state_is_sharded(lab) -> None:
     numel = sum(p.numel() for p in _trainable(_model()))
     for world in WORLD_SIZES:
-        states = [state for _, state, _ in on_ranks(world, _train, lab, "AdamW", 1)]
+        states = [state for _, state, _, _ in on_ranks(world, _train, lab, "AdamW", 1)]
         for rank, state in enumerate(states):
             start, end = (min(r * math.ceil(numel / world), numel) for r in (rank, rank + 1))
             wanted = 8 * (end - start)  # AdamW: two fp32 moments per element of the shard
@@ -159,7 +161,7 @@ def check_zero1_state_is_sharded(lab) -> None:
 def check_zero1_traffic(lab) -> None:
     numel = sum(p.numel() for p in _trainable(_model()))
     for world in WORLD_SIZES:
-        _, _, sent = on_ranks(world, _train, lab, "SGD with momentum", 1)[0]
+        _, _, sent, _ = on_ranks(world, _train, lab, "SGD with momentum", 1)[0]
         padded = 4 * math.ceil(numel / world) * world
         wanted = STEPS * comm.ring_bytes("all_gather", padded, world)
         assert sent["all_gather"] == wanted, (
@@ -175,7 +177,7 @@ def check_zero2_equals_one_process(lab) -> None:
 def check_zero2_sends_a_reduce_scatter_not_an_all_reduce(lab) -> None:
     numel = sum(p.numel() for p in _trainable(_model()))
     for world in WORLD_SIZES:
-        _, _, sent = on_ranks(world, _train, lab, "AdamW", 2)[0]
+        _, _, sent, _ = on_ranks(world, _train, lab, "AdamW", 2)[0]
         padded = 4 * math.ceil(numel / world) * world
         assert sent["all_reduce"] == 0, (
             "ZeRO-2 needs no all-reduce: each rank only needs the average of its shard"
@@ -184,6 +186,15 @@ def check_zero2_sends_a_reduce_scatter_not_an_all_reduce(lab) -> None:
         assert sent["reduce_scatter"] == wanted, (
             f"on {world} ranks you reduce-scattered {sent['reduce_scatter']:.0f} bytes per rank in {STEPS} "
             f"steps, not {wanted:.0f}"
+        )
+
+
+def check_zero2_lets_the_full_gradient_go(lab) -> None:
+    for world in WORLD_SIZES:
+        kept = on_ranks(world, _train, lab, "AdamW", 2)[0][3]
+        assert not kept, (
+            f"on {world} ranks, after step_from_local_gradients the model still holds the full-size gradients "
+            f"of {kept[:3]}: ZeRO-2 keeps only the average of its shard"
         )
 
 
@@ -229,6 +240,12 @@ PROPERTIES = [
         "ZeRO-2 sends a reduce-scatter and no all-reduce",
         check_zero2_sends_a_reduce_scatter_not_an_all_reduce,
         "An all-reduce would give every rank the whole averaged gradient, which ZeRO-2 never keeps.",
+    ),
+    Property(
+        "ZeRO-2 lets the full local gradient go",
+        check_zero2_lets_the_full_gradient_go,
+        "What ZeRO-2 saves is the gradient memory: once your piece is averaged, the full-size local "
+        "gradients the model's parameters still point to are of no use to anyone.",
     ),
 ]
 

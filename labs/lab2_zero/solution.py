@@ -87,10 +87,16 @@ class ShardedOptimizer:
         # END SOLUTION
 
     def step_from_local_gradients(self) -> None:
-        """ZeRO-2: each rank has only its own gradients (no DDP); average just this rank's shard."""
-        # BEGIN SOLUTION: a reduce-scatter hands each rank the reduction of its piece only: pad the flat local gradient to world_size equal pieces, reduce-scatter it with op="mean" into one piece, and keep the part that is really this rank's shard; then step and share as in ZeRO-1
+        """ZeRO-2: each rank has only its own gradients (no DDP); average just this rank's shard.
+
+        Then the whole local gradient is let go: what a rank keeps is its shard's average only.
+        (The course's ``ZeroDataParallel`` goes further: it reduces bucket by bucket during
+        backward, so the whole gradient never exists even before the step.)
+        """
+        # BEGIN SOLUTION: a reduce-scatter hands each rank the reduction of its piece only, so its input must cut into world_size equal pieces; keep the real part of yours; the full-size local gradients are then garbage: holding on to them (param.grad) keeps exactly the memory ZeRO-2 exists to save; then step and share as in ZeRO-1
         padded = torch.zeros(self.shard_size * self.world_size, dtype=self.shard.dtype)
         padded[: self.numel] = self._flat_gradient()
+        self.zero_grad()
         mine = torch.empty(self.shard_size, dtype=self.shard.dtype)
         comm.reduce_scatter_tensor(mine, padded, op="mean")
         self.shard.grad = mine[: self.end - self.start].clone()

@@ -19,6 +19,7 @@ and ``no_sync``. ``zero.py`` (ZeRO-1/2) and ``fsdp.py`` (ZeRO-3) are built on it
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -188,6 +189,7 @@ class FlatParameter:
             self.slots.append(ParamSlot(list(entry.places), param.shape, offset, leaf))
             offset += param.numel()
         self.is_gathered = True
+        self._gathering = None  # (work, local shard) while an all-gather runs
         if not shard_is_view:
             self.free()
 
@@ -195,7 +197,15 @@ class FlatParameter:
     # #region gather-free
     def gather(self) -> None:
         """Rebuild the full parameters from every rank's shard (one all-gather of the compute dtype)."""
-        if self.is_gathered:
+        self.start_gather()
+        self.wait_gather()
+
+    def start_gather(self) -> None:
+        """Start rebuilding the full parameters, without waiting: ``wait_gather()`` before computing.
+
+        While the all-gather runs, this rank can compute with another unit: that is FSDP's prefetch.
+        """
+        if self.is_gathered or self._gathering is not None:
             return
         storage = self.full.untyped_storage()
         storage.resize_(self.padded * self.full.element_size())
@@ -203,12 +213,28 @@ class FlatParameter:
             local = self.shard.detach().to(self.compute_device, self.param_dtype, non_blocking=True)
             if self.group_size == 1:
                 self.full.copy_(local)
-            else:
-                comm.all_gather_into_tensor(self.full, local, group=self.shard_group)
-        self.is_gathered = True
+                self.is_gathered = True
+            else:  # ``local`` must live until the all-gather is done
+                work = comm.all_gather_into_tensor(self.full, local, group=self.shard_group, async_op=True)
+                self._gathering = (work, local)
+
+    def wait_gather(self) -> None:
+        """Wait for ``start_gather``'s all-gather (start it first if nobody did)."""
+        if self._gathering is None and not self.is_gathered:
+            self.start_gather()
+        if self._gathering is not None:
+            self._gathering[0].wait()
+            self._gathering = None
+            self.is_gathered = True
+
+    @property
+    def is_gathering(self) -> bool:
+        return self._gathering is not None
 
     def free(self) -> None:
         """Release the full parameters' memory; the views keep their shapes, their storage is empty."""
+        if self._gathering is not None:  # an all-gather still writes into it: let it finish first
+            self.wait_gather()
         self.full.untyped_storage().resize_(0)
         self.is_gathered = False
 
@@ -229,16 +255,30 @@ class FlatParameter:
 
     def reduce_gradient(self, flat_gradient: torch.Tensor) -> torch.Tensor:
         """Average ``flat_gradient`` over all data-parallel ranks, keeping only this rank's shard of it."""
+        return self.start_reduce(flat_gradient)()
+
+    def start_reduce(self, flat_gradient: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """``reduce_gradient`` without waiting: the reduce-scatter starts now; call what is returned
+        (at the latest moment that still needs the result) to wait for it and get this rank's shard."""
         own = flat_gradient[self.index * self.shard_numel : (self.index + 1) * self.shard_numel]
+        work = None
         if self.group_size == 1:
             reduced = own
         else:
             reduced = torch.empty(self.shard_numel, dtype=flat_gradient.dtype, device=flat_gradient.device)
-            comm.reduce_scatter_tensor(reduced, flat_gradient, op="sum", group=self.shard_group)
-        if self.replicate_group is not None and runtime.world_size(group=self.replicate_group) > 1:
-            # HYBRID_SHARD: the same shard lives on one rank of every replica; average across them.
-            comm.all_reduce(reduced, op="sum", group=self.replicate_group)
-        return reduced.div_(self.data_parallel_size)
+            work = comm.reduce_scatter_tensor(
+                reduced, flat_gradient, op="sum", group=self.shard_group, async_op=True
+            )
+
+        def finish(_input: torch.Tensor = flat_gradient) -> torch.Tensor:  # the input lives until then
+            if work is not None:
+                work.wait()
+            if self.replicate_group is not None and runtime.world_size(group=self.replicate_group) > 1:
+                # HYBRID_SHARD: the same shard lives on one rank of every replica; average across them.
+                comm.all_reduce(reduced, op="sum", group=self.replicate_group)
+            return reduced.div_(self.data_parallel_size)
+
+        return finish
 
     def accumulate_into_shard(self, reduced: torch.Tensor) -> None:
         grad = reduced.to(self.shard.device, torch.float32)  # a fresh tensor: reduce_gradient made it

@@ -21,6 +21,17 @@ Traffic: two all-gathers and one reduce-scatter of Ψ elements, 3(N-1)/N Ψ per 
 DDP. Memory: the shards, plus the largest unit (or two) gathered, plus activations. The unit
 size is the trade-off: smaller units hold less at once but send more, smaller messages.
 
+Overlap (section 3.3-3.4 of the FSDP paper). Done one after the other, every all-gather makes
+the computation wait. So, while a unit computes, the next one's parameters are already on
+their way: *forward prefetch* starts the all-gather of the unit that comes next in forward
+(the order is recorded in the first step), *backward prefetch* the one whose backward comes
+next; each reduce-scatter starts *asynchronously* when its unit's gradients are complete and
+is waited for only when a later one needs room, or at the end of backward, where the optimizer
+needs the shards. A rate limit keeps at most ``MAX_UNITS_IN_FLIGHT`` = 2 units (of those without
+nested units) gathered or being gathered at once, so prefetching never holds more than two units'
+parameters: memory stays bounded while communication hides behind computation. Each can be
+switched off (``forward_prefetch``, ``backward_prefetch``) to measure what it buys.
+
 Sharding strategies (``sharding_strategy``), from most to least memory saved:
 
 ==============  ============================================================================
@@ -88,6 +99,14 @@ class MixedPrecision:
     buffer_dtype: torch.dtype | None = None
 
 
+MAX_UNITS_IN_FLIGHT = 2
+"""Units (of those without nested units) that may be gathered or being gathered at once: FSDP's
+rate limiter (``limit_all_gathers``), so that prefetching bounds the memory it uses."""
+
+REDUCTIONS_IN_FLIGHT = 2
+"""Asynchronous reduce-scatters that may be running at once; an older one is finished first."""
+
+
 @dataclass
 class Unit:
     """A module whose parameters are gathered and reduced together."""
@@ -96,6 +115,7 @@ class Unit:
     name: str
     flat: FlatParameter
     reshard_after_forward: bool
+    holds_units: bool = False  # it contains other units (the root, usually): always gathered around them
     arrived: int = 0  # parameters whose gradient is complete in this backward
     backward_started: bool = False
     hooks: list = field(default_factory=list)
@@ -358,6 +378,11 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
         mixed_precision: a ``MixedPrecision`` (compute, reduce and buffer dtypes), or None for fp32.
         activation_checkpointing: units without nested units recompute their activations in backward.
         device: where to compute (default: where the parameters are).
+        forward_prefetch: start gathering the next unit's parameters while one computes forward.
+        backward_prefetch: likewise, for the unit whose backward comes next.
+        reshard_after_forward: free a unit's parameters after its forward (None: what the sharding
+            strategy says, True but under SHARD_GRAD_OP); ``set_reshard_after_forward`` sets it
+            for one unit, as FSDP2 does per ``fully_shard`` call.
     """
 
     def __init__(
@@ -373,6 +398,9 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
         mixed_precision: MixedPrecision | None = None,
         activation_checkpointing: bool = False,
         device: torch.device | str | None = None,
+        forward_prefetch: bool = True,
+        backward_prefetch: bool = True,
+        reshard_after_forward: bool | None = None,
     ):
         super().__init__()
         check_module("module", module)
@@ -432,7 +460,11 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
                     unit_module,
                     prefix,
                     flat,
-                    reshard_after_forward=layout.sharding_strategy != "SHARD_GRAD_OP",
+                    reshard_after_forward=(
+                        layout.sharding_strategy != "SHARD_GRAD_OP"
+                        if reshard_after_forward is None
+                        else reshard_after_forward
+                    ),
                 ),
             )
         self.flat_params = [unit.flat for unit in self.units]
@@ -442,6 +474,17 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
                 if buffer.is_floating_point():
                     buffer.data = buffer.data.to(mixed_precision.buffer_dtype)
 
+        for unit in self.units:
+            unit.holds_units = any(
+                other is not unit and any(other.module is m for m in unit.module.modules())
+                for other in self.units
+            )
+        self.forward_prefetch, self.backward_prefetch = forward_prefetch, backward_prefetch
+        self._forward_order: list[Unit] = []  # units as their forward starts, recorded in the first step
+        self._backward_order: list[Unit] = []  # units as their forward ends, reversed: backward's order
+        self._order_known = False
+        self._reductions: list[tuple[Unit, Callable[[], torch.Tensor]]] = []  # reduce-scatters in flight
+        self.max_units_gathered = 0  # the most units (without nested units) whole at once, for the lesson
         self._sync_this_backward = True
         self._end_of_backward = EndOfBackward(self._finish_backward)
         self._peak: dict[str, int] = {}
@@ -462,13 +505,26 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
         from torch.utils.checkpoint import checkpoint
 
         for unit in self.units:
-            nested = any(
-                other is not unit and any(other.module is m for m in unit.module.modules())
-                for other in self.units
-            )
-            if unit.module is self.module or nested:
+            if unit.module is self.module or unit.holds_units:
                 continue  # recomputing a unit that contains units would gather and free them mid-backward
             unit.module.forward = functools.partial(checkpoint, unit.module.forward, use_reentrant=False)
+
+    def set_reshard_after_forward(self, module: nn.Module, reshard: bool) -> None:
+        """Free (True) or keep (False) the unit of ``module``'s parameters between its forward and backward.
+
+        Keeping them saves the backward's all-gather at the price of holding the unit whole
+        meanwhile: SHARD_GRAD_OP for one unit (FSDP2: ``fully_shard(module, reshard_after_forward=)``).
+
+        Args:
+            module: a module that is a unit (one of ``auto_wrap_policy``'s, or the model).
+            reshard: whether its parameters are freed after its forward.
+        """
+        unit = next((unit for unit in self.units if unit.module is module), None)
+        if unit is None:
+            raise UserError(
+                f"{type(module).__name__} is not one of this model's units: pass a module that is"
+            )
+        unit.reshard_after_forward = bool(reshard)
 
     # -- forward --------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -484,14 +540,21 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
             else contextlib.nullcontext()
         )
         with saving:
-            return self.module(*args, **kwargs)
+            output = self.module(*args, **kwargs)
+        self._order_known = True  # the whole forward ran once: the units' orders are recorded
+        return output
 
     # #region forward-hooks
     def _before_forward(self, unit: Unit, module: nn.Module, args) -> None:
-        unit.flat.gather()
-        self._record_peak()
+        self._gather(unit)
+        if not self._order_known:
+            self._forward_order.append(unit)
+        elif self.forward_prefetch:  # while this unit computes, the next one's parameters travel
+            self._prefetch(self._forward_order, unit)
 
     def _after_forward(self, unit: Unit, module: nn.Module, args, output) -> None:
+        if not self._order_known:
+            self._backward_order.insert(0, unit)
         outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if (
             torch.is_grad_enabled() and outputs
@@ -504,13 +567,42 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
 
     # #endregion forward-hooks
 
+    # #region prefetch
+    def _gather(self, unit: Unit) -> None:
+        """Make ``unit`` whole now: wait for its prefetched all-gather, or gather it if nobody started one."""
+        unit.flat.wait_gather()
+        self._note_units_in_flight()
+        self._record_peak()
+
+    def _prefetch(self, order: list[Unit], current: Unit) -> None:
+        """Start gathering the unit after ``current`` in ``order``, if the rate limit allows it."""
+        position = next((i for i, u in enumerate(order) if u is current), None)
+        if position is None or position + 1 >= len(order):
+            return
+        upcoming = order[position + 1]
+        if upcoming.flat.is_gathered or upcoming.flat.is_gathering:
+            return
+        if not upcoming.holds_units and self._leaf_units_in_flight() >= MAX_UNITS_IN_FLIGHT:
+            return  # two units are whole or on their way already: the memory bound wins over overlap
+        upcoming.flat.start_gather()
+        self._note_units_in_flight()
+
+    def _leaf_units_in_flight(self) -> int:
+        return sum(1 for u in self.units if not u.holds_units and (u.flat.is_gathered or u.flat.is_gathering))
+
+    def _note_units_in_flight(self) -> None:
+        self.max_units_gathered = max(self.max_units_gathered, self._leaf_units_in_flight())
+
+    # #endregion prefetch
+
     # -- backward -------------------------------------------------------------------------------
     def _before_backward(self, unit: Unit, grad: torch.Tensor) -> None:
         self._end_of_backward.request()
         if not unit.backward_started:
             unit.backward_started = True
-            unit.flat.gather()
-            self._record_peak()
+            self._gather(unit)
+            if self.backward_prefetch:
+                self._prefetch(self._backward_order, unit)
 
     def _gradient_ready(self, unit: Unit, leaf: torch.Tensor) -> None:
         self._end_of_backward.request()
@@ -519,19 +611,30 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
             self._finish_unit(unit)
 
     def _finish_unit(self, unit: Unit) -> None:
-        """The unit's backward is done: reduce its gradient to this rank's shard and free the full copies."""
+        """The unit's backward is done: start reducing its gradient to this rank's shard; free the unit."""
         self._record_peak()
         if self._sync_this_backward and unit.flat.requires_grad:
-            unit.flat.accumulate_into_shard(unit.flat.reduce_gradient(unit.flat.flat_gradient()))
+            self._reductions.append((unit, unit.flat.start_reduce(unit.flat.flat_gradient())))
+            while len(self._reductions) > REDUCTIONS_IN_FLIGHT:  # the flat gradients wait in memory
+                self._finish_reduction()
         unit.flat.free()
         unit.arrived, unit.backward_started = 0, False
 
+    def _finish_reduction(self) -> None:
+        unit, finish = self._reductions.pop(0)
+        unit.flat.accumulate_into_shard(finish())
+
     def _finish_backward(self) -> None:
-        """End of backward: units some of whose parameters got no gradient are finished now (as zeros)."""
+        """End of backward: units some of whose parameters got no gradient are finished now (as zeros);
+        every reduce-scatter still in flight is waited for (the optimizer needs the shards now); a
+        unit prefetched for nothing is freed."""
         for unit in self.units:
             if unit.arrived or unit.backward_started:
                 self._finish_unit(unit)
-            elif unit.flat.is_gathered:
+        while self._reductions:
+            self._finish_reduction()
+        for unit in self.units:
+            if unit.flat.is_gathered or unit.flat.is_gathering:
                 unit.flat.free()
 
     # -- inspection -----------------------------------------------------------------------------

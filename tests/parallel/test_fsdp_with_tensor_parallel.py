@@ -40,7 +40,7 @@ def _dtensor_plan() -> dict:
     }
 
 
-def _train(kind: str) -> list[float]:
+def _train(kind: str, prefetch: bool = True) -> list[float]:
     """The loss of every step, averaged over the data replicas: ``single``, ``course`` or ``torch``."""
     inputs, targets, vocabulary = data.zen_windows(seq_len=SEQ)
     torch.manual_seed(0)
@@ -51,7 +51,13 @@ def _train(kind: str) -> list[float]:
         data_rank, data_group = grid.coordinates.data, grid.group("data")
     if kind == "course":
         tp.parallelize_transformer(model, group=grid.group("tensor"))
-        model = FullyShardedDataParallel(model, group=data_group, auto_wrap_policy=models.Block)
+        model = FullyShardedDataParallel(
+            model,
+            group=data_group,
+            auto_wrap_policy=models.Block,
+            forward_prefetch=prefetch,
+            backward_prefetch=prefetch,
+        )
     elif kind == "torch":
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor.parallel import parallelize_module
@@ -83,8 +89,9 @@ def one_process():
 
 
 @pytest.mark.slow
-def test_course_fsdp_over_data_and_tensor_parallel_over_tensor_train_like_one_process(one_process):
-    ranks = launch(_train, 4, "course")
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no prefetch"])
+def test_course_fsdp_over_data_and_tensor_parallel_over_tensor_train_like_one_process(one_process, prefetch):
+    ranks = launch(_train, 4, "course", prefetch)
     for losses in ranks:  # every rank saw the same averaged loss
         assert losses == pytest.approx(ranks[0], rel=1e-6)
     assert ranks[0] == pytest.approx(one_process, **TOLERANCE)

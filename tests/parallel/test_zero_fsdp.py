@@ -33,6 +33,13 @@ VARIANTS = {
     "SHARD_GRAD_OP": ("fsdp", dict(sharding_strategy="SHARD_GRAD_OP")),
     "NO_SHARD": ("fsdp", dict(sharding_strategy="NO_SHARD")),
 }
+NO_PREFETCH = dict(forward_prefetch=False, backward_prefetch=False)
+# the same without overlap: prefetching and asynchronous reduce-scatters change when, never what
+VARIANTS |= {
+    f"{name}, no prefetch": ("fsdp", options | NO_PREFETCH)
+    for name, (kind, options) in VARIANTS.items()
+    if kind == "fsdp"
+}
 OPTIMIZERS = {
     "adamw": lambda params: torch.optim.AdamW(params, lr=ADAM_LR, weight_decay=0.1),
     "adam": lambda params: torch.optim.Adam(params, lr=1e-2),
@@ -125,37 +132,42 @@ def _hybrid():
     from torch.distributed.device_mesh import init_device_mesh
 
     ours = _train("fsdp", sharding_strategy="HYBRID_SHARD", hybrid_shard_size=2)[0]
+    unhurried = _train("fsdp", sharding_strategy="HYBRID_SHARD", hybrid_shard_size=2, **NO_PREFETCH)[0]
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     theirs = _train("fsdp2", mesh=mesh)[0]  # FSDP2 on a 2-D mesh is HSDP
-    return ours, theirs
+    return ours, unhurried, theirs
 
 
 def test_hybrid_shard_on_a_2x2_mesh_equals_hsdp_and_one_process(single):
-    ours, theirs = launch(_hybrid, 4)[0]
+    ours, unhurried, theirs = launch(_hybrid, 4)[0]
     torch.testing.assert_close(ours, theirs, **TOLERANCE)
     torch.testing.assert_close(ours, single["adamw"], **TOLERANCE)
+    torch.testing.assert_close(unhurried, ours, rtol=0, atol=0)
 
 
 def _offload_and_checkpointing():
     plain = _train("fsdp")[0]
-    return {mode: _train("fsdp", cpu_offload=mode)[0] for mode in ("params", "full")} | {
-        "checkpointed": _train("fsdp", activation_checkpointing=True)[0],
-        "plain": plain,
-    }
+    results = {"plain": plain}
+    for prefetch, options in (("", {}), (", no prefetch", NO_PREFETCH)):
+        for mode in ("params", "full"):
+            results[mode + prefetch] = _train("fsdp", cpu_offload=mode, **options)[0]
+        results["checkpointed" + prefetch] = _train("fsdp", activation_checkpointing=True, **options)[0]
+    return results
 
 
 def test_offload_and_activation_checkpointing_change_nothing_numerically():
     results = launch(_offload_and_checkpointing, 3)[0]
-    for name in ("params", "full", "checkpointed"):
-        torch.testing.assert_close(results[name], results["plain"], rtol=0, atol=0, msg=name)
+    for name, weights in results.items():
+        torch.testing.assert_close(weights, results["plain"], rtol=0, atol=0, msg=name)
 
 
 def _bf16():
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    ours = _train(
-        "fsdp", mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    )[0]
+    precision = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    ours = _train("fsdp", mixed_precision=precision)[0]
+    unhurried = _train("fsdp", mixed_precision=precision, **NO_PREFETCH)[0]
+    assert torch.equal(ours, unhurried)  # overlap changes when things happen, never what
     theirs = _train(
         "fsdp2", mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     )[0]
@@ -475,3 +487,40 @@ def test_a_frozen_unit_is_gathered_for_backward_and_not_updated():
     torch.testing.assert_close(
         launch(_frozen_middle, 3, "fsdp")[0], launch(_frozen_middle, 1, "single")[0], **TOLERANCE
     )
+
+
+def _units_in_flight(prefetch: bool, reshard_first: bool = True):
+    """The most units whole at once during two steps of a 6-unit MLP, and its weights after them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)])  # six units; the root holds none
+    wrapped = FullyShardedDataParallel(
+        model, auto_wrap_policy=nn.Linear, forward_prefetch=prefetch, backward_prefetch=prefetch
+    )
+    if not reshard_first:
+        wrapped.set_reshard_after_forward(model[0], False)  # FSDP2-style, for this unit only
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    inputs = torch.randn(8, 16) + runtime.rank()
+    with comm.CommLog() as log:
+        for _ in range(2):
+            optimizer.zero_grad()
+            wrapped(inputs).square().mean().backward()
+            optimizer.step()
+    return wrapped.max_units_gathered, log.count("all_gather"), wrapped.full_state_dict()
+
+
+def test_prefetch_keeps_at_most_two_units_whole_and_changes_no_number():
+    with_prefetch, gathers, weights = launch(_units_in_flight, 2, True)[0]
+    without, gathers_without, weights_without = launch(_units_in_flight, 2, False)[0]
+    assert with_prefetch == 2  # the next unit's parameters travel while one computes: two at once
+    assert without == 1  # one after the other
+    assert gathers == gathers_without == 2 * 2 * 6  # the same all-gathers, only earlier
+    for name in weights:
+        torch.testing.assert_close(weights[name], weights_without[name], rtol=0, atol=0)
+
+
+def test_a_unit_kept_whole_after_forward_needs_no_second_all_gather():
+    _, resharded, weights = launch(_units_in_flight, 2, True)[0]
+    _, kept, weights_kept = launch(_units_in_flight, 2, True, False)[0]
+    assert kept == resharded - 2  # one all-gather less per step, for the unit kept whole
+    for name in weights:
+        torch.testing.assert_close(weights[name], weights_kept[name], rtol=0, atol=0)

@@ -195,6 +195,7 @@ def fsdp_benchmark(*, width: int, layers: int, batch: int, steps: int, warmup: i
         "SHARD_GRAD_OP": {},
         "NO_SHARD": {},
         "HYBRID_SHARD": {"hybrid_shard_size": hybrid_size},
+        "FULL_SHARD, no prefetch": {"forward_prefetch": False, "backward_prefetch": False},
     }
     inputs, targets = _rank_batch(batch, width)
     variants = {}
@@ -208,7 +209,7 @@ def fsdp_benchmark(*, width: int, layers: int, batch: int, steps: int, warmup: i
             wrapped = fully_shard(model)
         else:
             wrapped = FullyShardedDataParallel(
-                model, auto_wrap_policy=units, sharding_strategy=name, **strategies[name]
+                model, auto_wrap_policy=units, sharding_strategy=name.split(",")[0], **strategies[name]
             )
         variants[name] = _training_step(wrapped, inputs, targets)
     median_ms = interleaved_medians(variants, steps, warmup)
@@ -229,6 +230,8 @@ def fsdp_benchmark(*, width: int, layers: int, batch: int, steps: int, warmup: i
         "torch_step_ms": median_ms["torch"],
         "course_step_ms": median_ms["FULL_SHARD"],
         "ratio": median_ms["FULL_SHARD"] / median_ms["torch"],
+        "course_no_prefetch_step_ms": median_ms["FULL_SHARD, no prefetch"],
+        "ratio_no_prefetch": median_ms["FULL_SHARD, no prefetch"] / median_ms["torch"],
         "step_ms_by_sharding_strategy": {name: median_ms[name] for name in strategies},
         "hybrid_shard_size": hybrid_size,
         "full_shard_bytes_per_rank_measured": log.bytes_per_rank(),

@@ -74,6 +74,8 @@ class CommRecord:
     bytes_per_rank: float  # what the ring algorithm makes each rank send
     group_size: int
     seconds: float | None = None  # launch to completion (async: until wait() returned)
+    group_ranks: tuple[int, ...] = ()  # the global ranks of the group
+    sequence: int = 0  # this collective's number on its group, from 0, the same on every rank (-1: p2p)
 
 
 def ring_bytes(op: str, tensor_bytes: int, group_size: int) -> float:
@@ -117,6 +119,8 @@ def bus_bandwidth(op: str, algorithm_bandwidth: float, group_size: int) -> float
 
 
 _active_logs: list[CommLog] = []
+_calls_on: dict[object, int] = {}  # collectives made so far on each process group (None: the world)
+POINT_TO_POINT = ("send", "recv", "isend", "irecv", "send_recv")
 
 
 class CommLog:
@@ -311,7 +315,15 @@ def _run(
     """
     size = runtime.world_size(group=group)
     sent = ring_bytes(op, tensor_bytes, size) if sent_bytes is None else sent_bytes
-    record = CommRecord(op, tensor_bytes, sent, size)
+    sequence = -1  # point to point: each pair has its own order
+    if op not in POINT_TO_POINT:
+        sequence = _calls_on.get(group, 0)
+        _calls_on[group] = sequence + 1
+    record = CommRecord(op, tensor_bytes, sent, size, sequence=sequence)
+    if _active_logs:
+        record.group_ranks = (
+            tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(size))
+        )
     for log in _active_logs:
         log.records.append(record)
     started = time.perf_counter()
@@ -745,7 +757,7 @@ def send_recv(
         dist.P2POp(dist.isend, send_tensor, dst, group, tag),
         dist.P2POp(dist.irecv, recv_tensor, src, group, tag),
     ]
-    received = CommRecord("recv", nbytes(recv_tensor), 0.0, runtime.world_size(group=group))
+    received = CommRecord("recv", nbytes(recv_tensor), 0.0, runtime.world_size(group=group), sequence=-1)
     for log in _active_logs:
         log.records.append(received)
     return _run(

@@ -62,6 +62,11 @@ class GradientBucket:
 
     Rank g owns elements ``[g S, (g+1) S)`` of the flat vector; its piece of this bucket is the
     overlap of the two ranges, empty when the bucket lies in other ranks' shards.
+
+    Args:
+        slots: the parameters whose gradients the bucket holds (consecutive in the flat vector).
+        shard_numel: S, the elements of one rank's shard.
+        group_size: the ranks the flat vector is sharded over.
     """
 
     def __init__(self, slots: list[ParamSlot], shard_numel: int, group_size: int):

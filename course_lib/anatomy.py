@@ -1,0 +1,442 @@
+"""Where a training step's time goes: computing, communicating, waiting, overhead, and what is left.
+
+A step takes T milliseconds. Knowing T says nothing about what to do; knowing what fills it
+does. This lesson records a few warm steps of any strategy on every rank with ``torch.profiler``
+(CPU activities, and CUDA ones where there is a GPU, so the same code reads a GPU trace) and cuts
+each rank's step into five parts that add up to the step, exactly:
+
+=====================  ================================================================================
+compute                the rank computes: an operator runs on the training thread (CPU), or a kernel
+                       that is not communication runs on the GPU
+exposed communication  a collective or a message is in flight and the rank computes nothing
+idle                   the part of that waiting that is *for a peer*: the rank issued collective #k
+                       before the last rank of its group did (or waits for a pipeline message)
+host overhead          the rank computes nothing and nothing is in flight, but the training thread is
+                       inside the step's phases (forward, backward, optimizer...): Python, hooks, the
+                       framework's dispatch, a GPU waiting for its kernels to be launched
+unexplained            none of the above: time the record does not account for. It is reported,
+                       never hidden, and small when the phases cover the step
+=====================  ================================================================================
+
+Communication *hidden* behind computation (a bucket's all-reduce while backward goes on, FSDP's
+prefetched all-gather) costs nothing in this budget: that is what overlap buys, and the budget
+measures it (``hidden_communication_ms``).
+
+How the parts are measured. The profiler records every operator of the training thread, the
+collectives executed by the backend's threads (gloo's ``gloo:all_reduce``...) or on the GPU
+(NCCL's kernels), and the phases the step marks with ``phase()``. Each rank's step starts right
+after a barrier, so times are measured from there on every rank and the ranks' clocks agree to
+within the barrier's skew (tens of microseconds on one machine). Collective #k of a group is
+matched across ranks through ``comm.CommRecord.sequence`` when every collective went through
+``course_lib.comm``; otherwise (PyTorch's own DDP or FSDP2, a single group) by issue order.
+
+Cost: the profiler slows each operator by a few microseconds, so record only a few steps; the
+times it shows are those of a profiled step.
+
+Papers and tools: the FSDP paper's exposed-communication analysis (Zhao et al., VLDB 2023,
+section 3.3); ``torch.profiler`` and its Chrome/Perfetto traces (``export_chrome_trace``),
+which ``record_steps`` writes per rank when asked (open them in https://ui.perfetto.dev).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from . import comm, runtime
+
+PHASE_PREFIX = "phase:"
+STEP_MARK = "anatomy:step"
+COMMUNICATION_MARKERS = ("gloo:", "nccl", "Nccl")
+"""Profiler events that are a collective or a message executing (a backend thread, a GPU kernel)."""
+ISSUE_PREFIX = "c10d::"
+"""Training-thread events that issue a collective (their order, rank by rank, is the collectives')."""
+POINT_TO_POINT_EVENTS = ("gloo:send", "gloo:recv", "SendRecv", "nccl:send", "nccl:recv")
+
+Intervals = list[tuple[float, float]]
+
+
+# -- intervals ------------------------------------------------------------------------------------
+
+
+def union(intervals: Intervals) -> Intervals:
+    """The same time, as sorted, disjoint intervals."""
+    merged: Intervals = []
+    for start, end in sorted(intervals):
+        if end <= start:
+            continue
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def intersect(a: Intervals, b: Intervals) -> Intervals:
+    """The time in both (each argument disjoint and sorted, as ``union`` returns)."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if start < end:
+            out.append((start, end))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def subtract(a: Intervals, b: Intervals) -> Intervals:
+    """The time in ``a`` and not in ``b`` (both disjoint and sorted)."""
+    out = []
+    for start, end in a:
+        for cut_start, cut_end in b:
+            if cut_end <= start or cut_start >= end:
+                continue
+            if cut_start > start:
+                out.append((start, cut_start))
+            start = max(start, cut_end)
+            if start >= end:
+                break
+        if start < end:
+            out.append((start, end))
+    return out
+
+
+def length(intervals: Intervals) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+# -- recording ------------------------------------------------------------------------------------
+
+
+def phase(name: str):
+    """Mark a part of the step (``with anatomy.phase("forward"):``); free when nothing records."""
+    return torch.profiler.record_function(PHASE_PREFIX + name)
+
+
+@dataclass
+class Collective:
+    """One collective or message as one rank saw it, in milliseconds from its step's start."""
+
+    name: str  # the backend's event: gloo:all_reduce, an NCCL kernel...
+    start_ms: float  # it starts executing
+    end_ms: float
+    issued_ms: float | None  # the training thread asked for it (None: not known)
+    key: tuple | None = None  # the same on every rank of its group: (group's ranks, sequence)
+    point_to_point: bool = False
+    tensor_bytes: int | None = None
+
+
+@dataclass
+class StepTimeline:
+    """One recorded step of one rank: what ran when, in milliseconds from the step's start."""
+
+    rank: int
+    step_ms: float
+    compute: Intervals
+    collectives: list[Collective]
+    phases: list[tuple[str, float, float]]
+    host_busy: Intervals  # the training thread inside a phase or a non-compute operator
+
+
+@dataclass
+class Budget:
+    """Where one rank's step went. The five parts add up to ``step_ms``."""
+
+    rank: int
+    step_ms: float
+    compute_ms: float
+    exposed_communication_ms: float
+    idle_ms: float
+    host_overhead_ms: float
+    unexplained_ms: float
+    communication_ms: float  # every collective's time in flight, hidden or not
+    hidden_communication_ms: float  # of which the rank was computing meanwhile
+
+    def shares(self) -> dict[str, float]:
+        """Each part as a fraction of the step."""
+        parts = ("compute", "exposed_communication", "idle", "host_overhead", "unexplained")
+        return {f"{part}_share": getattr(self, f"{part}_ms") / self.step_ms for part in parts}
+
+    def as_dict(self) -> dict:
+        return asdict(self) | self.shares()
+
+
+@dataclass
+class Anatomy:
+    """Every rank's recorded steps and their budgets (every rank holds all of them)."""
+
+    timelines: list[list[StepTimeline]]  # [rank][step]
+    budgets: list[list[Budget]] = field(default_factory=list)  # [rank][step]
+    conditions: dict = field(default_factory=dict)
+
+    def typical(self, rank: int) -> Budget:
+        """The rank's step of median length (its five parts add up, unlike medians of each part)."""
+        steps = sorted(self.budgets[rank], key=lambda budget: budget.step_ms)
+        return steps[len(steps) // 2]
+
+    def typical_step(self) -> int:
+        """Which recorded step has the median length on rank 0, for a picture of one step."""
+        steps = sorted(range(len(self.budgets[0])), key=lambda i: self.budgets[0][i].step_ms)
+        return steps[len(steps) // 2]
+
+    def summary(self) -> dict:
+        """The typical step's parts, averaged over the ranks, in ms and as shares of the step."""
+        typical = [self.typical(rank) for rank in range(len(self.budgets))]
+        fields = [name for name in Budget.__dataclass_fields__ if name != "rank"]
+        averaged = {name: statistics.fmean(getattr(b, name) for b in typical) for name in fields}
+        step = averaged["step_ms"]
+        averaged |= {
+            f"{part}_share": averaged[f"{part}_ms"] / step
+            for part in ("compute", "exposed_communication", "idle", "host_overhead", "unexplained")
+        }
+        return averaged | {"per_rank": [b.as_dict() for b in typical], "conditions": self.conditions}
+
+    def table(self) -> str:
+        """The typical step of every rank, one line each, in ms and percent of the step."""
+        head = (
+            f"{'rank':>4} {'step ms':>8} {'compute':>14} {'exposed comm':>14} {'idle':>13} "
+            f"{'host':>13} {'unexplained':>13} {'comm hidden':>12}"
+        )
+        lines = [head]
+        for rank in range(len(self.budgets)):
+            b = self.typical(rank)
+
+            def cell(ms: float, width: int = 13) -> str:
+                return f"{ms:6.2f} ({ms / b.step_ms:4.0%})".rjust(width)
+
+            lines.append(
+                f"{rank:>4} {b.step_ms:8.2f} {cell(b.compute_ms, 14)} {cell(b.exposed_communication_ms, 14)} "
+                f"{cell(b.idle_ms)} {cell(b.host_overhead_ms)} {cell(b.unexplained_ms)} "
+                f"{b.hidden_communication_ms:12.2f}"
+            )
+        return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def _quiet_native_stderr() -> Iterator[None]:
+    """The profiler's native library prints its start and stop (and, without a GPU, a CUDA error)
+    straight to file descriptor 2: silence that descriptor while it starts and stops."""
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as sink:
+            os.dup2(sink.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def record_steps(
+    step: Callable[[], object],
+    *,
+    steps: int = 3,
+    warmup: int = 2,
+    trace_dir: str | Path | None = None,
+) -> Anatomy:
+    """Run ``step`` ``warmup`` times unrecorded, then ``steps`` times under the profiler; every rank.
+
+    Returns every rank's timelines and budgets (a collective: every rank must call it, with the
+    same ``steps``). The step should mark its parts with ``phase(...)``; time outside every
+    phase and every operator is reported as unexplained.
+
+    Args:
+        step: one training step (forward, backward, optimizer step), the same on every rank.
+        steps: steps recorded; the budget of the one of median length is the typical one.
+        warmup: steps run first and not recorded (allocations, caches, bucket rebuilds settle).
+        trace_dir: also write each rank's Chrome/Perfetto trace there, ``rank<N>.json``.
+    """
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from .checks import check_int
+
+    check_int("steps", steps, minimum=1)
+    check_int("warmup", warmup, minimum=0)
+    for _ in range(warmup):
+        step()
+    cuda = torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with comm.unchecked(), comm.CommLog() as log:  # the cross-rank check would be a collective of its own
+        with _quiet_native_stderr():
+            profiler = profile(activities=activities)
+            profiler.__enter__()
+        try:
+            calls_per_step = []
+            for _ in range(steps):
+                runtime.barrier()  # every rank starts the step together: one clock for all of them
+                if cuda:
+                    torch.cuda.synchronize()
+                before = len(log.records)
+                with record_function(STEP_MARK):
+                    step()
+                    if cuda:
+                        torch.cuda.synchronize()
+                calls_per_step.append(log.records[before:])
+        finally:
+            with _quiet_native_stderr():
+                profiler.__exit__(None, None, None)
+    if trace_dir is not None:
+        Path(trace_dir).mkdir(parents=True, exist_ok=True)
+        profiler.export_chrome_trace(str(Path(trace_dir) / f"rank{runtime.rank()}.json"))
+    mine = _timelines(profiler.events(), calls_per_step, cuda)
+    everyone = [mine]
+    if runtime.world_size() > 1:
+        everyone = [None] * runtime.world_size()
+        dist.all_gather_object(everyone, mine)
+    anatomy = Anatomy(
+        timelines=everyone,
+        conditions={
+            "ranks": runtime.world_size(),
+            "steps_recorded": steps,
+            "warmup_steps": warmup,
+            "device": "cuda" if cuda else "cpu",
+            "threads_per_rank": torch.get_num_threads(),
+        },
+    )
+    anatomy.budgets = [
+        [budget(everyone, rank, index) for index in range(len(everyone[rank]))]
+        for rank in range(len(everyone))
+    ]
+    return anatomy
+
+
+def _is_communication(name: str) -> bool:
+    return any(marker in name for marker in COMMUNICATION_MARKERS)
+
+
+def _timelines(events, calls_per_step: list[list[comm.CommRecord]], cuda: bool) -> list[StepTimeline]:
+    """Cut the profiler's events into one timeline per recorded step (ms from each step's start)."""
+    marks = sorted((e for e in events if e.name == STEP_MARK), key=lambda e: e.time_range.start)
+    training_thread = marks[0].thread if marks else None
+    timelines = []
+    for index, mark in enumerate(marks):
+        t0, t1 = mark.time_range.start, mark.time_range.end
+
+        def ms(microseconds: float, t0: float = t0) -> float:
+            return (microseconds - t0) / 1000
+
+        inside = [e for e in events if e.time_range.end > t0 and e.time_range.start < t1]
+        on_thread = [e for e in inside if e.thread == training_thread and e.device_type.name == "CPU"]
+        if cuda:
+            kernels = [e for e in inside if e.device_type.name == "CUDA"]
+            compute = [
+                (ms(e.time_range.start), ms(e.time_range.end))
+                for e in kernels
+                if not _is_communication(e.name)
+            ]
+            executing = [e for e in kernels if _is_communication(e.name)]
+        else:
+            compute = [
+                (ms(e.time_range.start), ms(e.time_range.end))
+                for e in on_thread
+                if e.name.startswith("aten::")
+            ]
+            executing = [e for e in inside if e.name.startswith("gloo:")]
+        issued = sorted(
+            (e for e in on_thread if e.name.startswith(ISSUE_PREFIX) and "barrier" not in e.name),
+            key=lambda e: e.time_range.start,
+        )
+        executing.sort(key=lambda e: e.time_range.start)
+        records = (
+            [r for r in calls_per_step[index] if r.op != "barrier"] if index < len(calls_per_step) else []
+        )
+        collectives = []
+        for position, event in enumerate(executing):
+            point_to_point = any(marker in event.name for marker in POINT_TO_POINT_EVENTS)
+            issue = issued[position] if position < len(issued) else None
+            key = None
+            if not point_to_point:
+                if len(records) == len(executing) and records[position].sequence >= 0:
+                    key = (records[position].group_ranks, records[position].sequence)
+                else:  # PyTorch's own wrappers: one group, collectives in the same order on every rank
+                    key = ("by issue order", position)
+            collectives.append(
+                Collective(
+                    name=event.name,
+                    start_ms=max(0.0, ms(event.time_range.start)),
+                    end_ms=min(ms(t1), ms(event.time_range.end)),
+                    issued_ms=ms(issue.time_range.start) if issue is not None else None,
+                    key=key,
+                    point_to_point=point_to_point,
+                    tensor_bytes=records[position].tensor_bytes if len(records) == len(executing) else None,
+                )
+            )
+        phases = [
+            (e.name.removeprefix(PHASE_PREFIX), ms(e.time_range.start), ms(e.time_range.end))
+            for e in on_thread
+            if e.name.startswith(PHASE_PREFIX)
+        ]
+        host_busy = [
+            (ms(e.time_range.start), ms(e.time_range.end))
+            for e in on_thread
+            if e.name.startswith(PHASE_PREFIX) or e.name.startswith(ISSUE_PREFIX)
+        ]
+        timelines.append(
+            StepTimeline(
+                rank=runtime.rank(),
+                step_ms=ms(t1),
+                compute=union([(max(0.0, a), min(ms(t1), b)) for a, b in compute]),
+                collectives=collectives,
+                phases=phases,
+                host_busy=union(host_busy),
+            )
+        )
+    return timelines
+
+
+# -- the budget -----------------------------------------------------------------------------------
+
+
+def budget(timelines: list[list[StepTimeline]], rank: int, step: int) -> Budget:
+    """Cut ``rank``'s recorded step ``step`` into compute, exposed communication, idle, host, unexplained.
+
+    At each moment of the step, the first that holds names it: the rank computes; a collective
+    or message is in flight and a peer has not issued it yet (idle) or has (exposed
+    communication); the training thread is inside a phase (host overhead); nothing (unexplained).
+
+    Args:
+        timelines: every rank's recorded steps (``Anatomy.timelines``).
+        rank: whose step.
+        step: which of its recorded steps.
+    """
+    mine = timelines[rank][step]
+    window = [(0.0, mine.step_ms)]
+    compute = intersect(mine.compute, window)
+    in_flight = intersect(union([(c.start_ms, c.end_ms) for c in mine.collectives]), window)
+    # A collective issued before the last rank of its group issued it waits for that rank.
+    last_issue: dict[tuple, float] = {}
+    for other in timelines:
+        if step < len(other):
+            for c in other[step].collectives:
+                if c.key is not None and c.issued_ms is not None:
+                    last_issue[c.key] = max(last_issue.get(c.key, c.issued_ms), c.issued_ms)
+    waiting = []
+    for c in mine.collectives:
+        if c.point_to_point:  # a pipeline's message: waiting for it is the bubble
+            waiting.append((c.start_ms, c.end_ms))
+        elif c.key in last_issue and c.issued_ms is not None:
+            waiting.append((c.issued_ms, min(c.end_ms, last_issue[c.key])))
+    idle = subtract(intersect(union(waiting), window), compute)
+    exposed = subtract(subtract(in_flight, compute), idle)
+    accounted = union(compute + in_flight + idle)
+    host = subtract(intersect(mine.host_busy, window), accounted)
+    unexplained = subtract(subtract(window, accounted), host)
+    return Budget(
+        rank=rank,
+        step_ms=mine.step_ms,
+        compute_ms=length(compute),
+        exposed_communication_ms=length(exposed),
+        idle_ms=length(idle),
+        host_overhead_ms=length(host),
+        unexplained_ms=length(unexplained),
+        communication_ms=length(in_flight),
+        hidden_communication_ms=length(intersect(in_flight, compute)),
+    )

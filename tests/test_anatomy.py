@@ -1,0 +1,140 @@
+"""The step anatomy: its five parts add up to the step, each measured, and they say what happened."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from course_lib import anatomy, comm, runtime
+from course_lib.anatomy import Collective, StepTimeline
+from course_lib.launch import launch
+
+
+def test_interval_algebra():
+    assert anatomy.union([(3, 4), (0, 1), (0.5, 2), (2, 2)]) == [(0, 2), (3, 4)]
+    assert anatomy.intersect([(0, 2), (3, 5)], [(1, 4)]) == [(1, 2), (3, 4)]
+    assert anatomy.subtract([(0, 10)], [(1, 2), (5, 6)]) == [(0, 1), (2, 5), (6, 10)]
+    assert anatomy.length([(0, 1.5), (2, 3)]) == 2.5
+
+
+def _timeline(rank: int, issued: float) -> StepTimeline:
+    """10 ms: compute 0-2 and 7-9; an all-reduce issued at ``issued`` that runs until 6; a phase 0-10."""
+    return StepTimeline(
+        rank=rank,
+        step_ms=10.0,
+        compute=[(0.0, 2.0), (7.0, 9.0)],
+        collectives=[Collective("gloo:all_reduce", issued, 6.0, issued, key=("world", 0))],
+        phases=[("backward", 0.0, 10.0)],
+        host_busy=[(0.0, 10.0)],
+    )
+
+
+def test_the_parts_add_up_and_a_rank_that_issued_early_waited_for_the_late_one():
+    timelines = [[_timeline(0, issued=2.0)], [_timeline(1, issued=4.0)]]
+    early, late = anatomy.budget(timelines, 0, 0), anatomy.budget(timelines, 1, 0)
+    for b in (early, late):
+        parts = b.compute_ms + b.exposed_communication_ms + b.idle_ms + b.host_overhead_ms + b.unexplained_ms
+        assert parts == pytest.approx(b.step_ms)
+        assert b.compute_ms == 4.0 and b.unexplained_ms == 0.0
+    assert (early.idle_ms, early.exposed_communication_ms) == (2.0, 2.0)  # waited 2-4 for rank 1, then sent
+    assert (late.idle_ms, late.exposed_communication_ms) == (0.0, 2.0)
+    assert early.host_overhead_ms == 2.0  # 6-7 and 9-10: inside the phase, nothing computed or in flight
+
+
+def test_communication_behind_computation_is_hidden_not_exposed():
+    hidden = StepTimeline(0, 10.0, [(0.0, 8.0)], [Collective("gloo:all_reduce", 1.0, 5.0, 1.0)], [], [])
+    b = anatomy.budget([[hidden]], 0, 0)
+    assert (b.hidden_communication_ms, b.exposed_communication_ms, b.communication_ms) == (4.0, 0.0, 4.0)
+    assert b.unexplained_ms == 2.0  # 8-10: no operator, no phase, nothing in flight
+
+
+# -- on real processes ----------------------------------------------------------------------------
+
+
+def _ddp_anatomy(kind: str, trace_dir: str | None = None):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)])
+    if kind == "course":
+        from course_lib.parallel.ddp import DataParallel
+
+        wrapped = DataParallel(model, bucket_mb=0.25)
+    else:
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = DistributedDataParallel(model, bucket_cap_mb=0.25)
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.01)
+    inputs = torch.randn(32, 256)
+
+    def step():
+        with anatomy.phase("forward"):
+            loss = wrapped(inputs).square().mean()
+        with anatomy.phase("backward"):
+            loss.backward()
+        with anatomy.phase("optimizer"):
+            optimizer.step()
+            optimizer.zero_grad()
+
+    return anatomy.record_steps(step, steps=3, warmup=2, trace_dir=trace_dir)
+
+
+@pytest.fixture(scope="module")
+def ddp_anatomies(tmp_path_factory):
+    traces = tmp_path_factory.mktemp("traces")
+    return {
+        "course": launch(_ddp_anatomy, 2, "course", str(traces))[0],
+        "torch": launch(_ddp_anatomy, 2, "torch")[0],
+        "traces": traces,
+    }
+
+
+@pytest.mark.parametrize("kind", ["course", "torch"])
+def test_a_real_step_adds_up_and_leaves_little_unexplained(kind, ddp_anatomies):
+    recorded = ddp_anatomies[kind]
+    assert len(recorded.budgets) == 2 and all(len(steps) == 3 for steps in recorded.budgets)
+    for steps in recorded.budgets:
+        for b in steps:
+            parts = (
+                b.compute_ms + b.exposed_communication_ms + b.idle_ms + b.host_overhead_ms + b.unexplained_ms
+            )
+            assert parts == pytest.approx(b.step_ms, rel=1e-9)
+            assert b.unexplained_ms <= 0.10 * b.step_ms, b
+            assert b.communication_ms > 0 and b.compute_ms > 0
+    summary = recorded.summary()
+    assert summary["unexplained_share"] <= 0.10
+    assert summary["conditions"]["ranks"] == 2
+
+
+def test_the_overlapped_buckets_hide_communication_behind_backward(ddp_anatomies):
+    typical = [ddp_anatomies["course"].typical(rank) for rank in (0, 1)]
+    assert all(b.hidden_communication_ms > 0 for b in typical)
+
+
+def test_each_rank_writes_a_trace_a_browser_can_open(ddp_anatomies):
+    for rank in (0, 1):
+        trace = json.loads((ddp_anatomies["traces"] / f"rank{rank}.json").read_text())
+        names = {event.get("name") for event in trace["traceEvents"]}
+        assert anatomy.STEP_MARK in names and "phase:backward" in names
+
+
+def _late_rank() -> anatomy.Anatomy:
+    tensor = torch.ones(1 << 16)
+
+    def step():
+        with anatomy.phase("work"):
+            if runtime.rank() == 1:
+                time.sleep(0.05)  # rank 1 arrives 50 ms late at the all-reduce
+            comm.all_reduce(tensor)
+
+    return anatomy.record_steps(step, steps=3, warmup=1)
+
+
+def test_a_late_rank_shows_as_the_others_idle_time():
+    recorded = launch(_late_rank, 2)[0]
+    early, late = recorded.typical(0), recorded.typical(1)
+    assert early.idle_ms >= 40, recorded.table()  # rank 0 waited for rank 1
+    assert late.idle_ms <= 10, recorded.table()
+    assert late.host_overhead_ms >= 40, recorded.table()  # rank 1 slept inside its phase

@@ -118,7 +118,7 @@ def _against_dtensor_sequence_parallel():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from course_lib.tools.bench_sequence import dtensor_sequence_parallel_plan
+    from course_lib.tools.bench import dtensor_sequence_parallel_plan
 
     size, rank = runtime.world_size(), runtime.rank()
     torch.manual_seed(0)

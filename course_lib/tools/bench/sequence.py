@@ -30,13 +30,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from .. import comm, models, runtime
-from ..memory import saved_tensor_bytes
-from ..parallel import context as cp
-from ..parallel import expert as ep
-from ..parallel import sequence as sp
-from ..parallel import tensor as tp
-from .timing import interleaved_medians
+from ... import comm, models, runtime
+from ...memory import saved_tensor_bytes
+from ...parallel import context as cp
+from ...parallel import expert as ep
+from ...parallel import sequence as sp
+from ...parallel import tensor as tp
+from ..timing import interleaved_medians
 
 
 def _forward_backward(module, inputs):

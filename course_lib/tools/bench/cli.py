@@ -1,0 +1,385 @@
+"""The command: ``python -m course_lib.tools.bench NAME [options]`` runs one benchmark, prints JSON.
+
+It checks the sizes before anything starts (refusing those that cannot fit in this machine's
+memory), starts the local processes, and gathers rank 0's result."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+
+from ... import checks, runtime
+from ...errors import EXIT_USER_ERROR, UserError
+from ...launch import launch, max_processes
+from . import sequence
+from .allreduce import (
+    ALLREDUCE_MAX_MB,
+    ALLREDUCE_MIN_BYTES,
+    allreduce_benchmark,
+    allreduce_sizes,
+    network_verdict,
+)
+from .common import MLP_BATCH, MLP_LAYERS, MLP_WIDTH, TIMED_STEPS, WARMUP_STEPS
+from .ddp import DDP_BUCKET_MB, ddp_benchmark
+from .fsdp import fsdp_benchmark
+from .memory_states import memory_benchmark
+from .pipeline import (
+    PIPELINE_BUBBLE_BATCH,
+    PIPELINE_BUBBLE_BLOCKS_PER_STAGE,
+    PIPELINE_BUBBLE_HIDDEN,
+    PIPELINE_BUBBLE_WIDTH,
+    PIPELINE_MICROBATCHES,
+    pipeline_benchmark,
+    pipeline_bubble_benchmark,
+    stage_counts_with_a_core_each,
+)
+from .tensor import TP_HEADS_PER_RANK, tp_benchmark
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = checks.CommandParser(
+        prog="python -m course_lib.tools.bench", description=__doc__.split("\n\n")[0]
+    )
+    sub = parser.add_subparsers(dest="benchmark", required=True)
+    formatter = argparse.ArgumentDefaultsHelpFormatter
+    ddp = sub.add_parser("ddp", help="course DDP (3 modes) against torch DDP", formatter_class=formatter)
+    fsdp = sub.add_parser(
+        "fsdp", help="course FSDP (4 sharding strategies) against FSDP2", formatter_class=formatter
+    )
+    mem = sub.add_parser(
+        "memory",
+        help="measured memory and traffic of DDP, ZeRO-1/2/3 against the model",
+        formatter_class=formatter,
+    )
+    pipe = sub.add_parser(
+        "pipeline",
+        help="course pipeline schedules against torch.distributed.pipelining",
+        formatter_class=formatter,
+    )
+    tensor = sub.add_parser(
+        "tp", help="course tensor parallelism against DTensor parallelize_module", formatter_class=formatter
+    )
+    sequence = sub.add_parser(
+        "sp", help="course sequence parallelism against DTensor's SequenceParallel", formatter_class=formatter
+    )
+    context = sub.add_parser(
+        "cp", help="ring attention: contiguous against zig-zag, bytes and memory", formatter_class=formatter
+    )
+    experts = sub.add_parser(
+        "ep", help="a mixture-of-experts layer spread over the ranks (all-to-all)", formatter_class=formatter
+    )
+    reduce = sub.add_parser(
+        "allreduce",
+        help="all-reduce time, algorithm and bus bandwidth per message size, and the alpha-beta fit",
+        formatter_class=formatter,
+    )
+    positive, processes = checks.int_at_least(1), checks.int_at_least(1, max_processes())
+    reduce.add_argument(
+        "--world-size",
+        type=checks.int_at_least(2, max_processes()),
+        default=2,
+        help="local processes (under srun or torchrun, the launcher's processes are the ranks)",
+    )
+    reduce.add_argument(
+        "--min-bytes", type=positive, default=ALLREDUCE_MIN_BYTES, help="the smallest message"
+    )
+    reduce.add_argument(
+        "--max-mb",
+        type=checks.number_above(0),
+        default=None,
+        help=f"the largest message in MB [GPUs: {ALLREDUCE_MAX_MB['cuda']}, CPUs: {ALLREDUCE_MAX_MB['cpu']}]",
+    )
+    reduce.add_argument("--iterations", type=positive, default=20, help="timed all-reduces per size")
+    reduce.add_argument(
+        "--warmup", type=checks.int_at_least(0), default=3, help="untimed all-reduces per size"
+    )
+    reduce.add_argument("--output", type=checks.file_to_write, default=None, help="also write the JSON here")
+    reduce.add_argument(
+        "--plot", type=checks.file_to_write, default=None, help="draw the sweep as a PNG here"
+    )
+    reduce.add_argument(
+        "--expect-gbps",
+        type=checks.number_above(0),
+        default=None,
+        help="the link's speed in GB/s: print a verdict, exit 1 when the bus bandwidth is far below it",
+    )
+    for command in (pipe, tensor):
+        command.add_argument("--d-model", type=positive, default=128)
+        command.add_argument("--seq", type=positive, default=64)
+        command.add_argument(
+            "--batch", type=positive, default=16, help="samples per step (the whole pipeline's batch)"
+        )
+        command.add_argument("--steps", type=positive, default=10, help="timed steps per variant")
+        command.add_argument("--warmup", type=checks.int_at_least(0), default=2)
+    pipe.add_argument(
+        "--bubble-hidden",
+        type=positive,
+        default=PIPELINE_BUBBLE_HIDDEN,
+        help="hidden features of the compute-bound rows' MLP blocks (their compute per micro-batch)",
+    )
+    pipe.add_argument(
+        "--stages",
+        type=checks.int_at_least(2, max_processes()),
+        nargs="+",
+        default=[2, 4],
+        help="pipeline sizes (one run each)",
+    )
+    tensor.add_argument("--world-size", type=processes, default=2, help="the tensor-parallel degree")
+    sequence.add_argument("--world-size", type=processes, default=2, help="the tensor/sequence degree")
+    sequence.add_argument("--d-model", type=positive, default=128)
+    sequence.add_argument("--heads", type=positive, default=8)
+    sequence.add_argument("--seq", type=positive, default=256)
+    sequence.add_argument("--batch", type=positive, default=8)
+    context.add_argument("--world-size", type=processes, default=4, help="the context-parallel degree")
+    context.add_argument("--seq", type=positive, default=2048, help="tokens of the whole sequence")
+    context.add_argument("--heads", type=positive, default=4)
+    context.add_argument("--head-dim", type=positive, default=32)
+    context.add_argument("--batch", type=positive, default=1)
+    experts.add_argument("--world-size", type=processes, default=2, help="the expert-parallel degree")
+    experts.add_argument("--d-model", type=positive, default=128)
+    experts.add_argument("--hidden", type=positive, default=256, help="each expert's hidden width")
+    experts.add_argument("--experts", type=positive, default=8)
+    experts.add_argument("--tokens", type=positive, default=2048, help="tokens per rank per step")
+    experts.add_argument("--top-k", type=positive, default=2)
+    experts.add_argument("--capacity-factor", type=checks.number_above(0), default=1.25)
+    for command in (sequence, context, experts):
+        command.add_argument("--steps", type=positive, default=10, help="timed steps per variant")
+        command.add_argument("--warmup", type=checks.int_at_least(0), default=2)
+    for command in (ddp, fsdp, mem):
+        command.add_argument("--width", type=positive, default=MLP_WIDTH)
+        command.add_argument("--layers", type=positive, default=MLP_LAYERS)
+        command.add_argument("--batch", type=positive, default=MLP_BATCH, help="samples per rank per step")
+    for command in (ddp, fsdp):
+        command.add_argument("--world-size", type=processes, default=2)
+        command.add_argument("--steps", type=positive, default=TIMED_STEPS, help="timed steps per variant")
+        command.add_argument("--warmup", type=checks.int_at_least(0), default=WARMUP_STEPS)
+    ddp.add_argument(
+        "--bucket-mb",
+        type=checks.number_above(0),
+        default=DDP_BUCKET_MB,
+        help="bucket size, the same for both implementations",
+    )
+    mem.add_argument("--world-sizes", type=processes, nargs="+", default=[2, 4])
+    args = parser.parse_args(argv)
+    parser = sub.choices[args.benchmark]  # later mistakes are reported as this subcommand's
+    if args.benchmark == "pipeline" and args.batch % PIPELINE_MICROBATCHES[-1]:
+        parser.error(
+            f"argument --batch: must be a multiple of {PIPELINE_MICROBATCHES[-1]} (it is cut into "
+            f"{' and '.join(map(str, PIPELINE_MICROBATCHES))} micro-batches), got {args.batch}"
+        )
+    if args.benchmark == "tp" and args.d_model % (heads := TP_HEADS_PER_RANK * args.world_size):
+        parser.error(
+            f"argument --d-model: must be a multiple of {heads} (the attention's {TP_HEADS_PER_RANK} heads "
+            f"per rank x --world-size {args.world_size}), got {args.d_model}"
+        )
+    if args.benchmark == "sp":
+        for flag, value in (("--seq", args.seq), ("--heads", args.heads), ("--d-model", args.d_model)):
+            if value % args.world_size:
+                parser.error(
+                    f"argument {flag}: must be a multiple of --world-size {args.world_size}, got {value}"
+                )
+        if args.d_model % args.heads:
+            parser.error(
+                f"argument --d-model: must be a multiple of --heads {args.heads}, got {args.d_model}"
+            )
+    if args.benchmark == "cp" and args.seq < 2 * args.world_size:
+        parser.error(
+            f"argument --seq: must be at least 2 x --world-size ({2 * args.world_size}), got {args.seq}"
+        )
+    if args.benchmark == "ep" and (args.experts % args.world_size or args.top_k > args.experts):
+        parser.error(
+            f"argument --experts: must be a multiple of --world-size {args.world_size} and at least --top-k "
+            f"{args.top_k}, got {args.experts}"
+        )
+    if args.benchmark == "allreduce":
+        largest_mb = args.max_mb if args.max_mb is not None else ALLREDUCE_MAX_MB["cpu"]
+        if args.min_bytes >= largest_mb * 2**19:
+            parser.error(
+                f"argument --min-bytes: must be below half of the largest message ({largest_mb:g} MB; "
+                f"--max-mb sets it), so that the sweep has two sizes to fit a model to, got {args.min_bytes}"
+            )
+    needed, processes = memory_needed(args)
+    available = available_memory_bytes()
+    if available is not None and needed * processes > available:
+        parser.error(
+            f"these sizes need about {needed / 1e9:.1f} GB on each of {processes} process(es), "
+            f"{needed * processes / 1e9:.1f} GB in all, and this machine has {available / 1e9:.1f} GB "
+            "available: choose smaller sizes"
+        )
+    try:
+        return _run_benchmark(args)
+    except UserError as error:
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+PROCESS_BASE_BYTES = 400e6
+"""What one process holds before it computes anything: Python, torch and its libraries."""
+
+
+def available_memory_bytes() -> float | None:
+    """Memory this machine can still give (Linux's MemAvailable), or None where it cannot say."""
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def memory_needed(args: argparse.Namespace) -> tuple[float, int]:
+    """(bytes one process of this benchmark may hold at most, processes on this machine): a generous
+    estimate from its sizes alone, so that sizes that cannot fit are refused before anything starts."""
+    word = 4  # fp32
+    if args.benchmark == "allreduce":
+        largest = args.max_mb * 2**20 if args.max_mb is not None else ALLREDUCE_MAX_MB["cpu"] * 2**20
+        return PROCESS_BASE_BYTES + 4 * largest, args.world_size  # the message, gloo's copies, the check
+    if args.benchmark in ("ddp", "fsdp", "memory"):
+        params = args.layers * args.width * (args.width + 1)
+        # up to 5 models alive (course and torch variants), each with weights, gradients, Adam's two
+        # moments and a gradient bucket, plus the activations of a batch through every layer
+        per_process = 5 * 5 * word * params + 3 * word * args.batch * args.width * args.layers
+        processes = max(args.world_sizes) if args.benchmark == "memory" else args.world_size
+        return PROCESS_BASE_BYTES + per_process, processes
+    if args.benchmark in ("pipeline", "tp"):
+        tokens = args.batch * args.seq
+        attention = args.batch * TP_HEADS_PER_RANK * 4 * args.seq**2  # scores of up to 4 x 4 heads
+        per_process = (
+            3 * word * (40 * tokens * args.d_model + attention) + 5 * 16 * word * args.d_model**2 * 8
+        )
+        processes = max(args.stages) if args.benchmark == "pipeline" else args.world_size
+        return PROCESS_BASE_BYTES + per_process, processes
+    if args.benchmark in ("sp", "cp"):
+        heads = args.heads
+        width = args.d_model if args.benchmark == "sp" else args.heads * args.head_dim
+        tokens = args.batch * args.seq
+        # the one-process reference holds the whole sequence's attention scores
+        per_process = 3 * word * (40 * tokens * width + args.batch * heads * args.seq**2)
+        return PROCESS_BASE_BYTES + per_process, args.world_size
+    # ep: every expert of the one-process reference, and the routed tokens of every rank
+    params = args.experts * 2 * args.d_model * args.hidden
+    tokens = args.tokens * args.world_size * args.top_k
+    per_process = 5 * word * params + 3 * word * tokens * (args.d_model + args.hidden) * 2
+    return PROCESS_BASE_BYTES + per_process, args.world_size
+
+
+def _run_benchmark(args: argparse.Namespace) -> int:
+    def given(*flags: str) -> dict:
+        """The values of these flags, by the benchmark function's argument names."""
+        return {flag: getattr(args, flag) for flag in flags}
+
+    def on(world: int, benchmark: Callable, options: dict):
+        return _on_local_processes(args.benchmark, world, benchmark, options)
+
+    mlp, transformer, timing = ("width", "layers", "batch"), ("d_model", "seq", "batch"), ("steps", "warmup")
+    if args.benchmark == "allreduce":
+        return _run_allreduce(args)
+    if args.benchmark == "pipeline":
+        options = given(*transformer, *timing)
+        rows = [row for stages in args.stages for row in on(stages, pipeline_benchmark, options)]
+        cores = runtime.usable_cpus()
+        fits = stage_counts_with_a_core_each(args.stages, cores=cores)
+        bubble_options = dict(
+            width=PIPELINE_BUBBLE_WIDTH,
+            hidden=args.bubble_hidden,
+            blocks_per_stage=PIPELINE_BUBBLE_BLOCKS_PER_STAGE,
+            batch=PIPELINE_BUBBLE_BATCH,
+            **given(*timing),
+        )
+        compute_bound = [
+            row for stages in fits for row in on(stages, pipeline_bubble_benchmark, bubble_options)
+        ]
+        result = {
+            "benchmark": "pipeline",
+            "threads_per_rank": "cores / ranks",
+            "rows": rows,
+            "compute_bound_rows": compute_bound,
+            "compute_bound_max_bubble_error": max(
+                (abs(row["bubble_error"]) for row in compute_bound), default=None
+            ),
+            "compute_bound_not_run": [
+                f"{stages} stages: more processes than the {cores} cores"
+                for stages in args.stages
+                if stages not in fits
+            ],
+        }
+    elif args.benchmark == "tp":
+        result = on(args.world_size, tp_benchmark, given(*transformer, *timing))
+    elif args.benchmark in ("sp", "cp", "ep"):
+        benchmark, flags = {
+            "sp": (sequence.sp_benchmark, ("d_model", "heads", "seq", "batch")),
+            "cp": (sequence.cp_benchmark, ("seq", "heads", "head_dim", "batch")),
+            "ep": (
+                sequence.ep_benchmark,
+                ("d_model", "hidden", "experts", "tokens", "top_k", "capacity_factor"),
+            ),
+        }[args.benchmark]
+        result = on(args.world_size, benchmark, given(*flags, *timing))
+    elif args.benchmark == "memory":
+        rows = [row for world in args.world_sizes for row in on(world, memory_benchmark, given(*mlp))]
+        result = {
+            "benchmark": "memory",
+            "optimizer": "Adam, fp32 (K = 8 bytes of state per parameter)",
+            "max_ratio_error": max(abs(row["ratio"] - 1) for row in rows),
+            "max_traffic_ratio_error": max(abs(row["traffic_ratio"] - 1) for row in rows),
+            "rows": rows,
+        }
+    elif args.benchmark == "ddp":
+        result = on(args.world_size, ddp_benchmark, given(*mlp, *timing, "bucket_mb"))
+    else:
+        result = on(args.world_size, fsdp_benchmark, given(*mlp, *timing))
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def _on_local_processes(name: str, world: int, benchmark: Callable, options: dict):
+    """Rank 0's result of ``benchmark`` run on ``world`` local processes."""
+    print(f"benchmarking {name} on {world} processes...", file=sys.stderr, flush=True)
+    return launch(benchmark, world, timeout_s=1800, check_collectives=False, **options)[0]
+
+
+def _run_allreduce(args: argparse.Namespace) -> int:
+    """The sweep on this launcher's ranks (srun, torchrun), or on ``--world-size`` local processes."""
+    launched = runtime.resolve_environment().world_size > 1
+    if launched:
+        context = runtime.init()
+        device = context.device.type
+    else:
+        device = "cpu"  # local processes share one machine: gloo on its CPU
+    max_mb = args.max_mb if args.max_mb is not None else ALLREDUCE_MAX_MB[device]
+    options = dict(
+        sizes=allreduce_sizes(min_bytes=args.min_bytes, max_bytes=int(max_mb * 2**20)),
+        iterations=args.iterations,
+        warmup=args.warmup,
+    )
+    if launched:
+        result = allreduce_benchmark(**options)
+        runtime.shutdown()
+        if result is None:
+            return 0
+    else:
+        result = _on_local_processes("allreduce", args.world_size, allreduce_benchmark, options)
+    healthy = True
+    if args.expect_gbps is not None:
+        healthy, line = network_verdict(
+            busbw_gbps=result["largest_message_busbw_gbps"], expected_gbps=args.expect_gbps
+        )
+        result["verdict"] = line
+        print(line, file=sys.stderr)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.output is not None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(text + "\n")
+    if args.plot is not None:
+        from ..plots import plot_allreduce
+
+        plot_allreduce(result, path=args.plot, expected_gbps=args.expect_gbps)
+    if not result["all_correct"]:
+        print("error: some all-reduce gave a wrong sum: the network corrupts data", file=sys.stderr)
+        return 1
+    return 0 if healthy else 1

@@ -1,0 +1,59 @@
+"""What the benchmarks share: the MLP they train, one training step, a rank's batch, their sizes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ... import runtime
+
+MLP_WIDTH = 1024
+"""Width of the MLP the ddp, fsdp and memory benchmarks train (layers of width x width)."""
+MLP_LAYERS = 4
+"""Linear layers of that MLP: 4.2M parameters at width 1024."""
+MLP_BATCH = 64
+"""Samples per rank per step in the ddp, fsdp and memory benchmarks."""
+TIMED_STEPS = 30
+"""Timed steps per variant in the ddp and fsdp benchmarks (the median is reported)."""
+WARMUP_STEPS = 3
+"""Untimed steps per variant before them."""
+
+
+def mlp(width: int, layers: int) -> nn.Sequential:
+    """``layers`` square linear layers with ReLU: (width + 1) x width parameters each."""
+    blocks = []
+    for _ in range(layers):
+        blocks += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*blocks[:-1])
+
+
+def training_step(model: nn.Module, inputs, targets) -> Callable[[], None]:
+    """One SGD step of ``model`` on a fixed batch, as a function to time."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        F.mse_loss(model(inputs), targets).backward()
+        optimizer.step()
+
+    return step
+
+
+def rank_batch(batch: int, width: int):
+    generator = torch.Generator().manual_seed(runtime.rank())
+    return torch.randn(batch, width, generator=generator), torch.randn(batch, width, generator=generator)
+
+
+def transformer(layers: int, d_model: int, seq: int):
+    from ... import data, models
+
+    inputs, targets, vocabulary = data.zen_windows(seq_len=seq)
+    torch.manual_seed(0)
+    return (
+        models.TinyTransformer(len(vocabulary), d_model=d_model, n_heads=4, n_layers=layers, max_seq_len=seq),
+        inputs,
+        targets,
+    )

@@ -1,0 +1,100 @@
+"""``memory``: DDP, ZeRO-1, ZeRO-2 and ZeRO-3 (FSDP) at 2 and 4 ranks, with Adam in fp32: the
+bytes of parameters, gradients and optimizer state a rank really holds after two steps, against
+``memory.model_state_bytes``; and the bytes it sent during the second step, measured by
+``CommLog``, against ``memory.traffic_elements_per_rank``."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ... import comm, memory, runtime
+from .common import mlp, rank_batch
+
+
+def wrap_for_stage(model: nn.Module, stage: str, units: list[nn.Module] | None = None) -> nn.Module:
+    """The model as ``stage`` (ddp, zero1, zero2, zero3) trains it, with the course's implementations."""
+    from ...parallel.ddp import DataParallel
+    from ...parallel.fsdp import FullyShardedDataParallel
+    from ...parallel.zero import ZeroDataParallel
+
+    if stage == "ddp":
+        return DataParallel(model)
+    if stage in ("zero1", "zero2"):
+        return ZeroDataParallel(model, stage=int(stage[-1]))
+    return FullyShardedDataParallel(model, auto_wrap_policy=units)
+
+
+def measure_stage(
+    model: nn.Module,
+    stage: str,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    units: list[nn.Module] | None = None,
+    loss=F.cross_entropy,
+):
+    """Two Adam steps of ``model`` under ``stage``; returns (model-state bytes held, bytes sent in step 2).
+
+    Args:
+        model: the model, the same on every rank.
+        stage: ``"ddp"``, ``"zero1"``, ``"zero2"`` or ``"zero3"`` (the course's wrappers).
+        inputs: this rank's batch.
+        targets: its labels.
+        units: the FSDP units for ``"zero3"`` (None: the whole model is one unit).
+        loss: ``loss(outputs, targets)``.
+    """
+    model = wrap_for_stage(model, stage, units)
+    optimizer = torch.optim.Adam(model.parameters())
+    for _ in range(2):
+        optimizer.zero_grad()
+        with comm.CommLog() as log:  # ZeRO-1/2 gather the previous update in this step's forward
+            loss(model(inputs), targets).backward()
+            optimizer.step()
+    return memory.measure_model_states(model, optimizer=optimizer), log.bytes_per_rank()
+
+
+def memory_benchmark(*, width: int, layers: int, batch: int) -> list[dict] | None:
+    """Model-state bytes held and bytes sent by DDP and ZeRO-1/2/3, against the memory model.
+
+    Args:
+        width: the MLP's width (its layers are width x width).
+        layers: its linear layers.
+        batch: samples per rank per step.
+    """
+    world = runtime.world_size()
+    inputs, targets = rank_batch(batch, width)
+    rows = []
+    for stage in memory.STAGES:
+        torch.manual_seed(0)
+        model = mlp(width, layers)
+        params = sum(p.numel() for p in model.parameters())
+        units = [m for m in model if isinstance(m, nn.Linear)]
+        measured, sent = measure_stage(model, stage, inputs, targets, units=units, loss=F.mse_loss)
+        expected = memory.model_state_bytes(params, world, stage, **memory.FP32_ADAM)
+        traffic = 4 * memory.traffic_elements_per_rank(params, world, stage)
+        rows.append(
+            {
+                "world_size": world,
+                "stage": stage,
+                "params": params,
+                "measured_bytes": measured.total,
+                "model_bytes": expected.total,
+                "ratio": measured.total / expected.total,
+                "measured_by_kind": {
+                    "params": measured.params,
+                    "grads": measured.grads,
+                    "optimizer": measured.optimizer,
+                },
+                "model_by_kind": {
+                    "params": expected.params,
+                    "grads": expected.grads,
+                    "optimizer": expected.optimizer,
+                },
+                "traffic_bytes_measured": sent,
+                "traffic_bytes_model": traffic,
+                "traffic_ratio": sent / traffic,
+            }
+        )
+    return rows if runtime.is_main() else None

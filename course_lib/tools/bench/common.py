@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ... import runtime
+from ... import anatomy, runtime
 
 MLP_WIDTH = 1024
 """Width of the MLP the ddp, fsdp and memory benchmarks train (layers of width x width)."""
@@ -30,16 +30,41 @@ def mlp(width: int, layers: int) -> nn.Sequential:
     return nn.Sequential(*blocks[:-1])
 
 
+ANATOMY_STEPS = 5
+"""Steps the benchmarks record for each variant's anatomy (after ``WARMUP_STEPS`` more)."""
+
+
 def training_step(model: nn.Module, inputs, targets) -> Callable[[], None]:
-    """One SGD step of ``model`` on a fixed batch, as a function to time."""
+    """One SGD step of ``model`` on a fixed batch, as a function to time, its phases marked."""
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
 
     def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        F.mse_loss(model(inputs), targets).backward()
-        optimizer.step()
+        with anatomy.phase("optimizer"):
+            optimizer.zero_grad(set_to_none=True)
+        with anatomy.phase("forward"):
+            loss = F.mse_loss(model(inputs), targets)
+        with anatomy.phase("backward"):
+            loss.backward()
+        with anatomy.phase("optimizer"):
+            optimizer.step()
 
     return step
+
+
+def anatomies(
+    steps_by_name: dict[str, Callable[[], object]], *, steps: int = ANATOMY_STEPS
+) -> dict[str, dict]:
+    """Where each variant's step goes (``anatomy.record_steps``): its typical step's parts, averaged
+    over the ranks, in ms and as fractions of the step (``exposed_communication_share``...).
+
+    Args:
+        steps_by_name: the step functions of the variants, run on every rank.
+        steps: steps recorded for each.
+    """
+    return {
+        name: anatomy.record_steps(step, steps=steps, warmup=WARMUP_STEPS).summary()
+        for name, step in steps_by_name.items()
+    }
 
 
 def rank_batch(batch: int, width: int):

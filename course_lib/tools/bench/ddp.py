@@ -9,7 +9,7 @@ import torch
 
 from ... import comm, runtime
 from ..timing import interleaved_medians
-from .common import mlp, rank_batch, training_step
+from .common import anatomies, mlp, rank_batch, training_step
 
 DDP_BUCKET_MB = 4.0
 """The ddp benchmark's bucket size, the same for PyTorch's DDP and the course's."""
@@ -51,11 +51,12 @@ def ddp_benchmark(
 
     with comm.CommLog() as log:
         variants["overlapped"]()
+    where = anatomies({"torch": variants["torch"], "course": variants["overlapped"]})
     params = sum(p.numel() for p in reference.parameters())
     gradient_bytes = 4 * params
     if not runtime.is_main():
         return None
-    return {
+    return where | {
         "benchmark": "ddp",
         "world_size": world,
         "params": params,

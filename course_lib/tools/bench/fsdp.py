@@ -9,7 +9,7 @@ from torch import nn
 
 from ... import comm, memory, runtime
 from ..timing import interleaved_medians
-from .common import mlp, rank_batch, training_step
+from .common import anatomies, mlp, rank_batch, training_step
 
 
 def fsdp_benchmark(*, width: int, layers: int, batch: int, steps: int, warmup: int) -> dict | None:
@@ -56,10 +56,17 @@ def fsdp_benchmark(*, width: int, layers: int, batch: int, steps: int, warmup: i
 
     with comm.CommLog() as log:
         variants["FULL_SHARD"]()
+    where = anatomies(
+        {
+            "torch": variants["torch"],
+            "course": variants["FULL_SHARD"],
+            "course_no_prefetch": variants["FULL_SHARD, no prefetch"],
+        }
+    )
     params = sum(p.numel() for p in reference.parameters())
     if not runtime.is_main():
         return None
-    return {
+    return where | {
         "benchmark": "fsdp",
         "world_size": world,
         "params": params,

@@ -41,6 +41,7 @@ which ``record_steps`` writes per rank when asked (open them in https://ui.perfe
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import statistics
 from collections.abc import Callable, Iterator
@@ -235,6 +236,139 @@ def _quiet_native_stderr() -> Iterator[None]:
         os.close(saved)
 
 
+class Recorder:
+    """Record the steps of a loop one by one (every rank, the same steps): what ``record_steps`` uses.
+
+    ::
+
+        recorder = anatomy.Recorder()
+        for _ in range(3):
+            with recorder.step():
+                train_one_step()
+        result = recorder.finish()  # a collective: every rank gets every rank's budgets
+
+    Args:
+        trace_dir: also write each rank's Chrome/Perfetto trace there, ``rank<N>.json``.
+    """
+
+    def __init__(self, *, trace_dir: str | Path | None = None):
+        from torch.profiler import ProfilerActivity, profile
+
+        self.trace_dir = Path(trace_dir) if trace_dir is not None else None
+        self.cuda = torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        self._calls_per_step: list[list[comm.CommRecord]] = []
+        self._log = comm.CommLog()
+        self._unchecked = comm.unchecked()  # the cross-rank check would be a collective of its own
+        self._unchecked.__enter__()
+        self._log.__enter__()
+        with _quiet_native_stderr():
+            self._profiler = profile(activities=activities)
+            self._profiler.__enter__()
+        self._running = True
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """One recorded step: every rank starts it together (a barrier), so they share one clock."""
+        from torch.profiler import record_function
+
+        runtime.barrier()
+        if self.cuda:
+            torch.cuda.synchronize()
+        before = len(self._log.records)
+        with record_function(STEP_MARK):
+            yield
+            if self.cuda:
+                torch.cuda.synchronize()
+        self._calls_per_step.append(self._log.records[before:])
+
+    def _stop(self) -> None:
+        if self._running:
+            self._running = False
+            with _quiet_native_stderr():
+                self._profiler.__exit__(None, None, None)
+            self._log.__exit__(None, None, None)
+            self._unchecked.__exit__(None, None, None)
+
+    def finish(self, **conditions) -> Anatomy:
+        """Stop recording; every rank's timelines and budgets (every rank must call it).
+
+        Args:
+            conditions: what the steps ran under, kept with the result (model, sizes...).
+        """
+        self._stop()
+        if self.trace_dir is not None:
+            self.trace_dir.mkdir(parents=True, exist_ok=True)
+            self._profiler.export_chrome_trace(str(self.trace_dir / f"rank{runtime.rank()}.json"))
+        mine = _timelines(self._profiler.events(), self._calls_per_step, self.cuda)
+        everyone = [mine]
+        if runtime.world_size() > 1:
+            everyone = [None] * runtime.world_size()
+            dist.all_gather_object(everyone, mine)
+        result = Anatomy(
+            timelines=everyone,
+            conditions={
+                "ranks": runtime.world_size(),
+                "steps_recorded": len(mine),
+                "device": "cuda" if self.cuda else "cpu",
+                "threads_per_rank": torch.get_num_threads(),
+            }
+            | conditions,
+        )
+        result.budgets = [
+            [budget(everyone, rank, index) for index in range(len(everyone[rank]))]
+            for rank in range(len(everyone))
+        ]
+        return result
+
+
+class LoopProfiler:
+    """``--profile`` for a training loop: record ``steps`` steps once ``warmup`` have run.
+
+    Wrap every step of the loop in ``with profiler.step():`` (every rank, the same steps), and
+    call ``finish()`` once ``complete`` (and at the end of the loop, for a run shorter than the
+    steps asked for): the recorded steps' budgets go to ``folder/anatomy.json`` (rank 0) and
+    each rank's trace beside it.
+
+    Args:
+        folder: where the traces and ``anatomy.json`` go.
+        steps: steps to record.
+        warmup: steps to let run first.
+        conditions: what the steps ran under, kept in ``anatomy.json``.
+    """
+
+    def __init__(self, folder: str | Path, *, steps: int = 3, warmup: int = 2, **conditions):
+        self.folder, self.steps, self.warmup, self.conditions = Path(folder), steps, warmup, conditions
+        self.seen, self.recorder, self.result = 0, None, None
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        if self.recorder is None and self.result is None and self.seen == self.warmup:
+            self.recorder = Recorder(trace_dir=self.folder)
+        self.seen += 1
+        if self.recorder is None:
+            yield
+            return
+        with self.recorder.step():
+            yield
+
+    @property
+    def complete(self) -> bool:
+        """Every step asked for is recorded: time to ``finish()``."""
+        return self.recorder is not None and len(self.recorder._calls_per_step) >= self.steps
+
+    def finish(self) -> Anatomy | None:
+        """Stop and write what was recorded (every rank). The anatomy if this call made it, else None."""
+        if self.recorder is None:
+            return None
+        self.result = self.recorder.finish(**self.conditions)
+        self.recorder = None
+        if runtime.is_main():
+            summary = self.result.summary() | {"table": self.result.table().splitlines()}
+            (self.folder / "anatomy.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return self.result
+
+
 def record_steps(
     step: Callable[[], object],
     *,
@@ -254,58 +388,20 @@ def record_steps(
         warmup: steps run first and not recorded (allocations, caches, bucket rebuilds settle).
         trace_dir: also write each rank's Chrome/Perfetto trace there, ``rank<N>.json``.
     """
-    from torch.profiler import ProfilerActivity, profile, record_function
-
     from .checks import check_int
 
     check_int("steps", steps, minimum=1)
     check_int("warmup", warmup, minimum=0)
     for _ in range(warmup):
         step()
-    cuda = torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with comm.unchecked(), comm.CommLog() as log:  # the cross-rank check would be a collective of its own
-        with _quiet_native_stderr():
-            profiler = profile(activities=activities)
-            profiler.__enter__()
-        try:
-            calls_per_step = []
-            for _ in range(steps):
-                runtime.barrier()  # every rank starts the step together: one clock for all of them
-                if cuda:
-                    torch.cuda.synchronize()
-                before = len(log.records)
-                with record_function(STEP_MARK):
-                    step()
-                    if cuda:
-                        torch.cuda.synchronize()
-                calls_per_step.append(log.records[before:])
-        finally:
-            with _quiet_native_stderr():
-                profiler.__exit__(None, None, None)
-    if trace_dir is not None:
-        Path(trace_dir).mkdir(parents=True, exist_ok=True)
-        profiler.export_chrome_trace(str(Path(trace_dir) / f"rank{runtime.rank()}.json"))
-    mine = _timelines(profiler.events(), calls_per_step, cuda)
-    everyone = [mine]
-    if runtime.world_size() > 1:
-        everyone = [None] * runtime.world_size()
-        dist.all_gather_object(everyone, mine)
-    anatomy = Anatomy(
-        timelines=everyone,
-        conditions={
-            "ranks": runtime.world_size(),
-            "steps_recorded": steps,
-            "warmup_steps": warmup,
-            "device": "cuda" if cuda else "cpu",
-            "threads_per_rank": torch.get_num_threads(),
-        },
-    )
-    anatomy.budgets = [
-        [budget(everyone, rank, index) for index in range(len(everyone[rank]))]
-        for rank in range(len(everyone))
-    ]
-    return anatomy
+    recorder = Recorder(trace_dir=trace_dir)
+    try:
+        for _ in range(steps):
+            with recorder.step():
+                step()
+    finally:
+        recorder._stop()
+    return recorder.finish(warmup_steps=warmup)
 
 
 def _is_communication(name: str) -> bool:

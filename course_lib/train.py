@@ -154,6 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     out.add_argument("--metrics", default=None, help="append one JSON line per epoch to this file")
     out.add_argument(
+        "--profile",
+        default=None,
+        help="record the anatomy of a few warm steps: each rank's trace and anatomy.json go into this folder",
+    )
+    out.add_argument("--profile-steps", type=int, default=3, help="steps --profile records")
+    out.add_argument(
         "--no-progress",
         dest="progress",
         action="store_false",

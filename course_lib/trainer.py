@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from . import checkpoint, checks, comm, data, flops, memory, models, runtime, strategies
+from . import anatomy, checkpoint, checks, comm, data, flops, memory, models, runtime, strategies
 from .errors import Diverged, UserError
 from .preemption import Preempted, StopRequests
 
@@ -77,6 +77,9 @@ class TrainConfig:
         max_steps: stop after this many optimizer steps in total (None: run every epoch).
         workers: data-loading processes per rank.
         progress: show a progress bar on rank 0.
+        profile: record the anatomy of ``profile_steps`` steps (after ``PROFILE_WARMUP_STEPS``):
+            each rank's trace and the budget (``anatomy.json``) go into this folder.
+        profile_steps: how many steps to record with ``profile``.
     """
 
     strategy: str = "single"
@@ -106,6 +109,8 @@ class TrainConfig:
     max_steps: int | None = None
     workers: int = 0
     progress: bool = True
+    profile: str | None = None
+    profile_steps: int = 3
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -181,6 +186,9 @@ def validate_config(config: TrainConfig, world_size: int, ranks_per_node: int | 
         checks.check_folder_to_write("--checkpoint-dir", config.checkpoint_dir)
     if config.metrics:
         checks.check_file_to_write("--metrics", config.metrics)
+    if config.profile:
+        checks.check_folder_to_write("--profile", config.profile)
+    checks.check_int("--profile-steps", config.profile_steps, minimum=1)
     if config.resume not in (None, "latest"):
         checks.check_folder_to_read("--resume", config.resume)
     resume_path = resolve_resume_path(config)
@@ -206,6 +214,9 @@ def steps_per_epoch(config: TrainConfig) -> int:
         )
     return samples // config.global_batch_size
 
+
+PROFILE_WARMUP_STEPS = 2
+"""Steps a run takes before ``--profile`` records: the first ones pay for allocations and set-up."""
 
 MAX_LEARNING_RATE = 1e6
 """Far above any learning rate that trains; a larger one is a typo (a missing minus in 1e-3)."""
@@ -386,6 +397,17 @@ class Trainer:
     def __init__(self, config: TrainConfig, stop_requests: StopRequests | None = None):
         self.config = config
         self.stop_requests = stop_requests  # if given, a stop signal ends training at a step boundary
+        self._profiler = (  # --profile: the anatomy of a few warm steps
+            anatomy.LoopProfiler(
+                config.profile,
+                steps=config.profile_steps,
+                warmup=PROFILE_WARMUP_STEPS,
+                strategy=config.strategy,
+                impl=config.impl,
+            )
+            if config.profile
+            else None
+        )
         self.ctx = runtime.context()
         validate_config(config, self.ctx.world_size, self.ctx.local_world_size)
         self.micro_batch = data.per_rank_batch_size(
@@ -477,23 +499,27 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         samples = 0
         for micro_step in range(config.grad_accum):
-            inputs, targets = next(batches)
-            inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+            with anatomy.phase("data"):
+                inputs, targets = next(batches)
+                inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
             last = micro_step == config.grad_accum - 1
             with contextlib.nullcontext() if last else strategies.gradient_sync_skipped(self.model):
-                with autocast(device, config.precision):
+                with anatomy.phase("forward"), autocast(device, config.precision):
                     loss = F.cross_entropy(self.model(inputs).float(), targets)
-                (loss / config.grad_accum).backward()
+                with anatomy.phase("backward"):
+                    (loss / config.grad_accum).backward()
             loss_sum += loss.detach().double() * len(targets)
             samples += len(targets)
-        grad_norm = None
-        if config.clip_grad_norm is not None:
-            grad_norm = strategies.clip_grad_norm_(self.model, config.clip_grad_norm)
-        non_finite = ~_gradients_finite(self.model, device)
-        loss_total, samples_total, diverged, stop = self._agree_on_step(loss_sum, samples, non_finite)
+        with anatomy.phase("agree"):  # clipping, finiteness, and the step's one all-reduce
+            grad_norm = None
+            if config.clip_grad_norm is not None:
+                grad_norm = strategies.clip_grad_norm_(self.model, config.clip_grad_norm)
+            non_finite = ~_gradients_finite(self.model, device)
+            loss_total, samples_total, diverged, stop = self._agree_on_step(loss_sum, samples, non_finite)
         if diverged:
             self._stop_diverged(loss_total / samples_total, None if grad_norm is None else float(grad_norm))
-        self.optimizer.step()
+        with anatomy.phase("optimizer"):
+            self.optimizer.step()
         return loss_total, samples_total, stop
 
     def _agree_on_step(
@@ -610,7 +636,10 @@ class Trainer:
         seconds_before = sums["seconds"]
         started = time.perf_counter()
         for step in range(first_step, last_step):
-            step_loss, step_samples, stop = self._train_step(batches)
+            with self._profiler.step() if self._profiler else contextlib.nullcontext():
+                step_loss, step_samples, stop = self._train_step(batches)
+            if self._profiler is not None and self._profiler.complete:
+                self._finish_profile()
             sums["loss_sum"] += step_loss
             sums["samples"] += step_samples
             sums["steps"] += 1
@@ -681,6 +710,19 @@ class Trainer:
             position.epoch, position.step_in_epoch, position.epoch_sums = epoch + 1, 0, {}
         return record
 
+    def _finish_profile(self) -> None:
+        """Every rank: the budgets of the steps ``--profile`` recorded; rank 0 says where they are."""
+        if self._profiler is None:
+            return
+        result = self._profiler.finish()
+        if result is not None and self.ctx.is_main:
+            tqdm.write(result.table(), file=sys.stdout)
+            tqdm.write(
+                f"the anatomy of {len(result.budgets[0])} steps is in {self.config.profile}/anatomy.json, "
+                "each rank's trace beside it (open it in https://ui.perfetto.dev or chrome://tracing)",
+                file=sys.stdout,
+            )
+
     def fit(self, collect_state: bool = False) -> TrainResult:
         config, position = self.config, self.position
         runtime.print0(
@@ -708,6 +750,7 @@ class Trainer:
             self._save()
             if self._steps_left() <= 0:
                 break
+        self._finish_profile()  # a run shorter than the steps asked for: what was recorded
         result = TrainResult(history=list(position.history), global_step=position.global_step)
         if collect_state:
             if hasattr(self.model, "full_state_dict"):  # the course's ZeRO and FSDP

@@ -28,10 +28,12 @@ Megatron-LM", SC 2021 (arXiv:2104.04473): PTD-P, pipeline x tensor x data parall
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
-from .. import comm, data, models, runtime
+from .. import anatomy, comm, data, models, runtime
 from ..errors import UserError
 from . import context as cp
 from . import pipeline as pp
@@ -100,6 +102,7 @@ def train_3d(
     n_heads: int = 4,
     n_layers: int = 4,
     seed: int = 0,
+    profile: str | None = None,
 ) -> list[float] | None:
     """Train on the current process group laid out as a mesh; return the loss of every step on rank 0.
 
@@ -120,6 +123,8 @@ def train_3d(
         n_heads: attention heads per block (a multiple of T).
         n_layers: blocks (with the embedding and head, at least P pieces to cut).
         seed: the seed of the weights and of the batches, the same on every rank.
+        profile: record the anatomy of 3 steps after 2 (``anatomy.LoopProfiler``): each rank's
+            trace and ``anatomy.json`` go into this folder.
     """
     world = runtime.world_size()
     check_run(
@@ -156,18 +161,28 @@ def train_3d(
     losses = []
     last_stage = mesh.coordinates.pipeline == pipeline - 1
     reporter = rank_at(mesh.degrees, pipeline=pipeline - 1)  # a rank of the last stage
+    profiler = anatomy.LoopProfiler(profile, grid=mesh.degrees, schedule=schedule) if profile else None
     for _ in range(steps):
         # the same draw everywhere
         batch = torch.randint(0, len(inputs), (global_batch,), generator=generator)
         mine = batch[mesh.coordinates.data :: data_degree]  # this replica's share
-        optimizer.zero_grad()
-        loss = executor.step(layout.local(inputs[mine], my_chunk), layout.local(targets[mine], my_chunk))
-        for param in params:
-            if context > 1:  # each chunk of the sequences adds its part
-                comm.all_reduce(param.grad, op="sum", group=mesh.group("context"))
-            # average the replicas' gradients: the gradient of the whole batch
-            comm.all_reduce(param.grad, op="mean", group=mesh.group("data"))
-        optimizer.step()
+        with profiler.step() if profiler else contextlib.nullcontext():
+            with anatomy.phase("optimizer"):
+                optimizer.zero_grad()
+            with anatomy.phase("pipeline"):  # forward and backward of every micro-batch
+                loss = executor.step(
+                    layout.local(inputs[mine], my_chunk), layout.local(targets[mine], my_chunk)
+                )
+            with anatomy.phase("gradients"):
+                for param in params:
+                    if context > 1:  # each chunk of the sequences adds its part
+                        comm.all_reduce(param.grad, op="sum", group=mesh.group("context"))
+                    # average the replicas' gradients: the gradient of the whole batch
+                    comm.all_reduce(param.grad, op="mean", group=mesh.group("data"))
+            with anatomy.phase("optimizer"):
+                optimizer.step()
+        if profiler is not None and profiler.complete:
+            profiler.finish()
         # The loss lives on the last stage: average it over the replicas, then everyone takes it from one.
         report = torch.zeros(1) if loss is None else loss.detach().reshape(1)
         if last_stage:
@@ -176,4 +191,6 @@ def train_3d(
             comm.all_reduce(report, op="mean", group=mesh.group("data"))
         comm.broadcast(report, src=reporter)
         losses.append(float(report))
+    if profiler is not None:
+        profiler.finish()  # fewer steps than it records: what there was
     return losses if runtime.rank() == 0 else None

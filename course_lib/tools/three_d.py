@@ -42,6 +42,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--plot", type=checks.file_to_write, default=None, help="save the two loss curves to this PNG"
     )
+    parser.add_argument(
+        "--profile",
+        type=checks.folder_to_write,
+        default=None,
+        help="record the grid run's anatomy: each rank's trace and anatomy.json go into this folder",
+    )
     args = parser.parse_args(argv)
     world = args.data * args.pipeline * args.context * args.tensor
     try:
@@ -71,8 +77,14 @@ def main(argv: list[str] | None = None) -> int:
         context=args.context,
         tensor=args.tensor,
         timeout_s=1800,
+        profile=str(args.profile) if args.profile else None,
         **options,
     )[0]
+    if args.profile:
+        print(
+            f"the grid run's anatomy is in {args.profile}/anatomy.json, each rank's trace beside it",
+            file=sys.stderr,
+        )
     if args.plot:
         plot_loss_curves(
             {

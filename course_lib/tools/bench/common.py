@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -52,17 +53,37 @@ def training_step(model: nn.Module, inputs, targets) -> Callable[[], None]:
 
 
 def anatomies(
-    steps_by_name: dict[str, Callable[[], object]], *, steps: int = ANATOMY_STEPS
+    steps_by_name: dict[str, Callable[[], object]],
+    *,
+    steps: int = ANATOMY_STEPS,
+    trace_dir: str | Path | None = None,
 ) -> dict[str, dict]:
     """Where each variant's step goes (``anatomy.record_steps``): its typical step's parts, averaged
     over the ranks, in ms and as fractions of the step (``exposed_communication_share``...).
 
+    Each step is marked as a phase of its own: what runs in it and is neither computation nor
+    communication is host overhead (a step that marks finer phases keeps them).
+
     Args:
         steps_by_name: the step functions of the variants, run on every rank.
         steps: steps recorded for each.
+        trace_dir: where each variant's traces go (``trace_dir/<variant>/rank<N>.json``), or None.
     """
+
+    def marked(step: Callable[[], object]) -> Callable[[], None]:
+        def run() -> None:
+            with anatomy.phase("step"):
+                step()
+
+        return run
+
     return {
-        name: anatomy.record_steps(step, steps=steps, warmup=WARMUP_STEPS).summary()
+        name: anatomy.record_steps(
+            marked(step),
+            steps=steps,
+            warmup=WARMUP_STEPS,
+            trace_dir=Path(trace_dir) / name.replace(" ", "_").replace(",", "") if trace_dir else None,
+        ).summary()
         for name, step in steps_by_name.items()
     }
 

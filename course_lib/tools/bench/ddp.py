@@ -16,7 +16,14 @@ DDP_BUCKET_MB = 4.0
 
 
 def ddp_benchmark(
-    *, width: int, layers: int, batch: int, steps: int, warmup: int, bucket_mb: float
+    *,
+    width: int,
+    layers: int,
+    batch: int,
+    steps: int,
+    warmup: int,
+    bucket_mb: float,
+    profile: str | None = None,
 ) -> dict | None:
     """PyTorch's DDP and the course's three DDPs, interleaved on one MLP; the JSON row on rank 0.
 
@@ -29,6 +36,7 @@ def ddp_benchmark(
         steps: timed steps; the median is reported.
         warmup: untimed steps first (allocations, caches and lazy set-up settle in them).
         bucket_mb: the all-reduce message size, for both implementations.
+        profile: a folder for each variant's per-rank traces (None: none are written).
     """
     from torch.nn.parallel import DistributedDataParallel
 
@@ -51,7 +59,7 @@ def ddp_benchmark(
 
     with comm.CommLog() as log:
         variants["overlapped"]()
-    where = anatomies({"torch": variants["torch"], "course": variants["overlapped"]})
+    where = anatomies({"torch": variants["torch"], "course": variants["overlapped"]}, trace_dir=profile)
     params = sum(p.numel() for p in reference.parameters())
     gradient_bytes = 4 * params
     if not runtime.is_main():

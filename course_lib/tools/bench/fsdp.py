@@ -12,7 +12,9 @@ from ..timing import interleaved_medians
 from .common import anatomies, mlp, rank_batch, training_step
 
 
-def fsdp_benchmark(*, width: int, layers: int, batch: int, steps: int, warmup: int) -> dict | None:
+def fsdp_benchmark(
+    *, width: int, layers: int, batch: int, steps: int, warmup: int, profile: str | None = None
+) -> dict | None:
     """FSDP2 and the course's FSDP (four sharding strategies), interleaved; the JSON row on rank 0.
 
     Args:
@@ -21,6 +23,7 @@ def fsdp_benchmark(*, width: int, layers: int, batch: int, steps: int, warmup: i
         batch: samples per rank per step.
         steps: timed steps; the median is reported.
         warmup: untimed steps first (allocations, caches and lazy set-up settle in them).
+        profile: a folder for each variant's per-rank traces (None: none are written).
     """
     from torch.distributed.fsdp import fully_shard
 
@@ -61,7 +64,8 @@ def fsdp_benchmark(*, width: int, layers: int, batch: int, steps: int, warmup: i
             "torch": variants["torch"],
             "course": variants["FULL_SHARD"],
             "course_no_prefetch": variants["FULL_SHARD, no prefetch"],
-        }
+        },
+        trace_dir=profile,
     )
     params = sum(p.numel() for p in reference.parameters())
     if not runtime.is_main():

@@ -76,6 +76,22 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=formatter,
     )
     positive, processes = checks.int_at_least(1), checks.int_at_least(1, max_processes())
+    for command in (
+        ddp,
+        fsdp,
+        mem,
+        pipe,
+        tensor,
+        sequence,
+        context,
+        experts,
+    ):  # a step to record: all but allreduce
+        command.add_argument(
+            "--profile",
+            type=checks.folder_to_write,
+            default=None,
+            help="write each variant's per-rank traces and the result (anatomy.json) into this folder",
+        )
     reduce.add_argument(
         "--world-size",
         type=checks.int_at_least(2, max_processes()),
@@ -272,8 +288,10 @@ def _run_benchmark(args: argparse.Namespace) -> int:
         """The values of these flags, by the benchmark function's argument names."""
         return {flag: getattr(args, flag) for flag in flags}
 
+    profile = str(args.profile) if getattr(args, "profile", None) else None
+
     def on(world: int, benchmark: Callable, options: dict):
-        return _on_local_processes(args.benchmark, world, benchmark, options)
+        return _on_local_processes(args.benchmark, world, benchmark, options | {"profile": profile})
 
     mlp, transformer, timing = ("width", "layers", "batch"), ("d_model", "seq", "batch"), ("steps", "warmup")
     if args.benchmark == "allreduce":
@@ -291,7 +309,9 @@ def _run_benchmark(args: argparse.Namespace) -> int:
             **given(*timing),
         )
         compute_bound = [
-            row for stages in fits for row in on(stages, pipeline_bubble_benchmark, bubble_options)
+            row
+            for stages in fits
+            for row in _on_local_processes("pipeline", stages, pipeline_bubble_benchmark, bubble_options)
         ]
         result = {
             "benchmark": "pipeline",
@@ -332,7 +352,12 @@ def _run_benchmark(args: argparse.Namespace) -> int:
         result = on(args.world_size, ddp_benchmark, given(*mlp, *timing, "bucket_mb"))
     else:
         result = on(args.world_size, fsdp_benchmark, given(*mlp, *timing))
-    print(json.dumps(result, indent=2))
+    text = json.dumps(result, indent=2)
+    print(text)
+    if profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
+        (args.profile / "anatomy.json").write_text(text + "\n")
+        print(f"each variant's per-rank traces and anatomy.json are in {args.profile}", file=sys.stderr)
     return 0
 
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ... import comm, memory, runtime
-from .common import mlp, rank_batch
+from .common import anatomies, mlp, rank_batch, training_step
 
 
 def wrap_for_stage(model: nn.Module, stage: str, units: list[nn.Module] | None = None) -> nn.Module:
@@ -55,13 +55,15 @@ def measure_stage(
     return memory.measure_model_states(model, optimizer=optimizer), log.bytes_per_rank()
 
 
-def memory_benchmark(*, width: int, layers: int, batch: int) -> list[dict] | None:
-    """Model-state bytes held and bytes sent by DDP and ZeRO-1/2/3, against the memory model.
+def memory_benchmark(*, width: int, layers: int, batch: int, profile: str | None = None) -> list[dict] | None:
+    """Model-state bytes held and bytes sent by DDP and ZeRO-1/2/3, against the memory model,
+    and where each stage's step goes (its anatomy).
 
     Args:
         width: the MLP's width (its layers are width x width).
         layers: its linear layers.
         batch: samples per rank per step.
+        profile: a folder for each stage's per-rank traces (None: none are written).
     """
     world = runtime.world_size()
     inputs, targets = rank_batch(batch, width)
@@ -72,10 +74,18 @@ def memory_benchmark(*, width: int, layers: int, batch: int) -> list[dict] | Non
         params = sum(p.numel() for p in model.parameters())
         units = [m for m in model if isinstance(m, nn.Linear)]
         measured, sent = measure_stage(model, stage, inputs, targets, units=units, loss=F.mse_loss)
+        torch.manual_seed(0)
+        fresh = mlp(width, layers)
+        wrapped = wrap_for_stage(fresh, stage, [m for m in fresh if isinstance(m, nn.Linear)])
+        where = anatomies(
+            {"course": training_step(wrapped, inputs, targets)},
+            trace_dir=f"{profile}/{stage}_{world}_ranks" if profile else None,
+        )
         expected = memory.model_state_bytes(params, world, stage, **memory.FP32_ADAM)
         traffic = 4 * memory.traffic_elements_per_rank(params, world, stage)
         rows.append(
-            {
+            where
+            | {
                 "world_size": world,
                 "stage": stage,
                 "params": params,

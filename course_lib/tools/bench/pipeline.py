@@ -15,7 +15,7 @@ from torch import nn
 
 from ... import comm, runtime
 from ..timing import interleaved_medians
-from .common import transformer
+from .common import anatomies, transformer
 
 PIPELINE_MICROBATCHES = (4, 8)
 """Micro-batches per step in the pipeline benchmark: the bubble shrinks as they grow."""
@@ -30,7 +30,9 @@ PIPELINE_BUBBLE_BLOCKS_PER_STAGE = 2
 """MLP blocks each stage holds in the compute-bound pipeline rows."""
 
 
-def pipeline_benchmark(*, d_model: int, seq: int, batch: int, steps: int, warmup: int) -> list[dict] | None:
+def pipeline_benchmark(
+    *, d_model: int, seq: int, batch: int, steps: int, warmup: int, profile: str | None = None
+) -> list[dict] | None:
     """Each schedule's step time, bubble and peak activations against theory and against PyTorch.
 
     Args:
@@ -39,6 +41,7 @@ def pipeline_benchmark(*, d_model: int, seq: int, batch: int, steps: int, warmup
         batch: sequences per step, for the whole pipeline.
         steps: timed steps; the median is reported.
         warmup: untimed steps first (allocations, caches and lazy set-up settle in them).
+        profile: a folder for the 1F1B rows' per-rank traces (None: none are written).
     """
     from torch.distributed.pipelining import (
         PipelineStage,
@@ -99,8 +102,15 @@ def pipeline_benchmark(*, d_model: int, seq: int, batch: int, steps: int, warmup
                 ),
             )
             course_ms, torch_ms = median_ms["course"], median_ms["torch"]
+            where = {}
+            if schedule == "1f1b" and m == PIPELINE_MICROBATCHES[-1]:  # one row per size: anatomies are slow
+                where = anatomies(
+                    {"course": course_step, "torch": torch_step},
+                    trace_dir=f"{profile}/{p}_stages" if profile else None,
+                )
             rows.append(
-                {
+                where
+                | {
                     "schedule": schedule,
                     "stages": p,
                     "virtual_stages": v,

@@ -37,6 +37,7 @@ from ...parallel import expert as ep
 from ...parallel import sequence as sp
 from ...parallel import tensor as tp
 from ..timing import interleaved_medians
+from .common import anatomies
 
 
 def _forward_backward(module, inputs):
@@ -73,7 +74,9 @@ def dtensor_sequence_parallel_plan() -> dict:
     }
 
 
-def sp_benchmark(*, d_model: int, heads: int, seq: int, batch: int, steps: int, warmup: int) -> dict | None:
+def sp_benchmark(
+    *, d_model: int, heads: int, seq: int, batch: int, steps: int, warmup: int, profile: str | None = None
+) -> dict | None:
     """One block: the course's sequence parallelism, DTensor's, and plain tensor parallelism.
 
     Args:
@@ -83,6 +86,7 @@ def sp_benchmark(*, d_model: int, heads: int, seq: int, batch: int, steps: int, 
         batch: sequences per step.
         steps: timed steps; the median is reported.
         warmup: untimed steps first.
+        profile: a folder for each variant's per-rank traces (None: none are written).
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
@@ -102,15 +106,13 @@ def sp_benchmark(*, d_model: int, heads: int, seq: int, batch: int, steps: int, 
         out = theirs(mine.detach().requires_grad_())
         (out.to_local() if hasattr(out, "to_local") else out).sum().backward()
 
-    median_ms = interleaved_medians(
-        {
-            "course_sp": _forward_backward(ours, mine),
-            "torch_sp": dtensor_step,
-            "course_tp": _forward_backward(tensor_only, whole),
-        },
-        steps,
-        warmup,
-    )
+    variants = {
+        "course_sp": _forward_backward(ours, mine),
+        "torch_sp": dtensor_step,
+        "course_tp": _forward_backward(tensor_only, whole),
+    }
+    median_ms = interleaved_medians(variants, steps, warmup)
+    where = anatomies({"course": variants["course_sp"], "torch": variants["torch_sp"]}, trace_dir=profile)
     traffic = {}
     for name, block, block_input in (("sp", ours, mine), ("tp", tensor_only, whole)):
         with comm.CommLog() as log:
@@ -123,7 +125,7 @@ def sp_benchmark(*, d_model: int, heads: int, seq: int, batch: int, steps: int, 
             ours.norm2(block_input.clone().requires_grad_())
         norm_bytes[name] = saved.bytes
     activation_bytes = 4 * batch * seq * d_model
-    result = {
+    result = where | {
         "benchmark": "sp",
         "tensor_degree": degree,
         "threads_per_rank": torch.get_num_threads(),
@@ -183,7 +185,9 @@ def _own_blocks(layout: cp.SequenceLayout, rank: int, shape: tuple[int, int, int
     return compute
 
 
-def cp_benchmark(*, seq: int, heads: int, head_dim: int, batch: int, steps: int, warmup: int) -> dict | None:
+def cp_benchmark(
+    *, seq: int, heads: int, head_dim: int, batch: int, steps: int, warmup: int, profile: str | None = None
+) -> dict | None:
     """Ring attention, contiguous and zig-zag: step time, each rank's compute, bytes and memory.
 
     Args:
@@ -193,6 +197,7 @@ def cp_benchmark(*, seq: int, heads: int, head_dim: int, batch: int, steps: int,
         batch: sequences per step.
         steps: timed steps; the median is reported.
         warmup: untimed steps first.
+        profile: a folder for each variant's per-rank traces (None: none are written).
     """
     degree, rank = runtime.world_size(), runtime.rank()
     generator = torch.Generator().manual_seed(0)
@@ -216,6 +221,8 @@ def cp_benchmark(*, seq: int, heads: int, head_dim: int, batch: int, steps: int,
             cp.ring_attention(*parts, layout=layout).sum().backward()
 
         step_ms = interleaved_medians({"ring": ring_step}, steps, warmup)["ring"]
+        layout_name = "zigzag" if zigzag else "contiguous"
+        where = anatomies({"course": ring_step}, trace_dir=f"{profile}/{layout_name}" if profile else None)
         own_blocks = _own_blocks(layout, rank, (batch, heads, head_dim), generator)
         own_ms = None
         for turn in range(degree):  # one rank at a time, so that none competes for the cores
@@ -240,7 +247,7 @@ def cp_benchmark(*, seq: int, heads: int, head_dim: int, batch: int, steps: int,
         work = cp.attention_work(layout)
         kv_bytes = 2 * batch * heads * head_dim * 4
         compute = [row["compute_ms"] for row in per_rank]
-        result["zigzag" if zigzag else "contiguous"] = {
+        result[layout_name] = where | {
             "step_ms": step_ms,
             "work_per_rank": work,
             "work_max_over_mean": max(work) / statistics.mean(work),
@@ -279,6 +286,7 @@ def ep_benchmark(
     capacity_factor: float,
     steps: int,
     warmup: int,
+    profile: str | None = None,
 ) -> dict | None:
     """A mixture-of-experts layer spread over the ranks, against one process holding every expert.
 
@@ -291,16 +299,18 @@ def ep_benchmark(
         capacity_factor: an expert's room, as a multiple of its fair share.
         steps: timed steps; the median is reported.
         warmup: untimed steps first.
+        profile: a folder for each variant's per-rank traces (None: none are written).
     """
     degree, rank = runtime.world_size(), runtime.rank()
     torch.manual_seed(0)
     full = ep.MoE(d_model, hidden, num_experts=experts, top_k=top_k, capacity_factor=capacity_factor)
     parallel = ep.expert_parallel(copy.deepcopy(full))
     x = torch.randn(1, tokens, d_model, generator=torch.Generator().manual_seed(10 + rank))
-    median_ms = interleaved_medians(
-        {"expert_parallel": _forward_backward(parallel, x), "one_process": _forward_backward(full, x)},
-        steps,
-        warmup,
+    variants = {"expert_parallel": _forward_backward(parallel, x), "one_process": _forward_backward(full, x)}
+    median_ms = interleaved_medians(variants, steps, warmup)
+    # no PyTorch twin for expert parallelism: the one-process layer beside it
+    where = anatomies(
+        {"course": variants["expert_parallel"], "one_process": variants["one_process"]}, trace_dir=profile
     )
     with comm.CommLog() as log:
         _forward_backward(parallel, x)()
@@ -308,7 +318,7 @@ def ep_benchmark(
     everyone = [None] * degree
     dist.all_gather_object(everyone, routing.expert[routing.kept])
     theory = ep.all_to_all_bytes(everyone, rank, num_experts=experts, row_bytes=d_model * 4)
-    result = {
+    result = where | {
         "benchmark": "ep",
         "expert_degree": degree,
         "threads_per_rank": torch.get_num_threads(),

@@ -8,12 +8,15 @@ import torch
 
 from ... import comm, runtime
 from ..timing import interleaved_medians
+from .common import anatomies
 
 TP_HEADS_PER_RANK = 4
 """Attention heads each rank owns in the tensor-parallel benchmark."""
 
 
-def tp_benchmark(*, d_model: int, seq: int, batch: int, steps: int, warmup: int) -> dict | None:
+def tp_benchmark(
+    *, d_model: int, seq: int, batch: int, steps: int, warmup: int, profile: str | None = None
+) -> dict | None:
     """The course's tensor-parallel MLP and attention against DTensor's, and their bytes against theory.
 
     Args:
@@ -22,6 +25,7 @@ def tp_benchmark(*, d_model: int, seq: int, batch: int, steps: int, warmup: int)
         batch: sequences per step.
         steps: timed steps; the median is reported.
         warmup: untimed steps first (allocations, caches and lazy set-up settle in them).
+        profile: a folder for each variant's per-rank traces (None: none are written).
     """
     import copy
 
@@ -60,18 +64,16 @@ def tp_benchmark(*, d_model: int, seq: int, batch: int, steps: int, warmup: int)
     activation_bytes = 4 * batch * seq * d_model
     for name in ("mlp", "attention"):
         theirs = parallelize_module(copy.deepcopy(dense[name]), mesh, plans[name])
-        median_ms = interleaved_medians(
-            {
-                "course": lambda block=course[name]: block(inputs).sum().backward(),
-                "torch": lambda block=theirs: block(inputs).sum().backward(),
-            },
-            steps,
-            warmup,
-        )
+        variants = {
+            "course": lambda block=course[name]: block(inputs).sum().backward(),
+            "torch": lambda block=theirs: block(inputs).sum().backward(),
+        }
+        median_ms = interleaved_medians(variants, steps, warmup)
+        where = anatomies(variants, trace_dir=f"{profile}/{name}" if profile else None)
         with comm.CommLog() as log:
             course[name](inputs).sum().backward()
         course_ms, torch_ms = median_ms["course"], median_ms["torch"]
-        result[name] = {
+        result[name] = where | {
             "course_step_ms": course_ms,
             "torch_step_ms": torch_ms,
             "ratio": course_ms / torch_ms,

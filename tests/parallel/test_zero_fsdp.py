@@ -419,7 +419,12 @@ def test_fsdp_benchmark_prints_the_promised_json():
         "SHARD_GRAD_OP",
         "NO_SHARD",
         "HYBRID_SHARD",
+        "FULL_SHARD, no prefetch",
     }
+    assert result["ratio_no_prefetch"] == result["course_no_prefetch_step_ms"] / result["torch_step_ms"]
+    for variant in ("course", "torch", "course_no_prefetch"):  # where each step goes, side by side
+        assert 0 <= result[variant]["exposed_communication_share"] <= 1
+        assert result[variant]["unexplained_share"] <= 0.10
     assert result["params"] == 3 * 64 * 63
     # two all-gathers and one reduce-scatter of the padded units: a few elements more than 3(N-1)/N Ψ
     assert result["full_shard_bytes_per_rank_measured"] == pytest.approx(

@@ -183,6 +183,21 @@ def pytest_collection_modifyitems(config, items):
     )
 
 
+def assert_accounted(anatomies: dict, variants) -> None:
+    """Each variant's anatomy (a benchmark's JSON) adds up and leaves at most 10 % of the step unexplained."""
+    shares = (
+        "compute_share",
+        "exposed_communication_share",
+        "idle_share",
+        "host_overhead_share",
+        "unexplained_share",
+    )
+    for variant in variants:
+        anatomy = anatomies[variant]
+        assert abs(sum(anatomy[share] for share in shares) - 1) < 1e-9, variant
+        assert anatomy["unexplained_share"] <= 0.10, (variant, anatomy["unexplained_share"])
+
+
 def user_errors(attempts: dict) -> dict[str, str]:
     """Call each attempt; the message of the ``UserError`` each raised, by name (none: left out)."""
     from course_lib.errors import UserError

@@ -138,3 +138,44 @@ def test_a_late_rank_shows_as_the_others_idle_time():
     assert early.idle_ms >= 40, recorded.table()  # rank 0 waited for rank 1
     assert late.idle_ms <= 10, recorded.table()
     assert late.host_overhead_ms >= 40, recorded.table()  # rank 1 slept inside its phase
+
+
+# -- every strategy's step is accounted for --------------------------------------------------------
+
+
+def _strategy_anatomy(strategy: str) -> dict:
+    from course_lib.parallel.fsdp import FullyShardedDataParallel
+    from course_lib.tools.bench import mlp
+    from course_lib.tools.bench.common import training_step
+
+    torch.manual_seed(0)
+    model = mlp(128, 4)
+    units = [m for m in model if isinstance(m, nn.Linear)]
+    if strategy != "single":
+        options = {"hybrid_shard_size": 2} if strategy == "HYBRID_SHARD" else {}
+        model = FullyShardedDataParallel(model, auto_wrap_policy=units, sharding_strategy=strategy, **options)
+    generator = torch.Generator().manual_seed(runtime.rank())
+    step = training_step(
+        model, torch.randn(16, 128, generator=generator), torch.randn(16, 128, generator=generator)
+    )
+    return anatomy.record_steps(step, steps=3, warmup=2).summary()
+
+
+@pytest.mark.parametrize(
+    "strategy, ranks",
+    [("single", 1), ("FULL_SHARD", 2), ("SHARD_GRAD_OP", 2), ("NO_SHARD", 2), ("HYBRID_SHARD", 4)],
+)
+def test_each_fsdp_strategy_and_one_process_leave_little_unexplained(strategy, ranks):
+    summary = launch(_strategy_anatomy, ranks, strategy)[0]
+    assert summary["unexplained_share"] <= 0.10, summary
+    assert summary["compute_share"] > 0
+
+
+def test_a_3d_run_records_its_anatomy_and_leaves_little_unexplained(tmp_path):
+    from course_lib.parallel.three_d import train_3d
+
+    launch(train_3d, 4, data_degree=1, pipeline=2, tensor=2, steps=6, profile=str(tmp_path))
+    recorded = json.loads((tmp_path / "anatomy.json").read_text())
+    assert recorded["unexplained_share"] <= 0.10, recorded["table"]
+    assert recorded["conditions"]["grid"] == {"pipeline": 2, "data": 1, "context": 1, "tensor": 2}
+    assert {f"rank{r}.json" for r in range(4)} <= {p.name for p in tmp_path.iterdir()}

@@ -195,12 +195,13 @@ def test_conversion_keeps_the_dense_weights():
 
 
 def test_cp_benchmark_prints_the_promised_json():
-    from conftest import run_bench
+    from conftest import assert_accounted, run_bench
 
     result = run_bench(
         "cp", "--world-size", "2", "--seq", "40", "--heads", "2", "--head-dim", "8", "--steps", "2"
     )
     for layout in ("contiguous", "zigzag"):
+        assert_accounted(result[layout], ["course"])
         row = result[layout]
         assert row["bytes_per_rank_measured"] == row["bytes_per_rank_theory"]
         assert row["attention_bytes_per_rank"] == row["attention_bytes_theory"]

@@ -170,12 +170,13 @@ def test_bad_arguments_are_refused_on_every_rank_before_any_message():
 
 
 def test_ep_benchmark_prints_the_promised_json():
-    from conftest import run_bench
+    from conftest import assert_accounted, run_bench
 
     result = run_bench(
         "ep", "--tokens", "48", "--d-model", "8", "--hidden", "8", "--experts", "4", "--steps", "2"
     )
     assert {"expert_parallel_step_ms", "one_process_step_ms", "ratio", "dropped_tokens_rank0"} <= set(result)
+    assert_accounted(result, ["course", "one_process"])
     assert result["all_to_all_bytes_rank0_measured"] == result["all_to_all_bytes_rank0_theory"]
     assert sum(result["assignments_per_expert_rank0"]) == 48 * 2  # top-2 by default
     assert result["expert_parameters_per_rank"] * 2 == result["expert_parameters_one_process"]

@@ -219,12 +219,16 @@ def pipeline_bench() -> dict:
 
 
 def test_pipeline_benchmark_prints_the_promised_json(pipeline_bench):
+    from conftest import assert_accounted
+
     rows = pipeline_bench["rows"]
     assert [(r["schedule"], r["microbatches"]) for r in rows] == [
         (s, m) for s in ("gpipe", "1f1b", "interleaved_1f1b") for m in (4, 8)
     ]
     for row in rows:
         assert row["peak_activations_measured"] == row["peak_activations_theory"]
+        if row["schedule"] == "1f1b" and row["microbatches"] == 8:
+            assert_accounted(row, ["course", "torch"])
         assert 0 <= row["bubble_measured"] < 1 and row["bubble_theory"] == pytest.approx(
             pp.bubble_fraction_theory(2, row["microbatches"], virtual_stages=row["virtual_stages"])
         )

@@ -175,10 +175,11 @@ def test_a_sequence_or_heads_that_do_not_split_are_refused_on_every_rank():
 
 
 def test_sp_benchmark_prints_the_promised_json():
-    from conftest import run_bench
+    from conftest import assert_accounted, run_bench
 
     result = run_bench("sp", "--d-model", "32", "--heads", "4", "--seq", "16", "--batch", "2", "--steps", "2")
     assert {"course_step_ms", "torch_step_ms", "ratio", "tensor_parallel_step_ms"} <= set(result)
+    assert_accounted(result, ["course", "torch"])
     assert result["bytes_per_rank_measured"] == result["bytes_per_rank_tensor_parallel"]
     assert result["bytes_per_rank_measured"] == result["bytes_per_rank_theory"]
     assert result["norm_activation_bytes_measured"] == result["norm_activation_bytes_theory"]

@@ -156,11 +156,12 @@ def test_mlp_and_attention_cost_one_all_reduce_forward_and_one_backward(degree):
 
 
 def test_tp_benchmark_prints_the_promised_json():
-    from conftest import run_bench
+    from conftest import assert_accounted, run_bench
 
     result = run_bench("tp", "--d-model", "32", "--seq", "8", "--batch", "3", "--steps", "2", "--warmup", "1")
     for name in ("mlp", "attention"):
         assert {"course_step_ms", "torch_step_ms", "ratio"} <= set(result[name])
+        assert_accounted(result[name], ["course", "torch"])
         assert result[name]["bytes_per_rank_measured"] == result[name]["bytes_per_rank_theory"]
 
 

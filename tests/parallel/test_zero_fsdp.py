@@ -18,7 +18,7 @@ from course_lib.parallel.fsdp import FullyShardedDataParallel, MixedPrecision
 from course_lib.parallel.zero import ZeroDataParallel
 from course_lib.tools import bench
 
-from conftest import run_bench
+from conftest import assert_accounted, run_bench
 
 GLOBAL_BATCH, STEPS = 60, 3
 TOLERANCE = dict(rtol=1e-5, atol=5e-6)
@@ -439,6 +439,8 @@ def test_memory_benchmark_matches_the_model_within_two_percent():
     ]
     assert result["max_ratio_error"] < 0.02
     assert result["max_traffic_ratio_error"] < 0.01
+    for row in result["rows"]:  # DDP, ZeRO-1, ZeRO-2, FSDP: where each stage's step goes
+        assert_accounted(row, ["course"])
 
 
 def _zero2_gradient_memory() -> tuple[int, int, int, list[int]]:

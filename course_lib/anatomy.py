@@ -491,12 +491,13 @@ def _timelines(events, calls_per_step: list[list[comm.CommRecord]], cuda: bool) 
 # -- the budget -----------------------------------------------------------------------------------
 
 
-def budget(timelines: list[list[StepTimeline]], rank: int, step: int) -> Budget:
-    """Cut ``rank``'s recorded step ``step`` into compute, exposed communication, idle, host, unexplained.
+def parts(timelines: list[list[StepTimeline]], rank: int, step: int) -> dict[str, Intervals]:
+    """When, in ``rank``'s recorded step ``step``, it computed, communicated exposed, idled...
 
     At each moment of the step, the first that holds names it: the rank computes; a collective
     or message is in flight and a peer has not issued it yet (idle) or has (exposed
     communication); the training thread is inside a phase (host overhead); nothing (unexplained).
+    Also ``"communication"``: every collective's time in flight, hidden or not.
 
     Args:
         timelines: every rank's recorded steps (``Anatomy.timelines``).
@@ -524,15 +525,33 @@ def budget(timelines: list[list[StepTimeline]], rank: int, step: int) -> Budget:
     exposed = subtract(subtract(in_flight, compute), idle)
     accounted = union(compute + in_flight + idle)
     host = subtract(intersect(mine.host_busy, window), accounted)
-    unexplained = subtract(subtract(window, accounted), host)
+    return {
+        "compute": compute,
+        "exposed_communication": exposed,
+        "idle": idle,
+        "host_overhead": host,
+        "unexplained": subtract(subtract(window, accounted), host),
+        "communication": in_flight,
+    }
+
+
+def budget(timelines: list[list[StepTimeline]], rank: int, step: int) -> Budget:
+    """How long each of ``parts`` lasts in ``rank``'s recorded step ``step``; they add up to the step.
+
+    Args:
+        timelines: every rank's recorded steps (``Anatomy.timelines``).
+        rank: whose step.
+        step: which of its recorded steps.
+    """
+    cut = parts(timelines, rank, step)
     return Budget(
         rank=rank,
-        step_ms=mine.step_ms,
-        compute_ms=length(compute),
-        exposed_communication_ms=length(exposed),
-        idle_ms=length(idle),
-        host_overhead_ms=length(host),
-        unexplained_ms=length(unexplained),
-        communication_ms=length(in_flight),
-        hidden_communication_ms=length(intersect(in_flight, compute)),
+        step_ms=timelines[rank][step].step_ms,
+        compute_ms=length(cut["compute"]),
+        exposed_communication_ms=length(cut["exposed_communication"]),
+        idle_ms=length(cut["idle"]),
+        host_overhead_ms=length(cut["host_overhead"]),
+        unexplained_ms=length(cut["unexplained"]),
+        communication_ms=length(cut["communication"]),
+        hidden_communication_ms=length(intersect(cut["communication"], cut["compute"])),
     )

@@ -179,3 +179,14 @@ def test_a_3d_run_records_its_anatomy_and_leaves_little_unexplained(tmp_path):
     assert recorded["unexplained_share"] <= 0.10, recorded["table"]
     assert recorded["conditions"]["grid"] == {"pipeline": 2, "data": 1, "context": 1, "tensor": 2}
     assert {f"rank{r}.json" for r in range(4)} <= {p.name for p in tmp_path.iterdir()}
+
+
+def test_the_picture_of_a_step_has_its_lanes_units_and_legend(ddp_anatomies):
+    from course_lib.tools.plots import plot_anatomy
+
+    figure = plot_anatomy(ddp_anatomies["course"])
+    [axis] = figure.axes
+    assert axis.get_xlabel() == "time since the step started (ms)"
+    assert [label.get_text() for label in axis.get_yticklabels()] == ["rank 0", "rank 1"]
+    labels = [text.get_text() for text in axis.get_legend().get_texts()]
+    assert {"compute", "exposed communication", "idle (waiting for a peer)", "unexplained"} <= set(labels)

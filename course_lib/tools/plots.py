@@ -320,3 +320,88 @@ def plot_expert_load(assignments: dict[str, list[int]], capacity: int, *, path=N
         axis.legend(fontsize="small")
     figure.tight_layout()
     return save(figure, path)
+
+
+# -- the anatomy of a step ------------------------------------------------------------------------
+
+ANATOMY_COLOURS = {
+    "compute": "#4c72b0",
+    "exposed_communication": "#c44e52",
+    "idle": "#8c8c8c",
+    "host_overhead": "#dd8452",
+    "unexplained": "#ffffff",
+}
+ANATOMY_LABELS = {
+    "compute": "compute",
+    "exposed_communication": "exposed communication",
+    "idle": "idle (waiting for a peer)",
+    "host_overhead": "host overhead",
+    "unexplained": "unexplained",
+}
+COLLECTIVE_COLOURS = {"all_reduce": "#937860", "all_gather": "#55a868", "reduce_scatter": "#8172b3"}
+
+
+def plot_anatomy(
+    recorded, *, step: int | None = None, title: str = "", path: str | Path | None = None
+) -> Figure:
+    """One recorded step, rank by rank: what each millisecond was (compute, exposed communication,
+    idle, host overhead, unexplained), and under it the collectives in flight, hidden or not.
+
+    Args:
+        recorded: what ``anatomy.record_steps`` (or a ``Recorder``) returned.
+        step: which recorded step (None: the one of median length on rank 0).
+        title: the chart's title (default: the step's length and its exposed communication).
+        path: save the chart as a PNG here (None: only return it).
+    """
+    from matplotlib.patches import Patch
+
+    from .. import anatomy
+
+    step = recorded.typical_step() if step is None else step
+    ranks = len(recorded.timelines)
+    figure = Figure(figsize=(11, 1.1 * ranks + 1.6))
+    axis = figure.subplots()
+    longest = max(timeline[step].step_ms for timeline in recorded.timelines)
+    for rank in range(ranks):
+        cut = anatomy.parts(recorded.timelines, rank, step)
+        for part, colour in ANATOMY_COLOURS.items():
+            spans = [(start, end - start) for start, end in cut[part]]
+            axis.broken_barh(spans, (rank - 0.4, 0.5), facecolors=colour, edgecolor="none")
+        axis.broken_barh(
+            [(0, recorded.timelines[rank][step].step_ms)],
+            (rank - 0.4, 0.5),
+            facecolors="none",
+            edgecolor="black",
+            linewidth=0.6,
+        )
+        for collective in recorded.timelines[rank][step].collectives:  # the lane under the step
+            name = next((op for op in COLLECTIVE_COLOURS if op in collective.name), None)
+            colour = COLLECTIVE_COLOURS.get(name, "#da8bc3")
+            axis.broken_barh(
+                [(collective.start_ms, collective.end_ms - collective.start_ms)],
+                (rank + 0.15, 0.22),
+                facecolors=colour,
+                edgecolor="none",
+            )
+    axis.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)])
+    axis.set_ylim(ranks - 0.5, -0.6)
+    axis.set_xlim(0, longest * 1.01)
+    axis.set_xlabel("time since the step started (ms)")
+    handles = [
+        Patch(facecolor=c, edgecolor="black", label=ANATOMY_LABELS[p]) for p, c in ANATOMY_COLOURS.items()
+    ]
+    handles += [
+        Patch(facecolor=c, label=f"{op} in flight (lower lane)") for op, c in COLLECTIVE_COLOURS.items()
+    ]
+    handles.append(Patch(facecolor="#da8bc3", label="other message in flight"))
+    axis.legend(
+        handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=4, fontsize=8, frameon=False
+    )
+    summary = recorded.summary()
+    axis.set_title(
+        title
+        or f"one step: {summary['step_ms']:.1f} ms, {summary['exposed_communication_share']:.0%} exposed "
+        f"communication, {summary['unexplained_share']:.0%} unexplained (mean over ranks)"
+    )
+    figure.tight_layout()
+    return save(figure, path)

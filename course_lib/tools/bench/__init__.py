@@ -55,7 +55,7 @@ from .allreduce import (
     network_verdict,
 )
 from .cli import available_memory_bytes, main, memory_needed
-from .common import MLP_BATCH, MLP_LAYERS, MLP_WIDTH, TIMED_STEPS, WARMUP_STEPS, mlp
+from .common import MLP_BATCH, MLP_LAYERS, MLP_WIDTH, TIMED_STEPS, WARMUP_STEPS, mlp, training_step
 from .ddp import DDP_BUCKET_MB, ddp_benchmark
 from .fsdp import fsdp_benchmark
 from .memory_states import measure_stage, memory_benchmark, wrap_for_stage
@@ -106,5 +106,6 @@ __all__ = [
     "sp_benchmark",
     "stage_counts_with_a_core_each",
     "tp_benchmark",
+    "training_step",
     "wrap_for_stage",
 ]

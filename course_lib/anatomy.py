@@ -134,6 +134,7 @@ class Collective:
     key: tuple | None = None  # the same on every rank of its group: (group's ranks, sequence)
     point_to_point: bool = False
     tensor_bytes: int | None = None
+    operation: str | None = None  # what the course asked for (gloo runs a reduce_scatter as an all_reduce)
 
 
 @dataclass
@@ -463,6 +464,7 @@ def _timelines(events, calls_per_step: list[list[comm.CommRecord]], cuda: bool) 
                     key=key,
                     point_to_point=point_to_point,
                     tensor_bytes=records[position].tensor_bytes if len(records) == len(executing) else None,
+                    operation=records[position].op if len(records) == len(executing) else None,
                 )
             )
         phases = [

@@ -375,7 +375,8 @@ def plot_anatomy(
             linewidth=0.6,
         )
         for collective in recorded.timelines[rank][step].collectives:  # the lane under the step
-            name = next((op for op in COLLECTIVE_COLOURS if op in collective.name), None)
+            named = (op for op in COLLECTIVE_COLOURS if op in collective.name)
+            name = collective.operation or next(named, None)
             colour = COLLECTIVE_COLOURS.get(name, "#da8bc3")
             axis.broken_barh(
                 [(collective.start_ms, collective.end_ms - collective.start_ms)],

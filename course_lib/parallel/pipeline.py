@@ -492,6 +492,26 @@ class PipelineStats:
         return 1 - busy / self.step_time_s
 
 
+def on_one_clock(stats_by_rank: dict[int, PipelineStats]) -> dict[int, list]:
+    """Every rank's events of one step on one time line, in seconds since the first rank began.
+
+    Each rank measures its events from its own start; on one machine all processes read the same
+    monotonic clock, so shifting each by its ``clock_start`` lines them up (what a picture of the
+    step and the bubble over a window common to all ranks need).
+
+    Args:
+        stats_by_rank: {rank: that rank's ``PipelineStats`` of the same step}.
+    """
+    first = min(stats.clock_start for stats in stats_by_rank.values())
+    return {
+        rank: [
+            (kind, stage, microbatch, stats.clock_start - first + start, stats.clock_start - first + end)
+            for kind, stage, microbatch, start, end in stats.events
+        ]
+        for rank, stats in stats_by_rank.items()
+    }
+
+
 class PipelineExecutor:
     """Run one rank's share of a pipeline schedule with real sends and receives.
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from matplotlib import ticker
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 
 from ..parallel.pipeline import bubble_fraction
 
@@ -46,8 +47,10 @@ def plot_timeline(
     path: str | Path | None = None,
     title: str = "",
     pipeline_size: int | None = None,
+    measured: bool = False,
 ) -> Figure:
-    """A Gantt chart of a pipeline step, one row per rank: forwards blue, backwards green.
+    """A Gantt chart of a pipeline step, one row per rank: forwards blue, backwards green, each box
+    numbered with its micro-batch; white is idle.
 
     Args:
         events: per rank, ``(kind, stage, microbatch, start, end)`` tuples, as
@@ -55,21 +58,39 @@ def plot_timeline(
         path: save the chart as a PNG here (None: only return it).
         title: the chart's title (default: the bubble fraction).
         pipeline_size: ranks in the pipeline, to shade virtual stages differently (default: the rows).
+        measured: the times are measured seconds (drawn in ms); False: a schedule's time units,
+            where one forward of a rank's whole share of the model takes 1.
     """
     ranks = sorted(events)
     pipeline_size = pipeline_size or len(ranks)
-    figure = Figure(figsize=(10, 0.6 * len(ranks) + 1.2))
+    scale = 1000.0 if measured else 1.0
+    figure = Figure(figsize=(10, 0.6 * len(ranks) + 1.7))
     axis = figure.subplots()
     colours = {"F": ("#4c72b0", "#8fb0e0"), "B": ("#55a868", "#9fd4ad")}
+    chunks = set()
     for row, rank in enumerate(ranks):
         for kind, stage, microbatch, start, end in events[rank]:
-            shade = colours[kind][(stage // pipeline_size) % 2]  # alternate shades for virtual stages
-            axis.barh(row, end - start, left=start, color=shade, edgecolor="black", linewidth=0.5)
-            axis.text((start + end) / 2, row, str(microbatch), ha="center", va="center", fontsize=7)
+            chunk = (stage // pipeline_size) % 2  # alternate shades for virtual stages
+            chunks.add(chunk)
+            left, width = start * scale, (end - start) * scale
+            axis.barh(row, width, left=left, color=colours[kind][chunk], edgecolor="black", linewidth=0.5)
+            axis.text(left + width / 2, row, str(microbatch), ha="center", va="center", fontsize=7)
     axis.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
     axis.invert_yaxis()
-    axis.set_xlabel("time")
+    axis.set_xlim(left=0)
+    axis.set_xlabel("time since the step started (ms)" if measured else "time (one forward = 1)")
     axis.set_title(title or f"bubble {bubble_fraction(events):.0%}")
+    handles = []
+    for chunk in sorted(chunks):
+        which = f" (chunk {'1, 3, ...' if chunk else '0, 2, ...'})" if len(chunks) > 1 else ""
+        handles += [
+            Patch(facecolor=colours["F"][chunk], edgecolor="black", label=f"forward{which}"),
+            Patch(facecolor=colours["B"][chunk], edgecolor="black", label=f"backward{which}"),
+        ]
+    handles.append(Patch(facecolor="white", edgecolor="black", label="idle (the bubble)"))
+    axis.legend(
+        handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=len(handles), fontsize=8
+    )
     figure.tight_layout()
     return save(figure, path)
 
@@ -246,7 +267,6 @@ def plot_ring_attention(schedules: dict[str, list[list[dict]]], seq_len: int, *,
     """
     import numpy as np
     from matplotlib import colormaps
-    from matplotlib.patches import Patch
 
     rows, degree = len(schedules), len(next(iter(schedules.values()))[0])
     figure = Figure(figsize=(2.3 * degree + 0.6, 2.8 * rows + 0.4))
@@ -353,7 +373,6 @@ def plot_anatomy(
         title: the chart's title (default: the step's length and its exposed communication).
         path: save the chart as a PNG here (None: only return it).
     """
-    from matplotlib.patches import Patch
 
     from .. import anatomy
 

@@ -161,16 +161,30 @@ def test_course_pipeline_equals_torch_pipelining(schedule, p, m, v):
 
 def test_timelines_are_drawn_from_a_schedule_and_from_a_run(tmp_path):
     schedule = pp.simulate_timeline(pp.build_schedule("interleaved_1f1b", 2, 4, virtual_stages=2), 2)
-    plots.plot_timeline(schedule, path=tmp_path / "schedule.png", pipeline_size=2)
-    events = launch(_events, 2)
-    plots.plot_timeline(dict(enumerate(events)), path=tmp_path / "measured.png", title="measured")
+    drawn = plots.plot_timeline(schedule, path=tmp_path / "schedule.png", pipeline_size=2)
+    legend = [text.get_text() for text in drawn.axes[0].get_legend().get_texts()]
+    assert legend == [
+        "forward (chunk 0, 2, ...)", "backward (chunk 0, 2, ...)",
+        "forward (chunk 1, 3, ...)", "backward (chunk 1, 3, ...)", "idle (the bubble)",
+    ]  # fmt: skip
+    assert drawn.axes[0].get_xlabel() == "time (one forward = 1)"
+    stats = launch(_stats, 2)
+    events = pp.on_one_clock(dict(enumerate(stats)))
+    drawn = plots.plot_timeline(events, path=tmp_path / "measured.png", title="measured", measured=True)
+    assert drawn.axes[0].get_xlabel() == "time since the step started (ms)"
     for name in ("schedule.png", "measured.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert all(len(rank_events) == 2 * 4 for rank_events in events)  # 4 forwards and 4 backwards each
-    assert all(start <= end for rank_events in events for *_, start, end in rank_events)
+    assert all(len(rank_events) == 2 * 4 for rank_events in events.values())  # 4 forwards, 4 backwards
+    assert all(start <= end for rank_events in events.values() for *_, start, end in rank_events)
+    # one clock: each rank's events shifted by how long after the first rank it started
+    first = min(rank_stats.clock_start for rank_stats in stats)
+    for rank, rank_stats in enumerate(stats):
+        shift = rank_stats.clock_start - first
+        assert events[rank][0][3] == pytest.approx(shift + rank_stats.events[0][3])
+    assert min(rank_events[0][3] for rank_events in events.values()) < 0.1  # seconds after the first start
 
 
-def _events():
+def _stats():
     model, inputs, targets = _model_and_batch()
     p, rank = runtime.world_size(), runtime.rank()
     stages = pp.split_model(model, p)
@@ -179,7 +193,7 @@ def _events():
     )
     executor.step(inputs, targets)
     assert 0 <= executor.stats.bubble_fraction < 1
-    return executor.stats.events
+    return executor.stats
 
 
 def test_bad_inputs_get_clear_errors():

@@ -146,22 +146,19 @@ def stage_counts_with_a_core_each(stage_counts: list[int], *, cores: int) -> lis
 def _bubble_on_one_time_line(stats) -> float:
     """The step's bubble as the theory defines it: idle time within one window common to all ranks.
 
-    Every rank's events are gathered onto the machine's monotonic clock (the benchmark's processes
-    share one machine); ``pipeline.bubble_fraction`` then counts, on each rank, the time from the
-    first action of any rank to the last one of any rank that it did not compute.
+    Every rank's events are gathered and put on the machine's monotonic clock (the benchmark's
+    processes share one machine, ``pipeline.on_one_clock``); ``pipeline.bubble_fraction`` then
+    counts, on each rank, the time from the first action of any rank to the last one of any rank
+    that it did not compute.
 
     Args:
         stats: this rank's ``PipelineStats`` of the step just run (call it on every rank).
     """
     from ...parallel import pipeline as pp
 
-    on_the_clock = [
-        (kind, stage, microbatch, stats.clock_start + start, stats.clock_start + end)
-        for kind, stage, microbatch, start, end in stats.events
-    ]
     everyone = [None] * runtime.world_size()
-    torch.distributed.all_gather_object(everyone, on_the_clock)
-    return pp.bubble_fraction(dict(enumerate(everyone)))
+    torch.distributed.all_gather_object(everyone, stats)
+    return pp.bubble_fraction(pp.on_one_clock(dict(enumerate(everyone))))
 
 
 def pipeline_bubble_benchmark(

@@ -149,6 +149,10 @@ class StepTimeline:
     host_busy: Intervals  # the training thread inside a phase or a non-compute operator
 
 
+PARTS = ("compute", "exposed_communication", "idle", "host_overhead", "unexplained")
+"""The parts a step is cut into; they add up to the step."""
+
+
 @dataclass
 class Budget:
     """Where one rank's step went. The five parts add up to ``step_ms``."""
@@ -165,8 +169,7 @@ class Budget:
 
     def shares(self) -> dict[str, float]:
         """Each part as a fraction of the step."""
-        parts = ("compute", "exposed_communication", "idle", "host_overhead", "unexplained")
-        return {f"{part}_share": getattr(self, f"{part}_ms") / self.step_ms for part in parts}
+        return {f"{part}_share": getattr(self, f"{part}_ms") / self.step_ms for part in PARTS}
 
     def as_dict(self) -> dict:
         return asdict(self) | self.shares()
@@ -191,16 +194,20 @@ class Anatomy:
         return steps[len(steps) // 2]
 
     def summary(self) -> dict:
-        """The typical step's parts, averaged over the ranks, in ms and as shares of the step."""
+        """The typical step's parts, averaged over the ranks, in ms and as shares of the step, and
+        ``steps_ms``: every recorded step's length (its slowest rank's), to see the noise."""
         typical = [self.typical(rank) for rank in range(len(self.budgets))]
         fields = [name for name in Budget.__dataclass_fields__ if name != "rank"]
         averaged = {name: statistics.fmean(getattr(b, name) for b in typical) for name in fields}
         step = averaged["step_ms"]
-        averaged |= {
-            f"{part}_share": averaged[f"{part}_ms"] / step
-            for part in ("compute", "exposed_communication", "idle", "host_overhead", "unexplained")
+        averaged |= {f"{part}_share": averaged[f"{part}_ms"] / step for part in PARTS}
+        # how much the steps differ from one another: the noise any one number carries
+        steps_ms = [max(rank[i].step_ms for rank in self.budgets) for i in range(len(self.budgets[0]))]
+        return averaged | {
+            "steps_ms": steps_ms,
+            "per_rank": [b.as_dict() for b in typical],
+            "conditions": self.conditions,
         }
-        return averaged | {"per_rank": [b.as_dict() for b in typical], "conditions": self.conditions}
 
     def table(self) -> str:
         """The typical step of every rank, one line each, in ms and percent of the step."""

@@ -13,6 +13,9 @@ reaches a few percent, because its step is bound by memory traffic and kernel la
 arithmetic. That contrast is the lesson: a higher samples/s on a tiny model says little about
 how a large one will scale.
 
+A CPU has no datasheet peak in the table below, so ``measure_matmul_tflops`` measures one: the
+rate of a large matrix product on this machine, the most its arithmetic does in practice.
+
 Counting: ``torch.utils.flop_counter.FlopCounterMode`` records the FLOPs of every matrix product
 and convolution PyTorch runs (2 per multiply-add). ``training_flops_per_sample`` runs one
 forward and backward of a copy of the model on the ``meta`` device, where tensors have shapes
@@ -25,10 +28,14 @@ Pathways", 2022, appendix B).
 from __future__ import annotations
 
 import copy
+import statistics
+import time
 
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
+
+from .errors import UserError
 
 PEAK_TFLOPS = (
     # (a substring of torch.cuda.get_device_name(), {matmul precision: dense TFLOP/s}), first match
@@ -83,6 +90,49 @@ def peak_tflops(device: torch.device, precision: str) -> float | None:
         if marker in name:
             return peaks[precision]
     return None
+
+
+def measure_matmul_tflops(
+    device: torch.device | str = "cpu",
+    *,
+    size: int = 1024,
+    dtype: torch.dtype = torch.float32,
+    repeats: int = 10,
+    warmup: int = 3,
+) -> float:
+    """The matrix-product rate this device really reaches, in TFLOP/s: a measured peak.
+
+    A datasheet gives a GPU's peak; a laptop's CPU has none worth trusting (it depends on the
+    cores, the vector units, the clock and what else runs), so we measure it: the median time of
+    one ``size x size`` product, after ``warmup`` untimed ones, and ``2 * size**3`` FLOPs for it.
+    A model's MFU against this number says how far its step is from the best this machine does.
+
+    Args:
+        device: where to multiply (``"cpu"``, ``"cuda"``, ...).
+        size: the side of the square matrices; large enough that the product, not the call, costs.
+        dtype: the precision of the product (the one training's products run in).
+        repeats: timed products; the median is kept.
+        warmup: untimed products first (thread pools and caches warm up).
+    """
+    if size < 1 or repeats < 1 or warmup < 0:
+        raise UserError(
+            f"size={size}, repeats={repeats}, warmup={warmup}: the size and the repeats must be at "
+            "least 1 and the warm-up at least 0"
+        )
+    device = torch.device(device)
+    left = torch.randn(size, size, device=device).to(dtype)
+    right = torch.randn(size, size, device=device).to(dtype)
+    seconds = []
+    for repeat in range(warmup + repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # a GPU product is queued, not done, when the call returns
+        start = time.perf_counter()
+        torch.mm(left, right)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if repeat >= warmup:
+            seconds.append(time.perf_counter() - start)
+    return 2 * size**3 / statistics.median(seconds) / 1e12
 
 
 def model_flops_utilization(

@@ -29,6 +29,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from .anatomy import PARTS
 from .errors import UserError
 
 
@@ -94,16 +95,24 @@ def summarize(label: str, records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def add_speedup(rows: list[dict[str, Any]], baseline_seconds: float) -> list[dict[str, Any]]:
+def add_speedup(
+    rows: list[dict[str, Any]], baseline_seconds: float, *, baseline: str | None = None
+) -> list[dict[str, Any]]:
     """Add ``speedup`` (baseline time / this time) and ``efficiency`` (speedup / ranks) to each row.
+
+    A speedup means nothing without its baseline: strong scaling divides by the best serial run
+    (one process, no wrapper), and the table says which run that was.
 
     Args:
         rows: table rows (``summarize``), changed in place and returned.
         baseline_seconds: the time per epoch of the reference run (usually one process).
+        baseline: the reference run's name, kept in each row as ``baseline`` (None: not named).
     """
     for row in rows:
         row["speedup"] = baseline_seconds / row["time_per_epoch_s"]
         row["efficiency"] = row["speedup"] / row["world_size"]
+        if baseline is not None:
+            row["baseline"] = baseline
     return rows
 
 
@@ -208,12 +217,43 @@ def strong_scaling_seconds(
     return compute_s / processes + communication_s + fixed_s
 
 
+def step_budget(serial: dict[str, float], parallel: dict[str, float], *, processes: int) -> dict[str, float]:
+    """Why a step on N processes takes longer than 1/N of the serial one, term by term, measured.
+
+    Both steps are cut into the same parts (``anatomy.PARTS``: compute, exposed communication,
+    idle, host overhead, unexplained), which add up to each step. Perfect strong scaling would
+    divide every part by N; what each part of the parallel step exceeds its N-th of the serial
+    one by is its share of the loss, and the shares add up to T(N) - T(1)/N exactly. Nothing is
+    fitted: every term is a measurement, and the unexplained part stays a term of its own.
+
+    Returns ``perfect_ms`` (T(1)/N) and, for each part, ``<part>_ms``: the part on N processes
+    minus its N-th on one (compute that did not shrink N-fold, communication that one process
+    never pays, waiting for a peer, per-step host work that does not split...).
+
+    Args:
+        serial: the serial step's parts in ms (``<part>_ms`` keys and ``step_ms``), e.g. an
+            ``anatomy.json``'s summary of one process: the baseline, at best the best serial run.
+        parallel: the same for the run on ``processes`` processes (its ranks' average).
+        processes: N.
+    """
+    if processes < 1:
+        raise UserError(f"processes must be at least 1, got {processes}")
+    needed = ["step_ms"] + [f"{part}_ms" for part in PARTS]
+    missing = [key for key in needed if key not in serial or key not in parallel]
+    if missing:
+        raise UserError(f"a step's budget needs {', '.join(missing)}: pass anatomy summaries (anatomy.json)")
+    terms = {f"{part}_ms": parallel[f"{part}_ms"] - serial[f"{part}_ms"] / processes for part in PARTS}
+    return {"perfect_ms": serial["step_ms"] / processes} | terms
+
+
 def format_table(rows: Iterable[dict[str, Any]]) -> str:
     """A fixed-width text table a student can read in a terminal: one row per run.
 
     Args:
-        rows: table rows with speedup and efficiency (``summarize``, then ``add_speedup``).
+        rows: table rows with speedup and efficiency (``summarize``, then ``add_speedup``); when
+            they name one baseline, a last line says which.
     """
+    rows = list(rows)
     header = (
         f"{'run':<10} {'ranks':>5} {'s/epoch':>9} {'samples/s':>10} {'speedup':>8} {'efficiency':>10} "
         f"{'val acc':>8} {'state MB':>8} {'peak MB':>8}"
@@ -225,4 +265,7 @@ def format_table(rows: Iterable[dict[str, Any]]) -> str:
             f"{row['samples_per_s']:>10.0f} {row['speedup']:>8.2f} {row['efficiency']:>10.0%} "
             f"{row['val_acc']:>8.2%} {row['model_state_mb']:>8.2f} {row['peak_mem_mb']:>8.0f}"
         )
+    baselines = {row.get("baseline") for row in rows}
+    if len(baselines) == 1 and None not in baselines:
+        lines.append(f"speedup and efficiency against {baselines.pop()}")
     return "\n".join(lines)

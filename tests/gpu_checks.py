@@ -84,6 +84,19 @@ def fsdp_offload() -> dict:
     return result
 
 
+def matmul_peak() -> dict:
+    """A large bf16 product's measured rate, against this GPU's datasheet peak (course_lib.flops)."""
+    from course_lib import flops
+
+    device = torch.device("cuda", 0)
+    measured = flops.measure_matmul_tflops(device, size=8192, dtype=torch.bfloat16, repeats=20)
+    return {
+        "gpu": torch.cuda.get_device_name(device),
+        "measured_tflops": measured,
+        "datasheet_tflops": flops.peak_tflops(device, "bf16"),
+    }
+
+
 def nccl_world_of_one() -> dict:
     """NCCL initialised for one rank: an all-reduce on the GPU leaves the tensor as it was."""
     context = runtime.init(backend="nccl")
@@ -94,5 +107,87 @@ def nccl_world_of_one() -> dict:
     return result
 
 
+def _anatomy_of(wrapped: nn.Module, device: torch.device, *, batch: int, width: int):
+    """Five recorded steps (after three warm ones) of ``wrapped``, each part marked as a phase."""
+    from course_lib import anatomy
+
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=1e-3)
+    generator = torch.Generator(device=device).manual_seed(runtime.rank())
+    inputs = torch.randn(batch, width, device=device, generator=generator)
+
+    def step():
+        with anatomy.phase("forward"):
+            loss = wrapped(inputs).square().mean()
+        with anatomy.phase("backward"):
+            loss.backward()
+        with anatomy.phase("optimizer"):
+            optimizer.step()
+            optimizer.zero_grad()
+
+    return anatomy.record_steps(step, steps=5, warmup=3)
+
+
+def _wide_mlp(width: int, layers: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(layers)])
+
+
+def anatomy_on_cuda() -> dict:
+    """One GPU's step recorded with CUDA activities: its kernels are the compute, the parts add up."""
+    context = runtime.init(backend="nccl")
+    recorded = _anatomy_of(_wide_mlp(2048, 6).to(context.device), context.device, batch=1024, width=2048)
+    summary = recorded.summary()
+    typical = recorded.typical(0)
+    parts = sum(
+        getattr(typical, f"{part}_ms")
+        for part in ("compute", "exposed_communication", "idle", "host_overhead", "unexplained")
+    )
+    runtime.shutdown()
+    return {
+        "device": summary["conditions"]["device"],
+        "step_ms": typical.step_ms,
+        "parts_ms": parts,
+        "compute_share": summary["compute_share"],
+        "unexplained_share": summary["unexplained_share"],
+    }
+
+
+def communication_hidden() -> dict:
+    """Run under torchrun, a rank per GPU: how much of DDP's and FSDP's communication is hidden.
+
+    A model large enough to hide it: 8 layers of 4096 x 4096 (134 M parameters, 537 MB of fp32
+    gradients) on a batch of 4096 per GPU, so that backward's products outlast the collectives.
+    """
+    from course_lib.parallel.ddp import DataParallel
+    from course_lib.parallel.fsdp import FullyShardedDataParallel
+
+    context = runtime.init(backend="nccl")
+    width, layers = 4096, 8
+    result = {"ranks": context.world_size}
+    for name in ("ddp", "fsdp"):
+        model = _wide_mlp(width, layers).to(context.device)
+        if name == "ddp":
+            wrapped = DataParallel(model, bucket_mb=25)
+        else:
+            wrapped = FullyShardedDataParallel(model, auto_wrap_policy=nn.Linear)
+        summary = _anatomy_of(wrapped, context.device, batch=4096, width=width).summary()
+        result[name] = {
+            key: summary[key]
+            for key in (
+                "step_ms",
+                "communication_ms",
+                "hidden_communication_ms",
+                "exposed_communication_share",
+                "unexplained_share",
+            )
+        } | {"device": summary["conditions"]["device"]}
+        del wrapped, model
+        torch.cuda.empty_cache()
+    runtime.shutdown()
+    return result
+
+
 if __name__ == "__main__":
-    print(json.dumps(globals()[sys.argv[1]]()))
+    result = globals()[sys.argv[1]]()
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps(result))

@@ -47,6 +47,38 @@ def _train(tmp_path, name: str, *flags: str) -> list[dict]:
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
+def test_the_anatomy_reads_a_gpu_trace_its_kernels_are_the_compute():
+    result = _check("anatomy_on_cuda")
+    assert result["device"] == "cuda"
+    assert result["parts_ms"] == pytest.approx(result["step_ms"], rel=1e-9)
+    assert result["compute_share"] > 0.5  # six 2048-wide products on a batch of 1024: the GPU is busy
+    assert result["unexplained_share"] <= 0.10
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs or more (a rank per GPU)")
+def test_ddp_and_fsdp_hide_most_of_their_communication_on_a_large_model():
+    gpus = min(torch.cuda.device_count(), 4)
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}"]
+    result = json.loads(
+        _fresh_python(*launcher, str(REPO / "tests" / "gpu_checks.py"), "communication_hidden")
+        .strip()
+        .splitlines()[-1]
+    )
+    print(f"\n{json.dumps(result, indent=1)}")
+    for name in ("ddp", "fsdp"):
+        measured = result[name]
+        assert measured["device"] == "cuda" and measured["communication_ms"] > 0
+        # mostly hidden: more than half the time in flight runs under a kernel that computes
+        assert measured["hidden_communication_ms"] > 0.5 * measured["communication_ms"], measured
+        assert measured["unexplained_share"] <= 0.10, measured
+
+
+def test_the_measured_matmul_peak_is_below_the_datasheets():
+    result = _check("matmul_peak")
+    # a large bf16 product reaches most of the datasheet's dense peak, never more
+    assert 0.3 * result["datasheet_tflops"] < result["measured_tflops"] <= 1.05 * result["datasheet_tflops"]
+
+
 def test_nccl_starts_for_a_world_of_one():
     assert _check("nccl_world_of_one") == {"backend": "nccl", "device": "cuda:0", "sum": 6.0}
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from course_lib import scaling
+from course_lib import anatomy, scaling
+from course_lib.errors import UserError
 
 
 @pytest.mark.parametrize("serial_fraction", [0.0, 0.05, 0.3])
@@ -78,3 +79,76 @@ def test_the_fit_refuses_what_it_cannot_fit():
         scaling.fit_ring_all_reduce(1, message_bytes=[8, 16], seconds=[1, 2])
     with pytest.raises(ValueError, match="two different sizes"):
         scaling.fit_ring_all_reduce(2, message_bytes=[8, 8], seconds=[1, 2])
+
+
+def _steps(compute, exposed, idle, host, unexplained):
+    parts = dict(zip(anatomy.PARTS, (compute, exposed, idle, host, unexplained)))
+    return {f"{part}_ms": ms for part, ms in parts.items()} | {"step_ms": sum(parts.values())}
+
+
+def test_the_step_budget_closes_term_by_term():
+    serial = _steps(8.0, 0.0, 0.0, 2.0, 0.2)
+    parallel = _steps(5.0, 3.0, 0.5, 1.5, 0.1)
+    budget = scaling.step_budget(serial, parallel, processes=2)
+    assert budget["perfect_ms"] == pytest.approx(5.1)
+    assert budget["compute_ms"] == pytest.approx(1.0)  # 5 ms where 4 would have been perfect
+    assert budget["exposed_communication_ms"] == pytest.approx(3.0)  # one process never pays it
+    assert budget["host_overhead_ms"] == pytest.approx(0.5)
+    assert budget["unexplained_ms"] == pytest.approx(0.0)
+    losses = sum(budget[f"{part}_ms"] for part in anatomy.PARTS)
+    assert budget["perfect_ms"] + losses == pytest.approx(parallel["step_ms"])
+
+
+def test_the_step_budget_refuses_what_is_not_an_anatomy():
+    with pytest.raises(UserError, match="needs step_ms, exposed_communication_ms, idle_ms.*anatomy.json"):
+        scaling.step_budget({"compute_ms": 1.0}, {"compute_ms": 1.0}, processes=2)
+    with pytest.raises(UserError, match="processes must be at least 1"):
+        scaling.step_budget(_steps(1, 0, 0, 0, 0), _steps(1, 0, 0, 0, 0), processes=0)
+
+
+def test_the_picture_of_a_budget_stacks_each_runs_parts_in_ms():
+    from course_lib.tools.plots import plot_budget
+
+    figure = plot_budget(
+        {"single": _steps(8.0, 0.0, 0.0, 2.0, 0.2), "ddp, 2": _steps(5.0, 3.0, 0.5, 1.5, 0.1)},
+        perfect_ms=5.1,
+        perfect_label="T(1) / 2",
+    )
+    [axis] = figure.axes
+    assert axis.get_ylabel() == "time per step (ms)"
+    assert [label.get_text() for label in axis.get_xticklabels()] == ["single", "ddp, 2"]
+    legend = [text.get_text() for text in axis.get_legend().get_texts()]
+    assert legend[-1] == "T(1) / 2" and "exposed communication" in legend
+    tops = sorted(text.get_text() for text in axis.texts)
+    assert tops == ["10.1 ms", "10.2 ms"]  # each bar's parts add up to its step
+
+
+def test_a_study_takes_every_speedup_against_its_one_process_baseline(tmp_path):
+    import json
+
+    from course_lib.tools import study
+
+    runs = study.plan_runs([2], ["ddp", "fsdp"], gpus_per_node=4)
+    assert [run.name for run in runs] == ["single-1", "ddp-2", "fsdp-2"]
+    seconds = {"single-1": 1.0, "ddp-2": 0.8, "fsdp-2": 2.0}
+    for run in runs:
+        record = {
+            "strategy": run.strategy, "impl": "torch", "world_size": run.world_size, "global_batch_size": 64,
+            "epoch_time_s": seconds[run.name], "samples_per_s": 64 / seconds[run.name], "val_acc": 0.9,
+            "val_loss": 0.3, "peak_mem_mb": 500.0, "model_state_mb": 0.5,
+        }  # fmt: skip
+        lines = [json.dumps(record | {"epoch": epoch}) for epoch in (1, 2)]
+        run.metrics_path(tmp_path).write_text("\n".join(lines) + "\n")
+    (tmp_path / "study.json").write_text(
+        json.dumps({"settings": {"epochs": 2}, "runs": [vars(run) for run in runs]})
+    )
+    rows, failed = study.collect(tmp_path)
+    assert failed == [] and [row["run"] for row in rows] == ["single-1", "ddp-2", "fsdp-2"]
+    assert {row["run"]: row["speedup"] for row in rows} == pytest.approx(
+        {"single-1": 1.0, "ddp-2": 1.25, "fsdp-2": 0.5}
+    )
+    assert scaling.format_table(rows).splitlines()[-1] == (
+        "speedup and efficiency against single-1 (one process, no wrapper)"
+    )
+    written = study.read_csv(study.write_csv(rows, tmp_path / "scaling.csv"))
+    assert {row["baseline"] for row in written} == {"single-1 (one process, no wrapper)"}

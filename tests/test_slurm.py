@@ -327,6 +327,7 @@ def test_the_scaling_study_runs_collects_a_failed_run_and_plots(cluster, tmp_pat
     assert submitted.returncode == 0, submitted.stderr
     plan = json.loads((results / "study.json").read_text())
     assert [(r["name"], r["nodes"], r["tasks_per_node"]) for r in plan["runs"]] == [
+        ("single-1", 1, 1),  # the baseline of every speedup
         ("ddp-1", 1, 1),
         ("ddp-2", 1, 2),
         ("ddp-4", 1, 4),
@@ -341,7 +342,9 @@ def test_the_scaling_study_runs_collects_a_failed_run_and_plots(cluster, tmp_pat
         "failed or missing: ddp-8: no metrics (exit status: no status; see ddp-8-*.out)" in collected.stderr
     )
     rows = (results / "scaling.csv").read_text().splitlines()
+    assert "speedup and efficiency against single-1 (one process, no wrapper)" in collected.stdout
     assert rows[0].startswith("run,strategy,world_size") and [r.split(",")[0] for r in rows[1:]] == [
+        "single-1",
         "ddp-1",
         "ddp-2",
         "ddp-4",

@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             return finished.returncode
         rows.append(summarize(strategy, read_metrics(metrics)))
 
-    add_speedup(rows, rows[0]["time_per_epoch_s"])
+    add_speedup(rows, rows[0]["time_per_epoch_s"], baseline=f"{rows[0]['run']} (one process, no wrapper)")
     print("\n" + format_table(rows))
     (results / "lab_summary.json").write_text(json.dumps(rows, indent=2) + "\n")
     plot = results / "strong_scaling.png"

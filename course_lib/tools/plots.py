@@ -361,6 +361,48 @@ ANATOMY_LABELS = {
 COLLECTIVE_COLOURS = {"all_reduce": "#937860", "all_gather": "#55a868", "reduce_scatter": "#8172b3"}
 
 
+def plot_budget(
+    summaries: dict[str, dict],
+    *,
+    perfect_ms: float | None = None,
+    perfect_label: str = "perfect scaling",
+    title: str = "",
+    path: str | Path | None = None,
+) -> Figure:
+    """Runs' typical steps side by side, each bar cut into its measured parts (stacked, in ms).
+
+    Args:
+        summaries: {run name: its anatomy summary} (``Anatomy.summary()`` or an ``anatomy.json``).
+        perfect_ms: a line at this step time, e.g. T(1) / N (None: no line).
+        perfect_label: that line's name in the legend.
+        title: the chart's title.
+        path: save the chart as a PNG here (None: only return it).
+    """
+    figure = Figure(figsize=(1.6 * len(summaries) + 4.2, 3.8))
+    axis = figure.subplots()
+    names = list(summaries)
+    for index, name in enumerate(names):
+        bottom = 0.0
+        for part, colour in ANATOMY_COLOURS.items():
+            height = summaries[name][f"{part}_ms"]
+            axis.bar(index, height, bottom=bottom, color=colour, edgecolor="black", linewidth=0.5, width=0.6)
+            bottom += height
+        axis.text(index, bottom, f"{bottom:.1f} ms", ha="center", va="bottom", fontsize=8)
+    handles = [
+        Patch(facecolor=c, edgecolor="black", label=ANATOMY_LABELS[p]) for p, c in ANATOMY_COLOURS.items()
+    ]
+    if perfect_ms is not None:
+        handles.append(
+            axis.axhline(perfect_ms, color="black", linestyle="--", linewidth=1, label=perfect_label)
+        )
+    axis.set_xticks(range(len(names)), names)
+    axis.set_ylabel("time per step (ms)")
+    axis.set_title(title)
+    axis.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+    figure.tight_layout()
+    return save(figure, path)
+
+
 def plot_anatomy(
     recorded, *, step: int | None = None, title: str = "", path: str | Path | None = None
 ) -> Figure:

@@ -56,9 +56,14 @@ class PlannedRun:
         return results / f"{self.name}.jsonl"
 
 
+BASELINE = "single-1"
+"""The run every speedup is taken against: one process, no wrapper, the best serial run."""
+
+
 def plan_runs(gpus: list[int], strategies: list[str], gpus_per_node: int) -> list[PlannedRun]:
-    """One run per strategy and size; N GPUs fill ceil(N / gpus_per_node) nodes."""
-    runs = []
+    """The baseline (``single-1``), then one run per strategy and size; N GPUs fill
+    ceil(N / gpus_per_node) nodes."""
+    runs = [PlannedRun(BASELINE, "single", 1, 1, 1)]
     for strategy in strategies:
         for n in sorted(set(gpus)):
             nodes = math.ceil(n / gpus_per_node)
@@ -229,7 +234,8 @@ def run_locally(
 
 
 def collect(results: Path) -> tuple[list[dict[str, Any]], list[str]]:
-    """Rows (with speedup and efficiency against each strategy's smallest run) and the failed runs.
+    """Rows (with speedup and efficiency against the baseline run, ``single-1``; without it, against
+    each strategy's smallest run) and the failed runs.
 
     Args:
         results: the study's folder (where ``submit`` wrote ``study.json`` and the runs' metrics).
@@ -256,11 +262,17 @@ def collect(results: Path) -> tuple[list[dict[str, Any]], list[str]]:
         row = summarize(run.name, records)
         row["peak_mem_kind"] = records[-1].get("peak_mem_kind", "")
         rows.append(row)
-    for strategy in sorted({row["strategy"] for row in rows}):
-        mine = sorted((row for row in rows if row["strategy"] == strategy), key=lambda row: row["world_size"])
-        base = mine[0]  # against the smallest run, scaled as if it had been perfect down to one process
-        add_speedup(mine, base["time_per_epoch_s"] * base["world_size"])
-    rows.sort(key=lambda row: (row["strategy"], row["world_size"]))
+    baseline = next((row for row in rows if row["run"] == BASELINE), None)
+    if baseline is not None:
+        add_speedup(rows, baseline["time_per_epoch_s"], baseline=f"{BASELINE} (one process, no wrapper)")
+    else:  # a study without its baseline (failed, or planned before it had one)
+        for strategy in sorted({row["strategy"] for row in rows}):
+            mine = sorted(
+                (row for row in rows if row["strategy"] == strategy), key=lambda row: row["world_size"]
+            )
+            base = mine[0]  # against the smallest run, scaled as if it had been perfect down to one process
+            add_speedup(mine, base["time_per_epoch_s"] * base["world_size"])
+    rows.sort(key=lambda row: (row["run"] != BASELINE, row["strategy"], row["world_size"]))
     return rows, failed
 
 
@@ -275,6 +287,7 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> Path:
         "samples_per_s",
         "speedup",
         "efficiency",
+        "baseline",
         "val_acc",
         "val_loss",
         "model_state_mb",
@@ -298,7 +311,7 @@ def read_csv(path: Path) -> list[dict[str, Any]]:
         rows = list(csv.DictReader(handle))
     for number, row in enumerate(rows, 2):  # line 1 holds the column names
         for key, value in row.items():
-            if key in ("run", "strategy", "peak_mem_kind"):
+            if key in ("run", "strategy", "peak_mem_kind", "baseline"):
                 continue
             try:
                 row[key] = float(value)
@@ -338,7 +351,11 @@ def main(argv: list[str] | None = None) -> int:
             help="the study's folder",
         )
     submit.add_argument(
-        "--gpus", type=checks.int_at_least(1), nargs="+", default=[1, 2, 4, 8], help="sizes to run"
+        "--gpus",
+        type=checks.int_at_least(1),
+        nargs="+",
+        default=[1, 2, 4, 8],
+        help="sizes to run (and single-1, one process without a wrapper: every speedup's baseline)",
     )
     submit.add_argument("--strategies", nargs="+", choices=("ddp", "fsdp"), default=["ddp", "fsdp"])
     submit.add_argument("--gpus-per-node", type=checks.int_at_least(1), default=4)

@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm, runtime
+from .errors import UserError
 
 PHASE_PREFIX = "phase:"
 STEP_MARK = "anatomy:step"
@@ -183,8 +184,35 @@ class Anatomy:
     budgets: list[list[Budget]] = field(default_factory=list)  # [rank][step]
     conditions: dict = field(default_factory=dict)
 
+    @classmethod
+    def of(cls, timelines: list[list[StepTimeline]], conditions: dict | None = None) -> Anatomy:
+        """The anatomy of recorded timelines: every rank's budget of every step, computed from them."""
+        budgets = [
+            [budget(timelines, rank, i) for i in range(len(steps))] for rank, steps in enumerate(timelines)
+        ]
+        return cls(timelines=timelines, budgets=budgets, conditions=dict(conditions or {}))
+
+    def save(self, path: str | Path) -> None:
+        """Write the summary, the table and the recorded timelines as JSON (what ``--profile`` writes
+        as ``anatomy.json``); ``load`` reads it back, computing the budgets again from the timelines.
+
+        Args:
+            path: the JSON file to write.
+        """
+        timelines = [[asdict(timeline) for timeline in steps] for steps in self.timelines]
+        record = self.summary() | {"table": self.table().splitlines(), "timelines": timelines}
+        Path(path).write_text(json.dumps(record, indent=1) + "\n")
+
     def typical(self, rank: int) -> Budget:
-        """The rank's step of median length (its five parts add up, unlike medians of each part)."""
+        """The rank's step of median length (its five parts add up, unlike medians of each part).
+
+        Args:
+            rank: whose step, from 0 to the number of ranks recorded - 1.
+        """
+        if not 0 <= rank < len(self.budgets):
+            raise UserError(
+                f"rank {rank} was not recorded: the anatomy holds ranks 0 to {len(self.budgets) - 1}"
+            )
         steps = sorted(self.budgets[rank], key=lambda budget: budget.step_ms)
         return steps[len(steps) // 2]
 
@@ -313,9 +341,9 @@ class Recorder:
         if runtime.world_size() > 1:
             everyone = [None] * runtime.world_size()
             dist.all_gather_object(everyone, mine)
-        result = Anatomy(
-            timelines=everyone,
-            conditions={
+        return Anatomy.of(
+            everyone,
+            {
                 "ranks": runtime.world_size(),
                 "steps_recorded": len(mine),
                 "device": "cuda" if self.cuda else "cpu",
@@ -323,11 +351,6 @@ class Recorder:
             }
             | conditions,
         )
-        result.budgets = [
-            [budget(everyone, rank, index) for index in range(len(everyone[rank]))]
-            for rank in range(len(everyone))
-        ]
-        return result
 
 
 class LoopProfiler:
@@ -372,9 +395,54 @@ class LoopProfiler:
         self.result = self.recorder.finish(**self.conditions)
         self.recorder = None
         if runtime.is_main():
-            summary = self.result.summary() | {"table": self.result.table().splitlines()}
-            (self.folder / "anatomy.json").write_text(json.dumps(summary, indent=2) + "\n")
+            self.result.save(self.folder / "anatomy.json")
         return self.result
+
+
+def load(path: str | Path) -> Anatomy:
+    """An anatomy as ``--profile DIR`` (or ``Anatomy.save``) wrote it, to read or draw again.
+
+    Args:
+        path: the ``anatomy.json`` file, or the folder that holds it.
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = path / "anatomy.json"  # the folder --profile wrote into
+    if not path.is_file():
+        raise UserError(
+            f"{path} does not exist: an anatomy is the anatomy.json that --profile DIR writes into DIR "
+            "(or Anatomy.save writes)"
+        )
+    try:
+        record = json.loads(path.read_text())
+        record["timelines"], record["conditions"]
+    except (ValueError, KeyError, TypeError):
+        raise UserError(
+            f"{path} is not an anatomy (no recorded timelines in it): read the anatomy.json that "
+            "--profile DIR writes into DIR"
+        ) from None
+
+    def as_tuple(value):  # JSON has no tuples: a collective's key and the intervals were ones
+        return tuple(as_tuple(v) for v in value) if isinstance(value, list) else value
+
+    timelines = [
+        [
+            StepTimeline(
+                rank=step["rank"],
+                step_ms=step["step_ms"],
+                compute=[tuple(span) for span in step["compute"]],
+                collectives=[
+                    Collective(**(collective | {"key": as_tuple(collective["key"])}))
+                    for collective in step["collectives"]
+                ],
+                phases=[tuple(phase) for phase in step["phases"]],
+                host_busy=[tuple(span) for span in step["host_busy"]],
+            )
+            for step in steps
+        ]
+        for steps in record["timelines"]
+    ]
+    return Anatomy.of(timelines, record["conditions"])
 
 
 def record_steps(

@@ -108,23 +108,13 @@ def nccl_world_of_one() -> dict:
 
 
 def _anatomy_of(wrapped: nn.Module, device: torch.device, *, batch: int, width: int):
-    """Five recorded steps (after three warm ones) of ``wrapped``, each part marked as a phase."""
+    """Five recorded steps (after three warm ones) of ``wrapped``: the benchmarks' SGD step."""
     from course_lib import anatomy
+    from course_lib.tools.bench import training_step
 
-    optimizer = torch.optim.SGD(wrapped.parameters(), lr=1e-3)
     generator = torch.Generator(device=device).manual_seed(runtime.rank())
-    inputs = torch.randn(batch, width, device=device, generator=generator)
-
-    def step():
-        with anatomy.phase("forward"):
-            loss = wrapped(inputs).square().mean()
-        with anatomy.phase("backward"):
-            loss.backward()
-        with anatomy.phase("optimizer"):
-            optimizer.step()
-            optimizer.zero_grad()
-
-    return anatomy.record_steps(step, steps=5, warmup=3)
+    inputs, targets = (torch.randn(batch, width, device=device, generator=generator) for _ in range(2))
+    return anatomy.record_steps(training_step(wrapped, inputs, targets), steps=5, warmup=3)
 
 
 def _wide_mlp(width: int, layers: int) -> nn.Module:

@@ -183,6 +183,8 @@ def test_a_3d_run_records_its_anatomy_and_leaves_little_unexplained(tmp_path):
     assert recorded["unexplained_share"] <= 0.10, recorded["table"]
     assert recorded["conditions"]["grid"] == {"pipeline": 2, "data": 1, "context": 1, "tensor": 2}
     assert {f"rank{r}.json" for r in range(4)} <= {p.name for p in tmp_path.iterdir()}
+    drawn_again = anatomy.load(tmp_path)  # what --profile wrote is an anatomy to read and draw again
+    assert drawn_again.summary()["step_ms"] == pytest.approx(recorded["step_ms"])
 
 
 def test_the_picture_of_a_step_has_its_lanes_units_and_legend(ddp_anatomies):
@@ -194,3 +196,39 @@ def test_the_picture_of_a_step_has_its_lanes_units_and_legend(ddp_anatomies):
     assert [label.get_text() for label in axis.get_yticklabels()] == ["rank 0", "rank 1"]
     labels = [text.get_text() for text in axis.get_legend().get_texts()]
     assert {"compute", "exposed communication", "idle (waiting for a peer)", "unexplained"} <= set(labels)
+
+
+def test_a_saved_anatomy_loads_back_with_the_same_budgets(ddp_anatomies, tmp_path):
+    recorded = ddp_anatomies["course"]
+    recorded.save(tmp_path / "anatomy.json")
+    loaded = anatomy.load(tmp_path / "anatomy.json")
+    assert loaded.timelines == recorded.timelines  # the keys are tuples again, as recorded
+    assert loaded.budgets == recorded.budgets and loaded.conditions == recorded.conditions
+
+
+def test_asking_for_what_was_not_recorded_names_what_was(ddp_anatomies, tmp_path):
+    from course_lib.errors import UserError
+    from course_lib.tools.plots import plot_anatomy
+
+    recorded = ddp_anatomies["course"]
+    with pytest.raises(UserError, match="rank 5 was not recorded: the anatomy holds ranks 0 to 1"):
+        recorded.typical(5)
+    with pytest.raises(UserError, match="step 7 was not recorded: the anatomy holds steps 0 to 2"):
+        plot_anatomy(recorded, step=7)
+    with pytest.raises(UserError, match="does not exist: an anatomy is the anatomy.json that --profile DIR"):
+        anatomy.load(tmp_path / "nowhere.json")
+    (tmp_path / "metrics.json").write_text('{"epoch": 1}')
+    with pytest.raises(UserError, match="is not an anatomy"):
+        anatomy.load(tmp_path / "metrics.json")
+
+
+def test_two_steps_drawn_one_above_the_other_share_one_time_scale(ddp_anatomies):
+    from course_lib.tools.plots import plot_anatomies
+
+    figure = plot_anatomies(
+        {"the course's DDP": ddp_anatomies["course"], "PyTorch's DDP": ddp_anatomies["torch"]}
+    )
+    top, bottom = figure.axes
+    assert (top.get_title(), bottom.get_title()) == ("the course's DDP", "PyTorch's DDP")
+    assert top.get_xlim() == bottom.get_xlim()
+    assert bottom.get_xlabel() == "time since the step started (ms)" and bottom.get_legend() is not None

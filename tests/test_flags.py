@@ -90,6 +90,12 @@ TRAIN_MISTAKES = [
     (["--metrics", "{file}/m.jsonl"], "--metrics {file}/m.jsonl cannot be a file: {file} is a file"),
     (["--metrics", f"{UNWRITABLE}/m.jsonl"], f"--metrics {UNWRITABLE}/m.jsonl cannot be written"),
     (["--resume", "{file}"], "--resume {file} is a file, but a folder is expected"),
+    (["--profile", "{file}"], "--profile {file} is a file, but a folder is expected"),
+    (["--profile", str(UNWRITABLE)], f"--profile {UNWRITABLE} cannot be written"),
+    (
+        ["--profile", "{tmp}/p", "--profile-steps", "0"],
+        "--profile-steps must be a whole number, 1 or more, got 0",
+    ),
     (
         ["--checkpoint-dir", "{tmp}/" + "n" * 300],
         "cannot be created: the name nnnnnnnnnnnnnnnnnnnnnnnn... is 300 bytes long, more than the 255 this "
@@ -129,6 +135,7 @@ SUBSET = [
     (["--timeout", "-1"], "--timeout must be a finite number above 0 and at most 86400, got -1.0"),
     (["--checkpoint-dir", "{file}"], "is a file, but a folder is expected"),
     (["--metrics", "{folder}"], "is a folder, but a file is expected"),
+    (["--profile", "{file}"], "is a file, but a folder is expected"),
 ]
 
 
@@ -322,6 +329,12 @@ OTHER_MISTAKES = [
     (three_d.main, ["--steps", "-1"], "argument --steps: must be a whole number, 1 or more, got -1"),
     (three_d.main, ["--data", "8", "--tensor", "4"], "64 processes on"),
     (three_d.main, ["--plot", "{folder}"], "argument --plot: {folder} is a folder, but a file is expected"),
+    (three_d.main, ["--profile", "{file}"], "argument --profile: {file} is a file, but a folder is expected"),
+    (
+        bench.main,
+        ["ddp", "--profile", str(UNWRITABLE)],
+        f"argument --profile: {UNWRITABLE} cannot be written",
+    ),
 ]
 
 

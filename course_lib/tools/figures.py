@@ -3,8 +3,10 @@
 ``python -m course_lib.tools.figures slides/public/images`` writes one PNG per figure. The pictures are
 not drawn by hand: the ZeRO bars come from ``memory.model_state_bytes``, the pipeline charts from
 ``pipeline.build_schedule``, the grid from ``mesh.grid_groups``, the ring from the same counting
-the ring all-reduce does, the scaling plot from recorded results. Change the code and the slides
-follow; a test fails if a committed figure differs from what this command draws.
+the ring all-reduce does, the scaling plot and the FSDP timelines from recorded measurements
+(``slides/recorded``). Change the code and the slides follow; a test fails if a committed figure
+differs from what this command draws. ``--record`` measures again what the slides show measured
+(the FSDP steps with and without prefetch, on 2 local processes) and overwrites the recordings.
 """
 
 from __future__ import annotations
@@ -16,14 +18,19 @@ from pathlib import Path
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
-from .. import checks, memory
+from .. import anatomy, checks, memory
 from ..comm import ring_all_reduce_counts
 from ..parallel import mesh, pipeline
 from . import plots
 from .study import read_csv
 
 PNG_METADATA = {"Software": None}  # no version string in the file: the same drawing gives the same bytes
-RECORDED_SCALING = Path(__file__).resolve().parent.parent.parent / "slides" / "recorded" / "scaling.csv"
+RECORDED = Path(__file__).resolve().parent.parent.parent / "slides" / "recorded"
+RECORDED_SCALING = RECORDED / "scaling.csv"
+RECORDED_FSDP = {
+    "prefetch": RECORDED / "fsdp_prefetch.json",
+    "no prefetch": RECORDED / "fsdp_no_prefetch.json",
+}
 
 
 def _box(axis, x, y, w, h, text, colour="#dde6f3", size=9):
@@ -224,11 +231,66 @@ def strong_scaling():
     return plots.draw_study(rows, panels=("time_per_epoch_s", "speedup"), panel_size=(4.0, 3.2))
 
 
+def fsdp_prefetch():
+    """The course's FSDP step without prefetch and with it, measured (``--record``), one time scale."""
+    titles = {
+        "no prefetch": "without prefetch: each unit's all-gather waited for",
+        "prefetch": "with prefetch: the next unit's all-gather under this unit's compute",
+    }
+    recorded = {}
+    for kind, title in titles.items():
+        measured = anatomy.load(RECORDED_FSDP[kind])
+        summary = measured.summary()
+        title += (
+            f" ({summary['step_ms']:.0f} ms, {summary['exposed_communication_share']:.0%} exposed "
+            f"communication, {summary['hidden_communication_ms']:.0f} ms hidden)"
+        )
+        recorded[title] = measured
+    return plots.plot_anatomies(recorded)
+
+
+def _fsdp_steps_with_and_without_prefetch() -> dict:
+    """Each rank: the bench's MLP under the course's FSDP (a unit per linear), prefetch on and off."""
+    import torch
+
+    from .. import runtime
+    from ..parallel.fsdp import FullyShardedDataParallel
+    from .bench import MLP_BATCH, MLP_LAYERS, MLP_WIDTH, mlp, training_step
+
+    torch.manual_seed(0)
+    reference = mlp(MLP_WIDTH, MLP_LAYERS)
+    generator = torch.Generator().manual_seed(runtime.rank())
+    inputs, targets = (torch.randn(MLP_BATCH, MLP_WIDTH, generator=generator) for _ in range(2))
+    recorded = {}
+    for kind in RECORDED_FSDP:
+        model = mlp(MLP_WIDTH, MLP_LAYERS)
+        model.load_state_dict(reference.state_dict())
+        units = [m for m in model if isinstance(m, torch.nn.Linear)]
+        on = kind == "prefetch"
+        wrapped = FullyShardedDataParallel(
+            model, auto_wrap_policy=units, forward_prefetch=on, backward_prefetch=on
+        )
+        recorded[kind] = anatomy.record_steps(training_step(wrapped, inputs, targets), steps=5, warmup=3)
+        recorded[kind].conditions |= {"model": f"MLP {MLP_LAYERS} x {MLP_WIDTH}", "batch_per_rank": MLP_BATCH}
+    return recorded
+
+
+def record() -> list[Path]:
+    """Measure again what the slides show measured; the recordings written."""
+    from ..launch import launch
+
+    recorded = launch(_fsdp_steps_with_and_without_prefetch, 2, check_collectives=False)[0]
+    for kind, path in RECORDED_FSDP.items():
+        recorded[kind].save(path)
+    return list(RECORDED_FSDP.values())
+
+
 FIGURES: dict[str, Callable] = {
     "data_parallel": data_parallel,
     "ring_all_reduce": ring_all_reduce,
     "zero_memory": zero_memory,
     "fsdp_timeline": fsdp_timeline,
+    "fsdp_prefetch": fsdp_prefetch,
     "tensor_parallel": tensor_parallel,
     "pipeline_gpipe": _schedule("gpipe"),
     "pipeline_1f1b": _schedule("1f1b"),
@@ -256,7 +318,15 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m course_lib.tools.figures", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("directory", nargs="?", type=checks.folder_to_write, default="slides/public/images")
+    parser.add_argument(
+        "--record",
+        action="store_true",
+        help="first measure again what the slides show measured (2 local processes), into slides/recorded",
+    )
     args = parser.parse_args(argv)
+    if args.record:
+        for path in record():
+            print(f"recorded {path}")
     for path in draw_all(args.directory):
         print(f"wrote {path}")
     return 0

@@ -15,6 +15,7 @@ from matplotlib import ticker
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from ..errors import UserError
 from ..parallel.pipeline import bubble_fraction
 
 PNG_DPI = 120
@@ -415,14 +416,76 @@ def plot_anatomy(
         title: the chart's title (default: the step's length and its exposed communication).
         path: save the chart as a PNG here (None: only return it).
     """
-
-    from .. import anatomy
-
-    step = recorded.typical_step() if step is None else step
+    recorded_steps = len(recorded.timelines[0])
+    if step is not None and not 0 <= step < recorded_steps:
+        raise UserError(f"step {step} was not recorded: the anatomy holds steps 0 to {recorded_steps - 1}")
     ranks = len(recorded.timelines)
     figure = Figure(figsize=(11, 1.1 * ranks + 1.6))
     axis = figure.subplots()
+    step = recorded.typical_step() if step is None else step
     longest = max(timeline[step].step_ms for timeline in recorded.timelines)
+    _draw_anatomy(axis, recorded, step, longest, title)
+    axis.legend(
+        handles=_anatomy_handles(),
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.22),
+        ncol=4,
+        fontsize=8,
+        frameon=False,
+    )
+    figure.tight_layout()
+    return save(figure, path)
+
+
+def plot_anatomies(recorded: dict, *, path: str | Path | None = None) -> Figure:
+    """Several recorded steps one above the other, on one time scale: what changed between them.
+
+    Args:
+        recorded: a title for each anatomy (``anatomy.record_steps``' result); each panel draws its
+            typical step.
+        path: save the chart as a PNG here (None: only return it).
+    """
+    ranks = max(len(anatomy.timelines) for anatomy in recorded.values())
+    figure = Figure(figsize=(11, len(recorded) * (0.8 * ranks + 0.8) + 1.0))
+    axes = figure.subplots(len(recorded), 1, sharex=True, squeeze=False)[:, 0]
+    steps = {title: anatomy.typical_step() for title, anatomy in recorded.items()}
+    longest = max(
+        timeline[steps[title]].step_ms
+        for title, anatomy in recorded.items()
+        for timeline in anatomy.timelines
+    )
+    for axis, (title, anatomy) in zip(axes, recorded.items()):
+        _draw_anatomy(axis, anatomy, steps[title], longest, title)
+    for axis in axes[:-1]:
+        axis.set_xlabel("")
+    axes[-1].legend(
+        handles=_anatomy_handles(),
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.45),
+        ncol=4,
+        fontsize=8,
+        frameon=False,
+    )
+    figure.tight_layout()
+    return save(figure, path)
+
+
+def _anatomy_handles() -> list[Patch]:
+    handles = [
+        Patch(facecolor=c, edgecolor="black", label=ANATOMY_LABELS[p]) for p, c in ANATOMY_COLOURS.items()
+    ]
+    handles += [
+        Patch(facecolor=c, label=f"{op} in flight (lower lane)") for op, c in COLLECTIVE_COLOURS.items()
+    ]
+    handles.append(Patch(facecolor="#da8bc3", label="other message in flight"))
+    return handles
+
+
+def _draw_anatomy(axis, recorded, step: int, longest: float, title: str) -> None:
+    """One recorded step's lanes on ``axis``: each rank's parts above, its collectives below."""
+    from .. import anatomy
+
+    ranks = len(recorded.timelines)
     for rank in range(ranks):
         cut = anatomy.parts(recorded.timelines, rank, step)
         for part, colour in ANATOMY_COLOURS.items():
@@ -449,21 +512,9 @@ def plot_anatomy(
     axis.set_ylim(ranks - 0.5, -0.6)
     axis.set_xlim(0, longest * 1.01)
     axis.set_xlabel("time since the step started (ms)")
-    handles = [
-        Patch(facecolor=c, edgecolor="black", label=ANATOMY_LABELS[p]) for p, c in ANATOMY_COLOURS.items()
-    ]
-    handles += [
-        Patch(facecolor=c, label=f"{op} in flight (lower lane)") for op, c in COLLECTIVE_COLOURS.items()
-    ]
-    handles.append(Patch(facecolor="#da8bc3", label="other message in flight"))
-    axis.legend(
-        handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=4, fontsize=8, frameon=False
-    )
     summary = recorded.summary()
     axis.set_title(
         title
         or f"one step: {summary['step_ms']:.1f} ms, {summary['exposed_communication_share']:.0%} exposed "
         f"communication, {summary['unexplained_share']:.0%} unexplained (mean over ranks)"
     )
-    figure.tight_layout()
-    return save(figure, path)

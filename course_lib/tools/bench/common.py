@@ -52,6 +52,25 @@ def training_step(model: nn.Module, inputs, targets) -> Callable[[], None]:
     return step
 
 
+def data_parallel_header(benchmark: str, *, params: int, batch: int, steps: int) -> dict:
+    """What the ddp and fsdp benchmarks' JSON starts with: what ran, on how many ranks and threads.
+
+    Args:
+        benchmark: its name.
+        params: the model's parameters.
+        batch: samples per rank per step.
+        steps: timed steps per variant.
+    """
+    return {
+        "benchmark": benchmark,
+        "world_size": runtime.world_size(),
+        "params": params,
+        "threads_per_rank": torch.get_num_threads(),
+        "batch_per_rank": batch,
+        "steps_timed": steps,
+    }
+
+
 def anatomies(
     steps_by_name: dict[str, Callable[[], object]],
     *,

@@ -9,7 +9,7 @@ import torch
 
 from ... import comm, runtime
 from ..timing import interleaved_medians
-from .common import anatomies, mlp, rank_batch, training_step
+from .common import anatomies, data_parallel_header, mlp, rank_batch, training_step
 
 DDP_BUCKET_MB = 4.0
 """The ddp benchmark's bucket size, the same for PyTorch's DDP and the course's."""
@@ -64,20 +64,18 @@ def ddp_benchmark(
     gradient_bytes = 4 * params
     if not runtime.is_main():
         return None
-    return where | {
-        "benchmark": "ddp",
-        "world_size": world,
-        "params": params,
-        "threads_per_rank": torch.get_num_threads(),
-        "batch_per_rank": batch,
-        "bucket_mb": bucket_mb,
-        "steps_timed": steps,
-        "torch_step_ms": median_ms["torch"],
-        "course_step_ms": median_ms["overlapped"],
-        "bucketed_step_ms": median_ms["bucketed"],
-        "naive_step_ms": median_ms["naive"],
-        "ratio": median_ms["overlapped"] / median_ms["torch"],
-        "all_reduce_calls_per_step": log.count("all_reduce"),
-        "bytes_per_rank_measured": log.bytes_per_rank("all_reduce"),
-        "bytes_per_rank_theory": comm.ring_bytes("all_reduce", gradient_bytes, world),
-    }
+    return (
+        where
+        | data_parallel_header("ddp", params=params, batch=batch, steps=steps)
+        | {
+            "bucket_mb": bucket_mb,
+            "torch_step_ms": median_ms["torch"],
+            "course_step_ms": median_ms["overlapped"],
+            "bucketed_step_ms": median_ms["bucketed"],
+            "naive_step_ms": median_ms["naive"],
+            "ratio": median_ms["overlapped"] / median_ms["torch"],
+            "all_reduce_calls_per_step": log.count("all_reduce"),
+            "bytes_per_rank_measured": log.bytes_per_rank("all_reduce"),
+            "bytes_per_rank_theory": comm.ring_bytes("all_reduce", gradient_bytes, world),
+        }
+    )

@@ -9,7 +9,7 @@ from torch import nn
 
 from ... import comm, memory, runtime
 from ..timing import interleaved_medians
-from .common import anatomies, mlp, rank_batch, training_step
+from .common import anatomies, data_parallel_header, mlp, rank_batch, training_step
 
 
 def fsdp_benchmark(
@@ -70,21 +70,19 @@ def fsdp_benchmark(
     params = sum(p.numel() for p in reference.parameters())
     if not runtime.is_main():
         return None
-    return where | {
-        "benchmark": "fsdp",
-        "world_size": world,
-        "params": params,
-        "threads_per_rank": torch.get_num_threads(),
-        "batch_per_rank": batch,
-        "steps_timed": steps,
-        "units": layers,
-        "torch_step_ms": median_ms["torch"],
-        "course_step_ms": median_ms["FULL_SHARD"],
-        "ratio": median_ms["FULL_SHARD"] / median_ms["torch"],
-        "course_no_prefetch_step_ms": median_ms["FULL_SHARD, no prefetch"],
-        "ratio_no_prefetch": median_ms["FULL_SHARD, no prefetch"] / median_ms["torch"],
-        "step_ms_by_sharding_strategy": {name: median_ms[name] for name in strategies},
-        "hybrid_shard_size": hybrid_size,
-        "full_shard_bytes_per_rank_measured": log.bytes_per_rank(),
-        "full_shard_bytes_per_rank_theory": 4 * memory.traffic_elements_per_rank(params, world, "zero3"),
-    }
+    return (
+        where
+        | data_parallel_header("fsdp", params=params, batch=batch, steps=steps)
+        | {
+            "units": layers,
+            "torch_step_ms": median_ms["torch"],
+            "course_step_ms": median_ms["FULL_SHARD"],
+            "ratio": median_ms["FULL_SHARD"] / median_ms["torch"],
+            "course_no_prefetch_step_ms": median_ms["FULL_SHARD, no prefetch"],
+            "ratio_no_prefetch": median_ms["FULL_SHARD, no prefetch"] / median_ms["torch"],
+            "step_ms_by_sharding_strategy": {name: median_ms[name] for name in strategies},
+            "hybrid_shard_size": hybrid_size,
+            "full_shard_bytes_per_rank_measured": log.bytes_per_rank(),
+            "full_shard_bytes_per_rank_theory": 4 * memory.traffic_elements_per_rank(params, world, "zero3"),
+        }
+    )

@@ -194,29 +194,10 @@ class FlatParameter:
             self.free()
 
     # -- parameters: gather and free ----------------------------------------------------------
-    # #region gather-free
     def gather(self) -> None:
         """Rebuild the full parameters from every rank's shard (one all-gather of the compute dtype)."""
         self.start_gather()
         self.wait_gather()
-
-    def start_gather(self) -> None:
-        """Start rebuilding the full parameters, without waiting: ``wait_gather()`` before computing.
-
-        While the all-gather runs, this rank can compute with another unit: that is FSDP's prefetch.
-        """
-        if self.is_gathered or self._gathering is not None:
-            return
-        storage = self.full.untyped_storage()
-        storage.resize_(self.padded * self.full.element_size())
-        with torch.no_grad():
-            local = self.shard.detach().to(self.compute_device, self.param_dtype, non_blocking=True)
-            if self.group_size == 1:
-                self.full.copy_(local)
-                self.is_gathered = True
-            else:  # ``local`` must live until the all-gather is done
-                work = comm.all_gather_into_tensor(self.full, local, group=self.shard_group, async_op=True)
-                self._gathering = (work, local)
 
     def wait_gather(self) -> None:
         """Wait for ``start_gather``'s all-gather (start it first if nobody did)."""
@@ -230,6 +211,23 @@ class FlatParameter:
     @property
     def is_gathering(self) -> bool:
         return self._gathering is not None
+
+    # #region gather-free
+    def start_gather(self) -> None:
+        """Start rebuilding the full parameters; ``wait_gather()`` before computing with them (while
+        the all-gather runs, this rank can compute with another unit: that is FSDP's prefetch)."""
+        if self.is_gathered or self._gathering is not None:
+            return
+        storage = self.full.untyped_storage()
+        storage.resize_(self.padded * self.full.element_size())
+        with torch.no_grad():
+            local = self.shard.detach().to(self.compute_device, self.param_dtype, non_blocking=True)
+            if self.group_size == 1:
+                self.full.copy_(local)
+                self.is_gathered = True
+            else:  # ``local`` must live until the all-gather is done
+                work = comm.all_gather_into_tensor(self.full, local, group=self.shard_group, async_op=True)
+                self._gathering = (work, local)
 
     def free(self) -> None:
         """Release the full parameters' memory; the views keep their shapes, their storage is empty."""

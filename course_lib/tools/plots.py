@@ -461,7 +461,7 @@ def plot_anatomies(recorded: dict, *, path: str | Path | None = None) -> Figure:
     axes[-1].legend(
         handles=_anatomy_handles(),
         loc="upper center",
-        bbox_to_anchor=(0.5, -0.45),
+        bbox_to_anchor=(0.5, -0.3),
         ncol=4,
         fontsize=8,
         frameon=False,

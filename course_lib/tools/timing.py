@@ -10,10 +10,7 @@ from .. import comm
 
 
 def interleaved_medians(
-    steps_by_name: dict[str, Callable[[], object]],
-    steps: int,
-    warmup: int,
-    after_each_round: Callable[[], None] | None = None,
+    steps_by_name: dict[str, Callable[[], object]], steps: int, warmup: int
 ) -> dict[str, float]:
     """Median milliseconds of each step function, the variants run in rotating order round by round.
 
@@ -21,6 +18,11 @@ def interleaved_medians(
     hit every variant alike, so their ratio is fair. Every rank starts each step together (a
     barrier), so one rank's lateness is not counted as another's communication. The cross-rank
     check of each collective (``comm.unchecked``) is off: it is a collective of its own.
+
+    Args:
+        steps_by_name: one step function per variant, the same on every rank (a collective).
+        steps: timed rounds; each variant's median over them is returned.
+        warmup: untimed rounds first (allocations, caches and lazy set-up settle in them).
     """
     times = {name: [] for name in steps_by_name}
     names = list(steps_by_name)
@@ -33,6 +35,4 @@ def interleaved_medians(
                 steps_by_name[name]()
                 if round_index >= warmup:
                     times[name].append(time.perf_counter() - started)
-            if round_index >= warmup and after_each_round is not None:
-                after_each_round()
     return {name: 1000 * statistics.median(values) for name, values in times.items()}

@@ -93,7 +93,7 @@ def test_a_local_study_whose_data_is_missing_is_refused_before_any_run(tmp_path,
     argv = ["submit", "--local", "--results", str(tmp_path / "s"), "--gpus", "1", "2", "--dataset", "cifar10"]
     status, lines = _outcome(study.main, [*argv, "--data-dir", str(tmp_path / "nothing")], capsys)
     assert status == EXIT_USER_ERROR and len(lines) == 1
-    assert "ddp-1: CIFAR-10 was not found in" in lines[0]
+    assert "single-1: CIFAR-10 was not found in" in lines[0]  # the baseline is checked first
     assert not (tmp_path / "s" / "study.json").exists()  # nothing ran
 
 
@@ -118,7 +118,7 @@ def test_a_local_study_whose_runs_all_failed_exits_1(tmp_path, monkeypatch, caps
         capsys,
     )
     assert status == 1
-    assert lines[-1] == f"error: 2 of 2 runs failed (their logs are in {tmp_path})"
+    assert lines[-1] == f"error: 3 of 3 runs failed (their logs are in {tmp_path})"  # single-1, ddp-1, fsdp-1
 
 
 # (the Slurm variables of a batch shell, what the one line must say)

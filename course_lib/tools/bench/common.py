@@ -24,7 +24,12 @@ WARMUP_STEPS = 3
 
 
 def mlp(width: int, layers: int) -> nn.Sequential:
-    """``layers`` square linear layers with ReLU: (width + 1) x width parameters each."""
+    """``layers`` square linear layers with ReLU: (width + 1) x width parameters each.
+
+    Args:
+        width: the layers' inputs and outputs.
+        layers: how many linear layers.
+    """
     blocks = []
     for _ in range(layers):
         blocks += [nn.Linear(width, width), nn.ReLU()]
@@ -36,7 +41,13 @@ ANATOMY_STEPS = 5
 
 
 def training_step(model: nn.Module, inputs, targets) -> Callable[[], None]:
-    """One SGD step of ``model`` on a fixed batch, as a function to time, its phases marked."""
+    """One SGD step of ``model`` on a fixed batch, as a function to time, its phases marked.
+
+    Args:
+        model: the (wrapped) model to train.
+        inputs: this rank's batch.
+        targets: what the mean-squared error compares the output with (the output's shape).
+    """
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
 
     def step() -> None:

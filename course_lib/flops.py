@@ -93,8 +93,8 @@ def peak_tflops(device: torch.device, precision: str) -> float | None:
 
 
 def measure_matmul_tflops(
-    device: torch.device | str = "cpu",
     *,
+    device: torch.device | str = "cpu",
     size: int = 1024,
     dtype: torch.dtype = torch.float32,
     repeats: int = 10,

@@ -89,7 +89,7 @@ def matmul_peak() -> dict:
     from course_lib import flops
 
     device = torch.device("cuda", 0)
-    measured = flops.measure_matmul_tflops(device, size=8192, dtype=torch.bfloat16, repeats=20)
+    measured = flops.measure_matmul_tflops(device=device, size=8192, dtype=torch.bfloat16, repeats=20)
     return {
         "gpu": torch.cuda.get_device_name(device),
         "measured_tflops": measured,

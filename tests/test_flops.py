@@ -43,12 +43,12 @@ def test_mfu_and_the_peaks():
 def test_the_matmul_peak_is_measured_and_bad_sizes_are_refused():
     from course_lib.errors import UserError
 
-    tflops = flops.measure_matmul_tflops("cpu", size=128, repeats=3, warmup=1)
+    tflops = flops.measure_matmul_tflops(device="cpu", size=128, repeats=3, warmup=1)
     assert 0 < tflops < 100  # a 2-core CPU does some GFLOP/s, no CPU does 100 TFLOP/s in fp32
     with pytest.raises(UserError, match="at least 1"):
-        flops.measure_matmul_tflops("cpu", size=0)
+        flops.measure_matmul_tflops(device="cpu", size=0)
     with pytest.raises(UserError, match="at least 1"):
-        flops.measure_matmul_tflops("cpu", repeats=0)
+        flops.measure_matmul_tflops(device="cpu", repeats=0)
 
 
 def test_the_trainer_reports_the_models_tflops_and_no_mfu_on_a_cpu():

@@ -10,7 +10,11 @@ from .. import comm
 
 
 def interleaved_medians(
-    steps_by_name: dict[str, Callable[[], object]], steps: int, warmup: int
+    steps_by_name: dict[str, Callable[[], object]],
+    steps: int,
+    warmup: int,
+    *,
+    after_each_round: Callable[[], None] | None = None,
 ) -> dict[str, float]:
     """Median milliseconds of each step function, the variants run in rotating order round by round.
 
@@ -23,6 +27,8 @@ def interleaved_medians(
         steps_by_name: one step function per variant, the same on every rank (a collective).
         steps: timed rounds; each variant's median over them is returned.
         warmup: untimed rounds first (allocations, caches and lazy set-up settle in them).
+        after_each_round: called after each timed round, untimed (to read what the round
+            recorded, e.g. a pipeline's events), or None.
     """
     times = {name: [] for name in steps_by_name}
     names = list(steps_by_name)
@@ -35,4 +41,6 @@ def interleaved_medians(
                 steps_by_name[name]()
                 if round_index >= warmup:
                     times[name].append(time.perf_counter() - started)
+            if round_index >= warmup and after_each_round is not None:
+                after_each_round()
     return {name: 1000 * statistics.median(values) for name, values in times.items()}

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 import traceback
 
 from . import checks, runtime
@@ -195,9 +196,21 @@ class RendezvousRefused(UserError):
     """A mistake in how this process was told to meet the others (an address, a port in use)."""
 
 
+RANK_0_SPEAKS_S = 3.0
+"""How long the other ranks wait before they exit, when rank 0 alone says why every rank stops."""
+
+
 def _report_user_error(error: UserError) -> None:
     if checks.launched_rank() == "0":
         print(f"error: {error}", file=sys.stderr, flush=True)
+    else:
+        _let_rank_0_speak()
+
+
+def _let_rank_0_speak() -> None:
+    """Every rank stops for the same reason and rank 0 prints it; the others wait a moment first,
+    since torchrun ends every rank as soon as one has exited, rank 0 too, maybe before its line."""
+    time.sleep(RANK_0_SPEAKS_S)
 
 
 def run(
@@ -235,6 +248,8 @@ def run(
     except Diverged as diverged:
         if checks.launched_rank() == "0":
             print(f"error: {diverged}", file=sys.stderr, flush=True)
+        else:
+            _let_rank_0_speak()
         status = EXIT_DIVERGED
     except RendezvousRefused as error:
         print(f"error: {error}", file=sys.stderr, flush=True)

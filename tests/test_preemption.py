@@ -199,6 +199,8 @@ VERDICTS = [
     ({0: 0, 1: 0}, 2, 0, None),
     ({0: 3, 1: 3}, 2, EXIT_REQUEUE, "every rank stopped at the same step and wrote its checkpoint"),
     ({0: 2, 1: 1}, 2, EXIT_USER_ERROR, None),  # the rank that refused its input said why
+    ({1: 2}, 2, EXIT_USER_ERROR, None),  # rank 0 said why, and torchrun stopped it before it reported
+    ({0: 4}, 2, EXIT_DIVERGED, None),
     ({0: 4, 1: 4}, 2, EXIT_DIVERGED, None),
     ({0: 3, 1: 1}, 2, EXIT_CRASH, "rank 1 exited with status 1"),
     ({0: 3}, 2, EXIT_CRASH, "1 of the 2 ranks started here ended without reporting their status"),

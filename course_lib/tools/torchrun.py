@@ -45,17 +45,19 @@ def verdict(statuses: dict[int, int], workers: int) -> tuple[int, str | None]:
         statuses: the exit status each rank reported, by global rank.
         workers: how many ranks this launcher started (a rank that did not report was killed).
     """
+    codes = set(statuses.values())
+    # A refused input or a divergence is the run's own verdict, its line printed by rank 0; ranks
+    # that did not report were stopped by torchrun, which ends every rank once one has exited.
+    for status in (EXIT_USER_ERROR, EXIT_DIVERGED):
+        if status in codes:
+            return status, None
     if len(statuses) < workers:
         return EXIT_CRASH, (
             f"{workers - len(statuses)} of the {workers} ranks started here ended without reporting their "
             "status (killed, or a crash in native code): see their output above"
         )
-    codes = set(statuses.values())
     if codes == {0}:
         return 0, None
-    for status in (EXIT_USER_ERROR, EXIT_DIVERGED):  # their own line, printed by the rank, says it all
-        if status in codes:
-            return status, None
     if codes == {EXIT_REQUEUE}:
         return EXIT_REQUEUE, (
             "every rank stopped at the same step and wrote its checkpoint: rerun with --resume latest"

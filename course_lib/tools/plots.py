@@ -425,14 +425,7 @@ def plot_anatomy(
     step = recorded.typical_step() if step is None else step
     longest = max(timeline[step].step_ms for timeline in recorded.timelines)
     _draw_anatomy(axis, recorded, step, longest, title)
-    axis.legend(
-        handles=_anatomy_handles(),
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.22),
-        ncol=4,
-        fontsize=8,
-        frameon=False,
-    )
+    _anatomy_legend(axis, below=0.22)
     figure.tight_layout()
     return save(figure, path)
 
@@ -458,19 +451,13 @@ def plot_anatomies(recorded: dict, *, path: str | Path | None = None) -> Figure:
         _draw_anatomy(axis, anatomy, steps[title], longest, title)
     for axis in axes[:-1]:
         axis.set_xlabel("")
-    axes[-1].legend(
-        handles=_anatomy_handles(),
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.3),
-        ncol=4,
-        fontsize=8,
-        frameon=False,
-    )
+    _anatomy_legend(axes[-1], below=0.3)
     figure.tight_layout()
     return save(figure, path)
 
 
-def _anatomy_handles() -> list[Patch]:
+def _anatomy_legend(axis, *, below: float) -> None:
+    """The anatomy's legend under ``axis``, ``below`` axis heights down: each part, each collective."""
     handles = [
         Patch(facecolor=c, edgecolor="black", label=ANATOMY_LABELS[p]) for p, c in ANATOMY_COLOURS.items()
     ]
@@ -478,7 +465,9 @@ def _anatomy_handles() -> list[Patch]:
         Patch(facecolor=c, label=f"{op} in flight (lower lane)") for op, c in COLLECTIVE_COLOURS.items()
     ]
     handles.append(Patch(facecolor="#da8bc3", label="other message in flight"))
-    return handles
+    axis.legend(
+        handles=handles, loc="upper center", bbox_to_anchor=(0.5, -below), ncol=4, fontsize=8, frameon=False
+    )
 
 
 def _draw_anatomy(axis, recorded, step: int, longest: float, title: str) -> None:

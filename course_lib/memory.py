@@ -206,11 +206,12 @@ class saved_tensor_bytes:
     >>> saved.bytes
 
     Args:
-        ignore: tensors not to count when saved (the parameters: they are held anyway).
+        ignore: tensors not to count when saved (the parameters: they are held anyway; DTensors
+            count by the local tensor they wrap).
     """
 
     def __init__(self, *, ignore=()):
-        self._ignored = {tensor.untyped_storage().data_ptr() for tensor in ignore}
+        self._ignored = {_local(tensor).untyped_storage().data_ptr() for tensor in ignore}
 
     def __enter__(self) -> saved_tensor_bytes:
         import torch
@@ -221,11 +222,15 @@ class saved_tensor_bytes:
         return self
 
     def _pack(self, tensor):
-        storage = tensor.untyped_storage()
+        import torch
+
+        with torch.no_grad():
+            local = _local(tensor)  # a DTensor: count the tensor it wraps, give autograd the DTensor back
+        storage = local.untyped_storage()
         if storage.data_ptr() not in self._seen:
             self._seen.add(storage.data_ptr())
             self.bytes += storage.nbytes()
-            self._held.append(tensor)  # so that its memory is not freed and reused by a later tensor
+            self._held.append(local)  # so that its memory is not freed and reused by a later tensor
         return tensor
 
     def __exit__(self, *exc) -> None:

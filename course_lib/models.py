@@ -122,15 +122,20 @@ class SelfAttention(nn.Module):
         self.out = nn.Linear(d_model, d_model)
         self.attend = CausalAttention()
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The queries, keys and values of ``x`` (sequence parallelism's Megatron variant overrides it)."""
+        return self.q(x), self.k(x), self.v(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, _ = x.shape
+        queries, keys, values = self.project(x)
+        batch, seq, _ = queries.shape
 
         def heads(
             t,
         ):  # (batch, seq, heads * head_dim) -> (batch, heads, seq, head_dim); -1: however many are here
             return t.view(batch, seq, -1, self.head_dim).transpose(1, 2)
 
-        attended = self.attend(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)))
+        attended = self.attend(heads(queries), heads(keys), heads(values))
         return self.out(attended.transpose(1, 2).reshape(batch, seq, -1))
 
 

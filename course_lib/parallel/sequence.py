@@ -20,8 +20,15 @@ leaving (backward)                     g: identity                        all-ga
 
 An all-reduce *is* a reduce-scatter then an all-gather (``comm``'s table: 2(N-1)/N·S against
 (N-1)/N·S twice), so the traffic is the same; what changes is memory: the norms' and residuals'
-activations per rank fall from (b, s, h) to (b, s/T, h) (Korthikanti et al.: from 10·sbh to
-10·sbh/T of the 34·sbh + 5·a·s²b bytes per layer).
+activations per rank fall from (b, s, h) to (b, s/T, h).
+
+What it does *not* divide by itself: the all-gathered input of q, k, v and fc1. Autograd keeps
+it for the weights' gradients, whole (s, not s/T), on every rank; DTensor's ``SequenceParallel``
+plan keeps it too. Korthikanti et al.'s "everything divided by T" is Megatron-LM's variant,
+``regather_in_backward=True`` here: the layers keep only this rank's shard and all-gather it
+again in backward (``_GatherThenProject``), overlapped with the input gradient's matmul. The
+trade, per block and rank: 2·sbh·(T-1)/T fewer elements kept, two more all-gathers of the
+activation. ``activations.block_activation_elements`` counts both, term by term.
 
 One new duty: a parameter that works token by token (the norms' weights, the biases added
 after the reduce-scatter, the head) now sees only this rank's tokens, so its gradient is a
@@ -40,25 +47,37 @@ from torch import nn
 from .. import comm, runtime
 from ..checks import SPLIT_LAYERS, check_group, check_module, claim_module
 from ..errors import UserError
+from ..models import SelfAttention
 from .tensor import ColumnParallelLinear, RowParallelLinear, _split_size
 
 SEQUENCE_DIM = 1  # activations are (batch, sequence, features)
 
 
-def _all_gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+def _start_all_gather_sequence(x: torch.Tensor, group, *, async_op: bool = True):
+    """All-gather along the sequence: (the work to wait for, or None; the whole sequence once it is done)."""
     size = runtime.world_size(group=group)
     pieces = x.transpose(0, SEQUENCE_DIM).contiguous()  # the sequence first: collectives cut dim 0
     whole = torch.empty((size * pieces.shape[0], *pieces.shape[1:]), dtype=x.dtype, device=x.device)
-    comm.all_gather_into_tensor(whole, pieces, group=group)
-    return whole.transpose(0, SEQUENCE_DIM)
+    work = comm.all_gather_into_tensor(whole, pieces, group=group, async_op=async_op)
+    return work, whole.transpose(0, SEQUENCE_DIM)
 
 
-def _reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
+def _start_reduce_scatter_sequence(x: torch.Tensor, group, *, async_op: bool = True):
+    """Reduce-scatter along the sequence: (the work to wait for, or None; this rank's tokens once done)."""
     size = runtime.world_size(group=group)
     whole = x.transpose(0, SEQUENCE_DIM).contiguous()
     mine = torch.empty((whole.shape[0] // size, *whole.shape[1:]), dtype=x.dtype, device=x.device)
-    comm.reduce_scatter_tensor(mine, whole, op="sum", group=group)
-    return mine.transpose(0, SEQUENCE_DIM)
+    work = comm.reduce_scatter_tensor(mine, whole, op="sum", group=group, async_op=async_op)
+    return work, mine.transpose(0, SEQUENCE_DIM)
+
+
+def _all_gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    # contiguous (batch, sequence, features): q, k and v then save this one tensor, not a copy each
+    return _start_all_gather_sequence(x, group, async_op=False)[1].contiguous()
+
+
+def _reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    return _start_reduce_scatter_sequence(x, group, async_op=False)[1]
 
 
 # #region gather-and-reduce-scatter
@@ -135,29 +154,115 @@ class SequenceParallelRowLinear(RowParallelLinear):
         return y + self.bias if self.bias is not None else y
 
 
+# #region keep-the-shard
+class _GatherThenProject(torch.autograd.Function):
+    """All-gather this rank's tokens, apply column-parallel linears, and keep only the shard for backward.
+
+    Autograd would save the gathered input (T times the shard) for the weights' gradients;
+    Megatron-LM saves the shard and all-gathers it once more in backward, while the input's
+    gradient is computed, then reduce-scatters that gradient while the weights' are computed.
+    """
+
+    @staticmethod
+    def forward(ctx, shard, group, *weights_and_biases):
+        weights, biases = weights_and_biases[0::2], weights_and_biases[1::2]
+        whole = _all_gather_sequence(shard, group)
+        ctx.save_for_backward(shard, *weights)  # the shard, not ``whole``: the point of the variant
+        ctx.group, ctx.with_bias = group, [bias is not None for bias in biases]
+        return tuple(nn.functional.linear(whole, weight, bias) for weight, bias in zip(weights, biases))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        shard, *weights = ctx.saved_tensors
+        gathering, whole = _start_all_gather_sequence(shard, ctx.group)  # in flight...
+        grad_whole = sum(grad @ weight for grad, weight in zip(grads, weights))  # ...during this matmul
+        gathering.wait()
+        scattering, grad_shard = _start_reduce_scatter_sequence(grad_whole, ctx.group)  # in flight...
+        rows = whole.reshape(-1, whole.shape[-1])
+        grad_params = []
+        for grad, with_bias in zip(grads, ctx.with_bias):  # ...during the weights' gradients
+            flat = grad.reshape(-1, grad.shape[-1])
+            grad_params += [flat.T @ rows, flat.sum(0) if with_bias else None]
+        scattering.wait()
+        return grad_shard, None, *grad_params
+
+
+def gather_then_project(shard: torch.Tensor, layers, *, group=None) -> tuple[torch.Tensor, ...]:
+    """Megatron-LM's sequence parallelism: every layer applied to the gathered sequence, the shard kept.
+
+    Args:
+        shard: (batch, S/T, features), this rank's tokens.
+        layers: ``ColumnParallelLinear`` layers that read the same gathered input (q, k and v).
+        group: the tensor-parallel process group (None: every rank).
+    """
+    params = [tensor for layer in layers for tensor in (layer.weight, layer.bias)]
+    return _GatherThenProject.apply(shard, group, *params)
+
+
+class ShardSavingColumnLinear(ColumnParallelLinear):
+    """A column-parallel layer that reads this rank's tokens and keeps only them for backward."""
+
+    def forward(self, shard: torch.Tensor) -> torch.Tensor:
+        return gather_then_project(shard, (self,), group=self.group)[0]
+
+
+class ShardSavingAttention(SelfAttention):
+    """``SelfAttention`` reading this rank's tokens: one all-gather feeds q, k and v; only the shard is kept.
+
+    Args:
+        attention: the attention whose layers (already tensor parallel) it takes over.
+        group: the tensor-parallel process group (None: every rank).
+    """
+
+    def __init__(self, attention: SelfAttention, *, group=None):
+        nn.Module.__init__(self)  # not SelfAttention's: the layers exist, cut, in ``attention``
+        self.head_dim, self.group = attention.head_dim, group
+        self.q, self.k, self.v, self.out, self.attend = (
+            attention.q,
+            attention.k,
+            attention.v,
+            attention.out,
+            attention.attend,
+        )
+
+    def project(self, shard: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return gather_then_project(shard, (self.q, self.k, self.v), group=self.group)
+
+
+# #endregion keep-the-shard
+
+
 def _gather_input(group):
     return lambda module, args: (gather_sequence(args[0], group=group), *args[1:])
 
 
-def sequence_parallel_block(block: nn.Module, *, group=None) -> nn.Module:
+def sequence_parallel_block(block: nn.Module, *, group=None, regather_in_backward: bool = False) -> nn.Module:
     """Convert one dense ``models.Block`` in place: tensor parallel inside, sequence parallel around.
 
     Args:
         block: a dense ``models.Block``; its weights are cut, not re-initialised.
         group: the tensor-parallel process group (None: every rank).
+        regather_in_backward: keep only this rank's tokens of the input of q, k, v and fc1 and
+            all-gather them again in backward (Megatron-LM's variant: 4·sbh·(T-1)/T bytes less
+            per rank, one more all-gather per region). Off: autograd keeps the gathered input
+            whole, as DTensor's ``SequenceParallel`` plan does.
     """
     attention, mlp = block.attention, block.mlp
     claim_module(attention, "sequence parallelism", family=SPLIT_LAYERS)
     claim_module(mlp, "sequence parallelism", family=SPLIT_LAYERS)
     _split_size(attention.out.out_features // attention.head_dim, group, "attention heads")
+    column = ShardSavingColumnLinear if regather_in_backward else ColumnParallelLinear
     for name in ("q", "k", "v"):
         dense = getattr(attention, name)
-        setattr(attention, name, ColumnParallelLinear.from_dense(dense, group=group, copy_input=False))
+        setattr(attention, name, column.from_dense(dense, group=group, copy_input=False))
     attention.out = SequenceParallelRowLinear.from_dense(attention.out, group=group)
-    attention.register_forward_pre_hook(_gather_input(group))
-    mlp.fc1 = ColumnParallelLinear.from_dense(mlp.fc1, group=group, copy_input=False)
+    mlp.fc1 = column.from_dense(mlp.fc1, group=group, copy_input=False)
     mlp.fc2 = SequenceParallelRowLinear.from_dense(mlp.fc2, group=group)
-    mlp.register_forward_pre_hook(_gather_input(group))
+    if regather_in_backward:  # the gather happens inside the layers, which keep the shard
+        block.attention = ShardSavingAttention(attention, group=group)
+    else:  # the gather happens before the layers, and autograd keeps what it gathered
+        attention.register_forward_pre_hook(_gather_input(group))
+        mlp.register_forward_pre_hook(_gather_input(group))
     return block
 
 
@@ -171,7 +276,7 @@ def check_sequence_split(seq_len: int, degree: int) -> None:
         )
 
 
-def parallelize_sequence(model: nn.Module, *, group=None) -> nn.Module:
+def parallelize_sequence(model: nn.Module, *, group=None, regather_in_backward: bool = False) -> nn.Module:
     """Make a dense ``models.TinyTransformer`` tensor and sequence parallel, in place.
 
     The embedding still runs whole on every rank (its input is the token ids) and its output is
@@ -182,6 +287,7 @@ def parallelize_sequence(model: nn.Module, *, group=None) -> nn.Module:
     Args:
         model: a dense ``models.TinyTransformer``.
         group: the tensor-parallel process group (None: every rank).
+        regather_in_backward: Megatron-LM's variant (see ``sequence_parallel_block``).
     """
     from ..models import Block, Embedding
 
@@ -191,7 +297,7 @@ def parallelize_sequence(model: nn.Module, *, group=None) -> nn.Module:
         raise UserError("parallelize_sequence needs the whole TinyTransformer, starting with its embedding")
     for block in model:
         if isinstance(block, Block):
-            sequence_parallel_block(block, group=group)
+            sequence_parallel_block(block, group=group, regather_in_backward=regather_in_backward)
     model[0].register_forward_hook(lambda module, args, output: split_sequence(output, group=group))
     return model
 

@@ -1,9 +1,11 @@
 """Sequence parallelism computes what tensor parallelism and one process compute, for the same bytes.
 
-At degrees 1-3 (parameter counts that divide by none of them): the loss, every gradient and a
-few AdamW steps against one process; the blocks' traffic against plain tensor parallelism's; the
-norms' activations per rank against 1/T of one process's; one block against DTensor's
-``SequenceParallel`` plan; a sequence that does not split refused on every rank.
+At degrees 1-3 (parameter counts that divide by none of them), for both variants (the gathered
+input kept, as DTensor does, or regathered in backward, as Megatron-LM does): the loss, every
+gradient and a few AdamW steps against one process; the blocks' traffic against plain tensor
+parallelism's; each block's saved activations against ``activations.block_activation_elements``,
+exactly; one block against DTensor's ``SequenceParallel`` plan, values and saved bytes; a sequence
+that does not split refused on every rank.
 """
 
 from __future__ import annotations
@@ -32,9 +34,9 @@ def _transformer():
     return model, inputs, targets
 
 
-def _train_against_one_process(steps: int):
+def _train_against_one_process(steps: int, regather_in_backward: bool = False):
     dense, inputs, targets = _transformer()
-    parallel = sp.parallelize_sequence(copy.deepcopy(dense))
+    parallel = sp.parallelize_sequence(copy.deepcopy(dense), regather_in_backward=regather_in_backward)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=3e-3) for m in (dense, parallel)]
     generator, losses, first_grads = torch.Generator().manual_seed(1), [], None
     for _ in range(steps):
@@ -71,9 +73,10 @@ def _gradients_against_dense(dense, parallel):
     return pairs
 
 
+@pytest.mark.parametrize("regather_in_backward", [False, True], ids=["gathered-kept", "regathered"])
 @pytest.mark.parametrize("degree", [1, 2, 3])
-def test_sequence_parallel_trains_like_one_process(degree):
-    for losses, grads in launch(_train_against_one_process, degree, 3):
+def test_sequence_parallel_trains_like_one_process(degree, regather_in_backward):
+    for losses, grads in launch(_train_against_one_process, degree, 3, regather_in_backward):
         for ours, expected in losses:
             assert ours == pytest.approx(expected, rel=1e-5)
         assert len(grads) == sum(1 for _ in _transformer()[0].parameters())
@@ -114,6 +117,80 @@ def test_the_same_bytes_as_tensor_parallelism_and_norm_activations_divided_by_th
     assert sequence_norm_bytes == tensor_norm_bytes // degree
 
 
+def _saved_activations_and_traffic():
+    """Each variant of one block: bytes saved for backward, and the collectives of forward and of backward."""
+    torch.manual_seed(0)
+    size, rank = runtime.world_size(), runtime.rank()
+    dense = models.Block(D_MODEL, HEADS)
+    x = torch.randn(BATCH, SEQ, D_MODEL, generator=torch.Generator().manual_seed(2))
+    mine = x.chunk(size, dim=1)[rank]
+    variants = {
+        "one process": (copy.deepcopy(dense), x),
+        "tensor": (tp.parallelize_transformer(copy.deepcopy(dense)), x),
+        "gathered-kept": (sp.sequence_parallel_block(copy.deepcopy(dense)), mine),
+        "regathered": (sp.sequence_parallel_block(copy.deepcopy(dense), regather_in_backward=True), mine),
+    }
+    measured = {}
+    for name, (block, block_input) in variants.items():
+        with saved_tensor_bytes(ignore=block.parameters()) as saved, comm.CommLog() as forward:
+            out = block(block_input.clone().requires_grad_())
+        with comm.CommLog() as backward:
+            out.sum().backward()
+        measured[name] = (saved.bytes, _calls_and_bytes(forward), _calls_and_bytes(backward))
+    return measured
+
+
+def _calls_and_bytes(log: comm.CommLog) -> dict:
+    return {op: (row["calls"], row["bytes_per_rank"]) for op, row in log.totals().items()}
+
+
+@pytest.mark.parametrize("degree", [1, 2, 3])
+def test_each_variant_saves_what_the_formula_says_and_regathering_costs_one_all_gather(degree):
+    from course_lib.activations import block_activation_elements
+
+    shape = dict(batch=BATCH, seq=SEQ, d_model=D_MODEL, heads=HEADS)
+    formulas = {
+        "one process": {},
+        "tensor": dict(tensor_degree=degree),
+        "gathered-kept": dict(tensor_degree=degree, sequence_parallel=True),
+        "regathered": dict(tensor_degree=degree, sequence_parallel=True, regather_in_backward=True),
+    }
+    for measured in launch(_saved_activations_and_traffic, degree):
+        for name, (saved, _, _) in measured.items():
+            assert saved == 4 * block_activation_elements(**shape, **formulas[name])["total"], name
+        assert measured["regathered"][0] * degree == measured["one process"][0]  # all of it, 1/T
+        whole_inputs = 2 * BATCH * SEQ * D_MODEL * 4  # q/k/v's and fc1's gathered inputs
+        assert (
+            measured["gathered-kept"][0] - measured["regathered"][0] == whole_inputs * (degree - 1) / degree
+        )
+        (_, kept_forward, kept_backward), (_, forward, backward) = (
+            measured["gathered-kept"],
+            measured["regathered"],
+        )
+        assert forward == kept_forward  # the same forward
+        assert kept_backward["all_gather"][0] == 2 and backward["all_gather"][0] == 4
+        extra = backward["all_gather"][1] - kept_backward["all_gather"][1]
+        assert extra == 2 * comm.ring_bytes("all_gather", BATCH * SEQ * D_MODEL * 4, degree)
+        assert backward["reduce_scatter"] == kept_backward["reduce_scatter"]
+
+
+def test_the_activation_formula_refuses_a_variant_without_its_parallelism():
+    from course_lib.activations import block_activation_elements
+
+    from conftest import user_errors
+
+    errors = user_errors(
+        {
+            "regather": lambda: block_activation_elements(
+                batch=1, seq=4, d_model=8, heads=2, tensor_degree=2, regather_in_backward=True
+            ),
+            "degree": lambda: block_activation_elements(batch=1, seq=4, d_model=8, heads=2, tensor_degree=0),
+        }
+    )
+    assert "pass sequence_parallel=True too" in errors["regather"]
+    assert "tensor_degree must be at least 1, got 0" in errors["degree"]
+
+
 def _against_dtensor_sequence_parallel():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
@@ -127,10 +204,12 @@ def _against_dtensor_sequence_parallel():
     theirs = parallelize_module(copy.deepcopy(dense), init_device_mesh("cpu", (size,)), plan)
     ours = sp.sequence_parallel_block(copy.deepcopy(dense))
     x = torch.randn(BATCH, SEQ, D_MODEL, generator=torch.Generator().manual_seed(2)).chunk(size, dim=1)[rank]
-    outputs = []
+    outputs, saved_bytes = [], []
     for block in (ours, theirs):
         mine = x.clone().requires_grad_()
-        out = block(mine)
+        with saved_tensor_bytes(ignore=block.parameters()) as saved:
+            out = block(mine)
+        saved_bytes.append(saved.bytes)
         out = out.to_local() if hasattr(out, "to_local") else out
         (out * out).sum().backward()
         outputs.append((out.detach(), mine.grad))
@@ -141,11 +220,12 @@ def _against_dtensor_sequence_parallel():
         theirs_grad = dict(theirs.named_parameters())[name].grad
         theirs_grad = theirs_grad.full_tensor() if name in replicated else theirs_grad.to_local()
         grads[name] = (dict(ours.named_parameters())[name].grad, theirs_grad)
-    return outputs, grads
+    return outputs, grads, saved_bytes
 
 
 def test_one_block_equals_dtensor_sequence_parallel():
-    for outputs, grads in launch(_against_dtensor_sequence_parallel, 2):
+    for outputs, grads, (our_saved, their_saved) in launch(_against_dtensor_sequence_parallel, 2):
+        assert our_saved == their_saved  # DTensor too keeps the gathered input whole
         (our_out, our_grad), (their_out, their_grad) = outputs
         torch.testing.assert_close(our_out, their_out, **TOLERANCE)
         torch.testing.assert_close(our_grad, their_grad, **TOLERANCE)
@@ -178,7 +258,18 @@ def test_sp_benchmark_prints_the_promised_json():
     from conftest import assert_accounted, run_bench
 
     result = run_bench("sp", "--d-model", "32", "--heads", "4", "--seq", "16", "--batch", "2", "--steps", "2")
-    assert {"course_step_ms", "torch_step_ms", "ratio", "tensor_parallel_step_ms"} <= set(result)
+    assert {
+        "course_step_ms",
+        "torch_step_ms",
+        "ratio",
+        "tensor_parallel_step_ms",
+        "regathered_step_ms",
+    } <= set(result)
+    for variant in ("kept", "regathered"):
+        assert (
+            result[f"block_activation_bytes_{variant}"] == result[f"block_activation_bytes_{variant}_theory"]
+        )
+    assert result["block_activation_bytes_regathered"] < result["block_activation_bytes_kept"]
     assert_accounted(result, ["course", "torch"])
     assert result["bytes_per_rank_measured"] == result["bytes_per_rank_tensor_parallel"]
     assert result["bytes_per_rank_measured"] == result["bytes_per_rank_theory"]

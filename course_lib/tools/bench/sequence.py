@@ -4,10 +4,11 @@ Each runs on local processes, interleaves the variants it times (``timing.interl
 and reports the bytes moved and the activation memory it measured beside the theory's numbers.
 
 ``sp``: one transformer block, the course's sequence parallelism against DTensor's
-``SequenceParallel`` plan (ratio of step times, same run), the course's plain tensor parallelism
-beside them; the bytes each rank sent against tensor parallelism's and against theory
-(8 x (T-1)/T x the activation, forward and backward); the norms' saved activations against
-1/T of one process's.
+``SequenceParallel`` plan (ratio of step times, same run), Megatron-LM's variant (the gathered
+input regathered in backward) and plain tensor parallelism beside them; the bytes each rank sent
+against tensor parallelism's and against theory (8 x (T-1)/T x the activation, forward and
+backward); the norms' saved activations against 1/T of one process's; the whole block's saved
+activations, both variants, against ``activations.block_activation_elements``.
 
 ``cp``: ring attention forward and backward on a long sequence, contiguous and zig-zag layouts:
 step times (the ring waits for its slowest rank); each rank's own compute time (its blocks
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ... import comm, models, runtime
+from ...activations import block_activation_elements
 from ...memory import saved_tensor_bytes
 from ...parallel import context as cp
 from ...parallel import expert as ep
@@ -98,6 +100,7 @@ def sp_benchmark(
     plan = dtensor_sequence_parallel_plan()
     theirs = parallelize_module(copy.deepcopy(dense), init_device_mesh("cpu", (degree,)), plan)
     ours = sp.sequence_parallel_block(copy.deepcopy(dense))
+    regathering = sp.sequence_parallel_block(copy.deepcopy(dense), regather_in_backward=True)
     tensor_only = tp.parallelize_transformer(copy.deepcopy(dense))
     whole = torch.randn(batch, seq, d_model, generator=torch.Generator().manual_seed(1))
     mine = whole.chunk(degree, dim=1)[rank].contiguous()
@@ -108,6 +111,7 @@ def sp_benchmark(
 
     variants = {
         "course_sp": _forward_backward(ours, mine),
+        "course_sp_regathered": _forward_backward(regathering, mine),
         "torch_sp": dtensor_step,
         "course_tp": _forward_backward(tensor_only, whole),
     }
@@ -124,6 +128,14 @@ def sp_benchmark(
             ours.norm1(block_input.clone().requires_grad_())  # two activations, as in a block
             ours.norm2(block_input.clone().requires_grad_())
         norm_bytes[name] = saved.bytes
+    block_bytes = {}
+    for name, block in (("kept", ours), ("regathered", regathering)):
+        with saved_tensor_bytes(ignore=block.parameters()) as saved:
+            block(mine.clone().requires_grad_())
+        block_bytes[name] = saved.bytes
+    shape = dict(
+        batch=batch, seq=seq, d_model=d_model, heads=heads, tensor_degree=degree, sequence_parallel=True
+    )
     activation_bytes = 4 * batch * seq * d_model
     result = where | {
         "benchmark": "sp",
@@ -134,6 +146,13 @@ def sp_benchmark(
         "torch_step_ms": median_ms["torch_sp"],
         "ratio": median_ms["course_sp"] / median_ms["torch_sp"],
         "tensor_parallel_step_ms": median_ms["course_tp"],
+        "regathered_step_ms": median_ms["course_sp_regathered"],
+        "regathered_over_kept": median_ms["course_sp_regathered"] / median_ms["course_sp"],
+        "block_activation_bytes_kept": block_bytes["kept"],
+        "block_activation_bytes_kept_theory": 4 * block_activation_elements(**shape)["total"],
+        "block_activation_bytes_regathered": block_bytes["regathered"],
+        "block_activation_bytes_regathered_theory": 4
+        * block_activation_elements(**shape, regather_in_backward=True)["total"],
         "bytes_per_rank_measured": traffic["sp"],
         "bytes_per_rank_tensor_parallel": traffic["tp"],
         "bytes_per_rank_theory": 8 * comm.ring_bytes("all_gather", activation_bytes, degree),

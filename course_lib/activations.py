@@ -1,0 +1,90 @@
+"""Activation memory: what autograd keeps for backward in one transformer block, as a formula.
+
+Model states (``memory``) are fixed by the parameter count; activations grow with the batch b,
+the sequence s and the width h, and for long sequences they are the largest term. Korthikanti et
+al. count them per block, term by term, for fp16 with dropout: 34·sbh + 5·a·s²·b bytes. The
+course's ``models.Block`` has no dropout and computes attention with a fused kernel
+(``scaled_dot_product_attention``: no s×s matrix is kept, only a log-sum-exp per query and head),
+so the same count, in elements, reads:
+
+=============================  ===================  ==================================================
+what is kept                   elements             who keeps it
+=============================  ===================  ==================================================
+norm1's input, mean, 1/std     sbh + 2·sb           the first layer norm
+q, k, v's input                sbh                  the three projections (one tensor, shared)
+q, k and v                     3·sbh                the attention kernel
+attention output, log-sum-exp  sbh + a·sb           the kernel; ``out`` reads the same tensor
+norm2's input, mean, 1/std     sbh + 2·sb           the second layer norm (the residual sum)
+fc1's input                    sbh                  the first MLP layer
+fc1's output, GELU's output    4·sbh + 4·sbh        GELU, then fc2
+=============================  ===================  ==================================================
+
+16·sbh + 4·sb + a·sb in all (Korthikanti's 34·sbh + 5·as²b is the same list in fp16, with two
+dropout masks and the s×s attention matrices).
+
+Tensor parallelism (degree T) splits what lies between f and g, the heads and the MLP's hidden
+units: q, k, v, the attention output and the MLP's 8·sbh fall to 1/T. The norms' inputs and the
+projections' inputs stay whole on every rank: 4·sbh + 4·sb, Korthikanti's "10·sbh" without the
+dropout masks. Sequence parallelism cuts the norms along the sequence; the projections' inputs
+are then all-gathered, and what autograd keeps of them depends on the implementation:
+
+- **kept gathered** (the course's default, and DTensor's ``SequenceParallel`` plan): the
+  gathered input of q/k/v and of fc1 is saved whole, 2·sbh per rank whatever T is;
+- **regathered** (Megatron-LM, ``regather_in_backward=True``): only this rank's shard is saved and
+  all-gathered once more in backward, so the whole block falls to 1/T, Korthikanti's 34·sbh/T,
+  for one more all-gather of (T-1)/T·sbh elements per region, overlapped with the input
+  gradient's matmul.
+
+``block_activation_elements`` writes this table as code; the tests hold it to
+``memory.saved_tensor_bytes`` measured on real processes, exactly.
+
+Paper: Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
+MLSys 2023 (arXiv:2205.05198), section 4 (equations 1-4) and 4.2.2 (sequence parallelism).
+"""
+
+from __future__ import annotations
+
+from .errors import UserError
+
+
+def block_activation_elements(
+    *,
+    batch: int,
+    seq: int,
+    d_model: int,
+    heads: int,
+    tensor_degree: int = 1,
+    sequence_parallel: bool = False,
+    regather_in_backward: bool = False,
+) -> dict[str, float]:
+    """Elements one rank keeps for the backward of one ``models.Block``, term by term (see the table).
+
+    Multiply by the element size (4 in fp32) for bytes. The terms are ``norms``,
+    ``projection_inputs``, ``attention`` and ``mlp``; ``total`` is their sum.
+
+    Args:
+        batch: b, sequences per step on this rank.
+        seq: s, tokens per sequence (the whole sequence, before any split).
+        d_model: h, the block's width.
+        heads: a, the attention heads.
+        tensor_degree: T, the tensor-parallel degree (1: one process).
+        sequence_parallel: the norms run on s/T tokens (``parallel.sequence``).
+        regather_in_backward: Megatron-LM's variant: the projections keep only the shard.
+    """
+    if tensor_degree < 1:
+        raise UserError(f"tensor_degree must be at least 1, got {tensor_degree}")
+    if regather_in_backward and not sequence_parallel:
+        raise UserError(
+            "regather_in_backward is a sequence-parallel variant: pass sequence_parallel=True too"
+        )
+    t = tensor_degree
+    sbh, sb = seq * batch * d_model, seq * batch
+    norms = 2 * (sbh + 2 * sb)
+    projection_inputs = 2 * sbh
+    terms = {
+        "norms": norms / t if sequence_parallel else norms,
+        "projection_inputs": projection_inputs / t if regather_in_backward else projection_inputs,
+        "attention": (4 * sbh + heads * sb) / t,  # q, k, v, the output; the log-sum-exp
+        "mlp": 8 * sbh / t,  # fc1's output and GELU's
+    }
+    return terms | {"total": sum(terms.values())}

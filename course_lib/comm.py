@@ -15,7 +15,8 @@ all_reduce          2 (N-1)/N · S        a reduce-scatter, then an all-gather
 reduce_scatter      (N-1)/N · S          S is the full input; each rank keeps 1/N of the sum
 all_gather          (N-1)/N · S          S is the full output; each rank contributes 1/N
 broadcast, reduce   S                    every rank but the last forwards the tensor once
-gather, scatter     (N-1)/N · S          the root receives (sends) everyone else's share
+gather              S/N; the root: 0     each rank sends its share; the root receives (N-1)/N · S
+scatter             (N-1)/N · S at root  the root sends each other rank its share; the others send 0
 all_to_all          (N-1)/N · S          S is this rank's input: it keeps 1/N, each other rank
                                          gets another 1/N (expert parallelism's exchange)
 send / recv         S / 0                point to point
@@ -27,7 +28,10 @@ all-reduces S bytes in T seconds reports two rates: the *algorithm bandwidth* S/
 depends on N, and the *bus bandwidth* S/T x 2(N-1)/N (``bus_bandwidth``), the rate each rank's
 link really carried, which can be compared with the link's speed at any N. Note the 2 in
 all-reduce: data parallelism sends about twice the model's gradient bytes per step, *whatever
-N is*. Adding ranks does not add traffic per rank; that is why it scales.
+N is*. Adding ranks adds no bytes per rank: data parallelism scales in bandwidth. It does not
+scale for free in time: the ring's 2(N-1) messages each pay a latency (a term 2(N-1)·alpha that
+grows with N), and under strong scaling the compute that could hide the communication shrinks
+as 1/N (``scaling.strong_scaling_seconds``).
 
 ``ring_all_reduce`` builds the all-reduce from ``send``/``recv`` to show where the 2(N-1)/N comes
 from: N-1 steps of reduce-scatter, then N-1 steps of all-gather, each moving one N-th of the
@@ -94,9 +98,9 @@ def ring_bytes(op: str, tensor_bytes: int, group_size: int) -> float:
         "all_reduce": 2 * (n - 1) / n,
         "reduce_scatter": (n - 1) / n,
         "all_gather": (n - 1) / n,
-        "gather": (n - 1) / n,
+        "gather": 1 / n,  # a rank that is not the root; the root sends nothing
         "all_to_all": (n - 1) / n,
-        "scatter": (n - 1) / n,
+        "scatter": (n - 1) / n,  # the root; the others send nothing
         "broadcast": 1.0,
         "reduce": 1.0,
         "send": 1.0,
@@ -566,6 +570,9 @@ def gather(
         group,
         lambda: dist.gather(tensor, gather_list, dst=dst, group=group, async_op=async_op),
         async_op,
+        sent_bytes=0.0
+        if runtime.rank() == dst
+        else ring_bytes("gather", total, runtime.world_size(group=group)),
     )
 
 
@@ -596,6 +603,9 @@ def scatter(
         group,
         lambda: dist.scatter(tensor, scatter_list, src=src, group=group, async_op=async_op),
         async_op,
+        sent_bytes=ring_bytes("scatter", total, runtime.world_size(group=group))
+        if runtime.rank() == src
+        else 0.0,
     )
 
 

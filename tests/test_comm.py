@@ -185,6 +185,7 @@ def _ledger(world_size_unused=None):
     return (
         n,
         s,
+        dist.get_rank(),
         {op: row["bytes_per_rank"] for op, row in totals.items()},
         log.count("all_reduce"),
         summary,
@@ -194,15 +195,17 @@ def _ledger(world_size_unused=None):
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_commlog_bytes_equal_the_formulas(world_size):
-    n, s, by_op, all_reduces, summary, all_timed = launch(_ledger, world_size)[0]
-    assert by_op["all_reduce"] == 2 * 2 * (n - 1) / n * s  # two calls
-    assert by_op["broadcast"] == s and by_op["reduce"] == s
-    assert by_op["all_gather"] == (n - 1) / n * s
-    assert by_op["reduce_scatter"] == (n - 1) / n * s
-    assert by_op["gather"] == (n - 1) / n * s and by_op["scatter"] == (n - 1) / n * s
-    assert by_op["barrier"] == 0
-    assert all_reduces == 2 and all_timed
-    assert "all_reduce" in summary and "total" in summary
+    for n, s, rank, by_op, all_reduces, summary, all_timed in launch(_ledger, world_size):
+        assert by_op["all_reduce"] == 2 * 2 * (n - 1) / n * s  # two calls
+        assert by_op["broadcast"] == s and by_op["reduce"] == s
+        assert by_op["all_gather"] == (n - 1) / n * s
+        assert by_op["reduce_scatter"] == (n - 1) / n * s
+        root = rank == 0  # the root of the gather and of the scatter
+        assert by_op["gather"] == (0 if root else s / n)  # each sends its share to the root...
+        assert by_op["scatter"] == ((n - 1) / n * s if root else 0)  # ...which sends the others theirs
+        assert by_op["barrier"] == 0
+        assert all_reduces == 2 and all_timed
+        assert "all_reduce" in summary and "total" in summary
 
 
 @pytest.mark.parametrize("world_size, factor", [(1, 0), (2, 1), (4, 1.5), (8, 1.75)])

@@ -44,9 +44,13 @@ have a sharding strategy registered"), so on CPU the course compares with one pr
 
 Papers: Liu, Zaharia and Abbeel, "Ring Attention with Blockwise Transformers for Near-Infinite
 Context", 2023 (arXiv:2310.01889); the online softmax, Milakov and Gimelshein, 2018
-(arXiv:1805.02867) and Dao et al., "FlashAttention", NeurIPS 2022 (arXiv:2205.14135); the
-zig-zag layout, Brandon et al., "Striped Attention", 2023 (arXiv:2311.09431) and Megatron-LM's
-context parallelism (load-balanced chunks).
+(arXiv:1805.02867) and Dao et al., "FlashAttention", NeurIPS 2022 (arXiv:2205.14135). The
+zig-zag layout is that of the implementations rather than of a paper: Megatron-LM's context
+parallelism (``get_batch_on_this_cp_rank`` cuts the sequence into 2C chunks and gives rank r
+chunks r and 2C-1-r) and zhuzilin's ring-flash-attention (``zigzag_ring_flash_attn``). The other
+balanced layout is Brandon et al.'s "Striped Attention", 2023 (arXiv:2311.09431): round-robin
+*tokens* (rank r holds tokens r, r + C, r + 2C, ...), balanced at every ring step, not only over
+the whole ring.
 """
 
 from __future__ import annotations

@@ -3,15 +3,18 @@
 Each run is a real job launched the way it would be on a cluster: the single process with
 ``python -m course_lib.train``, the others with ``torchrun`` (CPU and gloo here, GPUs and NCCL
 on a cluster, same code). All three use the same global batch and seed, so they train the same
-model and must reach the same accuracy; only the time per epoch may differ. The lab then
+model: here, on one CPU with the same sums, to the same accuracy; on GPUs, within run-to-run
+noise (NCCL and cuDNN add in another order). Only the time per epoch should differ. The lab then
 prints a comparison table and writes under ``results/``:
 
 - ``lab-single.jsonl``, ``lab-ddp.jsonl``, ``lab-fsdp.jsonl``: one JSON line per epoch;
 - ``lab_summary.json``: the table as data;
 - ``strong_scaling.png``: time per epoch and speedup against processes, with the ideal lines.
 
-The default model (35k parameters on 8x8 digits) is so small that communicating costs more than
-computing: expect DDP and FSDP on 2 processes to be *slower* than one, and ask why. Every rank
+The default model (35k parameters on 8x8 digits) computes so little that communication eats most
+of what a second process gives: expect DDP on 2 processes to gain little (a tenth of a second
+per epoch, where run-to-run noise is as large as the effect) and FSDP, which also gathers the
+weights every step, to be *slower* than one process, and ask why. Every rank
 computes with one thread by default, the way a cluster gives each rank a device of its own: two
 processes then have twice the compute of one, and what they lose is communication.
 ``--share-cores`` is the other lesson: each run gets the whole machine, its cores split between

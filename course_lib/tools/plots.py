@@ -318,17 +318,17 @@ def plot_activation_memory(rows: list[dict], *, path=None) -> Figure:
     return save(figure, path)
 
 
-def plot_expert_load(assignments: dict[str, list[int]], capacity: int, *, path=None) -> Figure:
-    """Assignments per expert against the capacity: what is above the line is dropped.
+def plot_expert_load(loads: dict[str, tuple[list[int], int]], *, path=None) -> Figure:
+    """Assignments per expert against the capacity, one panel per routing: what is above the line is dropped.
 
     Args:
-        assignments: a title -> the assignments each expert was chosen for (``Routing.tokens_per_expert``).
-        capacity: the most one expert takes (``expert_capacity``).
+        loads: a title -> (the assignments each expert was chosen for, ``Routing.tokens_per_expert``;
+            the most one expert takes, ``Routing.capacity``).
         path: save the chart as a PNG here (None: only return it).
     """
-    figure = Figure(figsize=(4 * len(assignments), 3.2))
-    panels = figure.subplots(1, len(assignments), squeeze=False)[0]
-    for axis, (title, counts) in zip(panels, assignments.items(), strict=True):
+    figure = Figure(figsize=(4 * len(loads), 3.2))
+    panels = figure.subplots(1, len(loads), squeeze=False)[0]
+    for axis, (title, (counts, capacity)) in zip(panels, loads.items(), strict=True):
         kept = [min(count, capacity) for count in counts]
         dropped = [count - k for count, k in zip(counts, kept, strict=True)]
         experts = range(len(counts))

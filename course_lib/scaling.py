@@ -203,6 +203,54 @@ def fit_ring_all_reduce(
     return latency, bandwidth
 
 
+LATENCY_REGIME_MAX_BYTES = 8 * 1024
+"""Messages up to this size are timed for alpha: their bandwidth term is a few percent of a millisecond."""
+BANDWIDTH_REGIME_MIN_BYTES = 512 * 1024
+"""Messages from this size are timed for beta: their latency term is small beside their bytes."""
+
+
+def fit_ring_all_reduce_by_regime(
+    processes: int,
+    *,
+    message_bytes: list[float],
+    seconds: list[float],
+    latency_max_bytes: float = LATENCY_REGIME_MAX_BYTES,
+    bandwidth_min_bytes: float = BANDWIDTH_REGIME_MIN_BYTES,
+) -> tuple[float, float]:
+    """Alpha from the small messages alone, beta from the large ones alone: (alpha, beta).
+
+    One straight line through every size assumes one transport with one latency and one
+    bandwidth; a real one changes regime (gloo and NCCL switch protocols and algorithms with the
+    size, TCP's buffers fill, the operating system schedules the receiver). Each parameter is then
+    fitted where it rules: alpha is the median of T / (2(N - 1)) over the small messages (the
+    median: one late wake-up must not move it), beta the slope of T against the bytes over the
+    large ones. The residuals of the model they make show where neither regime describes a size.
+
+    Args:
+        processes: N, at least 2.
+        message_bytes: the bytes all-reduced at each point.
+        seconds: the measured time of each.
+        latency_max_bytes: the largest message used for alpha (at least one is needed).
+        bandwidth_min_bytes: the smallest message used for beta (at least two sizes are needed).
+    """
+    if processes < 2:
+        raise ValueError(f"fitting an all-reduce needs at least 2 processes, got {processes}")
+    small = [t for x, t in zip(message_bytes, seconds) if x <= latency_max_bytes]
+    large = [(x, t) for x, t in zip(message_bytes, seconds) if x >= bandwidth_min_bytes]
+    if not small or len({x for x, _ in large}) < 2:
+        raise ValueError(
+            f"fitting by regime needs a message of at most {latency_max_bytes:.0f} bytes and two sizes "
+            f"of at least {bandwidth_min_bytes:.0f} bytes: widen the sweep"
+        )
+    steps = 2 * (processes - 1)
+    latency = statistics.median(small) / steps
+    mean_x = sum(x for x, _ in large) / len(large)
+    mean_t = sum(t for _, t in large) / len(large)
+    slope = sum((x - mean_x) * (t - mean_t) for x, t in large) / sum((x - mean_x) ** 2 for x, _ in large)
+    bandwidth = steps / processes / slope if slope > 0 else float("inf")
+    return latency, bandwidth
+
+
 def strong_scaling_seconds(
     processes: int, *, compute_s: float, communication_s: float, fixed_s: float
 ) -> float:

@@ -74,6 +74,25 @@ def test_the_alpha_beta_fit_recovers_the_model_it_was_made_from(processes):
     )
 
 
+@pytest.mark.parametrize("processes", [2, 4])
+def test_the_fit_by_regime_recovers_each_parameter_where_it_rules_and_ignores_a_late_wake_up(processes):
+    latency, bandwidth = 50e-6, 1e9
+    sizes = [8 * 4**k for k in range(12)]
+    seconds = [
+        scaling.ring_all_reduce_seconds(
+            processes, message_bytes=s, latency_s=latency, bandwidth_bytes_per_s=bandwidth
+        )
+        for s in sizes
+    ]
+    seconds[1] *= 20  # one small message waited for the scheduler
+    seconds[7] *= 5  # a size between the regimes where the transport changes protocol
+    alpha, beta = scaling.fit_ring_all_reduce_by_regime(processes, message_bytes=sizes, seconds=seconds)
+    assert alpha == pytest.approx(latency, rel=0.02)  # the small messages' bytes cost ~1 %
+    assert beta == pytest.approx(bandwidth, rel=1e-9)  # the large sizes' line is exact
+    with pytest.raises(ValueError, match="widen the sweep"):
+        scaling.fit_ring_all_reduce_by_regime(processes, message_bytes=sizes[:6], seconds=seconds[:6])
+
+
 def test_the_fit_refuses_what_it_cannot_fit():
     with pytest.raises(ValueError, match="at least 2 processes"):
         scaling.fit_ring_all_reduce(1, message_bytes=[8, 16], seconds=[1, 2])

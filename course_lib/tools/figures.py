@@ -220,7 +220,9 @@ def expert_load():
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(64, 8, generator=generator) + torch.linspace(1.5, -1.5, 8)
     routing = expert.route(logits, top_k=2, capacity_factor=1.0)
-    return plots.plot_expert_load({"64 tokens, top-2, 8 experts": (routing.tokens_per_expert.tolist(), routing.capacity)})
+    return plots.plot_expert_load(
+        {"64 tokens, top-2, 8 experts": (routing.tokens_per_expert.tolist(), routing.capacity)}
+    )
 
 
 def strong_scaling():

@@ -232,13 +232,28 @@ def plot_allreduce(
             "-",
             label=f"alpha-beta fit: alpha {fit['latency_us']:.1f} us, beta {fit['bandwidth_gbps']:.2f} GB/s",
         )
+    by_regime = result.get("fit_by_regime")
+    if by_regime:
+        timing.loglog(
+            sizes,
+            [row["regime_model_time_us"] for row in rows],
+            "--",
+            label=(
+                f"fitted by regime: alpha {by_regime['latency_us']:.1f} us, "
+                f"beta {by_regime['bandwidth_gbps']:.2f} GB/s"
+            ),
+        )
     timing.set_xlabel("message size (bytes)")
     timing.set_ylabel("time of one all-reduce (us)")
     timing.legend(fontsize="small")
     bandwidth.semilogx(sizes, [row["busbw_gbps"] for row in rows], "o-", label="bus bandwidth")
     bandwidth.semilogx(sizes, [row["algbw_gbps"] for row in rows], ".--", label="algorithm bandwidth")
     if fit:
-        bandwidth.axhline(fit["bandwidth_gbps"], color="C1", linewidth=1, label="beta (fitted)")
+        bandwidth.axhline(fit["bandwidth_gbps"], color="C1", linewidth=1, label="beta (one fit)")
+    if by_regime:
+        bandwidth.axhline(
+            by_regime["bandwidth_gbps"], color="C2", linestyle="--", linewidth=1, label="beta (by regime)"
+        )
     if expected_gbps is not None:
         bandwidth.axhline(expected_gbps, color="C3", linestyle=":", label=f"link: {expected_gbps:g} GB/s")
     bandwidth.set_xlabel("message size (bytes)")

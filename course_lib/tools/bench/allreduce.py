@@ -3,7 +3,9 @@ message size from a few bytes to hundreds of MB (16 MB on CPUs), the time of one
 (the slowest rank's median over 3 blocks of ``--iterations``), its algorithm bandwidth S/T and its bus
 bandwidth S/T x 2(N-1)/N (``comm.bus_bandwidth``), and the alpha-beta model fitted to all of
 them (``scaling.fit_ring_all_reduce``): alpha, the latency of one message, and beta, the
-bandwidth a link sustains, which the bus bandwidth approaches for large messages. Locally it
+bandwidth a link sustains, which the bus bandwidth approaches for large messages; each row's
+measured time over the model's (the residual), and, when the sweep reaches both regimes, alpha
+and beta each fitted where it rules (``scaling.fit_ring_all_reduce_by_regime``). Locally it
 starts ``--world-size`` processes on gloo; under ``srun`` or ``torchrun`` every started process
 is a rank (NCCL on GPUs), so ``slurm/network_check.sbatch`` measures a cluster's network with
 it and ``--expect-gbps`` turns the result into a verdict."""
@@ -136,6 +138,22 @@ def allreduce_benchmark(*, sizes: list[int], iterations: int, warmup: int) -> di
                 world, message_bytes=row["bytes"], latency_s=latency, bandwidth_bytes_per_s=bandwidth
             )
         result["fit"] = {"latency_us": latency * 1e6, "bandwidth_gbps": bandwidth / 1e9}
+        for row in rows:
+            row["measured_over_model"] = row["time_us"] / row["model_time_us"]  # the residual, as a ratio
+        try:  # each parameter where it rules, when the sweep reaches both regimes
+            latency, bandwidth = scaling.fit_ring_all_reduce_by_regime(
+                world,
+                message_bytes=[row["bytes"] for row in rows],
+                seconds=[row["time_us"] / 1e6 for row in rows],
+            )
+        except ValueError:
+            pass
+        else:
+            result["fit_by_regime"] = {"latency_us": latency * 1e6, "bandwidth_gbps": bandwidth / 1e9}
+            for row in rows:
+                row["regime_model_time_us"] = 1e6 * scaling.ring_all_reduce_seconds(
+                    world, message_bytes=row["bytes"], latency_s=latency, bandwidth_bytes_per_s=bandwidth
+                )
     result["largest_message_busbw_gbps"] = rows[-1]["busbw_gbps"]
     return result
 

@@ -98,6 +98,8 @@ def plot_timeline(
 
 # -- strong scaling -------------------------------------------------------------------------------
 
+STUDY_COLUMNS = 3
+"""Panels per row of the study's figure."""
 STUDY_PANELS = {
     "time_per_epoch_s": "time per epoch (s)",
     "speedup": "speedup",
@@ -119,9 +121,13 @@ def draw_study(
 
     A one-process ``single`` row, as the lab has, is where every strategy's line starts.
     """
-    figure = Figure(figsize=(panel_size[0] * len(panels), panel_size[1]), layout="constrained")
-    axes = figure.subplots(1, len(panels), squeeze=False)
-    axes = dict(zip(panels, axes[0]))
+    columns = min(len(panels), STUDY_COLUMNS)  # wrapped into rows: five panels in a row are unreadable
+    rows_of_panels = -(-len(panels) // columns)
+    figure = Figure(figsize=(panel_size[0] * columns, panel_size[1] * rows_of_panels), layout="constrained")
+    grid = figure.subplots(rows_of_panels, columns, squeeze=False).flatten()
+    for unused in grid[len(panels) :]:
+        unused.set_visible(False)
+    axes = dict(zip(panels, grid))
     sizes = sorted({row["world_size"] for row in rows})
     baseline = [row for row in rows if row["strategy"] == "single"]
     ideal_starts = set()  # lines that start from the same point share one ideal line
@@ -130,14 +136,17 @@ def draw_study(
         mine.sort(key=lambda row: row["world_size"])
         ranks = [row["world_size"] for row in mine]
         for key, axis in axes.items():
-            axis.plot(ranks, [row[key] for row in mine], "o-", label=strategy.upper())
+            (line,) = axis.plot(ranks, [row[key] for row in mine], "o-", label=strategy.upper())
         first = mine[0]
         start = (first["world_size"], first["time_per_epoch_s"])
         if "time_per_epoch_s" in axes and start not in ideal_starts:
             ideal_starts.add(start)
             ideal = [first["time_per_epoch_s"] * first["world_size"] / n for n in sizes]
-            label = "ideal 1/N" if baseline else f"ideal 1/N ({strategy.upper()})"
-            axes["time_per_epoch_s"].plot(sizes, ideal, "--", color="gray", lw=1, label=label)
+            if baseline:  # every line starts at the baseline: one ideal for all
+                axes["time_per_epoch_s"].plot(sizes, ideal, "--", color="black", lw=1, label="ideal 1/N")
+            else:  # an ideal per strategy, in the strategy's colour
+                label = f"ideal 1/N ({strategy.upper()})"
+                axes["time_per_epoch_s"].plot(sizes, ideal, ":", color=line.get_color(), lw=1.5, label=label)
     if "speedup" in axes:
         axes["speedup"].plot(sizes, sizes, "k--", lw=1, label="ideal")
     if "efficiency" in axes:
@@ -147,9 +156,9 @@ def draw_study(
         axis.set_xticks(sizes)
         axis.get_xaxis().set_major_formatter(ticker.ScalarFormatter())
         axis.set_xlabel("processes (GPUs)")
-        axis.set_title(STUDY_PANELS[key])
+        axis.set_title(STUDY_PANELS[key], fontsize="large")
         axis.grid(True, alpha=0.3)
-        axis.legend()
+        axis.legend(fontsize="medium")
     if "time_per_epoch_s" in axes:
         time_axis = axes["time_per_epoch_s"]
         time_axis.set_yscale("log")

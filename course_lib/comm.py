@@ -299,7 +299,8 @@ def _check_device(*tensors: torch.Tensor) -> None:
             wanted = "cuda" if backend == "nccl" else "cpu (or cuda)"
             raise UserError(
                 f"a {tuple(tensor.shape)} tensor on {tensor.device} was passed to a {backend} collective, "
-                f"which needs {wanted} tensors: move it with tensor.to(course_lib.runtime.context().device)"
+                f"which needs {wanted} tensors: move it with "
+                "tensor.to(course_lib.runtime.process_info().device)"
             )
 
 

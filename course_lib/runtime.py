@@ -84,8 +84,8 @@ class DistEnvironment:
 
 
 @dataclass(frozen=True)
-class Context:
-    """The process after ``init()``: its place in the world and the device it computes on."""
+class ProcessInfo:
+    """This process after ``init()``: its place in the world and the device it computes on."""
 
     rank: int
     local_rank: int
@@ -100,7 +100,7 @@ class Context:
         return self.rank == 0
 
 
-_context: Context | None = None
+_process: ProcessInfo | None = None
 
 
 LAUNCHER_VARIABLES = {
@@ -404,8 +404,8 @@ def _wait_until_listening(env: DistEnvironment, timeout: datetime.timedelta) -> 
 
 def init(
     *, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, num_threads: int | None = None
-) -> Context:
-    """Join the process group described by the environment and return this process's ``Context``.
+) -> ProcessInfo:
+    """Join the process group described by the environment and return this process's ``ProcessInfo``.
 
     Safe to call twice: the second call returns the context of the first.
 
@@ -416,9 +416,9 @@ def init(
             otherwise this node's cores shared evenly between its ranks, so two ranks on two cores
             do not fight over them).
     """
-    global _context
-    if _context is not None:
-        return _context
+    global _process
+    if _process is not None:
+        return _process
 
     from .checks import check_int, check_number
 
@@ -452,7 +452,7 @@ def init(
                 timeout=timeout,
                 device_id=device if device_type == "cuda" else None,
             )
-    _context = Context(
+    _process = ProcessInfo(
         rank=env.rank,
         local_rank=env.local_rank,
         world_size=env.world_size,
@@ -461,14 +461,14 @@ def init(
         backend=backend,
         launcher=env.launcher,
     )
-    return _context
+    return _process
 
 
-def context() -> Context:
-    """The context of the ``init()`` call of this process."""
-    if _context is None:
+def process_info() -> ProcessInfo:
+    """What the ``init()`` call of this process found: its rank, world size, device and backend."""
+    if _process is None:
         raise RuntimeError("course_lib.runtime.init() has not been called in this process")
-    return _context
+    return _process
 
 
 def shutdown() -> None:
@@ -478,13 +478,13 @@ def shutdown() -> None:
     the function that owned them first): ``gc.collect()`` then frees them while the process
     group still exists, which is the order gloo needs.
     """
-    global _context
+    global _process
     gc.collect()
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.destroy_process_group()
-    _context = None
+    _process = None
 
 
 def is_peer_failure(error: BaseException) -> bool:

@@ -35,7 +35,7 @@ from torch import nn
 
 from .errors import UserError
 from .models import sharding_units
-from .runtime import Context
+from .runtime import ProcessInfo
 
 STRATEGIES = ("single", "ddp", "fsdp")
 IMPLEMENTATIONS = ("torch", "course")
@@ -59,7 +59,7 @@ def wrap_model(
     *,
     strategy: str,
     impl: str,
-    context: Context,
+    process: ProcessInfo,
     zero_stage: int = 3,
     sharding: str = "FULL_SHARD",
     hybrid_shard_size: int | None = None,
@@ -69,10 +69,10 @@ def wrap_model(
     """Return the model as this strategy trains it (the optimizer must be built *after* this).
 
     Args:
-        model: the model, on ``context.device``, the same on every rank.
+        model: the model, on ``process.device``, the same on every rank.
         strategy: ``single``, ``ddp`` or ``fsdp``.
         impl: ``torch`` (PyTorch's DDP or FSDP2) or ``course`` (``course_lib.parallel``).
-        context: this process's ``runtime.Context`` (its device and world size).
+        process: this process's ``runtime.ProcessInfo`` (its device and world size).
         zero_stage: ``fsdp`` with ``course`` only: 1 or 2 (``ZeroDataParallel``) or 3 (FSDP).
         sharding: the course FSDP's sharding strategy (``FULL_SHARD``, ``SHARD_GRAD_OP``,
             ``HYBRID_SHARD``, ``NO_SHARD``).
@@ -80,7 +80,7 @@ def wrap_model(
         cpu_offload: the course FSDP's offload mode: ``none``, ``params`` or ``full``.
         activation_checkpointing: the course FSDP recomputes each unit's activations in backward.
     """
-    check_strategy(strategy, impl, context.world_size)
+    check_strategy(strategy, impl, process.world_size)
     if strategy == "single":
         return model
     if strategy == "ddp":
@@ -90,7 +90,7 @@ def wrap_model(
             return DataParallel(model)
         from torch.nn.parallel import DistributedDataParallel
 
-        device_ids = [context.device.index] if context.device.type == "cuda" else None
+        device_ids = [process.device.index] if process.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids)
     if impl == "course" and zero_stage in (1, 2):
         from .parallel.zero import ZeroDataParallel

@@ -408,17 +408,17 @@ class Trainer:
             if config.profile
             else None
         )
-        self.ctx = runtime.context()
-        validate_config(config, self.ctx.world_size, self.ctx.local_world_size)
+        self.process = runtime.process_info()
+        validate_config(config, self.process.world_size, self.process.local_world_size)
         self.micro_batch = data.per_rank_batch_size(
-            config.global_batch_size, self.ctx.world_size, grad_accum_steps=config.grad_accum
+            config.global_batch_size, self.process.world_size, grad_accum_steps=config.grad_accum
         )
 
         # The same seed on every rank gives every replica the same initial weights.
         torch.manual_seed(config.seed)
         random.seed(config.seed)
         self.data = data.load_dataset(config.dataset, data_dir=config.data_dir, seed=config.seed)
-        model = models.build_model(config.model, num_classes=self.data.num_classes).to(self.ctx.device)
+        model = models.build_model(config.model, num_classes=self.data.num_classes).to(self.process.device)
         # The model's arithmetic per sample, counted once on a shape-only copy: throughput x this
         # is the achieved FLOP/s, and over the GPUs' peak it is MFU (course_lib.flops).
         self.flops_per_sample = flops.training_flops_per_sample(model, tuple(self.data.train[0][0].shape))
@@ -440,7 +440,7 @@ class Trainer:
             model,
             strategy=config.strategy,
             impl=config.impl,
-            context=self.ctx,
+            process=self.process,
             zero_stage=config.zero_stage,
             sharding=config.sharding,
             hybrid_shard_size=config.hybrid_shard_size,
@@ -449,12 +449,12 @@ class Trainer:
         )
         self.optimizer = build_optimizer(self.model, config)
 
-        pin = self.ctx.device.type == "cuda"
+        pin = self.process.device.type == "cuda"
         self.train_loader = data.train_loader(
             self.data.train,
             self.micro_batch,
-            self.ctx.rank,
-            self.ctx.world_size,
+            self.process.rank,
+            self.process.world_size,
             config.seed,
             config.workers,
             pin,
@@ -462,8 +462,8 @@ class Trainer:
         self.val_loader = data.validation_loader(
             self.data.val,
             config.eval_batch_size,
-            self.ctx.rank,
-            self.ctx.world_size,
+            self.process.rank,
+            self.process.world_size,
             workers=config.workers,
             pin_memory=pin,
         )
@@ -494,7 +494,7 @@ class Trainer:
         and one wait for the device (reading its result). The loss stays on the device during the
         micro-batches; reading it after each one would stall a GPU once per micro-batch.
         """
-        config, device = self.config, self.ctx.device
+        config, device = self.config, self.process.device
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         samples = 0
@@ -623,14 +623,14 @@ class Trainer:
             total=self.steps_per_epoch,
             initial=first_step,
             desc=f"epoch {epoch + 1}/{config.epochs}",
-            disable=not (self.ctx.is_main and config.progress),
+            disable=not (self.process.is_main and config.progress),
             leave=False,
             dynamic_ncols=True,
             mininterval=0.5,
             file=sys.stderr,
         )
-        if self.ctx.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.ctx.device)
+        if self.process.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.process.device)
         # What the epoch's metrics add up; a resumed epoch goes on from what the checkpoint had summed.
         sums = dict(EMPTY_EPOCH_SUMS) | (position.epoch_sums if first_step else {})
         seconds_before = sums["seconds"]
@@ -657,27 +657,27 @@ class Trainer:
             if stop:
                 bar.close()
                 self._stop_for_requeue()
-        if self.ctx.device.type == "cuda":
-            torch.cuda.synchronize(self.ctx.device)
+        if self.process.device.type == "cuda":
+            torch.cuda.synchronize(self.process.device)
         # the slowest rank sets the pace (a resumed epoch: the time before the stop, plus this part)
-        epoch_time = _reduce_max(seconds_before + time.perf_counter() - started, self.ctx.device)
+        epoch_time = _reduce_max(seconds_before + time.perf_counter() - started, self.process.device)
         bar.close()
         steps = int(sums["steps"])
-        peak_mb, peak_kind = peak_memory_mb(self.ctx.device)
+        peak_mb, peak_kind = peak_memory_mb(self.process.device)
         record = {
             "epoch": epoch + 1,
             "strategy": config.strategy,
             "impl": config.impl,
             "sharding": self.sharding_label,
-            "world_size": self.ctx.world_size,
+            "world_size": self.process.world_size,
             "global_batch_size": config.global_batch_size,
             "micro_batch_size": self.micro_batch,
             "grad_accum": config.grad_accum,
             "dataset": config.dataset,
             "model": config.model,
             "precision": config.precision,
-            "device": self.ctx.device.type,
-            "backend": self.ctx.backend,
+            "device": self.process.device.type,
+            "backend": self.process.backend,
             "steps": steps,
             # False when --max-steps ended it early: its numbers then describe only those steps
             "epoch_complete": position.step_in_epoch == self.steps_per_epoch,
@@ -688,24 +688,24 @@ class Trainer:
         if first_step:  # stopped and resumed inside this epoch: the sums above still cover all of it
             record["resumed_at_step"] = first_step
         record["model_tflops"] = self.flops_per_sample * record["samples_per_s"] / 1e12
-        peak = flops.peak_tflops(self.ctx.device, flops.matmul_precision(config.precision))
+        peak = flops.peak_tflops(self.process.device, flops.matmul_precision(config.precision))
         record["mfu"] = (
             None
             if peak is None
             else flops.model_flops_utilization(
                 flops_per_sample=self.flops_per_sample,
                 samples_per_s=record["samples_per_s"],
-                gpus=self.ctx.world_size,
+                gpus=self.process.world_size,
                 peak_tflops_per_gpu=peak,
             )
         )
-        record.update(evaluate(self.model, self.val_loader, self.ctx.device, precision=config.precision))
-        record["peak_mem_mb"] = _reduce_max(peak_mb, self.ctx.device)
+        record.update(evaluate(self.model, self.val_loader, self.process.device, precision=config.precision))
+        record["peak_mem_mb"] = _reduce_max(peak_mb, self.process.device)
         record["peak_mem_kind"] = peak_kind
         # What sharding divides by N, on any device: on a CPU the peak above is the process's
         # resident memory, mostly PyTorch's own runtime, and hardly moves with N.
         held = memory.measure_model_states(self.model, optimizer=self.optimizer).total
-        record["model_state_mb"] = _reduce_max(held / 2**20, self.ctx.device)
+        record["model_state_mb"] = _reduce_max(held / 2**20, self.process.device)
         if position.step_in_epoch == self.steps_per_epoch:
             position.epoch, position.step_in_epoch, position.epoch_sums = epoch + 1, 0, {}
         return record
@@ -715,7 +715,7 @@ class Trainer:
         if self._profiler is None:
             return
         result = self._profiler.finish()
-        if result is not None and self.ctx.is_main:
+        if result is not None and self.process.is_main:
             tqdm.write(result.table(), file=sys.stdout)
             tqdm.write(
                 f"the anatomy of {len(result.budgets[0])} steps is in {self.config.profile}/anatomy.json, "
@@ -728,8 +728,9 @@ class Trainer:
         runtime.print0(
             f"training {config.model} on {config.dataset}: strategy {config.strategy} "
             f"({config.impl}{', ' + self.sharding_label if self.sharding_label else ''}), "
-            f"{self.ctx.world_size} rank(s) on {self.ctx.device.type}/{self.ctx.backend}, global batch "
-            f"{config.global_batch_size} = {self.ctx.world_size} x {config.grad_accum} x {self.micro_batch}, "
+            f"{self.process.world_size} rank(s) on {self.process.device.type}/{self.process.backend}, "
+            f"global batch {config.global_batch_size} = {self.process.world_size} x {config.grad_accum} "
+            f"x {self.micro_batch}, "
             f"{self.steps_per_epoch} steps per epoch"
         )
         for epoch in range(position.epoch, config.epochs):
@@ -739,7 +740,7 @@ class Trainer:
             position.history.append(record)
             if config.metrics:
                 _on_first_rank(lambda: _append_metrics(config.metrics, record))
-            if self.ctx.is_main:
+            if self.process.is_main:
                 tqdm.write(
                     f"epoch {record['epoch']}/{config.epochs}: train loss {record['train_loss']:.4f}, val "
                     f"loss {record['val_loss']:.4f}, val acc {record['val_acc']:.2%}, "

@@ -159,22 +159,23 @@ def test_backend_choice():
 
 
 def test_init_single_process_then_shutdown():
-    ctx = runtime.init()
+    process = runtime.init()
     try:
-        assert (ctx.rank, ctx.world_size, ctx.backend, ctx.device.type) == (0, 1, "gloo", "cpu")
-        assert runtime.init() is ctx  # idempotent
-        assert runtime.context() is ctx and runtime.is_main()
+        where = (process.rank, process.world_size, process.backend, process.device.type)
+        assert where == (0, 1, "gloo", "cpu")
+        assert runtime.init() is process  # idempotent
+        assert runtime.process_info() is process and runtime.is_main()
         runtime.barrier()
     finally:
         runtime.shutdown()
     with pytest.raises(RuntimeError, match="has not been called"):
-        runtime.context()
+        runtime.process_info()
 
 
 def _who_am_i():
     runtime.print0(f"hello from rank {runtime.rank()}")
-    ctx = runtime.context()
-    return ctx.rank, ctx.world_size, ctx.local_rank, ctx.backend
+    process = runtime.process_info()
+    return process.rank, process.world_size, process.local_rank, process.backend
 
 
 def test_print0_and_context_on_three_ranks(capfd):

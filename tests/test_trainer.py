@@ -101,13 +101,15 @@ ODD_VALIDATION = TensorDataset(
 
 
 def _evaluate_on_odd_dataset(strategy: str):
-    ctx = runtime.context()
+    process = runtime.process_info()
     torch.manual_seed(0)
     model = strategies.wrap_model(
-        models.build_model("digits_cnn"), strategy=strategy, impl="torch", context=ctx
+        models.build_model("digits_cnn"), strategy=strategy, impl="torch", process=process
     )
-    loader = data.validation_loader(ODD_VALIDATION, batch_size=4, rank=ctx.rank, world_size=ctx.world_size)
-    return evaluate(model, loader, ctx.device)
+    loader = data.validation_loader(
+        ODD_VALIDATION, batch_size=4, rank=process.rank, world_size=process.world_size
+    )
+    return evaluate(model, loader, process.device)
 
 
 @pytest.mark.parametrize(

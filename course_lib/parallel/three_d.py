@@ -33,7 +33,8 @@ import contextlib
 import torch
 from torch import nn
 
-from .. import anatomy, comm, data, models, runtime
+from .. import anatomy, comm, models, runtime
+from ..data import zen_windows
 from ..errors import UserError
 from . import context as cp
 from . import pipeline as pp
@@ -57,7 +58,7 @@ def build_local_model(
 
 def check_run(
     world_size: int,
-    data_degree: int,
+    data: int,
     pipeline: int,
     tensor: int,
     global_batch: int,
@@ -72,23 +73,23 @@ def check_run(
     """Everything that can be wrong, checked before any process waits on another."""
     from .mesh import check_degrees
 
-    check_degrees(world_size, data=data_degree, pipeline=pipeline, context=context, tensor=tensor)
+    check_degrees(world_size, data=data, pipeline=pipeline, context=context, tensor=tensor)
     tp.check_tensor_parallel_degree(d_model, n_heads, 4 * d_model, tensor)
     cp.check_context_split(seq_len, context, zigzag=True)
     if pipeline > n_layers + 2:
         raise UserError(
             f"cannot cut {n_layers + 2} layers (embedding, {n_layers} blocks, head) into {pipeline} stages"
         )
-    if global_batch % (data_degree * microbatches):
+    if global_batch % (data * microbatches):
         raise UserError(
-            f"the global batch of {global_batch} must split into {data_degree} data-parallel parts of "
-            f"{microbatches} micro-batches each: use a multiple of {data_degree * microbatches}"
+            f"the global batch of {global_batch} must split into {data} data-parallel parts of "
+            f"{microbatches} micro-batches each: use a multiple of {data * microbatches}"
         )
 
 
 def train_3d(
     *,
-    data_degree: int = 2,
+    data: int = 2,
     pipeline: int = 2,
     tensor: int = 2,
     context: int = 1,
@@ -109,7 +110,7 @@ def train_3d(
     With 1 x 1 x 1 it is the single-process reference.
 
     Args:
-        data_degree: D, the replicas that split the global batch.
+        data: D, the replicas that split the global batch.
         pipeline: P, the stages the transformer is cut into.
         tensor: T, the ranks each block's matrices are split over.
         context: C, the ranks each sequence is split over (ring attention, zig-zag layout).
@@ -128,13 +129,13 @@ def train_3d(
     """
     world = runtime.world_size()
     check_run(
-        world, data_degree, pipeline, tensor, global_batch, microbatches, n_layers, d_model, n_heads,
+        world, data, pipeline, tensor, global_batch, microbatches, n_layers, d_model, n_heads,
         context=context, seq_len=seq_len,
     )  # fmt: skip
-    mesh = Mesh(data=data_degree, pipeline=pipeline, context=context, tensor=tensor)
+    mesh = Mesh(data=data, pipeline=pipeline, context=context, tensor=tensor)
     layout = cp.SequenceLayout(seq_len, context, zigzag=True)
     my_chunk = mesh.coordinates.context
-    inputs, targets, vocabulary = data.zen_windows(seq_len=seq_len)
+    inputs, targets, vocabulary = zen_windows(seq_len=seq_len)
     torch.manual_seed(seed)
     model = models.TinyTransformer(
         len(vocabulary), d_model=d_model, n_heads=n_heads, n_layers=n_layers, max_seq_len=seq_len
@@ -142,7 +143,7 @@ def train_3d(
     stages = build_local_model(model, mesh, layout)
     params = [p for stage in stages.values() for p in stage.parameters()]
     optimizer = torch.optim.AdamW(params, lr=lr)
-    local_batch = global_batch // data_degree
+    local_batch = global_batch // data
     micro = local_batch // microbatches
 
     def loss_fn(logits, targets):  # this rank's tokens' share of the micro-batch's mean
@@ -165,7 +166,7 @@ def train_3d(
     for _ in range(steps):
         # the same draw everywhere
         batch = torch.randint(0, len(inputs), (global_batch,), generator=generator)
-        mine = batch[mesh.coordinates.data :: data_degree]  # this replica's share
+        mine = batch[mesh.coordinates.data :: data]  # this replica's share
         with profiler.step() if profiler else contextlib.nullcontext():
             with anatomy.phase("optimizer"):
                 optimizer.zero_grad()

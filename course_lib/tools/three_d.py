@@ -68,11 +68,11 @@ def main(argv: list[str] | None = None) -> int:
         "microbatches": args.microbatches,
         "schedule": args.schedule,
     }
-    single = launch(train_3d, 1, data_degree=1, pipeline=1, tensor=1, **options)[0]
+    single = launch(train_3d, 1, data=1, pipeline=1, tensor=1, **options)[0]
     grid = launch(
         train_3d,
         world,
-        data_degree=args.data,
+        data=args.data,
         pipeline=args.pipeline,
         context=args.context,
         tensor=args.tensor,

@@ -111,12 +111,12 @@ def test_the_process_groups_are_those_of_the_grid(degrees):
 
 @pytest.fixture(scope="module")
 def single_losses():
-    return launch(train_3d, 1, data_degree=1, pipeline=1, tensor=1)[0]
+    return launch(train_3d, 1, data=1, pipeline=1, tensor=1)[0]
 
 
 @pytest.mark.slow
 def test_a_2x2x2_run_on_8_processes_matches_one_process(single_losses):
-    losses = launch(train_3d, 8, data_degree=2, pipeline=2, tensor=2, timeout_s=600)[0]
+    losses = launch(train_3d, 8, data=2, pipeline=2, tensor=2, timeout_s=600)[0]
     assert losses == pytest.approx(single_losses, rel=1e-5)
     assert losses[-1] < 0.65 * losses[0]  # it learns
 
@@ -125,7 +125,7 @@ def test_other_grids_and_schedules_match_one_process(single_losses):
     losses = launch(
         train_3d,
         4,
-        data_degree=1,
+        data=1,
         pipeline=2,
         tensor=2,
         steps=20,
@@ -138,23 +138,23 @@ def test_other_grids_and_schedules_match_one_process(single_losses):
 
 @pytest.fixture(scope="module")
 def short_single_losses():
-    return launch(train_3d, 1, data_degree=1, pipeline=1, tensor=1, steps=6)[0]
+    return launch(train_3d, 1, data=1, pipeline=1, tensor=1, steps=6)[0]
 
 
 @pytest.mark.slow
 def test_a_4d_run_data_context_tensor_on_8_processes_matches_one_process(short_single_losses):
-    losses = launch(train_3d, 8, data_degree=2, pipeline=1, context=2, tensor=2, steps=6, timeout_s=600)[0]
+    losses = launch(train_3d, 8, data=2, pipeline=1, context=2, tensor=2, steps=6, timeout_s=600)[0]
     assert losses == pytest.approx(short_single_losses, rel=1e-5)
 
 
 def test_context_with_pipeline_stages_matches_one_process(short_single_losses):
-    losses = launch(train_3d, 4, data_degree=1, pipeline=2, context=2, tensor=1, steps=6)[0]
+    losses = launch(train_3d, 4, data=1, pipeline=2, context=2, tensor=1, steps=6)[0]
     assert losses == pytest.approx(short_single_losses, rel=1e-5)
 
 
 def _refused_context():
     try:
-        train_3d(data_degree=1, pipeline=1, tensor=1, context=2, seq_len=3)
+        train_3d(data=1, pipeline=1, tensor=1, context=2, seq_len=3)
     except UserError as error:
         return str(error)
     return "no error"
@@ -167,7 +167,7 @@ def test_a_sequence_too_short_for_the_context_degree_is_refused_on_every_rank():
 
 def _refused(*arguments):
     names = (
-        "data_degree",
+        "data",
         "pipeline",
         "tensor",
         "steps",

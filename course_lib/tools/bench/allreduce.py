@@ -64,8 +64,8 @@ def allreduce_benchmark(*, sizes: list[int], iterations: int, warmup: int) -> di
 
     from ... import scaling
 
-    context = runtime.context()
-    world, device = context.world_size, context.device
+    process = runtime.process_info()
+    world, device = process.world_size, process.device
 
     def synchronized() -> float:
         if device.type == "cuda":
@@ -75,7 +75,7 @@ def allreduce_benchmark(*, sizes: list[int], iterations: int, warmup: int) -> di
     rows = []
     for size in sizes:
         # Correctness first: every rank gives rank + 1, so every element must sum to N(N + 1)/2.
-        check = torch.full((size // 4,), float(context.rank + 1), device=device)
+        check = torch.full((size // 4,), float(process.rank + 1), device=device)
         dist.all_reduce(check)
         correct = bool(torch.all(check == world * (world + 1) / 2))
         del check
@@ -115,11 +115,11 @@ def allreduce_benchmark(*, sizes: list[int], iterations: int, warmup: int) -> di
         )
     nodes = [None] * world
     dist.all_gather_object(nodes, runtime.node_name())
-    if not context.is_main:
+    if not process.is_main:
         return None
     result = {
         "benchmark": "allreduce",
-        "backend": context.backend,
+        "backend": process.backend,
         "device": device.type,
         "world_size": world,
         "nodes": len(set(nodes)),

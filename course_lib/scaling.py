@@ -269,6 +269,26 @@ def strong_scaling_seconds(
     return compute_s / processes + communication_s + fixed_s
 
 
+def fit_strong_scaling(seconds: dict[int, float], communication_s: dict[int, float]) -> tuple[float, float]:
+    """T_compute and T_fixed from measured times, T_comm(N) given: (compute_s, fixed_s).
+
+    With the communication term predicted (``ring_all_reduce_seconds`` from a measured alpha and
+    beta), what is left, T(N) - T_comm(N) = T_compute / N + T_fixed, is a straight line in 1/N:
+    its slope is T_compute and its intercept T_fixed, fitted by least squares over every N.
+
+    Args:
+        seconds: N -> the measured time (of a step or an epoch) on N processes; at least two N.
+        communication_s: N -> T_comm(N), the same unit, for every N of ``seconds``.
+    """
+    if len(seconds) < 2:
+        raise ValueError(f"fitting T(N) needs runs at two numbers of processes at least, got {sorted(seconds)}")
+    xs = [1 / n for n in seconds]
+    ys = [seconds[n] - communication_s[n] for n in seconds]
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    compute = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+    return compute, mean_y - compute * mean_x
+
+
 def step_budget(serial: dict[str, float], parallel: dict[str, float], *, processes: int) -> dict[str, float]:
     """Why a step on N processes takes longer than 1/N of the serial one, term by term, measured.
 

@@ -138,16 +138,21 @@ class Question:
 
     Args:
         key: the answer's name in ``answers.toml``.
-        answer: computes the right value with the course's own models (never stored as a literal).
+        answer: computes the right value with the course's own models (never stored as a literal);
+            with ``from_answers``, from the student's own measurements: ``answer(answers)`` gets
+            the whole ``answers.toml`` as a dictionary.
         how: shown when the answer is wrong: which model or measurement gives it, not the number.
         rel_tol: how close an answer must be (relative), for questions with rounded answers.
+        from_answers: the right value depends on what the student measured (a lab graded on the
+            student's own data), which ``answers.toml`` holds beside the answers.
     """
 
     key: str
-    answer: Callable[[], float]
+    answer: Callable[..., float]
     how: str
     _: KW_ONLY
     rel_tol: float = 1e-3
+    from_answers: bool = False
 
 
 def check_answers(questions: list[Question], path: Path) -> list[str]:
@@ -171,7 +176,16 @@ def check_answers(questions: list[Question], path: Path) -> list[str]:
         value = given.get(question.key)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
             lines.append(f"FAIL  question {question.key}: not answered yet (a number in {path.name})")
-        elif math.isclose(value, question.answer(), rel_tol=question.rel_tol):
+            continue
+        try:
+            right = question.answer(given) if question.from_answers else question.answer()
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as error:
+            lines.append(
+                f"FAIL  question {question.key}: your measurements in {path.name} cannot give it "
+                f"({type(error).__name__}: {error}); paste the [measured] block the lab's script prints"
+            )
+            continue
+        if math.isclose(value, right, rel_tol=question.rel_tol):
             lines.append(f"PASS  question {question.key}")
         else:
             lines.append(f"FAIL  question {question.key}: {value:g} is not it; {question.how}")

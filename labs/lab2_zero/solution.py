@@ -66,7 +66,7 @@ class ShardedOptimizer:
 
     def _gather_and_write_back(self) -> None:
         """Every rank's updated shard, all-gathered, back into the model's parameters."""
-        # BEGIN SOLUTION: an all-gather needs equal pieces: pad this rank's shard with zeros to the full shard length, gather into world_size times that, drop the padding at the end, then copy each parameter's slice back into it (no_grad, view_as)
+        # BEGIN SOLUTION: each rank updated only its shard, and every rank needs every shard back in its parameters. The collective that hands everyone everyone's piece wants pieces of one size, but when the count does not divide, the last shard is shorter: decide what the short rank sends and what becomes of the extra. Pitfall: the parameters are tensors autograd tracks, and the new values must land in them without being recorded
         piece = torch.zeros(self.shard_size, dtype=self.shard.dtype)
         piece[: self.end - self.start] = self.shard.detach()
         everyone = torch.empty(self.shard_size * self.world_size, dtype=self.shard.dtype)

@@ -30,9 +30,9 @@ class CopyToParallel(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        # TODO: nothing to communicate going forward, but autograd needs a new tensor object, not x itself (a view of x does)
+        # TODO: going forward every rank already holds the whole input: nothing to send. Pitfall: a Function that returns the very tensor object it was given leaves autograd unsure which node produced it; return a new tensor object that costs no copy
         raise NotImplementedError(
-            "TODO: nothing to communicate going forward, but autograd needs a new tensor object, not x itself (a view of x does)"
+            "TODO: going forward every rank already holds the whole input: nothing to send. Pitfall: a Function that returns the very tensor object it was given leaves autograd unsure which node produced it; return a new tensor object that costs no copy"
         )
 
     @staticmethod
@@ -73,9 +73,9 @@ class ColumnParallelLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # TODO: the whole input enters here: pass it through f first, then the linear of your rows
+        # TODO: the whole input enters the split region here, and your rows produce only part of its gradient in backward: which of the two communication functions makes that gradient whole, and must it act before or after your linear?
         raise NotImplementedError(
-            "TODO: the whole input enters here: pass it through f first, then the linear of your rows"
+            "TODO: the whole input enters the split region here, and your rows produce only part of its gradient in backward: which of the two communication functions makes that gradient whole, and must it act before or after your linear?"
         )
 
 
@@ -91,9 +91,9 @@ class RowParallelLinear(nn.Module):
         )
 
     def forward(self, x_slice: torch.Tensor) -> torch.Tensor:
-        # TODO: a partial sum from your input slice (no bias yet), summed over the ranks by g, then the bias
+        # TODO: your columns of the weight see only your slice of the input, so what you compute is one term of the output's sum, and the terms must meet. Pitfall: the bias belongs to the sum, not to each term: added on every rank before the sum, it would count T times
         raise NotImplementedError(
-            "TODO: a partial sum from your input slice (no bias yet), summed over the ranks by g, then the bias"
+            "TODO: your columns of the weight see only your slice of the input, so what you compute is one term of the output's sum, and the terms must meet. Pitfall: the bias belongs to the sum, not to each term: added on every rank before the sum, it would count T times"
         )
 
 

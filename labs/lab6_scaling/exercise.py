@@ -1,29 +1,22 @@
-"""Exercise: lab 6: reading a strong-scaling study.
+"""Exercise: lab 6: a strong-scaling study, explained with a model fitted to your own runs.
 
-After running the study (locally: ``python -m course_lib.tools.study submit --local --gpus 1 2``; on
-the cluster: ``python -m course_lib.tools.study submit --gpus 1 2 4 8 16 --wait``, then ``collect``),
-you have a time per epoch for each number of GPUs. Fill in the two functions marked TODO in
-exercise.py, then check your work (the grading suite, on a reference table shipped with the lab):
+After running the study (locally: ``python -m course_lib.tools.study submit --local --gpus 1 2
+--dataset digits --model digits_cnn``; on the cluster: ``... submit --gpus 1 2 4 8 16 --wait``, then
+``collect``) and measuring the network (``python -m course_lib.tools.bench allreduce >
+results/allreduce.json``; on the cluster, ``slurm/network_check.sbatch``), fill in the functions
+marked TODO in exercise.py, check them (the grading suite checks them on tables made from the model,
+and your answers against your own measurements):
 
     python -m course_lib.tools.labs check lab6_scaling
 
-and run them on your own ``results/scaling/scaling.csv``:
+then run them on your results; the last lines it prints are your ``[measured]`` block for answers.toml:
 
-    python labs/lab6_scaling/exercise.py results/scaling/scaling.csv
+    python labs/lab6_scaling/exercise.py results/scaling/scaling.csv results/allreduce.json --model digits_cnn
 """
 
 from __future__ import annotations
 
 import sys
-
-# An invented table, shaped like a real study (seconds per epoch against GPUs), to check your
-# functions on; it was not measured. It follows T(N) = T_compute/N + T_comm(N) + T_fixed with the
-# gradients on NVLink up to 4 GPUs (one node) and on the network beyond. Your own numbers come from
-# results/scaling/scaling.csv.
-REFERENCE = {
-    "ddp": {1: 41.0, 2: 21.4, 4: 11.5, 8: 7.3, 16: 4.9},
-    "fsdp": {1: 44.5, 2: 23.6, 4: 13.0, 8: 8.9, 16: 6.3},
-}
 
 
 def speedup_and_efficiency(seconds: dict[int, float]) -> dict[int, tuple[float, float]]:
@@ -46,26 +39,97 @@ def karp_flatt_metric(speedups: dict[int, float]) -> dict[int, float]:
     )
 
 
-if __name__ == "__main__":
+def communication_seconds(
+    processes: int, *, alpha_s: float, beta_bytes_per_s: float, gradient_bytes: float, all_reduces: float
+) -> float:
+    """T_comm(N): ``all_reduces`` ring all-reduces of every gradient, each as the alpha-beta model says."""
+    # TODO: a ring all-reduce sends 2(N-1) messages, each paying the latency alpha and carrying 1/N of the bytes at the rate beta; one process sends nothing
+    raise NotImplementedError(
+        "TODO: a ring all-reduce sends 2(N-1) messages, each paying the latency alpha and carrying 1/N of the bytes at the rate beta; one process sends nothing"
+    )
+
+
+def fit_compute_and_fixed(seconds: dict[int, float], communication: dict[int, float]) -> tuple[float, float]:
+    """(T_compute, T_fixed) of T(N) = T_compute/N + T_comm(N) + T_fixed, fitted to ``seconds``."""
+    # TODO: once T_comm(N) is predicted, what is left of each measured time is a straight line in 1/N, whose slope and intercept are the two unknowns; fit it by least squares over every N (with two runs it goes through both)
+    raise NotImplementedError(
+        "TODO: once T_comm(N) is predicted, what is left of each measured time is a straight line in 1/N, whose slope and intercept are the two unknowns; fit it by least squares over every N (with two runs it goes through both)"
+    )
+
+
+def _measured(csv_path: str, allreduce_path: str, model: str, strategy: str) -> dict:
+    """Your measurements, as the ``[measured]`` block of answers.toml holds them."""
+    import json
+
+    from course_lib import models
     from course_lib.tools.study import read_csv
 
-    rows = read_csv(sys.argv[1]) if len(sys.argv) > 1 else None
-    tables = (
-        {
-            s: {r["world_size"]: r["time_per_epoch_s"] for r in rows if r["strategy"] == s}
-            for s in {r["strategy"] for r in rows}
-        }
-        if rows
-        else REFERENCE
+    rows = [row for row in read_csv(csv_path) if row["strategy"] == strategy]
+    if not rows:
+        raise SystemExit(f"{csv_path} has no {strategy} run: run the study with --strategies {strategy}")
+    sweep = json.loads(open(allreduce_path).read())
+    fit = sweep.get("fit_by_regime") or sweep["fit"]
+    parameters = sum(p.numel() for p in models.build_model(model).parameters())
+    first = rows[0]
+    steps = round(first["samples_per_s"] * first["time_per_epoch_s"] / first["global_batch_size"])
+    return {
+        "strategy": strategy,
+        "seconds_per_epoch": {str(int(row["world_size"])): row["time_per_epoch_s"] for row in rows},
+        "alpha_us": fit["latency_us"],
+        "beta_gbps": fit["bandwidth_gbps"],
+        "gradient_bytes": 4 * parameters,  # fp32 gradients
+        "all_reduces_per_epoch": steps,  # one all-reduce of every gradient per step
+    }
+
+
+def explain(measured: dict) -> dict:
+    """The model fitted to ``measured``: T_comm at each N, T_compute, T_fixed, and a prediction at 8."""
+    seconds = {int(n): t for n, t in measured["seconds_per_epoch"].items()}
+    link = dict(
+        alpha_s=measured["alpha_us"] * 1e-6,
+        beta_bytes_per_s=measured["beta_gbps"] * 1e9,
+        gradient_bytes=measured["gradient_bytes"],
+        all_reduces=measured["all_reduces_per_epoch"],
     )
-    for strategy, seconds in tables.items():
-        if 1 not in seconds:
-            print(f"{strategy}: no 1-GPU run to compare with")
-            continue
-        table = speedup_and_efficiency(seconds)
-        print(
-            strategy,
-            {n: f"{s:.2f}x, {e:.0%}" for n, (s, e) in table.items()},
-            "Karp-Flatt",
-            {n: round(e, 3) for n, e in karp_flatt_metric({n: s for n, (s, _) in table.items()}).items()},
-        )
+    communication = {n: communication_seconds(n, **link) for n in (*seconds, 8)}
+    compute, fixed = fit_compute_and_fixed(seconds, {n: communication[n] for n in seconds})
+    return {
+        "seconds": seconds,
+        "communication": communication,
+        "fitted_compute_s": compute,
+        "fitted_fixed_s": fixed,
+        "predicted_seconds_at_8": compute / 8 + communication[8] + fixed,
+    }
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="your study, your network, and the model fitted to them")
+    parser.add_argument("scaling_csv", help="results/scaling/scaling.csv, written by `study collect`")
+    parser.add_argument("allreduce_json", help="the JSON `bench allreduce` printed (or the network check's)")
+    parser.add_argument("--model", default="resnet18", help="the model the study trained")
+    parser.add_argument("--strategy", default="ddp", help="which strategy's runs to fit")
+    args = parser.parse_args(sys.argv[1:])
+    measured = _measured(args.scaling_csv, args.allreduce_json, args.model, args.strategy)
+    model = explain(measured)
+    table = speedup_and_efficiency(model["seconds"])
+    karp_flatt = karp_flatt_metric({n: s for n, (s, _) in table.items()}) if 1 in table else {}
+    for n, seconds in sorted(model["seconds"].items()):
+        line = f"N = {n:>2}: {seconds:8.3f} s/epoch, T_comm {model['communication'][n]:7.3f} s"
+        if n in table:
+            line += f", speedup {table[n][0]:.2f}, efficiency {table[n][1]:.0%}"
+        if n in karp_flatt:
+            line += f", Karp-Flatt {karp_flatt[n]:.3f}"
+        print(line)
+    print(
+        f"fit: T_compute {model['fitted_compute_s']:.3f} s, T_fixed {model['fitted_fixed_s']:.3f} s; "
+        f"predicted at N = 8: {model['predicted_seconds_at_8']:.3f} s/epoch"
+    )
+    print("\n# paste into answers.toml, after your answers:\n[measured]")
+    for key, value in measured.items():
+        if isinstance(value, dict):
+            value = "{" + ", ".join(f'"{n}" = {t!r}' for n, t in value.items()) + "}"
+        elif isinstance(value, str):
+            value = f'"{value}"'
+        print(f"{key} = {value}")

@@ -1,8 +1,11 @@
 """The grading suite of lab 6: what ``python -m course_lib.tools.labs check lab6_scaling`` checks.
 
-Your speedup, efficiency and Karp-Flatt functions on the lab's reference table and on tables of
-other shapes (sizes that are not powers of two, a speedup below one), against the course's
-``course_lib.scaling``.
+Your functions on tables made from the model with known terms (so the right answer is known):
+speedup, efficiency and Karp-Flatt against ``course_lib.scaling``, the communication term against
+the alpha-beta model, and the fit, which must give back the terms the table was made from. Then
+your answers against *your own* measurements: the ``[measured]`` block of your answers.toml (your
+study's seconds per epoch, your network's alpha and beta) is fitted again with the course's
+``scaling.fit_strong_scaling``, and your fitted terms and prediction must agree with it.
 """
 
 from __future__ import annotations
@@ -13,11 +16,13 @@ from course_lib import scaling
 from course_lib.tools.labs import Property, Question
 
 TABLES = {
-    "the lab's DDP table": {1: 41.0, 2: 21.4, 4: 11.5, 8: 7.3, 16: 4.9},
-    "the lab's FSDP table": {1: 44.5, 2: 23.6, 4: 13.0, 8: 8.9, 16: 6.3},
+    "a cluster-shaped DDP table": {1: 41.0, 2: 21.4, 4: 11.5, 8: 7.3, 16: 4.9},
+    "a cluster-shaped FSDP table": {1: 44.5, 2: 23.6, 4: 13.0, 8: 8.9, 16: 6.3},
     "sizes 1, 3, 6": {1: 30.0, 3: 11.0, 6: 6.5},
     "a slowdown (gloo on shared cores)": {1: 0.128, 2: 0.161},
 }
+LINK = dict(alpha_s=20e-6, beta_bytes_per_s=12e9, gradient_bytes=4 * 11_689_512, all_reduces=98)
+"""A ResNet-18's fp32 gradients, 98 steps an epoch, a link of 20 us and 12 GB/s."""
 
 
 def check_speedup_and_efficiency(lab) -> None:
@@ -49,6 +54,42 @@ def check_karp_flatt(lab) -> None:
     )
 
 
+def _model_communication(n: int) -> float:
+    return LINK["all_reduces"] * scaling.ring_all_reduce_seconds(
+        n,
+        message_bytes=LINK["gradient_bytes"],
+        latency_s=LINK["alpha_s"],
+        bandwidth_bytes_per_s=LINK["beta_bytes_per_s"],
+    )
+
+
+def check_communication(lab) -> None:
+    for n in (1, 2, 3, 8, 16):
+        got = lab.communication_seconds(n, **LINK)
+        assert math.isclose(got, _model_communication(n), rel_tol=1e-9, abs_tol=1e-12), (
+            f"N = {n}: you give T_comm = {got:.6g} s for 98 all-reduces of 46.8 MB at 20 us and 12 GB/s"
+        )
+
+
+def check_fit(lab) -> None:
+    compute, fixed = 40.0, 1.5
+    for sizes in ((1, 2, 4, 8, 16), (1, 2), (2, 4, 8)):
+        communication = {n: _model_communication(n) for n in sizes}
+        seconds = {n: compute / n + communication[n] + fixed for n in sizes}
+        got = lab.fit_compute_and_fixed(seconds, communication)
+        assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(got, (compute, fixed))), (
+            f"runs at N = {sizes} made with T_compute 40 s and T_fixed 1.5 s: you give {got}"
+        )
+    sizes = (1, 2, 4, 8, 16)  # measured times are noisy: the fit is the least-squares one
+    communication = {n: _model_communication(n) for n in sizes}
+    seconds = {n: (compute / n + communication[n] + fixed) * (1.04 if n % 4 else 0.97) for n in sizes}
+    got = lab.fit_compute_and_fixed(seconds, communication)
+    wanted = scaling.fit_strong_scaling(seconds, communication)
+    assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(got, wanted)), (
+        f"noisy runs: you give {got}, the least-squares fit is {wanted}"
+    )
+
+
 PROPERTIES = [
     Property(
         "speedup T(1)/T(N) and efficiency speedup/N, for every N of the table",
@@ -62,30 +103,58 @@ PROPERTIES = [
         "Write Amdahl's law S = 1 / (e + (1 - e)/N) and solve it for e; a measured S then gives the serial "
         "fraction that would explain it. N = 1 has no metric.",
     ),
+    Property(
+        "T_comm(N) is the alpha-beta model of a ring all-reduce, times the all-reduces of an epoch",
+        check_communication,
+        "A ring all-reduce over N ranks is 2(N-1) steps; each step pays one latency and moves 1/N of the "
+        "bytes (notebook 02). Watch the units: alpha in seconds, beta in bytes per second.",
+    ),
+    Property(
+        "the fit gives back the T_compute and T_fixed a table was made from, and least squares on noise",
+        check_fit,
+        "Subtract the predicted communication from each time: what is left is T_compute x (1/N) + T_fixed, "
+        "a straight line in x = 1/N. Its least-squares slope and intercept are the two terms.",
+    ),
 ]
 
 
-def _table(strategy: str) -> dict[int, float]:
-    return TABLES[f"the lab's {strategy} table"]
+def _fitted(answers: dict) -> tuple[float, float, float]:
+    """The course's fit of the student's own measurements: (T_compute, T_fixed, predicted T(8))."""
+    measured = answers["measured"]
+    seconds = {int(n): float(t) for n, t in measured["seconds_per_epoch"].items()}
+
+    def communication(n):
+        return measured["all_reduces_per_epoch"] * scaling.ring_all_reduce_seconds(
+            n,
+            message_bytes=measured["gradient_bytes"],
+            latency_s=measured["alpha_us"] * 1e-6,
+            bandwidth_bytes_per_s=measured["beta_gbps"] * 1e9,
+        )
+
+    compute, fixed = scaling.fit_strong_scaling(seconds, {n: communication(n) for n in seconds})
+    return compute, fixed, compute / 8 + communication(8) + fixed
 
 
 QUESTIONS = [
     Question(
-        "ddp_efficiency_on_16_gpus",
-        lambda: _table("DDP")[1] / _table("DDP")[16] / 16,
-        "T(1) / T(16) / 16 from the lab's DDP table (course_lib/scaling.py)",
+        "fitted_compute_s",
+        lambda answers: _fitted(answers)[0],
+        "the slope of T(N) - T_comm(N) against 1/N, over the seconds of your [measured] block",
         rel_tol=1e-2,
+        from_answers=True,
     ),
     Question(
-        "ddp_karp_flatt_on_8_gpus",
-        lambda: scaling.karp_flatt(_table("DDP")[1] / _table("DDP")[8], 8),
-        "the Karp-Flatt metric of the DDP speedup on 8 GPUs",
+        "fitted_fixed_s",
+        lambda answers: _fitted(answers)[1],
+        "the intercept of the same line: what no number of processes removes",
         rel_tol=1e-2,
+        from_answers=True,
     ),
     Question(
-        "fsdp_karp_flatt_on_8_gpus",
-        lambda: scaling.karp_flatt(_table("FSDP")[1] / _table("FSDP")[8], 8),
-        "the same for FSDP: which is larger, and why (its traffic per step)?",
+        "predicted_seconds_at_8",
+        lambda answers: _fitted(answers)[2],
+        "T_compute/8 + T_comm(8) + T_fixed, with your fitted terms and your network's alpha and beta",
         rel_tol=1e-2,
+        from_answers=True,
     ),
 ]

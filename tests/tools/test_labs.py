@@ -147,7 +147,7 @@ def test_a_wrong_formula_is_named_and_a_missing_lab_refused(tmp_path, capsys):
         "lab6_scaling", "(seconds[1] / t, seconds[1] / t / n)", "(seconds[1] / t, seconds[1] / t)", tmp_path
     )
     message = labs._property_outcome(grading.PROPERTIES[0], labs.load(path), path)
-    assert message.startswith("the lab's DDP table, N = 2: you give speedup and efficiency")
+    assert message.startswith("a cluster-shaped DDP table, N = 2: you give speedup and efficiency")
     assert labs.main(["check", "lab9_nothing"]) == 2
     assert "no lab named 'lab9_nothing': choose one of lab1_ddp" in capsys.readouterr().err
 
@@ -160,7 +160,7 @@ def test_instructors_grade_a_folder_of_submissions(tmp_path):
     graded = _check_command("lab6_scaling", "--submissions", str(tmp_path))
     assert graded.returncode == 1  # not everyone passed
     ada, bob = graded.stdout.split("== bob.py")
-    assert ada.startswith("== ada.py") and "lab6_scaling: 5 of 5 properties and answers hold" in ada
+    assert ada.startswith("== ada.py") and "lab6_scaling: 7 of 7 properties and answers hold" in ada
     assert "not finished yet: TODO: " in bob and "bob.toml does not exist" in bob
 
 

@@ -281,7 +281,9 @@ def fit_strong_scaling(seconds: dict[int, float], communication_s: dict[int, flo
         communication_s: N -> T_comm(N), the same unit, for every N of ``seconds``.
     """
     if len(seconds) < 2:
-        raise ValueError(f"fitting T(N) needs runs at two numbers of processes at least, got {sorted(seconds)}")
+        raise ValueError(
+            f"fitting T(N) needs runs at two numbers of processes at least, got {sorted(seconds)}"
+        )
     xs = [1 / n for n in seconds]
     ys = [seconds[n] - communication_s[n] for n in seconds]
     mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)

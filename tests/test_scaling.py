@@ -55,16 +55,17 @@ def test_the_ring_all_reduce_model():
     assert many == pytest.approx(2 * size / beta, rel=1e-2)
 
 
+def _sweep(processes: int, latency: float, bandwidth: float, count: int) -> tuple[list[int], list[float]]:
+    """Message sizes from 8 bytes, each 4 times the last, and the times the alpha-beta model gives them."""
+    sizes = [8 * 4**k for k in range(count)]
+    model = dict(latency_s=latency, bandwidth_bytes_per_s=bandwidth)
+    return sizes, [scaling.ring_all_reduce_seconds(processes, message_bytes=s, **model) for s in sizes]
+
+
 @pytest.mark.parametrize("processes", [2, 3, 4, 8])
 def test_the_alpha_beta_fit_recovers_the_model_it_was_made_from(processes):
     latency, bandwidth = 7e-6, 23e9
-    sizes = [8 * 4**k for k in range(14)]
-    seconds = [
-        scaling.ring_all_reduce_seconds(
-            processes, message_bytes=s, latency_s=latency, bandwidth_bytes_per_s=bandwidth
-        )
-        for s in sizes
-    ]
+    sizes, seconds = _sweep(processes, latency, bandwidth, 14)
     fitted = scaling.fit_ring_all_reduce(processes, message_bytes=sizes, seconds=seconds)
     assert fitted == pytest.approx((latency, bandwidth), rel=1e-9)
     # 5 % noise on every time still gives both within 10 %
@@ -77,13 +78,7 @@ def test_the_alpha_beta_fit_recovers_the_model_it_was_made_from(processes):
 @pytest.mark.parametrize("processes", [2, 4])
 def test_the_fit_by_regime_recovers_each_parameter_where_it_rules_and_ignores_a_late_wake_up(processes):
     latency, bandwidth = 50e-6, 1e9
-    sizes = [8 * 4**k for k in range(12)]
-    seconds = [
-        scaling.ring_all_reduce_seconds(
-            processes, message_bytes=s, latency_s=latency, bandwidth_bytes_per_s=bandwidth
-        )
-        for s in sizes
-    ]
+    sizes, seconds = _sweep(processes, latency, bandwidth, 12)
     seconds[1] *= 20  # one small message waited for the scheduler
     seconds[7] *= 5  # a size between the regimes where the transport changes protocol
     alpha, beta = scaling.fit_ring_all_reduce_by_regime(processes, message_bytes=sizes, seconds=seconds)

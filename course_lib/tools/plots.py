@@ -233,25 +233,15 @@ def plot_allreduce(
     figure = Figure(figsize=(10, 3.8))
     timing, bandwidth = figure.subplots(1, 2)
     timing.loglog(sizes, [row["time_us"] for row in rows], "o", label="measured")
-    fit = result.get("fit")
-    if fit:
-        timing.loglog(
-            sizes,
-            [row["model_time_us"] for row in rows],
-            "-",
-            label=f"alpha-beta fit: alpha {fit['latency_us']:.1f} us, beta {fit['bandwidth_gbps']:.2f} GB/s",
-        )
-    by_regime = result.get("fit_by_regime")
-    if by_regime:
-        timing.loglog(
-            sizes,
-            [row["regime_model_time_us"] for row in rows],
-            "--",
-            label=(
-                f"fitted by regime: alpha {by_regime['latency_us']:.1f} us, "
-                f"beta {by_regime['bandwidth_gbps']:.2f} GB/s"
-            ),
-        )
+    fit, by_regime = result.get("fit"), result.get("fit_by_regime")
+    for parameters, column, style, name in (
+        (fit, "model_time_us", "-", "alpha-beta fit"),
+        (by_regime, "regime_model_time_us", "--", "fitted by regime"),
+    ):
+        if parameters:
+            alpha, beta = parameters["latency_us"], parameters["bandwidth_gbps"]
+            label = f"{name}: alpha {alpha:.1f} us, beta {beta:.2f} GB/s"
+            timing.loglog(sizes, [row[column] for row in rows], style, label=label)
     timing.set_xlabel("message size (bytes)")
     timing.set_ylabel("time of one all-reduce (us)")
     timing.legend(fontsize="small")

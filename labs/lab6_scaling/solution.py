@@ -61,10 +61,21 @@ def fit_compute_and_fixed(seconds: dict[int, float], communication: dict[int, fl
 def _measured(csv_path: str, allreduce_path: str, model: str, strategy: str) -> dict:
     """Your measurements, as the ``[measured]`` block of answers.toml holds them."""
     import json
+    from pathlib import Path
 
     from course_lib import models
     from course_lib.tools.study import read_csv
 
+    for path, made_by in (
+        (csv_path, "python -m course_lib.tools.study collect"),
+        (allreduce_path, "python -m course_lib.tools.bench allreduce --output results/allreduce.json"),
+    ):
+        if not Path(path).is_file():
+            raise SystemExit(f"error: {path} does not exist: make it with `{made_by}`")
+    if model not in models.MODELS:
+        raise SystemExit(
+            f"error: --model {model} is not one of the course's models: {', '.join(models.MODELS)}"
+        )
     rows = [row for row in read_csv(csv_path) if row["strategy"] == strategy]
     if not rows:
         raise SystemExit(f"{csv_path} has no {strategy} run: run the study with --strategies {strategy}")

@@ -217,3 +217,19 @@ def test_answers_that_are_not_utf8_fail_in_one_line(tmp_path):
         graded.stdout
     )
     assert "Traceback" not in graded.stdout + graded.stderr
+
+
+def test_lab6s_script_names_a_missing_results_file_in_one_line(tmp_path):
+    script = labs.LABS_DIR / "lab6_scaling" / "solution.py"
+    missing = tmp_path / "scaling.csv"
+    done = subprocess.run(
+        [sys.executable, str(script), str(missing), str(tmp_path / "allreduce.json")],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        cwd=REPO,
+    )
+    assert done.returncode != 0
+    assert done.stderr.strip() == (
+        f"error: {missing} does not exist: make it with `python -m course_lib.tools.study collect`"
+    )

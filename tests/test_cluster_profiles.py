@@ -47,6 +47,21 @@ def _exported(**settings: str) -> dict[str, str]:
 def test_a_container_job_leaves_every_nccl_and_libfabric_variable_to_the_hook():
     exported = _exported(COURSE_NCCL_PLUGIN_FROM="container", COURSE_NCCL_NO_EAGER="1")
     assert not [name for name in exported if name in HOOK_SETS or name.startswith(("NCCL_", "FI_"))]
+    assert exported["COURSE_NCCL_NETWORK"] == "AWS Libfabric"  # what the job's checks expect NCCL to use
+
+
+def test_the_jobs_check_the_plugin_and_the_network_in_a_container_too(monkeypatch, tmp_path):
+    from course_lib.tools import jobcheck
+
+    monkeypatch.delenv("NCCL_NET", raising=False)
+    monkeypatch.setenv("COURSE_NCCL_NETWORK", "AWS Libfabric")
+    assert jobcheck.expected_network() == "AWS Libfabric"
+    plain = tmp_path / "plain.toml"
+    plain.write_text('image = "x"\n')
+    problem, _ = jobcheck.plugin_problem(
+        source="container", nccl_net=jobcheck.expected_network(), library_path="", edf=str(plain)
+    )
+    assert problem.startswith(f"{plain} does not enable the plugin hook")
 
 
 @pytest.mark.parametrize("plugin_from", [None, "uenv"])

@@ -12,7 +12,9 @@ not after an hour in the queue and ten minutes of NCCL timeouts. ``slurm/common.
     NCCL reaches a Slingshot network (CSCS Alps) only through the aws-ofi-nccl plugin. A pip
     virtual environment does not have it; a CSCS uenv (``--uenv=... --view=default``) or the
     container engine's ``aws_ofi_nccl`` hook provides it. With ``NCCL_NET="AWS Libfabric"`` NCCL
-    stops at start-up when the plugin is missing: better to say so before starting anything.
+    stops at start-up when the plugin is missing: better to say so before starting anything. In a
+    container the hook sets NCCL_NET itself, so the profile names the network it expects in
+    ``COURSE_NCCL_NETWORK`` instead (``expected_network``).
 ``preflight``
     Run by every rank of a multi-node job (under ``srun`` or ``torchrun``) before training: one
     tiny all-reduce, checked for the right sum, with NCCL's own log switched on. NCCL writes
@@ -136,6 +138,12 @@ def find_plugin(library_path: str) -> Path | None:
             if PLUGIN_LIBRARY.match(name):
                 return Path(folder) / name
     return None
+
+
+def expected_network() -> str:
+    """The network NCCL must use: NCCL_NET, or the profile's COURSE_NCCL_NETWORK when a container
+    hook sets NCCL_NET itself (inside the container) and the profile leaves it alone ("": any)."""
+    return os.environ.get("NCCL_NET") or os.environ.get("COURSE_NCCL_NETWORK", "")
 
 
 def plugin_problem(*, source: str, nccl_net: str, library_path: str, edf: str) -> tuple[str | None, str]:
@@ -267,7 +275,7 @@ def preflight(*, timeout_s: float) -> int:
         )
         return 0
     problem = network_problem(
-        expected=os.environ.get("NCCL_NET", ""), used={rank: net for rank, (_, net, _) in enumerate(results)}
+        expected=expected_network(), used={rank: net for rank, (_, net, _) in enumerate(results)}
     )
     if problem:
         print(f"error: {problem}", file=sys.stderr)
@@ -317,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.check == "plugin":
             problem, source = plugin_problem(
                 source=os.environ.get("COURSE_NCCL_PLUGIN_FROM", "none"),
-                nccl_net=os.environ.get("NCCL_NET", ""),
+                nccl_net=expected_network(),
                 library_path=os.environ.get("LD_LIBRARY_PATH", ""),
                 edf=os.environ.get("COURSE_EDF", ""),
             )

@@ -19,6 +19,9 @@ COURSE_NEEDS_ACCOUNT=1
 COURSE_NEEDS_GPUS=1
 COURSE_LINK_GBPS=${COURSE_LINK_GBPS:-25}  # one Slingshot NIC per GPU: 200 Gb/s
 export COURSE_NCCL_PLUGIN_FROM=${COURSE_NCCL_PLUGIN_FROM:-uenv}
+# The network NCCL must use, which the job checks before training (not NCCL_NET: in a container
+# the hook sets that one itself)
+export COURSE_NCCL_NETWORK="AWS Libfabric"
 # #region nccl-variables
 if [ "$COURSE_NCCL_PLUGIN_FROM" = uenv ]; then
   export NCCL_NET="AWS Libfabric"        # the plugin, or fail at start-up: never fall back to TCP

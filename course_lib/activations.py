@@ -35,6 +35,13 @@ are then all-gathered, and what autograd keeps of them depends on the implementa
   for one more all-gather of (T-1)/T·sbh elements per region, overlapped with the input
   gradient's matmul.
 
+Context parallelism (degree C) runs every layer on s/C tokens of each sequence, attention
+included: ring attention keeps, for its own tokens, the same q, k, v, output and log-sum-exp as the
+fused kernel does for all of them. Every term falls to 1/C (with tensor parallelism, the split
+terms to 1/(C·T)), and one term is added: ring attention returns its output as (batch, heads,
+tokens, head_dim), so the ``out`` projection's input is a reshaped copy, one more sbh/C that
+the fused kernel's layout avoids.
+
 ``block_activation_elements`` writes this table as code; the tests hold it to
 ``memory.saved_tensor_bytes`` measured on real processes, exactly.
 
@@ -56,6 +63,7 @@ def block_activation_elements(
     tensor_degree: int = 1,
     sequence_parallel: bool = False,
     regather_in_backward: bool = False,
+    context_degree: int = 1,
 ) -> dict[str, float]:
     """Elements one rank keeps for the backward of one ``models.Block``, term by term (see the table).
 
@@ -70,21 +78,26 @@ def block_activation_elements(
         tensor_degree: T, the tensor-parallel degree (1: one process).
         sequence_parallel: the norms run on s/T tokens (``parallel.sequence``).
         regather_in_backward: Megatron-LM's variant: the projections keep only the shard.
+        context_degree: C, the ranks each sequence is split over (``parallel.context``): this
+            rank holds s/C of its tokens.
     """
-    if tensor_degree < 1:
-        raise UserError(f"tensor_degree must be at least 1, got {tensor_degree}")
+    for name, degree in (("tensor_degree", tensor_degree), ("context_degree", context_degree)):
+        if degree < 1:
+            raise UserError(f"{name} must be at least 1, got {degree}")
     if regather_in_backward and not sequence_parallel:
         raise UserError(
             "regather_in_backward is a sequence-parallel variant: pass sequence_parallel=True too"
         )
     t = tensor_degree
-    sbh, sb = seq * batch * d_model, seq * batch
+    tokens = seq / context_degree  # this rank's share of each sequence
+    sbh, sb = tokens * batch * d_model, tokens * batch
     norms = 2 * (sbh + 2 * sb)
     projection_inputs = 2 * sbh
     terms = {
         "norms": norms / t if sequence_parallel else norms,
         "projection_inputs": projection_inputs / t if regather_in_backward else projection_inputs,
-        "attention": (4 * sbh + heads * sb) / t,  # q, k, v, the output; the log-sum-exp
+        # q, k, v, the output (and under ring attention its copy for ``out``); the log-sum-exp
+        "attention": ((5 if context_degree > 1 else 4) * sbh + heads * sb) / t,
         "mlp": 8 * sbh / t,  # fc1's output and GELU's
     }
     return terms | {"total": sum(terms.values())}

@@ -99,6 +99,33 @@ def test_attention_activation_memory_per_rank_falls_as_one_over_cp():
         assert launch(_attention_memory, degree, seq) == [one // degree] * degree
 
 
+def _block_saved_bytes(seq: int, d_model: int, heads: int) -> int:
+    """What one context-parallel block keeps for backward on this rank (zig-zag, its local tokens)."""
+    torch.manual_seed(0)
+    size, rank = runtime.world_size(), runtime.rank()
+    layout = cp.SequenceLayout(seq, size, zigzag=True)
+    block = cp.parallelize_context(models.Block(d_model, heads), layout)
+    x = torch.randn(BATCH, seq, d_model, generator=torch.Generator().manual_seed(1))
+    with saved_tensor_bytes(ignore=block.parameters()) as saved:
+        block(layout.local(x, rank).requires_grad_())
+    return saved.bytes
+
+
+@pytest.mark.parametrize("degree", [2, 3, 4])
+def test_a_context_parallel_block_keeps_what_the_activation_formula_says(degree):
+    from course_lib.activations import block_activation_elements
+
+    seq, d_model, heads = 24, 24, 6  # 24 cuts into 2C zig-zag chunks at C = 2, 3, 4: s/C tokens each
+    kept = launch(_block_saved_bytes, degree, seq, d_model, heads)
+    formula = (
+        4
+        * block_activation_elements(
+            batch=BATCH, seq=seq, d_model=d_model, heads=heads, context_degree=degree
+        )["total"]
+    )
+    assert kept == [formula] * degree
+
+
 def _train(degree: int, steps: int, seq: int, zigzag: bool):
     rank = runtime.rank()
     torch.manual_seed(0)

@@ -101,3 +101,32 @@ def block_activation_elements(
         "mlp": 8 * sbh / t,  # fc1's output and GELU's
     }
     return terms | {"total": sum(terms.values())}
+
+
+def embedding_activation_bytes(*, batch: int, seq: int) -> int:
+    """Bytes ``models.Embedding`` keeps for backward: the token ids and the positions (int64 each).
+
+    Args:
+        batch: b, sequences per step on this rank.
+        seq: s, tokens per sequence on this rank.
+    """
+    return 8 * (batch * seq + seq)
+
+
+def head_activation_bytes(*, batch: int, seq: int, d_model: int, vocab: int, element_bytes: int = 4) -> int:
+    """Bytes ``models.LMHead`` and ``models.lm_loss`` keep for backward.
+
+    The final norm keeps its input and a mean and 1/std per token; the projection keeps its input;
+    the cross-entropy keeps its log-softmax, one value per token and vocabulary entry (s·b·V, often
+    the largest single tensor of a small model), the targets (int64) and one scalar.
+
+    Args:
+        batch: b, sequences per step on this rank.
+        seq: s, tokens per sequence on this rank.
+        d_model: h, the model's width.
+        vocab: V, the vocabulary's size.
+        element_bytes: bytes per activation element (4 in fp32).
+    """
+    sb = batch * seq
+    floats = 2 * sb * d_model + 2 * sb + sb * vocab
+    return element_bytes * floats + 8 * sb + 4

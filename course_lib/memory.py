@@ -222,8 +222,6 @@ class saved_tensor_bytes:
         return self
 
     def _pack(self, tensor):
-        import torch
-
         with torch.no_grad():
             local = _local(tensor)  # a DTensor: count the tensor it wraps, give autograd the DTensor back
         storage = local.untyped_storage()

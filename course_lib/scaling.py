@@ -166,6 +166,20 @@ def ring_all_reduce_seconds(
     return 2 * (processes - 1) * (latency_s + message_bytes / processes / bandwidth_bytes_per_s)
 
 
+def _least_squares_line(
+    xs: list[float], ys: list[float], *, weights: list[float] | None = None
+) -> tuple[float, float]:
+    """(slope, intercept) of the straight line through the points with the least (weighted) squared error."""
+    weights = weights or [1.0] * len(xs)
+    total = sum(weights)
+    mean_x = sum(w * x for w, x in zip(weights, xs)) / total
+    mean_y = sum(w * y for w, y in zip(weights, ys)) / total
+    slope = sum(w * (x - mean_x) * (y - mean_y) for w, x, y in zip(weights, xs, ys)) / sum(
+        w * (x - mean_x) ** 2 for w, x in zip(weights, xs)
+    )
+    return slope, mean_y - slope * mean_x
+
+
 def fit_ring_all_reduce(
     processes: int, *, message_bytes: list[float], seconds: list[float]
 ) -> tuple[float, float]:
@@ -188,15 +202,7 @@ def fit_ring_all_reduce(
         raise ValueError("fitting needs one time per size and at least two different sizes")
     if min(seconds) <= 0:
         raise ValueError("every measured time must be positive")
-    weights = [1 / t**2 for t in seconds]
-    # Weighted least squares for T = a + b x, from the normal equations of the 2 x 2 system.
-    sw = sum(weights)
-    sx = sum(w * x for w, x in zip(weights, message_bytes))
-    sy = sum(w * y for w, y in zip(weights, seconds))
-    sxx = sum(w * x * x for w, x in zip(weights, message_bytes))
-    sxy = sum(w * x * y for w, x, y in zip(weights, message_bytes, seconds))
-    slope = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
-    intercept = (sy - slope * sx) / sw
+    slope, intercept = _least_squares_line(message_bytes, seconds, weights=[1 / t**2 for t in seconds])
     steps = 2 * (processes - 1)
     latency = max(intercept, 0.0) / steps  # noise can push a tiny intercept below zero
     bandwidth = steps / processes / slope if slope > 0 else float("inf")
@@ -244,9 +250,7 @@ def fit_ring_all_reduce_by_regime(
         )
     steps = 2 * (processes - 1)
     latency = statistics.median(small) / steps
-    mean_x = sum(x for x, _ in large) / len(large)
-    mean_t = sum(t for _, t in large) / len(large)
-    slope = sum((x - mean_x) * (t - mean_t) for x, t in large) / sum((x - mean_x) ** 2 for x, _ in large)
+    slope, _ = _least_squares_line([x for x, _ in large], [t for _, t in large])
     bandwidth = steps / processes / slope if slope > 0 else float("inf")
     return latency, bandwidth
 
@@ -284,11 +288,7 @@ def fit_strong_scaling(seconds: dict[int, float], communication_s: dict[int, flo
         raise ValueError(
             f"fitting T(N) needs runs at two numbers of processes at least, got {sorted(seconds)}"
         )
-    xs = [1 / n for n in seconds]
-    ys = [seconds[n] - communication_s[n] for n in seconds]
-    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
-    compute = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
-    return compute, mean_y - compute * mean_x
+    return _least_squares_line([1 / n for n in seconds], [seconds[n] - communication_s[n] for n in seconds])
 
 
 def step_budget(serial: dict[str, float], parallel: dict[str, float], *, processes: int) -> dict[str, float]:

@@ -243,7 +243,7 @@ def sequence_parallel_block(block: nn.Module, *, group=None, regather_in_backwar
         block: a dense ``models.Block``; its weights are cut, not re-initialised.
         group: the tensor-parallel process group (None: every rank).
         regather_in_backward: keep only this rank's tokens of the input of q, k, v and fc1 and
-            all-gather them again in backward (Megatron-LM's variant: 4·sbh·(T-1)/T bytes less
+            all-gather them again in backward (Megatron-LM's variant: 2·sbh·(T-1)/T elements less
             per rank, one more all-gather per region). Off: autograd keeps the gathered input
             whole, as DTensor's ``SequenceParallel`` plan does.
     """

@@ -42,8 +42,18 @@ terms to 1/(C·T)), and one term is added: ring attention returns its output as 
 tokens, head_dim), so the ``out`` projection's input is a reshaped copy, one more sbh/C that
 the fused kernel's layout avoids.
 
+Recomputation (``recompute``) changes what is kept, not what is computed. Under ``"full"`` a
+block keeps only its input: sbh/C elements (sbh/(C·T) with sequence parallelism, whose blocks take
+a shard). Under ``"selective"`` it keeps its input and the results of its matmuls and attention
+kernel: q, k, v (3·sbh/T), fc1's output (4·sbh/T), the attention output and log-sum-exp
+((sbh + a·sb)/T, none under context parallelism: the ring is recomputed), and the outputs of
+``out`` and fc2, which under tensor parallelism are partial sums of the *whole* sbh before they
+are summed over the group: 2·sbh that no tensor degree shrinks, and the reason a selective
+policy keeps relatively more at large T.
+
 ``block_activation_elements`` writes this table as code; the tests hold it to
-``memory.saved_tensor_bytes`` measured on real processes, exactly.
+``memory.saved_tensor_bytes`` and ``memory.live_tensor_bytes`` measured on real processes,
+exactly, at every layout and policy.
 
 Paper: Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
 MLSys 2023 (arXiv:2205.05198), section 4 (equations 1-4) and 4.2.2 (sequence parallelism).
@@ -52,6 +62,8 @@ MLSys 2023 (arXiv:2205.05198), section 4 (equations 1-4) and 4.2.2 (sequence par
 from __future__ import annotations
 
 from .errors import UserError
+
+RECOMPUTATION_POLICIES = ("none", "full", "selective")  # as ``recompute.POLICIES``
 
 
 def block_activation_elements(
@@ -64,11 +76,14 @@ def block_activation_elements(
     sequence_parallel: bool = False,
     regather_in_backward: bool = False,
     context_degree: int = 1,
+    recomputation: str = "none",
 ) -> dict[str, float]:
     """Elements one rank keeps for the backward of one ``models.Block``, term by term (see the table).
 
-    Multiply by the element size (4 in fp32) for bytes. The terms are ``norms``,
-    ``projection_inputs``, ``attention`` and ``mlp``; ``total`` is their sum.
+    Multiply by the element size (4 in fp32) for bytes. Without recomputation the terms are
+    ``norms``, ``projection_inputs``, ``attention`` and ``mlp``; with ``"full"``, ``input``; with
+    ``"selective"``, ``input``, ``projections``, ``attention``, ``mlp`` and ``row_outputs``.
+    ``total`` is their sum.
 
     Args:
         batch: b, sequences per step on this rank.
@@ -80,6 +95,7 @@ def block_activation_elements(
         regather_in_backward: Megatron-LM's variant: the projections keep only the shard.
         context_degree: C, the ranks each sequence is split over (``parallel.context``): this
             rank holds s/C of its tokens.
+        recomputation: ``"none"``, ``"full"`` or ``"selective"`` (``recompute``'s policies).
     """
     for name, degree in (("tensor_degree", tensor_degree), ("context_degree", context_degree)):
         if degree < 1:
@@ -88,9 +104,25 @@ def block_activation_elements(
         raise UserError(
             "regather_in_backward is a sequence-parallel variant: pass sequence_parallel=True too"
         )
+    if recomputation not in RECOMPUTATION_POLICIES:
+        raise UserError(
+            f"unknown recomputation {recomputation!r}: choose one of {', '.join(RECOMPUTATION_POLICIES)}"
+        )
     t = tensor_degree
     tokens = seq / context_degree  # this rank's share of each sequence
     sbh, sb = tokens * batch * d_model, tokens * batch
+    block_input = sbh / t if sequence_parallel else sbh
+    if recomputation == "full":
+        return {"input": block_input, "total": block_input}
+    if recomputation == "selective":
+        terms = {
+            "input": block_input,
+            "projections": 3 * sbh / t,  # q, k, v
+            "attention": (sbh + heads * sb) / t if context_degree == 1 else 0.0,  # the ring is recomputed
+            "mlp": 4 * sbh / t,  # fc1's output; GELU's is recomputed
+            "row_outputs": 2 * sbh,  # out's and fc2's results, whole partial sums before the group sums them
+        }
+        return terms | {"total": sum(terms.values())}
     norms = 2 * (sbh + 2 * sb)
     projection_inputs = 2 * sbh
     terms = {

@@ -37,10 +37,14 @@ example is theirs.
 
 from __future__ import annotations
 
+import gc
+import weakref
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 STAGES = ("ddp", "zero1", "zero2", "zero3")
 MIXED_PRECISION_ADAM = {"param_bytes": 2, "grad_bytes": 2, "optimizer_bytes": 12}
@@ -234,3 +238,63 @@ class saved_tensor_bytes:
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
         self._held.clear()
+
+
+class live_tensor_bytes(TorchDispatchMode):
+    """Bytes of the tensors created inside the ``with`` block that are still alive: now and at the peak.
+
+    The CPU's stand-in for ``torch.cuda.memory_allocated`` and ``max_memory_allocated``. Every
+    operation's result is seen as it is made (a ``TorchDispatchMode``); a result in new memory
+    (not a view of, or written into, one of the operation's inputs) adds its bytes, and they are
+    taken off again when that memory is freed. What it counts is what the allocator holds for
+    this code, whoever keeps it alive: autograd's saved tensors, but also a checkpoint's stored
+    inputs, a selective checkpoint's cache, a pipeline's in-flight micro-batches, and the
+    temporaries that make the peak. Tensors made before the block (parameters, the batch) are
+    not counted, and neither are views of them.
+
+    >>> with live_tensor_bytes() as live:
+    ...     loss = model(x).sum()        # live.now: what the forward left alive for backward
+    ...     loss.backward()              # live.peak: the most held at any moment
+
+    The count is exact but slow (a Python call per operation): measure with it, never time.
+    """
+
+    def __enter__(self) -> live_tensor_bytes:
+        self._alive = self.peak = 0
+        self._counted: set[int] = set()
+        return super().__enter__()
+
+    @property
+    def now(self) -> int:
+        """Bytes alive now. Python's cyclic garbage is collected first: a tensor that only a reference
+        cycle holds is freed whenever the collector next runs, and counting it would make the figure
+        depend on when that was."""
+        gc.collect()
+        return self._alive
+
+    def reset_peak(self) -> None:
+        """Start the peak again from what is alive now (as ``torch.cuda.reset_peak_memory_stats``)."""
+        self.peak = self.now
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        inputs = {
+            _local(t).untyped_storage().data_ptr()
+            for t in pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        }
+        for tensor in pytree.tree_leaves(result):
+            if isinstance(tensor, torch.Tensor):
+                storage = _local(tensor).untyped_storage()
+                address, size = storage.data_ptr(), storage.nbytes()
+                if size and address not in inputs and address not in self._counted:
+                    self._counted.add(address)
+                    self._alive += size
+                    self.peak = max(self.peak, self._alive)
+                    weakref.finalize(storage, self._freed, address, size)
+        return result
+
+    def _freed(self, address: int, size: int) -> None:
+        if address in self._counted:
+            self._counted.discard(address)
+            self._alive -= size

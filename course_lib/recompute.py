@@ -110,7 +110,8 @@ def recompute_modules(
     for module in modules:
         if getattr(module, "recomputation", "none") != "none":
             raise UserError(
-                f"this {type(module).__name__} already recomputes ({module.recomputation}): apply a policy once"
+                f"this {type(module).__name__} already recomputes ({module.recomputation}): "
+                "apply a policy once"
             )
         options = {} if context_fn is None else {"context_fn": context_fn}
         module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False, **options)

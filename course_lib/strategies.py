@@ -64,7 +64,6 @@ def wrap_model(
     sharding: str = "FULL_SHARD",
     hybrid_shard_size: int | None = None,
     cpu_offload: str = "none",
-    activation_checkpointing: bool = False,
 ) -> nn.Module:
     """Return the model as this strategy trains it (the optimizer must be built *after* this).
 
@@ -78,7 +77,6 @@ def wrap_model(
             ``HYBRID_SHARD``, ``NO_SHARD``).
         hybrid_shard_size: ranks per shard group under ``HYBRID_SHARD``.
         cpu_offload: the course FSDP's offload mode: ``none``, ``params`` or ``full``.
-        activation_checkpointing: the course FSDP recomputes each unit's activations in backward.
     """
     check_strategy(strategy, impl, process.world_size)
     if strategy == "single":
@@ -105,7 +103,6 @@ def wrap_model(
             sharding_strategy=sharding,
             hybrid_shard_size=hybrid_shard_size,
             cpu_offload=cpu_offload,
-            activation_checkpointing=activation_checkpointing,
         )
     from torch.distributed.fsdp import fully_shard
 

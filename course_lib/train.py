@@ -47,6 +47,7 @@ from .errors import (
 from .models import MODELS
 from .parallel.fsdp import OFFLOAD_MODES, SHARDING_STRATEGIES
 from .preemption import Preempted
+from .recompute import POLICIES
 from .strategies import IMPLEMENTATIONS, STRATEGIES
 from .trainer import OPTIMIZERS, PRECISIONS, TrainConfig
 
@@ -109,11 +110,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.cpu_offload,
         help="keep shards (params) and also activations (full) in CPU memory",
     )
-    shard.add_argument(
-        "--activation-checkpointing",
-        action="store_true",
-        help="recompute each unit's activations during backward",
-    )
     how = parser.add_argument_group("how to train")
     how.add_argument("--epochs", type=int, default=defaults.epochs)
     how.add_argument(
@@ -132,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=PRECISIONS,
         default=defaults.precision,
         help="bf16: autocast matrix products to bfloat16, weights stay fp32",
+    )
+    how.add_argument(
+        "--recompute",
+        choices=POLICIES,
+        default=defaults.recompute,
+        help="what each unit keeps for backward: none (everything), full (its input) or selective",
     )
     how.add_argument(
         "--grad-accum",

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from . import anatomy, checkpoint, checks, comm, data, flops, memory, models, runtime, strategies
+from . import anatomy, checkpoint, checks, comm, data, flops, memory, models, recompute, runtime, strategies
 from .errors import Diverged, UserError
 from .preemption import Preempted, StopRequests
 
@@ -56,7 +56,9 @@ class TrainConfig:
             ``"SHARD_GRAD_OP"``, ``"HYBRID_SHARD"`` or ``"NO_SHARD"``.
         hybrid_shard_size: ranks per shard group for HYBRID_SHARD (None: the ranks of a node).
         cpu_offload: the course FSDP's offload: ``"none"``, ``"params"`` or ``"full"``.
-        activation_checkpointing: the course FSDP recomputes each unit's activations in backward.
+        recompute: what each unit keeps for backward (``recompute.POLICIES``): ``"none"``
+            (everything), ``"full"`` (its input; the rest is recomputed) or ``"selective"``; with
+            any strategy.
         dataset: ``"digits"``, ``"synthetic"`` or ``"cifar10"``.
         data_dir: where CIFAR-10's files are.
         model: ``"digits_cnn"``, ``"cifar_cnn"`` or ``"resnet18"``.
@@ -88,7 +90,7 @@ class TrainConfig:
     sharding: str = "FULL_SHARD"
     hybrid_shard_size: int | None = None
     cpu_offload: str = "none"
-    activation_checkpointing: bool = False
+    recompute: str = "none"
     dataset: str = "digits"
     data_dir: str = "data"
     model: str = "digits_cnn"
@@ -170,6 +172,10 @@ def validate_config(config: TrainConfig, world_size: int, ranks_per_node: int | 
     models.check_model_fits_data(config.model, config.dataset, data.INPUT_SHAPES[config.dataset])
     data.per_rank_batch_size(config.global_batch_size, world_size, grad_accum_steps=config.grad_accum)
     steps_per_epoch(config)
+    if config.recompute not in recompute.POLICIES:
+        raise UserError(
+            f"unknown --recompute {config.recompute!r}: choose one of {', '.join(recompute.POLICIES)}"
+        )
     if config.precision not in PRECISIONS:
         raise UserError(f"unknown precision {config.precision!r}: choose one of {', '.join(PRECISIONS)}")
     if config.optimizer not in OPTIMIZERS:
@@ -226,7 +232,7 @@ MAX_LOADER_WORKERS = 64
 """Data-loader processes per rank; more would spend the machine's memory on copies of the dataset."""
 
 
-SHARDING_FLAGS = ("zero_stage", "sharding", "hybrid_shard_size", "cpu_offload", "activation_checkpointing")
+SHARDING_FLAGS = ("zero_stage", "sharding", "hybrid_shard_size", "cpu_offload")
 
 
 def _check_sharding_flags(config: TrainConfig) -> None:
@@ -422,6 +428,8 @@ class Trainer:
         # The model's arithmetic per sample, counted once on a shape-only copy: throughput x this
         # is the achieved FLOP/s, and over the GPUs' peak it is MFU (course_lib.flops).
         self.flops_per_sample = flops.training_flops_per_sample(model, tuple(self.data.train[0][0].shape))
+        # Recompute before wrapping: the wrappers' hooks then run around the recomputed forward.
+        recompute.apply_recomputation(model, policy=config.recompute)
         course_sharded = (config.strategy, config.impl) == ("fsdp", "course")
         # What is sharded, for the metrics: zero1, zero2, or the FSDP sharding strategy.
         self.sharding_label = (
@@ -445,7 +453,6 @@ class Trainer:
             sharding=config.sharding,
             hybrid_shard_size=config.hybrid_shard_size,
             cpu_offload=config.cpu_offload,
-            activation_checkpointing=config.activation_checkpointing,
         )
         self.optimizer = build_optimizer(self.model, config)
 

@@ -73,6 +73,7 @@ TRAIN_MISTAKES = [
         "--hybrid-shard-size must be a whole number, from 1 to 1, got 0",
     ),
     (["--zero-stage", "7"], "argument --zero-stage: invalid choice: 7"),
+    (["--recompute", "all"], "argument --recompute: invalid choice: 'all'"),
     (["--timeout", "-1"], "--timeout must be a finite number above 0 and at most 86400, got -1.0"),
     (["--timeout", "nan"], "--timeout must be a finite number above 0 and at most 86400, got nan"),
     (["--timeout", "inf"], "--timeout must be a finite number above 0 and at most 86400, got inf"),

@@ -16,7 +16,11 @@ import pytest
 import torch
 
 from course_lib import models, recompute, runtime
-from course_lib.activations import block_activation_elements, embedding_activation_bytes, head_activation_bytes
+from course_lib.activations import (
+    block_activation_elements,
+    embedding_activation_bytes,
+    head_activation_bytes,
+)
 from course_lib.launch import launch
 from course_lib.memory import live_tensor_bytes
 from course_lib.parallel import context as cp
@@ -24,7 +28,11 @@ from course_lib.parallel import sequence as sp
 from course_lib.parallel import tensor as tp
 
 BATCH, SEQ, D_MODEL, HEADS = 5, 24, 24, 6  # 24 tokens cut into 2C zig-zag chunks at C = 2, 3
-LAYOUTS = {1: ("one",), 2: ("tensor", "sequence", "sequence_regathered", "context"), 3: ("tensor", "sequence", "context")}
+LAYOUTS = {
+    1: ("one",),
+    2: ("tensor", "sequence", "sequence_regathered", "context"),
+    3: ("tensor", "sequence", "context"),
+}
 
 
 def _formula(kind: str, degree: int, policy: str) -> float:
@@ -32,7 +40,11 @@ def _formula(kind: str, degree: int, policy: str) -> float:
         "one": {},
         "tensor": {"tensor_degree": degree},
         "sequence": {"tensor_degree": degree, "sequence_parallel": True},
-        "sequence_regathered": {"tensor_degree": degree, "sequence_parallel": True, "regather_in_backward": True},
+        "sequence_regathered": {
+            "tensor_degree": degree,
+            "sequence_parallel": True,
+            "regather_in_backward": True,
+        },
         "context": {"context_degree": degree},
     }[kind]
     return block_activation_elements(
@@ -108,7 +120,9 @@ def test_a_whole_transformer_keeps_the_formula_and_gets_the_same_gradients(polic
         kept = live.now
     loss.backward()
     models.lm_loss(dense(ids), targets).backward()
-    block = block_activation_elements(batch=BATCH, seq=SEQ, d_model=D_MODEL, heads=HEADS, recomputation=policy)
+    block = block_activation_elements(
+        batch=BATCH, seq=SEQ, d_model=D_MODEL, heads=HEADS, recomputation=policy
+    )
     made_outside = 8 * ids.numel() + 8 * targets.numel()  # the ids and targets, counted by the formulas
     expected = (
         embedding_activation_bytes(batch=BATCH, seq=SEQ)
@@ -148,7 +162,9 @@ def test_bad_policies_are_refused_with_the_fix():
         {
             "unknown": lambda: recompute.apply_recomputation(models.Block(8, 2), policy="some"),
             "twice": lambda: recompute.apply_recomputation(block, policy="selective"),
-            "formula": lambda: block_activation_elements(batch=1, seq=2, d_model=8, heads=2, recomputation="all"),
+            "formula": lambda: block_activation_elements(
+                batch=1, seq=2, d_model=8, heads=2, recomputation="all"
+            ),
         }
     )
     assert "choose one of none, full, selective" in errors["unknown"]

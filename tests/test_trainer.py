@@ -320,13 +320,24 @@ def test_refuses_a_corrupt_checkpoint(saved_checkpoint, tmp_path):
         checkpoint.read_meta(tmp_path / "nowhere")
 
 
+@pytest.mark.parametrize(
+    "strategy, impl, policy",
+    [("ddp", "torch", "selective"), ("fsdp", "torch", "full"), ("fsdp", "course", "selective")],
+)
+def test_recomputation_trains_like_one_process_under_every_wrapper(strategy, impl, policy, single_reference):
+    reference, _ = single_reference
+    config = dataclasses.replace(BASE, strategy=strategy, impl=impl, recompute=policy)
+    weights, history = run_training(config, 2)
+    torch.testing.assert_close(weights, reference, **TOLERANCE)
+
+
 # -- the course's sharded implementations in the harness --------------------------------------
 
 COURSE_SHARDED = {
     "zero1": dict(zero_stage=1),
     "zero2": dict(zero_stage=2),
     "FULL_SHARD": {},
-    "SHARD_GRAD_OP": dict(sharding="SHARD_GRAD_OP", cpu_offload="full", activation_checkpointing=True),
+    "SHARD_GRAD_OP": dict(sharding="SHARD_GRAD_OP", cpu_offload="full", recompute="full"),
 }
 
 

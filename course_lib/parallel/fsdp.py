@@ -76,6 +76,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from .. import runtime
 from ..checks import DATA_PARALLEL_WRAPPER, check_group, check_int, check_module, claim_module
 from ..errors import UserError
+from ..recompute import recompute_modules
 from .ddp import EndOfBackward, start_as_replicas
 from .flat_param import FlatParameter, FlatShardedMixin, owned_parameters
 
@@ -502,12 +503,11 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
             self._checkpoint_leaf_units()
 
     def _checkpoint_leaf_units(self) -> None:
-        from torch.utils.checkpoint import checkpoint
-
-        for unit in self.units:
-            if unit.module is self.module or unit.holds_units:
-                continue  # recomputing a unit that contains units would gather and free them mid-backward
-            unit.module.forward = functools.partial(checkpoint, unit.module.forward, use_reentrant=False)
+        # Recomputing a unit that contains units would gather and free them mid-backward.
+        leaves = [
+            unit.module for unit in self.units if unit.module is not self.module and not unit.holds_units
+        ]
+        recompute_modules(leaves, policy="full")
 
     def set_reshard_after_forward(self, module: nn.Module, reshard: bool) -> None:
         """Free (True) or keep (False) the unit of ``module``'s parameters between its forward and backward.

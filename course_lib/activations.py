@@ -55,6 +55,11 @@ policy keeps relatively more at large T.
 ``memory.saved_tensor_bytes`` and ``memory.live_tensor_bytes`` measured on real processes,
 exactly, at every layout and policy.
 
+A pipeline stage keeps, per micro-batch, the sum of its layers' terms, and a rank holds as many
+micro-batches at once as its schedule lets in before their backward
+(``pipeline.peak_activations_theory``: m under GPipe, p - rank under 1F1B):
+``pipeline_activation_bytes`` multiplies the two.
+
 Paper: Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
 MLSys 2023 (arXiv:2205.05198), section 4 (equations 1-4) and 4.2.2 (sequence parallelism).
 """
@@ -162,3 +167,71 @@ def head_activation_bytes(*, batch: int, seq: int, d_model: int, vocab: int, ele
     sb = batch * seq
     floats = 2 * sb * d_model + 2 * sb + sb * vocab
     return element_bytes * floats + 8 * sb + 4
+
+
+def stage_activation_bytes(
+    *,
+    batch: int,
+    seq: int,
+    d_model: int,
+    heads: int,
+    vocab: int,
+    blocks: int,
+    first: bool,
+    last: bool,
+    element_bytes: int = 4,
+    **block_layout,
+) -> float:
+    """Bytes one micro-batch leaves alive on a rank for the backward of a stage of ``TinyTransformer``.
+
+    The embedding if the stage is the first, ``blocks`` blocks, the head and loss if it is the last;
+    tensor parallelism splits the blocks only (the embedding and head stay whole on every rank).
+
+    Args:
+        batch: b, sequences per micro-batch.
+        seq: s, tokens per sequence.
+        d_model: h, the model's width.
+        heads: a, the attention heads.
+        vocab: V, the vocabulary's size.
+        blocks: the transformer blocks in the stage.
+        first: the stage holds the embedding.
+        last: the stage holds the head (and computes the loss).
+        element_bytes: bytes per activation element (4 in fp32).
+        block_layout: ``tensor_degree``, ``recomputation`` and the other layout arguments of
+            ``block_activation_elements``.
+    """
+    block = block_activation_elements(batch=batch, seq=seq, d_model=d_model, heads=heads, **block_layout)
+    total = blocks * element_bytes * block["total"]
+    if first:
+        total += embedding_activation_bytes(batch=batch, seq=seq)
+    if last:
+        total += head_activation_bytes(
+            batch=batch, seq=seq, d_model=d_model, vocab=vocab, element_bytes=element_bytes
+        )
+    return total
+
+
+def pipeline_activation_bytes(
+    per_microbatch_bytes: float,
+    *,
+    schedule: str,
+    pipeline_size: int,
+    microbatches: int,
+    rank: int,
+) -> float:
+    """The most activation bytes a pipeline rank holds at once: its schedule's in-flight micro-batches.
+
+    Args:
+        per_microbatch_bytes: what one micro-batch of this rank's stage keeps (``stage_activation_bytes``).
+        schedule: ``"gpipe"`` or ``"1f1b"`` (one stage per rank).
+        pipeline_size: p, the ranks of the pipeline.
+        microbatches: m, the pieces each batch is cut into.
+        rank: the rank's place in the pipeline (the first holds the most under 1F1B).
+    """
+    from .parallel.pipeline import peak_activations_theory
+
+    if schedule not in ("gpipe", "1f1b"):
+        raise UserError(
+            f"pipeline_activation_bytes covers gpipe and 1f1b (one stage per rank), not {schedule!r}"
+        )
+    return peak_activations_theory(schedule, pipeline_size, microbatches, rank) * per_microbatch_bytes

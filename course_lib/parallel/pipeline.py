@@ -38,6 +38,7 @@ Model Training on GPU Clusters Using Megatron-LM", SC 2021 (arXiv:2104.04473), s
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
 from dataclasses import KW_ONLY, dataclass, field
@@ -49,6 +50,7 @@ from torch import nn
 from .. import comm, runtime
 from ..checks import check_group, check_int, check_module
 from ..errors import UserError
+from ..memory import live_tensor_bytes
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 COMPUTE = ("F", "B")
@@ -474,6 +476,10 @@ class PipelineStats:
 
     peak_activations: int = 0  # forwards (per virtual stage) whose activations were held at once
     peak_activation_bytes: int = 0  # bytes of stage inputs and outputs held for backward, at most
+    # With ``measure_memory``: the most bytes the held forwards kept alive at once (everything autograd
+    # and recomputation keep for backward, and each forward's output), as ``memory.live_tensor_bytes``
+    # counts them; None without it.
+    peak_kept_bytes: int | None = None
     events: list = field(default_factory=list)  # (kind, stage, microbatch, start, end) in seconds
     step_time_s: float = 0.0
     # time.perf_counter() when the step began; the events are seconds after it. On one machine every
@@ -526,6 +532,9 @@ class PipelineExecutor:
             (micro_batch, seq, d_model); receives allocate it.
         group: the pipeline's ranks, in stage order (default: all).
         dtype: the dtype of the activations sent between stages.
+        measure_memory: count what every forward leaves alive for its backward
+            (``memory.live_tensor_bytes``; slow, for lessons and tests) into
+            ``stats.peak_kept_bytes``.
     """
 
     def __init__(
@@ -539,6 +548,7 @@ class PipelineExecutor:
         *,
         group=None,
         dtype: torch.dtype = torch.float32,
+        measure_memory: bool = False,
     ):
         if not isinstance(stages, dict) or not stages:
             raise UserError(
@@ -574,6 +584,7 @@ class PipelineExecutor:
         self.stages, self.num_stages, self.schedule = stages, num_stages, schedule
         self.microbatches, self.loss_fn = microbatches, loss_fn
         self.boundary_shape, self.dtype = tuple(boundary_shape), dtype
+        self.measure_memory = measure_memory
         self.device = _device_of(stages.values(), group)
         self.stats = PipelineStats()
 
@@ -645,54 +656,71 @@ class PipelineExecutor:
         outbox = {}  # ("F" | "B", receiving stage, microbatch) -> what to send
         in_flight, losses, stats = [], [], PipelineStats()
         held_bytes = 0
-        receives = self._receives_in_order()
-        posted = {}  # index of a RECV action -> (work handle, buffer the message lands in)
-        started = time.perf_counter()
-        stats.clock_start = started
-        for index, action in enumerate(self.actions):
-            self._post_receives(receives, posted, done=index - 1)
-            s, i, direction = action.stage, action.microbatch, action.kind[-1]
-            if action.kind.startswith("RECV"):
-                work, buffer = posted.pop(index)
-                work.wait()
-                inbox[(direction, s, i)] = buffer
-            elif action.kind.startswith("SEND"):
-                message = outbox.pop((direction, s, i))
-                in_flight.append(
-                    comm.isend(
-                        message,
-                        dst=self._global(action.peer),
-                        group=self.group,
-                        tag=self._tag(direction, s, i),
+        kept, kept_bytes = {}, 0  # with measure_memory: (stage, microbatch) -> bytes its forward left alive
+        with contextlib.ExitStack() as measuring:  # with measure_memory: ends the count even on an error
+            live = None
+            if self.measure_memory:
+                stats.peak_kept_bytes = 0
+                live = measuring.enter_context(live_tensor_bytes())
+            receives = self._receives_in_order()
+            posted = {}  # index of a RECV action -> (work handle, buffer the message lands in)
+            started = time.perf_counter()
+            stats.clock_start = started
+            for index, action in enumerate(self.actions):
+                self._post_receives(receives, posted, done=index - 1)
+                s, i, direction = action.stage, action.microbatch, action.kind[-1]
+                if action.kind.startswith("RECV"):
+                    work, buffer = posted.pop(index)
+                    work.wait()
+                    inbox[(direction, s, i)] = buffer
+                elif action.kind.startswith("SEND"):
+                    message = outbox.pop((direction, s, i))
+                    in_flight.append(
+                        comm.isend(
+                            message,
+                            dst=self._global(action.peer),
+                            group=self.group,
+                            tag=self._tag(direction, s, i),
+                        )
                     )
-                )
-            elif action.kind == "F":
-                begin = time.perf_counter()
-                x = input_chunks[i] if s == 0 else inbox.pop(("F", s, i)).requires_grad_()
-                y = self.stages[s](x)
-                if s == last_stage:
-                    y = self.loss_fn(y, target_chunks[i]) / m  # each micro-batch counts 1/m: the batch mean
-                    losses.append(y.detach())
+                elif action.kind == "F":
+                    begin = time.perf_counter()
+                    x = input_chunks[i] if s == 0 else inbox.pop(("F", s, i)).requires_grad_()
+                    alive_before = live.now if live is not None else 0
+                    y = self.stages[s](x)
+                    if s == last_stage:
+                        y = (
+                            self.loss_fn(y, target_chunks[i]) / m
+                        )  # each micro-batch counts 1/m: the batch mean
+                    if (
+                        live is not None
+                    ):  # what this forward left alive: kept for its backward, and its output
+                        kept[(s, i)] = live.now - alive_before
+                        kept_bytes += kept[(s, i)]
+                        stats.peak_kept_bytes = max(stats.peak_kept_bytes, kept_bytes)
+                    if s == last_stage:
+                        losses.append(y.detach())
+                    else:
+                        self._deliver(("F", s + 1, i), y.detach(), inbox, outbox)
+                    held[(s, i)] = (x, y)
+                    held_bytes += sum(t.numel() * t.element_size() for t in (x, y))
+                    stats.peak_activations = max(stats.peak_activations, len(held))
+                    stats.peak_activation_bytes = max(stats.peak_activation_bytes, held_bytes)
+                    stats.events.append(("F", s, i, begin - started, time.perf_counter() - started))
                 else:
-                    self._deliver(("F", s + 1, i), y.detach(), inbox, outbox)
-                held[(s, i)] = (x, y)
-                held_bytes += sum(t.numel() * t.element_size() for t in (x, y))
-                stats.peak_activations = max(stats.peak_activations, len(held))
-                stats.peak_activation_bytes = max(stats.peak_activation_bytes, held_bytes)
-                stats.events.append(("F", s, i, begin - started, time.perf_counter() - started))
-            else:
-                begin = time.perf_counter()
-                x, y = held.pop((s, i))
-                held_bytes -= sum(t.numel() * t.element_size() for t in (x, y))
-                if s == last_stage:
-                    y.backward()  # the loss: backward starts here
-                else:
-                    y.backward(inbox.pop(("B", s, i)))  # the gradient the next stage sent back
-                if s > 0:
-                    self._deliver(("B", s - 1, i), x.grad, inbox, outbox)
-                stats.events.append(("B", s, i, begin - started, time.perf_counter() - started))
-        for work in in_flight:
-            work.wait()
+                    begin = time.perf_counter()
+                    x, y = held.pop((s, i))
+                    held_bytes -= sum(t.numel() * t.element_size() for t in (x, y))
+                    kept_bytes -= kept.pop((s, i), 0)
+                    if s == last_stage:
+                        y.backward()  # the loss: backward starts here
+                    else:
+                        y.backward(inbox.pop(("B", s, i)))  # the gradient the next stage sent back
+                    if s > 0:
+                        self._deliver(("B", s - 1, i), x.grad, inbox, outbox)
+                    stats.events.append(("B", s, i, begin - started, time.perf_counter() - started))
+            for work in in_flight:
+                work.wait()
         stats.step_time_s = time.perf_counter() - started
         self.stats = stats
         return torch.stack(losses).sum() if has_last else None

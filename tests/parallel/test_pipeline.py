@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from course_lib import data, models, runtime
+from course_lib import activations, data, models, recompute, runtime
 from course_lib.errors import UserError
 from course_lib.launch import launch
 from course_lib.parallel import pipeline as pp
@@ -274,3 +274,69 @@ def test_the_compute_bound_rows_are_measured_only_where_each_stage_has_its_own_c
 
     assert bench.stage_counts_with_a_core_each([2, 4, 8], cores=4) == [2, 4]
     assert bench.stage_counts_with_a_core_each([4], cores=2) == []
+
+
+# -- the memory of the micro-batches in flight -------------------------------------------------
+
+
+CASES = [
+    (schedule, m, policy)
+    for schedule, m in (("gpipe", 4), ("1f1b", 4), ("1f1b", 2))
+    for policy in recompute.POLICIES
+]
+
+
+def _kept_in_flight():
+    """For each case, what this rank's forwards held alive at most, its peak in flight, its blocks."""
+    p, rank = runtime.world_size(), runtime.rank()
+    results = []
+    for schedule, m, policy in CASES:
+        model, inputs, targets = _model_and_batch()
+        recompute.apply_recomputation(model, policy=policy)
+        stage = pp.split_model(model, p)[rank]
+        executor = pp.PipelineExecutor(
+            {rank: stage}, p, schedule, m, models.lm_loss, (BATCH // m, SEQ, D_MODEL), measure_memory=True
+        )
+        executor.step(inputs, targets)
+        blocks = sum(isinstance(layer, models.Block) for layer in stage)
+        results.append((executor.stats.peak_kept_bytes, executor.stats.peak_activations, blocks))
+    return results
+
+
+def _left_alive_by_one_forward(
+    micro_batch: int, vocab: int, blocks: int, rank: int, p: int, policy: str
+) -> float:
+    """What the formula says one micro-batch's forward leaves alive on this stage, less what it was handed."""
+    first, last = rank == 0, rank == p - 1
+    stage = activations.stage_activation_bytes(
+        batch=micro_batch,
+        seq=SEQ,
+        d_model=D_MODEL,
+        heads=4,
+        vocab=vocab,
+        blocks=blocks,
+        first=first,
+        last=last,
+        recomputation=policy,
+    )
+    boundary = 4 * micro_batch * SEQ * D_MODEL
+    ids = 8 * micro_batch * SEQ  # the token ids on the first stage, the targets on the last: the batch's
+    stage -= ids if first else boundary  # handed in: the ids, or the activation received
+    stage += 4 - ids if last else boundary  # the loss (and the targets, handed in), or the output sent on
+    return stage
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_the_micro_batches_in_flight_hold_what_the_formula_says(p):
+    vocab = len(data.zen_windows(seq_len=SEQ)[2])
+    checked = 0
+    for rank, results in enumerate(launch(_kept_in_flight, p)):
+        for (schedule, m, policy), (kept, in_flight, blocks) in zip(CASES, results, strict=True):
+            assert in_flight == pp.peak_activations_theory(schedule, p, m, rank)
+            per_microbatch = _left_alive_by_one_forward(BATCH // m, vocab, blocks, rank, p, policy)
+            expected = activations.pipeline_activation_bytes(
+                per_microbatch, schedule=schedule, pipeline_size=p, microbatches=m, rank=rank
+            )
+            assert kept == expected, (schedule, m, policy, rank)
+            checked += 1
+    assert checked == len(CASES) * p

@@ -38,6 +38,7 @@ example is theirs.
 from __future__ import annotations
 
 import gc
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -265,14 +266,27 @@ class live_tensor_bytes(TorchDispatchMode):
         gc.collect()
         self._alive = self.peak = 0
         self._counted: set[int] = set()
+        self._collective_since_read = False
         return super().__enter__()
 
     @property
     def now(self) -> int:
-        """Bytes alive now. Python's cyclic garbage is collected first: a tensor that only a reference
-        cycle holds is freed whenever the collector next runs, and counting it would make the figure
-        depend on when that was."""
-        gc.collect(1)  # the young generations: where this code's garbage is (a full collection costs 0.2 s)
+        """Bytes alive now.
+
+        Two things free memory a moment late, and the count waits for both, so that it does not
+        depend on when they happen: a tensor only a reference cycle holds (Python's collector is
+        run on the young objects), and a tensor a collective used (gloo's worker thread lets go of
+        it just after the collective completes: after a collective, the count is read again every
+        2 ms until it holds still, for at most a second).
+        """
+        gc.collect(1)  # the young generations, where this code's garbage is (a full collection: 0.2 s)
+        if self._collective_since_read:
+            self._collective_since_read = False
+            before, deadline = None, time.monotonic() + 1.0
+            while self._alive != before and time.monotonic() < deadline:
+                before = self._alive
+                time.sleep(0.002)
+                gc.collect(0)
         return self._alive
 
     def reset_peak(self) -> None:
@@ -281,6 +295,8 @@ class live_tensor_bytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
+        if func.namespace in ("c10d", "_c10d_functional"):
+            self._collective_since_read = True
         inputs = {
             _local(t).untyped_storage().data_ptr()
             for t in pytree.tree_leaves((args, kwargs))

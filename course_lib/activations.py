@@ -55,6 +55,15 @@ policy keeps relatively more at large T.
 ``memory.saved_tensor_bytes`` and ``memory.live_tensor_bytes`` measured on real processes,
 exactly, at every layout and policy.
 
+A mixture-of-experts layer (``parallel.expert.MoE``) in place of the MLP keeps, for T tokens
+routed to k of E experts, R kept assignments of this rank's tokens and R' rows computed by this
+rank's experts (R' = R on one process; with expert parallelism, what the all-to-all brought):
+the router's probabilities (T·E), the rows each expert reads and its fc1 and GELU outputs
+(R'·(h + 2·hidden)), the results brought home and their gated copy (2·R·h), the gates, and the
+int64 indices that send rows out and bring them back (T·k + 3·R). ``moe_activation_bytes``
+counts them; expert parallelism does not shrink R' (a rank computes as many rows as it routes,
+when routing is balanced), it spreads the experts' *weights*.
+
 A pipeline stage keeps, per micro-batch, the sum of its layers' terms, and a rank holds as many
 micro-batches at once as its schedule lets in before their backward
 (``pipeline.peak_activations_theory``: m under GPipe, p - rank under 1F1B):
@@ -235,3 +244,39 @@ def pipeline_activation_bytes(
             f"pipeline_activation_bytes covers gpipe and 1f1b (one stage per rank), not {schedule!r}"
         )
     return peak_activations_theory(schedule, pipeline_size, microbatches, rank) * per_microbatch_bytes
+
+
+def moe_activation_bytes(
+    *,
+    tokens: int,
+    d_model: int,
+    hidden: int,
+    num_experts: int,
+    top_k: int,
+    rows_routed: int,
+    rows_computed: int,
+) -> int:
+    """Bytes one ``parallel.expert.MoE`` layer keeps for backward on a rank (fp32, int64 indices).
+
+    With balanced routing and nothing dropped, ``rows_routed = rows_computed = top_k · tokens``.
+
+    Args:
+        tokens: T, the tokens this rank routes (batch x sequence).
+        d_model: h, the width of the tokens.
+        hidden: each expert's hidden width.
+        num_experts: E.
+        top_k: k, experts per token.
+        rows_routed: R, this rank's assignments kept within capacity (``routing.kept.sum()``).
+        rows_computed: R', the rows this rank's experts computed (``MoE.rows_computed``).
+    """
+    floats = (
+        tokens * num_experts  # the router's probabilities (softmax keeps its output)
+        + num_experts  # their mean over the tokens (the load-balancing loss)
+        + rows_computed * (d_model + 2 * hidden)  # each expert's input rows, fc1's and GELU's outputs
+        + 2 * rows_routed * d_model  # the results brought home and the gated results (index_add)
+        + rows_routed  # each kept row's gate
+    )
+    if top_k > 1:  # the k gates renormalised to sum to 1: the gates and their sum
+        floats += tokens * top_k + tokens
+    indices = tokens * top_k + 3 * rows_routed  # top-k's choices; gather, gate and scatter-back indices
+    return 4 * floats + 8 * indices

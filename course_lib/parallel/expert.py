@@ -183,7 +183,8 @@ class MoE(nn.Module):
 
     On one process it holds every expert; ``expert_parallel`` spreads them over a group. After
     each forward, ``last_routing`` holds the routings (one per token group) for the auxiliary
-    loss (``aux_loss``) and the dropped-token count (``dropped``).
+    loss (``aux_loss``) and the dropped-token count (``dropped``), and ``rows_computed`` the rows
+    this rank's experts computed (from every rank's tokens).
 
     Args:
         d_model: the width of the tokens.
@@ -217,6 +218,7 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(MLP(d_model, hidden) for _ in range(num_experts))
         self.first_expert, self.group, self.sharded = 0, None, False
         self.last_routing: list[Routing] = []
+        self.rows_computed = 0
 
     @property
     def aux_loss(self) -> torch.Tensor:
@@ -229,7 +231,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] % self.routing_groups:
             raise UserError(f"a batch of {x.shape[0]} does not cut into {self.routing_groups} routing groups")
-        outputs, self.last_routing = [], []
+        outputs, self.last_routing, self.rows_computed = [], [], 0
         for part in x.chunk(self.routing_groups, dim=0):
             tokens = part.reshape(-1, part.shape[-1])
             routing = route(self.router(tokens), top_k=self.top_k, capacity_factor=self.capacity_factor)
@@ -248,6 +250,7 @@ class MoE(nn.Module):
 
     def _experts_on(self, rows: torch.Tensor, rows_per_expert: list[int]) -> torch.Tensor:
         if not self.sharded:  # every expert is here
+            self.rows_computed += rows.shape[0]
             pieces = rows.split(rows_per_expert)
             return torch.cat([expert(piece) for expert, piece in zip(self.experts, pieces, strict=True)])
         return self._experts_across_ranks(rows, rows_per_expert)
@@ -261,6 +264,7 @@ class MoE(nn.Module):
         incoming = incoming.view(size, local).tolist()  # [source rank][my expert]
         send = [sum(rows_per_expert[r * local : (r + 1) * local]) for r in range(size)]
         receive = [sum(row) for row in incoming]
+        self.rows_computed += sum(receive)
         # 2. Dispatch. What arrives is ordered by source rank, then by expert.
         arrived = _AllToAll.apply(rows, send, receive, self.group)
         pieces = arrived.split([n for row in incoming for n in row])

@@ -3,7 +3,8 @@
 The router's rules (capacity, first choices first, the balancing loss) on hand-made scores; the
 MoE layer with its experts spread over 1, 2 and 4 ranks against one process holding them all
 (top-1 and top-2, with and without dropped tokens), forward and backward; the all-to-all bytes
-against the routing; a transformer with MoE blocks trained on 2 and 4 ranks against one
+against the routing; what the layer keeps for backward against ``activations.moe_activation_bytes``,
+exactly, with and without dropped tokens; a transformer with MoE blocks trained on 2 and 4 ranks against one
 process; bad arguments refused on every rank before any message.
 """
 
@@ -16,6 +17,7 @@ import torch
 
 from course_lib import comm, data, models, runtime
 from course_lib.launch import launch
+from course_lib.memory import saved_tensor_bytes
 from course_lib.parallel import expert as ep
 
 D_MODEL, HIDDEN, EXPERTS = 6, 10, 4
@@ -189,3 +191,43 @@ def test_the_benchmarks_refuse_sizes_that_do_not_split():
     assert refused.returncode == 2 and "must be a multiple of --world-size 2" in refused.stderr
     refused = run_tool("bench", "cp", "--seq", "5")
     assert refused.returncode == 2 and "--seq: must be at least 2 x --world-size (8)" in refused.stderr
+
+
+# -- what the layer keeps for backward ----------------------------------------------------------
+
+
+def _saved_against_formula(h: int = 64, tokens: tuple[int, int] = (8, 32)):
+    from course_lib.activations import moe_activation_bytes
+
+    results = []
+    for top_k, capacity_factor in ((1, 1.25), (2, 1.25), (1, 1.0), (2, 0.5)):
+        torch.manual_seed(0)
+        moe = ep.MoE(h, 2 * h, num_experts=4, top_k=top_k, capacity_factor=capacity_factor)
+        if runtime.world_size() > 1:
+            ep.expert_parallel(moe)
+        x = torch.randn(*tokens, h, generator=torch.Generator().manual_seed(runtime.rank() + 1))
+        x.requires_grad_()
+        with saved_tensor_bytes(ignore=[*moe.parameters(), x]) as saved:
+            moe(x)
+        routed = sum(int(r.kept.sum()) for r in moe.last_routing)
+        formula = moe_activation_bytes(
+            tokens=tokens[0] * tokens[1],
+            d_model=h,
+            hidden=2 * h,
+            num_experts=4,
+            top_k=top_k,
+            rows_routed=routed,
+            rows_computed=moe.rows_computed,
+        )
+        results.append((saved.bytes, formula, moe.dropped))
+    return results
+
+
+@pytest.mark.parametrize("degree", [1, 2, 4])
+def test_an_moe_layer_keeps_what_the_activation_formula_says(degree):
+    dropped = 0
+    for rank_results in launch(_saved_against_formula, degree):
+        for saved, formula, dropped_here in rank_results:
+            assert saved == formula
+            dropped += dropped_here
+    assert dropped > 0  # the formula holds with tokens dropped too

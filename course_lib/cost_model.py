@@ -1,0 +1,536 @@
+"""Predict a layout before launching it: memory per GPU, bytes sent, step time, MFU.
+
+Every term is a formula the course has already measured on real processes; this lesson adds
+them up for a model and a cluster too large for a laptop:
+
+- **model states**: ``memory.model_state_bytes`` of the parameters a GPU holds (its pipeline
+  stage's layers, 1/T of each matrix, 1/E of the experts), sharded over the data (and context)
+  ranks by the ZeRO stage;
+- **activations**: the per-block count of ``activations`` (Korthikanti et al.), written here for
+  a Llama-style block (RMSNorm, grouped-query attention, a gated MLP, flash attention), times the
+  micro-batches the pipeline schedule keeps in flight (``pipeline.peak_activations_theory``);
+- **compute**: the model's FLOPs per token (6·N + 12·L·h·s, as torchtitan and PaLM count them)
+  over what one GPU achieves on large matrix products (a measured rate, not the datasheet's);
+- **communication**: each axis's collectives from the alpha-beta model (``scaling``), on the
+  link the axis runs on: the tensor axis innermost, inside a node, the data axis across nodes
+  once the inner axes fill one (``layout.AXES``). What is hidden under compute is not paid:
+  DDP's and ZeRO's gradient reductions under the backward, FSDP's gathers under the forward and
+  backward, ring attention's passes under the attention; tensor parallelism's all-reduces sit
+  between the matmuls that need them and are paid whole; the pipeline pays its bubble.
+
+The step time is compute + recomputation + bubble + the exposed communication of every axis,
+the same parts as ``anatomy``'s budget. ``tools.plan`` ranks every layout of a job by it, and
+``tools.plan --validate`` holds the same formulas against measurement on this machine.
+
+What it leaves out (say so when you compare with a published figure): kernel efficiency that
+changes with shapes (one achieved rate for all matmuls), the memory-bound operations' time
+(norms, activations, optimizer step: a few % on large models), and communication that contends
+with compute for the GPU's memory bandwidth.
+
+Papers: Korthikanti et al. (arXiv:2205.05198) for activations; Narayanan et al. (arXiv:2104.04473)
+for the layout's axes and their traffic; Rajbhandari et al. (arXiv:1910.02054) for model states.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from . import memory
+from .errors import UserError
+from .layout import Layout
+from .parallel.pipeline import peak_activations_theory
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shapes of a decoder-only transformer, Llama-style.
+
+    Args:
+        name: its name on the command line.
+        layers: L, transformer blocks.
+        d_model: h, the width.
+        heads: a, query heads.
+        kv_heads: key/value heads (grouped-query attention; = heads for multi-head attention).
+        ffn_hidden: the MLP's hidden width (per expert for a mixture of experts).
+        vocab: V, the vocabulary.
+        gated_mlp: SwiGLU (three matrices) rather than two.
+        experts: experts per MoE layer (1: a dense MLP).
+        top_k: experts per token.
+        source: where the shapes come from.
+    """
+
+    name: str
+    layers: int
+    d_model: int
+    heads: int
+    kv_heads: int
+    ffn_hidden: int
+    vocab: int
+    gated_mlp: bool = True
+    experts: int = 1
+    top_k: int = 1
+    source: str = ""
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.heads
+
+    def attention_parameters(self) -> int:
+        """q and out (h x h each), k and v (h x kv_heads·head_dim each), two norms."""
+        h = self.d_model
+        return 2 * h * h + 2 * h * self.kv_heads * self.head_dim + 2 * h
+
+    def expert_parameters(self) -> int:
+        """One MLP (one expert)."""
+        return (3 if self.gated_mlp else 2) * self.d_model * self.ffn_hidden
+
+    def block_parameters(self) -> int:
+        router = self.d_model * self.experts if self.experts > 1 else 0
+        return self.attention_parameters() + self.experts * self.expert_parameters() + router
+
+    def embedding_parameters(self) -> int:
+        """The token embedding (the output projection is as large: it is counted in ``parameters``)."""
+        return self.vocab * self.d_model
+
+    def parameters(self) -> int:
+        """Ψ: blocks, the embedding, the final norm and the output projection (untied)."""
+        return self.layers * self.block_parameters() + 2 * self.embedding_parameters() + self.d_model
+
+    def active_parameters(self) -> int:
+        """The parameters one token meets: ``top_k`` experts per MoE layer instead of all of them."""
+        inactive = (
+            self.layers * (self.experts - self.top_k) * self.expert_parameters() if self.experts > 1 else 0
+        )
+        return self.parameters() - inactive
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 per active non-embedding parameter, plus attention's 12·L·h·s."""
+        return (
+            6 * (self.active_parameters() - self.embedding_parameters())
+            + 12 * self.layers * self.d_model * seq_len
+        )
+
+
+MODELS = {
+    spec.name: spec
+    for spec in (
+        ModelSpec(
+            "llama3-8b", 32, 4096, 32, 8, 14336, 128256,
+            source="Llama 3 8B (Grattafiori et al., 2024, table 3; meta-llama/Meta-Llama-3-8B config.json)",
+        ),
+        ModelSpec(
+            "llama3-70b", 80, 8192, 64, 8, 28672, 128256,
+            source="Llama 3 70B (Grattafiori et al., 2024, table 3; meta-llama/Meta-Llama-3-70B config.json)",
+        ),
+        ModelSpec(
+            "mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, experts=8, top_k=2,
+            source="Mixtral 8x7B (Jiang et al., 2024, table 1; mistralai/Mixtral-8x7B-v0.1 config.json)",
+        ),
+    )
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Link:
+    """One class of link in the alpha-beta model: ``latency_s`` per message, ``bandwidth`` bytes/s per GPU."""
+
+    latency_s: float
+    bandwidth: float
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """What the planner needs to know of a machine.
+
+    Args:
+        name: its name on the command line.
+        gpus_per_node: GPUs joined by the fast link.
+        gpu_memory_bytes: one GPU's memory.
+        reserved_bytes: what the job cannot use of it (CUDA context, NCCL buffers, allocator
+            fragmentation): an assumption, named in every breakdown.
+        peak_flops: the datasheet's dense bf16 FLOP/s of one GPU (for MFU).
+        achieved_flops: what large bf16 matmuls reach on it (for time).
+        inside_node: the link between GPUs of one node.
+        between_nodes: each GPU's share of the network.
+        source: where the figures come from.
+    """
+
+    name: str
+    gpus_per_node: int
+    gpu_memory_bytes: float
+    reserved_bytes: float
+    peak_flops: float
+    achieved_flops: float
+    inside_node: Link
+    between_nodes: Link
+    source: str = ""
+
+
+GB = 1e9
+CLUSTERS = {
+    spec.name: spec
+    for spec in (
+        ClusterSpec(
+            "alps",
+            4,
+            96 * GB,
+            6 * GB,
+            989.4e12,
+            0.7 * 989.4e12,
+            inside_node=Link(10e-6, 150 * GB),
+            between_nodes=Link(20e-6, 25 * GB),
+            source=(
+                "CSCS Alps GH200 nodes (docs.cscs.ch/alps/hardware): 4 GH200 per node, 96 GB HBM3 each, "
+                "NVLink all-to-all (6 NVLink-4 links of 25 GB/s per peer and direction), one Slingshot-11 "
+                "NIC of 200 Gb/s per GPU; H100 bf16 peak from NVIDIA's datasheet; 70 % of it achieved and "
+                "the latencies are assumptions: measure yours with bench allreduce and flops"
+            ),
+        ),
+        ClusterSpec(
+            "h100-node",
+            8,
+            80 * GB,
+            6 * GB,
+            989.4e12,
+            0.7 * 989.4e12,
+            inside_node=Link(10e-6, 436 * GB),
+            between_nodes=Link(20e-6, 50 * GB),
+            source=(
+                "8 H100 SXM per node with NVSwitch (all-reduce bus bandwidth 436 GB/s measured in the "
+                "Ultra-Scale Playbook), one 400 Gb/s InfiniBand NIC per GPU; 70 % of the bf16 peak achieved "
+                "and the latencies are assumptions"
+            ),
+        ),
+    )
+}
+
+
+@dataclass
+class Prediction:
+    """What ``predict`` says of one layout: bytes per GPU (the fullest one), seconds per step.
+
+    ``memory`` and ``time`` are breakdowns whose ``total`` is the sum of the other entries;
+    ``traffic`` is the bytes one GPU sends per step, by axis. ``problem`` is the one reason the
+    layout cannot run (None: it can).
+    """
+
+    layout: Layout
+    memory: dict[str, float] = field(default_factory=dict)
+    time: dict[str, float] = field(default_factory=dict)
+    traffic: dict[str, float] = field(default_factory=dict)
+    tokens_per_s: float = 0.0
+    mfu: float = 0.0
+    problem: str | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.problem is None
+
+
+def ring_steps(op: str, group: int) -> int:
+    """Messages one rank sends in a ring collective: 2(N-1) for an all-reduce, N-1 for the others."""
+    return (2 if op == "all_reduce" else 1) * (group - 1)
+
+
+def collective_seconds(op: str, message_bytes: float, group: int, link: Link) -> float:
+    """The alpha-beta time of one ring collective of ``message_bytes`` over ``group`` ranks.
+
+    Args:
+        op: ``"all_reduce"``, ``"all_gather"``, ``"reduce_scatter"`` or ``"all_to_all"``.
+        message_bytes: the whole tensor's bytes (the all-gather's output, the all-reduce's input).
+        group: N, the ranks.
+        link: the link the ring runs on.
+    """
+    if group == 1:
+        return 0.0
+    per_step = message_bytes / group
+    return ring_steps(op, group) * (link.latency_s + per_step / link.bandwidth)
+
+
+def link_of(axis: str, layout: Layout, cluster: ClusterSpec) -> Link:
+    """The link an axis's rings run on: inside a node while this axis and those inside it fit one."""
+    inner = 1
+    for name in reversed(("pipeline", "data", "context", "tensor")):
+        inner *= layout.degree(name)
+        if name == axis:
+            break
+    return cluster.inside_node if inner <= cluster.gpus_per_node else cluster.between_nodes
+
+
+def block_activation_elements(model: ModelSpec, layout: Layout, *, micro_batch: int, seq_len: int) -> float:
+    """Elements one Llama-style block keeps for backward per micro-batch on one GPU (bf16 elements).
+
+    The course's ``activations.block_activation_elements`` term by term, for RMSNorm (input and
+    one statistic per token), grouped-query attention (k and v are kv_heads/heads of q), flash
+    attention (an fp32 log-sum-exp per head and token: 2 bf16 elements), a gated MLP (gate, up,
+    SiLU and product: 4·ffn per token) and Megatron-LM's sequence parallelism with tensor
+    parallelism (the norms and the projections' inputs on s/T tokens).
+
+    Args:
+        model: the shapes.
+        layout: tensor, context degrees and recomputation.
+        micro_batch: b, sequences per micro-batch.
+        seq_len: s, tokens per sequence.
+    """
+    t = layout.tensor
+    tokens = micro_batch * seq_len / layout.context  # this GPU's tokens of the micro-batch
+    h, a = model.d_model, model.heads
+    sbh = tokens * h
+    kv = model.kv_heads / model.heads
+    rows = model.top_k if model.experts > 1 else 1  # an MoE layer computes k rows per token
+    mlp_hidden = tokens * rows * model.ffn_hidden
+    block_input = sbh / t  # sequence parallel: each GPU holds s/T tokens between the blocks
+    if layout.recomputation == "full":
+        return block_input
+    q_k_v = (1 + 2 * kv) * sbh / t
+    attention = (sbh + 2 * a * tokens) / t  # output, fp32 log-sum-exp
+    if layout.recomputation == "selective":
+        ring_recomputed = layout.context > 1
+        gate_up = 2 * mlp_hidden / t if model.gated_mlp else mlp_hidden / t
+        return block_input + q_k_v + (0 if ring_recomputed else attention) + gate_up + 2 * sbh
+    norms = 2 * (sbh + tokens) / t
+    projection_inputs = 2 * sbh / t
+    mlp = (4 if model.gated_mlp else 2) * mlp_hidden / t
+    router = tokens * model.experts if model.experts > 1 else 0
+    return norms + projection_inputs + q_k_v + attention + mlp + router
+
+
+def _stage_parameters(model: ModelSpec, layout: Layout) -> float:
+    """Parameters on the fullest GPU: its stage's blocks (the first or last stage adds an embedding)."""
+    layers = math.ceil(model.layers / layout.pipeline)
+    dense = layers * (
+        model.block_parameters() - model.experts * model.expert_parameters() * (model.experts > 1)
+    )
+    experts = layers * model.experts * model.expert_parameters() if model.experts > 1 else 0
+    ends = model.embedding_parameters() * (2 if layout.pipeline == 1 else 1)
+    return (dense + ends) / layout.tensor + experts / (layout.tensor * layout.expert)
+
+
+def check(model: ModelSpec, layout: Layout, *, gpus: int, seq_len: int, global_batch: int) -> str | None:
+    """The one reason ``layout`` cannot run ``model`` (None: it can), in the order a launch would meet it."""
+    if layout.gpus != gpus:
+        return f"takes {layout.gpus} GPUs, not {gpus}"
+    if model.kv_heads % layout.tensor:
+        return f"{model.kv_heads} key/value heads do not split over tensor degree {layout.tensor}"
+    if model.ffn_hidden % layout.tensor:
+        return f"the MLP's {model.ffn_hidden} hidden units do not split over tensor degree {layout.tensor}"
+    if model.layers < layout.pipeline * layout.virtual_stages:
+        return f"{model.layers} layers cannot fill {layout.pipeline * layout.virtual_stages} stages"
+    if layout.context > 1 and seq_len % (2 * layout.context):
+        return f"a sequence of {seq_len} does not cut into {2 * layout.context} zig-zag chunks"
+    if model.experts > 1 and model.experts % layout.expert:
+        return f"{model.experts} experts do not split over expert degree {layout.expert}"
+    if model.experts == 1 and layout.expert > 1:
+        return "expert parallelism needs a mixture-of-experts model"
+    if global_batch % (layout.data * layout.micro_batch):
+        return (
+            f"a global batch of {global_batch} sequences does not split into {layout.data} replicas of "
+            f"micro-batches of {layout.micro_batch}"
+        )
+    microbatches = global_batch // (layout.data * layout.micro_batch)
+    if layout.schedule == "interleaved_1f1b" and microbatches % layout.pipeline:
+        return (
+            f"the interleaved schedule needs micro-batches ({microbatches}) to be a multiple of "
+            f"P = {layout.pipeline}"
+        )
+    return None
+
+
+def predict(
+    model: ModelSpec, cluster: ClusterSpec, layout: Layout, *, seq_len: int, global_batch: int
+) -> Prediction:
+    """Memory per GPU, traffic and step time of one training step of ``model`` laid out as ``layout``.
+
+    Args:
+        model: the shapes (``MODELS``).
+        cluster: the machine (``CLUSTERS``).
+        layout: the layout; its GPUs are the job's.
+        seq_len: s, tokens per sequence.
+        global_batch: sequences per optimizer step, over all replicas.
+    """
+    result = Prediction(layout)
+    problem = check(model, layout, gpus=layout.gpus, seq_len=seq_len, global_batch=global_batch)
+    if problem:
+        result.problem = problem
+        return result
+    d, p, c, t = layout.data, layout.pipeline, layout.context, layout.tensor
+    element = 2 if layout.precision == "bf16" else 4
+    microbatches = global_batch // (d * layout.micro_batch)  # per replica, one after the other
+    layers_per_stage = math.ceil(model.layers / p)
+
+    # -- memory ---------------------------------------------------------------------------------
+    stage_params = _stage_parameters(model, layout)
+    stage = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "fsdp": "zero3"}[layout.sharding]
+    per_param = memory.MIXED_PRECISION_ADAM if layout.precision == "bf16" else memory.FP32_ADAM
+    states = memory.model_state_bytes(stage_params, d * c, stage, **per_param)
+    in_flight = 1
+    if p > 1:
+        in_flight = (
+            peak_activations_theory(layout.schedule, p, microbatches, 0, virtual_stages=layout.virtual_stages)
+            / layout.virtual_stages
+        )  # counted per virtual stage; a virtual stage has 1/v of the layers
+    block = block_activation_elements(model, layout, micro_batch=layout.micro_batch, seq_len=seq_len)
+    tokens = layout.micro_batch * seq_len / c
+    head = tokens * model.vocab / t * (2 + 4)  # the logits (bf16) and their fp32 log-softmax
+    activations = in_flight * layers_per_stage * block * element + (head if p == 1 else 0)
+    if p > 1:  # the last stage holds fewer micro-batches (one under 1F1B) but adds the head
+        activations = max(activations, layers_per_stage * block * element + head)
+    layer_bytes = element * model.block_parameters() / t
+    gathered = 2 * layer_bytes if layout.sharding == "fsdp" else 0  # this layer and the prefetched next
+    result.memory = {
+        "parameters": states.params,
+        "gradients": states.grads,
+        "optimizer": states.optimizer,
+        "activations": activations,
+        "gathered parameters": gathered,
+        "reserved (assumed)": cluster.reserved_bytes,
+    }
+    result.memory["total"] = sum(result.memory.values())
+
+    # -- compute --------------------------------------------------------------------------------
+    global_tokens = global_batch * seq_len
+    flops_per_gpu = model.flops_per_token(seq_len) * global_tokens / layout.gpus
+    compute = flops_per_gpu / cluster.achieved_flops
+    attention_share = 12 * model.layers * model.d_model * seq_len / model.flops_per_token(seq_len)
+    recompute = {
+        "none": 0.0,
+        "full": compute / 3,  # one more forward: a third of forward + backward
+        "selective": compute * attention_share / 3 if c > 1 else 0.0,  # the ring's attention again
+    }[layout.recomputation]
+    bubble = 0.0
+    if p > 1:
+        fraction = (p - 1) / (layout.virtual_stages * microbatches)  # idle time over compute time
+        if layout.schedule == "gpipe":
+            fraction = (p - 1) / microbatches
+        bubble = fraction * (compute + recompute)
+
+    # -- communication, by axis -----------------------------------------------------------------
+    passes = {"none": 4, "selective": 4, "full": 6}[layout.recomputation]  # f and g, forward and backward
+    activation_bytes = element * tokens * model.d_model
+    tensor_each = collective_seconds("all_reduce", activation_bytes, t, link_of("tensor", layout, cluster))
+    tensor = passes * layers_per_stage * microbatches * tensor_each
+    tensor_sent = passes * layers_per_stage * microbatches * 2 * (t - 1) / t * activation_bytes
+
+    kv_bytes = element * 2 * tokens * model.kv_heads * model.head_dim / t
+    context_link = link_of("context", layout, cluster)
+    ring = 3 * (c - 1) * (context_link.latency_s + kv_bytes / context_link.bandwidth) if c > 1 else 0.0
+    attention_compute = compute * attention_share / (layers_per_stage * microbatches) if c > 1 else 0.0
+    context = layers_per_stage * microbatches * max(0.0, ring - attention_compute)
+    context_sent = layers_per_stage * microbatches * 3 * (c - 1) * kv_bytes
+
+    data_link, shard_group = link_of("data", layout, cluster), d * c
+    gradient_bytes, param_bytes = 4 * stage_params, element * stage_params
+    reduce_op = "all_reduce" if layout.sharding == "ddp" else "reduce_scatter"
+    gradient_time = collective_seconds(reduce_op, gradient_bytes, shard_group, data_link)
+    gather_time, gathers = 0.0, 0
+    if layout.sharding in ("zero1", "zero2"):
+        gathers = 1  # the updated parameters, after the step
+    elif layout.sharding == "fsdp":
+        gathers = 2 * (microbatches if p == 1 else 1)  # forward and backward, every micro-batch without PP
+    gather_time = gathers * collective_seconds("all_gather", param_bytes, shard_group, data_link)
+    backward = (compute + recompute) * 2 / 3
+    hidden = backward if layout.sharding != "fsdp" else compute + recompute
+    data = max(0.0, gradient_time + (gather_time if layout.sharding == "fsdp" else 0) - hidden)
+    if layout.sharding in ("zero1", "zero2"):
+        data += gather_time  # after the optimizer step: nothing left to hide it under
+    factor = 2 if reduce_op == "all_reduce" else 1
+    data_sent = (factor * gradient_bytes + gathers * param_bytes) * (shard_group - 1) / shard_group
+
+    pipeline_link = link_of("pipeline", layout, cluster)
+    send = pipeline_link.latency_s + activation_bytes / t / pipeline_link.bandwidth
+    pipeline = 2 * (p - 1) * send if p > 1 else 0.0  # filling and draining: the steady state overlaps
+    pipeline_sent = 2 * microbatches * activation_bytes / t if p > 1 else 0.0
+
+    expert = expert_sent = 0.0
+    if layout.expert > 1:
+        rows_bytes = element * tokens * model.top_k * model.d_model
+        each = collective_seconds("all_to_all", rows_bytes, layout.expert, link_of("data", layout, cluster))
+        expert = 4 * layers_per_stage * microbatches * each  # dispatch and combine, forward and backward
+        expert_sent = 4 * layers_per_stage * microbatches * rows_bytes * (layout.expert - 1) / layout.expert
+
+    result.time = {
+        "compute": compute,
+        "recomputation": recompute,
+        "pipeline bubble": bubble,
+        "tensor (exposed)": tensor,
+        "context (exposed)": context,
+        "data (exposed)": data,
+        "pipeline sends (exposed)": pipeline,
+        "expert (exposed)": expert,
+    }
+    result.time["total"] = sum(result.time.values())
+    result.traffic = {
+        "tensor": tensor_sent,
+        "context": context_sent,
+        "data": data_sent,
+        "pipeline": pipeline_sent,
+        "expert": expert_sent,
+    }
+    result.tokens_per_s = global_tokens / result.time["total"]
+    result.mfu = model.flops_per_token(seq_len) * result.tokens_per_s / (layout.gpus * cluster.peak_flops)
+    usable = cluster.gpu_memory_bytes
+    if result.memory["total"] > usable:
+        result.problem = (
+            f"needs {result.memory['total'] / GB:.0f} GB per GPU of {usable / GB:.0f} "
+            f"(activations {activations / GB:.0f} GB, model states {states.total / GB:.0f} GB)"
+        )
+    return result
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def candidate_layouts(model: ModelSpec, cluster: ClusterSpec, *, gpus: int) -> list[Layout]:
+    """Every layout the planner considers for ``gpus`` GPUs: the product of the axes' choices.
+
+    Tensor degree up to two nodes' worth (to show why it stops at one), pipeline and context
+    degrees that are powers of two, three shardings, three recomputation policies, 1F1B and
+    interleaved 1F1B (v = 2), micro-batches of 1 and 2 sequences; with a mixture of experts, the
+    experts spread over as many data x context ranks as divide them.
+    """
+    layouts = []
+    for t in [k for k in divisors(gpus) if k <= 2 * cluster.gpus_per_node]:
+        for p in [k for k in divisors(gpus // t) if k & (k - 1) == 0]:
+            for c in [k for k in divisors(gpus // (t * p)) if k & (k - 1) == 0 and k <= 8]:
+                d = gpus // (t * p * c)
+                experts = [1]
+                if model.experts > 1:
+                    experts += [e for e in divisors(d * c) if e > 1 and model.experts % e == 0]
+                schedules = [("1f1b", 1)] + ([("interleaved_1f1b", 2)] if p > 1 else [])
+                for e in experts:
+                    for sharding in ("ddp", "zero1", "fsdp"):
+                        for recomputation in ("none", "selective", "full"):
+                            for schedule, v in schedules:
+                                for micro_batch in (1, 2):
+                                    layouts.append(
+                                        Layout(
+                                            data=d, pipeline=p, context=c, tensor=t, expert=e,
+                                            sharding=sharding, recomputation=recomputation,
+                                            schedule=schedule, virtual_stages=v, micro_batch=micro_batch,
+                                        )
+                                    )  # fmt: skip
+    return layouts
+
+
+def plan(
+    model: ModelSpec, cluster: ClusterSpec, *, gpus: int, seq_len: int, global_batch: int
+) -> tuple[list[Prediction], list[Prediction]]:
+    """Every candidate layout predicted: (those that fit, fastest first; those that do not).
+
+    Args:
+        model: the shapes (``MODELS``).
+        cluster: the machine (``CLUSTERS``).
+        gpus: the GPUs of the job.
+        seq_len: s, tokens per sequence.
+        global_batch: sequences per optimizer step.
+    """
+    if gpus < 1:
+        raise UserError(f"the job needs at least one GPU, got {gpus}")
+    predictions = [
+        predict(model, cluster, layout, seq_len=seq_len, global_batch=global_batch)
+        for layout in candidate_layouts(model, cluster, gpus=gpus)
+    ]
+    fitting = sorted((p for p in predictions if p.fits), key=lambda p: (-p.tokens_per_s, p.memory["total"]))
+    return fitting, [p for p in predictions if not p.fits]

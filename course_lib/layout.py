@@ -1,0 +1,121 @@
+"""A layout: how one training job spreads a model over its GPUs, as one object.
+
+Every parallelism of the course is one axis of a mesh of D x P x C x T x E ranks (``parallel.mesh``):
+data (replicas, each with 1/D of the batch), pipeline (stages of layers), context (pieces of each
+sequence), tensor (pieces of each matrix) and expert (experts of each MoE layer, over the data
+and context ranks as in torchtitan, so E divides D·C and adds no GPUs). On the data axis the
+model states are kept whole (DDP), or sharded by ZeRO stage 1, 2 or 3 (FSDP). Along them go the
+choices that change memory and time but not the result: recomputation, the pipeline schedule and
+its micro-batches, and the precision.
+
+The planner (``cost_model``) predicts a layout's memory, traffic and step time; the mesh's order
+puts the tensor axis innermost, on the fastest links, then context, data and pipeline outermost:
+the chattiest axis gets the NVLink of one node, the quietest crosses the network.
+
+Paper: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+Megatron-LM", SC 2021 (arXiv:2104.04473), section 3: how the axes interact and in which order to
+place them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from .errors import UserError
+
+SHARDINGS = ("ddp", "zero1", "zero2", "fsdp")
+RECOMPUTATION = ("none", "full", "selective")
+SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
+PRECISIONS = ("bf16", "fp32")
+AXES = ("pipeline", "data", "context", "tensor")  # outermost first: the mesh's order
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a job lays a model over ``data x pipeline x context x tensor`` GPUs.
+
+    Args:
+        data: D, the replicas (each takes 1/D of the global batch).
+        pipeline: P, the stages the layers are cut into.
+        context: C, the pieces each sequence is cut into (ring attention).
+        tensor: T, the pieces each block's matrices are cut into (with sequence parallelism).
+        expert: the ranks each MoE layer's experts are spread over (must divide D x C).
+        sharding: what the data axis shards: ``"ddp"`` (nothing), ``"zero1"`` (optimizer
+            state), ``"zero2"`` (and gradients), ``"fsdp"`` (and parameters).
+        recomputation: ``"none"``, ``"full"`` or ``"selective"`` (``recompute``).
+        schedule: the pipeline schedule, ``"1f1b"``, ``"interleaved_1f1b"`` or ``"gpipe"``.
+        virtual_stages: stages per pipeline rank (the interleaved schedule's v).
+        micro_batch: sequences per micro-batch.
+        precision: ``"bf16"`` (mixed precision, fp32 master weights) or ``"fp32"``.
+    """
+
+    data: int = 1
+    pipeline: int = 1
+    context: int = 1
+    tensor: int = 1
+    expert: int = 1
+    sharding: str = "fsdp"
+    recomputation: str = "none"
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    micro_batch: int = 1
+    precision: str = "bf16"
+
+    def __post_init__(self):
+        for name in ("data", "pipeline", "context", "tensor", "expert", "virtual_stages", "micro_batch"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UserError(f"Layout {name} must be a whole number, 1 or more, got {value!r}")
+        for name, choices in (
+            ("sharding", SHARDINGS),
+            ("recomputation", RECOMPUTATION),
+            ("schedule", SCHEDULES),
+            ("precision", PRECISIONS),
+        ):
+            if getattr(self, name) not in choices:
+                raise UserError(
+                    f"Layout {name} {getattr(self, name)!r} is unknown: choose one of {', '.join(choices)}"
+                )
+        if (self.data * self.context) % self.expert:
+            raise UserError(
+                f"expert degree {self.expert} must divide data x context = {self.data * self.context}: "
+                "the experts are spread over the data and context ranks"
+            )
+        if self.virtual_stages > 1 and self.schedule != "interleaved_1f1b":
+            raise UserError(
+                f"virtual_stages {self.virtual_stages} needs schedule='interleaved_1f1b' (the others hold "
+                "one stage per rank)"
+            )
+
+    @property
+    def gpus(self) -> int:
+        """D x P x C x T: the GPUs the layout takes."""
+        return self.data * self.pipeline * self.context * self.tensor
+
+    def degree(self, axis: str) -> int:
+        """The degree of one of ``AXES``."""
+        return getattr(self, axis)
+
+    def name(self) -> str:
+        """A short label, e.g. ``d8.p2.t4 fsdp sel``: only what differs from one process."""
+        parts = [
+            f"{a[0]}{self.degree(a)}" for a in ("data", "pipeline", "context", "tensor") if self.degree(a) > 1
+        ]
+        if self.expert > 1:
+            parts.append(f"e{self.expert}")
+        label = ".".join(parts) or "single"
+        extras = [self.sharding]
+        if self.recomputation != "none":
+            extras.append({"full": "ac", "selective": "sac"}[self.recomputation])
+        if self.pipeline > 1:
+            extras.append(self.schedule + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else ""))
+        if self.micro_batch > 1:
+            extras.append(f"mb{self.micro_batch}")
+        return f"{label} {' '.join(extras)}"
+
+    def with_(self, **changes) -> Layout:
+        """A copy with some fields changed (checked again)."""
+        unknown = set(changes) - {f.name for f in fields(self)}
+        if unknown:
+            raise UserError(f"Layout has no field {', '.join(sorted(unknown))}")
+        return replace(self, **changes)

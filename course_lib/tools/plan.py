@@ -1,0 +1,147 @@
+"""Choose a layout before you launch: every layout of a job predicted, the ones that fit ranked.
+
+``python -m course_lib.tools.plan --model llama3-8b --cluster alps --gpus 64 --seq-len 8192
+--global-batch-tokens 4M`` predicts memory per GPU, step time, tokens/s and MFU for every layout
+``cost_model.candidate_layouts`` lists, prints the fastest that fit with their memory and time
+broken down, and for the layouts that do not fit, the one reason each (grouped). ``--json FILE``
+writes every prediction.
+
+The figures are ``cost_model``'s: formulas measured exactly on this machine's processes
+(memory, bytes) and an alpha-beta and FLOP-rate time model whose link and FLOP figures come
+from the cluster's profile (its ``source`` says where from, and which are assumptions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import sys
+
+from .. import checks
+from ..cost_model import CLUSTERS, GB, MODELS, Prediction, plan
+from ..errors import UserError
+
+SUFFIXES = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def token_count(text: str) -> int:
+    """``4M`` -> 4·2^20: the binary multiples batch sizes are quoted in (4M tokens = 512 x 8192)."""
+    match = re.fullmatch(r"\s*(\d+)\s*([KkMmGg]?)\s*", text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a token count: write e.g. 4M, 512K or 1048576")
+    return int(match.group(1)) * SUFFIXES[match.group(2).upper()]
+
+
+def _gb(value: float) -> str:
+    return f"{value / GB:.1f}"
+
+
+def row(rank: int, prediction: Prediction, gpus: int) -> str:
+    memory, time = prediction.memory, prediction.time
+    states = memory["parameters"] + memory["gradients"] + memory["optimizer"]
+    exposed = sum(v for k, v in time.items() if "exposed" in k)
+    return (
+        f"{rank:>3}  {prediction.layout.name():<36} {_gb(memory['total']):>6} {_gb(states):>6} "
+        f"{_gb(memory['activations']):>6}  {time['total']:>7.2f} {prediction.tokens_per_s / gpus:>9,.0f} "
+        f"{prediction.mfu:>6.1%}  {time['compute']:>7.2f} {time['recomputation']:>6.2f} "
+        f"{time['pipeline bubble']:>6.2f} {exposed:>7.3f}"
+    )
+
+
+HEADER = (
+    "  #  layout                               GB/GPU states   acts   step s  tok/s/GPU    MFU  "
+    "compute recomp bubble exposed"
+)
+
+
+def breakdown(prediction: Prediction) -> str:
+    memory = ", ".join(f"{k} {_gb(v)}" for k, v in prediction.memory.items() if k != "total")
+    time = ", ".join(f"{k} {v:.3f}" for k, v in prediction.time.items() if k != "total" and v)
+    sent = ", ".join(f"{k} {_gb(v)}" for k, v in prediction.traffic.items() if v)
+    return f"  memory GB: {memory}\n  time s: {time}\n  sent per GPU per step, GB: {sent or 'nothing'}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m course_lib.tools.plan``: the layouts of a job, ranked by predicted throughput."""
+    parser = checks.CommandParser(
+        prog="python -m course_lib.tools.plan",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--model", choices=sorted(MODELS), required=True)
+    parser.add_argument("--cluster", choices=sorted(CLUSTERS), required=True)
+    parser.add_argument("--gpus", type=checks.int_at_least(1), required=True, help="GPUs of the job")
+    parser.add_argument("--seq-len", type=checks.int_at_least(1), default=8192, help="tokens per sequence")
+    parser.add_argument(
+        "--global-batch-tokens",
+        type=token_count,
+        default=4 * 2**20,
+        help="tokens per optimizer step (K, M, G: binary multiples; 4M = 4,194,304)",
+    )
+    parser.add_argument("--top", type=checks.int_at_least(1), default=10, help="layouts to show")
+    parser.add_argument("--json", type=checks.file_to_write, default=None, help="write every prediction here")
+    args = parser.parse_args(argv)
+    model, cluster = MODELS[args.model], CLUSTERS[args.cluster]
+    try:
+        if args.global_batch_tokens % args.seq_len:
+            raise UserError(
+                f"--global-batch-tokens {args.global_batch_tokens:,} is not a whole number of sequences of "
+                f"--seq-len {args.seq_len}: use a multiple of {args.seq_len}"
+            )
+        global_batch = args.global_batch_tokens // args.seq_len
+        fitting, rejected = plan(
+            model, cluster, gpus=args.gpus, seq_len=args.seq_len, global_batch=global_batch
+        )
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(
+        f"{model.name}: {model.parameters() / 1e9:.2f} B parameters ({model.active_parameters() / 1e9:.2f} B "
+        f"active), {model.flops_per_token(args.seq_len) / 1e9:.1f} GFLOP per token; {args.gpus} GPUs of "
+        f"{cluster.name}, {cluster.gpu_memory_bytes / GB:.0f} GB each; {global_batch} sequences of "
+        f"{args.seq_len} tokens per step"
+    )
+    print(f"shapes: {model.source}\ncluster: {cluster.source}\n")
+    if fitting:
+        print(f"{len(fitting)} layouts fit; the {min(args.top, len(fitting))} fastest:")
+        print(HEADER)
+        for rank, prediction in enumerate(fitting[: args.top], start=1):
+            print(row(rank, prediction, args.gpus))
+        print(f"\nthe first, {fitting[0].layout.name()}:\n{breakdown(fitting[0])}")
+    else:
+        print("no layout fits: more GPUs, a shorter sequence or a smaller batch per step")
+    reasons = collections.Counter(_reason_kind(p.problem) for p in rejected)
+    print(f"\n{len(rejected)} layouts rejected, by reason:")
+    for kind, count in reasons.most_common():
+        example = next(p for p in rejected if _reason_kind(p.problem) == kind)
+        print(f"  {count:>5}  {kind}: e.g. {example.layout.name()}: {example.problem}")
+    if args.json:
+        records = [_record(p) for p in fitting + rejected]
+        args.json.write_text(json.dumps(records, indent=1) + "\n")
+        print(f"\nevery prediction: {args.json}", file=sys.stderr)
+    return 0
+
+
+def _reason_kind(problem: str) -> str:
+    return "does not fit in memory" if problem.startswith("needs ") else problem
+
+
+def _record(prediction: Prediction) -> dict:
+    from dataclasses import asdict
+
+    return {
+        "layout": asdict(prediction.layout),
+        "name": prediction.layout.name(),
+        "problem": prediction.problem,
+        "memory_bytes": prediction.memory,
+        "time_s": prediction.time,
+        "sent_bytes": prediction.traffic,
+        "tokens_per_s": prediction.tokens_per_s,
+        "mfu": prediction.mfu,
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""The planner's formulas: the models' sizes, each term against the lesson it comes from, the one
+reason a layout is refused, the ranking, and the command line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from course_lib import cost_model as cm
+from course_lib import memory, scaling
+from course_lib.errors import UserError
+from course_lib.layout import Layout
+from course_lib.parallel.pipeline import bubble_overhead_theory
+from course_lib.tools import plan as plan_tool
+
+LLAMA_8B, ALPS = cm.MODELS["llama3-8b"], cm.CLUSTERS["alps"]
+
+
+def test_the_models_have_their_published_sizes():
+    assert LLAMA_8B.parameters() == 8_030_261_248  # Meta-Llama-3-8B: 8.03 B
+    assert round(cm.MODELS["llama3-70b"].parameters() / 1e9, 1) == 70.6
+    mixtral = cm.MODELS["mixtral-8x7b"]
+    assert round(mixtral.parameters() / 1e9, 1) == 46.7  # "47B parameters, 13B active"
+    assert round(mixtral.active_parameters() / 1e9, 1) == 12.9
+
+
+def test_a_collective_costs_what_the_alpha_beta_lesson_says():
+    link = cm.Link(latency_s=5e-6, bandwidth=20e9)
+    for group in (1, 2, 3, 8):
+        assert cm.collective_seconds("all_reduce", 1e8, group, link) == pytest.approx(
+            scaling.ring_all_reduce_seconds(
+                group, message_bytes=1e8, latency_s=5e-6, bandwidth_bytes_per_s=20e9
+            )
+        )
+    # a reduce-scatter then an all-gather is one all-reduce
+    halves = sum(cm.collective_seconds(op, 1e8, 4, link) for op in ("reduce_scatter", "all_gather"))
+    assert halves == pytest.approx(cm.collective_seconds("all_reduce", 1e8, 4, link))
+
+
+def test_the_tensor_axis_stays_inside_a_node_and_the_data_axis_leaves_it():
+    layout = Layout(data=4, tensor=4)  # 16 GPUs, 4 per node
+    assert cm.link_of("tensor", layout, ALPS) is ALPS.inside_node
+    assert cm.link_of("data", layout, ALPS) is ALPS.between_nodes
+    assert cm.link_of("data", Layout(data=4), ALPS) is ALPS.inside_node
+
+
+def _predict(layout: Layout, **options):
+    return cm.predict(LLAMA_8B, ALPS, layout, seq_len=options.get("seq_len", 4096), global_batch=64)
+
+
+def test_model_states_are_the_memory_lessons_sharded_over_data_and_context():
+    one_stage = _predict(Layout(data=8, context=2, sharding="zero1"))
+    expected = memory.model_state_bytes(LLAMA_8B.parameters() - LLAMA_8B.d_model, 16, "zero1")
+    # everything but the final norm's weight (a stage holds its blocks and the two embeddings)
+    assert one_stage.memory["optimizer"] == pytest.approx(expected.optimizer)
+    assert one_stage.memory["parameters"] == pytest.approx(expected.params)
+
+
+def test_each_policy_keeps_less_and_full_recomputation_costs_a_forward():
+    kept = {}
+    for policy in ("none", "selective", "full"):
+        prediction = _predict(Layout(data=16, tensor=4, recomputation=policy))
+        kept[policy] = prediction.memory["activations"]
+        if policy == "full":
+            assert prediction.time["recomputation"] == pytest.approx(prediction.time["compute"] / 3)
+        else:
+            assert prediction.time["recomputation"] == 0  # no context parallelism: nothing but pointwise work
+    assert kept["full"] < kept["selective"] < kept["none"]
+
+
+def test_tensor_parallelism_splits_every_term_but_selectives_row_outputs():
+    spec, layout = LLAMA_8B, Layout(tensor=1)
+    one = cm.block_activation_elements(spec, layout, micro_batch=1, seq_len=1024)
+    four = cm.block_activation_elements(spec, layout.with_(tensor=4), micro_batch=1, seq_len=1024)
+    assert four == pytest.approx(one / 4)  # Megatron-LM's sequence parallelism: everything / T
+    selective = [
+        cm.block_activation_elements(
+            spec, layout.with_(tensor=t, recomputation="selective"), micro_batch=1, seq_len=1024
+        )
+        for t in (1, 4)
+    ]
+    row_outputs = 2 * 1024 * spec.d_model
+    assert selective[1] - row_outputs == pytest.approx((selective[0] - row_outputs) / 4)
+
+
+def test_the_bubble_is_the_pipeline_lessons():
+    layout = Layout(data=4, pipeline=4, sharding="zero1")
+    prediction = _predict(layout)
+    microbatches = 64 // 4
+    assert prediction.time["pipeline bubble"] == pytest.approx(
+        bubble_overhead_theory(4, microbatches) * prediction.time["compute"]
+    )
+    interleaved = _predict(layout.with_(schedule="interleaved_1f1b", virtual_stages=2))
+    assert interleaved.time["pipeline bubble"] == pytest.approx(prediction.time["pipeline bubble"] / 2)
+
+
+def test_the_step_and_memory_are_the_sums_of_their_parts_and_mfu_follows():
+    prediction = _predict(Layout(data=8, pipeline=2, tensor=4))
+    for parts in (prediction.memory, prediction.time):
+        assert parts["total"] == pytest.approx(sum(v for k, v in parts.items() if k != "total"))
+    flops = LLAMA_8B.flops_per_token(4096) * prediction.tokens_per_s
+    assert prediction.mfu == pytest.approx(flops / (64 * ALPS.peak_flops))
+    assert prediction.mfu <= ALPS.achieved_flops / ALPS.peak_flops
+
+
+@pytest.mark.parametrize(
+    "layout, reason",
+    [
+        (Layout(data=8, tensor=16), "8 key/value heads do not split over tensor degree 16"),
+        (Layout(data=2, pipeline=64), "32 layers cannot fill 64 stages"),
+        (Layout(data=16, context=8), "a sequence of 4100 does not cut into 16 zig-zag chunks"),
+        (Layout(data=128), "a global batch of 64 sequences does not split into 128 replicas"),
+        (Layout(data=16, expert=2), "expert parallelism needs a mixture-of-experts model"),
+        (Layout(data=64, sharding="ddp"), "needs 1"),  # 16 bytes x 8 B parameters on every GPU
+    ],
+)
+def test_a_layout_that_cannot_run_says_the_one_reason(layout, reason):
+    prediction = cm.predict(
+        LLAMA_8B, ALPS, layout, seq_len=4100 if layout.context > 1 else 4096, global_batch=64
+    )
+    assert not prediction.fits
+    assert reason in prediction.problem
+
+
+def test_a_bad_layout_is_refused_with_the_rule():
+    with pytest.raises(UserError, match="Layout tensor must be a whole number, 1 or more, got 0"):
+        Layout(tensor=0)
+    with pytest.raises(
+        UserError, match="Layout sharding 'zero3' is unknown: choose one of ddp, zero1, zero2, fsdp"
+    ):
+        Layout(sharding="zero3")
+    with pytest.raises(UserError, match="expert degree 3 must divide data x context = 4"):
+        Layout(data=4, expert=3)
+    with pytest.raises(UserError, match="virtual_stages 2 needs schedule='interleaved_1f1b'"):
+        Layout(pipeline=2, virtual_stages=2)
+
+
+def test_the_plan_ranks_what_fits_fastest_first():
+    fitting, rejected = cm.plan(LLAMA_8B, ALPS, gpus=16, seq_len=8192, global_batch=64)
+    assert fitting and rejected
+    speeds = [p.tokens_per_s for p in fitting]
+    assert speeds == sorted(speeds, reverse=True)
+    assert all(p.memory["total"] <= ALPS.gpu_memory_bytes for p in fitting)
+    assert all(p.problem for p in rejected)
+    assert {p.layout.gpus for p in fitting + rejected} == {16}
+
+
+def test_the_command_prints_the_ranked_layouts_and_the_reasons(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    argv = ["--model", "llama3-8b", "--cluster", "alps", "--gpus", "16", "--global-batch-tokens", "512K"]
+    assert plan_tool.main([*argv, "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "64 sequences of 8192 tokens per step" in printed
+    assert "layouts fit; the 10 fastest" in printed and "layouts rejected, by reason" in printed
+    records = json.loads(out.read_text())
+    assert {"layout", "memory_bytes", "time_s", "tokens_per_s", "mfu", "problem"} <= set(records[0])
+
+
+def test_the_command_refuses_a_batch_that_is_not_whole_sequences(capsys):
+    argv = ["--model", "llama3-8b", "--cluster", "alps", "--gpus", "8", "--global-batch-tokens", "1000"]
+    assert plan_tool.main(argv) == 2
+    assert (
+        "--global-batch-tokens 1,000 is not a whole number of sequences of --seq-len 8192"
+        in capsys.readouterr().err
+    )
+    with pytest.raises(SystemExit):
+        plan_tool.main(
+            ["--model", "llama3-8b", "--cluster", "alps", "--gpus", "8", "--global-batch-tokens", "4Q"]
+        )
+    assert "is not a token count: write e.g. 4M" in capsys.readouterr().err

@@ -57,6 +57,10 @@ class ModelSpec:
         gated_mlp: SwiGLU (three matrices) rather than two.
         experts: experts per MoE layer (1: a dense MLP).
         top_k: experts per token.
+        norm: ``"rms"`` (RMSNorm: a weight, one statistic per token) or ``"layer"`` (LayerNorm: a
+            weight and a bias, a mean and 1/std per token).
+        bias: the linear layers have biases.
+        position_embeddings: rows of a learned position embedding (0: none, rotary positions).
         source: where the shapes come from.
     """
 
@@ -70,32 +74,63 @@ class ModelSpec:
     gated_mlp: bool = True
     experts: int = 1
     top_k: int = 1
+    norm: str = "rms"
+    bias: bool = False
+    position_embeddings: int = 0
     source: str = ""
+
+    @classmethod
+    def of(cls, model, *, name: str = "course-transformer") -> ModelSpec:
+        """The spec of one of the course's ``models.TinyTransformer`` (LayerNorm, biases, GELU MLP)."""
+        from .models import Block
+
+        blocks = [m for m in model if isinstance(m, Block)]
+        return cls(
+            name, len(blocks), model.d_model, model.n_heads, model.n_heads, blocks[0].mlp.fc1.out_features,
+            model.vocab_size, gated_mlp=False, norm="layer", bias=True,
+            position_embeddings=model[0].positions.num_embeddings,
+            source="the course's models.TinyTransformer",
+        )  # fmt: skip
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.heads
 
+    @property
+    def norm_statistics(self) -> int:
+        """Values a norm keeps per token for backward: LayerNorm's mean and 1/std, RMSNorm's 1/rms."""
+        return 2 if self.norm == "layer" else 1
+
+    def _norm_parameters(self) -> int:
+        return (2 if self.norm == "layer" else 1) * self.d_model
+
     def attention_parameters(self) -> int:
-        """q and out (h x h each), k and v (h x kv_heads·head_dim each), two norms."""
-        h = self.d_model
-        return 2 * h * h + 2 * h * self.kv_heads * self.head_dim + 2 * h
+        """q and out (h x h each), k and v (h x kv_heads·head_dim each), the block's two norms."""
+        h, kv = self.d_model, self.kv_heads * self.head_dim
+        biases = (2 * h + 2 * kv) if self.bias else 0
+        return 2 * h * h + 2 * h * kv + biases + 2 * self._norm_parameters()
 
     def expert_parameters(self) -> int:
         """One MLP (one expert)."""
-        return (3 if self.gated_mlp else 2) * self.d_model * self.ffn_hidden
+        matrices = 3 if self.gated_mlp else 2
+        biases = ((matrices - 1) * self.ffn_hidden + self.d_model) if self.bias else 0
+        return matrices * self.d_model * self.ffn_hidden + biases
 
     def block_parameters(self) -> int:
         router = self.d_model * self.experts if self.experts > 1 else 0
         return self.attention_parameters() + self.experts * self.expert_parameters() + router
 
     def embedding_parameters(self) -> int:
-        """The token embedding (the output projection is as large: it is counted in ``parameters``)."""
-        return self.vocab * self.d_model
+        """The token (and position) embeddings: looked up, not multiplied, so they cost no FLOPs."""
+        return (self.vocab + self.position_embeddings) * self.d_model
+
+    def head_parameters(self) -> int:
+        """The final norm and the output projection (untied from the embedding)."""
+        return self._norm_parameters() + self.vocab * self.d_model + (self.vocab if self.bias else 0)
 
     def parameters(self) -> int:
-        """Ψ: blocks, the embedding, the final norm and the output projection (untied)."""
-        return self.layers * self.block_parameters() + 2 * self.embedding_parameters() + self.d_model
+        """Ψ: the embeddings, the blocks, the final norm and the output projection."""
+        return self.embedding_parameters() + self.layers * self.block_parameters() + self.head_parameters()
 
     def active_parameters(self) -> int:
         """The parameters one token meets: ``top_k`` experts per MoE layer instead of all of them."""
@@ -262,10 +297,12 @@ def block_activation_elements(model: ModelSpec, layout: Layout, *, micro_batch: 
     """Elements one Llama-style block keeps for backward per micro-batch on one GPU (bf16 elements).
 
     The course's ``activations.block_activation_elements`` term by term, for RMSNorm (input and
-    one statistic per token), grouped-query attention (k and v are kv_heads/heads of q), flash
-    attention (an fp32 log-sum-exp per head and token: 2 bf16 elements), a gated MLP (gate, up,
-    SiLU and product: 4·ffn per token) and Megatron-LM's sequence parallelism with tensor
-    parallelism (the norms and the projections' inputs on s/T tokens).
+    one statistic per token) or LayerNorm (two), grouped-query attention (k and v are
+    kv_heads/heads of q), flash attention (an fp32 log-sum-exp per head and token: 2 bf16
+    elements), a gated MLP (gate, up, SiLU and product: 4·ffn per token) or a plain one (2·ffn),
+    and with ``layout.sequence_parallel`` Megatron-LM's sequence parallelism (the norms and the
+    projections' inputs on s/T tokens). For the course's block in fp32 it is
+    ``activations.block_activation_elements`` exactly (the tests hold the two equal).
 
     Args:
         model: the shapes.
@@ -274,26 +311,50 @@ def block_activation_elements(model: ModelSpec, layout: Layout, *, micro_batch: 
         seq_len: s, tokens per sequence.
     """
     t = layout.tensor
+    sp = t if layout.sequence_parallel else 1  # what the norms and the projections' inputs are cut by
     tokens = micro_batch * seq_len / layout.context  # this GPU's tokens of the micro-batch
     h, a = model.d_model, model.heads
     sbh = tokens * h
     kv = model.kv_heads / model.heads
     rows = model.top_k if model.experts > 1 else 1  # an MoE layer computes k rows per token
     mlp_hidden = tokens * rows * model.ffn_hidden
-    block_input = sbh / t  # sequence parallel: each GPU holds s/T tokens between the blocks
+    lse = a * tokens * 4 / layout.element_bytes  # one fp32 log-sum-exp per head and token
+    block_input = sbh / sp
     if layout.recomputation == "full":
         return block_input
     q_k_v = (1 + 2 * kv) * sbh / t
-    attention = (sbh + 2 * a * tokens) / t  # output, fp32 log-sum-exp
+    attention = (sbh + lse) / t  # the output and the log-sum-exp
     if layout.recomputation == "selective":
         ring_recomputed = layout.context > 1
         gate_up = 2 * mlp_hidden / t if model.gated_mlp else mlp_hidden / t
         return block_input + q_k_v + (0 if ring_recomputed else attention) + gate_up + 2 * sbh
-    norms = 2 * (sbh + tokens) / t
-    projection_inputs = 2 * sbh / t
+    norms = 2 * (sbh + model.norm_statistics * tokens) / sp
+    projection_inputs = 2 * sbh / sp
+    ring_output_copy = sbh / t if layout.context > 1 else 0  # ring attention's layout: one reshaped copy
     mlp = (4 if model.gated_mlp else 2) * mlp_hidden / t
     router = tokens * model.experts if model.experts > 1 else 0
-    return norms + projection_inputs + q_k_v + attention + mlp + router
+    return norms + projection_inputs + q_k_v + attention + ring_output_copy + mlp + router
+
+
+def head_activation_bytes(model: ModelSpec, layout: Layout, *, micro_batch: int, seq_len: int) -> float:
+    """Bytes the final norm, the output projection and the loss keep per micro-batch on one GPU.
+
+    The norm's input and statistics, the projection's input, the loss's fp32 log-softmax (one
+    value per token and vocabulary entry: split over the tensor ranks with ``loss_parallel``) and
+    the int64 targets: ``activations.head_activation_bytes`` for the course's head in fp32.
+
+    Args:
+        model: the shapes.
+        layout: tensor and context degrees, ``loss_parallel``, precision.
+        micro_batch: b, sequences per micro-batch.
+        seq_len: s, tokens per sequence.
+    """
+    tokens = micro_batch * seq_len / layout.context
+    vocab_split = layout.tensor if layout.loss_parallel else 1
+    norm_and_projection = (
+        layout.element_bytes * 2 * tokens * model.d_model + 4 * model.norm_statistics * tokens
+    )
+    return norm_and_projection + 4 * tokens * model.vocab / vocab_split + 8 * tokens
 
 
 def _stage_parameters(model: ModelSpec, layout: Layout) -> float:
@@ -355,7 +416,7 @@ def predict(
         result.problem = problem
         return result
     d, p, c, t = layout.data, layout.pipeline, layout.context, layout.tensor
-    element = 2 if layout.precision == "bf16" else 4
+    element = layout.element_bytes
     microbatches = global_batch // (d * layout.micro_batch)  # per replica, one after the other
     layers_per_stage = math.ceil(model.layers / p)
 
@@ -372,7 +433,7 @@ def predict(
         )  # counted per virtual stage; a virtual stage has 1/v of the layers
     block = block_activation_elements(model, layout, micro_batch=layout.micro_batch, seq_len=seq_len)
     tokens = layout.micro_batch * seq_len / c
-    head = tokens * model.vocab / t * (2 + 4)  # the logits (bf16) and their fp32 log-softmax
+    head = head_activation_bytes(model, layout, micro_batch=layout.micro_batch, seq_len=seq_len)
     activations = in_flight * layers_per_stage * block * element + (head if p == 1 else 0)
     if p > 1:  # the last stage holds fewer micro-batches (one under 1F1B) but adds the head
         activations = max(activations, layers_per_stage * block * element + head)

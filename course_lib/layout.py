@@ -47,6 +47,12 @@ class Layout:
         virtual_stages: stages per pipeline rank (the interleaved schedule's v).
         micro_batch: sequences per micro-batch.
         precision: ``"bf16"`` (mixed precision, fp32 master weights) or ``"fp32"``.
+        sequence_parallel: with T > 1, the norms run on s/T tokens and the projections keep
+            only their shard of the input (Megatron-LM's sequence parallelism); off: plain tensor
+            parallelism (the course's ``parallel.tensor``).
+        loss_parallel: with T > 1, the output projection and the loss are split over the
+            vocabulary (Megatron-LM's, DTensor's ``loss_parallel``); off: every tensor rank
+            computes the whole head.
     """
 
     data: int = 1
@@ -60,6 +66,8 @@ class Layout:
     virtual_stages: int = 1
     micro_batch: int = 1
     precision: str = "bf16"
+    sequence_parallel: bool = True
+    loss_parallel: bool = True
 
     def __post_init__(self):
         for name in ("data", "pipeline", "context", "tensor", "expert", "virtual_stages", "micro_batch"):
@@ -86,6 +94,11 @@ class Layout:
                 f"virtual_stages {self.virtual_stages} needs schedule='interleaved_1f1b' (the others hold "
                 "one stage per rank)"
             )
+
+    @property
+    def element_bytes(self) -> int:
+        """Bytes of one activation element: 2 in bf16, 4 in fp32."""
+        return 2 if self.precision == "bf16" else 4
 
     @property
     def gpus(self) -> int:

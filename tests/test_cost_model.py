@@ -169,3 +169,46 @@ def test_the_command_refuses_a_batch_that_is_not_whole_sequences(capsys):
             ["--model", "llama3-8b", "--cluster", "alps", "--gpus", "8", "--global-batch-tokens", "4Q"]
         )
     assert "is not a token count: write e.g. 4M" in capsys.readouterr().err
+
+
+def test_the_course_transformer_is_a_spec_with_its_exact_parameter_count():
+    from course_lib import models
+
+    model = models.TinyTransformer(37, d_model=24, n_heads=6, n_layers=3, max_seq_len=12)
+    assert cm.ModelSpec.of(model).parameters() == models.count_parameters(model)
+
+
+COURSE_LAYOUTS = [
+    ({}, {}),
+    ({"tensor": 2, "sequence_parallel": False}, {"tensor_degree": 2}),
+    ({"tensor": 3, "sequence_parallel": False}, {"tensor_degree": 3}),
+    (
+        {"tensor": 2},
+        {"tensor_degree": 2, "sequence_parallel": True, "regather_in_backward": True},
+    ),
+    ({"context": 2}, {"context_degree": 2}),
+    ({"context": 3}, {"context_degree": 3}),
+]
+
+
+@pytest.mark.parametrize("policy", ["none", "full", "selective"])
+@pytest.mark.parametrize("planner, course", COURSE_LAYOUTS)
+def test_the_planners_block_is_the_measured_formula_for_the_course_block(planner, course, policy):
+    from course_lib import activations, models
+
+    spec = cm.ModelSpec.of(models.TinyTransformer(37, d_model=24, n_heads=6, n_layers=2, max_seq_len=24))
+    layout = Layout(precision="fp32", recomputation=policy, **planner)
+    ours = cm.block_activation_elements(spec, layout, micro_batch=5, seq_len=24)
+    measured_formula = activations.block_activation_elements(
+        batch=5, seq=24, d_model=24, heads=6, recomputation=policy, **course
+    )["total"]
+    assert ours == pytest.approx(measured_formula)
+
+
+def test_the_planners_head_is_the_measured_formula_for_the_course_head():
+    from course_lib import activations, models
+
+    spec = cm.ModelSpec.of(models.TinyTransformer(37, d_model=24, n_heads=6, n_layers=2, max_seq_len=24))
+    ours = cm.head_activation_bytes(spec, Layout(precision="fp32"), micro_batch=5, seq_len=24)
+    theirs = activations.head_activation_bytes(batch=5, seq=24, d_model=24, vocab=37)
+    assert ours == theirs - 4  # the loss's one saved scalar

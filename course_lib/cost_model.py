@@ -357,15 +357,42 @@ def head_activation_bytes(model: ModelSpec, layout: Layout, *, micro_batch: int,
     return norm_and_projection + 4 * tokens * model.vocab / vocab_split + 8 * tokens
 
 
-def _stage_parameters(model: ModelSpec, layout: Layout) -> float:
-    """Parameters on the fullest GPU: its stage's blocks (the first or last stage adds an embedding)."""
-    layers = math.ceil(model.layers / layout.pipeline)
-    dense = layers * (
-        model.block_parameters() - model.experts * model.expert_parameters() * (model.experts > 1)
+def block_parameters_per_gpu(model: ModelSpec, layout: Layout) -> float:
+    """One block's parameters on one GPU: the matrices and their column biases split over T (the
+    experts also over E); the norms and the row-parallel layers' biases whole on every tensor rank."""
+    t, h = layout.tensor, model.d_model
+    replicated = 2 * model._norm_parameters() + (2 * h if model.bias else 0)  # norms; out's and fc2's biases
+    experts = model.experts * model.expert_parameters() if model.experts > 1 else 0
+    split = model.block_parameters() - replicated - experts
+    return split / t + replicated + experts / (t * layout.expert)
+
+
+def stage_parameters(model: ModelSpec, layout: Layout) -> float:
+    """Parameters on the fullest GPU: its pipeline stages' entries, each cut as ``parallelize`` cuts it.
+
+    The model is the list [embedding, L blocks, head] shared out evenly over P·v stages (earlier
+    stages take one more when it does not divide, as ``pipeline.split_model`` does); the embedding
+    and head are split over the tensor ranks only with ``loss_parallel``.
+
+    Args:
+        model: the shapes.
+        layout: the degrees.
+    """
+    vocab_split = layout.tensor if layout.loss_parallel else 1
+    embedding = model.vocab * model.d_model / vocab_split + model.position_embeddings * model.d_model
+    head = (
+        model._norm_parameters()
+        + (model.vocab * model.d_model + (model.vocab if model.bias else 0)) / vocab_split
     )
-    experts = layers * model.experts * model.expert_parameters() if model.experts > 1 else 0
-    ends = model.embedding_parameters() * (2 if layout.pipeline == 1 else 1)
-    return (dense + ends) / layout.tensor + experts / (layout.tensor * layout.expert)
+    block = block_parameters_per_gpu(model, layout)
+    entries = [embedding, *([block] * model.layers), head]
+    stages = layout.pipeline * layout.virtual_stages
+    base, extra = divmod(len(entries), stages)
+    sizes = [base + (1 if s < extra else 0) for s in range(stages)]
+    bounds = [sum(sizes[:s]) for s in range(stages + 1)]
+    per_stage = [sum(entries[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+    per_rank = [sum(per_stage[r :: layout.pipeline]) for r in range(layout.pipeline)]
+    return max(per_rank)
 
 
 def check(model: ModelSpec, layout: Layout, *, gpus: int, seq_len: int, global_batch: int) -> str | None:
@@ -421,7 +448,7 @@ def predict(
     layers_per_stage = math.ceil(model.layers / p)
 
     # -- memory ---------------------------------------------------------------------------------
-    stage_params = _stage_parameters(model, layout)
+    stage_params = stage_parameters(model, layout)
     stage = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "fsdp": "zero3"}[layout.sharding]
     per_param = memory.MIXED_PRECISION_ADAM if layout.precision == "bf16" else memory.FP32_ADAM
     states = memory.model_state_bytes(stage_params, d * c, stage, **per_param)
@@ -475,10 +502,12 @@ def predict(
 
     kv_bytes = element * 2 * tokens * model.kv_heads * model.head_dim / t
     context_link = link_of("context", layout, cluster)
-    ring = 3 * (c - 1) * (context_link.latency_s + kv_bytes / context_link.bandwidth) if c > 1 else 0.0
+    # Forward passes on C-1 K/V chunks; backward the same C-1 again and C of their gradients.
+    chunk_sends = 3 * c - 2 if c > 1 else 0
+    ring = chunk_sends * (context_link.latency_s + kv_bytes / context_link.bandwidth)
     attention_compute = compute * attention_share / (layers_per_stage * microbatches) if c > 1 else 0.0
     context = layers_per_stage * microbatches * max(0.0, ring - attention_compute)
-    context_sent = layers_per_stage * microbatches * 3 * (c - 1) * kv_bytes
+    context_sent = layers_per_stage * microbatches * chunk_sends * kv_bytes
 
     data_link, shard_group = link_of("data", layout, cluster), d * c
     gradient_bytes, param_bytes = 4 * stage_params, element * stage_params
@@ -501,7 +530,8 @@ def predict(
     pipeline_link = link_of("pipeline", layout, cluster)
     send = pipeline_link.latency_s + activation_bytes / t / pipeline_link.bandwidth
     pipeline = 2 * (p - 1) * send if p > 1 else 0.0  # filling and draining: the steady state overlaps
-    pipeline_sent = 2 * microbatches * activation_bytes / t if p > 1 else 0.0
+    # a middle stage sends activations on and gradients back; the two ends send one of them
+    pipeline_sent = (1 if p == 2 else 2) * microbatches * activation_bytes / t if p > 1 else 0.0
 
     expert = expert_sent = 0.0
     if layout.expert > 1:

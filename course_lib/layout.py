@@ -8,6 +8,13 @@ model states are kept whole (DDP), or sharded by ZeRO stage 1, 2 or 3 (FSDP). Al
 choices that change memory and time but not the result: recomputation, the pipeline schedule and
 its micro-batches, and the precision.
 
+``parallelize(model, mesh, layout)`` applies a layout to the course's transformer with one verb
+per technique, each of the same shape, in torchtitan's order (``parallelize_llama``): cut the
+pipeline stage, then ``apply_tensor_parallel``, ``apply_context_parallel``,
+``apply_recomputation`` (recompute what the parallel layers compute) and last
+``apply_data_parallel`` (DDP, ZeRO or FSDP over the data axis, whose hooks must wrap everything
+else).
+
 The planner (``cost_model``) predicts a layout's memory, traffic and step time; the mesh's order
 puts the tensor axis innermost, on the fastest links, then context, data and pipeline outermost:
 the chattiest axis gets the NVLink of one node, the quietest crosses the network.
@@ -20,6 +27,8 @@ place them.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+
+from torch import nn
 
 from .errors import UserError
 
@@ -132,3 +141,109 @@ class Layout:
         if unknown:
             raise UserError(f"Layout has no field {', '.join(sorted(unknown))}")
         return replace(self, **changes)
+
+
+# -- one verb per technique ---------------------------------------------------------------------
+
+
+def apply_tensor_parallel(model: nn.Module, group, *, sequence_parallel: bool = False) -> nn.Module:
+    """Split every block's attention heads and MLP over ``group`` (with Megatron-LM's sequence parallelism).
+
+    Args:
+        model: a dense ``TinyTransformer``, or a pipeline stage of one, changed in place.
+        group: the tensor-parallel process group.
+        sequence_parallel: also run the norms on s/T tokens and keep only the input's shard
+            (``parallel.sequence``, the regathered variant); the model then takes and returns
+            this rank's s/T tokens.
+    """
+    from .parallel import sequence, tensor
+
+    if sequence_parallel:
+        return sequence.parallelize_sequence(model, group=group, regather_in_backward=True)
+    return tensor.parallelize_transformer(model, group=group)
+
+
+def apply_context_parallel(model: nn.Module, group, *, seq_len: int) -> nn.Module:
+    """Cut each sequence over ``group`` in the zig-zag layout; attention becomes ring attention.
+
+    Args:
+        model: a ``TinyTransformer`` (dense or tensor parallel), or a stage of one, changed in place.
+        group: the context-parallel process group.
+        seq_len: the whole sequence's tokens.
+    """
+    from . import runtime
+    from .parallel import context
+
+    layout = context.SequenceLayout(seq_len, runtime.world_size(group=group), zigzag=True)
+    return context.parallelize_context(model, layout, group=group)
+
+
+def apply_data_parallel(model: nn.Module, group, *, sharding: str) -> nn.Module:
+    """Wrap ``model`` so that the data axis averages its gradients, sharding what ``sharding`` says.
+
+    Args:
+        model: the module this rank trains (after every other verb).
+        group: the data-parallel process group.
+        sharding: ``"ddp"`` (``parallel.ddp``), ``"zero1"``/``"zero2"`` (``parallel.zero``) or
+            ``"fsdp"`` (``parallel.fsdp``, one unit per block).
+    """
+    from . import recompute
+    from .parallel import ddp, fsdp, zero
+
+    if sharding == "ddp":
+        return ddp.DataParallel(model, group=group)
+    if sharding in ("zero1", "zero2"):
+        return zero.ZeroDataParallel(model, stage=int(sharding[-1]), group=group)
+    if sharding == "fsdp":
+        return fsdp.FullyShardedDataParallel(
+            model, group=group, auto_wrap_policy=recompute.recomputation_units(model)
+        )
+    raise UserError(f"unknown sharding {sharding!r}: choose one of {', '.join(SHARDINGS)}")
+
+
+def parallelize(model: nn.Module, mesh, layout: Layout, *, seq_len: int) -> dict[int, nn.Module]:
+    """This rank's stages of a dense ``TinyTransformer``, laid out as ``layout`` on ``mesh``.
+
+    Returns {stage index: module}, what ``parallel.pipeline.PipelineExecutor`` takes (one stage
+    without pipeline parallelism, index 0). Every rank must start from the same weights (the same
+    seed). Under pipeline parallelism the data axis is averaged by the caller after the
+    executor's step (as ``parallel.three_d`` does), so only ``sharding="ddp"`` runs there; with
+    context parallelism the caller also sums each parameter's gradient over the context group.
+
+    Args:
+        model: the dense transformer, cut and changed in place.
+        mesh: a ``parallel.mesh.Mesh`` with the layout's degrees.
+        layout: the layout (its ``expert`` degree must be 1: the transformer has no MoE layers).
+        seq_len: tokens per sequence (context parallelism cuts it).
+    """
+    from . import recompute
+    from .parallel import pipeline
+
+    for axis in AXES:
+        if mesh.degrees[axis] != layout.degree(axis):
+            raise UserError(
+                f"the mesh's {axis} degree is {mesh.degrees[axis]} but the layout's is "
+                f"{layout.degree(axis)}: build the mesh from the layout"
+            )
+    if layout.expert > 1:
+        raise UserError("the course's TinyTransformer has no MoE layers: use expert=1 (see parallel.expert)")
+    if layout.pipeline > 1 and layout.sharding != "ddp":
+        raise UserError(
+            f"sharding {layout.sharding!r} under pipeline parallelism: the pipeline's data axis is averaged "
+            "after the executor's step; use sharding='ddp'"
+        )
+    num_stages = layout.pipeline * layout.virtual_stages
+    pieces = pipeline.split_model(model, num_stages)
+    coordinate = mesh.coordinates.pipeline
+    stages = {
+        s: pieces[s] for s in range(num_stages) if pipeline.rank_of_stage(s, layout.pipeline) == coordinate
+    }
+    for index, stage in stages.items():
+        if layout.tensor > 1:
+            apply_tensor_parallel(stage, mesh.group("tensor"), sequence_parallel=layout.sequence_parallel)
+        if layout.context > 1:
+            apply_context_parallel(stage, mesh.group("context"), seq_len=seq_len)
+        recompute.apply_recomputation(stage, policy=layout.recomputation)
+        if layout.pipeline == 1 and (layout.data > 1 or layout.sharding != "ddp"):
+            stages[index] = apply_data_parallel(stage, mesh.group("data"), sharding=layout.sharding)
+    return stages

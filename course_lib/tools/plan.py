@@ -6,6 +6,10 @@
 broken down, and for the layouts that do not fit, the one reason each (grouped). ``--json FILE``
 writes every prediction.
 
+``--validate`` holds the same formulas against this machine instead
+(``plan_validation``): it calibrates, runs a sweep of small layouts of the course's transformer
+on local processes, and prints predicted beside measured.
+
 The figures are ``cost_model``'s: formulas measured exactly on this machine's processes
 (memory, bytes) and an alpha-beta and FLOP-rate time model whose link and FLOP figures come
 from the cluster's profile (its ``source`` says where from, and which are assumptions).
@@ -70,9 +74,9 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--model", choices=sorted(MODELS), required=True)
-    parser.add_argument("--cluster", choices=sorted(CLUSTERS), required=True)
-    parser.add_argument("--gpus", type=checks.int_at_least(1), required=True, help="GPUs of the job")
+    parser.add_argument("--model", choices=sorted(MODELS))
+    parser.add_argument("--cluster", choices=sorted(CLUSTERS))
+    parser.add_argument("--gpus", type=checks.int_at_least(1), help="GPUs of the job")
     parser.add_argument("--seq-len", type=checks.int_at_least(1), default=8192, help="tokens per sequence")
     parser.add_argument(
         "--global-batch-tokens",
@@ -82,7 +86,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--top", type=checks.int_at_least(1), default=10, help="layouts to show")
     parser.add_argument("--json", type=checks.file_to_write, default=None, help="write every prediction here")
+    parser.add_argument(
+        "--validate",
+        action="store_true",
+        help="calibrate on this machine, run small layouts on local processes, compare with the predictions",
+    )
     args = parser.parse_args(argv)
+    if args.validate:
+        return _validate(args)
+    missing = [flag for flag in ("model", "cluster", "gpus") if getattr(args, flag) is None]
+    if missing:
+        print(
+            f"error: name the job: {', '.join('--' + flag for flag in missing)} (or --validate to check the "
+            "planner on this machine)",
+            file=sys.stderr,
+        )
+        return 2
     model, cluster = MODELS[args.model], CLUSTERS[args.cluster]
     try:
         if args.global_batch_tokens % args.seq_len:
@@ -121,6 +140,30 @@ def main(argv: list[str] | None = None) -> int:
         records = [_record(p) for p in fitting + rejected]
         args.json.write_text(json.dumps(records, indent=1) + "\n")
         print(f"\nevery prediction: {args.json}", file=sys.stderr)
+    return 0
+
+
+def _validate(args) -> int:
+    from ..launch import launch
+    from .plan_validation import table, validate
+
+    print(
+        "calibrating on this machine, then running each layout on local processes...",
+        file=sys.stderr,
+        flush=True,
+    )
+    result = validate(launch)
+    calibration = result["calibration"]
+    print(
+        f"this machine: all-reduce alpha {calibration['latency_s'] * 1e6:.0f} us, beta "
+        f"{calibration['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s; one core's matmuls "
+        f"{calibration['matmul_flops'] / 1e9:.1f} GFLOP/s, of which the transformer's one-process step reaches "
+        f"{calibration['model_share_of_matmul_rate']:.0%}\n"
+    )
+    print(table(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"\nevery figure: {args.json}", file=sys.stderr)
     return 0
 
 

@@ -1,0 +1,291 @@
+"""The planner against measurement: calibrate on this machine, run small layouts, compare.
+
+``python -m course_lib.tools.plan --validate`` does three things:
+
+1. **Calibrate.** The all-reduce's alpha and beta from a sweep on 2 local processes
+   (``bench allreduce``'s measurement and ``scaling.fit_ring_all_reduce_by_regime``); the matmul
+   rate of one core (``flops.measure_matmul_tflops``); and how much of that rate the course's
+   transformer achieves in a one-process step (its FLOPs over its measured step time: the
+   norms, GELU, optimizer and Python take the rest). The machine becomes a ``ClusterSpec``.
+2. **Run** each layout of ``LAYOUTS`` on local processes with ``layout.parallelize``: a few
+   training steps of the same ``TinyTransformer``, measuring what every rank holds
+   (``memory.measure_model_states``), what one forward leaves alive for backward
+   (``memory.live_tensor_bytes``; the pipeline's in-flight peak), the bytes it sends in one
+   step (``comm.CommLog``) and the median step time after warm-up steps.
+3. **Compare** with ``cost_model.predict`` for the same layout: model states, activations and
+   bytes sent to the byte where the formula is exact, and the step time as a ratio.
+
+A layout with more processes than cores shares them and is timed slower than the model says:
+its time is reported, not judged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import time
+
+import torch
+
+from .. import comm, cost_model, flops, memory, models, runtime
+from ..data import zen_windows
+from ..layout import Layout, parallelize
+from ..parallel import context as cp
+from ..parallel import pipeline as pp
+from ..parallel import sequence as sp
+from ..parallel.mesh import Mesh
+
+MODEL = {"d_model": 256, "n_heads": 4, "n_layers": 4, "seq_len": 64}
+"""Wide enough that matrix products take most of a step on one core, small enough for a laptop."""
+GLOBAL_BATCH = 8
+STEPS, WARMUP = 6, 3
+
+LAYOUTS = [
+    Layout(data=2, sharding="ddp"),
+    Layout(data=2, sharding="zero1"),
+    Layout(data=2, sharding="zero2"),
+    Layout(data=2, sharding="fsdp"),
+    Layout(data=2, sharding="ddp", recomputation="full"),
+    Layout(data=2, sharding="ddp", recomputation="selective"),
+    Layout(tensor=2, sharding="ddp", sequence_parallel=False),
+    Layout(tensor=2, sharding="ddp", sequence_parallel=False, recomputation="selective"),
+    Layout(tensor=2, sharding="ddp", sequence_parallel=True),
+    Layout(context=2, sharding="ddp"),
+    Layout(context=2, sharding="ddp", recomputation="full"),
+    Layout(pipeline=2, sharding="ddp", schedule="1f1b", micro_batch=2),
+    Layout(pipeline=2, sharding="ddp", schedule="gpipe", micro_batch=2),
+    Layout(data=2, tensor=2, sharding="ddp", sequence_parallel=False),
+]
+"""The sweep: every axis on 2 processes, each with one policy or variant changed, and a 2-D layout."""
+
+
+def course_layout(layout: Layout) -> Layout:
+    """The layout as the course runs it on CPU: fp32, the head not split over the vocabulary."""
+    micro = layout.micro_batch if layout.pipeline > 1 else GLOBAL_BATCH // layout.data
+    return layout.with_(precision="fp32", loss_parallel=False, micro_batch=micro)
+
+
+def measure_layout(layout: Layout) -> dict | None:
+    """Train a few steps laid out as ``layout`` on the current process group; rank 0 returns what it measured."""
+    torch.set_num_threads(1)  # one core per process, as the time model assumes
+    layout = course_layout(layout)
+    seq_len = MODEL["seq_len"]
+    mesh = Mesh(data=layout.data, pipeline=layout.pipeline, context=layout.context, tensor=layout.tensor)
+    inputs, targets, vocabulary = zen_windows(seq_len=seq_len)
+    torch.manual_seed(0)
+    model = models.TinyTransformer(
+        len(vocabulary),
+        d_model=MODEL["d_model"],
+        n_heads=MODEL["n_heads"],
+        n_layers=MODEL["n_layers"],
+        max_seq_len=seq_len,
+    )
+    stages = parallelize(model, mesh, layout, seq_len=seq_len)
+    params = [p for stage in stages.values() for p in stage.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    mine = torch.arange(GLOBAL_BATCH)[mesh.coordinates.data :: layout.data]
+    x, y = inputs[mine], targets[mine]
+    sequence = cp.SequenceLayout(seq_len, layout.context, zigzag=True)
+    if layout.context > 1:
+        x, y = (sequence.local(t, mesh.coordinates.context) for t in (x, y))
+    executor = None
+    if layout.pipeline > 1:
+        microbatches = len(mine) // layout.micro_batch
+        executor = pp.PipelineExecutor(
+            stages,
+            layout.pipeline,
+            layout.schedule,
+            microbatches,
+            models.lm_loss,
+            (layout.micro_batch, seq_len, MODEL["d_model"]),
+            group=mesh.group("pipeline"),
+            measure_memory=True,
+        )
+    stage = stages[min(stages)]
+
+    def loss_of(logits):
+        if layout.context > 1:
+            return cp.context_parallel_loss(logits, y, total_tokens=len(mine) * seq_len)
+        if layout.tensor > 1 and layout.sequence_parallel:
+            return sp.sequence_parallel_loss(logits, y, group=mesh.group("tensor"))
+        return models.lm_loss(logits, y)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        if executor is not None:
+            executor.step(x, y)
+        else:
+            loss_of(stage(x)).backward()
+        if layout.tensor > 1 and layout.sequence_parallel:
+            sp.all_reduce_sequence_parallel_gradients(stage, group=mesh.group("tensor"))
+        if layout.context > 1:  # each chunk of the sequences adds its part of every gradient
+            for param in params:
+                comm.all_reduce(param.grad, op="sum", group=mesh.group("context"))
+        if executor is not None and layout.data > 1:
+            for param in params:
+                comm.all_reduce(param.grad, op="mean", group=mesh.group("data"))
+        optimizer.step()
+
+    if executor is None:  # what one forward leaves alive for its backward (its loss included)
+        with memory.live_tensor_bytes() as live:
+            loss = loss_of(stage(x))
+            activation_bytes = live.now
+            loss.backward()
+        optimizer.zero_grad()
+    times = []
+    for index in range(STEPS):
+        with comm.CommLog() as log:
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        if index == 0:
+            sent = log.bytes_per_rank()
+            if executor is not None:
+                activation_bytes = executor.stats.peak_kept_bytes
+    states = memory.measure_model_states(stage, optimizer=optimizer) if len(stages) == 1 else None
+    record = {
+        "model_state_bytes": states.total if states else None,
+        "activation_bytes": activation_bytes,
+        "sent_bytes": sent,
+        "step_s": statistics.median(times[WARMUP:]),
+    }
+    gathered = [None] * runtime.world_size()
+    torch.distributed.all_gather_object(gathered, record)
+    if not runtime.is_main():
+        return None
+    return {key: max(r[key] for r in gathered if r[key] is not None) for key in record}
+
+
+def one_process_step(rate: float) -> tuple[float, float]:
+    """The course transformer's one-process step time and the share of ``rate`` its matmuls reach."""
+    single = measure_layout(Layout(sharding="ddp"))
+    spec = model_spec()
+    model_flops = spec.flops_per_token(MODEL["seq_len"]) * GLOBAL_BATCH * MODEL["seq_len"]
+    return single["step_s"], model_flops / single["step_s"] / rate
+
+
+def model_spec() -> cost_model.ModelSpec:
+    vocabulary = zen_windows(seq_len=MODEL["seq_len"])[2]
+    model = models.TinyTransformer(
+        len(vocabulary),
+        d_model=MODEL["d_model"],
+        n_heads=MODEL["n_heads"],
+        n_layers=MODEL["n_layers"],
+        max_seq_len=MODEL["seq_len"],
+    )
+    return cost_model.ModelSpec.of(model)
+
+
+def calibrate(launch) -> dict:
+    """Measure this machine: alpha and beta of a 2-process all-reduce, a core's matmul rate, the model's share of it."""
+    from .bench.allreduce import allreduce_benchmark, allreduce_sizes
+
+    sweep = launch(
+        allreduce_benchmark,
+        2,
+        sizes=allreduce_sizes(min_bytes=1024, max_bytes=4 << 20),
+        iterations=10,
+        warmup=3,
+    )[0]
+    fit = sweep.get("fit_by_regime", sweep["fit"])
+    torch.set_num_threads(1)
+    rate = flops.measure_matmul_tflops(size=512) * 1e12
+    step_s, share = launch(_one_process_step, 1, rate)[0]
+    return {
+        "latency_s": fit["latency_us"] * 1e-6,
+        "bandwidth_bytes_per_s": fit["bandwidth_gbps"] * 1e9,
+        "matmul_flops": rate,
+        "model_share_of_matmul_rate": share,
+        "one_process_step_s": step_s,
+        "cores": os.cpu_count() or 1,
+    }
+
+
+def _one_process_step(rate: float):
+    return one_process_step(rate)
+
+
+def machine(calibration: dict) -> cost_model.ClusterSpec:
+    """This machine as the planner sees it: one node of ``cores`` "GPUs" joined by the measured link."""
+    link = cost_model.Link(calibration["latency_s"], calibration["bandwidth_bytes_per_s"])
+    achieved = calibration["matmul_flops"] * calibration["model_share_of_matmul_rate"]
+    return cost_model.ClusterSpec(
+        "this machine", calibration["cores"], 1e12, 0.0, calibration["matmul_flops"], achieved,
+        inside_node=link, between_nodes=link, source="calibrated by plan --validate",
+    )  # fmt: skip
+
+
+def validate(launch, *, layouts: list[Layout] = LAYOUTS) -> dict:
+    """Calibrate, run every layout, and put each prediction beside its measurement."""
+    calibration = calibrate(launch)
+    cluster, spec = machine(calibration), model_spec()
+    rows = []
+    for layout in layouts:
+        measured = launch(measure_layout, layout.gpus, layout)[0]
+        course = course_layout(layout)
+        predicted = cost_model.predict(
+            spec, cluster, course, seq_len=MODEL["seq_len"], global_batch=GLOBAL_BATCH
+        )
+        states = (
+            predicted.memory["parameters"] + predicted.memory["gradients"] + predicted.memory["optimizer"]
+        )
+        embedding_and_loss = _outside_blocks_bytes(spec, course) if course.pipeline == 1 else 0
+        row = {
+            "layout": layout.name() + ("" if layout.sequence_parallel or layout.tensor == 1 else " no-sp"),
+            "processes": layout.gpus,
+            "own_core": layout.gpus <= calibration["cores"],
+            "model_state_bytes": {"predicted": states, "measured": measured["model_state_bytes"]},
+            "activation_bytes": {
+                "predicted": predicted.memory["activations"] + embedding_and_loss,
+                "measured": measured["activation_bytes"],
+            },
+            "sent_bytes": {"predicted": sum(predicted.traffic.values()), "measured": measured["sent_bytes"]},
+            "step_s": {"predicted": predicted.time["total"], "measured": measured["step_s"]},
+        }
+        for key in ("model_state_bytes", "activation_bytes", "sent_bytes", "step_s"):
+            pair = row[key]
+            pair["measured_over_predicted"] = (
+                pair["measured"] / pair["predicted"]
+                if pair["predicted"] and pair["measured"] is not None
+                else None
+            )
+        rows.append(row)
+    timed = [r for r in rows if r["own_core"]]
+    within = [r for r in timed if 1 / 1.33 <= r["step_s"]["measured_over_predicted"] <= 1.33]
+    return {
+        "calibration": calibration,
+        "model": dataclasses.asdict(spec) | {"global_batch": GLOBAL_BATCH, "seq_len": MODEL["seq_len"]},
+        "layouts": rows,
+        "step_time_within_1_33": f"{len(within)} of {len(timed)} layouts with a core per process",
+    }
+
+
+def _outside_blocks_bytes(spec: cost_model.ModelSpec, layout: Layout) -> float:
+    """What the embedding keeps beyond the blocks (the ids are the batch's: not made in the step)."""
+    tokens = layout.micro_batch * MODEL["seq_len"] / layout.context
+    positions = 8 * MODEL["seq_len"] / layout.context
+    return positions + 4 - 8 * tokens  # the positions; the loss; less the targets, also the batch's
+
+
+def table(result: dict) -> str:
+    """The comparison as text: one line per layout."""
+    lines = [
+        f"{'layout':<34}{'procs':>6}  {'states':>8}  {'activations':>11}  {'sent':>8}  {'step ms':>16}",
+        f"{'':<34}{'':>6}  {'meas/pred':>8}  {'meas/pred':>11}  {'meas/pred':>8}  {'pred -> meas':>16}",
+    ]
+
+    def ratio(pair):
+        value = pair["measured_over_predicted"]
+        return "-" if value is None else f"{value:.3f}"
+
+    for row in result["layouts"]:
+        step = row["step_s"]
+        shared = "" if row["own_core"] else " (shares cores)"
+        lines.append(
+            f"{row['layout']:<34}{row['processes']:>6}  {ratio(row['model_state_bytes']):>8}  "
+            f"{ratio(row['activation_bytes']):>11}  {ratio(row['sent_bytes']):>8}  "
+            f"{step['predicted'] * 1e3:>7.1f} -> {step['measured'] * 1e3:>6.1f}{shared}"
+        )
+    lines.append(f"step time within a factor 1.33: {result['step_time_within_1_33']}")
+    return "\n".join(lines)

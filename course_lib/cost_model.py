@@ -186,8 +186,12 @@ class ClusterSpec:
             fragmentation): an assumption, named in every breakdown.
         peak_flops: the datasheet's dense bf16 FLOP/s of one GPU (for MFU).
         achieved_flops: what large bf16 matmuls reach on it (for time).
+        memory_bandwidth: bytes/s its memory-bound operations reach (norms, activation
+            functions, the optimizer step).
         inside_node: the link between GPUs of one node.
         between_nodes: each GPU's share of the network.
+        overlaps_communication: collectives run beside the compute (a GPU's copy engines and
+            spare SMs); False on CPUs, where gloo's threads need the cores that compute.
         source: where the figures come from.
     """
 
@@ -197,44 +201,53 @@ class ClusterSpec:
     reserved_bytes: float
     peak_flops: float
     achieved_flops: float
+    memory_bandwidth: float
     inside_node: Link
     between_nodes: Link
+    overlaps_communication: bool = True
     source: str = ""
 
 
 GB = 1e9
+OPTIMIZER_BYTES = {"fp32": 7 * 4, "bf16": 7 * 4 + 2}
+"""Bytes AdamW moves per parameter it updates: reads the weight, gradient and two moments, writes
+the weight and moments (fp32), and in mixed precision writes the bf16 copy forward uses."""
+
 CLUSTERS = {
     spec.name: spec
     for spec in (
         ClusterSpec(
-            "alps",
-            4,
-            96 * GB,
-            6 * GB,
-            989.4e12,
-            0.7 * 989.4e12,
+            name="alps",
+            gpus_per_node=4,
+            gpu_memory_bytes=96 * GB,
+            reserved_bytes=6 * GB,
+            peak_flops=989.4e12,
+            achieved_flops=0.7 * 989.4e12,
+            memory_bandwidth=0.8 * 4000 * GB,
             inside_node=Link(10e-6, 150 * GB),
             between_nodes=Link(20e-6, 25 * GB),
             source=(
                 "CSCS Alps GH200 nodes (docs.cscs.ch/alps/hardware): 4 GH200 per node, 96 GB HBM3 each, "
                 "NVLink all-to-all (6 NVLink-4 links of 25 GB/s per peer and direction), one Slingshot-11 "
-                "NIC of 200 Gb/s per GPU; H100 bf16 peak from NVIDIA's datasheet; 70 % of it achieved and "
-                "the latencies are assumptions: measure yours with bench allreduce and flops"
+                "NIC of 200 Gb/s per GPU; bf16 peak and 4 TB/s HBM3 from NVIDIA's datasheet; 70 % of the "
+                "peak and 80 % of the bandwidth achieved and the latencies are assumptions: measure yours "
+                "with bench allreduce and flops"
             ),
         ),
         ClusterSpec(
-            "h100-node",
-            8,
-            80 * GB,
-            6 * GB,
-            989.4e12,
-            0.7 * 989.4e12,
+            name="h100-node",
+            gpus_per_node=8,
+            gpu_memory_bytes=80 * GB,
+            reserved_bytes=6 * GB,
+            peak_flops=989.4e12,
+            achieved_flops=0.7 * 989.4e12,
+            memory_bandwidth=0.8 * 3350 * GB,
             inside_node=Link(10e-6, 436 * GB),
             between_nodes=Link(20e-6, 50 * GB),
             source=(
                 "8 H100 SXM per node with NVSwitch (all-reduce bus bandwidth 436 GB/s measured in the "
-                "Ultra-Scale Playbook), one 400 Gb/s InfiniBand NIC per GPU; 70 % of the bf16 peak achieved "
-                "and the latencies are assumptions"
+                "Ultra-Scale Playbook), one 400 Gb/s InfiniBand NIC per GPU; 3.35 TB/s HBM3; 70 % of the "
+                "bf16 peak and 80 % of the bandwidth achieved and the latencies are assumptions"
             ),
         ),
     )
@@ -476,25 +489,48 @@ def predict(
     }
     result.memory["total"] = sum(result.memory.values())
 
-    # -- compute --------------------------------------------------------------------------------
+    # -- compute: the matmuls at the achieved rate, the rest at the memory's bandwidth ----------
+    # The fullest GPU holds a stage's blocks and, on the last stage, the head.
     global_tokens = global_batch * seq_len
-    flops_per_gpu = model.flops_per_token(seq_len) * global_tokens / layout.gpus
-    compute = flops_per_gpu / cluster.achieved_flops
-    attention_share = 12 * model.layers * model.d_model * seq_len / model.flops_per_token(seq_len)
+    tokens_per_gpu_step = global_tokens / (d * c)  # every micro-batch of this GPU's replica and chunk
+    head_flops = 6 * model.head_parameters() * tokens_per_gpu_step / (t if layout.loss_parallel else 1)
+    block_flops = (
+        (model.flops_per_token(seq_len) - 6 * model.head_parameters()) * tokens_per_gpu_step / (t * p)
+    )
+    compute = (block_flops + head_flops) / cluster.achieved_flops
+    attention_flops = 12 * model.layers * model.d_model * seq_len * tokens_per_gpu_step / (t * p)
+    # Memory-bound work: what the blocks keep for backward is written once in forward and read
+    # twice in backward by the norms, activation functions and adds; the optimizer step moves
+    # each parameter it updates, its gradient and its two moments.
+    unrecomputed = layout.with_(recomputation="none")
+    block_bytes = element * block_activation_elements(
+        model, unrecomputed, micro_batch=layout.micro_batch, seq_len=seq_len
+    )
+    pointwise_blocks = 3 * block_bytes * layers_per_stage * microbatches / cluster.memory_bandwidth
+    pointwise_head = 3 * head * microbatches / cluster.memory_bandwidth
+    updated = stage_params / (1 if layout.sharding == "ddp" else d * c)
+    optimizer = OPTIMIZER_BYTES[layout.precision] * updated / cluster.memory_bandwidth
     recompute = {
         "none": 0.0,
-        "full": compute / 3,  # one more forward: a third of forward + backward
-        "selective": compute * attention_share / 3 if c > 1 else 0.0,  # the ring's attention again
+        "full": (block_flops / cluster.achieved_flops + pointwise_blocks) / 3,  # one more forward
+        # the pointwise operations' forward again (and under context parallelism the ring's attention)
+        "selective": pointwise_blocks / 3 + (attention_flops / 3 / cluster.achieved_flops if c > 1 else 0.0),
     }[layout.recomputation]
+    compute_and_memory = compute + pointwise_blocks + pointwise_head
     bubble = 0.0
     if p > 1:
         fraction = (p - 1) / (layout.virtual_stages * microbatches)  # idle time over compute time
         if layout.schedule == "gpipe":
             fraction = (p - 1) / microbatches
-        bubble = fraction * (compute + recompute)
+        bubble = fraction * (compute_and_memory + recompute)
 
     # -- communication, by axis -----------------------------------------------------------------
-    passes = {"none": 4, "selective": 4, "full": 6}[layout.recomputation]  # f and g, forward and backward
+    # All-reduce-sized passes per block: f and g, forward and backward (4); sequence parallelism's
+    # regathered inputs add two all-gathers in backward (one all-reduce's worth); recomputing
+    # repeats the forward's g: both under "full", under "selective" the attention's, whose
+    # result the second norm needs again (the MLP's goes nowhere in backward).
+    passes = 4 + (1 if layout.sequence_parallel and t > 1 else 0)
+    passes += {"none": 0, "selective": 1, "full": 2}[layout.recomputation]
     activation_bytes = element * tokens * model.d_model
     tensor_each = collective_seconds("all_reduce", activation_bytes, t, link_of("tensor", layout, cluster))
     tensor = passes * layers_per_stage * microbatches * tensor_each
@@ -504,8 +540,12 @@ def predict(
     context_link = link_of("context", layout, cluster)
     # Forward passes on C-1 K/V chunks; backward the same C-1 again and C of their gradients.
     chunk_sends = 3 * c - 2 if c > 1 else 0
+    if c > 1 and layout.recomputation != "none":
+        chunk_sends += c - 1  # the ring's forward again (recomputed under both policies)
     ring = chunk_sends * (context_link.latency_s + kv_bytes / context_link.bandwidth)
-    attention_compute = compute * attention_share / (layers_per_stage * microbatches) if c > 1 else 0.0
+    attention_compute = attention_flops / cluster.achieved_flops / (layers_per_stage * microbatches)
+    if not cluster.overlaps_communication:
+        attention_compute = 0.0
     context = layers_per_stage * microbatches * max(0.0, ring - attention_compute)
     context_sent = layers_per_stage * microbatches * chunk_sends * kv_bytes
 
@@ -519,8 +559,10 @@ def predict(
     elif layout.sharding == "fsdp":
         gathers = 2 * (microbatches if p == 1 else 1)  # forward and backward, every micro-batch without PP
     gather_time = gathers * collective_seconds("all_gather", param_bytes, shard_group, data_link)
-    backward = (compute + recompute) * 2 / 3
-    hidden = backward if layout.sharding != "fsdp" else compute + recompute
+    backward = (compute_and_memory + recompute) * 2 / 3
+    hidden = backward if layout.sharding != "fsdp" else compute_and_memory + recompute
+    if not cluster.overlaps_communication:
+        hidden = 0.0
     data = max(0.0, gradient_time + (gather_time if layout.sharding == "fsdp" else 0) - hidden)
     if layout.sharding in ("zero1", "zero2"):
         data += gather_time  # after the optimizer step: nothing left to hide it under
@@ -542,6 +584,8 @@ def predict(
 
     result.time = {
         "compute": compute,
+        "memory-bound operations": pointwise_blocks + pointwise_head,
+        "optimizer step": optimizer,
         "recomputation": recompute,
         "pipeline bubble": bubble,
         "tensor (exposed)": tensor,

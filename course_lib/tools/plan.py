@@ -157,8 +157,8 @@ def _validate(args) -> int:
     print(
         f"this machine: all-reduce alpha {calibration['latency_s'] * 1e6:.0f} us, beta "
         f"{calibration['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s; one core's matmuls "
-        f"{calibration['matmul_flops'] / 1e9:.1f} GFLOP/s, of which the transformer's one-process step reaches "
-        f"{calibration['model_share_of_matmul_rate']:.0%}\n"
+        f"{calibration['matmul_flops'] / 1e9:.1f} GFLOP/s, the rest of a one-process step "
+        f"{calibration['memory_bandwidth'] / 1e9:.1f} GB/s of memory traffic\n"
     )
     print(table(result))
     if args.json:

@@ -4,9 +4,11 @@
 
 1. **Calibrate.** The all-reduce's alpha and beta from a sweep on 2 local processes
    (``bench allreduce``'s measurement and ``scaling.fit_ring_all_reduce_by_regime``); the matmul
-   rate of one core (``flops.measure_matmul_tflops``); and how much of that rate the course's
-   transformer achieves in a one-process step (its FLOPs over its measured step time: the
-   norms, GELU, optimizer and Python take the rest). The machine becomes a ``ClusterSpec``.
+   rate of one core (``flops.measure_matmul_tflops``); and the memory bandwidth the rest of a
+   one-process step of the course's transformer reaches (the bytes ``cost_model`` says its norms,
+   activation functions and optimizer move, over the step's time not spent in matmuls). The
+   machine becomes a ``ClusterSpec`` that overlaps no communication: gloo's threads need the
+   cores that compute.
 2. **Run** each layout of ``LAYOUTS`` on local processes with ``layout.parallelize``: a few
    training steps of the same ``TinyTransformer``, measuring what every rank holds
    (``memory.measure_model_states``), what one forward leaves alive for backward
@@ -30,6 +32,7 @@ import torch
 
 from .. import comm, cost_model, flops, memory, models, runtime
 from ..data import zen_windows
+from ..errors import UserError
 from ..layout import Layout, parallelize
 from ..parallel import context as cp
 from ..parallel import pipeline as pp
@@ -39,7 +42,7 @@ from ..parallel.mesh import Mesh
 MODEL = {"d_model": 256, "n_heads": 4, "n_layers": 4, "seq_len": 64}
 """Wide enough that matrix products take most of a step on one core, small enough for a laptop."""
 GLOBAL_BATCH = 8
-STEPS, WARMUP = 6, 3
+STEPS, WARMUP = 8, 3
 
 LAYOUTS = [
     Layout(data=2, sharding="ddp"),
@@ -67,7 +70,7 @@ def course_layout(layout: Layout) -> Layout:
 
 
 def measure_layout(layout: Layout) -> dict | None:
-    """Train a few steps laid out as ``layout`` on the current process group; rank 0 returns what it measured."""
+    """Train a few steps laid out as ``layout`` here; rank 0 returns the most any rank measured."""
     torch.set_num_threads(1)  # one core per process, as the time model assumes
     layout = course_layout(layout)
     seq_len = MODEL["seq_len"]
@@ -89,19 +92,19 @@ def measure_layout(layout: Layout) -> dict | None:
     sequence = cp.SequenceLayout(seq_len, layout.context, zigzag=True)
     if layout.context > 1:
         x, y = (sequence.local(t, mesh.coordinates.context) for t in (x, y))
-    executor = None
-    if layout.pipeline > 1:
-        microbatches = len(mine) // layout.micro_batch
-        executor = pp.PipelineExecutor(
-            stages,
-            layout.pipeline,
-            layout.schedule,
-            microbatches,
-            models.lm_loss,
-            (layout.micro_batch, seq_len, MODEL["d_model"]),
-            group=mesh.group("pipeline"),
-            measure_memory=True,
-        )
+    executors = {}
+    if layout.pipeline > 1:  # one counts the memory in flight (slowly), the other is timed
+        for measuring in (True, False):
+            executors[measuring] = pp.PipelineExecutor(
+                stages,
+                layout.pipeline,
+                layout.schedule,
+                len(mine) // layout.micro_batch,
+                models.lm_loss,
+                (layout.micro_batch, seq_len, MODEL["d_model"]),
+                group=mesh.group("pipeline"),
+                measure_memory=measuring,
+            )
     stage = stages[min(stages)]
 
     def loss_of(logits):
@@ -111,7 +114,7 @@ def measure_layout(layout: Layout) -> dict | None:
             return sp.sequence_parallel_loss(logits, y, group=mesh.group("tensor"))
         return models.lm_loss(logits, y)
 
-    def step() -> None:
+    def step(executor=None) -> None:
         optimizer.zero_grad()
         if executor is not None:
             executor.step(x, y)
@@ -122,27 +125,28 @@ def measure_layout(layout: Layout) -> dict | None:
         if layout.context > 1:  # each chunk of the sequences adds its part of every gradient
             for param in params:
                 comm.all_reduce(param.grad, op="sum", group=mesh.group("context"))
-        if executor is not None and layout.data > 1:
+        if executors and layout.data > 1:
             for param in params:
                 comm.all_reduce(param.grad, op="mean", group=mesh.group("data"))
         optimizer.step()
 
-    if executor is None:  # what one forward leaves alive for its backward (its loss included)
+    if not executors:  # what one forward leaves alive for its backward (its loss included)
         with memory.live_tensor_bytes() as live:
             loss = loss_of(stage(x))
             activation_bytes = live.now
             loss.backward()
         optimizer.zero_grad()
+    else:
+        with comm.CommLog() as log:
+            step(executors[True])
+        activation_bytes, sent = executors[True].stats.peak_kept_bytes, log.bytes_per_rank()
     times = []
-    for index in range(STEPS):
+    for _ in range(STEPS):
         with comm.CommLog() as log:
             start = time.perf_counter()
-            step()
+            step(executors.get(False))
             times.append(time.perf_counter() - start)
-        if index == 0:
-            sent = log.bytes_per_rank()
-            if executor is not None:
-                activation_bytes = executor.stats.peak_kept_bytes
+        sent = log.bytes_per_rank()
     states = memory.measure_model_states(stage, optimizer=optimizer) if len(stages) == 1 else None
     record = {
         "model_state_bytes": states.total if states else None,
@@ -155,14 +159,6 @@ def measure_layout(layout: Layout) -> dict | None:
     if not runtime.is_main():
         return None
     return {key: max(r[key] for r in gathered if r[key] is not None) for key in record}
-
-
-def one_process_step(rate: float) -> tuple[float, float]:
-    """The course transformer's one-process step time and the share of ``rate`` its matmuls reach."""
-    single = measure_layout(Layout(sharding="ddp"))
-    spec = model_spec()
-    model_flops = spec.flops_per_token(MODEL["seq_len"]) * GLOBAL_BATCH * MODEL["seq_len"]
-    return single["step_s"], model_flops / single["step_s"] / rate
 
 
 def model_spec() -> cost_model.ModelSpec:
@@ -178,7 +174,11 @@ def model_spec() -> cost_model.ModelSpec:
 
 
 def calibrate(launch) -> dict:
-    """Measure this machine: alpha and beta of a 2-process all-reduce, a core's matmul rate, the model's share of it."""
+    """Measure this machine: the all-reduce's alpha and beta, a core's matmul rate and memory bandwidth.
+
+    The rates are measured with every core busy, one process each, as in the layouts' runs: two
+    processes share the memory's bandwidth, and one process alone would see more of it.
+    """
     from .bench.allreduce import allreduce_benchmark, allreduce_sizes
 
     sweep = launch(
@@ -189,31 +189,74 @@ def calibrate(launch) -> dict:
         warmup=3,
     )[0]
     fit = sweep.get("fit_by_regime", sweep["fit"])
-    torch.set_num_threads(1)
-    rate = flops.measure_matmul_tflops(size=512) * 1e12
-    step_s, share = launch(_one_process_step, 1, rate)[0]
-    return {
+    cores = min(os.cpu_count() or 1, max(layout.gpus for layout in LAYOUTS))
+    side_by_side = launch(_probe_and_step_alone, cores)
+    rate = statistics.median(r[0] for r in side_by_side)
+    step_s = statistics.median(r[1] for r in side_by_side)
+    calibration = {
         "latency_s": fit["latency_us"] * 1e-6,
         "bandwidth_bytes_per_s": fit["bandwidth_gbps"] * 1e9,
         "matmul_flops": rate,
-        "model_share_of_matmul_rate": share,
+        "memory_bandwidth": 1.0,  # for the moment: the memory-bound "seconds" below are bytes
         "one_process_step_s": step_s,
         "cores": os.cpu_count() or 1,
     }
+    single = cost_model.predict(
+        model_spec(),
+        machine(calibration),
+        course_layout(Layout()),
+        seq_len=MODEL["seq_len"],
+        global_batch=GLOBAL_BATCH,
+    )
+    moved = single.time["memory-bound operations"] + single.time["optimizer step"]
+    rest = step_s - single.time["compute"]
+    if rest <= 0:
+        raise UserError(
+            f"the one-process step ({step_s * 1e3:.0f} ms) took less than its matmuls at the probe's rate "
+            f"({single.time['compute'] * 1e3:.0f} ms): something else ran during the matmul probe; run again"
+        )
+    calibration["memory_bandwidth"] = moved / rest
+    return calibration
 
 
-def _one_process_step(rate: float):
-    return one_process_step(rate)
+def _probe_and_step_alone() -> tuple[float, float]:
+    """On each process at once, no communication: a core's matmul rate and a one-process step."""
+    torch.set_num_threads(1)
+    rate = flops.measure_matmul_tflops(size=512) * 1e12
+    inputs, targets, vocabulary = zen_windows(seq_len=MODEL["seq_len"])
+    torch.manual_seed(0)
+    model = models.TinyTransformer(
+        len(vocabulary), d_model=MODEL["d_model"], n_heads=MODEL["n_heads"], n_layers=MODEL["n_layers"],
+        max_seq_len=MODEL["seq_len"],
+    )  # fmt: skip
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = inputs[:GLOBAL_BATCH], targets[:GLOBAL_BATCH]
+    times = []
+    for _ in range(STEPS):
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        models.lm_loss(model(x), y).backward()
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    return rate, statistics.median(times[WARMUP:])
 
 
 def machine(calibration: dict) -> cost_model.ClusterSpec:
     """This machine as the planner sees it: one node of ``cores`` "GPUs" joined by the measured link."""
     link = cost_model.Link(calibration["latency_s"], calibration["bandwidth_bytes_per_s"])
-    achieved = calibration["matmul_flops"] * calibration["model_share_of_matmul_rate"]
     return cost_model.ClusterSpec(
-        "this machine", calibration["cores"], 1e12, 0.0, calibration["matmul_flops"], achieved,
-        inside_node=link, between_nodes=link, source="calibrated by plan --validate",
-    )  # fmt: skip
+        name="this machine",
+        gpus_per_node=calibration["cores"],
+        gpu_memory_bytes=1e12,
+        reserved_bytes=0.0,
+        peak_flops=calibration["matmul_flops"],
+        achieved_flops=calibration["matmul_flops"],
+        memory_bandwidth=calibration["memory_bandwidth"],
+        inside_node=link,
+        between_nodes=link,
+        overlaps_communication=False,
+        source="calibrated by plan --validate",
+    )
 
 
 def validate(launch, *, layouts: list[Layout] = LAYOUTS) -> dict:

@@ -349,12 +349,46 @@ def block_activation_elements(model: ModelSpec, layout: Layout, *, micro_batch: 
     return norms + projection_inputs + q_k_v + attention + ring_output_copy + mlp + router
 
 
+def _activations_per_gpu(
+    model: ModelSpec,
+    layout: Layout,
+    block_bytes: float,
+    head: float,
+    tokens: float,
+    microbatches: int,
+    seq_len: int,
+) -> float:
+    """What a step's forwards leave alive at the worst moment on the fullest GPU.
+
+    Per micro-batch, a stage keeps its blocks' terms; the first stage also the positions it looked
+    up, the last the head's terms and the loss. A block's terms count its input, which on a later
+    stage is the message received (made before the step's forward), and a stage keeps its output
+    until that micro-batch's backward (the message sent). The token ids and targets are the batch's.
+    """
+    p, v = layout.pipeline, layout.virtual_stages
+    layers = math.ceil(model.layers / p)
+    boundary = (
+        layout.element_bytes * tokens * model.d_model / (layout.tensor if layout.sequence_parallel else 1)
+    )
+    positions = 8 * seq_len / layout.context if model.position_embeddings else 0
+    loss = 4 + 4  # the loss, and the one scalar the cross-entropy keeps for backward
+    if p == 1:
+        return positions + layers * block_bytes + head + loss
+    first = positions + layers * block_bytes + boundary
+    last = layers * block_bytes - boundary + head + loss
+    # counted per virtual stage; a virtual stage holds 1/v of the rank's layers
+    in_flight_first = peak_activations_theory(layout.schedule, p, microbatches, 0, virtual_stages=v) / v
+    in_flight_last = peak_activations_theory(layout.schedule, p, microbatches, p - 1, virtual_stages=v) / v
+    return max(in_flight_first * first, in_flight_last * last)
+
+
 def head_activation_bytes(model: ModelSpec, layout: Layout, *, micro_batch: int, seq_len: int) -> float:
     """Bytes the final norm, the output projection and the loss keep per micro-batch on one GPU.
 
     The norm's input and statistics, the projection's input, the loss's fp32 log-softmax (one
     value per token and vocabulary entry: split over the tensor ranks with ``loss_parallel``) and
-    the int64 targets: ``activations.head_activation_bytes`` for the course's head in fp32.
+    nothing for the targets (the batch's): ``activations.head_activation_bytes`` for the course's
+    head in fp32, less the targets and the loss.
 
     Args:
         model: the shapes.
@@ -363,11 +397,13 @@ def head_activation_bytes(model: ModelSpec, layout: Layout, *, micro_batch: int,
         seq_len: s, tokens per sequence.
     """
     tokens = micro_batch * seq_len / layout.context
-    vocab_split = layout.tensor if layout.loss_parallel else 1
-    norm_and_projection = (
-        layout.element_bytes * 2 * tokens * model.d_model + 4 * model.norm_statistics * tokens
-    )
-    return norm_and_projection + 4 * tokens * model.vocab / vocab_split + 8 * tokens
+    sp = layout.tensor if layout.sequence_parallel else 1  # the final norm runs on s/T tokens
+    norm = layout.element_bytes * tokens / sp * model.d_model + 4 * model.norm_statistics * tokens / sp
+    if layout.loss_parallel:  # the norm's output gathered; every token's logits, 1/T of the vocabulary each
+        projected, rows, columns = tokens, tokens, model.vocab / layout.tensor
+    else:  # this rank's tokens (s/T with sequence parallelism), the whole vocabulary
+        projected, rows, columns = tokens / sp, tokens / sp, model.vocab
+    return norm + layout.element_bytes * projected * model.d_model + 4 * rows * columns
 
 
 def block_parameters_per_gpu(model: ModelSpec, layout: Layout) -> float:
@@ -465,18 +501,10 @@ def predict(
     stage = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "fsdp": "zero3"}[layout.sharding]
     per_param = memory.MIXED_PRECISION_ADAM if layout.precision == "bf16" else memory.FP32_ADAM
     states = memory.model_state_bytes(stage_params, d * c, stage, **per_param)
-    in_flight = 1
-    if p > 1:
-        in_flight = (
-            peak_activations_theory(layout.schedule, p, microbatches, 0, virtual_stages=layout.virtual_stages)
-            / layout.virtual_stages
-        )  # counted per virtual stage; a virtual stage has 1/v of the layers
     block = block_activation_elements(model, layout, micro_batch=layout.micro_batch, seq_len=seq_len)
     tokens = layout.micro_batch * seq_len / c
     head = head_activation_bytes(model, layout, micro_batch=layout.micro_batch, seq_len=seq_len)
-    activations = in_flight * layers_per_stage * block * element + (head if p == 1 else 0)
-    if p > 1:  # the last stage holds fewer micro-batches (one under 1F1B) but adds the head
-        activations = max(activations, layers_per_stage * block * element + head)
+    activations = _activations_per_gpu(model, layout, block * element, head, tokens, microbatches, seq_len)
     layer_bytes = element * model.block_parameters() / t
     gathered = 2 * layer_bytes if layout.sharding == "fsdp" else 0  # this layer and the prefetched next
     result.memory = {
@@ -532,9 +560,24 @@ def predict(
     passes = 4 + (1 if layout.sequence_parallel and t > 1 else 0)
     passes += {"none": 0, "selective": 1, "full": 2}[layout.recomputation]
     activation_bytes = element * tokens * model.d_model
+    # and the embedding's output, cut to s/T tokens, has its gradient all-gathered in backward
+    split_embedding = (
+        (t - 1) / t * activation_bytes * microbatches if layout.sequence_parallel and t > 1 else 0
+    )
     tensor_each = collective_seconds("all_reduce", activation_bytes, t, link_of("tensor", layout, cluster))
     tensor = passes * layers_per_stage * microbatches * tensor_each
-    tensor_sent = passes * layers_per_stage * microbatches * 2 * (t - 1) / t * activation_bytes
+    tensor_sent = (
+        passes * layers_per_stage * microbatches * 2 * (t - 1) / t * activation_bytes + split_embedding
+    )
+    if layout.sequence_parallel and t > 1:
+        # Each tensor rank saw only its s/T tokens in the norms (and without loss_parallel, the
+        # head): the gradients of those replicated weights are partial and summed over the group.
+        h, norms = model.d_model, model._norm_parameters()
+        replicated = layers_per_stage * (2 * norms + (2 * h if model.bias else 0)) + norms
+        if not layout.loss_parallel:
+            replicated += model.vocab * h + (model.vocab if model.bias else 0)
+        tensor += collective_seconds("all_reduce", 4 * replicated, t, link_of("tensor", layout, cluster))
+        tensor_sent += 2 * (t - 1) / t * 4 * replicated
 
     kv_bytes = element * 2 * tokens * model.kv_heads * model.head_dim / t
     context_link = link_of("context", layout, cluster)

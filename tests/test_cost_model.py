@@ -64,7 +64,9 @@ def test_each_policy_keeps_less_and_pays_more():
     assert kept["full"] < kept["selective"] < kept["none"]
     assert paid["none"] == 0 < paid["selective"] < paid["full"]
     plain = _predict(Layout(data=16, tensor=4))
-    blocks_compute = plain.time["compute"] * (1 - 6 * LLAMA_8B.head_parameters() / LLAMA_8B.flops_per_token(4096))
+    blocks_compute = plain.time["compute"] * (
+        1 - 6 * LLAMA_8B.head_parameters() / LLAMA_8B.flops_per_token(4096)
+    )
     # full: one more forward of the blocks (a third of their matmuls and of their memory-bound work)
     assert paid["selective"] == pytest.approx(paid["full"] - blocks_compute / 3, rel=1e-3)
 
@@ -210,4 +212,4 @@ def test_the_planners_head_is_the_measured_formula_for_the_course_head():
     spec = cm.ModelSpec.of(models.TinyTransformer(37, d_model=24, n_heads=6, n_layers=2, max_seq_len=24))
     ours = cm.head_activation_bytes(spec, Layout(precision="fp32"), micro_batch=5, seq_len=24)
     theirs = activations.head_activation_bytes(batch=5, seq=24, d_model=24, vocab=37)
-    assert ours == theirs - 4  # the loss's one saved scalar
+    assert ours == theirs - 4 - 8 * 5 * 24  # the cross-entropy's saved scalar; the targets, the batch's

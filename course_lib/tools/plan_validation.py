@@ -27,6 +27,7 @@ import dataclasses
 import os
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -39,10 +40,37 @@ from ..parallel import pipeline as pp
 from ..parallel import sequence as sp
 from ..parallel.mesh import Mesh
 
-MODEL = {"d_model": 256, "n_heads": 4, "n_layers": 4, "seq_len": 64}
-"""Wide enough that matrix products take most of a step on one core, small enough for a laptop."""
-GLOBAL_BATCH = 8
-STEPS, WARMUP = 8, 3
+
+@dataclass(frozen=True)
+class Sweep:
+    """The transformer every layout trains, and how long each is timed.
+
+    The default is wide enough that matrix products take half of a step on one core, small
+    enough for a laptop; the tests run a smaller one.
+    """
+
+    d_model: int = 256
+    n_heads: int = 4
+    n_layers: int = 4
+    seq_len: int = 64
+    global_batch: int = 8
+    steps: int = 8
+    warmup: int = 3
+
+    def model(self) -> models.TinyTransformer:
+        """The transformer, seeded: the same weights on every rank."""
+        vocabulary = zen_windows(seq_len=self.seq_len)[2]
+        torch.manual_seed(0)
+        return models.TinyTransformer(
+            len(vocabulary), d_model=self.d_model, n_heads=self.n_heads, n_layers=self.n_layers,
+            max_seq_len=self.seq_len,
+        )  # fmt: skip
+
+    def spec(self) -> cost_model.ModelSpec:
+        return cost_model.ModelSpec.of(self.model())
+
+
+SWEEP = Sweep()
 
 LAYOUTS = [
     Layout(data=2, sharding="ddp"),
@@ -63,31 +91,23 @@ LAYOUTS = [
 """The sweep: every axis on 2 processes, each with one policy or variant changed, and a 2-D layout."""
 
 
-def course_layout(layout: Layout) -> Layout:
+def course_layout(layout: Layout, sweep: Sweep = SWEEP) -> Layout:
     """The layout as the course runs it on CPU: fp32, the head not split over the vocabulary."""
-    micro = layout.micro_batch if layout.pipeline > 1 else GLOBAL_BATCH // layout.data
+    micro = layout.micro_batch if layout.pipeline > 1 else sweep.global_batch // layout.data
     return layout.with_(precision="fp32", loss_parallel=False, micro_batch=micro)
 
 
-def measure_layout(layout: Layout) -> dict | None:
+def measure_layout(layout: Layout, sweep: Sweep = SWEEP) -> dict | None:
     """Train a few steps laid out as ``layout`` here; rank 0 returns the most any rank measured."""
     torch.set_num_threads(1)  # one core per process, as the time model assumes
-    layout = course_layout(layout)
-    seq_len = MODEL["seq_len"]
+    layout = course_layout(layout, sweep)
+    seq_len = sweep.seq_len
     mesh = Mesh(data=layout.data, pipeline=layout.pipeline, context=layout.context, tensor=layout.tensor)
-    inputs, targets, vocabulary = zen_windows(seq_len=seq_len)
-    torch.manual_seed(0)
-    model = models.TinyTransformer(
-        len(vocabulary),
-        d_model=MODEL["d_model"],
-        n_heads=MODEL["n_heads"],
-        n_layers=MODEL["n_layers"],
-        max_seq_len=seq_len,
-    )
-    stages = parallelize(model, mesh, layout, seq_len=seq_len)
+    inputs, targets, _ = zen_windows(seq_len=seq_len)
+    stages = parallelize(sweep.model(), mesh, layout, seq_len=seq_len)
     params = [p for stage in stages.values() for p in stage.parameters()]
     optimizer = torch.optim.AdamW(params, lr=1e-3)
-    mine = torch.arange(GLOBAL_BATCH)[mesh.coordinates.data :: layout.data]
+    mine = torch.arange(sweep.global_batch)[mesh.coordinates.data :: layout.data]
     x, y = inputs[mine], targets[mine]
     sequence = cp.SequenceLayout(seq_len, layout.context, zigzag=True)
     if layout.context > 1:
@@ -101,7 +121,7 @@ def measure_layout(layout: Layout) -> dict | None:
                 layout.schedule,
                 len(mine) // layout.micro_batch,
                 models.lm_loss,
-                (layout.micro_batch, seq_len, MODEL["d_model"]),
+                (layout.micro_batch, seq_len, sweep.d_model),
                 group=mesh.group("pipeline"),
                 measure_memory=measuring,
             )
@@ -141,7 +161,7 @@ def measure_layout(layout: Layout) -> dict | None:
             step(executors[True])
         activation_bytes, sent = executors[True].stats.peak_kept_bytes, log.bytes_per_rank()
     times = []
-    for _ in range(STEPS):
+    for _ in range(sweep.steps):
         with comm.CommLog() as log:
             start = time.perf_counter()
             step(executors.get(False))
@@ -152,7 +172,7 @@ def measure_layout(layout: Layout) -> dict | None:
         "model_state_bytes": states.total if states else None,
         "activation_bytes": activation_bytes,
         "sent_bytes": sent,
-        "step_s": statistics.median(times[WARMUP:]),
+        "step_s": statistics.median(times[sweep.warmup :]),
     }
     gathered = [None] * runtime.world_size()
     torch.distributed.all_gather_object(gathered, record)
@@ -161,19 +181,7 @@ def measure_layout(layout: Layout) -> dict | None:
     return {key: max(r[key] for r in gathered if r[key] is not None) for key in record}
 
 
-def model_spec() -> cost_model.ModelSpec:
-    vocabulary = zen_windows(seq_len=MODEL["seq_len"])[2]
-    model = models.TinyTransformer(
-        len(vocabulary),
-        d_model=MODEL["d_model"],
-        n_heads=MODEL["n_heads"],
-        n_layers=MODEL["n_layers"],
-        max_seq_len=MODEL["seq_len"],
-    )
-    return cost_model.ModelSpec.of(model)
-
-
-def calibrate(launch) -> dict:
+def calibrate(launch, sweep: Sweep = SWEEP) -> dict:
     """Measure this machine: the all-reduce's alpha and beta, a core's matmul rate and memory bandwidth.
 
     The rates are measured with every core busy, one process each, as in the layouts' runs: two
@@ -181,16 +189,16 @@ def calibrate(launch) -> dict:
     """
     from .bench.allreduce import allreduce_benchmark, allreduce_sizes
 
-    sweep = launch(
+    all_reduce = launch(
         allreduce_benchmark,
         2,
         sizes=allreduce_sizes(min_bytes=1024, max_bytes=4 << 20),
         iterations=10,
         warmup=3,
     )[0]
-    fit = sweep.get("fit_by_regime", sweep["fit"])
+    fit = all_reduce.get("fit_by_regime", all_reduce["fit"])
     cores = min(os.cpu_count() or 1, max(layout.gpus for layout in LAYOUTS))
-    side_by_side = launch(_probe_and_step_alone, cores)
+    side_by_side = launch(_probe_and_step_alone, cores, sweep)
     rate = statistics.median(r[0] for r in side_by_side)
     step_s = statistics.median(r[1] for r in side_by_side)
     calibration = {
@@ -202,11 +210,11 @@ def calibrate(launch) -> dict:
         "cores": os.cpu_count() or 1,
     }
     single = cost_model.predict(
-        model_spec(),
+        sweep.spec(),
         machine(calibration),
-        course_layout(Layout()),
-        seq_len=MODEL["seq_len"],
-        global_batch=GLOBAL_BATCH,
+        course_layout(Layout(), sweep),
+        seq_len=sweep.seq_len,
+        global_batch=sweep.global_batch,
     )
     moved = single.time["memory-bound operations"] + single.time["optimizer step"]
     rest = step_s - single.time["compute"]
@@ -219,26 +227,22 @@ def calibrate(launch) -> dict:
     return calibration
 
 
-def _probe_and_step_alone() -> tuple[float, float]:
+def _probe_and_step_alone(sweep: Sweep) -> tuple[float, float]:
     """On each process at once, no communication: a core's matmul rate and a one-process step."""
     torch.set_num_threads(1)
     rate = flops.measure_matmul_tflops(size=512) * 1e12
-    inputs, targets, vocabulary = zen_windows(seq_len=MODEL["seq_len"])
-    torch.manual_seed(0)
-    model = models.TinyTransformer(
-        len(vocabulary), d_model=MODEL["d_model"], n_heads=MODEL["n_heads"], n_layers=MODEL["n_layers"],
-        max_seq_len=MODEL["seq_len"],
-    )  # fmt: skip
+    inputs, targets, _ = zen_windows(seq_len=sweep.seq_len)
+    model = sweep.model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x, y = inputs[:GLOBAL_BATCH], targets[:GLOBAL_BATCH]
+    x, y = inputs[: sweep.global_batch], targets[: sweep.global_batch]
     times = []
-    for _ in range(STEPS):
+    for _ in range(sweep.steps):
         start = time.perf_counter()
         optimizer.zero_grad()
         models.lm_loss(model(x), y).backward()
         optimizer.step()
         times.append(time.perf_counter() - start)
-    return rate, statistics.median(times[WARMUP:])
+    return rate, statistics.median(times[sweep.warmup :])
 
 
 def machine(calibration: dict) -> cost_model.ClusterSpec:
@@ -259,28 +263,33 @@ def machine(calibration: dict) -> cost_model.ClusterSpec:
     )
 
 
-def validate(launch, *, layouts: list[Layout] = LAYOUTS) -> dict:
-    """Calibrate, run every layout, and put each prediction beside its measurement."""
-    calibration = calibrate(launch)
-    cluster, spec = machine(calibration), model_spec()
+def validate(launch, *, layouts: list[Layout] = LAYOUTS, sweep: Sweep = SWEEP) -> dict:
+    """Calibrate, run every layout, and put each prediction beside its measurement.
+
+    Args:
+        launch: ``launch.launch``, which runs a function on N local processes.
+        layouts: the layouts to run.
+        sweep: the transformer they train, and for how many steps.
+    """
+    calibration = calibrate(launch, sweep)
+    cluster, spec = machine(calibration), sweep.spec()
     rows = []
     for layout in layouts:
-        measured = launch(measure_layout, layout.gpus, layout)[0]
-        course = course_layout(layout)
+        measured = launch(measure_layout, layout.gpus, layout, sweep)[0]
+        course = course_layout(layout, sweep)
         predicted = cost_model.predict(
-            spec, cluster, course, seq_len=MODEL["seq_len"], global_batch=GLOBAL_BATCH
+            spec, cluster, course, seq_len=sweep.seq_len, global_batch=sweep.global_batch
         )
         states = (
             predicted.memory["parameters"] + predicted.memory["gradients"] + predicted.memory["optimizer"]
         )
-        embedding_and_loss = _outside_blocks_bytes(spec, course) if course.pipeline == 1 else 0
         row = {
             "layout": layout.name() + ("" if layout.sequence_parallel or layout.tensor == 1 else " no-sp"),
             "processes": layout.gpus,
             "own_core": layout.gpus <= calibration["cores"],
             "model_state_bytes": {"predicted": states, "measured": measured["model_state_bytes"]},
             "activation_bytes": {
-                "predicted": predicted.memory["activations"] + embedding_and_loss,
+                "predicted": predicted.memory["activations"],
                 "measured": measured["activation_bytes"],
             },
             "sent_bytes": {"predicted": sum(predicted.traffic.values()), "measured": measured["sent_bytes"]},
@@ -298,17 +307,10 @@ def validate(launch, *, layouts: list[Layout] = LAYOUTS) -> dict:
     within = [r for r in timed if 1 / 1.33 <= r["step_s"]["measured_over_predicted"] <= 1.33]
     return {
         "calibration": calibration,
-        "model": dataclasses.asdict(spec) | {"global_batch": GLOBAL_BATCH, "seq_len": MODEL["seq_len"]},
+        "model": dataclasses.asdict(spec) | {"global_batch": sweep.global_batch, "seq_len": sweep.seq_len},
         "layouts": rows,
         "step_time_within_1_33": f"{len(within)} of {len(timed)} layouts with a core per process",
     }
-
-
-def _outside_blocks_bytes(spec: cost_model.ModelSpec, layout: Layout) -> float:
-    """What the embedding keeps beyond the blocks (the ids are the batch's: not made in the step)."""
-    tokens = layout.micro_batch * MODEL["seq_len"] / layout.context
-    positions = 8 * MODEL["seq_len"] / layout.context
-    return positions + 4 - 8 * tokens  # the positions; the loss; less the targets, also the batch's
 
 
 def table(result: dict) -> str:

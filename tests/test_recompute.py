@@ -170,3 +170,13 @@ def test_bad_policies_are_refused_with_the_fix():
     assert "choose one of none, full, selective" in errors["unknown"]
     assert "already recomputes (full): apply a policy once" in errors["twice"]
     assert "unknown recomputation 'all'" in errors["formula"]
+
+
+def test_the_benchmark_measures_each_policy_against_the_planners_formula():
+    from conftest import run_bench
+
+    result = run_bench(*"recompute --d-model 32 --layers 2 --seq 16 --batch 2 --steps 2 --warmup 1".split())
+    assert result["formula_matches"]
+    kept = {row["policy"]: row["kept_over_none"] for row in result["rows"]}
+    assert kept["full"] < kept["selective"] < kept["none"] == 1.0
+    assert all(row["step_ms"] > 0 for row in result["rows"])

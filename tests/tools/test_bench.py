@@ -14,7 +14,7 @@ from course_lib.tools import bench
 
 from conftest import run_bench, run_tool
 
-BENCHMARKS = ("ddp", "fsdp", "memory", "pipeline", "tp", "sp", "cp", "ep", "allreduce")
+BENCHMARKS = ("ddp", "fsdp", "memory", "pipeline", "tp", "sp", "cp", "ep", "recompute", "allreduce")
 SHARES = (
     "compute_share",
     "exposed_communication_share",

@@ -35,6 +35,7 @@ from .pipeline import (
     pipeline_bubble_benchmark,
     stage_counts_with_a_core_each,
 )
+from .recompute import recompute_benchmark
 from .tensor import TP_HEADS_PER_RANK, tp_benchmark
 
 
@@ -70,6 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     experts = sub.add_parser(
         "ep", help="a mixture-of-experts layer spread over the ranks (all-to-all)", formatter_class=formatter
     )
+    recomputation = sub.add_parser(
+        "recompute",
+        help="memory saved and time paid by each recomputation policy (none, full, selective)",
+        formatter_class=formatter,
+    )
     reduce = sub.add_parser(
         "allreduce",
         help="all-reduce time, algorithm and bus bandwidth per message size, and the alpha-beta fit",
@@ -85,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         sequence,
         context,
         experts,
+        recomputation,
     ):  # a step to record: all but allreduce
         command.add_argument(
             "--profile",
@@ -160,7 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     experts.add_argument("--tokens", type=positive, default=2048, help="tokens per rank per step")
     experts.add_argument("--top-k", type=positive, default=2)
     experts.add_argument("--capacity-factor", type=checks.number_above(0), default=1.25)
-    for command in (sequence, context, experts):
+    recomputation.add_argument("--world-size", type=processes, default=2, help="data-parallel ranks")
+    recomputation.add_argument("--d-model", type=positive, default=256)
+    recomputation.add_argument("--layers", type=positive, default=4)
+    recomputation.add_argument("--seq", type=positive, default=128)
+    recomputation.add_argument("--batch", type=positive, default=4, help="sequences per rank per step")
+    for command in (sequence, context, experts, recomputation):
         command.add_argument("--steps", type=positive, default=10, help="timed steps per variant")
         command.add_argument("--warmup", type=checks.int_at_least(0), default=2)
     for command in (ddp, fsdp, mem):
@@ -209,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
             f"argument --experts: must be a multiple of --world-size {args.world_size} and at least --top-k "
             f"{args.top_k}, got {args.experts}"
         )
+    if args.benchmark == "recompute" and args.d_model % 4:
+        parser.error(f"argument --d-model: must be a multiple of the 4 heads, got {args.d_model}")
     if args.benchmark == "allreduce":
         largest_mb = args.max_mb if args.max_mb is not None else ALLREDUCE_MAX_MB["cpu"]
         if args.min_bytes >= largest_mb * 2**19:
@@ -269,6 +283,10 @@ def memory_needed(args: argparse.Namespace) -> tuple[float, int]:
         )
         processes = max(args.stages) if args.benchmark == "pipeline" else args.world_size
         return PROCESS_BASE_BYTES + per_process, processes
+    if args.benchmark == "recompute":  # three models, and every activation of a step kept
+        params = args.layers * 12 * args.d_model**2 + 200 * args.d_model
+        activations = 3 * word * args.layers * 20 * args.batch * args.seq * args.d_model
+        return PROCESS_BASE_BYTES + 3 * 4 * word * params + activations, args.world_size
     if args.benchmark in ("sp", "cp"):
         heads = args.heads
         width = args.d_model if args.benchmark == "sp" else args.heads * args.head_dim
@@ -339,6 +357,8 @@ def _run_benchmark(args: argparse.Namespace) -> int:
             ),
         }[args.benchmark]
         result = on(args.world_size, benchmark, given(*flags, *timing))
+    elif args.benchmark == "recompute":
+        result = on(args.world_size, recompute_benchmark, given("d_model", "layers", "seq", "batch", *timing))
     elif args.benchmark == "memory":
         rows = [row for world in args.world_sizes for row in on(world, memory_benchmark, given(*mlp))]
         result = {

@@ -660,15 +660,18 @@ def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def candidate_layouts(model: ModelSpec, cluster: ClusterSpec, *, gpus: int) -> list[Layout]:
+def candidate_layouts(
+    model: ModelSpec, cluster: ClusterSpec, *, gpus: int, template: Layout | None = None
+) -> list[Layout]:
     """Every layout the planner considers for ``gpus`` GPUs: the product of the axes' choices.
 
     Tensor degree up to two nodes' worth (to show why it stops at one), pipeline and context
     degrees that are powers of two, three shardings, three recomputation policies, 1F1B and
     interleaved 1F1B (v = 2), micro-batches of 1 and 2 sequences; with a mixture of experts, the
-    experts spread over as many data x context ranks as divide them.
+    experts spread over as many data x context ranks as divide them. Everything else (precision,
+    sequence and loss parallelism) is ``template``'s.
     """
-    layouts = []
+    layouts, template = [], template or Layout()
     for t in [k for k in divisors(gpus) if k <= 2 * cluster.gpus_per_node]:
         for p in [k for k in divisors(gpus // t) if k & (k - 1) == 0]:
             for c in [k for k in divisors(gpus // (t * p)) if k & (k - 1) == 0 and k <= 8]:
@@ -683,7 +686,7 @@ def candidate_layouts(model: ModelSpec, cluster: ClusterSpec, *, gpus: int) -> l
                             for schedule, v in schedules:
                                 for micro_batch in (1, 2):
                                     layouts.append(
-                                        Layout(
+                                        template.with_(
                                             data=d, pipeline=p, context=c, tensor=t, expert=e,
                                             sharding=sharding, recomputation=recomputation,
                                             schedule=schedule, virtual_stages=v, micro_batch=micro_batch,
@@ -693,7 +696,13 @@ def candidate_layouts(model: ModelSpec, cluster: ClusterSpec, *, gpus: int) -> l
 
 
 def plan(
-    model: ModelSpec, cluster: ClusterSpec, *, gpus: int, seq_len: int, global_batch: int
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    *,
+    gpus: int,
+    seq_len: int,
+    global_batch: int,
+    template: Layout | None = None,
 ) -> tuple[list[Prediction], list[Prediction]]:
     """Every candidate layout predicted: (those that fit, fastest first; those that do not).
 
@@ -703,12 +712,13 @@ def plan(
         gpus: the GPUs of the job.
         seq_len: s, tokens per sequence.
         global_batch: sequences per optimizer step.
+        template: the choices every candidate shares (precision, sequence and loss parallelism).
     """
     if gpus < 1:
         raise UserError(f"the job needs at least one GPU, got {gpus}")
     predictions = [
         predict(model, cluster, layout, seq_len=seq_len, global_batch=global_batch)
-        for layout in candidate_layouts(model, cluster, gpus=gpus)
+        for layout in candidate_layouts(model, cluster, gpus=gpus, template=template)
     ]
     fitting = sorted((p for p in predictions if p.fits), key=lambda p: (-p.tokens_per_s, p.memory["total"]))
     return fitting, [p for p in predictions if not p.fits]

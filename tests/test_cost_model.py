@@ -213,3 +213,18 @@ def test_the_planners_head_is_the_measured_formula_for_the_course_head():
     ours = cm.head_activation_bytes(spec, Layout(precision="fp32"), micro_batch=5, seq_len=24)
     theirs = activations.head_activation_bytes(batch=5, seq=24, d_model=24, vocab=37)
     assert ours == theirs - 4 - 8 * 5 * 24  # the cross-entropy's saved scalar; the targets, the batch's
+
+
+def test_run_trains_the_first_layout_here_and_prints_predicted_beside_measured(capsys):
+    argv = "--model course-transformer --cluster this-machine --gpus 2 --seq-len 16 --global-batch-tokens 128"
+    assert plan_tool.main([*argv.split(), "--run", "--top", "3"]) == 0
+    printed = capsys.readouterr().out
+    assert "the first the course's loop runs here: predicted -> measured" in printed
+    lines = {line.split()[0]: line for line in printed.splitlines() if "->" in line and "(x" in line}
+    assert lines["activations"].endswith("(x1.000)") and lines["sent"].endswith("(x1.000)")
+
+
+def test_run_is_refused_for_a_model_this_machine_cannot_train(capsys):
+    argv = ["--model", "llama3-8b", "--cluster", "alps", "--gpus", "8", "--run"]
+    assert plan_tool.main(argv) == 2
+    assert "--run trains on this machine's processes: use --model course-transformer" in capsys.readouterr().err

@@ -300,7 +300,11 @@ OTHER_MISTAKES = [
     ),
     (bench.main, ["ddp", "--world-size", "1000"], "argument --world-size: must be a whole number, from 1 to"),
     (bench.main, ["fsdp", "--width", "0"], "argument --width: must be a whole number, 1 or more, got 0"),
-    (bench.main, ["recompute", "--d-model", "30"], "argument --d-model: must be a multiple of the 4 heads, got 30"),
+    (
+        bench.main,
+        ["recompute", "--d-model", "30"],
+        "argument --d-model: must be a multiple of the 4 heads, got 30",
+    ),
     (bench.main, ["memory", "--world-sizes", "2", "0"], "argument --world-sizes: must be a whole number"),
     (bench.main, ["memory", "--layers", "-2"], "argument --layers: must be a whole number, 1 or more"),
     (bench.main, ["pipeline", "--stages", "1"], "argument --stages: must be a whole number, from 2 to"),

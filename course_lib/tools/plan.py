@@ -6,6 +6,9 @@
 broken down, and for the layouts that do not fit, the one reason each (grouped). ``--json FILE``
 writes every prediction.
 
+``--model course-transformer --cluster this-machine`` plans the course's own transformer on
+this machine (calibrated first), and ``--run`` then trains the first layout that the course's
+``layout.parallelize`` runs on local processes, and prints predicted beside measured.
 ``--validate`` holds the same formulas against this machine instead
 (``plan_validation``): it calibrates, runs a sweep of small layouts of the course's transformer
 on local processes, and prints predicted beside measured.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import re
 import sys
@@ -26,6 +30,7 @@ import sys
 from .. import checks
 from ..cost_model import CLUSTERS, GB, MODELS, Prediction, plan
 from ..errors import UserError
+from ..layout import Layout
 
 SUFFIXES = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 
@@ -39,25 +44,27 @@ def token_count(text: str) -> int:
 
 
 def _gb(value: float) -> str:
-    return f"{value / GB:.1f}"
+    return f"{value / GB:.1f}" if value >= 0.05 * GB or value == 0 else f"{value / GB:.1e}"
 
 
 def row(rank: int, prediction: Prediction, gpus: int) -> str:
     memory, time = prediction.memory, prediction.time
     states = memory["parameters"] + memory["gradients"] + memory["optimizer"]
     exposed = sum(v for k, v in time.items() if "exposed" in k)
+    memory_bound = time["memory-bound operations"] + time["optimizer step"]
     return (
         f"{rank:>3}  {prediction.layout.name():<36} {_gb(memory['total']):>6} {_gb(states):>6} "
-        f"{_gb(memory['activations']):>6}  {time['total']:>7.2f} {prediction.tokens_per_s / gpus:>9,.0f} "
-        f"{prediction.mfu:>6.1%}  {time['compute']:>7.2f} {time['recomputation']:>6.2f} "
-        f"{time['pipeline bubble']:>6.2f} {exposed:>7.3f}"
+        f"{_gb(memory['activations']):>6}  {time['total']:>7.3f} {prediction.tokens_per_s / gpus:>9,.0f} "
+        f"{prediction.mfu:>6.1%}  {time['compute']:>7.3f} {memory_bound:>7.3f} {time['recomputation']:>6.3f} "
+        f"{time['pipeline bubble']:>6.3f} {exposed:>7.3f}"
     )
 
 
 HEADER = (
     "  #  layout                               GB/GPU states   acts   step s  tok/s/GPU    MFU  "
-    "compute recomp bubble exposed"
+    "compute  memory recomp bubble exposed"
 )
+LOCAL_MODEL, LOCAL_CLUSTER = "course-transformer", "this-machine"
 
 
 def breakdown(prediction: Prediction) -> str:
@@ -74,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--model", choices=sorted(MODELS))
-    parser.add_argument("--cluster", choices=sorted(CLUSTERS))
+    parser.add_argument("--model", choices=[*sorted(MODELS), LOCAL_MODEL])
+    parser.add_argument("--cluster", choices=[*sorted(CLUSTERS), LOCAL_CLUSTER])
     parser.add_argument("--gpus", type=checks.int_at_least(1), help="GPUs of the job")
     parser.add_argument("--seq-len", type=checks.int_at_least(1), default=8192, help="tokens per sequence")
     parser.add_argument(
@@ -91,6 +98,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="calibrate on this machine, run small layouts on local processes, compare with the predictions",
     )
+    parser.add_argument(
+        "--run",
+        action="store_true",
+        help=f"train the first layout here and print predicted beside measured (--model {LOCAL_MODEL} "
+        f"--cluster {LOCAL_CLUSTER})",
+    )
     args = parser.parse_args(argv)
     if args.validate:
         return _validate(args)
@@ -102,23 +115,46 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    model, cluster = MODELS[args.model], CLUSTERS[args.cluster]
     try:
+        if args.run and (args.model, args.cluster) != (LOCAL_MODEL, LOCAL_CLUSTER):
+            raise UserError(
+                f"--run trains on this machine's processes: use --model {LOCAL_MODEL} "
+                f"--cluster {LOCAL_CLUSTER}"
+            )
         if args.global_batch_tokens % args.seq_len:
             raise UserError(
                 f"--global-batch-tokens {args.global_batch_tokens:,} is not a whole number of sequences of "
                 f"--seq-len {args.seq_len}: use a multiple of {args.seq_len}"
             )
         global_batch = args.global_batch_tokens // args.seq_len
+        sweep, template = None, Layout()
+        if LOCAL_CLUSTER == args.cluster or LOCAL_MODEL == args.model:
+            from ..launch import check_process_count
+            from .plan_validation import SWEEP, course_layout
+
+            sweep = dataclasses.replace(SWEEP, seq_len=args.seq_len, global_batch=global_batch)
+            if args.model == LOCAL_MODEL:  # as the course runs it: fp32, the head whole on every rank
+                template = course_layout(Layout(), sweep).with_(micro_batch=1)
+            if args.run:
+                check_process_count(args.gpus)
+        model = sweep.spec() if args.model == LOCAL_MODEL else MODELS[args.model]
+        if args.cluster == LOCAL_CLUSTER:
+            from ..launch import launch
+            from .plan_validation import calibrate, machine
+
+            print("calibrating this machine...", file=sys.stderr, flush=True)
+            cluster = machine(calibrate(launch, sweep))
+        else:
+            cluster = CLUSTERS[args.cluster]
         fitting, rejected = plan(
-            model, cluster, gpus=args.gpus, seq_len=args.seq_len, global_batch=global_batch
+            model, cluster, gpus=args.gpus, seq_len=args.seq_len, global_batch=global_batch, template=template
         )
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(
-        f"{model.name}: {model.parameters() / 1e9:.2f} B parameters ({model.active_parameters() / 1e9:.2f} B "
-        f"active), {model.flops_per_token(args.seq_len) / 1e9:.1f} GFLOP per token; {args.gpus} GPUs of "
+        f"{model.name}: {model.parameters() / 1e9:.3g} B parameters ({model.active_parameters() / 1e9:.3g} B "
+        f"active), {model.flops_per_token(args.seq_len) / 1e9:.3g} GFLOP per token; {args.gpus} GPUs of "
         f"{cluster.name}, {cluster.gpu_memory_bytes / GB:.0f} GB each; {global_batch} sequences of "
         f"{args.seq_len} tokens per step"
     )
@@ -136,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     for kind, count in reasons.most_common():
         example = next(p for p in rejected if _reason_kind(p.problem) == kind)
         print(f"  {count:>5}  {kind}: e.g. {example.layout.name()}: {example.problem}")
+    if args.run:
+        _run_first(fitting, sweep, model, cluster)
     if args.json:
         records = [_record(p) for p in fitting + rejected]
         args.json.write_text(json.dumps(records, indent=1) + "\n")
@@ -165,6 +203,40 @@ def _validate(args) -> int:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
         print(f"\nevery figure: {args.json}", file=sys.stderr)
     return 0
+
+
+def runnable_here(layout: Layout) -> bool:
+    """Whether ``layout.parallelize`` and the validation's training loop run this layout."""
+    if layout.expert > 1 or layout.virtual_stages > 1:
+        return False
+    if layout.pipeline > 1 and (layout.sharding != "ddp" or (layout.tensor > 1 and layout.sequence_parallel)):
+        return False
+    return True
+
+
+def _run_first(fitting: list[Prediction], sweep, model, cluster) -> None:
+    from ..cost_model import predict
+    from ..launch import launch
+    from .plan_validation import course_layout, measure_layout
+
+    chosen = next((p.layout for p in fitting if runnable_here(p.layout)), None)
+    if chosen is None:
+        print("\nnone of the layouts that fit runs on the course's training loop here", file=sys.stderr)
+        return
+    # Predicted again as the course's loop runs it: without a pipeline, a replica's batch at once.
+    ran = course_layout(chosen, sweep)
+    first = predict(model, cluster, ran, seq_len=sweep.seq_len, global_batch=sweep.global_batch)
+    print(f"\nrunning {chosen.name()} on {chosen.gpus} local processes...", file=sys.stderr, flush=True)
+    measured = launch(measure_layout, chosen.gpus, chosen, sweep)[0]
+    states = first.memory["parameters"] + first.memory["gradients"] + first.memory["optimizer"]
+    print(f"\n{chosen.name()}, the first the course's loop runs here: predicted -> measured")
+    for what, predicted, got, unit in (
+        ("model states", states, measured["model_state_bytes"], "bytes"),
+        ("activations", first.memory["activations"], measured["activation_bytes"], "bytes"),
+        ("sent per step", sum(first.traffic.values()), measured["sent_bytes"], "bytes"),
+        ("step", first.time["total"] * 1e3, measured["step_s"] * 1e3, "ms"),
+    ):
+        print(f"  {what:<14} {predicted:>14,.1f} -> {got:>14,.1f} {unit}  (x{got / predicted:.3f})")
 
 
 def _reason_kind(problem: str) -> str:

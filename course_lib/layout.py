@@ -201,7 +201,9 @@ def apply_data_parallel(model: nn.Module, group, *, sharding: str) -> nn.Module:
     raise UserError(f"unknown sharding {sharding!r}: choose one of {', '.join(SHARDINGS)}")
 
 
-def parallelize(model: nn.Module, mesh, layout: Layout, *, seq_len: int) -> dict[int, nn.Module]:
+def parallelize(
+    model: nn.Module, mesh, layout: Layout, *, seq_len: int, data_parallel: bool = True
+) -> dict[int, nn.Module]:
     """This rank's stages of a dense ``TinyTransformer``, laid out as ``layout`` on ``mesh``.
 
     Returns {stage index: module}, what ``parallel.pipeline.PipelineExecutor`` takes (one stage
@@ -215,6 +217,8 @@ def parallelize(model: nn.Module, mesh, layout: Layout, *, seq_len: int) -> dict
         mesh: a ``parallel.mesh.Mesh`` with the layout's degrees.
         layout: the layout (its ``expert`` degree must be 1: the transformer has no MoE layers).
         seq_len: tokens per sequence (context parallelism cuts it).
+        data_parallel: wrap the stage for the data axis; False leaves the data axis to the
+            caller (``parallel.three_d`` averages every gradient itself after the step).
     """
     from . import recompute
     from .parallel import pipeline
@@ -227,7 +231,7 @@ def parallelize(model: nn.Module, mesh, layout: Layout, *, seq_len: int) -> dict
             )
     if layout.expert > 1:
         raise UserError("the course's TinyTransformer has no MoE layers: use expert=1 (see parallel.expert)")
-    if layout.pipeline > 1 and layout.sharding != "ddp":
+    if data_parallel and layout.pipeline > 1 and layout.sharding != "ddp":
         raise UserError(
             f"sharding {layout.sharding!r} under pipeline parallelism: the pipeline's data axis is averaged "
             "after the executor's step; use sharding='ddp'"
@@ -238,12 +242,14 @@ def parallelize(model: nn.Module, mesh, layout: Layout, *, seq_len: int) -> dict
     stages = {
         s: pieces[s] for s in range(num_stages) if pipeline.rank_of_stage(s, layout.pipeline) == coordinate
     }
+    from .models import Block
+
     for index, stage in stages.items():
-        if layout.tensor > 1:
+        if layout.tensor > 1 and any(isinstance(m, Block) for m in stage.modules()):
             apply_tensor_parallel(stage, mesh.group("tensor"), sequence_parallel=layout.sequence_parallel)
         if layout.context > 1:
             apply_context_parallel(stage, mesh.group("context"), seq_len=seq_len)
         recompute.apply_recomputation(stage, policy=layout.recomputation)
-        if layout.pipeline == 1 and (layout.data > 1 or layout.sharding != "ddp"):
+        if data_parallel and layout.pipeline == 1 and (layout.data > 1 or layout.sharding != "ddp"):
             stages[index] = apply_data_parallel(stage, mesh.group("data"), sharding=layout.sharding)
     return stages

@@ -36,24 +36,22 @@ from torch import nn
 from .. import anatomy, comm, models, runtime
 from ..data import zen_windows
 from ..errors import UserError
+from ..layout import Layout, parallelize
 from . import context as cp
 from . import pipeline as pp
 from . import tensor as tp
 from .mesh import Mesh, rank_at
 
 
-def build_local_model(
-    model: nn.Module, mesh: Mesh, layout: cp.SequenceLayout | None = None
-) -> dict[int, nn.Module]:
-    """This rank's stage of ``model`` (a dense ``TinyTransformer``), made tensor and context parallel."""
-    pipeline_size = mesh.degrees["pipeline"]
-    stage_index = mesh.coordinates.pipeline
-    stage = pp.split_model(model, pipeline_size)[stage_index]
-    if mesh.degrees["tensor"] > 1 and any(isinstance(m, models.Block) for m in stage.modules()):
-        tp.parallelize_transformer(stage, group=mesh.group("tensor"))
-    if mesh.degrees["context"] > 1:
-        cp.parallelize_context(stage, layout, group=mesh.group("context"))
-    return {stage_index: stage}
+def build_local_model(model: nn.Module, mesh: Mesh, *, seq_len: int) -> dict[int, nn.Module]:
+    """This rank's stage of ``model`` (a dense ``TinyTransformer``), made tensor and context parallel.
+
+    ``layout.parallelize`` with plain tensor parallelism, fp32, and the data axis left to
+    ``train_3d``, which averages every gradient itself after the pipeline's step.
+    """
+    degrees = {axis: mesh.degrees[axis] for axis in ("data", "pipeline", "context", "tensor")}
+    plan = Layout(**degrees, sharding="ddp", precision="fp32", sequence_parallel=False, loss_parallel=False)
+    return parallelize(model, mesh, plan, seq_len=seq_len, data_parallel=False)
 
 
 def check_run(
@@ -140,7 +138,7 @@ def train_3d(
     model = models.TinyTransformer(
         len(vocabulary), d_model=d_model, n_heads=n_heads, n_layers=n_layers, max_seq_len=seq_len
     )
-    stages = build_local_model(model, mesh, layout)
+    stages = build_local_model(model, mesh, seq_len=seq_len)
     params = [p for stage in stages.values() for p in stage.parameters()]
     optimizer = torch.optim.AdamW(params, lr=lr)
     local_batch = global_batch // data

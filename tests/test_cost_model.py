@@ -227,4 +227,6 @@ def test_run_trains_the_first_layout_here_and_prints_predicted_beside_measured(c
 def test_run_is_refused_for_a_model_this_machine_cannot_train(capsys):
     argv = ["--model", "llama3-8b", "--cluster", "alps", "--gpus", "8", "--run"]
     assert plan_tool.main(argv) == 2
-    assert "--run trains on this machine's processes: use --model course-transformer" in capsys.readouterr().err
+    assert (
+        "--run trains on this machine's processes: use --model course-transformer" in capsys.readouterr().err
+    )

@@ -276,17 +276,18 @@ class live_tensor_bytes(TorchDispatchMode):
         Two things free memory a moment late, and the count waits for both, so that it does not
         depend on when they happen: a tensor only a reference cycle holds (Python's collector is
         run on the young objects), and a tensor a collective used (gloo's worker thread lets go of
-        it just after the collective completes: after a collective, the count is read again every
-        2 ms until it holds still, for at most a second).
+        it just after the collective completes: after a collective, the count is read every 2 ms
+        until it has held still for 20 ms, for at most a second).
         """
         gc.collect(1)  # the young generations, where this code's garbage is (a full collection: 0.2 s)
         if self._collective_since_read:
             self._collective_since_read = False
-            before, deadline = None, time.monotonic() + 1.0
-            while self._alive != before and time.monotonic() < deadline:
-                before = self._alive
+            still, before, deadline = 0, self._alive, time.monotonic() + 1.0
+            while still < 10 and time.monotonic() < deadline:  # 20 ms without a change
                 time.sleep(0.002)
                 gc.collect(0)
+                still = still + 1 if self._alive == before else 0
+                before = self._alive
         return self._alive
 
     def reset_peak(self) -> None:

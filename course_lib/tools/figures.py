@@ -4,13 +4,15 @@
 not drawn by hand: the ZeRO bars come from ``memory.model_state_bytes``, the pipeline charts from
 ``pipeline.build_schedule``, the grid from ``mesh.grid_groups``, the ring from the same counting
 the ring all-reduce does, the scaling plot and the FSDP timelines from recorded measurements
-(``slides/recorded``). Change the code and the slides follow; a test fails if a committed figure
-differs from what this command draws. ``--record`` measures again what the slides show measured
-(the FSDP steps with and without prefetch, on 2 local processes) and overwrites the recordings.
+(``slides/recorded``), the layouts' memory from ``cost_model.predict``. Change the code and the
+slides follow; a test fails if a committed figure differs from what this command draws.
+``--record`` measures again what the slides show measured (the FSDP steps with and without
+prefetch, and ``plan --validate``'s sweep, on local processes) and overwrites the recordings.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +33,7 @@ RECORDED_FSDP = {
     "prefetch": RECORDED / "fsdp_prefetch.json",
     "no prefetch": RECORDED / "fsdp_no_prefetch.json",
 }
+RECORDED_PLAN_CHECK = RECORDED / "plan_validation.json"
 
 
 def _box(axis, x, y, w, h, text, colour="#dde6f3", size=9):
@@ -275,14 +278,43 @@ def _fsdp_steps_with_and_without_prefetch() -> dict:
     return recorded
 
 
+def layout_memory():
+    """Memory per GPU of seven layouts of Llama 3 8B on 64 GH200s of Alps (``cost_model.predict``)."""
+    from .. import cost_model
+    from ..layout import Layout
+
+    alps = cost_model.CLUSTERS["alps"]
+    layouts = [
+        Layout(data=64, sharding="ddp"),
+        Layout(data=64, sharding="fsdp"),
+        Layout(data=64, sharding="fsdp", recomputation="selective"),
+        Layout(data=64, sharding="fsdp", recomputation="full"),
+        Layout(data=16, tensor=4, sharding="fsdp"),
+        Layout(data=16, context=4, sharding="fsdp"),
+        Layout(data=8, pipeline=2, context=4, sharding="fsdp", schedule="interleaved_1f1b", virtual_stages=2),
+    ]
+    model = cost_model.MODELS["llama3-8b"]
+    predictions = [
+        cost_model.predict(model, alps, layout, seq_len=8192, global_batch=512) for layout in layouts
+    ]
+    return plots.plot_memory_breakdown(predictions, capacity_bytes=alps.gpu_memory_bytes)
+
+
+def prediction_check():
+    """``plan --validate`` as recorded: measured over predicted, per layout, on 2 local processes."""
+    return plots.plot_prediction_check(json.loads(RECORDED_PLAN_CHECK.read_text()))
+
+
 def record() -> list[Path]:
     """Measure again what the slides show measured; the recordings written."""
     from ..launch import launch
+    from .plan_validation import validate
 
     recorded = launch(_fsdp_steps_with_and_without_prefetch, 2, check_collectives=False)[0]
     for kind, path in RECORDED_FSDP.items():
         recorded[kind].save(path)
-    return list(RECORDED_FSDP.values())
+    RECORDED_PLAN_CHECK.write_text(json.dumps(validate(launch), indent=1) + "\n")
+    return [*RECORDED_FSDP.values(), RECORDED_PLAN_CHECK]
 
 
 FIGURES: dict[str, Callable] = {
@@ -299,6 +331,8 @@ FIGURES: dict[str, Callable] = {
     "strong_scaling": strong_scaling,
     "ring_attention": ring_attention,
     "expert_load": expert_load,
+    "layout_memory": layout_memory,
+    "prediction_check": prediction_check,
 }
 
 

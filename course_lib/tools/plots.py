@@ -521,3 +521,68 @@ def _draw_anatomy(axis, recorded, step: int, longest: float, title: str) -> None
         or f"one step: {summary['step_ms']:.1f} ms, {summary['exposed_communication_share']:.0%} exposed "
         f"communication, {summary['unexplained_share']:.0%} unexplained (mean over ranks)"
     )
+
+
+MEMORY_PARTS = (
+    "parameters",
+    "gradients",
+    "optimizer",
+    "activations",
+    "gathered parameters",
+    "reserved (assumed)",
+)
+
+
+def plot_memory_breakdown(predictions: list, *, capacity_bytes: float | None = None, path=None) -> Figure:
+    """Memory per GPU of each layout as a stacked bar (model states, activations, buffers, reserve).
+
+    Args:
+        predictions: ``cost_model.Prediction`` objects, one bar each, in this order.
+        capacity_bytes: one GPU's memory, drawn as a line (None: no line).
+        path: save the chart as a PNG here (None: only return it).
+    """
+    figure = Figure(figsize=(8, 4))
+    axis = figure.subplots()
+    labels = [p.layout.name() for p in predictions]
+    bottoms = [0.0] * len(predictions)
+    for part in MEMORY_PARTS:
+        heights = [p.memory.get(part, 0.0) / 1e9 for p in predictions]
+        axis.bar(range(len(predictions)), heights, bottom=bottoms, label=part)
+        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    if capacity_bytes is not None:
+        axis.axhline(capacity_bytes / 1e9, color="black", linestyle="--", label="GPU memory")
+    axis.set_xticks(range(len(predictions)), labels, rotation=30, ha="right", fontsize=8)
+    axis.set_xlabel("layout")
+    axis.set_ylabel("memory per GPU (GB)")
+    axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    figure.tight_layout()
+    return save(figure, path)
+
+
+def plot_prediction_check(result: dict, *, path=None) -> Figure:
+    """``plan --validate``'s result: measured over predicted, per layout, for memory, bytes and time.
+
+    Args:
+        result: what ``plan_validation.validate`` returns.
+        path: save the chart as a PNG here (None: only return it).
+    """
+    rows = result["layouts"]
+    figure = Figure(figsize=(8, 4))
+    axis = figure.subplots()
+    kinds = (
+        ("model_state_bytes", "model states", "o"),
+        ("activation_bytes", "activations", "s"),
+        ("sent_bytes", "bytes sent", "^"),
+        ("step_s", "step time", "D"),
+    )
+    for offset, (key, label, marker) in zip((-0.21, -0.07, 0.07, 0.21), kinds, strict=True):
+        ratios = [row[key]["measured_over_predicted"] for row in rows]
+        axis.plot([i + offset for i in range(len(rows))], ratios, marker, linestyle="none", label=label)
+    axis.axhline(1.0, color="black", linewidth=0.8)
+    axis.axhspan(1 / 1.33, 1.33, color="grey", alpha=0.15, label="within a factor 1.33")
+    axis.set_xticks(range(len(rows)), [row["layout"] for row in rows], rotation=30, ha="right", fontsize=8)
+    axis.set_xlabel("layout (processes on this machine)")
+    axis.set_ylabel("measured / predicted")
+    axis.legend(fontsize=8, loc="upper left")
+    figure.tight_layout()
+    return save(figure, path)

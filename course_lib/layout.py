@@ -39,7 +39,7 @@ PRECISIONS = ("bf16", "fp32")
 AXES = ("pipeline", "data", "context", "tensor")  # outermost first: the mesh's order
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Layout:
     """How a job lays a model over ``data x pipeline x context x tensor`` GPUs.
 

@@ -260,6 +260,9 @@ class live_tensor_bytes(TorchDispatchMode):
     The count is exact but slow (a Python call per operation): measure with it, never time.
     """
 
+    def __init__(self):
+        super().__init__()
+
     def __enter__(self) -> live_tensor_bytes:
         # Collect earlier code's cyclic garbage now (it costs ~0.2 s), not by chance in the middle
         # of the count, which measured up to one tensor more, on some runs only, when it did.

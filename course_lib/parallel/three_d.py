@@ -43,14 +43,23 @@ from . import tensor as tp
 from .mesh import Mesh, rank_at
 
 
-def build_local_model(model: nn.Module, mesh: Mesh, *, seq_len: int) -> dict[int, nn.Module]:
+def build_local_model(
+    model: nn.Module, mesh: Mesh, *, seq_len: int, recomputation: str = "none"
+) -> dict[int, nn.Module]:
     """This rank's stage of ``model`` (a dense ``TinyTransformer``), made tensor and context parallel.
 
     ``layout.parallelize`` with plain tensor parallelism, fp32, and the data axis left to
     ``train_3d``, which averages every gradient itself after the pipeline's step.
     """
     degrees = {axis: mesh.degrees[axis] for axis in ("data", "pipeline", "context", "tensor")}
-    plan = Layout(**degrees, sharding="ddp", precision="fp32", sequence_parallel=False, loss_parallel=False)
+    plan = Layout(
+        **degrees,
+        sharding="ddp",
+        recomputation=recomputation,
+        precision="fp32",
+        sequence_parallel=False,
+        loss_parallel=False,
+    )
     return parallelize(model, mesh, plan, seq_len=seq_len, data_parallel=False)
 
 
@@ -101,6 +110,7 @@ def train_3d(
     n_heads: int = 4,
     n_layers: int = 4,
     seed: int = 0,
+    recompute: str = "none",
     profile: str | None = None,
 ) -> list[float] | None:
     """Train on the current process group laid out as a mesh; return the loss of every step on rank 0.
@@ -122,6 +132,8 @@ def train_3d(
         n_heads: attention heads per block (a multiple of T).
         n_layers: blocks (with the embedding and head, at least P pieces to cut).
         seed: the seed of the weights and of the batches, the same on every rank.
+        recompute: what each block keeps for backward: ``"none"``, ``"full"`` or ``"selective"``
+            (``course_lib.recompute``).
         profile: record the anatomy of 3 steps after 2 (``anatomy.LoopProfiler``): each rank's
             trace and ``anatomy.json`` go into this folder.
     """
@@ -138,7 +150,7 @@ def train_3d(
     model = models.TinyTransformer(
         len(vocabulary), d_model=d_model, n_heads=n_heads, n_layers=n_layers, max_seq_len=seq_len
     )
-    stages = build_local_model(model, mesh, seq_len=seq_len)
+    stages = build_local_model(model, mesh, seq_len=seq_len, recomputation=recompute)
     params = [p for stage in stages.values() for p in stage.parameters()]
     optimizer = torch.optim.AdamW(params, lr=lr)
     local_batch = global_batch // data

@@ -41,12 +41,21 @@ from ..parallel import sequence as sp
 from ..parallel.mesh import Mesh
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Sweep:
     """The transformer every layout trains, and how long each is timed.
 
     The default is wide enough that matrix products take half of a step on one core, small
     enough for a laptop; the tests run a smaller one.
+
+    Args:
+        d_model: the transformer's width.
+        n_heads: attention heads per block.
+        n_layers: blocks.
+        seq_len: tokens per sequence.
+        global_batch: sequences per step, over every replica.
+        steps: steps timed per layout (the first ones untimed, see ``warmup``).
+        warmup: steps left out of the median.
     """
 
     d_model: int = 256
@@ -314,7 +323,11 @@ def validate(launch, *, layouts: list[Layout] = LAYOUTS, sweep: Sweep = SWEEP) -
 
 
 def table(result: dict) -> str:
-    """The comparison as text: one line per layout."""
+    """The comparison as text: one line per layout.
+
+    Args:
+        result: what ``validate`` returns.
+    """
     lines = [
         f"{'layout':<34}{'procs':>6}  {'states':>8}  {'activations':>11}  {'sent':>8}  {'step ms':>16}",
         f"{'':<34}{'':>6}  {'meas/pred':>8}  {'meas/pred':>11}  {'meas/pred':>8}  {'pred -> meas':>16}",

@@ -18,6 +18,7 @@ from ..launch import check_process_count, launch
 from ..parallel import pipeline as pp
 from ..parallel.mesh import describe_grid
 from ..parallel.three_d import check_run, train_3d
+from ..recompute import POLICIES
 from .plots import plot_loss_curves
 
 
@@ -39,6 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--global-batch", type=positive, default=16)
     parser.add_argument("--microbatches", type=positive, default=2)
     parser.add_argument("--schedule", choices=pp.SCHEDULES[:2], default="1f1b")
+    parser.add_argument(
+        "--recompute",
+        choices=POLICIES,
+        default="none",
+        help="what each block of the grid run keeps for backward (the one-process run keeps everything)",
+    )
     parser.add_argument(
         "--plot", type=checks.file_to_write, default=None, help="save the two loss curves to this PNG"
     )
@@ -78,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         tensor=args.tensor,
         timeout_s=1800,
         profile=str(args.profile) if args.profile else None,
+        recompute=args.recompute,
         **options,
     )[0]
     if args.profile:

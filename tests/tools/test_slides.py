@@ -35,6 +35,7 @@ LECTURES = [
     "slurm",
     "lab",
     "sequence-context-experts",
+    "choosing-a-layout",
 ]
 
 

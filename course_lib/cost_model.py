@@ -18,13 +18,18 @@ them up for a model and a cluster too large for a laptop:
   backward, ring attention's passes under the attention; tensor parallelism's all-reduces sit
   between the matmuls that need them and are paid whole; the pipeline pays its bubble.
 
-The step time is compute + recomputation + bubble + the exposed communication of every axis,
-the same parts as ``anatomy``'s budget. ``tools.plan`` ranks every layout of a job by it, and
-``tools.plan --validate`` holds the same formulas against measurement on this machine.
+- **memory-bound work**: what the blocks keep for backward, written once and read twice by the
+  norms, activation functions and adds, and the optimizer's bytes per updated parameter, at a
+  memory bandwidth.
+
+The step time is matmuls + memory-bound work + recomputation + bubble + the exposed
+communication of every axis, the same parts as ``anatomy``'s budget. ``tools.plan`` ranks every
+layout of a job by it, and ``tools.plan --validate`` holds the same formulas against measurement
+on this machine.
 
 What it leaves out (say so when you compare with a published figure): kernel efficiency that
-changes with shapes (one achieved rate for all matmuls), the memory-bound operations' time
-(norms, activations, optimizer step: a few % on large models), and communication that contends
+changes with shapes (one achieved rate for all matmuls), the host's time per operation (the
+Python and kernel launches a small or CPU-bound step is made of), and communication that contends
 with compute for the GPU's memory bandwidth.
 
 Papers: Korthikanti et al. (arXiv:2205.05198) for activations; Narayanan et al. (arXiv:2104.04473)
@@ -37,8 +42,9 @@ import math
 from dataclasses import dataclass, field
 
 from . import memory
+from .comm import ring_bytes
 from .errors import UserError
-from .layout import Layout
+from .layout import AXES, Layout
 from .parallel.pipeline import peak_activations_theory
 
 
@@ -103,6 +109,11 @@ class ModelSpec:
 
     def _norm_parameters(self) -> int:
         return (2 if self.norm == "layer" else 1) * self.d_model
+
+    def replicated_block_parameters(self) -> int:
+        """What tensor parallelism leaves whole on every rank of a block: the two norms, and the
+        biases of ``out`` and fc2 (added once, after the partial sums)."""
+        return 2 * self._norm_parameters() + (2 * self.d_model if self.bias else 0)
 
     def attention_parameters(self) -> int:
         """q and out (h x h each), k and v (h x kv_heads·head_dim each), the block's two norms."""
@@ -282,7 +293,8 @@ def ring_steps(op: str, group: int) -> int:
 
 
 def collective_seconds(op: str, message_bytes: float, group: int, link: Link) -> float:
-    """The alpha-beta time of one ring collective of ``message_bytes`` over ``group`` ranks.
+    """The alpha-beta time of one ring collective: a latency per message, ``comm.ring_bytes`` at the
+    link's bandwidth.
 
     Args:
         op: ``"all_reduce"``, ``"all_gather"``, ``"reduce_scatter"`` or ``"all_to_all"``.
@@ -290,16 +302,13 @@ def collective_seconds(op: str, message_bytes: float, group: int, link: Link) ->
         group: N, the ranks.
         link: the link the ring runs on.
     """
-    if group == 1:
-        return 0.0
-    per_step = message_bytes / group
-    return ring_steps(op, group) * (link.latency_s + per_step / link.bandwidth)
+    return ring_steps(op, group) * link.latency_s + ring_bytes(op, message_bytes, group) / link.bandwidth
 
 
 def link_of(axis: str, layout: Layout, cluster: ClusterSpec) -> Link:
     """The link an axis's rings run on: inside a node while this axis and those inside it fit one."""
     inner = 1
-    for name in reversed(("pipeline", "data", "context", "tensor")):
+    for name in reversed(AXES):
         inner *= layout.degree(name)
         if name == axis:
             break
@@ -409,8 +418,7 @@ def head_activation_bytes(model: ModelSpec, layout: Layout, *, micro_batch: int,
 def block_parameters_per_gpu(model: ModelSpec, layout: Layout) -> float:
     """One block's parameters on one GPU: the matrices and their column biases split over T (the
     experts also over E); the norms and the row-parallel layers' biases whole on every tensor rank."""
-    t, h = layout.tensor, model.d_model
-    replicated = 2 * model._norm_parameters() + (2 * h if model.bias else 0)  # norms; out's and fc2's biases
+    t, replicated = layout.tensor, model.replicated_block_parameters()
     experts = model.experts * model.expert_parameters() if model.experts > 1 else 0
     split = model.block_parameters() - replicated - experts
     return split / t + replicated + experts / (t * layout.expert)
@@ -562,22 +570,20 @@ def predict(
     activation_bytes = element * tokens * model.d_model
     # and the embedding's output, cut to s/T tokens, has its gradient all-gathered in backward
     split_embedding = (
-        (t - 1) / t * activation_bytes * microbatches if layout.sequence_parallel and t > 1 else 0
+        microbatches * ring_bytes("all_gather", activation_bytes, t) if layout.sequence_parallel else 0
     )
     tensor_each = collective_seconds("all_reduce", activation_bytes, t, link_of("tensor", layout, cluster))
     tensor = passes * layers_per_stage * microbatches * tensor_each
-    tensor_sent = (
-        passes * layers_per_stage * microbatches * 2 * (t - 1) / t * activation_bytes + split_embedding
-    )
+    tensor_sent = passes * layers_per_stage * microbatches * ring_bytes("all_reduce", activation_bytes, t)
+    tensor_sent += split_embedding
     if layout.sequence_parallel and t > 1:
         # Each tensor rank saw only its s/T tokens in the norms (and without loss_parallel, the
         # head): the gradients of those replicated weights are partial and summed over the group.
-        h, norms = model.d_model, model._norm_parameters()
-        replicated = layers_per_stage * (2 * norms + (2 * h if model.bias else 0)) + norms
-        if not layout.loss_parallel:
-            replicated += model.vocab * h + (model.vocab if model.bias else 0)
+        replicated = layers_per_stage * model.replicated_block_parameters() + model._norm_parameters()
+        if not layout.loss_parallel:  # the output projection
+            replicated += model.head_parameters() - model._norm_parameters()
         tensor += collective_seconds("all_reduce", 4 * replicated, t, link_of("tensor", layout, cluster))
-        tensor_sent += 2 * (t - 1) / t * 4 * replicated
+        tensor_sent += ring_bytes("all_reduce", 4 * replicated, t)
 
     kv_bytes = element * 2 * tokens * model.kv_heads * model.head_dim / t
     context_link = link_of("context", layout, cluster)
@@ -596,7 +602,7 @@ def predict(
     gradient_bytes, param_bytes = 4 * stage_params, element * stage_params
     reduce_op = "all_reduce" if layout.sharding == "ddp" else "reduce_scatter"
     gradient_time = collective_seconds(reduce_op, gradient_bytes, shard_group, data_link)
-    gather_time, gathers = 0.0, 0
+    gathers = 0
     if layout.sharding in ("zero1", "zero2"):
         gathers = 1  # the updated parameters, after the step
     elif layout.sharding == "fsdp":
@@ -609,8 +615,8 @@ def predict(
     data = max(0.0, gradient_time + (gather_time if layout.sharding == "fsdp" else 0) - hidden)
     if layout.sharding in ("zero1", "zero2"):
         data += gather_time  # after the optimizer step: nothing left to hide it under
-    factor = 2 if reduce_op == "all_reduce" else 1
-    data_sent = (factor * gradient_bytes + gathers * param_bytes) * (shard_group - 1) / shard_group
+    data_sent = ring_bytes(reduce_op, gradient_bytes, shard_group)
+    data_sent += gathers * ring_bytes("all_gather", param_bytes, shard_group)
 
     pipeline_link = link_of("pipeline", layout, cluster)
     send = pipeline_link.latency_s + activation_bytes / t / pipeline_link.bandwidth
@@ -623,7 +629,9 @@ def predict(
         rows_bytes = element * tokens * model.top_k * model.d_model
         each = collective_seconds("all_to_all", rows_bytes, layout.expert, link_of("data", layout, cluster))
         expert = 4 * layers_per_stage * microbatches * each  # dispatch and combine, forward and backward
-        expert_sent = 4 * layers_per_stage * microbatches * rows_bytes * (layout.expert - 1) / layout.expert
+        expert_sent = (
+            4 * layers_per_stage * microbatches * ring_bytes("all_to_all", rows_bytes, layout.expert)
+        )
 
     result.time = {
         "compute": compute,

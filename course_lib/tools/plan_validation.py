@@ -24,7 +24,6 @@ its time is reported, not judged.
 from __future__ import annotations
 
 import dataclasses
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -206,7 +205,7 @@ def calibrate(launch, sweep: Sweep = SWEEP) -> dict:
         warmup=3,
     )[0]
     fit = all_reduce.get("fit_by_regime", all_reduce["fit"])
-    cores = min(os.cpu_count() or 1, max(layout.gpus for layout in LAYOUTS))
+    cores = min(runtime.usable_cpus(), max(layout.gpus for layout in LAYOUTS))
     side_by_side = launch(_probe_and_step_alone, cores, sweep)
     rate = statistics.median(r[0] for r in side_by_side)
     step_s = statistics.median(r[1] for r in side_by_side)
@@ -216,7 +215,7 @@ def calibrate(launch, sweep: Sweep = SWEEP) -> dict:
         "matmul_flops": rate,
         "memory_bandwidth": 1.0,  # for the moment: the memory-bound "seconds" below are bytes
         "one_process_step_s": step_s,
-        "cores": os.cpu_count() or 1,
+        "cores": runtime.usable_cpus(),
     }
     single = cost_model.predict(
         sweep.spec(),

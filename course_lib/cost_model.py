@@ -204,6 +204,14 @@ class ClusterSpec:
         overlaps_communication: collectives run beside the compute (a GPU's copy engines and
             spare SMs); False on CPUs, where gloo's threads need the cores that compute.
         source: where the figures come from.
+        optimizer_bandwidth: bytes/s the optimizer step reaches, when it differs from
+            ``memory_bandwidth`` (None: the same). AdamW streams its 28 bytes a parameter with
+            little arithmetic; a CPU core's activation functions (GELU's erf, softmax's exp) are
+            slower than their bytes say, and on a CPU the two rates are measured apart.
+        host_seconds_per_operation: what the host spends dispatching one operation (Python, the
+            dispatcher, autograd's bookkeeping) when that time is on the step's path: on a CPU,
+            where the core that dispatches is the one that computes. A GPU's host queues
+            kernels ahead of the device and the time hides behind large kernels: 0.
     """
 
     name: str
@@ -217,6 +225,8 @@ class ClusterSpec:
     between_nodes: Link
     overlaps_communication: bool = True
     source: str = ""
+    optimizer_bandwidth: float | None = None
+    host_seconds_per_operation: float = 0.0
 
 
 GB = 1e9
@@ -483,7 +493,13 @@ def check(model: ModelSpec, layout: Layout, *, gpus: int, seq_len: int, global_b
 
 
 def predict(
-    model: ModelSpec, cluster: ClusterSpec, layout: Layout, *, seq_len: int, global_batch: int
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    layout: Layout,
+    *,
+    seq_len: int,
+    global_batch: int,
+    operations: int = 0,
 ) -> Prediction:
     """Memory per GPU, traffic and step time of one training step of ``model`` laid out as ``layout``.
 
@@ -493,6 +509,10 @@ def predict(
         layout: the layout; its GPUs are the job's.
         seq_len: s, tokens per sequence.
         global_batch: sequences per optimizer step, over all replicas.
+        operations: the operations one step's forward and backward dispatch on the busiest GPU,
+            counted (an implementation's count, not a formula: ``plan_validation``'s
+            ``OperationCounter``); they cost ``cluster.host_seconds_per_operation`` each. 0: no
+            host term.
     """
     result = Prediction(layout)
     problem = check(model, layout, gpus=layout.gpus, seq_len=seq_len, global_batch=global_batch)
@@ -545,7 +565,11 @@ def predict(
     pointwise_blocks = 3 * block_bytes * layers_per_stage * microbatches / cluster.memory_bandwidth
     pointwise_head = 3 * head * microbatches / cluster.memory_bandwidth
     updated = stage_params / (1 if layout.sharding == "ddp" else d * c)
-    optimizer = OPTIMIZER_BYTES[layout.precision] * updated / cluster.memory_bandwidth
+    optimizer = (
+        OPTIMIZER_BYTES[layout.precision]
+        * updated
+        / (cluster.optimizer_bandwidth or cluster.memory_bandwidth)
+    )
     recompute = {
         "none": 0.0,
         "full": (block_flops / cluster.achieved_flops + pointwise_blocks) / 3,  # one more forward
@@ -644,6 +668,7 @@ def predict(
         "data (exposed)": data,
         "pipeline sends (exposed)": pipeline,
         "expert (exposed)": expert,
+        "host (dispatching operations)": operations * cluster.host_seconds_per_operation,
     }
     result.time["total"] = sum(result.time.values())
     result.traffic = {

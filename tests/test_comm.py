@@ -45,6 +45,17 @@ def _compare_every_wrapper():
     comm.all_reduce(ours, op="sum", async_op=True).wait()
     same("all_reduce async", ours, _rank_tensor() * 0 + theirs)
 
+    shapes = [(2, 3), (5,), (1, 1, 4)]  # one call for all three, each reshaped back
+    ours_many = [_rank_tensor(torch.Size(shape).numel()).reshape(shape) for shape in shapes]
+    with comm.CommLog() as log:
+        comm.all_reduce_coalesced(ours_many, op="mean")
+    for shape, tensor in zip(shapes, ours_many):
+        theirs = _rank_tensor(torch.Size(shape).numel()).reshape(shape)
+        dist.all_reduce(theirs)
+        same(f"all_reduce_coalesced {shape}", tensor, theirs / n)
+    if log.count() != 1 or log.bytes_per_rank() != comm.ring_bytes("all_reduce", 4 * 15, n):
+        mismatches.append("all_reduce_coalesced is one all-reduce of every byte")
+
     for src in range(n):
         ours, theirs = _rank_tensor(), _rank_tensor()
         comm.broadcast(ours, src=src)

@@ -324,9 +324,8 @@ def all_reduce_sequence_parallel_gradients(model: nn.Module, *, group=None) -> N
         model: the model ``parallelize_sequence`` converted.
         group: the tensor-parallel process group (None: every rank).
     """
-    for param in sequence_parallel_parameters(model):
-        if param.grad is not None:
-            comm.all_reduce(param.grad, op="sum", group=group)
+    partial = [param.grad for param in sequence_parallel_parameters(model) if param.grad is not None]
+    comm.all_reduce_coalesced(partial, op="sum", group=group)  # small and many: one call
 
 
 def sequence_parallel_loss(logits: torch.Tensor, targets: torch.Tensor, *, group=None) -> torch.Tensor:

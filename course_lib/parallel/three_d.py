@@ -185,11 +185,11 @@ def train_3d(
                     layout.local(inputs[mine], my_chunk), layout.local(targets[mine], my_chunk)
                 )
             with anatomy.phase("gradients"):
-                for param in params:
-                    if context > 1:  # each chunk of the sequences adds its part
-                        comm.all_reduce(param.grad, op="sum", group=mesh.group("context"))
-                    # average the replicas' gradients: the gradient of the whole batch
-                    comm.all_reduce(param.grad, op="mean", group=mesh.group("data"))
+                grads = [param.grad for param in params]
+                if context > 1:  # each chunk of the sequences adds its part
+                    comm.all_reduce_coalesced(grads, op="sum", group=mesh.group("context"))
+                # average the replicas' gradients: the gradient of the whole batch
+                comm.all_reduce_coalesced(grads, op="mean", group=mesh.group("data"))
             with anatomy.phase("optimizer"):
                 optimizer.step()
         if profiler is not None and profiler.complete:

@@ -23,14 +23,16 @@ its time is reported, not judged.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from .. import comm, cost_model, flops, memory, models, runtime
+from .. import comm, cost_model, flops, memory, models, runtime, scaling
 from ..data import zen_windows
 from ..errors import UserError
 from ..layout import Layout, parallelize
@@ -62,7 +64,7 @@ class Sweep:
     n_layers: int = 4
     seq_len: int = 64
     global_batch: int = 8
-    steps: int = 8
+    steps: int = 16
     warmup: int = 3
 
     def model(self) -> models.TinyTransformer:
@@ -106,8 +108,14 @@ def course_layout(layout: Layout, sweep: Sweep = SWEEP) -> Layout:
 
 
 def measure_layout(layout: Layout, sweep: Sweep = SWEEP) -> dict | None:
-    """Train a few steps laid out as ``layout`` here; rank 0 returns the most any rank measured."""
+    """Train a few steps laid out as ``layout`` here; rank 0 returns the most any rank measured.
+
+    First, on the same processes and without communication, the machine's speed at that moment
+    (``probe_compute``): a shared machine's speed drifts by a fifth over minutes, and the time
+    model is judged against the machine the layout ran on, not the one of a minute before.
+    """
     torch.set_num_threads(1)  # one core per process, as the time model assumes
+    speed = probe_compute(sweep)
     layout = course_layout(layout, sweep)
     seq_len = sweep.seq_len
     mesh = Mesh(data=layout.data, pipeline=layout.pipeline, context=layout.context, tensor=layout.tensor)
@@ -142,21 +150,24 @@ def measure_layout(layout: Layout, sweep: Sweep = SWEEP) -> dict | None:
             return sp.sequence_parallel_loss(logits, y, group=mesh.group("tensor"))
         return models.lm_loss(logits, y)
 
-    def step(executor=None) -> None:
+    def step(executor=None, counter: OperationCounter | None = None) -> None:
         optimizer.zero_grad()
+        with counter or contextlib.nullcontext():  # forward, backward and the gradients' collectives
+            forward_backward(executor)
+        optimizer.step()
+
+    def forward_backward(executor) -> None:
         if executor is not None:
             executor.step(x, y)
         else:
             loss_of(stage(x)).backward()
         if layout.tensor > 1 and layout.sequence_parallel:
             sp.all_reduce_sequence_parallel_gradients(stage, group=mesh.group("tensor"))
+        grads = [param.grad for param in params]  # one collective each, as the model counts them
         if layout.context > 1:  # each chunk of the sequences adds its part of every gradient
-            for param in params:
-                comm.all_reduce(param.grad, op="sum", group=mesh.group("context"))
+            comm.all_reduce_coalesced(grads, op="sum", group=mesh.group("context"))
         if executors and layout.data > 1:
-            for param in params:
-                comm.all_reduce(param.grad, op="mean", group=mesh.group("data"))
-        optimizer.step()
+            comm.all_reduce_coalesced(grads, op="mean", group=mesh.group("data"))
 
     if not executors:  # what one forward leaves alive for its backward (its loss included)
         with memory.live_tensor_bytes() as live:
@@ -175,18 +186,36 @@ def measure_layout(layout: Layout, sweep: Sweep = SWEEP) -> dict | None:
             step(executors.get(False))
             times.append(time.perf_counter() - start)
         sent = log.bytes_per_rank()
+    counter = OperationCounter()
+    step(executors.get(False), counter)
     states = memory.measure_model_states(stage, optimizer=optimizer) if len(stages) == 1 else None
     record = {
+        "operations": counter.operations,
         "model_state_bytes": states.total if states else None,
         "activation_bytes": activation_bytes,
         "sent_bytes": sent,
         "step_s": statistics.median(times[sweep.warmup :]),
     }
     gathered = [None] * runtime.world_size()
-    torch.distributed.all_gather_object(gathered, record)
+    torch.distributed.all_gather_object(gathered, (record, speed))
     if not runtime.is_main():
         return None
-    return {key: max(r[key] for r in gathered if r[key] is not None) for key in record}
+    records = [r for r, _ in gathered]
+    most = {key: max(r[key] for r in records if r[key] is not None) for key in record}
+    return most | {"speed": median_speed([s for _, s in gathered])}
+
+
+def median_speed(speeds: list[dict]) -> dict:
+    """The median over processes of what ``probe_compute`` measured on each."""
+    return {
+        "matmul_flops": statistics.median(s["matmul_flops"] for s in speeds),
+        "forward_backward_s": {
+            b: statistics.median(s["forward_backward_s"][b] for s in speeds)
+            for b in speeds[0]["forward_backward_s"]
+        },
+        "optimizer_s": statistics.median(s["optimizer_s"] for s in speeds),
+        "operations": speeds[0]["operations"],
+    }
 
 
 def calibrate(launch, sweep: Sweep = SWEEP) -> dict:
@@ -194,63 +223,167 @@ def calibrate(launch, sweep: Sweep = SWEEP) -> dict:
 
     The rates are measured with every core busy, one process each, as in the layouts' runs: two
     processes share the memory's bandwidth, and one process alone would see more of it.
-    """
-    from .bench.allreduce import allreduce_benchmark, allreduce_sizes
 
-    all_reduce = launch(
-        allreduce_benchmark,
-        2,
-        sizes=allreduce_sizes(min_bytes=1024, max_bytes=4 << 20),
-        iterations=10,
-        warmup=3,
-    )[0]
-    fit = all_reduce.get("fit_by_regime", all_reduce["fit"])
+    Args:
+        launch: ``launch.launch``, which runs a function on N local processes.
+        sweep: the transformer whose one-process step calibrates the memory bandwidth.
+    """
+    link = launch(probe_link, 2, check_collectives=False)[0]
+    latency, bandwidth = scaling.fit_ring_all_reduce(2, message_bytes=list(link), seconds=list(link.values()))
     cores = min(runtime.usable_cpus(), max(layout.gpus for layout in LAYOUTS))
-    side_by_side = launch(_probe_and_step_alone, cores, sweep)
-    rate = statistics.median(r[0] for r in side_by_side)
-    step_s = statistics.median(r[1] for r in side_by_side)
+    side_by_side = launch(probe_compute, cores, sweep, check_collectives=False)
     calibration = {
-        "latency_s": fit["latency_us"] * 1e-6,
-        "bandwidth_bytes_per_s": fit["bandwidth_gbps"] * 1e9,
-        "matmul_flops": rate,
-        "memory_bandwidth": 1.0,  # for the moment: the memory-bound "seconds" below are bytes
-        "one_process_step_s": step_s,
+        "latency_s": latency,
+        "bandwidth_bytes_per_s": bandwidth,
         "cores": runtime.usable_cpus(),
     }
-    single = cost_model.predict(
-        sweep.spec(),
-        machine(calibration),
-        course_layout(Layout(), sweep),
-        seq_len=sweep.seq_len,
-        global_batch=sweep.global_batch,
-    )
-    moved = single.time["memory-bound operations"] + single.time["optimizer step"]
-    rest = step_s - single.time["compute"]
-    if rest <= 0:
-        raise UserError(
-            f"the one-process step ({step_s * 1e3:.0f} ms) took less than its matmuls at the probe's rate "
-            f"({single.time['compute'] * 1e3:.0f} ms): something else ran during the matmul probe; run again"
+    return with_speed(calibration, median_speed(side_by_side), sweep)
+
+
+def probe_link(
+    sizes: tuple[int, ...] = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20), calls: int = 24
+) -> dict[int, float] | None:
+    """All-reduces as training makes them: each after some computation, their mean time per size.
+
+    ``bench allreduce`` times all-reduces back to back and keeps the median, the link's best. A
+    training step makes each one after a stretch of compute, when the ranks arrive a little apart
+    and the transport's threads have gone to sleep, and it pays every call, the slow ones too: the
+    mean of calls made that way is the link a step sees. Rank 0 returns {bytes: seconds}.
+
+    Args:
+        sizes: message sizes in bytes (multiples of 4).
+        calls: all-reduces timed per size, after two untimed ones.
+    """
+    torch.set_num_threads(1)
+    left, right = torch.randn(256, 256), torch.randn(256, 256)
+    result = {}
+    for size in sizes:
+        message, times = torch.zeros(size // 4), []
+        for call in range(calls + 2):
+            for _ in range(4):  # a few milliseconds of work, as between two collectives of a step
+                left @ right
+            start = time.perf_counter()
+            torch.distributed.all_reduce(message)
+            if call >= 2:
+                times.append(time.perf_counter() - start)
+        mean = torch.tensor([statistics.mean(times)], dtype=torch.float64)
+        torch.distributed.all_reduce(mean, op=torch.distributed.ReduceOp.MAX)
+        result[size] = float(mean)
+    return result if runtime.is_main() else None
+
+
+def with_speed(calibration: dict, speed: dict, sweep: Sweep = SWEEP) -> dict:
+    """The calibration with the compute speed ``probe_compute`` measured.
+
+    The matmul rate is the probe's; the optimizer's bandwidth is the bytes AdamW moves
+    (``cost_model.OPTIMIZER_BYTES`` a parameter) over its step's time. The rest of a forward and
+    backward is two unknowns: the bandwidth its norms and activation functions reach (their
+    bytes are ``cost_model``'s) and the host's time per dispatched operation (their number is
+    counted). Two batch sizes give two equations: the operations are the same at both, the
+    bytes are not.
+
+    Args:
+        calibration: the link's figures (``latency_s``, ``bandwidth_bytes_per_s``) and ``cores``.
+        speed: what ``probe_compute`` returned: ``matmul_flops``, ``forward_backward_s`` (seconds
+            at each batch size), ``optimizer_s`` and ``operations`` (of a forward and backward).
+        sweep: the transformer those steps trained.
+    """
+    steps = speed["forward_backward_s"]
+    parameters = sweep.spec().parameters()
+    calibration = calibration | {
+        "matmul_flops": speed["matmul_flops"],
+        "memory_bandwidth": 1.0,  # for the moment: the memory-bound "seconds" below are bytes
+        "optimizer_bandwidth": cost_model.OPTIMIZER_BYTES["fp32"] * parameters / speed["optimizer_s"],
+        "host_seconds_per_operation": 0.0,
+        "one_process_step_s": steps[sweep.global_batch] + speed["optimizer_s"],
+        "one_process_operations": speed["operations"],
+    }
+    rest, moved = {}, {}  # per batch size: the seconds not in matmuls, the bytes moved
+    for batch, seconds in steps.items():
+        single = cost_model.predict(
+            sweep.spec(),
+            machine(calibration),
+            course_layout(Layout(), dataclasses.replace(sweep, global_batch=batch)),
+            seq_len=sweep.seq_len,
+            global_batch=batch,
         )
-    calibration["memory_bandwidth"] = moved / rest
+        moved[batch] = single.time["memory-bound operations"]
+        rest[batch] = seconds - single.time["compute"]
+    big, small = max(rest), min(rest)
+    if rest[big] <= 0:
+        raise UserError(
+            f"the one-process forward and backward ({steps[big] * 1e3:.0f} ms) took less than its matmuls "
+            "at the probe's rate: something else ran during the matmul probe; run again"
+        )
+    seconds_per_byte = (rest[big] - rest[small]) / (moved[big] - moved[small])
+    host = (rest[big] - moved[big] * seconds_per_byte) / speed["operations"]
+    if seconds_per_byte <= 0 or host < 0:  # the two disagree (noise): call all of it memory-bound
+        seconds_per_byte, host = rest[big] / moved[big], 0.0
+    calibration["memory_bandwidth"] = 1 / seconds_per_byte
+    calibration["host_seconds_per_operation"] = host
     return calibration
 
 
-def _probe_and_step_alone(sweep: Sweep) -> tuple[float, float]:
-    """On each process at once, no communication: a core's matmul rate and a one-process step."""
+class OperationCounter(TorchDispatchMode):
+    """Count the operations dispatched while the ``with`` block runs (backward's included).
+
+    >>> with OperationCounter() as counter:
+    ...     loss.backward()
+    >>> counter.operations
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.operations = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.operations += 1
+        return func(*args, **(kwargs or {}))
+
+
+def probe_compute(sweep: Sweep = SWEEP) -> dict:
+    """On each process at once, no communication: a core's matmul rate and one-process steps.
+
+    The steps train ``sweep``'s transformer on its whole batch and on a quarter of it, their
+    forward and backward timed apart from the optimizer step, taken in turn with the matmul probe
+    so that all see the machine in the same mood; the operations a forward and backward
+    dispatch are counted once (``OperationCounter``).
+
+    Args:
+        sweep: the transformer whose training step is timed.
+    """
     torch.set_num_threads(1)
-    rate = flops.measure_matmul_tflops(size=512) * 1e12
     inputs, targets, _ = zen_windows(seq_len=sweep.seq_len)
     model = sweep.model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x, y = inputs[: sweep.global_batch], targets[: sweep.global_batch]
-    times = []
-    for _ in range(sweep.steps):
+    batches = (sweep.global_batch, max(1, sweep.global_batch // 4))  # the operations alike, the bytes not
+
+    def forward_backward(batch: int) -> float:
         start = time.perf_counter()
         optimizer.zero_grad()
-        models.lm_loss(model(x), y).backward()
+        models.lm_loss(model(inputs[:batch]), targets[:batch]).backward()
+        return time.perf_counter() - start
+
+    def optimizer_step() -> float:
+        start = time.perf_counter()
         optimizer.step()
-        times.append(time.perf_counter() - start)
-    return rate, statistics.median(times[sweep.warmup :])
+        return time.perf_counter() - start
+
+    rates, optimizer_times, times = [], [], {batch: [] for batch in batches}
+    for _ in range(sweep.steps):
+        rates.append(flops.measure_matmul_tflops(size=512, repeats=3, warmup=1) * 1e12)
+        for batch in batches:
+            times[batch].append(forward_backward(batch))
+            optimizer_times.append(optimizer_step())
+    with OperationCounter() as counter:
+        forward_backward(sweep.global_batch)
+    skip = 2 * sweep.warmup
+    return {
+        "matmul_flops": statistics.median(rates[sweep.warmup :]),
+        "forward_backward_s": {b: statistics.median(s[sweep.warmup :]) for b, s in times.items()},
+        "optimizer_s": statistics.median(optimizer_times[skip:]),
+        "operations": counter.operations,
+    }
 
 
 def machine(calibration: dict) -> cost_model.ClusterSpec:
@@ -268,6 +401,8 @@ def machine(calibration: dict) -> cost_model.ClusterSpec:
         between_nodes=link,
         overlaps_communication=False,
         source="calibrated by plan --validate",
+        optimizer_bandwidth=calibration.get("optimizer_bandwidth"),
+        host_seconds_per_operation=calibration.get("host_seconds_per_operation", 0.0),
     )
 
 
@@ -280,13 +415,21 @@ def validate(launch, *, layouts: list[Layout] = LAYOUTS, sweep: Sweep = SWEEP) -
         sweep: the transformer they train, and for how many steps.
     """
     calibration = calibrate(launch, sweep)
-    cluster, spec = machine(calibration), sweep.spec()
+    spec = sweep.spec()
     rows = []
     for layout in layouts:
-        measured = launch(measure_layout, layout.gpus, layout, sweep)[0]
+        # unchecked: checking a collective's call is one more all-gather per collective, which a
+        # layout with a hundred small collectives a step (sequence parallelism) would be timed with
+        measured = launch(measure_layout, layout.gpus, layout, sweep, check_collectives=False)[0]
+        cluster = machine(with_speed(calibration, measured["speed"], sweep))  # the speed beside the run
         course = course_layout(layout, sweep)
         predicted = cost_model.predict(
-            spec, cluster, course, seq_len=sweep.seq_len, global_batch=sweep.global_batch
+            spec,
+            cluster,
+            course,
+            seq_len=sweep.seq_len,
+            global_batch=sweep.global_batch,
+            operations=measured["operations"],
         )
         states = (
             predicted.memory["parameters"] + predicted.memory["gradients"] + predicted.memory["optimizer"]
@@ -295,6 +438,14 @@ def validate(launch, *, layouts: list[Layout] = LAYOUTS, sweep: Sweep = SWEEP) -
             "layout": layout.name() + ("" if layout.sequence_parallel or layout.tensor == 1 else " no-sp"),
             "processes": layout.gpus,
             "own_core": layout.gpus <= calibration["cores"],
+            "speed_beside": {
+                "matmul_flops": cluster.achieved_flops,
+                "memory_bandwidth": cluster.memory_bandwidth,
+                "host_seconds_per_operation": cluster.host_seconds_per_operation,
+                "optimizer_bandwidth": cluster.optimizer_bandwidth,
+                "one_process_forward_backward_s": measured["speed"]["forward_backward_s"],
+            },
+            "operations": measured["operations"],
             "model_state_bytes": {"predicted": states, "measured": measured["model_state_bytes"]},
             "activation_bytes": {
                 "predicted": predicted.memory["activations"],

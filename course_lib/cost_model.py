@@ -20,17 +20,21 @@ them up for a model and a cluster too large for a laptop:
 
 - **memory-bound work**: what the blocks keep for backward, written once and read twice by the
   norms, activation functions and adds, and the optimizer's bytes per updated parameter, at a
-  memory bandwidth.
+  memory bandwidth (the optimizer's may be measured apart);
+- **the host**: where the core that dispatches is the one that computes (a CPU), each operation
+  a step dispatches costs the host a few microseconds; the count comes from the implementation
+  (``predict``'s ``operations``), the cost per operation from calibration. A GPU's host queues
+  its kernels ahead and the term is 0.
 
 The step time is matmuls + memory-bound work + recomputation + bubble + the exposed
-communication of every axis, the same parts as ``anatomy``'s budget. ``tools.plan`` ranks every
-layout of a job by it, and ``tools.plan --validate`` holds the same formulas against measurement
-on this machine.
+communication of every axis + the host's dispatching, the same parts as ``anatomy``'s budget.
+``tools.plan`` ranks every layout of a job by it, and ``tools.plan --validate`` holds the same
+formulas against measurement on this machine.
 
 What it leaves out (say so when you compare with a published figure): kernel efficiency that
-changes with shapes (one achieved rate for all matmuls), the host's time per operation (the
-Python and kernel launches a small or CPU-bound step is made of), and communication that contends
-with compute for the GPU's memory bandwidth.
+changes with shapes (one achieved rate for all matmuls), a GPU host that cannot keep ahead of
+small kernels (the launches a small step is made of), and communication that contends with
+compute for the GPU's memory bandwidth.
 
 Papers: Korthikanti et al. (arXiv:2205.05198) for activations; Narayanan et al. (arXiv:2104.04473)
 for the layout's axes and their traffic; Rajbhandari et al. (arXiv:1910.02054) for model states.

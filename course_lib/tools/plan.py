@@ -217,7 +217,7 @@ def runnable_here(layout: Layout) -> bool:
 def _run_first(fitting: list[Prediction], sweep, model, cluster) -> None:
     from ..cost_model import predict
     from ..launch import launch
-    from .plan_validation import course_layout, measure_layout
+    from .plan_validation import course_layout, machine, measure_layout, with_speed
 
     chosen = next((p.layout for p in fitting if runnable_here(p.layout)), None)
     if chosen is None:
@@ -228,6 +228,23 @@ def _run_first(fitting: list[Prediction], sweep, model, cluster) -> None:
     first = predict(model, cluster, ran, seq_len=sweep.seq_len, global_batch=sweep.global_batch)
     print(f"\nrunning {chosen.name()} on {chosen.gpus} local processes...", file=sys.stderr, flush=True)
     measured = launch(measure_layout, chosen.gpus, chosen, sweep, check_collectives=False)[0]
+    if cluster.name == "this machine":
+        # calibrated here: predicted again with the speed measured beside the run and the
+        # operations the run dispatched, as plan --validate does
+        link = {
+            "latency_s": cluster.inside_node.latency_s,
+            "bandwidth_bytes_per_s": cluster.inside_node.bandwidth,
+            "cores": cluster.gpus_per_node,
+        }
+        cluster = machine(with_speed(link, measured["speed"], sweep))
+        first = predict(
+            model,
+            cluster,
+            ran,
+            seq_len=sweep.seq_len,
+            global_batch=sweep.global_batch,
+            operations=measured["operations"],
+        )
     states = first.memory["parameters"] + first.memory["gradients"] + first.memory["optimizer"]
     print(f"\n{chosen.name()}, the first the course's loop runs here: predicted -> measured")
     for what, predicted, got, unit in (

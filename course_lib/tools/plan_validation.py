@@ -2,18 +2,22 @@
 
 ``python -m course_lib.tools.plan --validate`` does three things:
 
-1. **Calibrate.** The all-reduce's alpha and beta from a sweep on 2 local processes
-   (``bench allreduce``'s measurement and ``scaling.fit_ring_all_reduce_by_regime``); the matmul
-   rate of one core (``flops.measure_matmul_tflops``); and the memory bandwidth the rest of a
-   one-process step of the course's transformer reaches (the bytes ``cost_model`` says its norms,
-   activation functions and optimizer move, over the step's time not spent in matmuls). The
-   machine becomes a ``ClusterSpec`` that overlaps no communication: gloo's threads need the
-   cores that compute.
+1. **Calibrate.** The all-reduce's alpha and beta as a training step sees them (``probe_link``:
+   each all-reduce after some computation, the mean of every call; ``scaling.fit_ring_all_reduce``).
+   Then the compute speed (``probe_compute``, measured again beside every layout, because a
+   shared machine's speed drifts by a fifth over minutes): one core's matmul rate
+   (``flops.measure_matmul_tflops``), the optimizer step's bandwidth, and from one-process
+   forward and backward passes at two batch sizes, the bandwidth of the norms and activation
+   functions and the host's time per dispatched operation (``with_speed``). The machine becomes
+   a ``ClusterSpec`` that overlaps no communication: gloo's threads need the cores that compute.
 2. **Run** each layout of ``LAYOUTS`` on local processes with ``layout.parallelize``: a few
    training steps of the same ``TinyTransformer``, measuring what every rank holds
    (``memory.measure_model_states``), what one forward leaves alive for backward
    (``memory.live_tensor_bytes``; the pipeline's in-flight peak), the bytes it sends in one
-   step (``comm.CommLog``) and the median step time after warm-up steps.
+   step (``comm.CommLog``), the operations one forward and backward dispatch
+   (``OperationCounter``: a count, like the FLOPs, not a time) and the median step time after
+   warm-up steps. Collectives are not checked across ranks while timed (``launch``'s
+   ``check_collectives``): the check is one more all-gather per collective.
 3. **Compare** with ``cost_model.predict`` for the same layout: model states, activations and
    bytes sent to the byte where the formula is exact, and the step time as a ratio.
 

@@ -51,3 +51,90 @@ def test_the_calibration_and_the_table_name_what_they_measured(result):
     text = pv.table(result)
     assert text.count("\n") == len(LAYOUTS) + 2
     assert "step time within a factor 1.33:" in text and "of 7 layouts with a core per process" in text
+
+
+def test_the_calibration_recovers_the_bandwidths_and_the_host_cost_it_was_made_from():
+    """Steps made by the time model itself, from known rates: ``with_speed`` solves them back."""
+    import dataclasses
+
+    from course_lib import cost_model
+
+    link = {"latency_s": 1e-4, "bandwidth_bytes_per_s": 1e9, "cores": 2}
+    truth = link | {
+        "matmul_flops": 5e10,
+        "memory_bandwidth": 3e9,
+        "optimizer_bandwidth": 8e9,
+        "host_seconds_per_operation": 12e-6,
+    }
+    operations, batches = 600, (SMALL.global_batch, SMALL.global_batch // 4)
+    forward_backward = {}
+    for batch in batches:
+        time = cost_model.predict(
+            SMALL.spec(),
+            pv.machine(truth),
+            pv.course_layout(Layout(), dataclasses.replace(SMALL, global_batch=batch)),
+            seq_len=SMALL.seq_len,
+            global_batch=batch,
+            operations=operations,
+        ).time
+        forward_backward[batch] = time["total"] - time["optimizer step"]
+    optimizer_s = (
+        cost_model.OPTIMIZER_BYTES["fp32"] * SMALL.spec().parameters() / truth["optimizer_bandwidth"]
+    )
+    speed = {
+        "matmul_flops": truth["matmul_flops"],
+        "forward_backward_s": forward_backward,
+        "optimizer_s": optimizer_s,
+        "operations": operations,
+    }
+    found = pv.with_speed(link, speed, SMALL)
+    for key in ("memory_bandwidth", "optimizer_bandwidth", "host_seconds_per_operation"):
+        assert found[key] == pytest.approx(truth[key], rel=1e-6), key
+
+
+def test_the_operation_counter_counts_forward_and_backward():
+    import torch
+
+    weight = torch.ones(3, requires_grad=True)
+    with pv.OperationCounter() as forward:
+        loss = (weight * 2).sum()
+    with pv.OperationCounter() as backward:
+        loss.backward()
+    assert forward.operations == 2  # mul, sum
+    assert backward.operations >= 2  # at least the two backward functions' work
+
+
+def test_the_host_term_and_the_optimizer_bandwidth_enter_the_prediction():
+    import dataclasses
+
+    from course_lib import cost_model
+
+    cluster = pv.machine(
+        {
+            "latency_s": 1e-4,
+            "bandwidth_bytes_per_s": 1e9,
+            "cores": 2,
+            "matmul_flops": 5e10,
+            "memory_bandwidth": 3e9,
+        }
+    )
+    layout, spec = pv.course_layout(Layout(data=2), SMALL), SMALL.spec()
+
+    def time(cluster, operations=0):
+        return cost_model.predict(
+            spec,
+            cluster,
+            layout,
+            seq_len=SMALL.seq_len,
+            global_batch=SMALL.global_batch,
+            operations=operations,
+        ).time
+
+    plain = time(cluster)
+    assert plain["host (dispatching operations)"] == 0.0
+    hosted = time(dataclasses.replace(cluster, host_seconds_per_operation=1e-5), operations=1000)
+    assert hosted["host (dispatching operations)"] == pytest.approx(0.01)
+    assert hosted["total"] == pytest.approx(plain["total"] + 0.01)
+    faster = time(dataclasses.replace(cluster, optimizer_bandwidth=2 * cluster.memory_bandwidth))
+    assert faster["optimizer step"] == pytest.approx(plain["optimizer step"] / 2)
+    assert faster["memory-bound operations"] == plain["memory-bound operations"]

@@ -195,8 +195,11 @@ def _validate(args) -> int:
     print(
         f"this machine: all-reduce alpha {calibration['latency_s'] * 1e6:.0f} us, beta "
         f"{calibration['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s; one core's matmuls "
-        f"{calibration['matmul_flops'] / 1e9:.1f} GFLOP/s, the rest of a one-process step "
-        f"{calibration['memory_bandwidth'] / 1e9:.1f} GB/s of memory traffic\n"
+        f"{calibration['matmul_flops'] / 1e9:.1f} GFLOP/s; norms and activation functions "
+        f"{calibration['memory_bandwidth'] / 1e9:.1f} GB/s, the optimizer step "
+        f"{calibration['optimizer_bandwidth'] / 1e9:.1f} GB/s; the host "
+        f"{calibration['host_seconds_per_operation'] * 1e6:.1f} us per operation dispatched "
+        "(measured again beside each layout)\n"
     )
     print(table(result))
     if args.json:

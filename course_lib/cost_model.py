@@ -42,6 +42,7 @@ for the layout's axes and their traffic; Rajbhandari et al. (arXiv:1910.02054) f
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -49,7 +50,7 @@ from . import memory
 from .comm import ring_bytes
 from .errors import UserError
 from .layout import AXES, Layout
-from .parallel.pipeline import peak_activations_theory
+from .parallel.pipeline import bubble_fraction, build_schedule, peak_activations_theory, simulate_timeline
 
 
 @dataclass(frozen=True)
@@ -496,6 +497,30 @@ def check(model: ModelSpec, layout: Layout, *, gpus: int, seq_len: int, global_b
     return None
 
 
+@functools.cache
+def bubble_overhead(
+    schedule: str, pipeline_size: int, microbatches: int, virtual_stages: int, backward_over_forward: float
+) -> float:
+    """A rank's idle time over its compute time in one step, from the schedule simulated.
+
+    The schedule built (``pipeline.build_schedule``) and run on a clock (``simulate_timeline``)
+    whose backward takes ``backward_over_forward`` forwards; for the schedules with a formula it
+    equals (p - 1) / (v m) (``pipeline.bubble_overhead_theory``, tested), and a schedule without
+    one is planned the same way.
+
+    Args:
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
+        pipeline_size: p, the ranks of the pipeline.
+        microbatches: m, micro-batches per step.
+        virtual_stages: v, stages per rank.
+        backward_over_forward: a micro-batch's backward time over its forward time.
+    """
+    actions = build_schedule(schedule, pipeline_size, microbatches, virtual_stages=virtual_stages)
+    events = simulate_timeline(actions, pipeline_size, forward_time=1.0, backward_time=backward_over_forward)
+    idle = bubble_fraction(events)
+    return idle / (1 - idle)
+
+
 def predict(
     model: ModelSpec,
     cluster: ClusterSpec,
@@ -582,11 +607,11 @@ def predict(
     }[layout.recomputation]
     compute_and_memory = compute + pointwise_blocks + pointwise_head
     bubble = 0.0
-    if p > 1:
-        fraction = (p - 1) / (layout.virtual_stages * microbatches)  # idle time over compute time
-        if layout.schedule == "gpipe":
-            fraction = (p - 1) / microbatches
-        bubble = fraction * (compute_and_memory + recompute)
+    if p > 1:  # the schedule itself, simulated: a backward twice a forward, three times if recomputed
+        backward_over_forward = 2.0 + (layout.recomputation == "full")
+        bubble = (compute_and_memory + recompute) * bubble_overhead(
+            layout.schedule, p, microbatches, layout.virtual_stages, backward_over_forward
+        )
 
     # -- communication, by axis -----------------------------------------------------------------
     # All-reduce-sized passes per block: f and g, forward and backward (4); sequence parallelism's

@@ -230,3 +230,17 @@ def test_run_is_refused_for_a_model_this_machine_cannot_train(capsys):
     assert (
         "--run trains on this machine's processes: use --model course-transformer" in capsys.readouterr().err
     )
+
+
+@pytest.mark.parametrize(
+    "schedule, p, m, v",
+    [("gpipe", 2, 4, 1), ("1f1b", 4, 8, 1), ("1f1b", 3, 7, 1), ("interleaved_1f1b", 2, 4, 2)],
+)
+@pytest.mark.parametrize("backward_over_forward", [2.0, 3.0])
+def test_the_planners_bubble_is_the_simulated_schedules_and_equals_the_theory(
+    schedule, p, m, v, backward_over_forward
+):
+    from course_lib.parallel import pipeline
+
+    simulated = cm.bubble_overhead(schedule, p, m, v, backward_over_forward)
+    assert simulated == pytest.approx(pipeline.bubble_overhead_theory(p, m, virtual_stages=v))

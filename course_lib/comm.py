@@ -56,7 +56,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import runtime
+from . import faults, flight_recorder, runtime
 from .errors import UserError
 
 REDUCE_OPS = {
@@ -174,19 +174,38 @@ class CommLog:
         return "\n".join(lines)
 
 
+class _SkippedWork:
+    """The handle of a call a fault skipped: nothing to wait for."""
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
 class _LoggedWork:
     """The handle of an asynchronous call: ``wait()`` also finishes the record (and any post-step)."""
 
-    def __init__(self, work, record: CommRecord, started: float, after: Callable[[], None] | None):
+    def __init__(
+        self, work, record: CommRecord, started: float, after: Callable[[], None] | None, entry=None
+    ):
         self._work, self._record, self._started, self._after = work, record, started, after
+        self._entry = entry  # the flight recorder's, if one runs
         self._done = False
 
     def wait(self) -> bool:
         if not self._done:
-            self._work.wait()
+            try:
+                self._work.wait()
+            except Exception as error:
+                flight_recorder.failed(error)
+                raise
             if self._after is not None:
                 self._after()
             self._record.seconds = time.perf_counter() - self._started
+            if self._entry is not None:
+                self._entry.completed_s = time.time()
             self._done = True
         return True
 
@@ -312,12 +331,22 @@ def _run(
     async_op: bool,
     after: Callable[[], None] | None = None,
     sent_bytes: float | None = None,
+    *,
+    tensor: torch.Tensor | None = None,
+    peer: int | None = None,
+    check_shape: tuple[int, ...] | None = None,
 ):
     """Call ``call()`` (a torch.distributed operation), log it, and finish with ``after`` when complete.
 
     ``sent_bytes``: what this rank sends, when the formula of ``ring_bytes`` does not say it (an
-    all-to-all with uneven pieces).
+    all-to-all with uneven pieces). ``tensor``: the one the ranks' calls must agree on
+    (``_check_same_call``) and the flight recorder describes; ``check_shape``: what of its shape
+    must agree, when not all of it; ``peer``: the other rank of a send or receive.
     """
+    if faults.active():  # a fault on purpose (course_lib.faults): a rank that skips, hangs, dies, lags
+        call = faults.at_collective(op, -1 if op in POINT_TO_POINT else _calls_on.get(group, 0), call)
+        if call is None:  # skipped: as if the line that makes it had not run
+            return _SkippedWork() if async_op else None
     size = runtime.world_size(group=group)
     sent = ring_bytes(op, tensor_bytes, size) if sent_bytes is None else sent_bytes
     sequence = -1  # point to point: each pair has its own order
@@ -325,20 +354,39 @@ def _run(
         sequence = _calls_on.get(group, 0)
         _calls_on[group] = sequence + 1
     record = CommRecord(op, tensor_bytes, sent, size, sequence=sequence)
-    if _active_logs:
+    recorder = flight_recorder.recorder()
+    if _active_logs or recorder is not None:
         record.group_ranks = (
             tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(size))
         )
     for log in _active_logs:
         log.records.append(record)
-    started = time.perf_counter()
-    work = call()
-    if async_op:
-        return _LoggedWork(work, record, started, after)
-    if after is not None:
-        after()
-    record.seconds = time.perf_counter() - started
-    return None
+    entry = None
+    if recorder is not None:
+        entry = recorder.issue(
+            op,
+            sequence=sequence,
+            group_ranks=record.group_ranks,
+            shape=() if tensor is None else tensor.shape,
+            dtype="" if tensor is None else tensor.dtype,
+            peer=peer,
+        )
+    try:
+        if tensor is not None and sequence >= 0:  # a collective itself: its failure is recorded too
+            _check_same_call(op, tensor, group, shape=check_shape)
+        started = time.perf_counter()
+        work = call()
+        if not async_op:
+            if after is not None:
+                after()
+            record.seconds = time.perf_counter() - started
+            if entry is not None:
+                entry.completed_s = time.time()
+            return None
+    except Exception as error:
+        flight_recorder.failed(error)
+        raise
+    return _LoggedWork(work, record, started, after, entry)
 
 
 def _reduce_op(op: str):
@@ -387,7 +435,8 @@ def all_reduce(tensor: torch.Tensor, *, op: str = "sum", group=None, async_op: b
             instead of blocking until the collective is done.
     """
     _check_tensors("all_reduce", tensor=tensor)
-    _check_same_call("all_reduce", tensor, group)
+    if faults.active():  # a fault on purpose may send half of it (course_lib.faults)
+        tensor = faults.resized("all_reduce", _calls_on.get(group, 0), tensor)
     reduce_op, divide = _reduce_op(op), _mean_divider(tensor, op, group)
     return _run(
         "all_reduce",
@@ -396,6 +445,7 @@ def all_reduce(tensor: torch.Tensor, *, op: str = "sum", group=None, async_op: b
         lambda: dist.all_reduce(tensor, op=reduce_op, group=group, async_op=async_op),
         async_op,
         divide,
+        tensor=tensor,
     )
 
 
@@ -431,13 +481,13 @@ def broadcast(tensor: torch.Tensor, *, src: int = 0, group=None, async_op: bool 
             instead of blocking until the collective is done.
     """
     _check_tensors("broadcast", tensor=tensor)
-    _check_same_call("broadcast", tensor, group)
     return _run(
         "broadcast",
         nbytes(tensor),
         group,
         lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op),
         async_op,
+        tensor=tensor,
     )
 
 
@@ -452,13 +502,13 @@ def all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, *, group=
             instead of blocking until the collective is done.
     """
     _check_tensors("all_gather_into_tensor", output=output, tensor=tensor)
-    _check_same_call("all_gather", tensor, group)
     return _run(
         "all_gather",
         nbytes(output),
         group,
         lambda: _all_gather_single(output, tensor, group=group, async_op=async_op),
         async_op,
+        tensor=tensor,
     )
 
 
@@ -473,13 +523,13 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, *, group=N
             instead of blocking until the collective is done.
     """
     _check_tensors("all_gather", tensor_list=tensor_list, tensor=tensor)
-    _check_same_call("all_gather", tensor, group)
     return _run(
         "all_gather",
         sum(nbytes(t) for t in tensor_list),
         group,
         lambda: dist.all_gather(tensor_list, tensor, group=group, async_op=async_op),
         async_op,
+        tensor=tensor,
     )
 
 
@@ -497,7 +547,6 @@ def reduce_scatter_tensor(
             instead of blocking until the collective is done.
     """
     _check_tensors("reduce_scatter_tensor", output=output, tensor=tensor)
-    _check_same_call("reduce_scatter", tensor, group)
     reduce_op, divide = _reduce_op(op), _mean_divider(output, op, group)
     return _run(
         "reduce_scatter",
@@ -506,6 +555,7 @@ def reduce_scatter_tensor(
         lambda: _reduce_scatter_single(output, tensor, op=reduce_op, group=group, async_op=async_op),
         async_op,
         divide,
+        tensor=tensor,
     )
 
 
@@ -528,7 +578,6 @@ def reduce_scatter(
             instead of blocking until the collective is done.
     """
     _check_tensors("reduce_scatter", output=output, tensor_list=tensor_list)
-    _check_same_call("reduce_scatter", output, group, shape=tuple(t.numel() for t in tensor_list))
     reduce_op, divide = _reduce_op(op), _mean_divider(output, op, group)
     return _run(
         "reduce_scatter",
@@ -537,6 +586,8 @@ def reduce_scatter(
         lambda: dist.reduce_scatter(output, tensor_list, op=reduce_op, group=group, async_op=async_op),
         async_op,
         divide,
+        tensor=output,
+        check_shape=tuple(t.numel() for t in tensor_list),
     )
 
 
@@ -552,7 +603,6 @@ def reduce(tensor: torch.Tensor, *, dst: int = 0, op: str = "sum", group=None, a
             instead of blocking until the collective is done.
     """
     _check_tensors("reduce", tensor=tensor)
-    _check_same_call("reduce", tensor, group)
     reduce_op = _reduce_op(op)
     divide = _mean_divider(tensor, op, group) if runtime.rank() == dst else None
     return _run(
@@ -562,6 +612,7 @@ def reduce(tensor: torch.Tensor, *, dst: int = 0, op: str = "sum", group=None, a
         lambda: dist.reduce(tensor, dst=dst, op=reduce_op, group=group, async_op=async_op),
         async_op,
         divide,
+        tensor=tensor,
     )
 
 
@@ -584,7 +635,6 @@ def gather(
             instead of blocking until the collective is done.
     """
     _check_tensors("gather", tensor=tensor, gather_list=gather_list)
-    _check_same_call("gather", tensor, group)
     total = nbytes(tensor) * runtime.world_size(group=group)
     return _run(
         "gather",
@@ -595,6 +645,7 @@ def gather(
         sent_bytes=0.0
         if runtime.rank() == dst
         else ring_bytes("gather", total, runtime.world_size(group=group)),
+        tensor=tensor,
     )
 
 
@@ -617,7 +668,6 @@ def scatter(
             instead of blocking until the collective is done.
     """
     _check_tensors("scatter", tensor=tensor, scatter_list=scatter_list)
-    _check_same_call("scatter", tensor, group)
     total = nbytes(tensor) * runtime.world_size(group=group)
     return _run(
         "scatter",
@@ -628,6 +678,7 @@ def scatter(
         sent_bytes=ring_bytes("scatter", total, runtime.world_size(group=group))
         if runtime.rank() == src
         else 0.0,
+        tensor=tensor,
     )
 
 
@@ -655,7 +706,6 @@ def all_to_all_single(
             instead of blocking until the collective is done.
     """
     _check_tensors("all_to_all_single", output=output, input=input)
-    _check_same_call("all_to_all", input, group, shape=tuple(input.shape[1:]))
     size, rank = runtime.world_size(group=group), runtime.rank(group=group)
     row_bytes = nbytes(input) / max(input.shape[0], 1) if input.dim() else nbytes(input)
     if input_split_sizes is None:
@@ -681,6 +731,8 @@ def all_to_all_single(
         ),
         async_op,
         sent_bytes=sent,
+        tensor=input,
+        check_shape=tuple(input.shape[1:]),
     )
 
 
@@ -705,7 +757,15 @@ def send(tensor: torch.Tensor, dst: int, *, group=None, tag: int = 0) -> None:
         tag: tells apart messages between the same two ranks.
     """
     _check_tensors("send", tensor=tensor)
-    _run("send", nbytes(tensor), group, lambda: dist.send(tensor, dst=dst, group=group, tag=tag), False)
+    _run(
+        "send",
+        nbytes(tensor),
+        group,
+        lambda: dist.send(tensor, dst=dst, group=group, tag=tag),
+        False,
+        tensor=tensor,
+        peer=dst,
+    )
 
 
 def recv(tensor: torch.Tensor, src: int, *, group=None, tag: int = 0) -> None:
@@ -718,7 +778,15 @@ def recv(tensor: torch.Tensor, src: int, *, group=None, tag: int = 0) -> None:
         tag: the sender's tag.
     """
     _check_tensors("recv", tensor=tensor)
-    _run("recv", nbytes(tensor), group, lambda: dist.recv(tensor, src=src, group=group, tag=tag), False)
+    _run(
+        "recv",
+        nbytes(tensor),
+        group,
+        lambda: dist.recv(tensor, src=src, group=group, tag=tag),
+        False,
+        tensor=tensor,
+        peer=src,
+    )
 
 
 def isend(tensor: torch.Tensor, dst: int, *, group=None, tag: int = 0):
@@ -732,7 +800,13 @@ def isend(tensor: torch.Tensor, dst: int, *, group=None, tag: int = 0):
     """
     _check_tensors("isend", tensor=tensor)
     return _run(
-        "send", nbytes(tensor), group, lambda: dist.isend(tensor, dst=dst, group=group, tag=tag), True
+        "send",
+        nbytes(tensor),
+        group,
+        lambda: dist.isend(tensor, dst=dst, group=group, tag=tag),
+        True,
+        tensor=tensor,
+        peer=dst,
     )
 
 
@@ -747,7 +821,13 @@ def irecv(tensor: torch.Tensor, src: int, *, group=None, tag: int = 0):
     """
     _check_tensors("irecv", tensor=tensor)
     return _run(
-        "recv", nbytes(tensor), group, lambda: dist.irecv(tensor, src=src, group=group, tag=tag), True
+        "recv",
+        nbytes(tensor),
+        group,
+        lambda: dist.irecv(tensor, src=src, group=group, tag=tag),
+        True,
+        tensor=tensor,
+        peer=src,
     )
 
 
@@ -793,7 +873,13 @@ def send_recv(
     for log in _active_logs:
         log.records.append(received)
     return _run(
-        "send", nbytes(send_tensor), group, lambda: _AllWork(dist.batch_isend_irecv(operations)), True
+        "send",
+        nbytes(send_tensor),
+        group,
+        lambda: _AllWork(dist.batch_isend_irecv(operations)),
+        True,
+        tensor=send_tensor,
+        peer=dst,
     )
 
 

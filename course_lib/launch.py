@@ -41,7 +41,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from . import runtime
+from . import flight_recorder, runtime
 from .errors import UserError
 
 PROCESSES_PER_CORE_LIMIT = 8
@@ -93,6 +93,7 @@ def _child(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
+    os.environ.setdefault(flight_recorder.RUN_VARIABLE, f"launch-{os.getppid()}-{port}")
     os.environ[CHECK_COLLECTIVES] = "1" if check_collectives else "0"
     exit_code = 0
     try:
@@ -102,6 +103,8 @@ def _child(
         # connecting to it ("Connection closed by peer" in init).
         runtime.barrier()
         result = fn(*args, **kwargs)
+        # before the launcher, which has every result, stops the processes still shutting down
+        flight_recorder.dump("finished: the program ended here")
         try:
             _send(connection, ("ok", result))
         except Exception as error:  # the result could not be pickled
@@ -120,6 +123,14 @@ def _child(
         runtime.shutdown()
         connection.close()
         runtime.flush_and_exit(exit_code)
+
+
+def _ask_for_flight_records(reason: str) -> None:
+    """Before stopping hung ranks: ask each for its flight record, if they keep one; wait a moment."""
+    folder = os.environ.get(flight_recorder.FOLDER_VARIABLE)
+    if folder:
+        flight_recorder.request_dumps(folder, reason)
+        time.sleep(5 * flight_recorder.POLL_S)
 
 
 def _stop(processes: list) -> None:
@@ -186,6 +197,7 @@ def launch(
     backend: str = "gloo",
     timeout_s: float = 300,
     check_collectives: bool = True,
+    collective_timeout_s: float | None = None,
     **kwargs: Any,
 ) -> list:
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` forked processes; return the results in rank order.
@@ -205,6 +217,10 @@ def launch(
         timeout_s: how long the ranks may take, together, before they are stopped.
         check_collectives: check every collective's call across the ranks first (one small
             all-gather each): a mistake is named instead of aborting a process. Pass False to time.
+        collective_timeout_s: how long one collective may wait for the other ranks before it
+            fails on the ranks that wait (None: ``timeout_s``). Shorter than ``timeout_s``, the
+            waiting ranks fail, and write their flight records (``flight_recorder``), before
+            the launcher stops them all.
         kwargs: keyword arguments passed to ``fn`` on every rank.
     """
     from .checks import check_choice, check_int, check_number
@@ -214,6 +230,8 @@ def launch(
     check_int("nprocs", nprocs, minimum=1)
     check_choice("backend", backend, ("gloo", "nccl", "auto"))
     check_number("timeout_s", timeout_s, above=0, maximum=runtime.MAX_TIMEOUT_S)
+    if collective_timeout_s is not None:
+        check_number("collective_timeout_s", collective_timeout_s, above=0, maximum=timeout_s)
     check_process_count(nprocs)
     import torch.distributed as dist
 
@@ -230,7 +248,18 @@ def launch(
         process = context.Process(
             target=_child,
             name=f"rank{rank}",
-            args=(rank, nprocs, port, fn, args, kwargs, send_end, backend, timeout_s, check_collectives),
+            args=(
+                rank,
+                nprocs,
+                port,
+                fn,
+                args,
+                kwargs,
+                send_end,
+                backend,
+                collective_timeout_s or timeout_s,
+                check_collectives,
+            ),
         )
         process.start()
         send_end.close()  # only the child writes; closing our copy lets us see EOF if it dies
@@ -250,6 +279,9 @@ def launch(
             if not ready:
                 if failures:
                     break
+                _ask_for_flight_records(
+                    f"the launcher: ranks {sorted(pending.values())} did not finish in {timeout_s} s"
+                )
                 raise TimeoutError(
                     f"ranks {sorted(pending.values())} of {nprocs} did not finish within {timeout_s} s; they "
                     "were stopped (a rank waiting in a collective that another rank never called?)"

@@ -58,6 +58,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from . import faults, flight_recorder
 from .errors import RendezvousFailed, UserError
 
 DEFAULT_TIMEOUT_S = 300
@@ -438,6 +439,10 @@ def init(
         device = torch.device("cpu")
         torch.set_num_threads(num_threads or cpu_threads_per_rank(env.local_world_size))
 
+    faults.reset()  # a forked process reads COURSE_FAULT afresh, with its own rank
+    folder = os.environ.get(flight_recorder.FOLDER_VARIABLE)
+    if folder:  # before the process group: on GPUs, PyTorch's own recorder reads its variables there
+        flight_recorder.start(folder, rank=env.rank, world_size=env.world_size)
     timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         if env.world_size == 1:
@@ -479,6 +484,9 @@ def shutdown() -> None:
     group still exists, which is the order gloo needs.
     """
     global _process
+    # A rank that ends while others wait says so: its record shows the last collective it made.
+    flight_recorder.dump("finished: the program ended here")
+    flight_recorder.stop()
     gc.collect()
     import torch.distributed as dist
 

@@ -1,0 +1,160 @@
+"""Faults on purpose: one rank misbehaves the way ranks of real jobs do, so that you see the signs.
+
+A hang on a cluster costs hours because it shows nothing: every rank waits, the log stops. Here
+a fault is made on purpose, on laptop processes, and the flight recorder (``flight_recorder``)
+and ``tools.diagnose`` show what it looks like from the outside. Set ``COURSE_FAULT`` (the
+launcher's processes and ``torchrun``'s workers inherit it) to ``KIND:RANK[:AT]``:
+
+==================  =================================================================
+kind                what rank RANK does
+==================  =================================================================
+skip-collective     does not make its collective number AT (on the group where it is #AT)
+wrong-size          makes its all-reduce number AT with half the elements
+hang                stops before its collective number AT and never comes back
+                    (a deadlock in the program, an endless loop, a lock never released)
+kill                dies (SIGKILL) before its collective number AT: nothing is written
+slow                sleeps AT seconds before every collective: a straggler
+==================  =================================================================
+
+The collectives in ``comm`` read the fault at each call (``at_collective``, ``resized``); no
+fault is set, nothing is checked but one variable. The peers see each fault only through
+what the transport does: a wait until the timeout, an error, or (without the course's check of
+every call) a wrong result.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .errors import UserError
+
+VARIABLE = "COURSE_FAULT"
+KINDS = ("skip-collective", "wrong-size", "hang", "kill", "slow")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault: which, on which rank, where (a collective's number, or seconds for ``slow``)."""
+
+    kind: str
+    rank: int
+    at: float
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.rank}:{self.at:g}"
+
+
+def parse(text: str) -> Fault:
+    """Read ``KIND:RANK[:AT]``; refuse anything else in one line that says the format.
+
+    Args:
+        text: the variable's value, e.g. ``"skip-collective:1:5"``.
+    """
+    parts = text.strip().split(":")
+    usage = (
+        f"{VARIABLE}={text!r}: write KIND:RANK:AT with KIND one of {', '.join(KINDS)}, "
+        "e.g. skip-collective:1:5"
+    )
+    if len(parts) != 3 or parts[0] not in KINDS:
+        raise UserError(usage)
+    try:
+        rank, at = int(parts[1]), float(parts[2])
+    except ValueError:
+        raise UserError(usage) from None
+    if rank < 0 or at < 0:
+        raise UserError(f"{usage} (RANK and AT are at least 0)")
+    return Fault(parts[0], rank, at)
+
+
+_fault: Fault | None = None
+_read = False
+_fired: set[str] = set()
+
+
+def current() -> Fault | None:
+    """The fault ``COURSE_FAULT`` names for this process's rank, or None (read once)."""
+    global _fault, _read
+    if not _read:
+        text = os.environ.get(VARIABLE, "")
+        _fault = parse(text) if text else None
+        _read = True
+    return _fault
+
+
+def reset() -> None:
+    """Read ``COURSE_FAULT`` again at the next call (tests change it)."""
+    global _read, _fault
+    _read, _fault = False, None
+    _fired.clear()
+
+
+def active() -> bool:
+    """Whether a fault is set for this rank (one look at the environment)."""
+    fault = current()
+    return fault is not None and fault.rank == _my_rank()
+
+
+def _my_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def at_collective(op: str, sequence: int, call: Callable[[], object]) -> Callable[[], object] | None:
+    """The call a collective makes, changed by this rank's fault (``comm`` asks before every call).
+
+    Returns ``call``, or None when the fault skips it (the collective is not made and takes no
+    number); sleeps first for ``slow``, never returns for ``hang``, ends the process for ``kill``.
+
+    Args:
+        op: the collective's name.
+        sequence: the number it will have on its group (-1 for point to point).
+        call: what it would call.
+    """
+    fault = current()
+    if fault is None or fault.rank != _my_rank():
+        return call
+    if fault.kind == "slow":
+        time.sleep(fault.at)
+        return call
+    if sequence != int(fault.at) or fault.kind in _fired or fault.kind == "wrong-size":
+        return call
+    _fired.add(fault.kind)
+    if fault.kind == "skip-collective":
+        return None
+    if fault.kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fault.kind == "hang":
+        forever = threading.Event()
+        while not forever.wait(3600):  # asleep in Python: the recorder's watcher still runs
+            pass
+    return call
+
+
+def resized(op: str, sequence: int, tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor an all-reduce sends: half of it under a ``wrong-size`` fault at this number.
+
+    Args:
+        op: the collective's name.
+        sequence: the number the call will have on its group.
+        tensor: what it would send.
+    """
+    fault = current()
+    if (
+        fault is None
+        or fault.kind != "wrong-size"
+        or fault.rank != _my_rank()
+        or op != "all_reduce"
+        or sequence != int(fault.at)
+        or "wrong-size" in _fired
+    ):
+        return tensor
+    _fired.add("wrong-size")
+    return tensor.reshape(-1)[: max(1, tensor.numel() // 2)]

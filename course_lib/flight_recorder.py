@@ -1,0 +1,289 @@
+"""Which rank hung, and where: a flight recorder of the collectives every rank made.
+
+A hung job shows nothing: every rank waits in a collective, or one rank does something else, and
+the log stops. The question is always the same: which rank did not arrive, and what was it
+doing instead? A flight recorder answers it. Each rank keeps its last K collectives in a ring
+buffer (cheap: one small record per call), each with its number on its process group (the
+same on every rank: the n-th collective of a group must be the same call everywhere), the
+operation, the tensor's shape and dtype, the group's ranks, whether it completed, its times, and
+the line of Python that made it. When something goes wrong, every rank writes its buffer to a
+folder, and ``tools.diagnose`` reads them side by side: the rank that never reached collective
+#n, ranks that made different calls at the same #n, a rank that left no record.
+
+When a rank writes (``dump``):
+
+- a collective fails (gloo's or NCCL's timeout, a peer that went away): that rank writes, and
+  asks all the others to (a request file in the folder, which a watcher thread on each rank
+  polls, as PyTorch's recorder asks through its store), so that the rank stuck elsewhere (in a
+  loop, asleep, in another collective) says where it is too: its main thread's stack;
+- the process receives ``SIGUSR2`` (``kill -USR2 PID``, or ``scancel --signal=USR2`` on Slurm);
+- the program calls ``dump(reason)``.
+
+On GPUs, PyTorch keeps the same record inside ProcessGroupNCCL (every NCCL call, also those the
+course's ``comm`` does not make, e.g. FSDP2's). ``start`` switches it on before the process group
+exists: ``TORCH_FR_BUFFER_SIZE`` (entries kept), ``TORCH_NCCL_DUMP_ON_TIMEOUT=1`` (dump
+when the watchdog sees a timeout) and ``TORCH_FR_DUMP_TEMP_FILE`` (the files' prefix, in the same
+folder), and ``tools.diagnose`` reads those dumps too (PyTorch's own reader is
+``python -m torch.distributed.flight_recorder.fr_trace``).
+
+Cost: one record per collective and one walk up the caller's frames, a few microseconds beside a
+collective's tens of microseconds at least; off unless ``start`` is called (``--flight-recorder
+DIR`` on the trainer, or ``COURSE_FLIGHT_RECORDER=DIR``, which ``runtime.init`` reads).
+
+Reference: PyTorch's flight recorder (docs: "Flight Recorder for Debugging Stuck Jobs";
+``torch.distributed.flight_recorder``), which this lesson follows in what it records.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .errors import UserError
+
+FOLDER_VARIABLE = "COURSE_FLIGHT_RECORDER"
+"""The folder every rank writes its record to; set, ``runtime.init`` starts the recorder."""
+RUN_VARIABLE = "COURSE_RUN_ID"
+"""A name every rank of one run shares (the launcher sets it), written into each record."""
+FORMAT = "course-flight-recorder/1"
+REQUEST = "DUMP_REQUESTED"
+"""The file a rank writes to ask every other rank of the folder to dump (its text: the reason)."""
+DEFAULT_CAPACITY = 256
+PYTORCH_PREFIX = "nccl_trace_rank_"
+"""PyTorch's dumps in the folder: this prefix and the rank (a pickle, read by ``tools.diagnose``)."""
+POLL_S = 0.2
+
+
+@dataclass
+class Entry:
+    """One collective as this rank made it."""
+
+    sequence: int  # its number on its group, from 0, the same on every rank (-1: point to point)
+    op: str
+    group_ranks: tuple[int, ...]
+    shape: tuple[int, ...]
+    dtype: str
+    issued_s: float  # time.time() when called
+    completed_s: float | None = None  # None: not completed (still waiting, or failed)
+    caller: str = ""  # "file.py:123 in function", the first frame outside the course's comm
+    peer: int | None = None  # point to point: the other rank
+
+    @property
+    def state(self) -> str:
+        return "completed" if self.completed_s is not None else "issued"
+
+
+class Recorder:
+    """The last ``capacity`` collectives of this process, oldest first.
+
+    Args:
+        folder: where ``dump`` writes ``rank-<r>.json`` (created if missing).
+        capacity: how many entries are kept (older ones are forgotten).
+        rank: this process's global rank.
+        world_size: the ranks of the job.
+        run_id: a name every rank of the run shares.
+    """
+
+    def __init__(self, folder: Path, *, capacity: int, rank: int, world_size: int, run_id: str):
+        self.folder, self.rank, self.world_size, self.run_id = Path(folder), rank, world_size, run_id
+        self.entries: collections.deque[Entry] = collections.deque(maxlen=capacity)
+        self.dumped: str | None = None  # the reason of the dump this rank wrote, if any
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+
+    def issue(self, op: str, *, sequence: int, group_ranks, shape, dtype, peer: int | None = None) -> Entry:
+        entry = Entry(
+            sequence=sequence,
+            op=op,
+            group_ranks=tuple(group_ranks),
+            shape=tuple(shape),
+            dtype=str(dtype).removeprefix("torch."),
+            issued_s=time.time(),
+            caller=_caller(),
+            peer=peer,
+        )
+        with self._lock:
+            self.entries.append(entry)
+        return entry
+
+    def dump(self, reason: str) -> Path:
+        """Write this rank's record (once: the first reason is kept), atomically; return its path."""
+        path = self.folder / f"rank-{self.rank}.json"
+        with self._lock:
+            if self.dumped is not None:
+                return path
+            self.dumped = reason
+            record = {
+                "format": FORMAT,
+                "run_id": self.run_id,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "reason": reason,
+                "written_s": time.time(),
+                "where": _main_thread_stack(),
+                "entries": [asdict(e) | {"state": e.state} for e in self.entries],
+            }
+        self.folder.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".json.partial")
+        partial.write_text(json.dumps(record, indent=1) + "\n")
+        os.replace(partial, path)  # a reader sees the whole record or none
+        return path
+
+    def request_everyone(self, reason: str) -> None:
+        """Ask every rank that records into this folder to dump (each one's watcher sees the file)."""
+        request_dumps(self.folder, f"rank {self.rank}: {reason}")
+
+    def _watch(self) -> None:
+        request = self.folder / REQUEST
+        while not self._stop.wait(POLL_S):
+            if self.dumped is None and request.exists():
+                try:
+                    asked = request.read_text().strip()
+                except OSError:
+                    continue
+                self.dump(f"asked by {asked}")
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def request_dumps(folder: str | os.PathLike, reason: str) -> None:
+    """Ask every rank recording into ``folder`` to write its record (the first request stays).
+
+    Args:
+        folder: the recorders' folder.
+        reason: who asks, and why.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    request = folder / REQUEST
+    if not request.exists():
+        partial = folder / f"{REQUEST}.{os.getpid()}.partial"
+        partial.write_text(reason + "\n")
+        os.replace(partial, request)
+
+
+_recorder: Recorder | None = None
+
+
+def recorder() -> Recorder | None:
+    """This process's recorder, or None when none was started."""
+    return _recorder
+
+
+def start(
+    folder: str | os.PathLike,
+    *,
+    rank: int,
+    world_size: int,
+    capacity: int = DEFAULT_CAPACITY,
+    run_id: str | None = None,
+) -> Recorder:
+    """Record this process's collectives from now on, for a dump into ``folder``.
+
+    Call it before the process group exists (``runtime.init`` does, when
+    ``COURSE_FLIGHT_RECORDER`` is set), so that on GPUs PyTorch's own recorder is on too.
+
+    Args:
+        folder: where every rank writes ``rank-<r>.json`` (and PyTorch ``nccl_trace_rank_<r>``).
+        rank: this process's global rank.
+        world_size: the ranks of the job.
+        capacity: collectives kept per rank (the last ones).
+        run_id: a name every rank of the run shares (None: ``COURSE_RUN_ID``, torchrun's run id or
+            Slurm's job id, else "unnamed").
+    """
+    global _recorder
+    if capacity < 1:
+        raise UserError(f"the flight recorder's capacity must be at least 1 entry, got {capacity}")
+    folder = Path(folder).resolve()
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"the flight recorder's folder {folder} is a file: give a folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    if _recorder is not None:
+        _recorder.stop()
+    run_id = run_id or next(
+        (os.environ[v] for v in (RUN_VARIABLE, "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID") if os.environ.get(v)),
+        "unnamed",
+    )
+    _recorder = Recorder(folder, capacity=capacity, rank=rank, world_size=world_size, run_id=run_id)
+    # PyTorch's recorder inside ProcessGroupNCCL, read when the NCCL process group is made.
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(max(capacity, 2000)))
+    os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(folder / PYTORCH_PREFIX))
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    threading.Thread(target=_recorder._watch, name="flight-recorder", daemon=True).start()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGUSR2, lambda signum, frame: dump("SIGUSR2"))
+    return _recorder
+
+
+def stop() -> None:
+    """Stop recording (the entries are forgotten)."""
+    global _recorder
+    if _recorder is not None:
+        _recorder.stop()
+    _recorder = None
+
+
+def dump(reason: str) -> Path | None:
+    """Write this rank's record now, if a recorder runs; return its path.
+
+    Args:
+        reason: why, in a few words (it heads the record).
+    """
+    return None if _recorder is None else _recorder.dump(reason)
+
+
+def failed(error: BaseException) -> None:
+    """A collective raised: write this rank's record and ask every other rank for theirs."""
+    if _recorder is None:
+        return
+    reason = f"a collective failed: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
+    _recorder.dump(reason)
+    _recorder.request_everyone(reason)
+
+
+_COMM_FILES = (os.path.join("course_lib", "comm.py"), os.path.join("course_lib", "flight_recorder.py"))
+_PLUMBING = (*_COMM_FILES, os.path.join("course_lib", "faults.py"), "threading.py")
+"""Frames a stack leaves out: the collectives' own, the fault injector's, a thread's wait."""
+
+
+def _caller() -> str:
+    """The first frame outside the course's collectives: the line of the lesson or script that called."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.endswith(_COMM_FILES):
+        frame = frame.f_back
+    if frame is None:
+        return "?"
+    return f"{_short(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+def _short(filename: str) -> str:
+    """A path without the machine's folders: from the package or script on."""
+    parts = Path(filename).parts
+    for anchor in ("course_lib", "labs", "notebooks", "slurm", "tests"):
+        if anchor in parts:
+            return str(Path(*parts[parts.index(anchor) :]))
+    return Path(filename).name
+
+
+def _main_thread_stack() -> list[str]:
+    """Where the main thread is now, innermost last, as "file:line in function"."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return []
+    return [
+        f"{_short(summary.filename)}:{summary.lineno} in {summary.name}"
+        for summary in traceback.extract_stack(frame)
+        if not summary.filename.endswith(_PLUMBING)
+    ]

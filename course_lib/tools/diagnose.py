@@ -1,0 +1,334 @@
+"""Name why a run hung or broke, from the flight records its ranks wrote.
+
+    python -m course_lib.tools.diagnose DIR
+
+``DIR`` holds one ``rank-<r>.json`` per rank (``flight_recorder``: the trainer's
+``--flight-recorder DIR``, or ``COURSE_FLIGHT_RECORDER=DIR``) and, from a GPU run, PyTorch's own
+dumps (``nccl_trace_rank_<r>``). The records are merged per process group, collective by
+collective (the n-th collective of a group must be the same call on every member), and the first
+cause found is printed on one line, then the evidence:
+
+- a rank that left no record (it died: killed, out of memory, a crash in native code);
+- ranks that made different calls, or the same call with different sizes, at the same number;
+- a rank that never reached collective #n of a group that the others waited in, and where it
+  was instead (the collective it waited in, or its main thread's stack);
+- the last collective every rank completed.
+
+Exit status 0 with "no problem found" when every rank completed the same collectives; 1 when a
+cause is named; 2 when the folder cannot be read (no records, records of different runs, a
+truncated record), with one line that says which.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import UserError
+from ..flight_recorder import FORMAT, PYTORCH_PREFIX
+
+
+@dataclass
+class RankRecord:
+    """What one rank wrote: its entries (oldest first), why it wrote, and where it was."""
+
+    rank: int
+    world_size: int
+    run_id: str
+    reason: str
+    where: list[str]
+    entries: list[dict]
+    source: str  # the file it came from
+
+
+@dataclass
+class Diagnosis:
+    """The cause in one line, the evidence, and whether anything is wrong."""
+
+    cause: str
+    evidence: list[str] = field(default_factory=list)
+    problem: bool = True
+
+    def text(self) -> str:
+        return "\n".join([self.cause, *(f"  {line}" for line in self.evidence)])
+
+
+def load(folder: str | Path) -> dict[int, RankRecord]:
+    """Every rank's record in ``folder``: the course's and, where present, PyTorch's NCCL dumps.
+
+    Args:
+        folder: where the ranks wrote them.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UserError(f"{folder} is not a folder: give the folder the ranks wrote their flight records to")
+    records: dict[int, RankRecord] = {}
+    for path in sorted(folder.glob("rank-*.json")):
+        record = _read_course_record(path)
+        records[record.rank] = record
+    for path in sorted(folder.glob(f"{PYTORCH_PREFIX}*")):
+        if path.suffix in ("", ".pkl") and path.name[len(PYTORCH_PREFIX) :].split(".")[0].isdigit():
+            record = _read_pytorch_dump(path)
+            records.setdefault(record.rank, record)  # the course's record, where both are, says more
+    if not records:
+        raise UserError(
+            f"{folder} holds no flight records (rank-<r>.json): run with --flight-recorder {folder} "
+            f"(or COURSE_FLIGHT_RECORDER={folder}) and look again after the run stops"
+        )
+    runs = {record.run_id for record in records.values() if record.run_id}
+    if len(runs) > 1:
+        raise UserError(
+            f"{folder} holds records of different runs ({', '.join(sorted(runs))}): give one run's folder, "
+            "or empty it before the next run"
+        )
+    return records
+
+
+def _read_course_record(path: Path) -> RankRecord:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise UserError(f"{path} is not a complete flight record (truncated, or not one): {error}") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise UserError(f"{path} is not a course flight record (its format is not {FORMAT})")
+    try:
+        return RankRecord(
+            rank=int(data["rank"]),
+            world_size=int(data["world_size"]),
+            run_id=str(data["run_id"]),
+            reason=str(data["reason"]),
+            where=list(data["where"]),
+            entries=[
+                dict(e, group_ranks=tuple(e["group_ranks"]), shape=tuple(e["shape"])) for e in data["entries"]
+            ],
+            source=path.name,
+        )
+    except (KeyError, TypeError, ValueError) as error:
+        raise UserError(f"{path} is not a complete flight record: {error!r} is missing or wrong") from None
+
+
+def _read_pytorch_dump(path: Path) -> RankRecord:
+    """One of PyTorch's NCCL flight-recorder dumps, as the course's entries."""
+    try:
+        with path.open("rb") as file:
+            dump = pickle.load(file)
+        groups = {uid: tuple(json.loads(str(c["ranks"]))) for uid, c in dump.get("pg_config", {}).items()}
+        entries = []
+        for raw in dump["entries"]:
+            group = groups.get(str(raw["process_group"][0]), ())
+            frames = raw.get("frames") or []
+            caller = f"{frames[0]['filename']}:{frames[0]['line']} in {frames[0]['name']}" if frames else ""
+            sizes = raw.get("input_sizes") or [[]]
+            dtypes = raw.get("input_dtypes") or [""]
+            entries.append(
+                {
+                    "sequence": int(raw.get("collective_seq_id", -1)) - 1,  # PyTorch counts from 1
+                    "op": str(raw["profiling_name"]).split(":")[-1],
+                    "group_ranks": group,
+                    "shape": tuple(sizes[0]) if sizes else (),
+                    "dtype": str(dtypes[0]).lower() if dtypes else "",
+                    "issued_s": raw.get("time_created_ns", 0) / 1e9,
+                    "completed_s": None
+                    if raw.get("state") != "completed"
+                    else raw.get("time_created_ns", 0) / 1e9,
+                    "caller": caller,
+                    "peer": None,
+                    "state": "completed" if raw.get("state") == "completed" else "issued",
+                }
+            )
+    except Exception as error:  # noqa: BLE001 (a pickle fails in many ways; each means the same)
+        raise UserError(f"{path} is not a complete PyTorch flight-recorder dump: {error!r}") from None
+    rank = int(path.name[len(PYTORCH_PREFIX) :].split(".")[0])
+    return RankRecord(rank, 0, "", "PyTorch's dump", [], entries, path.name)
+
+
+def _describe(entry: dict) -> str:
+    shape = "x".join(str(d) for d in entry["shape"]) or "scalar"
+    return f"{entry['op']} of {entry['dtype'] or '?'} [{shape}]"
+
+
+def _group_name(ranks: tuple[int, ...]) -> str:
+    return f"group ({', '.join(map(str, ranks))})"
+
+
+def diagnose(records: dict[int, RankRecord]) -> Diagnosis:
+    """The first cause the records show, and its evidence.
+
+    Args:
+        records: what ``load`` returned.
+    """
+    world = max([r.world_size for r in records.values()] + [max(records) + 1])
+    missing = [rank for rank in range(world) if rank not in records]
+    # per group: {rank: {sequence: entry}}; the point-to-point calls (-1) have no common number
+    by_group: dict[tuple[int, ...], dict[int, dict[int, dict]]] = defaultdict(lambda: defaultdict(dict))
+    for record in records.values():
+        for entry in record.entries:
+            if entry["sequence"] >= 0:
+                by_group[entry["group_ranks"]][record.rank][entry["sequence"]] = entry
+
+    if missing:
+        waiting = _waiting(records)
+        return Diagnosis(
+            f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} left no record: "
+            f"{'they' if len(missing) > 1 else 'it'} died before the others stopped (killed, out of memory, "
+            "or a crash in native code): look at its log's last lines",
+            [f"rank {rank} was waiting in {text}" for rank, text in waiting.items()]
+            + [f"records: {', '.join(str(r) for r in sorted(records))} of {world} ranks"],
+        )
+
+    for group, ranks in sorted(by_group.items()):
+        present = [rank for rank in group if rank in ranks]
+        shared = sorted(set.intersection(*(set(ranks[rank]) for rank in present))) if present else []
+        for sequence in shared:
+            calls = {rank: ranks[rank][sequence] for rank in present}
+            kinds = {(e["op"], e["dtype"], e["shape"]) for e in calls.values()}
+            if len(kinds) > 1:
+                ops = {e["op"] for e in calls.values()}
+                what = "different collectives" if len(ops) > 1 else "the same collective with different sizes"
+                odd = _odd_one_out(calls, lambda e: (e["op"], e["dtype"], e["shape"]))
+                return Diagnosis(
+                    f"{_group_name(group)}, collective #{sequence}: the ranks made {what}"
+                    + (f"; rank {odd} is the odd one" if odd is not None else ""),
+                    [f"rank {rank}: {_describe(e)} at {e['caller']}" for rank, e in sorted(calls.items())]
+                    + _last_common(by_group),
+                )
+
+    for group, ranks in sorted(by_group.items()):  # the same call from different lines: one skipped one
+        present = [rank for rank in group if rank in ranks]
+        shared = sorted(set.intersection(*(set(ranks[rank]) for rank in present))) if present else []
+        for sequence in shared:
+            calls = {rank: ranks[rank][sequence] for rank in present}
+            if len({e["caller"] for e in calls.values()}) > 1:
+                odd = _odd_one_out(calls, lambda e: e["caller"])
+                return Diagnosis(
+                    f"{_group_name(group)}, collective #{sequence}: the ranks made it from different lines: "
+                    "one rank skipped a collective, or made one more, before it"
+                    + (f" (rank {odd}, the odd one)" if odd is not None else ""),
+                    [f"rank {rank}: {_describe(e)} at {e['caller']}" for rank, e in sorted(calls.items())]
+                    + _last_common(by_group),
+                )
+
+    for group, ranks in sorted(by_group.items()):
+        reached = {rank: max(ranks[rank], default=-1) if rank in ranks else -1 for rank in group}
+        furthest = max(reached.values())
+        behind = [rank for rank, last in reached.items() if last < furthest]
+        if not behind:
+            continue
+        ahead = [rank for rank in group if reached[rank] == furthest]
+        entry = ranks[ahead[0]][furthest]
+        evidence = [
+            f"ranks {', '.join(map(str, ahead))} called it: {_describe(entry)} at {entry['caller']}"
+            + ("" if entry["state"] == "completed" else ", and waited")
+        ]
+        for rank in behind:
+            evidence.append(f"rank {rank} was instead {_where(records[rank])}")
+        return Diagnosis(
+            f"rank{'s' if len(behind) > 1 else ''} {', '.join(map(str, behind))} never reached collective "
+            f"#{furthest} of {_group_name(group)} ({entry['op']}), which rank{'s' if len(ahead) > 1 else ''} "
+            f"{', '.join(map(str, ahead))} waited in",
+            evidence + _last_common(by_group),
+        )
+
+    stuck = {rank: text for rank, text in _waiting(records).items()}
+    if stuck:
+        return Diagnosis(
+            "every rank reached the same collectives, but some never completed: the transport failed "
+            "(a network or GPU fault: look at the ranks' logs and NCCL's)",
+            [f"rank {rank} waited in {text}" for rank, text in stuck.items()] + _last_common(by_group),
+        )
+    return Diagnosis(
+        "no problem found: every rank completed the same collectives", _last_common(by_group), False
+    )
+
+
+def _odd_one_out(calls: dict[int, dict], key) -> int | None:
+    """The one rank whose call differs from all the others' (None: no majority to differ from)."""
+    counts = defaultdict(list)
+    for rank, entry in calls.items():
+        counts[key(entry)].append(rank)
+    if len(calls) > 2 and len(counts) == 2:
+        singles = [ranks[0] for ranks in counts.values() if len(ranks) == 1]
+        return singles[0] if singles else None
+    return None
+
+
+def _waiting(records: dict[int, RankRecord]) -> dict[int, str]:
+    """Each rank whose last entry did not complete: what it waited in."""
+    waiting = {}
+    for rank, record in sorted(records.items()):
+        if record.entries and record.entries[-1]["state"] != "completed":
+            entry = record.entries[-1]
+            number = (
+                f"#{entry['sequence']} of {_group_name(entry['group_ranks'])}"
+                if entry["sequence"] >= 0
+                else ""
+            )
+            waiting[rank] = f"{_describe(entry)} {number} at {entry['caller']}".replace("  ", " ")
+    return waiting
+
+
+def _where(record: RankRecord) -> str:
+    """Where a rank was when it wrote: the collective it waited in, or its main thread's innermost lines."""
+    if record.entries and record.entries[-1]["state"] != "completed":
+        entry = record.entries[-1]
+        number = f"#{entry['sequence']} of {_group_name(entry['group_ranks'])}"
+        return f"waiting in {_describe(entry)} ({number}) at {entry['caller']}"
+    if record.reason.startswith("finished"):
+        last = next((e for e in reversed(record.entries) if e["sequence"] >= 0), None)
+        made = f"; its last was {_describe(last)} at {last['caller']}" if last else ""
+        return f"finished: its program ended without making it{made}"
+    if record.where:
+        return "at " + " <- ".join(reversed(record.where[-3:]))
+    return "somewhere its record does not say (no stack)"
+
+
+def _last_common(by_group) -> list[str]:
+    lines = []
+    for group, ranks in sorted(by_group.items()):
+        if set(ranks) != set(group):
+            continue
+        done = [{s for s, e in ranks[rank].items() if e["state"] == "completed"} for rank in group]
+        common = set.intersection(*done) if done else set()
+        if common:
+            last = max(common)
+            lines.append(
+                f"last collective every rank of {_group_name(group)} completed: #{last} "
+                f"({_describe(ranks[group[0]][last])} at {ranks[group[0]][last]['caller']})"
+            )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m course_lib.tools.diagnose",
+        description="Name why a run hung or broke, from the flight records its ranks wrote.",
+    )
+    parser.add_argument("folder", type=Path, help="where the ranks wrote rank-<r>.json (--flight-recorder)")
+    parser.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
+    args = parser.parse_args(argv)
+    try:
+        records = load(args.folder)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    found = diagnose(records)
+    if args.json:
+        print(
+            json.dumps({"cause": found.cause, "evidence": found.evidence, "problem": found.problem}, indent=1)
+        )
+    else:
+        reasons = "; ".join(
+            f"rank {r.rank}: {r.reason}" for r in sorted(records.values(), key=lambda r: r.rank)
+        )
+        print(found.text())
+        print(f"  (why each rank wrote: {reasons})")
+    return 1 if found.problem else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""Faults on purpose, on real processes: no rank waits past the timeout, and the diagnosis names
+the rank and the cause from the flight records the ranks wrote."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from course_lib import comm, faults, flight_recorder
+from course_lib.errors import UserError
+from course_lib.launch import launch
+from course_lib.tools import diagnose
+
+COLLECTIVE_TIMEOUT_S = 4
+
+
+def _train_a_little(steps: int = 4) -> bool:
+    """Three collectives a step: the weight's and the bias's gradients, then a progress count."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    for step in range(steps):
+        model(torch.randn(4, 5)).sum().backward()
+        for param in model.parameters():
+            comm.all_reduce(param.grad, op="mean")  # the gradients' line
+        comm.all_reduce(torch.tensor([float(step)]))  # the progress line
+    return True
+
+
+def _run(folder, monkeypatch, fault: str | None, world_size: int = 3):
+    """Launch the little training with ``fault``; return (what launch raised or None, seconds)."""
+    monkeypatch.setenv(flight_recorder.FOLDER_VARIABLE, str(folder))
+    if fault:
+        monkeypatch.setenv(faults.VARIABLE, fault)
+    else:
+        monkeypatch.delenv(faults.VARIABLE, raising=False)
+    started = time.monotonic()
+    try:
+        launch(_train_a_little, world_size, timeout_s=60, collective_timeout_s=COLLECTIVE_TIMEOUT_S)
+    except Exception as error:  # noqa: BLE001 (each fault fails its own way; the diagnosis is the test)
+        return error, time.monotonic() - started
+    return None, time.monotonic() - started
+
+
+def _diagnosis(folder, capsys) -> tuple[int, str]:
+    status = diagnose.main([str(folder)])
+    return status, capsys.readouterr().out
+
+
+def test_a_run_without_fault_is_found_without_problem(tmp_path, monkeypatch, capsys):
+    error, _ = _run(tmp_path, monkeypatch, None)
+    assert error is None
+    status, out = _diagnosis(tmp_path, capsys)
+    assert status == 0 and out.startswith("no problem found"), out
+    assert "completed: #11" in out  # 4 steps of 3 collectives: #0 to #11
+    record = json.loads((tmp_path / "rank-2.json").read_text())
+    assert record["reason"].startswith("finished") and len(record["entries"]) == 12
+    assert record["entries"][0]["caller"].startswith("tests/test_flight_recorder.py:")
+
+
+def test_a_skipped_collective_is_named_with_both_lines(tmp_path, monkeypatch, capsys):
+    error, _ = _run(tmp_path, monkeypatch, "skip-collective:1:4")  # rank 1 skips step 1's bias gradient
+    assert isinstance(error, UserError) and "different calls" in str(error)
+    status, out = _diagnosis(tmp_path, capsys)
+    first = out.splitlines()[0]
+    assert status == 1
+    assert "collective #4" in first and "different sizes" in first and "rank 1 is the odd one" in first, out
+    assert "rank 1: all_reduce of float32 [1]" in out and "rank 0: all_reduce of float32 [3]" in out
+
+
+def test_a_different_size_is_named(tmp_path, monkeypatch, capsys):
+    error, _ = _run(tmp_path, monkeypatch, "wrong-size:2:3")  # rank 2 sends half of step 1's weight gradient
+    assert isinstance(error, UserError)
+    status, out = _diagnosis(tmp_path, capsys)
+    first = out.splitlines()[0]
+    assert status == 1 and "collective #3" in first and "rank 2 is the odd one" in first, out
+    assert "rank 2: all_reduce of float32 [7]" in out and "rank 0: all_reduce of float32 [3x5]" in out
+
+
+def test_a_hung_rank_is_named_with_where_it_was(tmp_path, monkeypatch, capsys):
+    error, seconds = _run(tmp_path, monkeypatch, "hang:1:4")
+    assert error is not None and seconds < COLLECTIVE_TIMEOUT_S + 20  # nobody waits for the launch's 60 s
+    status, out = _diagnosis(tmp_path, capsys)
+    first = out.splitlines()[0]
+    assert status == 1
+    assert first.startswith("rank 1 never reached collective #4 of group (0, 1, 2) (all_reduce)"), out
+    assert "ranks 0, 2 waited in" in first
+    assert "rank 1 was instead at tests/test_flight_recorder.py:" in out and "_train_a_little" in out
+
+
+def test_a_killed_rank_is_named(tmp_path, monkeypatch, capsys):
+    error, seconds = _run(tmp_path, monkeypatch, "kill:2:5")
+    assert error is not None and seconds < COLLECTIVE_TIMEOUT_S + 20
+    status, out = _diagnosis(tmp_path, capsys)
+    assert status == 1 and out.startswith("rank 2 left no record: it died"), out
+    assert not (tmp_path / "rank-2.json").exists() and (tmp_path / "rank-0.json").exists()
+
+
+def test_a_rank_that_ended_early_is_named(tmp_path, monkeypatch, capsys):
+    """Rank 0 makes one step fewer: the others wait in the last step's first collective."""
+    monkeypatch.setenv(flight_recorder.FOLDER_VARIABLE, str(tmp_path))
+    monkeypatch.delenv(faults.VARIABLE, raising=False)
+    with pytest.raises(Exception):  # noqa: B017 (a timeout on the waiting ranks; its kind is gloo's)
+        launch(_fewer_steps_on_rank_0, 3, timeout_s=60, collective_timeout_s=COLLECTIVE_TIMEOUT_S)
+    status, out = _diagnosis(tmp_path, capsys)
+    assert status == 1 and out.startswith("rank 0 never reached collective #9"), out
+    assert "rank 0 was instead finished: its program ended without making it" in out
+
+
+def _fewer_steps_on_rank_0() -> bool:
+    import torch.distributed as dist
+
+    return _train_a_little(steps=3 if dist.get_rank() == 0 else 4)
+
+
+# -- bad input: one line each ------------------------------------------------------------------
+
+
+def test_a_folder_without_records_says_how_to_make_them(tmp_path, capsys):
+    assert diagnose.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "holds no flight records" in err and "--flight-recorder" in err
+
+
+def _record(rank: int, run_id: str = "run-a", **changes) -> dict:
+    return {
+        "format": flight_recorder.FORMAT,
+        "run_id": run_id,
+        "rank": rank,
+        "world_size": 2,
+        "host": "h",
+        "pid": 1,
+        "reason": "finished",
+        "written_s": 0.0,
+        "where": [],
+        "entries": [],
+    } | changes
+
+
+def test_records_of_different_runs_are_refused(tmp_path, capsys):
+    (tmp_path / "rank-0.json").write_text(json.dumps(_record(0, "run-a")))
+    (tmp_path / "rank-1.json").write_text(json.dumps(_record(1, "run-b")))
+    assert diagnose.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "different runs (run-a, run-b)" in err
+
+
+def test_a_truncated_record_is_refused(tmp_path, capsys):
+    text = json.dumps(_record(0))
+    (tmp_path / "rank-0.json").write_text(text[: len(text) // 2])
+    assert diagnose.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "rank-0.json is not a complete flight record" in err
+
+
+def test_a_bad_fault_says_the_format():
+    with pytest.raises(UserError, match="write KIND:RANK:AT with KIND one of skip-collective"):
+        faults.parse("skip:1")
+
+
+def test_pytorchs_own_dump_is_read_as_the_same_entries(tmp_path):
+    """A dump in the layout PyTorch's ProcessGroupNCCL writes (``torch.distributed.flight_recorder``)."""
+    import pickle
+
+    def entry(sequence, state):
+        return {
+            "collective_seq_id": sequence,
+            "profiling_name": "nccl:all_reduce",
+            "process_group": ("0", "default_pg"),
+            "input_sizes": [[3, 5]],
+            "input_dtypes": ["Float"],
+            "state": state,
+            "time_created_ns": 1,
+            "frames": [{"filename": "train.py", "line": 7, "name": "step"}],
+        }
+
+    for rank, last in ((0, "started"), (1, None)):
+        entries = [entry(1, "completed")] + ([entry(2, last)] if last else [])
+        dump = {
+            "version": "2.10",
+            "pg_config": {"0": {"desc": "default_pg", "ranks": "[0, 1]"}},
+            "entries": entries,
+        }
+        (tmp_path / f"{flight_recorder.PYTORCH_PREFIX}{rank}").write_bytes(pickle.dumps(dump))
+    found = diagnose.diagnose(diagnose.load(tmp_path))
+    assert found.cause.startswith("rank 1 never reached collective #1 of group (0, 1) (all_reduce)"), (
+        found.text()
+    )
+    assert "train.py:7 in step" in found.text()

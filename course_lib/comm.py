@@ -80,6 +80,7 @@ class CommRecord:
     seconds: float | None = None  # launch to completion (async: until wait() returned)
     group_ranks: tuple[int, ...] = ()  # the global ranks of the group
     sequence: int = 0  # this collective's number on its group, from 0, the same on every rank (-1: p2p)
+    issued_s: float = 0.0  # when this rank called it (time.time(): one clock for the ranks of a machine)
 
 
 def ring_bytes(op: str, tensor_bytes: int, group_size: int) -> float:
@@ -353,7 +354,7 @@ def _run(
     if op not in POINT_TO_POINT:
         sequence = _calls_on.get(group, 0)
         _calls_on[group] = sequence + 1
-    record = CommRecord(op, tensor_bytes, sent, size, sequence=sequence)
+    record = CommRecord(op, tensor_bytes, sent, size, sequence=sequence, issued_s=time.time())
     recorder = flight_recorder.recorder()
     if _active_logs or recorder is not None:
         record.group_ranks = (

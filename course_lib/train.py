@@ -32,7 +32,7 @@ import sys
 import time
 import traceback
 
-from . import checks, runtime
+from . import checks, flight_recorder, runtime
 from .data import DATASETS
 from .errors import (
     EXIT_CRASH,
@@ -163,6 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     out.add_argument("--profile-steps", type=int, default=3, help="steps --profile records")
     out.add_argument(
+        "--straggler-report",
+        metavar="FILE",
+        default=None,
+        help="one JSON line per step: each rank's lateness at the collectives and the slowest rank "
+        "(needs --impl course); plot it with python -m course_lib.tools.stragglers FILE --plot OUT.png",
+    )
+    out.add_argument(
         "--no-progress",
         dest="progress",
         action="store_false",
@@ -185,6 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=runtime.DEFAULT_TIMEOUT_S,
         help="seconds a rank waits for the others before giving up",
+    )
+    system.add_argument(
+        "--flight-recorder",
+        metavar="DIR",
+        default=None,
+        help="every rank keeps its last collectives and writes them to DIR when one fails, on SIGUSR2 or "
+        "at the end: read them with python -m course_lib.tools.diagnose DIR",
     )
     return parser
 
@@ -220,6 +234,7 @@ def run(
     backend: str = "auto",
     timeout_s: float = runtime.DEFAULT_TIMEOUT_S,
     dry_run: bool = False,
+    flight_recorder_dir: str | None = None,
 ) -> int:
     """Validate, join the process group, train, leave. Returns the exit status."""
     from .trainer import train, validate_config
@@ -233,10 +248,14 @@ def run(
         checks.check_number("--timeout", timeout_s, above=0, maximum=runtime.MAX_TIMEOUT_S)
         runtime.choose_backend(backend, _cuda_available())
         validate_config(config, env.world_size, env.local_world_size)
+        if flight_recorder_dir:
+            checks.check_folder_to_write("--flight-recorder", flight_recorder_dir)
         if dry_run:
             if checks.launched_rank() == "0":
                 print(f"configuration OK for {env.world_size} process(es)", flush=True)
             return 0
+        if flight_recorder_dir:  # runtime.init starts it, before the process group (PyTorch's reads it then)
+            os.environ[flight_recorder.FOLDER_VARIABLE] = str(flight_recorder_dir)
         try:
             runtime.init(backend=backend, timeout_s=timeout_s)
         except UserError as error:  # about this process's own view of the launch: every rank says it
@@ -274,6 +293,12 @@ def run(
                 file=sys.stderr,
                 flush=True,
             )
+            if flight_recorder_dir and checks.launched_rank() == "0":
+                print(
+                    f"flight records: python -m course_lib.tools.diagnose {flight_recorder_dir}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         else:
             traceback.print_exc()
         status = EXIT_CRASH
@@ -294,7 +319,13 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as stop:  # a flag argparse refused (2), or --help (0)
         report_exit_status(stop.code or 0)
         raise
-    status = run(config_from_args(args), backend=args.backend, timeout_s=args.timeout, dry_run=args.dry_run)
+    status = run(
+        config_from_args(args),
+        backend=args.backend,
+        timeout_s=args.timeout,
+        dry_run=args.dry_run,
+        flight_recorder_dir=args.flight_recorder,
+    )
     report_exit_status(status)
     return status
 

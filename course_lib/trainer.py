@@ -35,7 +35,20 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from . import anatomy, checkpoint, checks, comm, data, flops, memory, models, recompute, runtime, strategies
+from . import (
+    anatomy,
+    checkpoint,
+    checks,
+    comm,
+    data,
+    flops,
+    memory,
+    models,
+    recompute,
+    runtime,
+    stragglers,
+    strategies,
+)
 from .errors import Diverged, UserError
 from .preemption import Preempted, StopRequests
 
@@ -82,6 +95,9 @@ class TrainConfig:
         profile: record the anatomy of ``profile_steps`` steps (after ``PROFILE_WARMUP_STEPS``):
             each rank's trace and the budget (``anatomy.json``) go into this folder.
         profile_steps: how many steps to record with ``profile``.
+        straggler_report: a JSON-lines file that gets one line per step: every rank's lateness
+            at the step's collectives, its time in them, the slowest rank and what it cost the
+            others (``stragglers``); with the course's collectives (``--impl course``).
     """
 
     strategy: str = "single"
@@ -113,6 +129,7 @@ class TrainConfig:
     progress: bool = True
     profile: str | None = None
     profile_steps: int = 3
+    straggler_report: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -195,6 +212,13 @@ def validate_config(config: TrainConfig, world_size: int, ranks_per_node: int | 
     if config.profile:
         checks.check_folder_to_write("--profile", config.profile)
     checks.check_int("--profile-steps", config.profile_steps, minimum=1)
+    if config.straggler_report:
+        if config.strategy == "single" or config.impl != "course":
+            raise UserError(
+                "--straggler-report times the collectives the course's own code makes: add --strategy ddp "
+                "(or fsdp) --impl course (PyTorch's DDP and FSDP call the transport directly)"
+            )
+        checks.check_file_to_write("--straggler-report", config.straggler_report)
     if config.resume not in (None, "latest"):
         checks.check_folder_to_read("--resume", config.resume)
     resume_path = resolve_resume_path(config)
@@ -416,6 +440,7 @@ class Trainer:
         )
         self.process = runtime.process_info()
         validate_config(config, self.process.world_size, self.process.local_world_size)
+        self._stragglers = stragglers.StragglerMeter() if config.straggler_report else None
         self.micro_batch = data.per_rank_batch_size(
             config.global_batch_size, self.process.world_size, grad_accum_steps=config.grad_accum
         )
@@ -643,8 +668,13 @@ class Trainer:
         seconds_before = sums["seconds"]
         started = time.perf_counter()
         for step in range(first_step, last_step):
-            with self._profiler.step() if self._profiler else contextlib.nullcontext():
+            with (
+                self._profiler.step() if self._profiler else contextlib.nullcontext(),
+                self._stragglers.step(position.global_step) if self._stragglers else contextlib.nullcontext(),
+            ):
                 step_loss, step_samples, stop = self._train_step(batches)
+            if self._stragglers is not None and self._stragglers.reports:  # rank 0: this step's line
+                _append_metrics(self.config.straggler_report, self._stragglers.reports[-1].as_dict())
             if self._profiler is not None and self._profiler.complete:
                 self._finish_profile()
             sums["loss_sum"] += step_loss
@@ -759,6 +789,13 @@ class Trainer:
             if self._steps_left() <= 0:
                 break
         self._finish_profile()  # a run shorter than the steps asked for: what was recorded
+        if self._stragglers is not None and self.process.is_main:
+            report = config.straggler_report
+            tqdm.write(
+                f"{stragglers.describe(self._stragglers.reports)} (every step: {report}; plot: "
+                f"python -m course_lib.tools.stragglers {report} --plot stragglers.png)",
+                file=sys.stdout,
+            )
         result = TrainResult(history=list(position.history), global_step=position.global_step)
         if collect_state:
             if hasattr(self.model, "full_state_dict"):  # the course's ZeRO and FSDP

@@ -74,6 +74,7 @@ TRAIN_MISTAKES = [
     ),
     (["--zero-stage", "7"], "argument --zero-stage: invalid choice: 7"),
     (["--recompute", "all"], "argument --recompute: invalid choice: 'all'"),
+    (["--flight-recorder", "{file}"], "is a file, but a folder is expected"),
     (["--timeout", "-1"], "--timeout must be a finite number above 0 and at most 86400, got -1.0"),
     (["--timeout", "nan"], "--timeout must be a finite number above 0 and at most 86400, got nan"),
     (["--timeout", "inf"], "--timeout must be a finite number above 0 and at most 86400, got inf"),

@@ -189,3 +189,115 @@ def test_pytorchs_own_dump_is_read_as_the_same_entries(tmp_path):
         found.text()
     )
     assert "train.py:7 in step" in found.text()
+
+
+def test_the_training_command_records_and_the_diagnosis_names_the_hung_rank(tmp_path):
+    """The real command on 2 ranks, the course's DDP: rank 1 hangs at its 6th collective; nobody waits
+    past --timeout, and ``diagnose`` on what they wrote names rank 1 and the line it was stuck at."""
+    from conftest import run_tool, start_ranks
+
+    records = tmp_path / "records"
+    argv = ["--epochs", "1", "--max-steps", "4", "--no-progress", "--strategy", "ddp", "--impl", "course"]
+    argv += ["--timeout", "6", "--flight-recorder", str(records), "--metrics", str(tmp_path / "m.jsonl")]
+    started = time.monotonic()
+    rank_0, rank_1 = start_ranks(argv, 2, env={faults.VARIABLE: "hang:1:6"})
+    _, stderr = rank_0.communicate(timeout=90)  # rank 0 gives up after --timeout
+    assert time.monotonic() - started < 60
+    rank_1.kill()  # as torchrun or srun would, once rank 0 has failed: the hung rank never returns
+    rank_1.communicate()
+    assert rank_0.returncode != 0
+    assert f"python -m course_lib.tools.diagnose {records}" in stderr, stderr
+    shown = run_tool("diagnose", str(records))
+    assert shown.returncode == 1, shown.stdout + shown.stderr
+    first = shown.stdout.splitlines()[0]
+    assert first.startswith("rank 1 never reached collective #6 of group (0, 1)"), shown.stdout
+    assert "rank 1 was instead at course_lib/" in shown.stdout
+
+
+def _slow_steps(steps: int = 4) -> dict | None:
+    from course_lib import stragglers
+
+    meter = stragglers.StragglerMeter()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    for step in range(steps):
+        with meter.step(step):
+            model(torch.randn(4, 5)).sum().backward()
+            for param in model.parameters():
+                comm.all_reduce(param.grad, op="mean")
+            comm.all_reduce(torch.tensor([float(step)]))
+    import torch.distributed as dist
+
+    if dist.get_rank() != 0:
+        return None
+    return {"summary": stragglers.summary(meter.reports), "text": stragglers.describe(meter.reports)}
+
+
+def test_a_slow_rank_is_named_with_what_it_cost_the_others(monkeypatch):
+    """Rank 1 sleeps 40 ms before each of its 3 collectives a step: it arrives last at every one,
+    about 120 ms a step after the first, and the two others lose that much each, every step."""
+    monkeypatch.setenv(faults.VARIABLE, "slow:1:0.04")
+    monkeypatch.delenv(flight_recorder.FOLDER_VARIABLE, raising=False)
+    found = launch(_slow_steps, 3, timeout_s=60)[0]
+    summary = found["summary"]
+    assert summary["slowest_rank"] == 1 and summary["last_at"] == 1.0, found
+    lateness = summary["lateness_per_step_s"]
+    assert 0.10 < lateness[1] < 0.2 and max(lateness[0], lateness[2]) < 0.03, found
+    assert 4 * 2 * 0.10 < summary["cost_s"] < 4 * 2 * 0.2, found
+    assert found["text"].startswith("stragglers: rank 1 arrived last at 100% of the collectives")
+
+
+def test_a_step_report_from_known_arrivals():
+    from course_lib import stragglers
+
+    group = (0, 1, 2)
+    notes = [  # per rank: two collectives; rank 2 is 0.5 s late at the first, rank 0 0.1 s at the second
+        [(group, 0, 10.0, 0.5), (group, 1, 11.1, 0.0)],
+        [(group, 0, 10.0, 0.5), (group, 1, 11.0, 0.1)],
+        [(group, 0, 10.5, 0.0), (group, 1, 11.0, 0.1)],
+    ]
+    report = stragglers.step_report(7, notes)
+    assert report.last_arrivals == [1, 0, 1] and report.collectives == 2
+    assert report.lateness_s == pytest.approx([0.1, 0.0, 0.5])
+    assert report.slowest_rank == 2 and report.cost_s == pytest.approx(1.0)
+    assert report.waited_s == pytest.approx([0.5, 0.6, 0.1])
+
+
+def test_the_training_command_reports_a_slow_rank_and_the_tool_plots_it(tmp_path):
+    """2 ranks of the course's DDP, rank 1 sleeping 30 ms before each collective: every step's line
+    names it, the run's last line says what it cost, and the tool draws the report."""
+    from conftest import run_ranks, run_tool
+
+    report, picture = tmp_path / "stragglers.jsonl", tmp_path / "stragglers.png"
+    argv = ["--epochs", "1", "--max-steps", "5", "--no-progress", "--strategy", "ddp", "--impl", "course"]
+    outcomes = run_ranks(
+        [*argv, "--straggler-report", str(report)], nprocs=2, env={faults.VARIABLE: "slow:1:0.03"}
+    )
+    assert [o.returncode for o in outcomes] == [0, 0], outcomes[0].stderr + outcomes[1].stderr
+    lines = [json.loads(line) for line in report.read_text().splitlines()]
+    assert len(lines) == 5 and all(line["slowest_rank"] == 1 for line in lines), lines
+    assert "stragglers: rank 1 arrived last at 100% of the collectives" in outcomes[0].stdout
+    shown = run_tool("stragglers", str(report), "--plot", str(picture))
+    assert shown.returncode == 0 and shown.stdout.startswith("stragglers: rank 1"), shown.stderr
+    assert picture.stat().st_size > 10_000
+
+
+def test_the_straggler_report_needs_the_courses_collectives(tmp_path, capsys):
+    from course_lib import train
+
+    report = str(tmp_path / "s.jsonl")
+    status = train.main(["--epochs", "1", "--max-steps", "1", "--no-progress", "--straggler-report", report])
+    stderr = capsys.readouterr().err
+    assert status == 2 and "--straggler-report times the collectives the course's own code makes" in stderr
+
+
+def test_the_stragglers_tool_refuses_a_file_that_is_not_a_report(tmp_path):
+    from conftest import run_tool
+
+    (tmp_path / "m.jsonl").write_text('{"epoch": 1}\n')
+    shown = run_tool("stragglers", str(tmp_path / "m.jsonl"))
+    assert (
+        shown.returncode == 2
+        and shown.stderr.count("\n") == 1
+        and "line 1: not a straggler report" in shown.stderr
+    )

@@ -586,3 +586,37 @@ def plot_prediction_check(result: dict, *, path=None) -> Figure:
     axis.legend(fontsize=8, loc="upper left")
     figure.tight_layout()
     return save(figure, path)
+
+
+# -- stragglers ---------------------------------------------------------------------------------
+
+
+def plot_stragglers(reports: list[dict], *, path: str | Path | None = None) -> Figure:
+    """Each rank's lateness and its time waiting in collectives, step by step.
+
+    The straggler's line is high on the left (it arrives late) and low on the right (nobody makes
+    it wait); every other rank mirrors it: the time it waits is the straggler's lateness.
+
+    Args:
+        reports: one ``stragglers.StepReport.as_dict()`` per step (the lines of ``--straggler-report``).
+        path: save the chart as a PNG here (None: only return it).
+    """
+    if not reports:
+        raise UserError("no steps to draw: the report is empty (did the run make any step?)")
+    steps = [report["step"] for report in reports]
+    ranks = range(len(reports[0]["lateness_s"]))
+    figure = Figure(figsize=(10, 3.8))
+    late, waited = figure.subplots(1, 2, sharex=True)
+    for rank in ranks:
+        late.plot(steps, [1e3 * r["lateness_s"][rank] for r in reports], marker="o", label=f"rank {rank}")
+        waited.plot(steps, [1e3 * r["waited_s"][rank] for r in reports], marker="o", label=f"rank {rank}")
+    late.set_title("arrival after the first rank, summed per step")
+    waited.set_title("time inside collectives, per step")
+    for axis in (late, waited):
+        axis.set_xlabel("step")
+        axis.set_ylabel("milliseconds")
+        axis.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
+        axis.grid(alpha=0.3)
+    waited.legend(loc="best", fontsize=8)
+    figure.tight_layout()
+    return save(figure, path)

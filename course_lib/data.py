@@ -231,6 +231,67 @@ class ResumableDistributedSampler(DistributedSampler):
         return self.num_samples - self.skip
 
 
+class DataOrderError(UserError):
+    """The ranks' samplers do not split the data as data parallelism needs."""
+
+
+def check_epoch_order(
+    sampler: DistributedSampler, *, epoch: int, previous: list[int] | None = None, group=None
+) -> list[int]:
+    """Refuse, on every rank at once, an epoch whose samples the ranks do not split between them.
+
+    Data parallelism needs each epoch's samples cut into disjoint shares, a new order every epoch:
+    every rank's ``DistributedSampler`` with the same seed (the same permutation, cut N ways) and
+    ``set_epoch(epoch)`` called before each epoch (a new permutation). Both mistakes train without
+    an error, on duplicated samples or the same order every epoch; the only sign is a loss a little
+    worse than it should be. Checked here: the ranks exchange their shares (one all-gather of the
+    indices at the epoch's start) and compare them with each other and with the last epoch's.
+    Returns this rank's share, for the next epoch's call.
+
+    Args:
+        sampler: this rank's sampler, after ``set_epoch`` (or its omission).
+        epoch: the epoch about to start, from 0.
+        previous: what this call returned at the previous epoch (None: the first epoch).
+        group: the data-parallel ranks (None: every rank).
+    """
+    import torch.distributed as dist
+
+    share = list(DistributedSampler.__iter__(sampler))  # the whole share, whatever is skipped on resume
+    mine = (sampler.seed, sampler.epoch, share, share == previous)
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    seeds = [seed for seed, _, _, _ in everyone]
+    epochs = [epoch for _, epoch, _, _ in everyone]
+    drawn = sum(len(indices) for _, _, indices, _ in everyone)
+    distinct = len({index for _, _, indices, _ in everyone for index in indices})
+    padding = sampler.total_size - len(sampler.dataset)  # DistributedSampler repeats a few to even out
+    if len(set(seeds)) > 1:
+        raise DataOrderError(
+            f"the ranks' samplers have different seeds ({_by_rank(seeds)}): their shares overlap "
+            f"({drawn - distinct} samples drawn twice this epoch); give every rank's DistributedSampler "
+            "the same seed"
+        )
+    if len(set(epochs)) > 1:
+        raise DataOrderError(
+            f"the ranks' samplers are at different epochs ({_by_rank(epochs)}): call "
+            "sampler.set_epoch(epoch) on every rank before each epoch"
+        )
+    if drawn - distinct > padding:
+        raise DataOrderError(
+            f"the ranks' shares overlap: {drawn - distinct} samples are drawn twice this epoch"
+        )
+    if previous is not None and all(same for _, _, _, same in everyone):
+        raise DataOrderError(
+            f"epoch {epoch} draws its samples in epoch {epoch - 1}'s order on every rank: call "
+            "sampler.set_epoch(epoch) before each epoch (without it every epoch repeats the first's order)"
+        )
+    return share
+
+
+def _by_rank(values: list) -> str:
+    return ", ".join(f"rank {rank}: {value}" for rank, value in enumerate(values))
+
+
 def leave_stop_signals_to_the_trainer(_worker_id: int) -> None:
     """A data-loading process ignores SIGTERM and SIGUSR1 (``worker_init_fn`` of every loader here).
 

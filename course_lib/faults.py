@@ -3,7 +3,8 @@
 A hang on a cluster costs hours because it shows nothing: every rank waits, the log stops. Here
 a fault is made on purpose, on laptop processes, and the flight recorder (``flight_recorder``)
 and ``tools.diagnose`` show what it looks like from the outside. Set ``COURSE_FAULT`` (the
-launcher's processes and ``torchrun``'s workers inherit it) to ``KIND:RANK[:AT]``:
+launcher's processes and ``torchrun``'s workers inherit it) to ``KIND:RANK:AT`` (RANK ``all``:
+every rank, as a mistake in the program itself would):
 
 ==================  =================================================================
 kind                what rank RANK does
@@ -14,10 +15,18 @@ hang                stops before its collective number AT and never comes back
                     (a deadlock in the program, an endless loop, a lock never released)
 kill                dies (SIGKILL) before its collective number AT: nothing is written
 slow                sleeps AT seconds before every collective: a straggler
+nan                 its loss is NaN at training step AT (a bad sample, an overflow)
+corrupt             one of its weights changes after training step AT (a silent data
+                    corruption: a flipped bit in a GPU's memory)
+seed                seeds its data sampler with AT instead of the run's seed
+no-set-epoch        does not call ``sampler.set_epoch`` from epoch AT on (epochs count from 0)
 ==================  =================================================================
 
-The collectives in ``comm`` read the fault at each call (``at_collective``, ``resized``); no
-fault is set, nothing is checked but one variable. The peers see each fault only through
+The first five act in ``comm``; the last four in the trainer (``course_lib.trainer``), which
+reads them through ``poisoned_loss``, ``corrupt_after``, ``sampler_seed`` and ``skips_set_epoch``.
+
+The collectives in ``comm`` read the fault at each call (``at_collective``, ``resized``); with no
+fault set, nothing is checked but one variable. The peers see each fault only through
 what the transport does: a wait until the timeout, an error, or (without the course's check of
 every call) a wrong result.
 """
@@ -36,12 +45,12 @@ import torch
 from .errors import UserError
 
 VARIABLE = "COURSE_FAULT"
-KINDS = ("skip-collective", "wrong-size", "hang", "kill", "slow")
+KINDS = ("skip-collective", "wrong-size", "hang", "kill", "slow", "nan", "corrupt", "seed", "no-set-epoch")
 
 
 @dataclass(frozen=True)
 class Fault:
-    """One fault: which, on which rank, where (a collective's number, or seconds for ``slow``)."""
+    """One fault: which, on which rank (-1: every rank), where (a collective's number, seconds...)."""
 
     kind: str
     rank: int
@@ -52,12 +61,14 @@ class Fault:
 
 
 def parse(text: str) -> Fault:
-    """Read ``KIND:RANK[:AT]``; refuse anything else in one line that says the format.
+    """Read ``KIND:RANK:AT`` (RANK a number or ``all``); refuse anything else in one line.
 
     Args:
         text: the variable's value, e.g. ``"skip-collective:1:5"``.
     """
     parts = text.strip().split(":")
+    if len(parts) == 3 and parts[1] == "all":  # every rank: a mistake in the program, not in one rank
+        parts[1] = "-1"
     usage = (
         f"{VARIABLE}={text!r}: write KIND:RANK:AT with KIND one of {', '.join(KINDS)}, "
         "e.g. skip-collective:1:5"
@@ -68,7 +79,7 @@ def parse(text: str) -> Fault:
         rank, at = int(parts[1]), float(parts[2])
     except ValueError:
         raise UserError(usage) from None
-    if rank < 0 or at < 0:
+    if rank < -1 or at < 0:
         raise UserError(f"{usage} (RANK and AT are at least 0)")
     return Fault(parts[0], rank, at)
 
@@ -98,7 +109,7 @@ def reset() -> None:
 def active() -> bool:
     """Whether a fault is set for this rank (one look at the environment)."""
     fault = current()
-    return fault is not None and fault.rank == _my_rank()
+    return fault is not None and fault.rank in (-1, _my_rank())
 
 
 def _my_rank() -> int:
@@ -119,7 +130,7 @@ def at_collective(op: str, sequence: int, call: Callable[[], object]) -> Callabl
         call: what it would call.
     """
     fault = current()
-    if fault is None or fault.rank != _my_rank():
+    if fault is None or fault.rank not in (-1, _my_rank()):
         return call
     if fault.kind == "slow":
         time.sleep(fault.at)
@@ -150,7 +161,7 @@ def resized(op: str, sequence: int, tensor: torch.Tensor) -> torch.Tensor:
     if (
         fault is None
         or fault.kind != "wrong-size"
-        or fault.rank != _my_rank()
+        or fault.rank not in (-1, _my_rank())
         or op != "all_reduce"
         or sequence != int(fault.at)
         or "wrong-size" in _fired
@@ -158,3 +169,53 @@ def resized(op: str, sequence: int, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
     _fired.add("wrong-size")
     return tensor.reshape(-1)[: max(1, tensor.numel() // 2)]
+
+
+def _mine(kind: str) -> Fault | None:
+    fault = current()
+    return fault if fault is not None and fault.kind == kind and fault.rank in (-1, _my_rank()) else None
+
+
+def poisoned_loss(loss: torch.Tensor, step: int) -> torch.Tensor:
+    """The loss, NaN on this rank at step AT under a ``nan`` fault.
+
+    Args:
+        loss: this rank's loss.
+        step: the training step (its number over the run, from 0).
+    """
+    fault = _mine("nan")
+    return loss * float("nan") if fault is not None and step == int(fault.at) else loss
+
+
+def corrupt_after(model: torch.nn.Module, step: int) -> None:
+    """Under a ``corrupt`` fault, after step AT: change one weight of this rank's replica.
+
+    Args:
+        model: this rank's replica.
+        step: the step just taken (its number over the run, from 0).
+    """
+    fault = _mine("corrupt")
+    if fault is not None and step == int(fault.at):
+        with torch.no_grad():
+            first = next(model.parameters())
+            first.view(-1)[0] += 1e-3  # small: the loss does not show it; the replicas' check does
+
+
+def sampler_seed(seed: int) -> int:
+    """The data sampler's seed on this rank: AT under a ``seed`` fault, else ``seed``.
+
+    Args:
+        seed: the run's seed.
+    """
+    fault = _mine("seed")
+    return int(fault.at) if fault is not None else seed
+
+
+def skips_set_epoch(epoch: int) -> bool:
+    """Whether this rank leaves out ``sampler.set_epoch`` at ``epoch`` (a ``no-set-epoch`` fault).
+
+    Args:
+        epoch: the epoch about to start, from 0.
+    """
+    fault = _mine("no-set-epoch")
+    return fault is not None and epoch >= int(fault.at)

@@ -163,6 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     out.add_argument("--profile-steps", type=int, default=3, help="steps --profile records")
     out.add_argument(
+        "--check-replicas",
+        metavar="N",
+        type=int,
+        default=0,
+        help="every N steps, check that every rank holds the same weights (--strategy ddp; 0: never)",
+    )
+    out.add_argument(
         "--straggler-report",
         metavar="FILE",
         default=None,

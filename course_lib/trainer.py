@@ -41,10 +41,12 @@ from . import (
     checks,
     comm,
     data,
+    faults,
     flops,
     memory,
     models,
     recompute,
+    replicas,
     runtime,
     stragglers,
     strategies,
@@ -95,6 +97,8 @@ class TrainConfig:
         profile: record the anatomy of ``profile_steps`` steps (after ``PROFILE_WARMUP_STEPS``):
             each rank's trace and the budget (``anatomy.json``) go into this folder.
         profile_steps: how many steps to record with ``profile``.
+        check_replicas: every this many steps, check that every rank holds the same weights
+            (``replicas.check_replicas``; 0: never); with ``--strategy ddp``.
         straggler_report: a JSON-lines file that gets one line per step: every rank's lateness
             at the step's collectives, its time in them, the slowest rank and what it cost the
             others (``stragglers``); with the course's collectives (``--impl course``).
@@ -130,6 +134,7 @@ class TrainConfig:
     profile: str | None = None
     profile_steps: int = 3
     straggler_report: str | None = None
+    check_replicas: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -212,6 +217,12 @@ def validate_config(config: TrainConfig, world_size: int, ranks_per_node: int | 
     if config.profile:
         checks.check_folder_to_write("--profile", config.profile)
     checks.check_int("--profile-steps", config.profile_steps, minimum=1)
+    checks.check_int("--check-replicas", config.check_replicas, minimum=0)
+    if config.check_replicas and config.strategy != "ddp":
+        raise UserError(
+            "--check-replicas compares whole replicas: use it with --strategy ddp (FSDP and ZeRO shard the "
+            "weights, so the ranks hold different pieces by design)"
+        )
     if config.straggler_report:
         if config.strategy == "single" or config.impl != "course":
             raise UserError(
@@ -487,10 +498,11 @@ class Trainer:
             self.micro_batch,
             self.process.rank,
             self.process.world_size,
-            config.seed,
+            faults.sampler_seed(config.seed),  # the run's seed, but under a fault on purpose
             config.workers,
             pin,
         )
+        self._last_share: list[int] | None = None  # this rank's samples last epoch (check_epoch_order)
         self.val_loader = data.validation_loader(
             self.data.val,
             config.eval_batch_size,
@@ -538,6 +550,7 @@ class Trainer:
             with contextlib.nullcontext() if last else strategies.gradient_sync_skipped(self.model):
                 with anatomy.phase("forward"), autocast(device, config.precision):
                     loss = F.cross_entropy(self.model(inputs).float(), targets)
+                    loss = faults.poisoned_loss(loss, self.position.global_step)
                 with anatomy.phase("backward"):
                     (loss / config.grad_accum).backward()
             loss_sum += loss.detach().double() * len(targets)
@@ -549,9 +562,14 @@ class Trainer:
             non_finite = ~_gradients_finite(self.model, device)
             loss_total, samples_total, diverged, stop = self._agree_on_step(loss_sum, samples, non_finite)
         if diverged:
-            self._stop_diverged(loss_total / samples_total, None if grad_norm is None else float(grad_norm))
+            grad = None if grad_norm is None else float(grad_norm)
+            self._stop_diverged(loss_total / samples_total, grad, local_loss=float(loss_sum))
         with anatomy.phase("optimizer"):
             self.optimizer.step()
+        faults.corrupt_after(self.model, self.position.global_step)  # a fault on purpose, if one is set
+        step = self.position.global_step + 1
+        if config.check_replicas and step % config.check_replicas == 0:
+            replicas.check_replicas(strategies.unwrap(self.model), step=step)
         return loss_total, samples_total, stop
 
     def _agree_on_step(
@@ -577,8 +595,12 @@ class Trainer:
         diverged = non_finite_ranks > 0 or not math.isfinite(loss_total / samples_total)
         return loss_total, samples_total, diverged, stopping_ranks > 0
 
-    def _stop_diverged(self, step_loss: float, grad_norm: float | None) -> None:
-        """Record the divergence, tell the user what to try, and stop (no update, no checkpoint)."""
+    def _stop_diverged(self, step_loss: float, grad_norm: float | None, *, local_loss: float) -> None:
+        """Record the divergence, tell the user what to try, and stop (no update, no checkpoint).
+
+        ``local_loss``: this rank's own loss, before any rank's was summed: the ranks compare them
+        (one all-gather, on this path only) to say where a non-finite loss came from.
+        """
         config, position = self.config, self.position
         step = position.global_step + 1
         what = (
@@ -586,6 +608,15 @@ class Trainer:
             if not math.isfinite(step_loss)
             else f"the loss is {step_loss:.4g} but a gradient is not finite"
         )
+        if self.process.world_size > 1:
+            finite = [None] * self.process.world_size
+            torch.distributed.all_gather_object(finite, math.isfinite(local_loss))
+            if not all(finite) and any(finite):
+                bad = [rank for rank, ok in enumerate(finite) if not ok]
+                what += (
+                    f", first on rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} (the others' "
+                    "losses were finite: look at the batch that rank drew)"
+                )
         if grad_norm is not None:
             what += f" (gradient norm {grad_norm:.4g})"
         tries = [f"a lower --lr (this run: {config.lr:g})"]
@@ -649,7 +680,11 @@ class Trainer:
         last_step = min(self.steps_per_epoch, first_step + self._steps_left())
         if last_step <= first_step:
             return None
-        self.train_loader.sampler.set_epoch(epoch, skip=first_step * self.micro_batch * config.grad_accum)
+        sampler = self.train_loader.sampler
+        if not faults.skips_set_epoch(epoch):  # a fault on purpose leaves it out
+            sampler.set_epoch(epoch, skip=first_step * self.micro_batch * config.grad_accum)
+        if self.process.world_size > 1:  # disjoint shares, a new order: one all-gather of indices
+            self._last_share = data.check_epoch_order(sampler, epoch=epoch, previous=self._last_share)
         batches = iter(self.train_loader)
         bar = tqdm(
             total=self.steps_per_epoch,

@@ -372,10 +372,10 @@ def _run(
             dtype="" if tensor is None else tensor.dtype,
             peer=peer,
         )
+    started = time.perf_counter()  # the check, when on, is where a rank waits for the others: timed
     try:
         if tensor is not None and sequence >= 0:  # a collective itself: its failure is recorded too
             _check_same_call(op, tensor, group, shape=check_shape)
-        started = time.perf_counter()
         work = call()
         if not async_op:
             if after is not None:

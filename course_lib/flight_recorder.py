@@ -269,7 +269,9 @@ def _caller() -> str:
 
 
 def _short(filename: str) -> str:
-    """A path without the machine's folders: from the package or script on."""
+    """A path without the machine's folders: from the package or script on ("a notebook cell" for one)."""
+    if "ipykernel_" in filename:
+        return "a notebook cell"
     parts = Path(filename).parts
     for anchor in ("course_lib", "labs", "notebooks", "slurm", "tests"):
         if anchor in parts:

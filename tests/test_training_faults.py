@@ -18,7 +18,7 @@ CASES = [
         "corrupt:1:1",
         ["--check-replicas", "1"],
         2,
-        "the replicas differ after step 2: parameter 'conv1.weight' has 2 values (rank 0 and rank 1 each hold",
+        "the replicas differ after step 2: parameter '0.0.weight' has 2 values (rank 0 and rank 1 each",
     ),
     ("seed:1:7", [], 2, "the ranks' samplers have different seeds (rank 0: 0, rank 1: 7)"),
     ("no-set-epoch:1:1", [], 2, "the ranks' samplers are at different epochs (rank 0: 1, rank 1: 0)"),

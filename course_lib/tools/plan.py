@@ -220,7 +220,7 @@ def runnable_here(layout: Layout) -> bool:
 def _run_first(fitting: list[Prediction], sweep, model, cluster) -> None:
     from ..cost_model import predict
     from ..launch import launch
-    from .plan_validation import course_layout, machine, measure_layout, with_speed
+    from .plan_validation import course_layout, measure_layout, predict_beside
 
     chosen = next((p.layout for p in fitting if runnable_here(p.layout)), None)
     if chosen is None:
@@ -239,15 +239,7 @@ def _run_first(fitting: list[Prediction], sweep, model, cluster) -> None:
             "bandwidth_bytes_per_s": cluster.inside_node.bandwidth,
             "cores": cluster.gpus_per_node,
         }
-        cluster = machine(with_speed(link, measured["speed"], sweep))
-        first = predict(
-            model,
-            cluster,
-            ran,
-            seq_len=sweep.seq_len,
-            global_batch=sweep.global_batch,
-            operations=measured["operations"],
-        )
+        _, first = predict_beside(measured, chosen, link, sweep)
     states = first.memory["parameters"] + first.memory["gradients"] + first.memory["optimizer"]
     print(f"\n{chosen.name()}, the first the course's loop runs here: predicted -> measured")
     for what, predicted, got, unit in (

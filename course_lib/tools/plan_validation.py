@@ -410,6 +410,30 @@ def machine(calibration: dict) -> cost_model.ClusterSpec:
     )
 
 
+def predict_beside(
+    measured: dict, layout: Layout, calibration: dict, sweep: Sweep = SWEEP
+) -> tuple[cost_model.ClusterSpec, cost_model.Prediction]:
+    """The prediction for a layout ``measure_layout`` ran: this machine at the speed measured beside
+    the run, with the operations the run counted; and that machine.
+
+    Args:
+        measured: what ``measure_layout`` returned.
+        layout: the layout it ran.
+        calibration: the link's figures and ``cores`` (``calibrate``'s, or a cluster's).
+        sweep: the transformer it trained.
+    """
+    cluster = machine(with_speed(calibration, measured["speed"], sweep))
+    predicted = cost_model.predict(
+        sweep.spec(),
+        cluster,
+        course_layout(layout, sweep),
+        seq_len=sweep.seq_len,
+        global_batch=sweep.global_batch,
+        operations=measured["operations"],
+    )
+    return cluster, predicted
+
+
 def validate(launch, *, layouts: list[Layout] = LAYOUTS, sweep: Sweep = SWEEP) -> dict:
     """Calibrate, run every layout, and put each prediction beside its measurement.
 
@@ -425,16 +449,7 @@ def validate(launch, *, layouts: list[Layout] = LAYOUTS, sweep: Sweep = SWEEP) -
         # unchecked: checking a collective's call is one more all-gather per collective, which a
         # layout with a hundred small collectives a step (sequence parallelism) would be timed with
         measured = launch(measure_layout, layout.gpus, layout, sweep, check_collectives=False)[0]
-        cluster = machine(with_speed(calibration, measured["speed"], sweep))  # the speed beside the run
-        course = course_layout(layout, sweep)
-        predicted = cost_model.predict(
-            spec,
-            cluster,
-            course,
-            seq_len=sweep.seq_len,
-            global_batch=sweep.global_batch,
-            operations=measured["operations"],
-        )
+        cluster, predicted = predict_beside(measured, layout, calibration, sweep)
         states = (
             predicted.memory["parameters"] + predicted.memory["gradients"] + predicted.memory["optimizer"]
         )

@@ -436,8 +436,9 @@ def all_reduce(tensor: torch.Tensor, *, op: str = "sum", group=None, async_op: b
             instead of blocking until the collective is done.
     """
     _check_tensors("all_reduce", tensor=tensor)
-    if faults.active():  # a fault on purpose may send half of it (course_lib.faults)
+    if faults.active():  # a fault on purpose may send half of it, or to another group (course_lib.faults)
         tensor = faults.resized("all_reduce", _calls_on.get(group, 0), tensor)
+        group = faults.regrouped("all_reduce", _calls_on.get(group, 0), group)
     reduce_op, divide = _reduce_op(op), _mean_divider(tensor, op, group)
     return _run(
         "all_reduce",

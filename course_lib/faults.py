@@ -11,6 +11,8 @@ kind                what rank RANK does
 ==================  =================================================================
 skip-collective     does not make its collective number AT (on the group where it is #AT)
 wrong-size          makes its all-reduce number AT with half the elements
+wrong-group         makes its all-reduce number AT on every rank's group instead of its own
+                    (a group built from the wrong ranks, or the wrong group passed)
 hang                stops before its collective number AT and never comes back
                     (a deadlock in the program, an endless loop, a lock never released)
 kill                dies (SIGKILL) before its collective number AT: nothing is written
@@ -22,7 +24,7 @@ seed                seeds its data sampler with AT instead of the run's seed
 no-set-epoch        does not call ``sampler.set_epoch`` from epoch AT on (epochs count from 0)
 ==================  =================================================================
 
-The first five act in ``comm``; the last four in the trainer (``course_lib.trainer``), which
+The first six act in ``comm``; the last four in the trainer (``course_lib.trainer``), which
 reads them through ``poisoned_loss``, ``corrupt_after``, ``sampler_seed`` and ``skips_set_epoch``.
 
 The collectives in ``comm`` read the fault at each call (``at_collective``, ``resized``); with no
@@ -45,7 +47,18 @@ import torch
 from .errors import UserError
 
 VARIABLE = "COURSE_FAULT"
-KINDS = ("skip-collective", "wrong-size", "hang", "kill", "slow", "nan", "corrupt", "seed", "no-set-epoch")
+KINDS = (
+    "skip-collective",
+    "wrong-size",
+    "wrong-group",
+    "hang",
+    "kill",
+    "slow",
+    "nan",
+    "corrupt",
+    "seed",
+    "no-set-epoch",
+)
 
 
 @dataclass(frozen=True)
@@ -135,7 +148,7 @@ def at_collective(op: str, sequence: int, call: Callable[[], object]) -> Callabl
     if fault.kind == "slow":
         time.sleep(fault.at)
         return call
-    if sequence != int(fault.at) or fault.kind in _fired or fault.kind == "wrong-size":
+    if sequence != int(fault.at) or fault.kind in _fired or fault.kind in ("wrong-size", "wrong-group"):
         return call
     _fired.add(fault.kind)
     if fault.kind == "skip-collective":
@@ -219,3 +232,24 @@ def skips_set_epoch(epoch: int) -> bool:
     """
     fault = _mine("no-set-epoch")
     return fault is not None and epoch >= int(fault.at)
+
+
+def regrouped(op: str, sequence: int, group):
+    """The group an all-reduce goes to: every rank's (the world) under a ``wrong-group`` fault at this number.
+
+    Args:
+        op: the collective's name.
+        sequence: the number the call will have on ``group``.
+        group: the group it was given (None: the world already).
+    """
+    fault = _mine("wrong-group")
+    if (
+        fault is None
+        or op != "all_reduce"
+        or group is None
+        or sequence != int(fault.at)
+        or "wrong-group" in _fired
+    ):
+        return group
+    _fired.add("wrong-group")
+    return None

@@ -301,3 +301,32 @@ def test_the_stragglers_tool_refuses_a_file_that_is_not_a_report(tmp_path):
         and shown.stderr.count("\n") == 1
         and "line 1: not a straggler report" in shown.stderr
     )
+
+
+def _two_data_groups(steps: int = 3) -> bool:
+    """4 ranks, data groups {0, 2} and {1, 3} (a 2 x 2 mesh's): each averages its gradients."""
+    import torch.distributed as dist
+
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    mine = groups[dist.get_rank() % 2]
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    for _ in range(steps):
+        model(torch.randn(4, 5)).sum().backward()
+        for param in model.parameters():
+            comm.all_reduce(param.grad, op="mean", group=mine)
+    return True
+
+
+def test_a_collective_on_the_wrong_group_is_named(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(flight_recorder.FOLDER_VARIABLE, str(tmp_path))
+    monkeypatch.setenv(faults.VARIABLE, "wrong-group:1:2")
+    with pytest.raises(Exception):  # noqa: B017 (the waiting ranks time out; the kind is gloo's)
+        launch(_two_data_groups, 4, timeout_s=60, collective_timeout_s=COLLECTIVE_TIMEOUT_S)
+    status, out = _diagnosis(tmp_path, capsys)
+    first = out.splitlines()[0]
+    assert status == 1, out
+    assert first.startswith("rank 1 made collective #0 on group (0, 1, 2, 3), where no other rank made it"), (
+        out
+    )
+    assert "instead of #2 on group (1, 3), where rank 3 waited: a collective on the wrong group" in first, out

@@ -213,14 +213,32 @@ def diagnose(records: dict[int, RankRecord]) -> Diagnosis:
                     + _last_common(by_group),
                 )
 
+    gaps = []  # per group whose ranks did not reach the same collective: (group, #, ahead, behind)
     for group, ranks in sorted(by_group.items()):
         reached = {rank: max(ranks[rank], default=-1) if rank in ranks else -1 for rank in group}
         furthest = max(reached.values())
         behind = [rank for rank, last in reached.items() if last < furthest]
-        if not behind:
-            continue
-        ahead = [rank for rank in group if reached[rank] == furthest]
-        entry = ranks[ahead[0]][furthest]
+        if behind:
+            gaps.append((group, furthest, [rank for rank in group if reached[rank] == furthest], behind))
+    for group, number, ahead, _ in gaps:  # alone in a group, and missing from another: the wrong group
+        elsewhere = [gap for gap in gaps if ahead == [ahead[0]] and ahead[0] in gap[3]]
+        if elsewhere and len(group) > 2:
+            rank, (other, other_number, waiting, _) = ahead[0], elsewhere[0]
+            entry, expected = by_group[group][rank][number], by_group[other][waiting[0]][other_number]
+            them = f"rank{'s' if len(waiting) > 1 else ''} {', '.join(map(str, waiting))}"
+            return Diagnosis(
+                f"rank {rank} made collective #{number} on {_group_name(group)}, where no other rank made "
+                f"it, instead of #{other_number} on {_group_name(other)}, where {them} waited: a collective "
+                "on the wrong group",
+                [
+                    f"rank {rank}: {_describe(entry)} on {_group_name(group)} at {entry['caller']}",
+                    f"{them}: {_describe(expected)} on {_group_name(other)} at {expected['caller']}",
+                ]
+                + _last_common(by_group),
+            )
+    if gaps:
+        group, furthest, ahead, behind = gaps[0]
+        entry = by_group[group][ahead[0]][furthest]
         evidence = [
             f"ranks {', '.join(map(str, ahead))} called it: {_describe(entry)} at {entry['caller']}"
             + ("" if entry["state"] == "completed" else ", and waited")

@@ -113,6 +113,8 @@ def _child(
             )
             exit_code = 1
     except BaseException as error:  # noqa: BLE001 (report everything, including KeyboardInterrupt)
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        flight_recorder.dump(f"stopped by an error: {type(error).__name__}: {first}")
         text = traceback.format_exc()
         try:
             _send(connection, ("error", error, text))

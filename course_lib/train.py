@@ -309,6 +309,8 @@ def run(
         else:
             traceback.print_exc()
         status = EXIT_CRASH
+    if status not in (0, EXIT_REQUEUE):  # the flight record, if one is kept, says why this rank stopped
+        flight_recorder.dump(f"stopped by an error: exit status {status}")
     # Outside the except blocks: the exception and its traceback (which keeps the model alive) are gone.
     runtime.shutdown()
     return status

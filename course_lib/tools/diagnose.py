@@ -252,6 +252,17 @@ def diagnose(records: dict[int, RankRecord]) -> Diagnosis:
             evidence + _last_common(by_group),
         )
 
+    errors = {
+        rank: r.reason for rank, r in sorted(records.items()) if r.reason.startswith("stopped by an error")
+    }
+    if errors:  # the collectives agree: the cause is what the ranks raised
+        reasons = sorted(set(errors.values()))
+        return Diagnosis(
+            f"no collective went wrong; rank{'s' if len(errors) > 1 else ''} {', '.join(map(str, errors))} "
+            f"{reasons[0]}" + (f" (and {len(reasons) - 1} other reasons)" if len(reasons) > 1 else ""),
+            [f"rank {rank}: {reason}" for rank, reason in errors.items()] + _last_common(by_group),
+        )
+
     stuck = {rank: text for rank, text in _waiting(records).items()}
     if stuck:
         return Diagnosis(
@@ -341,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:
         reasons = "; ".join(
-            f"rank {r.rank}: {r.reason}" for r in sorted(records.values(), key=lambda r: r.rank)
+            f"rank {r.rank}: {r.reason[:80]}{'...' if len(r.reason) > 80 else ''}"
+            for r in sorted(records.values(), key=lambda r: r.rank)
         )
         print(found.text())
         print(f"  (why each rank wrote: {reasons})")

@@ -97,6 +97,7 @@ class Recorder:
         self.folder, self.rank, self.world_size, self.run_id = Path(folder), rank, world_size, run_id
         self.entries: collections.deque[Entry] = collections.deque(maxlen=capacity)
         self.dumped: str | None = None  # the reason of the dump this rank wrote, if any
+        self.replicas = None  # a function giving this rank's parameter fingerprints (watch_replicas)
         self._lock = threading.Lock()
         self._stop = threading.Event()
 
@@ -134,6 +135,8 @@ class Recorder:
                 "where": _main_thread_stack(),
                 "entries": [asdict(e) | {"state": e.state} for e in self.entries],
             }
+            if self.replicas is not None:  # a data-parallel replica: its weights' fingerprints too
+                record["replicas"] = self.replicas()
         self.folder.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(".json.partial")
         partial.write_text(json.dumps(record, indent=1) + "\n")
@@ -233,6 +236,16 @@ def stop() -> None:
     if _recorder is not None:
         _recorder.stop()
     _recorder = None
+
+
+def watch_replicas(fingerprints) -> None:
+    """Write this rank's parameter fingerprints into its record too, so that ``diagnose`` compares replicas.
+
+    Args:
+        fingerprints: a function returning {parameter name: hash} (``replicas.fingerprints``).
+    """
+    if _recorder is not None:
+        _recorder.replicas = fingerprints
 
 
 def dump(reason: str) -> Path | None:

@@ -244,6 +244,7 @@ def run(
     flight_recorder_dir: str | None = None,
 ) -> int:
     """Validate, join the process group, train, leave. Returns the exit status."""
+    why = ""  # what stopped this rank, for its flight record
     from .trainer import train, validate_config
 
     try:
@@ -274,6 +275,7 @@ def run(
             print(f"rank 0: {stopped}", file=sys.stderr, flush=True)
         status = EXIT_REQUEUE
     except Diverged as diverged:
+        why = str(diverged)
         if checks.launched_rank() == "0":
             print(f"error: {diverged}", file=sys.stderr, flush=True)
         else:
@@ -283,6 +285,7 @@ def run(
         print(f"error: {error}", file=sys.stderr, flush=True)
         status = EXIT_USER_ERROR
     except UserError as error:
+        why = str(error)
         _report_user_error(error)
         status = EXIT_USER_ERROR
     except RendezvousFailed as error:
@@ -310,7 +313,7 @@ def run(
             traceback.print_exc()
         status = EXIT_CRASH
     if status not in (0, EXIT_REQUEUE):  # the flight record, if one is kept, says why this rank stopped
-        flight_recorder.dump(f"stopped by an error: exit status {status}")
+        flight_recorder.dump(f"stopped by an error: {why or f'exit status {status}'}")
     # Outside the except blocks: the exception and its traceback (which keeps the model alive) are gone.
     runtime.shutdown()
     return status

@@ -42,6 +42,7 @@ from . import (
     comm,
     data,
     faults,
+    flight_recorder,
     flops,
     memory,
     models,
@@ -491,6 +492,8 @@ class Trainer:
             cpu_offload=config.cpu_offload,
         )
         self.optimizer = build_optimizer(self.model, config)
+        if config.strategy == "ddp":  # replicas: a flight record, if one is kept, holds their fingerprints
+            flight_recorder.watch_replicas(lambda: replicas.fingerprints(strategies.unwrap(self.model)))
 
         pin = self.process.device.type == "cuda"
         self.train_loader = data.train_loader(

@@ -32,3 +32,34 @@ def test_a_fault_in_training_stops_every_rank_with_one_line_naming_it(fault, fla
     assert [o.returncode for o in outcomes] == [status, status], outcomes[0].stderr + outcomes[1].stderr
     errors = [text for text in outcomes[0].stderr.splitlines() if text.startswith("error:")]
     assert len(errors) == 1 and line in errors[0], outcomes[0].stderr
+
+
+def test_the_diagnosis_compares_the_replicas_the_ranks_ended_with(tmp_path):
+    """No check during the run: the ranks' records at the end hold their weights' fingerprints."""
+    from conftest import run_tool
+
+    records = tmp_path / "records"
+    argv = [*BASE, "--max-steps", "4", "--flight-recorder", str(records)]
+    outcomes = run_ranks(argv, nprocs=2, env={faults.VARIABLE: "corrupt:1:1"}, timeout=120)
+    assert [o.returncode for o in outcomes] == [0, 0], outcomes[0].stderr
+    shown = run_tool("diagnose", str(records))
+    assert shown.returncode == 1, shown.stdout
+    assert shown.stdout.startswith("the replicas differ at the end: parameter '0.0.weight' has 2 values"), (
+        shown.stdout
+    )
+
+
+def test_a_fault_stopping_the_trainer_is_named_in_its_record(tmp_path):
+    from conftest import run_tool
+
+    records = tmp_path / "records"
+    outcomes = run_ranks(
+        [*BASE, "--flight-recorder", str(records)], nprocs=2, env={faults.VARIABLE: "seed:1:7"}
+    )
+    assert [o.returncode for o in outcomes] == [2, 2]
+    shown = run_tool("diagnose", str(records))
+    first = shown.stdout.splitlines()[0]
+    assert shown.returncode == 1 and first.startswith(
+        "no collective went wrong; ranks 0, 1 stopped by an error"
+    ), first
+    assert "the ranks' samplers have different seeds (rank 0: 0, rank 1: 7)" in first

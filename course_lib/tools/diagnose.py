@@ -44,6 +44,7 @@ class RankRecord:
     where: list[str]
     entries: list[dict]
     source: str  # the file it came from
+    replicas: dict | None = None  # {parameter: fingerprint}, for a data-parallel replica
 
 
 @dataclass
@@ -107,6 +108,7 @@ def _read_course_record(path: Path) -> RankRecord:
                 dict(e, group_ranks=tuple(e["group_ranks"]), shape=tuple(e["shape"])) for e in data["entries"]
             ],
             source=path.name,
+            replicas=data.get("replicas"),
         )
     except (KeyError, TypeError, ValueError) as error:
         raise UserError(f"{path} is not a complete flight record: {error!r} is missing or wrong") from None
@@ -263,6 +265,10 @@ def diagnose(records: dict[int, RankRecord]) -> Diagnosis:
             [f"rank {rank}: {reason}" for rank, reason in errors.items()] + _last_common(by_group),
         )
 
+    drift = _replicas_differ(records)
+    if drift:
+        return Diagnosis(drift[0], drift[1:] + _last_common(by_group))
+
     stuck = {rank: text for rank, text in _waiting(records).items()}
     if stuck:
         return Diagnosis(
@@ -273,6 +279,26 @@ def diagnose(records: dict[int, RankRecord]) -> Diagnosis:
     return Diagnosis(
         "no problem found: every rank completed the same collectives", _last_common(by_group), False
     )
+
+
+def _replicas_differ(records: dict[int, RankRecord]) -> list[str]:
+    """The first parameter whose fingerprint differs between ranks that all finished, and who holds what."""
+    finished = [r for r in records.values() if r.reason.startswith("finished") and r.replicas]
+    if len(finished) < 2 or len(finished) != len(records):
+        return []
+    for name in finished[0].replicas:
+        values = defaultdict(list)
+        for record in finished:
+            values[record.replicas.get(name)].append(record.rank)
+        if len(values) > 1:
+            sides = " and ".join(
+                f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}" for r in values.values()
+            )
+            return [
+                f"the replicas differ at the end: parameter {name!r} has {len(values)} values ({sides}): the "
+                "ranks did not apply the same update (--check-replicas N finds the step it happened)",
+            ]
+    return []
 
 
 def _odd_one_out(calls: dict[int, dict], key) -> int | None:

@@ -41,10 +41,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import UserError
+
+if TYPE_CHECKING:  # torch is imported where a fault needs it: runtime (and the jobs' checks) import this
+    import torch
 
 VARIABLE = "COURSE_FAULT"
 KINDS = (
@@ -209,6 +211,8 @@ def corrupt_after(model: torch.nn.Module, step: int) -> None:
     """
     fault = _mine("corrupt")
     if fault is not None and step == int(fault.at):
+        import torch
+
         with torch.no_grad():
             first = next(model.parameters())
             first.view(-1)[0] += 1e-3  # small: the loss does not show it; the replicas' check does

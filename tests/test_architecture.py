@@ -170,3 +170,24 @@ def test_the_checker_finds_a_cycle_and_an_upward_import():
     assert [t for n, ts in graph.items() if not is_tool(n) for t in ts if is_tool(t)] == [
         "course_lib.tools.plots"
     ]
+
+
+def test_the_jobs_checks_import_without_torch():
+    """A job checks its GPUs and the network plugin with Python from wherever it runs (a container, a
+    uenv) before the training environment is known to work: those checks must not need torch."""
+    import subprocess
+    import sys
+
+    blocker = (
+        "import sys\n"
+        "class NoTorch:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch' or name.startswith('torch.'):\n"
+        "            raise ModuleNotFoundError(\"No module named 'torch'\")\n"
+        "sys.meta_path.insert(0, NoTorch())\n"
+        "import course_lib.runtime, course_lib.flight_recorder, course_lib.faults\n"
+        "import course_lib.tools.jobcheck\n"
+    )
+    repository = Path(__file__).resolve().parents[1]
+    shown = subprocess.run([sys.executable, "-c", blocker], cwd=repository, capture_output=True, text=True)
+    assert shown.returncode == 0, shown.stderr

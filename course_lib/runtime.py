@@ -568,7 +568,12 @@ def from_rank0(value):
 
 
 def print0(*args, **kwargs) -> None:
-    """``print`` on rank 0 only: N identical lines teach nothing."""
+    """``print`` on rank 0 only: N identical lines teach nothing.
+
+    Args:
+        args: what ``print`` takes.
+        kwargs: ``print``'s keyword arguments (``flush`` is True unless given).
+    """
     if is_main():
         kwargs.setdefault("flush", True)
         print(*args, **kwargs)

@@ -26,7 +26,7 @@ import json
 import pickle
 import sys
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 
 from ..errors import UserError
@@ -49,9 +49,16 @@ class RankRecord:
 
 @dataclass
 class Diagnosis:
-    """The cause in one line, the evidence, and whether anything is wrong."""
+    """The cause in one line, the evidence, and whether anything is wrong.
+
+    Args:
+        cause: the first cause found, in one line (or "no problem found").
+        evidence: the lines that show it: each rank's call, where a rank was, the last common collective.
+        problem: whether anything is wrong (False: "no problem found").
+    """
 
     cause: str
+    _: KW_ONLY
     evidence: list[str] = field(default_factory=list)
     problem: bool = True
 
@@ -179,7 +186,7 @@ def diagnose(records: dict[int, RankRecord]) -> Diagnosis:
             f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} left no record: "
             f"{'they' if len(missing) > 1 else 'it'} died before the others stopped (killed, out of memory, "
             "or a crash in native code): look at its log's last lines",
-            [f"rank {rank} was waiting in {text}" for rank, text in waiting.items()]
+            evidence=[f"rank {rank} was waiting in {text}" for rank, text in waiting.items()]
             + [f"records: {', '.join(str(r) for r in sorted(records))} of {world} ranks"],
         )
 
@@ -196,7 +203,9 @@ def diagnose(records: dict[int, RankRecord]) -> Diagnosis:
                 return Diagnosis(
                     f"{_group_name(group)}, collective #{sequence}: the ranks made {what}"
                     + (f"; rank {odd} is the odd one" if odd is not None else ""),
-                    [f"rank {rank}: {_describe(e)} at {e['caller']}" for rank, e in sorted(calls.items())]
+                    evidence=[
+                        f"rank {rank}: {_describe(e)} at {e['caller']}" for rank, e in sorted(calls.items())
+                    ]
                     + _last_common(by_group),
                 )
 
@@ -211,7 +220,9 @@ def diagnose(records: dict[int, RankRecord]) -> Diagnosis:
                     f"{_group_name(group)}, collective #{sequence}: the ranks made it from different lines: "
                     "one rank skipped a collective, or made one more, before it"
                     + (f" (rank {odd}, the odd one)" if odd is not None else ""),
-                    [f"rank {rank}: {_describe(e)} at {e['caller']}" for rank, e in sorted(calls.items())]
+                    evidence=[
+                        f"rank {rank}: {_describe(e)} at {e['caller']}" for rank, e in sorted(calls.items())
+                    ]
                     + _last_common(by_group),
                 )
 
@@ -232,7 +243,7 @@ def diagnose(records: dict[int, RankRecord]) -> Diagnosis:
                 f"rank {rank} made collective #{number} on {_group_name(group)}, where no other rank made "
                 f"it, instead of #{other_number} on {_group_name(other)}, where {them} waited: a collective "
                 "on the wrong group",
-                [
+                evidence=[
                     f"rank {rank}: {_describe(entry)} on {_group_name(group)} at {entry['caller']}",
                     f"{them}: {_describe(expected)} on {_group_name(other)} at {expected['caller']}",
                 ]
@@ -251,7 +262,7 @@ def diagnose(records: dict[int, RankRecord]) -> Diagnosis:
             f"rank{'s' if len(behind) > 1 else ''} {', '.join(map(str, behind))} never reached collective "
             f"#{furthest} of {_group_name(group)} ({entry['op']}), which rank{'s' if len(ahead) > 1 else ''} "
             f"{', '.join(map(str, ahead))} waited in",
-            evidence + _last_common(by_group),
+            evidence=evidence + _last_common(by_group),
         )
 
     errors = {
@@ -262,22 +273,25 @@ def diagnose(records: dict[int, RankRecord]) -> Diagnosis:
         return Diagnosis(
             f"no collective went wrong; rank{'s' if len(errors) > 1 else ''} {', '.join(map(str, errors))} "
             f"{reasons[0]}" + (f" (and {len(reasons) - 1} other reasons)" if len(reasons) > 1 else ""),
-            [f"rank {rank}: {reason}" for rank, reason in errors.items()] + _last_common(by_group),
+            evidence=[f"rank {rank}: {reason}" for rank, reason in errors.items()] + _last_common(by_group),
         )
 
     drift = _replicas_differ(records)
     if drift:
-        return Diagnosis(drift[0], drift[1:] + _last_common(by_group))
+        return Diagnosis(drift[0], evidence=drift[1:] + _last_common(by_group))
 
     stuck = {rank: text for rank, text in _waiting(records).items()}
     if stuck:
         return Diagnosis(
             "every rank reached the same collectives, but some never completed: the transport failed "
             "(a network or GPU fault: look at the ranks' logs and NCCL's)",
-            [f"rank {rank} waited in {text}" for rank, text in stuck.items()] + _last_common(by_group),
+            evidence=[f"rank {rank} waited in {text}" for rank, text in stuck.items()]
+            + _last_common(by_group),
         )
     return Diagnosis(
-        "no problem found: every rank completed the same collectives", _last_common(by_group), False
+        "no problem found: every rank completed the same collectives",
+        evidence=_last_common(by_group),
+        problem=False,
     )
 
 

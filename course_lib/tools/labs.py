@@ -405,6 +405,11 @@ def grade_submission(name: str, path: Path, answers: Path | None = None, *, echo
 
 
 def load(path: Path) -> ModuleType:
+    """Import the Python file at ``path`` as a module of its own (a lab's grading suite, a submission).
+
+    Args:
+        path: the file.
+    """
     spec = importlib.util.spec_from_file_location(f"lab_{path.parent.name}_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

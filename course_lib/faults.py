@@ -121,10 +121,15 @@ def reset() -> None:
     _fired.clear()
 
 
+def _for_me() -> Fault | None:
+    """The fault, if it is set for this rank (or for every rank)."""
+    fault = current()
+    return fault if fault is not None and fault.rank in (-1, _my_rank()) else None
+
+
 def active() -> bool:
     """Whether a fault is set for this rank (one look at the environment)."""
-    fault = current()
-    return fault is not None and fault.rank in (-1, _my_rank())
+    return _for_me() is not None
 
 
 def _my_rank() -> int:
@@ -144,8 +149,8 @@ def at_collective(op: str, sequence: int, call: Callable[[], object]) -> Callabl
         sequence: the number it will have on its group (-1 for point to point).
         call: what it would call.
     """
-    fault = current()
-    if fault is None or fault.rank not in (-1, _my_rank()):
+    fault = _for_me()
+    if fault is None:
         return call
     if fault.kind == "slow":
         time.sleep(fault.at)
@@ -172,23 +177,16 @@ def resized(op: str, sequence: int, tensor: torch.Tensor) -> torch.Tensor:
         sequence: the number the call will have on its group.
         tensor: what it would send.
     """
-    fault = current()
-    if (
-        fault is None
-        or fault.kind != "wrong-size"
-        or fault.rank not in (-1, _my_rank())
-        or op != "all_reduce"
-        or sequence != int(fault.at)
-        or "wrong-size" in _fired
-    ):
+    fault = _mine("wrong-size")
+    if fault is None or op != "all_reduce" or sequence != int(fault.at) or "wrong-size" in _fired:
         return tensor
     _fired.add("wrong-size")
     return tensor.reshape(-1)[: max(1, tensor.numel() // 2)]
 
 
 def _mine(kind: str) -> Fault | None:
-    fault = current()
-    return fault if fault is not None and fault.kind == kind and fault.rank in (-1, _my_rank()) else None
+    fault = _for_me()
+    return fault if fault is not None and fault.kind == kind else None
 
 
 def poisoned_loss(loss: torch.Tensor, step: int) -> torch.Tensor:

@@ -279,7 +279,8 @@ def launch(
                 wait_s = deadline - time.monotonic()
             ready = multiprocessing.connection.wait(list(pending), timeout=max(0.0, wait_s))
             if not ready:
-                if failures:
+                if failures:  # the others are still running: their records first, then stop them
+                    _ask_for_flight_records(f"the launcher: rank {min(failures)} failed")
                     break
                 _ask_for_flight_records(
                     f"the launcher: ranks {sorted(pending.values())} did not finish in {timeout_s} s"

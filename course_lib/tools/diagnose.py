@@ -190,41 +190,34 @@ def diagnose(records: dict[int, RankRecord]) -> Diagnosis:
             + [f"records: {', '.join(str(r) for r in sorted(records))} of {world} ranks"],
         )
 
+    # every collective the present ranks of a group all made, in order: compared twice below
+    shared_calls = []
     for group, ranks in sorted(by_group.items()):
         present = [rank for rank in group if rank in ranks]
         shared = sorted(set.intersection(*(set(ranks[rank]) for rank in present))) if present else []
-        for sequence in shared:
-            calls = {rank: ranks[rank][sequence] for rank in present}
-            kinds = {(e["op"], e["dtype"], e["shape"]) for e in calls.values()}
-            if len(kinds) > 1:
-                ops = {e["op"] for e in calls.values()}
-                what = "different collectives" if len(ops) > 1 else "the same collective with different sizes"
-                odd = _odd_one_out(calls, lambda e: (e["op"], e["dtype"], e["shape"]))
-                return Diagnosis(
-                    f"{_group_name(group)}, collective #{sequence}: the ranks made {what}"
-                    + (f"; rank {odd} is the odd one" if odd is not None else ""),
-                    evidence=[
-                        f"rank {rank}: {_describe(e)} at {e['caller']}" for rank, e in sorted(calls.items())
-                    ]
-                    + _last_common(by_group),
-                )
+        shared_calls += [(group, n, {rank: ranks[rank][n] for rank in present}) for n in shared]
 
-    for group, ranks in sorted(by_group.items()):  # the same call from different lines: one skipped one
-        present = [rank for rank in group if rank in ranks]
-        shared = sorted(set.intersection(*(set(ranks[rank]) for rank in present))) if present else []
-        for sequence in shared:
-            calls = {rank: ranks[rank][sequence] for rank in present}
-            if len({e["caller"] for e in calls.values()}) > 1:
-                odd = _odd_one_out(calls, lambda e: e["caller"])
-                return Diagnosis(
-                    f"{_group_name(group)}, collective #{sequence}: the ranks made it from different lines: "
-                    "one rank skipped a collective, or made one more, before it"
-                    + (f" (rank {odd}, the odd one)" if odd is not None else ""),
-                    evidence=[
-                        f"rank {rank}: {_describe(e)} at {e['caller']}" for rank, e in sorted(calls.items())
-                    ]
-                    + _last_common(by_group),
-                )
+    for group, sequence, calls in shared_calls:
+        kinds = {(e["op"], e["dtype"], e["shape"]) for e in calls.values()}
+        if len(kinds) > 1:
+            ops = {e["op"] for e in calls.values()}
+            what = "different collectives" if len(ops) > 1 else "the same collective with different sizes"
+            odd = _odd_one_out(calls, lambda e: (e["op"], e["dtype"], e["shape"]))
+            return Diagnosis(
+                f"{_group_name(group)}, collective #{sequence}: the ranks made {what}"
+                + (f"; rank {odd} is the odd one" if odd is not None else ""),
+                evidence=_calls_evidence(calls) + _last_common(by_group),
+            )
+
+    for group, sequence, calls in shared_calls:  # the same call from different lines: one skipped one
+        if len({e["caller"] for e in calls.values()}) > 1:
+            odd = _odd_one_out(calls, lambda e: e["caller"])
+            return Diagnosis(
+                f"{_group_name(group)}, collective #{sequence}: the ranks made it from different lines: "
+                "one rank skipped a collective, or made one more, before it"
+                + (f" (rank {odd}, the odd one)" if odd is not None else ""),
+                evidence=_calls_evidence(calls) + _last_common(by_group),
+            )
 
     gaps = []  # per group whose ranks did not reach the same collective: (group, #, ahead, behind)
     for group, ranks in sorted(by_group.items()):
@@ -280,7 +273,7 @@ def diagnose(records: dict[int, RankRecord]) -> Diagnosis:
     if drift:
         return Diagnosis(drift[0], evidence=drift[1:] + _last_common(by_group))
 
-    stuck = {rank: text for rank, text in _waiting(records).items()}
+    stuck = _waiting(records)
     if stuck:
         return Diagnosis(
             "every rank reached the same collectives, but some never completed: the transport failed "
@@ -313,6 +306,10 @@ def _replicas_differ(records: dict[int, RankRecord]) -> list[str]:
                 "ranks did not apply the same update (--check-replicas N finds the step it happened)",
             ]
     return []
+
+
+def _calls_evidence(calls: dict[int, dict]) -> list[str]:
+    return [f"rank {rank}: {_describe(e)} at {e['caller']}" for rank, e in sorted(calls.items())]
 
 
 def _odd_one_out(calls: dict[int, dict], key) -> int | None:

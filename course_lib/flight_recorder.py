@@ -100,6 +100,7 @@ class Recorder:
         self.replicas = None  # a function giving this rank's parameter fingerprints (watch_replicas)
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None  # the thread that answers dump requests
 
     def issue(self, op: str, *, sequence: int, group_ranks, shape, dtype, peer: int | None = None) -> Entry:
         entry = Entry(
@@ -158,7 +159,12 @@ class Recorder:
                 self.dump(f"asked by {asked}")
 
     def stop(self) -> None:
+        """Stop the watcher and let go of the model: a recorder that outlived the process group while
+        holding the DDP model (through ``replicas``) made the interpreter abort at exit."""
         self._stop.set()
+        self.replicas = None
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join()
 
 
 def request_dumps(folder: str | os.PathLike, reason: str) -> None:
@@ -224,7 +230,8 @@ def start(
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(max(capacity, 2000)))
     os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(folder / PYTORCH_PREFIX))
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-    threading.Thread(target=_recorder._watch, name="flight-recorder", daemon=True).start()
+    _recorder._watcher = threading.Thread(target=_recorder._watch, name="flight-recorder", daemon=True)
+    _recorder._watcher.start()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGUSR2, lambda signum, frame: dump("SIGUSR2"))
     return _recorder

@@ -56,7 +56,7 @@ def test_a_fault_stopping_the_trainer_is_named_in_its_record(tmp_path):
     outcomes = run_ranks(
         [*BASE, "--flight-recorder", str(records)], nprocs=2, env={faults.VARIABLE: "seed:1:7"}
     )
-    assert [o.returncode for o in outcomes] == [2, 2]
+    assert [o.returncode for o in outcomes] == [2, 2], outcomes[0].stderr + "\n=====\n" + outcomes[1].stderr
     shown = run_tool("diagnose", str(records))
     first = shown.stdout.splitlines()[0]
     assert shown.returncode == 1 and first.startswith(

@@ -51,18 +51,25 @@ from .. import comm, runtime
 from ..checks import check_group, check_int, check_module
 from ..errors import UserError
 from ..memory import live_tensor_bytes
+from .split_backward import BackwardSplitter
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-COMPUTE = ("F", "B")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v", "dualpipe_v")
+SPLIT_BACKWARD = ("zb_h1", "zb_v", "dualpipe_v")
+"""The schedules that split each backward into B (the input's gradient) and W (the weights')."""
+V_SHAPED = ("zb_v", "dualpipe_v")
+"""The schedules whose two chunks per rank sit in a V: rank r holds stages r and 2p - 1 - r."""
+COMPUTE = ("F", "B", "W")
 
 
 @dataclass(frozen=True)
 class Action:
-    """One step of a rank's schedule: ``F``/``B`` (compute), ``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B``.
+    """One step of a rank's schedule: ``F``/``B``/``W`` (compute), ``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B``.
 
     Args:
-        kind: ``"F"`` or ``"B"`` (compute a forward or a backward), ``"SEND_F"``/``"RECV_F"`` (an
-            activation to or from a neighbour), ``"SEND_B"``/``"RECV_B"`` (a gradient).
+        kind: ``"F"`` or ``"B"`` (compute a forward or a backward), ``"W"`` (the weights' gradient,
+            in the schedules that split the backward: there ``B`` is the input's gradient only),
+            ``"SEND_F"``/``"RECV_F"`` (an activation to or from a neighbour), ``"SEND_B"``/``"RECV_B"``
+            (a gradient).
         stage: the stage that computes, or for a message the stage that *receives* it.
         microbatch: which micro-batch.
         peer: for a send or a receive, the rank at the other end.
@@ -146,9 +153,42 @@ def _check_no_tie_across_stages(stages: list[nn.Sequential]) -> None:
                 )
 
 
-def rank_of_stage(stage: int, pipeline_size: int) -> int:
-    """Virtual stages go round the ranks: rank r holds stages r, r + p, r + 2p..."""
-    return stage % pipeline_size
+def rank_of_stage(stage: int, pipeline_size: int, *, placement: str = "loop") -> int:
+    """Which rank holds ``stage``.
+
+    ``"loop"``: virtual stages go round the ranks, rank r holds stages r, r + p, r + 2p... (GPipe,
+    1F1B, interleaved 1F1B, ZB-H1). ``"v"``: the stages go down the ranks and back up, rank r holds
+    stages r and 2p - 1 - r (ZB-V, DualPipeV): the last rank computes the middle two stages back to
+    back, and rank 0 holds the first and the last, so the loss is computed where the input entered.
+
+    Args:
+        stage: the stage's index, 0 to (pipeline ranks x chunks per rank) - 1.
+        pipeline_size: p, the ranks of the pipeline.
+        placement: ``"loop"`` or ``"v"`` (``placement_of(schedule)`` says which a schedule uses).
+    """
+    chunk, offset = divmod(stage, pipeline_size)
+    if placement == "v" and chunk % 2:
+        return pipeline_size - 1 - offset
+    return offset
+
+
+def placement_of(schedule: str) -> str:
+    """``"v"`` for the V-shaped schedules (ZB-V, DualPipeV), ``"loop"`` for the others.
+
+    Args:
+        schedule: one of ``SCHEDULES``.
+    """
+    return "v" if schedule in V_SHAPED else "loop"
+
+
+def splits_backward(actions: dict[int, list[Action]] | list[Action]) -> bool:
+    """True when a schedule runs W actions: its B computes only the input's gradient.
+
+    Args:
+        actions: a schedule ({rank: list}) or one rank's list.
+    """
+    lists = actions.values() if isinstance(actions, dict) else [actions]
+    return any(a.kind == "W" for acts in lists for a in acts)
 
 
 # -- the schedules as pure functions ------------------------------------------------------------
@@ -161,8 +201,24 @@ def check_schedule_arguments(
         raise UserError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
     if pipeline_size < 1 or microbatches < 1 or virtual_stages < 1:
         raise UserError("pipeline size, micro-batches and virtual stages must all be at least 1")
-    if schedule != "interleaved_1f1b" and virtual_stages != 1:
-        raise UserError(f"{schedule} runs one stage per rank: virtual stages need schedule interleaved_1f1b")
+    if schedule in V_SHAPED:
+        if virtual_stages % 2:
+            raise UserError(
+                f"{schedule} places its stages in a V (down the ranks, then back up), which needs an even "
+                f"number of chunks per rank, not {virtual_stages}: pass virtual_stages=2"
+            )
+        if virtual_stages != 2:
+            raise UserError(f"{schedule} runs exactly 2 chunks per rank: pass virtual_stages=2")
+    elif schedule != "interleaved_1f1b" and virtual_stages != 1:
+        raise UserError(
+            f"{schedule} runs one stage per rank: virtual stages need schedule interleaved_1f1b (or a V "
+            "schedule, zb_v or dualpipe_v, with 2)"
+        )
+    if schedule == "dualpipe_v" and microbatches < 2 * pipeline_size:
+        raise UserError(
+            f"DualPipeV feeds micro-batches into both arms of the V at once and needs at least one per "
+            f"stage: use at least 2p = {2 * pipeline_size} micro-batches, not {microbatches}"
+        )
     if schedule == "interleaved_1f1b" and microbatches % pipeline_size:
         raise UserError(
             f"interleaved 1F1B sends micro-batches round the {pipeline_size} ranks in groups of "
@@ -177,16 +233,23 @@ def compute_order(
     """Each rank's forwards and backwards, in the order it runs them (no communication yet).
 
     Args:
-        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
+        schedule: one of ``SCHEDULES``: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, or the
+            schedules that split the backward, ``"zb_h1"``, ``"zb_v"`` and ``"dualpipe_v"``.
         pipeline_size: p, the ranks of the pipeline.
         microbatches: m, the pieces each batch is cut into.
-        virtual_stages: v, stages per rank (more than 1 only for ``"interleaved_1f1b"``).
+        virtual_stages: v, stages per rank (``"interleaved_1f1b"``: any; the V schedules: 2).
     """
     check_schedule_arguments(schedule, pipeline_size, microbatches, virtual_stages=virtual_stages)
     p, m, v = pipeline_size, microbatches, virtual_stages
     order = {}
     for rank in range(p):
-        if schedule == "gpipe":
+        if schedule == "zb_h1":
+            order[rank] = _zb_h1_order(rank, p, m)
+        elif schedule == "zb_v":
+            order[rank] = _zb_v_order(rank, p, m)
+        elif schedule == "dualpipe_v":
+            order[rank] = _dualpipe_v_order(rank, p, m)
+        elif schedule == "gpipe":
             order[rank] = [Action("F", rank, i) for i in range(m)] + [Action("B", rank, i) for i in range(m)]
         elif schedule == "1f1b":
             warmup = min(p - rank - 1, m)
@@ -220,61 +283,210 @@ def _interleaved_order(rank: int, p: int, m: int, v: int) -> list[Action]:
     return actions
 
 
+def _zb_h1_order(rank: int, p: int, m: int) -> list[Action]:
+    """ZB-H1 (Qi et al. 2024, section 3.1): 1F1B with each backward split into B and W, rank r
+    putting off its first r W's. B alone goes back to the previous rank sooner than a whole
+    backward would, so the warm-up and drain bubbles shrink by T_W each step; the W's put off
+    fill the drain, where 1F1B's later ranks sat idle. At most p micro-batches wait for their W
+    on any rank: 1F1B's peak on rank 0."""
+    warmup = min(p - rank - 1, m)
+    actions = [Action("F", rank, i) for i in range(warmup)]
+    put_off: list[int] = []  # micro-batches whose B ran and whose W has not
+
+    def backward(i: int) -> None:
+        actions.append(Action("B", rank, i))
+        put_off.append(i)
+        if len(put_off) > rank:
+            actions.append(Action("W", rank, put_off.pop(0)))
+
+    for i in range(m - warmup):
+        actions.append(Action("F", rank, warmup + i))
+        backward(i)
+    for i in range(m - warmup, m):
+        backward(i)
+    actions += [Action("W", rank, i) for i in put_off]
+    return actions
+
+
+def _zb_v_order(rank: int, p: int, m: int) -> list[Action]:
+    """ZB-V (Qi et al. 2024, section 6): two chunks per rank in a V, rank r holding stage r (going
+    down) and stage 2p - 1 - r (coming back). Warm up with the first chunk's forwards, then alternate
+    F, B and W of both chunks; the drain runs the B's first and the W's after, so the W's fill what
+    would be the bubble. With T_F = T_B = T_W the bubble is almost gone, at 1F1B's peak activation
+    memory. Written as PyTorch's ``ScheduleZBVZeroBubble`` builds it: for m < 2p - 1 it plans
+    2p - 1 micro-batches and leaves the missing ones out."""
+    down, up = rank, 2 * p - 1 - rank
+    planned = max(2 * p - 1, m)
+    forwards, backwards = {down: 0, up: 0}, {down: 0, up: 0}
+    actions: list[Action] = []
+
+    def forward(stage: int) -> None:
+        actions.append(Action("F", stage, forwards[stage]))
+        forwards[stage] += 1
+
+    def backward(stage: int, *, then_weights: bool) -> None:
+        actions.append(Action("B", stage, backwards[stage]))
+        if then_weights:
+            actions.append(Action("W", stage, backwards[stage]))
+        backwards[stage] += 1
+
+    for _ in range(2 * (p - rank) - 1):
+        forward(down)
+    for _ in range(rank):
+        forward(up)
+        forward(down)
+    for _ in range(p - rank):
+        forward(up)
+        backward(up, then_weights=True)
+    while forwards[up] < forwards[down] or forwards[down] < planned:
+        if forwards[down] < planned:
+            forward(down)
+        backward(down, then_weights=True)
+        forward(up)
+        backward(up, then_weights=True)
+    weights = dict(backwards)  # the drain: B's now, their W's after
+    for _ in range(rank):
+        backward(down, then_weights=False)
+        backward(up, then_weights=False)
+    for _ in range(p - rank):
+        backward(down, then_weights=False)
+        actions.append(Action("W", down, weights[down]))
+        weights[down] += 1
+    actions += [Action("W", up, i) for i in range(weights[up], backwards[up])]
+    actions += [Action("W", down, i) for i in range(weights[down], backwards[down])]
+    return [a for a in actions if a.microbatch < m]
+
+
+def _dualpipe_v_order(rank: int, p: int, m: int) -> list[Action]:
+    """DualPipeV (DeepSeek-V3, 2024; the V-shaped half of DualPipe, as PyTorch's
+    ``ScheduleDualPipeV`` builds it): the V placement of ZB-V, but in the steady state each rank
+    pairs the forward of one chunk with the whole backward of the other (``F`` then ``B`` and ``W``
+    here). On a GPU the pair overlaps: one computes while the other's messages (an MoE layer's
+    all-to-all) travel. On one CPU core they run one after the other, so what this course measures
+    is the schedule's bubble, not that overlap. Only the warm-up and the drain split B from W."""
+    down, up = rank, 2 * p - 1 - rank
+    done = defaultdict(int)  # (kind, stage) -> micro-batches done
+    put_off: list[tuple[int, int]] = []  # (stage, micro-batch) whose B ran and whose W has not
+    actions: list[Action] = []
+
+    def forward(stage: int) -> None:
+        actions.append(Action("F", stage, done["F", stage]))
+        done["F", stage] += 1
+
+    def backward(stage: int, *, split: bool) -> None:
+        i = done["B", stage]
+        done["B", stage] += 1
+        actions.append(Action("B", stage, i))
+        if split:
+            put_off.append((stage, i))
+        else:  # the whole backward at once
+            actions.append(Action("W", stage, i))
+
+    def weights() -> None:
+        if put_off:
+            stage, i = put_off.pop(0)
+            actions.append(Action("W", stage, i))
+
+    for _ in range(2 * (p - rank - 1)):
+        forward(down)
+    for _ in range(rank + 1):
+        forward(down)
+        forward(up)
+    for _ in range(p - rank - 1):
+        backward(up, split=True)
+        weights()
+        forward(up)
+    for _ in range(m - 2 * p + rank + 1):  # the steady state: pairs of one chunk's F and the other's B
+        forward(down)
+        backward(up, split=False)
+        forward(up)
+        backward(down, split=False)
+    for _ in range(p - rank - 1):
+        backward(up, split=False)
+        forward(up)
+        backward(down, split=False)
+    split = False
+    for i in range(rank + 1):  # the drain: the second half of its B's leave their W for later
+        split = split or (i == (rank + 1) // 2 and rank % 2 == 1)
+        backward(up, split=split)
+        split = split or (i == (rank + 1) // 2 and rank % 2 == 0)
+        backward(down, split=split)
+    for _ in range(p - rank - 1):
+        weights()
+        backward(down, split=split)
+    while put_off:
+        weights()
+    return actions
+
+
 def build_schedule(
     schedule: str, pipeline_size: int, microbatches: int, *, virtual_stages: int = 1
 ) -> dict[int, list[Action]]:
     """Each rank's complete list: compute actions with the sends and receives they need around them.
 
+    A W needs no message: it uses what its B left on the same rank.
+
     Args:
-        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
+        schedule: one of ``SCHEDULES``.
         pipeline_size: p, the ranks of the pipeline.
         microbatches: m, the pieces each batch is cut into.
-        virtual_stages: v, stages per rank (more than 1 only for ``"interleaved_1f1b"``).
+        virtual_stages: v, stages per rank (``"interleaved_1f1b"``: any; the V schedules: 2).
     """
     order = compute_order(schedule, pipeline_size, microbatches, virtual_stages=virtual_stages)
     last = pipeline_size * virtual_stages - 1
+    placement = placement_of(schedule)
+
+    def rank_of(stage: int) -> int:
+        return rank_of_stage(stage, pipeline_size, placement=placement)
+
     full = {}
     for rank, actions in order.items():
         steps = []
         for action in actions:
             s, i = action.stage, action.microbatch
             if action.kind == "F":
-                source = rank_of_stage(s - 1, pipeline_size)
-                if s > 0 and source != rank:
-                    steps.append(Action("RECV_F", s, i, peer=source))
+                if s > 0 and rank_of(s - 1) != rank:
+                    steps.append(Action("RECV_F", s, i, peer=rank_of(s - 1)))
                 steps.append(action)
-                target = rank_of_stage(s + 1, pipeline_size)
-                if s < last and target != rank:
-                    steps.append(Action("SEND_F", s + 1, i, peer=target))
+                if s < last and rank_of(s + 1) != rank:
+                    steps.append(Action("SEND_F", s + 1, i, peer=rank_of(s + 1)))
+            elif action.kind == "B":
+                if s < last and rank_of(s + 1) != rank:
+                    steps.append(Action("RECV_B", s, i, peer=rank_of(s + 1)))
+                steps.append(action)
+                if s > 0 and rank_of(s - 1) != rank:
+                    steps.append(Action("SEND_B", s - 1, i, peer=rank_of(s - 1)))
             else:
-                source = rank_of_stage(s + 1, pipeline_size)
-                if s < last and source != rank:
-                    steps.append(Action("RECV_B", s, i, peer=source))
                 steps.append(action)
-                target = rank_of_stage(s - 1, pipeline_size)
-                if s > 0 and target != rank:
-                    steps.append(Action("SEND_B", s - 1, i, peer=target))
         full[rank] = steps
     return full
 
 
 def check_schedule(
-    actions: dict[int, list[Action]], pipeline_size: int, microbatches: int, *, virtual_stages: int = 1
+    actions: dict[int, list[Action]],
+    pipeline_size: int,
+    microbatches: int,
+    *,
+    virtual_stages: int = 1,
+    placement: str = "loop",
 ) -> None:
     """Raise ``ValueError`` unless the schedule is complete, causal, matched and deadlock-free.
 
     Replays all ranks together with non-blocking sends and receives that wait for their send:
     every forward and backward of every (stage, micro-batch) exactly once, on the stage's rank,
-    each forward before its backward, each input received (or produced locally) before use.
+    each forward before its backward, each input received (or produced locally) before use. A
+    schedule that splits the backward runs a W for every B, after it and on the same rank.
 
     Args:
         actions: {rank: its list of actions}, as ``build_schedule`` returns (or a student writes).
         pipeline_size: p, the ranks of the pipeline.
         microbatches: m, the pieces each batch is cut into.
         virtual_stages: v, stages per rank.
+        placement: where the stages live, ``"loop"`` or ``"v"`` (``placement_of(schedule)``).
     """
     stages = pipeline_size * virtual_stages
-    expected = {(kind, s, i) for kind in COMPUTE for s in range(stages) for i in range(microbatches)}
+    kinds = COMPUTE if splits_backward(actions) else ("F", "B")
+    expected = {(kind, s, i) for kind in kinds for s in range(stages) for i in range(microbatches)}
     seen = [
         (a.kind, a.stage, a.microbatch)
         for rank_actions in actions.values()
@@ -282,13 +494,17 @@ def check_schedule(
         if a.kind in COMPUTE
     ]
     if sorted(seen) != sorted(expected):
-        raise ValueError("the schedule does not run every forward and backward exactly once")
+        every = "forward, backward (B) and weight gradient (W)" if "W" in kinds else "forward and backward"
+        raise ValueError(f"the schedule does not run every {every} exactly once")
+
+    def rank_of(stage: int) -> int:
+        return rank_of_stage(stage, pipeline_size, placement=placement)
+
     for rank, rank_actions in actions.items():
         for action in rank_actions:
-            if action.kind in COMPUTE and rank_of_stage(action.stage, pipeline_size) != rank:
+            if action.kind in COMPUTE and rank_of(action.stage) != rank:
                 raise ValueError(
-                    f"{action} is on rank {rank}, but stage {action.stage} lives on rank "
-                    f"{rank_of_stage(action.stage, pipeline_size)}"
+                    f"{action} is on rank {rank}, but stage {action.stage} lives on rank {rank_of(action.stage)}"
                 )
     sent: set[tuple] = set()  # (kind, stage, microbatch, to rank)
     done: set[tuple] = set()
@@ -304,6 +520,8 @@ def check_schedule(
                     ready = a.stage == 0 or ("F", *key) in available
                 elif a.kind == "B":
                     ready = ("F", *key) in done and (a.stage == stages - 1 or ("B", *key) in available)
+                elif a.kind == "W":
+                    ready = ("B", *key) in done
                 elif a.kind.startswith("RECV"):
                     ready = (a.kind[-1], a.stage, a.microbatch, rank) in sent
                 else:  # a send needs what it sends to have been computed
@@ -314,13 +532,15 @@ def check_schedule(
                     ) in done
                 if not ready:
                     break
-                if a.kind in COMPUTE:
+                if a.kind in ("F", "B"):
                     done.add((a.kind, *key))
                     neighbour = a.stage + 1 if a.kind == "F" else a.stage - 1
-                    if 0 <= neighbour < stages and rank_of_stage(neighbour, pipeline_size) == rank:
+                    if 0 <= neighbour < stages and rank_of(neighbour) == rank:
                         available.add((a.kind, neighbour, a.microbatch))  # handed over locally
+                elif a.kind == "W":
+                    done.add((a.kind, *key))
                 elif a.kind.startswith("SEND"):
-                    if rank_of_stage(a.stage, pipeline_size) != a.peer:
+                    if rank_of(a.stage) != a.peer:
                         raise ValueError(f"{a} on rank {rank} goes to the wrong rank")
                     sent.add((a.kind[-1], a.stage, a.microbatch, a.peer))
                 else:
@@ -343,19 +563,113 @@ def check_schedule(
 # -- what the theory says ---------------------------------------------------------------------
 
 
-def bubble_fraction_theory(pipeline_size: int, microbatches: int, *, virtual_stages: int = 1) -> float:
-    """Idle share of each rank's step, what the course measures: (p - 1) / (v·m + p - 1).
+def bubble_fraction_theory(
+    pipeline_size: int,
+    microbatches: int,
+    *,
+    virtual_stages: int = 1,
+    schedule: str = "1f1b",
+    forward_time: float = 1.0,
+    backward_time: float | None = None,
+    weight_time: float | None = None,
+) -> float:
+    """Idle share of each rank's step, what the course measures: idle / (idle + compute).
 
+    For GPipe, 1F1B and interleaved 1F1B that is (p - 1) / (v·m + p - 1), whatever the times.
     Megatron-LM and most papers state the bubble relative to the ideal compute time instead,
     (p - 1) / (v·m) (``bubble_overhead_theory``); the two say the same thing, since
-    fraction = overhead / (1 + overhead).
+    fraction = overhead / (1 + overhead). For the schedules that split the backward, the idle
+    time is ``bubble_time_theory``'s and the compute m·(T_F + T_B + T_W).
 
     Args:
         pipeline_size: p, the ranks of the pipeline.
         microbatches: m, the pieces each batch is cut into.
         virtual_stages: v, stages per rank (interleaved schedule).
+        schedule: one of ``SCHEDULES``.
+        forward_time: T_F, one micro-batch's forward through a rank's whole share of the model.
+        backward_time: T_B, its backward (the whole of it; in a split schedule its B alone).
+        weight_time: T_W, its W (only in a schedule that splits the backward).
     """
-    return (pipeline_size - 1) / (virtual_stages * microbatches + pipeline_size - 1)
+    p, m, v = pipeline_size, microbatches, virtual_stages
+    if schedule not in SPLIT_BACKWARD:
+        _check_times(schedule, weight_time)
+        return (p - 1) / (v * m + p - 1)
+    forward, backward, weight = _times(schedule, forward_time, backward_time, weight_time)
+    enough = {"zb_h1": p, "zb_v": 2 * p - 1, "dualpipe_v": 2 * p}[schedule]
+    if m < enough:
+        raise UserError(
+            f"{schedule}'s closed form assumes the steady state is reached, at least {enough} micro-batches "
+            f"for p = {p} (got {m}): simulate_timeline gives the bubble of fewer"
+        )
+    idle = bubble_time_theory(
+        schedule, p, forward_time=forward, backward_time=backward, weight_time=weight, virtual_stages=v
+    )
+    return idle / (idle + m * (forward + backward + weight))
+
+
+def bubble_time_theory(
+    schedule: str,
+    pipeline_size: int,
+    *,
+    virtual_stages: int = 1,
+    forward_time: float = 1.0,
+    backward_time: float | None = None,
+    weight_time: float | None = None,
+) -> float:
+    """The time each rank idles in one step (the papers' "bubble"), in the units of the times given.
+
+    - GPipe, 1F1B: (p - 1)(T_F + T_B); interleaved 1F1B: that divided by v.
+    - ZB-H1 (Qi et al. 2024, table 1): (p - 1)(T_F + T_B - T_W). A W only fills a gap as long as a
+      forward, so for T_W > T_F it is (p - 1)(T_B); in all, (p - 1)(T_F + T_B - min(T_W, T_F)).
+    - ZB-V and DualPipeV, with T_F = T_B = T_W, the times they were built for: (p - 1)·T_F / 2, the
+      last rank's wait for the first micro-batch to come down p - 1 chunks of half a share each;
+      nothing else idles. With other times their fixed orders are no longer the best, and
+      ``simulate_timeline`` gives what they cost.
+
+    All three hold once the steady state is reached: at least p micro-batches for ZB-H1, 2p - 1
+    for ZB-V, 2p for DualPipeV (``bubble_fraction_theory`` refuses fewer).
+
+    Args:
+        schedule: one of ``SCHEDULES``.
+        pipeline_size: p, the ranks of the pipeline.
+        virtual_stages: v, stages per rank.
+        forward_time: T_F, one micro-batch's forward through a rank's whole share of the model.
+        backward_time: T_B, its backward (the whole of it; in a split schedule its B alone).
+        weight_time: T_W, its W (only in a schedule that splits the backward).
+    """
+    forward, backward, weight = _times(schedule, forward_time, backward_time, weight_time)
+    p = pipeline_size
+    if schedule in ("gpipe", "1f1b"):
+        return (p - 1) * (forward + backward)
+    if schedule == "interleaved_1f1b":
+        return (p - 1) * (forward + backward) / virtual_stages
+    if schedule == "zb_h1":
+        return (p - 1) * (forward + backward - min(weight, forward))
+    if not forward == backward == weight:
+        raise UserError(
+            f"{schedule}'s bubble has a closed form only for T_F = T_B = T_W, the times its order was built "
+            f"for (got {forward}, {backward}, {weight}): simulate_timeline gives it for any times"
+        )
+    return (p - 1) * forward / 2
+
+
+def _check_times(schedule: str, weight_time: float | None) -> None:
+    if weight_time is not None and schedule not in SPLIT_BACKWARD:
+        raise UserError(
+            f"weight_time is the time of a W, and {schedule} does not split the backward into B and W: give "
+            f"its whole backward as backward_time, or choose a schedule that splits it ({', '.join(SPLIT_BACKWARD)})"
+        )
+
+
+def _times(schedule, forward_time, backward_time, weight_time) -> tuple[float, float, float]:
+    """T_F, T_B and T_W with their defaults: a whole backward of 2 forwards, or B = W = 1 forward."""
+    if schedule not in SCHEDULES:
+        raise UserError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
+    _check_times(schedule, weight_time)
+    split = schedule in SPLIT_BACKWARD
+    backward = (1.0 if split else 2.0) * forward_time if backward_time is None else backward_time
+    weight = (1.0 * forward_time if weight_time is None else weight_time) if split else 0.0
+    return forward_time, backward, weight
 
 
 def bubble_overhead_theory(pipeline_size: int, microbatches: int, *, virtual_stages: int = 1) -> float:
@@ -374,8 +688,14 @@ def peak_activations_theory(
 ) -> int:
     """Micro-batches whose activations a rank holds at most (counted per virtual stage).
 
+    In the schedules that split the backward a micro-batch counts until its W (``peak_in_flight``).
+    ZB-H1 keeps p on every rank, 1F1B's rank 0 peak, where 1F1B's later ranks hold fewer: what
+    fills the bubble is W's whose micro-batches are still held. ZB-V keeps 2p chunks, each half a
+    share: p shares again (the paper's "same memory as 1F1B"); DualPipeV keeps 2p + 1 (DeepSeek-V3's
+    "PP + 1" for its 2p stages).
+
     Args:
-        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
+        schedule: one of ``SCHEDULES``.
         pipeline_size: p, the ranks of the pipeline.
         microbatches: m, the pieces each batch is cut into.
         rank: which rank of the pipeline (rank 0 holds the most under 1F1B).
@@ -386,6 +706,12 @@ def peak_activations_theory(
         return m
     if schedule == "1f1b":
         return min(p - rank, m)
+    if schedule == "zb_h1":
+        return min(p, m)
+    if schedule == "zb_v":  # fewer micro-batches than 2p - 1 leave the V part empty
+        return min(2 * p, m + 1 + rank, 2 * m)
+    if schedule == "dualpipe_v":
+        return 2 * p + 1
     if m == p:
         return m * v
     return min((p - rank - 1) * 2 + (v - 1) * p + 1, m * v)
@@ -394,12 +720,16 @@ def peak_activations_theory(
 def peak_in_flight(actions: list[Action]) -> int:
     """Count the forwards whose backward has not run yet, at the worst moment of a rank's list.
 
+    In a schedule that splits the backward a micro-batch counts until its W: after B it still
+    holds what W needs (each layer's input and output gradient), less than a whole activation.
+
     Args:
         actions: one rank's list of actions.
     """
+    done = "W" if splits_backward(actions) else "B"  # a split backward frees the last of it at W
     live = peak = 0
     for action in actions:
-        live += {"F": 1, "B": -1}.get(action.kind, 0)
+        live += 1 if action.kind == "F" else -1 if action.kind == done else 0
         peak = max(peak, live)
     return peak
 
@@ -409,7 +739,8 @@ def simulate_timeline(
     pipeline_size: int,
     *,
     forward_time: float = 1.0,
-    backward_time: float = 2.0,
+    backward_time: float | None = None,
+    weight_time: float | None = None,
 ) -> dict[int, list[tuple[str, int, int, float, float]]]:
     """Start and end of every forward/backward if each takes the given time and messages are free.
 
@@ -422,15 +753,33 @@ def simulate_timeline(
         forward_time: how long one micro-batch's forward through one rank's share of the model
             takes. With v virtual stages a rank's share is cut into v chunks, each 1/v of it:
             that is where interleaving wins.
-        backward_time: the same for the backward (about twice the forward).
+        backward_time: the same for the backward: the whole backward (default 2, about twice the
+            forward), or, in a schedule that splits it, its B alone (default 1).
+        weight_time: the same for a W, in a schedule that splits the backward (default 1: B and W
+            about equal); a schedule without W's refuses it.
     """
+    split = splits_backward(actions)
+    if weight_time is not None and not split:
+        raise UserError(
+            "weight_time is the time of a W, and this schedule does not split the backward into B and W: "
+            "give its whole backward as backward_time, or simulate a schedule that splits it "
+            f"({', '.join(SPLIT_BACKWARD)})"
+        )
+    if backward_time is None:
+        backward_time = 1.0 if split else 2.0
+    if weight_time is None:
+        weight_time = 1.0
     finished: dict[tuple, float] = {}
     events: dict[int, list] = defaultdict(list)
     clock = {rank: 0.0 for rank in actions}
     pending = {rank: [a for a in acts if a.kind in COMPUTE] for rank, acts in actions.items()}
     stages = max(a.stage for acts in pending.values() for a in acts) + 1
     virtual_stages = stages // pipeline_size
-    forward_time, backward_time = forward_time / virtual_stages, backward_time / virtual_stages
+    duration = {
+        "F": forward_time / virtual_stages,
+        "B": backward_time / virtual_stages,
+        "W": weight_time / virtual_stages,
+    }
     while any(pending.values()):
         progressed = False
         for rank, queue in pending.items():
@@ -441,10 +790,12 @@ def simulate_timeline(
                     needs.append(("F", a.stage, a.microbatch))
                     if a.stage < stages - 1:
                         needs.append(("B", a.stage + 1, a.microbatch))
+                if a.kind == "W":
+                    needs.append(("B", a.stage, a.microbatch))
                 if any(n not in finished for n in needs):
                     break
                 start = max([clock[rank], *(finished[n] for n in needs)])
-                end = start + (forward_time if a.kind == "F" else backward_time)
+                end = start + duration[a.kind]
                 finished[(a.kind, a.stage, a.microbatch)] = clock[rank] = end
                 events[rank].append((a.kind, a.stage, a.microbatch, start, end))
                 queue.pop(0)
@@ -578,9 +929,19 @@ class PipelineExecutor:
         self.actions = build_schedule(
             schedule, self.pipeline_size, microbatches, virtual_stages=self.virtual_stages
         )[self.rank]
-        expected = {s for s in range(num_stages) if rank_of_stage(s, self.pipeline_size) == self.rank}
+        self.placement = placement_of(schedule)
+        expected = {
+            s
+            for s in range(num_stages)
+            if rank_of_stage(s, self.pipeline_size, placement=self.placement) == self.rank
+        }
         if set(stages) != expected:
-            raise UserError(f"rank {self.rank} must hold stages {sorted(expected)}, got {sorted(stages)}")
+            where = " (a V: rank r holds stages r and 2p - 1 - r)" if self.placement == "v" else ""
+            raise UserError(
+                f"rank {self.rank} must hold stages {sorted(expected)}{where} under {schedule}, got {sorted(stages)}"
+            )
+        # The schedules with W actions run each stage's backward in two (split_backward.py).
+        self.splitter = BackwardSplitter(list(stages.values())) if schedule in SPLIT_BACKWARD else None
         self.stages, self.num_stages, self.schedule = stages, num_stages, schedule
         self.microbatches, self.loss_fn = microbatches, loss_fn
         self.boundary_shape, self.dtype = tuple(boundary_shape), dtype
@@ -652,7 +1013,8 @@ class PipelineExecutor:
         input_chunks = inputs.chunk(m) if has_first else None
         target_chunks = targets.chunk(m) if has_last else None
         inbox = {}  # ("F" | "B", stage, microbatch) -> what that stage receives (activation or gradient)
-        held = {}  # (stage, microbatch) -> (input, output) kept for the backward
+        held = {}  # (stage, microbatch) -> (input, output, record of a split forward) kept for the backward
+        waiting = {}  # (stage, microbatch) -> record of a split forward whose B ran and whose W has not
         outbox = {}  # ("F" | "B", receiving stage, microbatch) -> what to send
         in_flight, losses, stats = [], [], PipelineStats()
         held_bytes = 0
@@ -687,7 +1049,11 @@ class PipelineExecutor:
                     begin = time.perf_counter()
                     x = input_chunks[i] if s == 0 else inbox.pop(("F", s, i)).requires_grad_()
                     alive_before = live.now if live is not None else 0
-                    y = self.stages[s](x)
+                    record = None
+                    if self.splitter is not None:
+                        y, record = self.splitter.forward(self.stages[s], x)
+                    else:
+                        y = self.stages[s](x)
                     if s == last_stage:
                         y = (
                             self.loss_fn(y, target_chunks[i]) / m
@@ -702,22 +1068,29 @@ class PipelineExecutor:
                         losses.append(y.detach())
                     else:
                         self._deliver(("F", s + 1, i), y.detach(), inbox, outbox)
-                    held[(s, i)] = (x, y)
+                    held[(s, i)] = (x, y, record)
                     held_bytes += sum(t.numel() * t.element_size() for t in (x, y))
-                    stats.peak_activations = max(stats.peak_activations, len(held))
+                    stats.peak_activations = max(stats.peak_activations, len(held) + len(waiting))
                     stats.peak_activation_bytes = max(stats.peak_activation_bytes, held_bytes)
                     stats.events.append(("F", s, i, begin - started, time.perf_counter() - started))
+                elif action.kind == "W":  # the weights' gradients, from what this micro-batch's B kept
+                    begin = time.perf_counter()
+                    self.splitter.backward_weights(waiting.pop((s, i)))
+                    stats.events.append(("W", s, i, begin - started, time.perf_counter() - started))
                 else:
                     begin = time.perf_counter()
-                    x, y = held.pop((s, i))
+                    x, y, record = held.pop((s, i))
                     held_bytes -= sum(t.numel() * t.element_size() for t in (x, y))
                     kept_bytes -= kept.pop((s, i), 0)
-                    if s == last_stage:
-                        y.backward()  # the loss: backward starts here
-                    else:
-                        y.backward(inbox.pop(("B", s, i)))  # the gradient the next stage sent back
+                    gradient = None if s == last_stage else inbox.pop(("B", s, i))  # from the next stage
+                    if record is not None:  # B alone: the input's gradient now, the weights' at its W
+                        input_grad = self.splitter.backward_input(record, y, gradient, x)
+                        waiting[(s, i)] = record
+                    else:  # the whole backward; on the last stage y is the loss, where backward starts
+                        y.backward(gradient)
+                        input_grad = x.grad
                     if s > 0:
-                        self._deliver(("B", s - 1, i), x.grad, inbox, outbox)
+                        self._deliver(("B", s - 1, i), input_grad, inbox, outbox)
                     stats.events.append(("B", s, i, begin - started, time.perf_counter() - started))
             for work in in_flight:
                 work.wait()
@@ -727,5 +1100,5 @@ class PipelineExecutor:
 
     def _deliver(self, key: tuple, tensor: torch.Tensor, inbox: dict, outbox: dict) -> None:
         """Hand a tensor to the stage that needs it: directly if it lives on this rank, else via a send."""
-        stage = key[1]
-        (inbox if rank_of_stage(stage, self.pipeline_size) == self.rank else outbox)[key] = tensor
+        local = rank_of_stage(key[1], self.pipeline_size, placement=self.placement) == self.rank
+        (inbox if local else outbox)[key] = tensor

@@ -1,0 +1,185 @@
+"""The backward pass split in two: B, the gradient of the input, and W, the gradients of the weights.
+
+A layer y = x Wᵀ has two gradients: the input's, dx = dy W, which the previous pipeline stage is
+waiting for, and the weight's, dW = dyᵀ x, which nobody needs until the optimizer step. An
+ordinary backward computes both at once. The zero-bubble schedules (``pipeline.py``: ZB-H1, ZB-V,
+DualPipeV) run them as two actions: B first, so that the gradient goes back to the previous rank
+as early as possible, and W later, in what would have been the bubble. B and W cost about the
+same (one matmul each for a linear layer), so a third of the backward becomes movable work.
+
+What each keeps alive. B needs everything the forward saved (every layer's saved tensors along
+the chain back to the stage's input). W needs much less: for each layer with weights, its input
+and the gradient of its output. This file splits a stage exactly there. Each layer that holds
+parameters runs on a *detached* copy of its input, so its little graph (input, weights, output)
+stands apart from the stage's graph, and a custom autograd function stitches the two back
+together: when B's backward reaches the stitch it keeps the output gradient and asks the layer's
+own graph for the input gradient only, keeping that graph for W. After B the stage's graph is
+freed (activations, attention probabilities, everything between the layers); each layer's own
+graph, its saved input and its output gradient stay until W asks it for the weights' gradients.
+
+Cost: nothing is computed twice; one Python call per layer and per action. What it cannot do:
+a layer that holds parameters and also sub-layers is refused (its parameters would be mixed up
+with its children's): every parameter must sit in a layer without sub-layers, as ``nn.Linear``,
+``nn.LayerNorm`` and ``nn.Embedding`` do. With activation checkpointing, B and W each unpack
+the layer's saved input, so the checkpointed forward is recomputed twice (once for B, once for
+W): the interaction that made PyTorch's zero-bubble schedules far slower than 1F1B with
+activation checkpointing on (pytorch/torchtitan#773). ``bench pipeline`` measures it.
+
+Paper: Qi, Wan, Huang and Lin, "Zero Bubble Pipeline Parallelism", ICLR 2024 (arXiv:2401.10241),
+section 2; PyTorch's version is ``torch.distributed.pipelining``'s ``stage_backward_input`` and
+``stage_backward_weight``, which find the same cut in the autograd graph instead of at layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from ..errors import UserError
+
+
+@dataclass
+class LayerRecord:
+    """One call of a layer with weights, in one micro-batch's forward: what its W will need.
+
+    Args:
+        layer: the module.
+        output: where its output's gradient enters its own small graph (back to its weights and its
+            input's copy). An edge, not the output itself: W needs the graph, not the output's values.
+        inputs: the detached copies of its tensor inputs that its graph starts from (until B).
+    """
+
+    layer: nn.Module
+    output: GradientEdge
+    inputs: list[torch.Tensor]
+    grad_output: torch.Tensor | None = None  # kept by B for W
+
+
+@dataclass
+class MicroBatchRecord:
+    """The layers one micro-batch's forward went through, for its B and its W."""
+
+    anchor: torch.Tensor  # every stitch hangs from it, so one B reaches every layer
+    layers: list[LayerRecord] = field(default_factory=list)
+
+
+class _Stitch(torch.autograd.Function):
+    """The layer's output, joined back to the stage's graph; its backward is the layer's B."""
+
+    @staticmethod
+    def forward(
+        ctx, record: LayerRecord, output: torch.Tensor, anchor: torch.Tensor, *inputs: torch.Tensor
+    ) -> torch.Tensor:
+        # ``output`` arrives detached (autograd does not see it as an input): the same values, no edge
+        ctx.record = record
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        record: LayerRecord = ctx.record
+        record.grad_output = grad_output  # W needs it
+        wanted = [x for x in record.inputs if x.requires_grad]
+        grads = iter(
+            torch.autograd.grad(record.output, wanted, grad_output, retain_graph=True) if wanted else ()
+        )
+        # the layer's graph is kept (retain_graph) for W; the stitch passes only the input gradients on
+        passed = [next(grads) if x.requires_grad else None for x in record.inputs]
+        record.inputs = []  # the graph keeps what W needs of them
+        return (None, None, None, *passed)
+
+
+class BackwardSplitter:
+    """Makes the layers of ``modules`` record their calls so that B and W can run apart.
+
+    Args:
+        modules: the stages (or any modules) whose backward is to be split.
+    """
+
+    def __init__(self, modules: list[nn.Module]):
+        self._recording: MicroBatchRecord | None = None
+        self._handles = []
+        for module in modules:
+            for name, layer in module.named_modules():
+                holds = [n for n, p in layer.named_parameters(recurse=False) if p.requires_grad]
+                if not holds:
+                    continue
+                if any(True for _ in layer.children()):
+                    raise UserError(
+                        f"to split the backward into B and W, every parameter must sit in a layer without "
+                        f"sub-layers (nn.Linear, nn.LayerNorm, ...): {name or 'the stage'} "
+                        f"({type(layer).__name__}) holds {holds[0]!r} and sub-layers too; move the parameter "
+                        "into a layer of its own"
+                    )
+                self._handles.append(layer.register_forward_pre_hook(self._detach_inputs))
+                self._handles.append(layer.register_forward_hook(self._stitch))
+
+    def forward(self, module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, MicroBatchRecord]:
+        """Run ``module(x)``, recording every layer with weights: the forward of a split stage.
+
+        Args:
+            module: the stage.
+            x: its input.
+        """
+        record = MicroBatchRecord(anchor=torch.zeros((), requires_grad=True))
+        self._recording = record
+        try:
+            return module(x), record
+        finally:
+            self._recording = None
+
+    @staticmethod
+    def backward_input(
+        record: MicroBatchRecord, output: torch.Tensor, grad_output: torch.Tensor | None, x: torch.Tensor
+    ) -> torch.Tensor | None:
+        """B: the gradient of the stage's input only; the stage's graph is freed, each layer's kept for W.
+
+        Args:
+            record: what the micro-batch's forward recorded.
+            output: the stage's output (or, on the last stage, the loss).
+            grad_output: the gradient of ``output`` (None for the loss).
+            x: the stage's input; its gradient is returned (None if it needs none).
+        """
+        wanted = [record.anchor, *([x] if x.requires_grad else [])]
+        grads = torch.autograd.grad(output, wanted, grad_output, allow_unused=True)
+        return grads[1] if x.requires_grad else None
+
+    @staticmethod
+    def backward_weights(record: MicroBatchRecord) -> None:
+        """W: each layer's weight gradients from its kept input and output gradient, added to ``.grad``.
+
+        Args:
+            record: the micro-batch's record, after its B.
+        """
+        for call in record.layers:
+            params = [p for p in call.layer.parameters(recurse=False) if p.requires_grad]
+            if call.grad_output is None:  # the output did not reach the loss: no gradient
+                continue
+            for param, grad in zip(params, torch.autograd.grad(call.output, params, call.grad_output)):
+                param.grad = grad if param.grad is None else param.grad + grad
+        record.layers.clear()  # the layers' graphs, inputs and output gradients go now
+
+    def remove(self) -> None:
+        """Take the hooks off the layers."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _detach_inputs(self, layer, args):
+        if self._recording is None:  # not a split forward (or a recomputation inside B)
+            return None
+        self._pending = [a for a in args if isinstance(a, torch.Tensor)]
+        return tuple(
+            a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args
+        )
+
+    def _stitch(self, layer, args, output):
+        if self._recording is None:
+            return None
+        originals, self._pending = self._pending, []
+        copies = [a for a in args if isinstance(a, torch.Tensor)]
+        call = LayerRecord(layer=layer, output=get_gradient_edge(output), inputs=copies)
+        self._recording.layers.append(call)
+        return _Stitch.apply(call, output.detach(), self._recording.anchor, *originals)

@@ -50,8 +50,9 @@ def plot_timeline(
     pipeline_size: int | None = None,
     measured: bool = False,
 ) -> Figure:
-    """A Gantt chart of a pipeline step, one row per rank: forwards blue, backwards green, each box
-    numbered with its micro-batch; white is idle.
+    """A Gantt chart of a pipeline step, one row per rank: forwards blue, backwards green (and, in a
+    schedule that splits the backward, W's orange), each box numbered with its micro-batch; white is
+    idle.
 
     Args:
         events: per rank, ``(kind, stage, microbatch, start, end)`` tuples, as
@@ -67,11 +68,17 @@ def plot_timeline(
     scale = 1000.0 if measured else 1.0
     figure = Figure(figsize=(10, 0.6 * len(ranks) + 1.7))
     axis = figure.subplots()
-    colours = {"F": ("#4c72b0", "#8fb0e0"), "B": ("#55a868", "#9fd4ad")}
+    colours = {"F": ("#4c72b0", "#8fb0e0"), "B": ("#55a868", "#9fd4ad"), "W": ("#dd8452", "#f2bf99")}
+    split = any(event[0] == "W" for rank_events in events.values() for event in rank_events)
+    names = (
+        {"F": "forward", "B": "B (input gradient)", "W": "W (weight gradient)"}
+        if split
+        else {"F": "forward", "B": "backward"}
+    )
     chunks = set()
     for row, rank in enumerate(ranks):
         for kind, stage, microbatch, start, end in events[rank]:
-            chunk = (stage // pipeline_size) % 2  # alternate shades for virtual stages
+            chunk = (stage // pipeline_size) % 2  # alternate shades for virtual stages (and a V's two arms)
             chunks.add(chunk)
             left, width = start * scale, (end - start) * scale
             axis.barh(row, width, left=left, color=colours[kind][chunk], edgecolor="black", linewidth=0.5)
@@ -85,12 +92,16 @@ def plot_timeline(
     for chunk in sorted(chunks):
         which = f" (chunk {'1, 3, ...' if chunk else '0, 2, ...'})" if len(chunks) > 1 else ""
         handles += [
-            Patch(facecolor=colours["F"][chunk], edgecolor="black", label=f"forward{which}"),
-            Patch(facecolor=colours["B"][chunk], edgecolor="black", label=f"backward{which}"),
+            Patch(facecolor=colours[kind][chunk], edgecolor="black", label=f"{name}{which}")
+            for kind, name in names.items()
         ]
     handles.append(Patch(facecolor="white", edgecolor="black", label="idle (the bubble)"))
     axis.legend(
-        handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=len(handles), fontsize=8
+        handles=handles,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.22),
+        ncol=min(len(handles), 4 if split else len(handles)),
+        fontsize=8,
     )
     figure.tight_layout()
     return save(figure, path)

@@ -63,7 +63,7 @@ COMPUTE = ("F", "B", "W")
 
 @dataclass(frozen=True)
 class Action:
-    """One step of a rank's schedule: ``F``/``B``/``W`` (compute), ``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B``.
+    """One step of a rank's schedule: ``F``/``B``/``W`` (compute), or a message (``SEND_F``, ``RECV_B``...).
 
     Args:
         kind: ``"F"`` or ``"B"`` (compute a forward or a backward), ``"W"`` (the weights' gradient,
@@ -504,7 +504,8 @@ def check_schedule(
         for action in rank_actions:
             if action.kind in COMPUTE and rank_of(action.stage) != rank:
                 raise ValueError(
-                    f"{action} is on rank {rank}, but stage {action.stage} lives on rank {rank_of(action.stage)}"
+                    f"{action} is on rank {rank}, but stage {action.stage} lives on rank "
+                    f"{rank_of(action.stage)}"
                 )
     sent: set[tuple] = set()  # (kind, stage, microbatch, to rank)
     done: set[tuple] = set()
@@ -657,7 +658,8 @@ def _check_times(schedule: str, weight_time: float | None) -> None:
     if weight_time is not None and schedule not in SPLIT_BACKWARD:
         raise UserError(
             f"weight_time is the time of a W, and {schedule} does not split the backward into B and W: give "
-            f"its whole backward as backward_time, or choose a schedule that splits it ({', '.join(SPLIT_BACKWARD)})"
+            "its whole backward as backward_time, or choose a schedule that splits it "
+            f"({', '.join(SPLIT_BACKWARD)})"
         )
 
 
@@ -938,7 +940,8 @@ class PipelineExecutor:
         if set(stages) != expected:
             where = " (a V: rank r holds stages r and 2p - 1 - r)" if self.placement == "v" else ""
             raise UserError(
-                f"rank {self.rank} must hold stages {sorted(expected)}{where} under {schedule}, got {sorted(stages)}"
+                f"rank {self.rank} must hold stages {sorted(expected)}{where} under {schedule}, got "
+                f"{sorted(stages)}"
             )
         # The schedules with W actions run each stage's backward in two (split_backward.py).
         self.splitter = BackwardSplitter(list(stages.values())) if schedule in SPLIT_BACKWARD else None
@@ -1088,7 +1091,7 @@ class PipelineExecutor:
                         waiting[(s, i)] = record
                     else:  # the whole backward; on the last stage y is the loss, where backward starts
                         y.backward(gradient)
-                        input_grad = x.grad
+                        input_grad = x.grad if s > 0 else None
                     if s > 0:
                         self._deliver(("B", s - 1, i), input_grad, inbox, outbox)
                     stats.events.append(("B", s, i, begin - started, time.perf_counter() - started))

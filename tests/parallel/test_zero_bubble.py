@@ -194,7 +194,7 @@ MICROBATCHES = {2: {"1f1b": 3, "zb_h1": 3, "zb_v": 3, "dualpipe_v": 4}, 3: dict.
 
 
 def _every_schedule():
-    """On each rank: (loss, gradients, peak in flight) of one step under 1F1B and each zero-bubble schedule."""
+    """On each rank: (loss, gradients, peak in flight) of a step under 1F1B and each zero-bubble schedule."""
     p, rank = runtime.world_size(), runtime.rank()
     results = {}
     for schedule, v in [("1f1b", 1), *ZERO_BUBBLE]:

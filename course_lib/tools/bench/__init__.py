@@ -45,6 +45,7 @@ from .pipeline import (
     pipeline_benchmark,
     pipeline_bubble_benchmark,
     stage_counts_with_a_core_each,
+    zero_bubble_benchmark,
 )
 from .sequence import cp_benchmark, dtensor_sequence_parallel_plan, ep_benchmark, sp_benchmark
 from .tensor import TP_HEADS_PER_RANK, tp_benchmark
@@ -85,4 +86,5 @@ __all__ = [
     "tp_benchmark",
     "training_step",
     "wrap_for_stage",
+    "zero_bubble_benchmark",
 ]

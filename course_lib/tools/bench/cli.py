@@ -34,6 +34,7 @@ from .pipeline import (
     pipeline_benchmark,
     pipeline_bubble_benchmark,
     stage_counts_with_a_core_each,
+    zero_bubble_benchmark,
 )
 from .recompute import recompute_benchmark
 from .tensor import TP_HEADS_PER_RANK, tp_benchmark
@@ -331,6 +332,11 @@ def _run_benchmark(args: argparse.Namespace) -> int:
             for stages in fits
             for row in _on_local_processes("pipeline", stages, pipeline_bubble_benchmark, bubble_options)
         ]
+        zero_bubble = [
+            row
+            for stages in fits
+            for row in _on_local_processes("pipeline", stages, zero_bubble_benchmark, bubble_options)
+        ]
         result = {
             "benchmark": "pipeline",
             "threads_per_rank": "cores / ranks",
@@ -338,6 +344,12 @@ def _run_benchmark(args: argparse.Namespace) -> int:
             "compute_bound_rows": compute_bound,
             "compute_bound_max_bubble_error": max(
                 (abs(row["bubble_error"]) for row in compute_bound), default=None
+            ),
+            "zero_bubble_rows": zero_bubble,
+            # the schedules as built, without recomputation (with it, B and W each recompute: see the rows)
+            "zero_bubble_max_bubble_error": max(
+                (abs(row["bubble_error"]) for row in zero_bubble if row["recomputation"] == "none"),
+                default=None,
             ),
             "compute_bound_not_run": [
                 f"{stages} stages: more processes than the {cores} cores"

@@ -241,3 +241,190 @@ def pipeline_bubble_benchmark(
                 }
             )
     return rows if runtime.is_main() else None
+
+
+ZERO_BUBBLE_MICROBATCHES = 8
+"""Micro-batches per step in the zero-bubble rows (enough for ZB-V's steady state at 2 and 4 stages)."""
+ZERO_BUBBLE_CASES = (
+    ("1f1b", "none"),
+    ("zb_h1", "none"),
+    ("zb_v", "none"),
+    ("1f1b", "full"),
+    ("zb_h1", "full"),
+)
+"""(schedule, recomputation) of the zero-bubble rows: the last two reproduce pytorch/torchtitan#773."""
+
+
+def zero_bubble_benchmark(
+    *, width: int, hidden: int, blocks_per_stage: int, batch: int, steps: int, warmup: int
+) -> list[dict] | None:
+    """ZB-H1 and ZB-V beside 1F1B on the compute-bound MLP stages, and each beside PyTorch's own.
+
+    Every rank's share of the model is the same ``blocks_per_stage`` MLP blocks: one stage under
+    1F1B and ZB-H1, two chunks of half of it in a V under ZB-V. For each schedule: the step time
+    (the course's executor and ``torch.distributed.pipelining``'s schedule, timed in turns), the
+    bubble measured on one clock against the schedule simulated with the F, B and W times
+    measured in the same steps, the gradients against PyTorch's, and, with full recomputation
+    (the last rows), how many times each block's forward ran per micro-batch.
+
+    Args:
+        width: features of the activation sent between stages.
+        hidden: features inside each block.
+        blocks_per_stage: MLP blocks on each rank.
+        batch: samples per step, for the whole pipeline.
+        steps: timed steps; the median is reported.
+        warmup: untimed steps first.
+    """
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
+    )
+
+    from ... import recompute
+    from ...parallel import pipeline as pp
+
+    p, rank, m = runtime.world_size(), runtime.rank(), ZERO_BUBBLE_MICROBATCHES
+    inputs, targets = torch.randn(batch, width, requires_grad=True), torch.randn(batch, width)
+    torch_schedule = {
+        "1f1b": Schedule1F1B,
+        "zb_h1": ScheduleInterleavedZeroBubble,
+        "zb_v": ScheduleZBVZeroBubble,
+    }
+    rows = []
+    for schedule, policy in ZERO_BUBBLE_CASES:
+        v = 2 if schedule in pp.V_SHAPED else 1
+        placement = pp.placement_of(schedule)
+        mine = [s for s in range(p * v) if pp.rank_of_stage(s, p, placement=placement) == rank]
+        course, theirs = (_zero_bubble_stages(p * v, mine, width, hidden, blocks_per_stage) for _ in range(2))
+        for stages in (course, theirs):
+            for stage in stages.values():
+                recompute.recompute_modules(list(stage), policy=policy)
+        executor = pp.PipelineExecutor(course, p * v, schedule, m, F.mse_loss, (batch // m, width))
+        torch_stages = [PipelineStage(theirs[s], s, p * v, torch.device("cpu")) for s in mine]
+        runner_class = torch_schedule[schedule]
+        runner = runner_class(
+            torch_stages if v > 1 or schedule != "1f1b" else torch_stages[0], m, loss_fn=F.mse_loss
+        )
+        first, last = 0 in mine, p * v - 1 in mine
+
+        def course_step():
+            executor.step(inputs if first else None, targets if last else None)
+            comm.barrier()
+
+        def torch_step():
+            runner.step(
+                inputs if first else None, target=targets if last else None, losses=[] if last else None
+            )
+            comm.barrier()
+
+        bubbles, times = [], {"F": [], "B": [], "W": []}
+
+        def record():
+            bubbles.append(_bubble_on_one_time_line(executor.stats))
+            for kind, spans in times.items():  # a rank's whole share per micro-batch: its chunks summed
+                done = [end - start for k, *_, start, end in executor.stats.events if k == kind]
+                if done:
+                    spans.append(1000 * sum(done) / m)
+
+        median_ms = interleaved_medians(
+            {"course": course_step, "torch": torch_step}, steps, warmup, after_each_round=record
+        )
+        for stage in (*course.values(), *theirs.values()):
+            stage.zero_grad(set_to_none=True)
+        # one more step each, for the gradients, counting how often each block's forward runs
+        course_forwards = _block_forwards_per_microbatch(course, course_step, m)
+        torch_forwards = _block_forwards_per_microbatch(theirs, torch_step, m)
+        difference = max(
+            (
+                (a.grad - b.grad).abs().max().item()
+                for s in mine
+                for a, b in zip(course[s].parameters(), theirs[s].parameters())
+            ),
+            default=0.0,
+        )
+        gathered = [None] * p
+        torch.distributed.all_gather_object(
+            gathered,
+            (
+                statistics.median(bubbles),
+                *(statistics.median(t) if t else 0.0 for t in times.values()),
+                difference,
+                course_forwards,
+                torch_forwards,
+            ),
+        )
+        forward_ms, backward_ms, weight_ms = (statistics.mean(g[i] for g in gathered) for i in (1, 2, 3))
+        simulated = pp.bubble_fraction(
+            pp.simulate_timeline(
+                pp.build_schedule(schedule, p, m, virtual_stages=v),
+                p,
+                forward_time=forward_ms,
+                backward_time=backward_ms,
+                **({"weight_time": weight_ms} if schedule in pp.SPLIT_BACKWARD else {}),
+            )
+        )
+        measured = gathered[0][0]
+        rows.append(
+            {
+                "schedule": schedule,
+                "recomputation": policy,
+                "stages": p,
+                "chunks_per_rank": v,
+                "microbatches": m,
+                "course_step_ms": median_ms["course"],
+                "torch_step_ms": median_ms["torch"],
+                "ratio_to_torch": median_ms["course"] / median_ms["torch"],
+                # per micro-batch, a rank's whole share: F, then B (the whole backward under 1F1B), then W
+                "forward_ms": forward_ms,
+                "backward_ms": backward_ms,
+                "weight_ms": weight_ms,
+                "bubble_measured": measured,
+                "bubble_theory": simulated,  # the schedule simulated with the F, B and W measured
+                "bubble_error": measured - simulated,
+                "max_grad_difference_to_torch": max(g[4] for g in gathered),
+                # 1 without recomputation; each recomputation of a checkpointed block adds 1
+                "block_forwards_per_microbatch": statistics.mean(g[5] for g in gathered),
+                "torch_block_forwards_per_microbatch": statistics.mean(g[6] for g in gathered),
+            }
+        )
+    for row in rows:
+        same = next(r for r in rows if r["schedule"] == "1f1b" and r["recomputation"] == row["recomputation"])
+        row["step_vs_1f1b"] = row["course_step_ms"] / same["course_step_ms"]
+        row["torch_step_vs_1f1b"] = row["torch_step_ms"] / same["torch_step_ms"]
+        # what splitting costs: B + W against the whole backward that 1F1B runs in one pass
+        row["split_backward_cost"] = (row["backward_ms"] + row["weight_ms"]) / same["backward_ms"]
+    return rows if runtime.is_main() else None
+
+
+def _zero_bubble_stages(
+    num_stages: int, mine: list[int], width: int, hidden: int, blocks_per_stage: int
+) -> dict[int, nn.Sequential]:
+    """This rank's stages of the same MLP (seeded): p stages of ``blocks_per_stage`` blocks, or 2p
+    chunks of half as many in a V; every rank holds the same compute."""
+    torch.manual_seed(0)
+    per_stage = blocks_per_stage * runtime.world_size() // num_stages
+    blocks = [
+        nn.Sequential(nn.Linear(width, hidden), nn.ReLU(), nn.Linear(hidden, width))
+        for _ in range(per_stage * num_stages)
+    ]
+    return {s: nn.Sequential(*blocks[s * per_stage : (s + 1) * per_stage]) for s in mine}
+
+
+def _block_forwards_per_microbatch(stages: dict[int, nn.Sequential], step, microbatches: int) -> float:
+    """Run ``step`` once, counting the forwards of this rank's blocks (recomputations included)."""
+    blocks = [block for stage in stages.values() for block in stage]
+    calls = [0]
+
+    def count(*_):
+        calls[0] += 1
+
+    # the block's first layer: a checkpoint replaces the block's own forward, not its layers'
+    handles = [block[0].register_forward_pre_hook(count) for block in blocks]
+    try:
+        step()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls[0] / (microbatches * len(blocks))

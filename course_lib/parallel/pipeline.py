@@ -743,8 +743,10 @@ def simulate_timeline(
     forward_time: float = 1.0,
     backward_time: float | None = None,
     weight_time: float | None = None,
+    message_time: float = 0.0,
+    durations: dict[tuple[str, int, int], float] | None = None,
 ) -> dict[int, list[tuple[str, int, int, float, float]]]:
-    """Start and end of every forward/backward if each takes the given time and messages are free.
+    """Start and end of every forward/backward if each takes the given time (messages free by default).
 
     Returns {rank: [(kind, stage, microbatch, start, end), ...]}, what ``plots.plot_timeline``
     draws and ``bubble_fraction`` measures.
@@ -759,6 +761,11 @@ def simulate_timeline(
             forward), or, in a schedule that splits it, its B alone (default 1).
         weight_time: the same for a W, in a schedule that splits the backward (default 1: B and W
             about equal); a schedule without W's refuses it.
+        message_time: how long a message takes from the end of the action that sends it to the
+            start of the one on another rank that needs it (0: free, the papers' assumption).
+        durations: {(kind, stage, microbatch): time} for the actions that take their own time
+            instead (a measured step replayed: what its bubble would have been with no gaps
+            between the actions).
     """
     split = splits_backward(actions)
     if weight_time is not None and not split:
@@ -775,6 +782,7 @@ def simulate_timeline(
     events: dict[int, list] = defaultdict(list)
     clock = {rank: 0.0 for rank in actions}
     pending = {rank: [a for a in acts if a.kind in COMPUTE] for rank, acts in actions.items()}
+    rank_of = {(a.kind, a.stage, a.microbatch): rank for rank, acts in pending.items() for a in acts}
     stages = max(a.stage for acts in pending.values() for a in acts) + 1
     virtual_stages = stages // pipeline_size
     duration = {
@@ -796,8 +804,13 @@ def simulate_timeline(
                     needs.append(("B", a.stage, a.microbatch))
                 if any(n not in finished for n in needs):
                     break
-                start = max([clock[rank], *(finished[n] for n in needs)])
-                end = start + duration[a.kind]
+                start = max(
+                    [
+                        clock[rank],
+                        *(finished[n] + (message_time if rank_of[n] != rank else 0.0) for n in needs),
+                    ]
+                )
+                end = start + (durations or {}).get((a.kind, a.stage, a.microbatch), duration[a.kind])
                 finished[(a.kind, a.stage, a.microbatch)] = clock[rank] = end
                 events[rank].append((a.kind, a.stage, a.microbatch, start, end))
                 queue.pop(0)

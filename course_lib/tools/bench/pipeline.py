@@ -8,6 +8,7 @@ only where each stage has a core of its own."""
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -144,6 +145,15 @@ def stage_counts_with_a_core_each(stage_counts: list[int], *, cores: int) -> lis
 
 
 def _bubble_on_one_time_line(stats) -> float:
+    """The step's bubble as the theory defines it (``_bubble_and_events_on_one_time_line``).
+
+    Args:
+        stats: this rank's ``PipelineStats`` of the step just run (call it on every rank).
+    """
+    return _bubble_and_events_on_one_time_line(stats)[0]
+
+
+def _bubble_and_events_on_one_time_line(stats) -> tuple[float, dict]:
     """The step's bubble as the theory defines it: idle time within one window common to all ranks.
 
     Every rank's events are gathered and put on the machine's monotonic clock (the benchmark's
@@ -158,7 +168,8 @@ def _bubble_on_one_time_line(stats) -> float:
 
     everyone = [None] * runtime.world_size()
     torch.distributed.all_gather_object(everyone, stats)
-    return pp.bubble_fraction(pp.on_one_clock(dict(enumerate(everyone))))
+    events = pp.on_one_clock(dict(enumerate(everyone)))
+    return pp.bubble_fraction(events), events
 
 
 def pipeline_bubble_benchmark(
@@ -319,10 +330,26 @@ def zero_bubble_benchmark(
             )
             comm.barrier()
 
-        bubbles, times = [], {"F": [], "B": [], "W": []}
+        bubbles, replayed, times = [], [], {"F": [], "B": [], "W": []}
 
         def record():
-            bubbles.append(_bubble_on_one_time_line(executor.stats))
+            bubble, events = _bubble_and_events_on_one_time_line(executor.stats)
+            bubbles.append(bubble)
+            # the same step with every action as long as it was and nothing between them
+            took = {
+                (kind, s, i): end - start
+                for rank_events in events.values()
+                for kind, s, i, start, end in rank_events
+            }
+            replayed.append(
+                pp.bubble_fraction(
+                    pp.simulate_timeline(
+                        pp.build_schedule(schedule, p, m, virtual_stages=v),
+                        p,
+                        durations=took,
+                    )
+                )
+            )
             for kind, spans in times.items():  # a rank's whole share per micro-batch: its chunks summed
                 done = [end - start for k, *_, start, end in executor.stats.events if k == kind]
                 if done:
@@ -356,15 +383,20 @@ def zero_bubble_benchmark(
             ),
         )
         forward_ms, backward_ms, weight_ms = (statistics.mean(g[i] for g in gathered) for i in (1, 2, 3))
-        simulated = pp.bubble_fraction(
-            pp.simulate_timeline(
-                pp.build_schedule(schedule, p, m, virtual_stages=v),
-                p,
-                forward_time=forward_ms,
-                backward_time=backward_ms,
-                **({"weight_time": weight_ms} if schedule in pp.SPLIT_BACKWARD else {}),
+        message_ms = _message_ms((batch // m, width))
+
+        def simulated(message_time: float) -> float:
+            return pp.bubble_fraction(
+                pp.simulate_timeline(
+                    pp.build_schedule(schedule, p, m, virtual_stages=v),
+                    p,
+                    forward_time=forward_ms,
+                    backward_time=backward_ms,
+                    message_time=message_time,
+                    **({"weight_time": weight_ms} if schedule in pp.SPLIT_BACKWARD else {}),
+                )
             )
-        )
+
         measured = gathered[0][0]
         rows.append(
             {
@@ -380,9 +412,17 @@ def zero_bubble_benchmark(
                 "forward_ms": forward_ms,
                 "backward_ms": backward_ms,
                 "weight_ms": weight_ms,
+                "message_ms": message_ms,  # one activation's send to the next rank, measured alone
                 "bubble_measured": measured,
-                "bubble_theory": simulated,  # the schedule simulated with the F, B and W measured
-                "bubble_error": measured - simulated,
+                "bubble_theory": simulated(0.0),  # the schedule simulated with the F, B and W measured
+                "bubble_error": measured - simulated(0.0),
+                # the same, each message taking message_ms: what message latency explains
+                "bubble_theory_with_messages": simulated(message_ms),
+                "bubble_error_with_messages": measured - simulated(message_ms),
+                # each action as long as it was measured, nothing between actions: measured - replayed
+                # is the time between actions (the executor's own work, messages); replayed - theory,
+                # what unequal actions cost the schedule
+                "bubble_replayed": statistics.median(replayed),
                 "max_grad_difference_to_torch": max(g[4] for g in gathered),
                 # 1 without recomputation; each recomputation of a checkpointed block adds 1
                 "block_forwards_per_microbatch": statistics.mean(g[5] for g in gathered),
@@ -428,3 +468,33 @@ def _block_forwards_per_microbatch(stages: dict[int, nn.Sequential], step, micro
         for handle in handles:
             handle.remove()
     return calls[0] / (microbatches * len(blocks))
+
+
+MESSAGE_ROUND_TRIPS = 20
+"""Timed round trips (after 3 untimed) when the zero-bubble rows measure one message's time."""
+
+
+def _message_ms(shape: tuple[int, ...]) -> float:
+    """Half the median round trip of one ``shape`` float tensor between ranks 0 and 1, on every rank.
+
+    What a pipeline message costs on its own (latency, copy, wake-up); the simulation with it says
+    how much of the measured bubble the messages explain. Ranks past 1 only wait.
+
+    Args:
+        shape: one micro-batch's activation between stages.
+    """
+    message, rank, trips = torch.zeros(shape), runtime.rank(), []
+    comm.barrier()
+    for trip in range(3 + MESSAGE_ROUND_TRIPS):
+        begin = time.perf_counter()
+        if rank == 0:
+            comm.isend(message, dst=1).wait()
+            comm.irecv(message, src=1).wait()
+        elif rank == 1:
+            comm.irecv(message, src=0).wait()
+            comm.isend(message, dst=0).wait()
+        if trip >= 3:
+            trips.append(time.perf_counter() - begin)
+    shared = [statistics.median(trips)]
+    torch.distributed.broadcast_object_list(shared, src=0)
+    return 1000 * shared[0] / 2

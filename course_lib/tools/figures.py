@@ -177,8 +177,12 @@ def tensor_parallel():
 def _schedule(name: str, virtual: int = 1) -> Callable:
     def draw():
         actions = pipeline.build_schedule(name, 4, 8, virtual_stages=virtual)
-        events = pipeline.simulate_timeline(actions, 4)
-        title = f"{name}: 4 stages, 8 micro-batches" + (f", {virtual} virtual stages" if virtual > 1 else "")
+        split = name in pipeline.SPLIT_BACKWARD  # B and W each as long as a forward: T_F = T_B = T_W
+        events = pipeline.simulate_timeline(
+            actions, 4, **({"backward_time": 1, "weight_time": 1} if split else {})
+        )
+        chunks = "chunks in a V" if name in pipeline.V_SHAPED else "virtual stages"
+        title = f"{name}: 4 stages, 8 micro-batches" + (f", {virtual} {chunks}" if virtual > 1 else "")
         return plots.plot_timeline(
             events, title=f"{title}, bubble {pipeline.bubble_fraction(events):.0%}", pipeline_size=4
         )
@@ -327,6 +331,8 @@ FIGURES: dict[str, Callable] = {
     "pipeline_gpipe": _schedule("gpipe"),
     "pipeline_1f1b": _schedule("1f1b"),
     "pipeline_interleaved": _schedule("interleaved_1f1b", 2),
+    "pipeline_zb_h1": _schedule("zb_h1"),
+    "pipeline_zb_v": _schedule("zb_v", 2),
     "mesh_3d": mesh_layout,
     "strong_scaling": strong_scaling,
     "ring_attention": ring_attention,

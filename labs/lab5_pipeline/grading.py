@@ -3,7 +3,8 @@
 Your 1F1B schedule for pipelines of 1 to 4 ranks and fewer, as many, or more micro-batches than
 stages: checked by ``check_schedule``, its memory and its bubble against theory, then run with real
 sends and receives in the course's ``PipelineExecutor`` at 2, 3 and 4 ranks, whose gradients must
-equal one process's on the whole batch.
+equal one process's on the whole batch. The optional part, ZB-H1, the same way: its order, its
+bubble against the zero-bubble paper's, and its gradients at 2 and 3 ranks.
 """
 
 from __future__ import annotations
@@ -102,6 +103,58 @@ def check_runs_in_the_executor(lab) -> None:
             )
 
 
+def check_zb_h1_order_and_bubble(lab) -> None:
+    for p, m in CASES:
+        for rank in range(p):
+            got = [str(a) for a in lab.compute_order_zb_h1(rank, p, m)]
+            wanted = [str(a) for a in pipeline.compute_order("zb_h1", p, m)[rank]]
+            assert got == wanted, (
+                f"p={p}, m={m}, rank {rank}: your order is {got[:8]}..., ZB-H1's {wanted[:8]}..."
+            )
+        schedule = lab.schedule_zb_h1(p, m)
+        try:
+            pipeline.check_schedule(schedule, p, m)
+        except ValueError as error:
+            raise AssertionError(f"p={p}, m={m}: check_schedule says of your ZB-H1: {error}") from None
+        if m < p:  # the closed form needs the steady state
+            continue
+        for times in ((1, 1, 1), (1, 2, 1)):
+            forward, backward, weight = times
+            kw = dict(forward_time=forward, backward_time=backward, weight_time=weight)
+            bubble = pipeline.bubble_fraction(pipeline.simulate_timeline(schedule, p, **kw))
+            theory = pipeline.bubble_fraction_theory(p, m, schedule="zb_h1", **kw)
+            assert abs(bubble - theory) < 1e-9, (
+                f"p={p}, m={m}, T_F, T_B, T_W = {times}: your simulated bubble is {bubble:.3f}, ZB-H1's "
+                f"(p-1)(T_F + T_B - T_W) gives {theory:.3f}"
+            )
+
+
+def _run_zb_h1_in_executor(lab, microbatches: int):
+    p, rank = runtime.world_size(), runtime.rank()
+    stages = _stages(p)
+    executor = pipeline.PipelineExecutor(
+        {rank: stages[rank]}, p, "zb_h1", microbatches, F.cross_entropy, (BATCH // microbatches, WIDTH)
+    )
+    executor.actions = lab.schedule_zb_h1(p, microbatches)[rank]  # your schedule, not the course's
+    inputs, targets = _batch()
+    executor.step(inputs if rank == 0 else None, targets if rank == p - 1 else None)
+    reference = nn.Sequential(*_stages(p))
+    F.cross_entropy(reference(inputs), targets).backward()
+    return max(
+        (mine.grad - theirs.grad).abs().max().item()
+        for mine, theirs in zip(stages[rank].parameters(), reference[rank].parameters())
+    )
+
+
+def check_zb_h1_runs_in_the_executor(lab) -> None:
+    for p, m in ((2, 3), (3, 4)):
+        for rank, error in enumerate(on_ranks(p, _run_zb_h1_in_executor, lab, m)):
+            assert error < 1e-6, (
+                f"your ZB-H1 on {p} ranks with {m} micro-batches: rank {rank}'s gradients differ from one "
+                f"process's by {error:.2e}"
+            )
+
+
 PROPERTIES = [
     Property(
         "each rank's forwards and backwards come in 1F1B's order",
@@ -133,6 +186,21 @@ PROPERTIES = [
         check_runs_in_the_executor,
         "The executor matches a receive to its send by the receiving stage and the micro-batch: name "
         "the stage that receives the message, and the rank at the other end as the peer.",
+    ),
+    Property(
+        "optional: ZB-H1's order is valid and idles (p - 1)(T_F + T_B - T_W)",
+        check_zb_h1_order_and_bubble,
+        "ZB-H1 is your 1F1B with every B followed by a W of the same stage, except that rank r keeps its "
+        "first r W's waiting and runs them at the end. A W needs no message: with_messages passes it "
+        "through untouched.",
+        optional=True,
+    ),
+    Property(
+        "optional: run with real sends and receives, ZB-H1's gradients equal one process's (2, 3 ranks)",
+        check_zb_h1_runs_in_the_executor,
+        "The executor runs a B (input gradient only) and a W (weight gradients) as two actions: each "
+        "micro-batch needs both, in that order, on the stage's own rank.",
+        optional=True,
     ),
 ]
 

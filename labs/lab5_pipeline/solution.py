@@ -13,6 +13,9 @@ move an activation to the next stage, ``RECV_B`` / ``SEND_B`` a gradient to the 
 ``check_schedule`` replays a schedule and says what is wrong with it; the course's
 ``PipelineExecutor`` runs it with real sends and receives.
 
+The optional part turns 1F1B into ZB-H1 (``compute_order_zb_h1``): the backward split into B (the
+input's gradient, sent back at once) and W (the weights' gradient, put off to fill the bubble).
+
 Check your work (every property, for several p and m):
 
     python -m course_lib.tools.labs check lab5_pipeline
@@ -42,7 +45,9 @@ def with_messages(rank: int, pipeline_size: int, compute: list[Action]) -> list[
     last = pipeline_size - 1
     for action in compute:
         stage, microbatch = action.stage, action.microbatch
-        if action.kind == "F":
+        if action.kind == "W":  # the optional part: a W uses what its B left here, no message
+            actions.append(action)
+        elif action.kind == "F":
             if stage > 0:
                 actions.append(Action("RECV_F", stage, microbatch, peer=rank - 1))
             actions.append(action)
@@ -62,5 +67,31 @@ def schedule_1f1b(pipeline_size: int, microbatches: int) -> dict[int, list[Actio
     """Every rank's complete list of actions for 1F1B."""
     return {
         rank: with_messages(rank, pipeline_size, compute_order_1f1b(rank, pipeline_size, microbatches))
+        for rank in range(pipeline_size)
+    }
+
+
+# -- the optional part: from 1F1B to ZB-H1 ---------------------------------------------------------
+
+
+def compute_order_zb_h1(rank: int, pipeline_size: int, microbatches: int) -> list[Action]:
+    """Rank ``rank``'s F, B and W actions in ZB-H1's order: 1F1B's, each backward split into B and W."""
+    # BEGIN SOLUTION: start from your 1F1B order; a B now computes only the input's gradient, and its W (same stage, same micro-batch) comes after it. Rank r puts off its first r W's: keep the micro-batches whose B ran in a queue, and after each B run the W of the oldest one only once the queue holds more than r; run the W's still queued at the very end
+    actions, put_off = [], []
+    for action in compute_order_1f1b(rank, pipeline_size, microbatches):
+        actions.append(action)
+        if action.kind == "B":
+            put_off.append(action.microbatch)
+            if len(put_off) > rank:
+                actions.append(Action("W", rank, put_off.pop(0)))
+    actions += [Action("W", rank, i) for i in put_off]
+    return actions
+    # END SOLUTION
+
+
+def schedule_zb_h1(pipeline_size: int, microbatches: int) -> dict[int, list[Action]]:
+    """Every rank's complete list of actions for ZB-H1 (with_messages must let W's through)."""
+    return {
+        rank: with_messages(rank, pipeline_size, compute_order_zb_h1(rank, pipeline_size, microbatches))
         for rank in range(pipeline_size)
     }

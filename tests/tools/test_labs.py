@@ -233,3 +233,31 @@ def test_lab6s_script_names_a_missing_results_file_in_one_line(tmp_path):
     assert done.stderr.strip() == (
         f"error: {missing} does not exist: make it with `python -m course_lib.tools.study collect`"
     )
+
+
+def test_an_optional_part_not_attempted_is_skipped_and_once_written_is_graded(tmp_path):
+    """Lab 5's optional part (ZB-H1): a TODO there still lets the lab pass; a wrong one fails it."""
+    solution = (labs.LABS_DIR / "lab5_pipeline" / "solution.py").read_text()
+    body = solution[solution.index("def compute_order_zb_h1") :]
+    body = body[: body.index("def schedule_zb_h1")]
+    header = body[: body.index("    # BEGIN SOLUTION")]
+    answers = ["--answers", "labs/lab5_pipeline/solution_answers.toml"]
+    untouched = tmp_path / "required_only.py"
+    untouched.write_text(
+        solution.replace(body, header + '    raise NotImplementedError("TODO: ZB-H1")\n\n\n')
+    )
+    skipped = _check_command("lab5_pipeline", "--file", str(untouched), *answers)
+    assert skipped.returncode == 0, skipped.stdout
+    assert skipped.stdout.count("SKIP  optional: ") == 2 and "FAIL" not in skipped.stdout
+    assert skipped.stdout.splitlines()[-1] == (
+        "lab5_pipeline: 9 of 11 properties and answers hold (the optional part not attempted)"
+    )
+    wrong = tmp_path / "wrong_optional.py"  # every W right after its B: not ZB-H1's order
+    wrong.write_text(
+        solution.replace(
+            body, header + "    return compute_order_1f1b(rank, pipeline_size, microbatches)\n\n\n"
+        )
+    )
+    failed = _check_command("lab5_pipeline", "--file", str(wrong), *answers)
+    assert failed.returncode == 1
+    assert "FAIL  optional: ZB-H1's order is valid" in failed.stdout

@@ -20,10 +20,14 @@ graph, its saved input and its output gradient stay until W asks it for the weig
 Cost: nothing is computed twice; one Python call per layer and per action. What it cannot do:
 a layer that holds parameters and also sub-layers is refused (its parameters would be mixed up
 with its children's): every parameter must sit in a layer without sub-layers, as ``nn.Linear``,
-``nn.LayerNorm`` and ``nn.Embedding`` do. With activation checkpointing, B and W each unpack
-the layer's saved input, so the checkpointed forward is recomputed twice (once for B, once for
-W): the interaction that made PyTorch's zero-bubble schedules far slower than 1F1B with
-activation checkpointing on (pytorch/torchtitan#773). ``bench pipeline`` measures it.
+``nn.LayerNorm`` and ``nn.Embedding`` do. With activation checkpointing, every backward pass
+that unpacks a checkpointed block's saved tensors recomputes the block's forward. PyTorch's split
+makes two passes per stage (B, then W), so it recomputes twice: the interaction that made its
+zero-bubble schedules far slower than 1F1B with activation checkpointing on
+(pytorch/torchtitan#773). This file's split makes one pass for the stage and one per layer in
+each of B and W, so a block with k layers with weights recomputes 2k + 1 times. ``bench
+pipeline`` counts them (a block of 2 linear layers: 6 forwards per micro-batch here, 3 in
+PyTorch's, 2 under 1F1B): with recomputation, prefer 1F1B or a split without it.
 
 Paper: Qi, Wan, Huang and Lin, "Zero Bubble Pipeline Parallelism", ICLR 2024 (arXiv:2401.10241),
 section 2; PyTorch's version is ``torch.distributed.pipelining``'s ``stage_backward_input`` and

@@ -847,6 +847,13 @@ class PipelineStats:
     # counts them; None without it.
     peak_kept_bytes: int | None = None
     events: list = field(default_factory=list)  # (kind, stage, microbatch, start, end) in seconds
+    # (SEND_F | SEND_B, receiving stage, microbatch, issued, issued) and (RECV_F | RECV_B, stage,
+    # microbatch, began waiting, received): when each message left and arrived, in seconds
+    messages: list = field(default_factory=list)
+    # Seconds spent handing messages to the backend (posting receives, starting sends): time between
+    # actions that the schedule counts as free. On a CPU, gloo's thread holds a connection's lock
+    # while it moves data, and waits for a core the computing threads hold: a post can take ms.
+    posting_s: float = 0.0
     step_time_s: float = 0.0
     # time.perf_counter() when the step began; the events are seconds after it. On one machine every
     # process reads the same monotonic clock, so the ranks' events can be put on one time line.
@@ -882,6 +889,29 @@ def on_one_clock(stats_by_rank: dict[int, PipelineStats]) -> dict[int, list]:
         ]
         for rank, stats in stats_by_rank.items()
     }
+
+
+def message_latencies(stats_by_rank: dict[int, PipelineStats]) -> list[float]:
+    """How long each message of one step took, from its send to its arrival, where the receiver was
+    already waiting for it (otherwise its arrival time is unknown), in seconds, on one clock.
+
+    The theory counts messages as free; inside a step a message also waits for its sender's and
+    receiver's cores (on a CPU, the communication thread shares them with the computing ones).
+
+    Args:
+        stats_by_rank: {rank: that rank's ``PipelineStats`` of the same step}.
+    """
+    first = min(stats.clock_start for stats in stats_by_rank.values())
+    sent, received = {}, []
+    for stats in stats_by_rank.values():
+        shift = stats.clock_start - first
+        for kind, stage, microbatch, start, end in stats.messages:
+            key = (kind[-1], stage, microbatch)
+            if kind.startswith("SEND"):
+                sent[key] = shift + start
+            else:
+                received.append((key, shift + start, shift + end))
+    return [end - sent[key] for key, began, end in received if key in sent and began <= sent[key]]
 
 
 class PipelineExecutor:
@@ -1045,14 +1075,20 @@ class PipelineExecutor:
             started = time.perf_counter()
             stats.clock_start = started
             for index, action in enumerate(self.actions):
+                posting = time.perf_counter()
                 self._post_receives(receives, posted, done=index - 1)
+                stats.posting_s += time.perf_counter() - posting
                 s, i, direction = action.stage, action.microbatch, action.kind[-1]
                 if action.kind.startswith("RECV"):
                     work, buffer = posted.pop(index)
+                    begin = time.perf_counter()
                     work.wait()
                     inbox[(direction, s, i)] = buffer
+                    stats.messages.append((action.kind, s, i, begin - started, time.perf_counter() - started))
                 elif action.kind.startswith("SEND"):
                     message = outbox.pop((direction, s, i))
+                    sent = time.perf_counter() - started
+                    stats.messages.append((action.kind, s, i, sent, sent))
                     in_flight.append(
                         comm.isend(
                             message,
@@ -1061,6 +1097,7 @@ class PipelineExecutor:
                             tag=self._tag(direction, s, i),
                         )
                     )
+                    stats.posting_s += time.perf_counter() - started - sent
                 elif action.kind == "F":
                     begin = time.perf_counter()
                     x = input_chunks[i] if s == 0 else inbox.pop(("F", s, i)).requires_grad_()

@@ -153,7 +153,7 @@ def _bubble_on_one_time_line(stats) -> float:
     return _bubble_and_events_on_one_time_line(stats)[0]
 
 
-def _bubble_and_events_on_one_time_line(stats) -> tuple[float, dict]:
+def _bubble_and_events_on_one_time_line(stats) -> tuple[float, dict, dict]:
     """The step's bubble as the theory defines it: idle time within one window common to all ranks.
 
     Every rank's events are gathered and put on the machine's monotonic clock (the benchmark's
@@ -168,8 +168,9 @@ def _bubble_and_events_on_one_time_line(stats) -> tuple[float, dict]:
 
     everyone = [None] * runtime.world_size()
     torch.distributed.all_gather_object(everyone, stats)
-    events = pp.on_one_clock(dict(enumerate(everyone)))
-    return pp.bubble_fraction(events), events
+    by_rank = dict(enumerate(everyone))
+    events = pp.on_one_clock(by_rank)
+    return pp.bubble_fraction(events), events, by_rank
 
 
 def pipeline_bubble_benchmark(
@@ -330,11 +331,13 @@ def zero_bubble_benchmark(
             )
             comm.barrier()
 
-        bubbles, replayed, times = [], [], {"F": [], "B": [], "W": []}
+        bubbles, replayed, latencies, posting, times = [], [], [], [], {"F": [], "B": [], "W": []}
 
         def record():
-            bubble, events = _bubble_and_events_on_one_time_line(executor.stats)
+            bubble, events, everyone = _bubble_and_events_on_one_time_line(executor.stats)
             bubbles.append(bubble)
+            latencies.extend(pp.message_latencies(everyone))
+            posting.append(1000 * executor.stats.posting_s)
             # the same step with every action as long as it was and nothing between them
             took = {
                 (kind, s, i): end - start
@@ -380,10 +383,12 @@ def zero_bubble_benchmark(
                 difference,
                 course_forwards,
                 torch_forwards,
+                statistics.median(posting),
             ),
         )
         forward_ms, backward_ms, weight_ms = (statistics.mean(g[i] for g in gathered) for i in (1, 2, 3))
         message_ms = _message_ms((batch // m, width))
+        in_step_ms = 1000 * statistics.median(latencies) if latencies else 0.0
 
         def simulated(message_time: float) -> float:
             return pp.bubble_fraction(
@@ -416,13 +421,18 @@ def zero_bubble_benchmark(
                 "bubble_measured": measured,
                 "bubble_theory": simulated(0.0),  # the schedule simulated with the F, B and W measured
                 "bubble_error": measured - simulated(0.0),
-                # the same, each message taking message_ms: what message latency explains
-                "bubble_theory_with_messages": simulated(message_ms),
-                "bubble_error_with_messages": measured - simulated(message_ms),
+                # a message inside the step (its send to its arrival, where the receiver waited): slower,
+                # since the communication thread waits for a core the computing threads hold
+                "message_in_step_ms": in_step_ms,
+                # the schedule simulated with each message taking that: what message latency explains
+                "bubble_theory_with_messages": simulated(in_step_ms),
+                "bubble_error_with_messages": measured - simulated(in_step_ms),
                 # each action as long as it was measured, nothing between actions: measured - replayed
                 # is the time between actions (the executor's own work, messages); replayed - theory,
                 # what unequal actions cost the schedule
                 "bubble_replayed": statistics.median(replayed),
+                # of the time between actions: handing messages to the backend, per step and rank
+                "posting_ms_per_step": statistics.mean(g[7] for g in gathered),
                 "max_grad_difference_to_torch": max(g[4] for g in gathered),
                 # 1 without recomputation; each recomputation of a checkpointed block adds 1
                 "block_forwards_per_microbatch": statistics.mean(g[5] for g in gathered),
@@ -435,6 +445,10 @@ def zero_bubble_benchmark(
         row["torch_step_vs_1f1b"] = row["torch_step_ms"] / same["torch_step_ms"]
         # what splitting costs: B + W against the whole backward that 1F1B runs in one pass
         row["split_backward_cost"] = (row["backward_ms"] + row["weight_ms"]) / same["backward_ms"]
+        # the idle time the replay does not explain, per rank and step; posting_ms_per_step is part of it
+        row["between_actions_ms_per_step"] = (row["bubble_measured"] - row["bubble_replayed"]) * row[
+            "course_step_ms"
+        ]
     return rows if runtime.is_main() else None
 
 

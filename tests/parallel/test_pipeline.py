@@ -60,13 +60,13 @@ def test_broken_schedules_are_caught():
         pp.check_schedule(missing, 2, 2)
 
 
-def _model_and_batch():
+def _model_and_batch(batch: int = BATCH):
     inputs, targets, vocabulary = data.zen_windows(seq_len=SEQ)
     torch.manual_seed(0)
     model = models.TinyTransformer(
         len(vocabulary), d_model=D_MODEL, n_heads=4, n_layers=LAYERS, max_seq_len=SEQ
     )
-    return model, inputs[:BATCH], targets[:BATCH]
+    return model, inputs[:batch], targets[:batch]
 
 
 def _named_grads(model, modules) -> dict[str, torch.Tensor]:

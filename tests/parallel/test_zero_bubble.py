@@ -5,10 +5,12 @@ checked, simulated and held to their theory, and run equal to 1F1B, to one proce
 from __future__ import annotations
 
 import pytest
+import test_pipeline as pipeline_tests
 import torch
+from test_pipeline import _named_grads
 from torch import nn
 
-from course_lib import data, models, runtime
+from course_lib import models, runtime
 from course_lib.errors import UserError
 from course_lib.launch import launch
 from course_lib.memory import live_tensor_bytes
@@ -16,7 +18,7 @@ from course_lib.parallel import pipeline as pp
 from course_lib.parallel.split_backward import BackwardSplitter
 
 ZERO_BUBBLE = [("zb_h1", 1), ("zb_v", 2), ("dualpipe_v", 2)]
-SEQ, D_MODEL, LAYERS, BATCH = 16, 32, 6, 12  # 8 pipeline entries: a V of 4 ranks has 8 stages
+SEQ, D_MODEL, BATCH = pipeline_tests.SEQ, pipeline_tests.D_MODEL, 12  # 8 pipeline entries: a V of 4 ranks
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 
 
@@ -167,17 +169,7 @@ def test_after_b_a_stage_keeps_only_what_w_needs():
 
 
 def _model_and_batch():
-    inputs, targets, vocabulary = data.zen_windows(seq_len=SEQ)
-    torch.manual_seed(0)
-    model = models.TinyTransformer(
-        len(vocabulary), d_model=D_MODEL, n_heads=4, n_layers=LAYERS, max_seq_len=SEQ
-    )
-    return model, inputs[:BATCH], targets[:BATCH]
-
-
-def _named_grads(model, modules) -> dict[str, torch.Tensor]:
-    held = {id(p) for module in modules for p in module.parameters()}
-    return {name: p.grad.clone() for name, p in model.named_parameters() if id(p) in held}
+    return pipeline_tests._model_and_batch(BATCH)
 
 
 def _single():

@@ -66,10 +66,11 @@ def plot_timeline(
     ranks = sorted(events)
     pipeline_size = pipeline_size or len(ranks)
     scale = 1000.0 if measured else 1.0
-    figure = Figure(figsize=(10, 0.6 * len(ranks) + 1.7))
+    split = any(event[0] == "W" for rank_events in events.values() for event in rank_events)
+    legend_inches = 0.5 if split else 0.0  # a split schedule's legend takes two rows under the axis
+    figure = Figure(figsize=(10, 0.6 * len(ranks) + 1.7 + legend_inches))
     axis = figure.subplots()
     colours = {"F": ("#4c72b0", "#8fb0e0"), "B": ("#55a868", "#9fd4ad"), "W": ("#dd8452", "#f2bf99")}
-    split = any(event[0] == "W" for rank_events in events.values() for event in rank_events)
     names = (
         {"F": "forward", "B": "B (input gradient)", "W": "W (weight gradient)"}
         if split
@@ -96,14 +97,14 @@ def plot_timeline(
             for kind, name in names.items()
         ]
     handles.append(Patch(facecolor="white", edgecolor="black", label="idle (the bubble)"))
-    axis.legend(
-        handles=handles,
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.22),
-        ncol=min(len(handles), 4 if split else len(handles)),
-        fontsize=8,
-    )
-    figure.tight_layout()
+    if split:  # under the whole figure, with room kept for it, so it never covers the axis label
+        figure.legend(handles=handles, loc="lower center", ncol=4, fontsize=8)
+        figure.tight_layout(rect=(0, legend_inches / figure.get_figheight(), 1, 1))
+    else:
+        axis.legend(
+            handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=len(handles), fontsize=8
+        )
+        figure.tight_layout()
     return save(figure, path)
 
 

@@ -46,6 +46,7 @@ from .pipeline import (
     pipeline_bubble_benchmark,
     stage_counts_with_a_core_each,
     zero_bubble_benchmark,
+    zero_bubble_stages,
 )
 from .sequence import cp_benchmark, dtensor_sequence_parallel_plan, ep_benchmark, sp_benchmark
 from .tensor import TP_HEADS_PER_RANK, tp_benchmark
@@ -87,4 +88,5 @@ __all__ = [
     "training_step",
     "wrap_for_stage",
     "zero_bubble_benchmark",
+    "zero_bubble_stages",
 ]

@@ -309,7 +309,10 @@ def zero_bubble_benchmark(
         v = 2 if schedule in pp.V_SHAPED else 1
         placement = pp.placement_of(schedule)
         mine = [s for s in range(p * v) if pp.rank_of_stage(s, p, placement=placement) == rank]
-        course, theirs = (_zero_bubble_stages(p * v, mine, width, hidden, blocks_per_stage) for _ in range(2))
+        course, theirs = (
+            zero_bubble_stages(p * v, mine, width=width, hidden=hidden, blocks_per_stage=blocks_per_stage)
+            for _ in range(2)
+        )
         for stages in (course, theirs):
             for stage in stages.values():
                 recompute.recompute_modules(list(stage), policy=policy)
@@ -452,11 +455,19 @@ def zero_bubble_benchmark(
     return rows if runtime.is_main() else None
 
 
-def _zero_bubble_stages(
-    num_stages: int, mine: list[int], width: int, hidden: int, blocks_per_stage: int
+def zero_bubble_stages(
+    num_stages: int, mine: list[int], *, width: int, hidden: int, blocks_per_stage: int
 ) -> dict[int, nn.Sequential]:
     """This rank's stages of the same MLP (seeded): p stages of ``blocks_per_stage`` blocks, or 2p
-    chunks of half as many in a V; every rank holds the same compute."""
+    chunks of half as many in a V; every rank holds the same compute.
+
+    Args:
+        num_stages: the pipeline's stages (ranks x chunks per rank).
+        mine: the stages this rank holds (``pipeline.rank_of_stage``).
+        width: features between blocks (what a message holds).
+        hidden: features inside each block.
+        blocks_per_stage: MLP blocks each rank holds in all.
+    """
     torch.manual_seed(0)
     per_stage = blocks_per_stage * runtime.world_size() // num_stages
     blocks = [

@@ -239,9 +239,8 @@ def parallelize(
     num_stages = layout.pipeline * layout.virtual_stages
     pieces = pipeline.split_model(model, num_stages)
     coordinate = mesh.coordinates.pipeline
-    stages = {
-        s: pieces[s] for s in range(num_stages) if pipeline.rank_of_stage(s, layout.pipeline) == coordinate
-    }
+    on_this_rank = pipeline.stages_on_rank(coordinate, layout.pipeline, virtual_stages=layout.virtual_stages)
+    stages = {s: pieces[s] for s in on_this_rank}
     from .models import Block
 
     for index, stage in stages.items():

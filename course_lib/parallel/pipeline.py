@@ -172,6 +172,24 @@ def rank_of_stage(stage: int, pipeline_size: int, *, placement: str = "loop") ->
     return offset
 
 
+def stages_on_rank(
+    rank: int, pipeline_size: int, *, virtual_stages: int = 1, placement: str = "loop"
+) -> list[int]:
+    """The stages ``rank`` holds, in order (``rank_of_stage`` asked of every stage).
+
+    Args:
+        rank: the rank of the pipeline.
+        pipeline_size: p, the ranks of the pipeline.
+        virtual_stages: v, stages per rank.
+        placement: ``"loop"`` or ``"v"`` (``placement_of(schedule)``).
+    """
+    return [
+        stage
+        for stage in range(pipeline_size * virtual_stages)
+        if rank_of_stage(stage, pipeline_size, placement=placement) == rank
+    ]
+
+
 def placement_of(schedule: str) -> str:
     """``"v"`` for the V-shaped schedules (ZB-V, DualPipeV), ``"loop"`` for the others.
 
@@ -656,11 +674,15 @@ def bubble_time_theory(
 
 def _check_times(schedule: str, weight_time: float | None) -> None:
     if weight_time is not None and schedule not in SPLIT_BACKWARD:
-        raise UserError(
-            f"weight_time is the time of a W, and {schedule} does not split the backward into B and W: give "
-            "its whole backward as backward_time, or choose a schedule that splits it "
-            f"({', '.join(SPLIT_BACKWARD)})"
-        )
+        _refuse_weight_time(schedule)
+
+
+def _refuse_weight_time(schedule: str) -> None:
+    """A W's time given to ``schedule`` (a name, or "this schedule"), which has no W."""
+    raise UserError(
+        f"weight_time is the time of a W, and {schedule} does not split the backward into B and W: give its "
+        f"whole backward as backward_time, or choose a schedule that splits it ({', '.join(SPLIT_BACKWARD)})"
+    )
 
 
 def _times(schedule, forward_time, backward_time, weight_time) -> tuple[float, float, float]:
@@ -769,11 +791,7 @@ def simulate_timeline(
     """
     split = splits_backward(actions)
     if weight_time is not None and not split:
-        raise UserError(
-            "weight_time is the time of a W, and this schedule does not split the backward into B and W: "
-            "give its whole backward as backward_time, or simulate a schedule that splits it "
-            f"({', '.join(SPLIT_BACKWARD)})"
-        )
+        _refuse_weight_time("this schedule")
     if backward_time is None:
         backward_time = 1.0 if split else 2.0
     if weight_time is None:
@@ -975,11 +993,11 @@ class PipelineExecutor:
             schedule, self.pipeline_size, microbatches, virtual_stages=self.virtual_stages
         )[self.rank]
         self.placement = placement_of(schedule)
-        expected = {
-            s
-            for s in range(num_stages)
-            if rank_of_stage(s, self.pipeline_size, placement=self.placement) == self.rank
-        }
+        expected = set(
+            stages_on_rank(
+                self.rank, self.pipeline_size, virtual_stages=self.virtual_stages, placement=self.placement
+            )
+        )
         if set(stages) != expected:
             where = " (a V: rank r holds stages r and 2p - 1 - r)" if self.placement == "v" else ""
             raise UserError(

@@ -104,6 +104,7 @@ class BackwardSplitter:
 
     def __init__(self, modules: list[nn.Module]):
         self._recording: MicroBatchRecord | None = None
+        self._pending: list[torch.Tensor] = []  # the inputs of the layer being called, between its hooks
         self._handles = []
         for module in modules:
             for name, layer in module.named_modules():
@@ -158,9 +159,9 @@ class BackwardSplitter:
             record: the micro-batch's record, after its B.
         """
         for call in record.layers:
-            params = [p for p in call.layer.parameters(recurse=False) if p.requires_grad]
             if call.grad_output is None:  # the output did not reach the loss: no gradient
                 continue
+            params = [p for p in call.layer.parameters(recurse=False) if p.requires_grad]
             for param, grad in zip(params, torch.autograd.grad(call.output, params, call.grad_output)):
                 param.grad = grad if param.grad is None else param.grad + grad
         record.layers.clear()  # the layers' graphs, inputs and output gradients go now

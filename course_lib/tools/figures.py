@@ -177,10 +177,7 @@ def tensor_parallel():
 def _schedule(name: str, virtual: int = 1) -> Callable:
     def draw():
         actions = pipeline.build_schedule(name, 4, 8, virtual_stages=virtual)
-        split = name in pipeline.SPLIT_BACKWARD  # B and W each as long as a forward: T_F = T_B = T_W
-        events = pipeline.simulate_timeline(
-            actions, 4, **({"backward_time": 1, "weight_time": 1} if split else {})
-        )
+        events = pipeline.simulate_timeline(actions, 4)  # a split backward: B and W each as long as F
         chunks = "chunks in a V" if name in pipeline.V_SHAPED else "virtual stages"
         title = f"{name}: 4 stages, 8 micro-batches" + (f", {virtual} {chunks}" if virtual > 1 else "")
         return plots.plot_timeline(

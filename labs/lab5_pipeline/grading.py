@@ -23,12 +23,16 @@ WIDTH, BATCH = 9, 24  # 24 samples split into 3, 4 or 8 micro-batches
 
 def check_compute_order(lab) -> None:
     for p, m in CASES:
-        for rank in range(p):
-            got = [str(a) for a in lab.compute_order_1f1b(rank, p, m)]
-            wanted = [str(a) for a in pipeline.compute_order("1f1b", p, m)[rank]]
-            assert got == wanted, (
-                f"p={p}, m={m}, rank {rank}: your order starts {got[:6]}, 1F1B's {wanted[:6]}"
-            )
+        _check_order(lab.compute_order_1f1b, "1f1b", p, m)
+
+
+def _check_order(yours, schedule: str, p: int, m: int) -> None:
+    """Every rank's compute actions from ``yours(rank, p, m)`` against the course's ``schedule``."""
+    name = {"1f1b": "1F1B", "zb_h1": "ZB-H1"}[schedule]
+    for rank in range(p):
+        got = [str(a) for a in yours(rank, p, m)]
+        wanted = [str(a) for a in pipeline.compute_order(schedule, p, m)[rank]]
+        assert got == wanted, f"p={p}, m={m}, rank {rank}: your order starts {got[:6]}, {name}'s {wanted[:6]}"
 
 
 def check_schedule_is_valid(lab) -> None:
@@ -106,12 +110,7 @@ def check_runs_in_the_executor(lab) -> None:
 
 def check_zb_h1_order_and_bubble(lab) -> None:
     for p, m in CASES:
-        for rank in range(p):
-            got = [str(a) for a in lab.compute_order_zb_h1(rank, p, m)]
-            wanted = [str(a) for a in pipeline.compute_order("zb_h1", p, m)[rank]]
-            assert got == wanted, (
-                f"p={p}, m={m}, rank {rank}: your order is {got[:8]}..., ZB-H1's {wanted[:8]}..."
-            )
+        _check_order(lab.compute_order_zb_h1, "zb_h1", p, m)
         schedule = lab.schedule_zb_h1(p, m)
         try:
             pipeline.check_schedule(schedule, p, m)

@@ -193,8 +193,10 @@ def _every_schedule():
         m = MICROBATCHES[p][schedule]
         model, inputs, targets = _model_and_batch()
         stages = pp.split_model(model, p * v)
-        placement = pp.placement_of(schedule)
-        mine = {s: stages[s] for s in range(p * v) if pp.rank_of_stage(s, p, placement=placement) == rank}
+        mine = {
+            s: stages[s]
+            for s in pp.stages_on_rank(rank, p, virtual_stages=v, placement=pp.placement_of(schedule))
+        }
         executor = pp.PipelineExecutor(mine, p * v, schedule, m, models.lm_loss, (BATCH // m, SEQ, D_MODEL))
         loss = executor.step(inputs, targets)
         assert {e[0] for e in executor.stats.events} == (
@@ -247,7 +249,7 @@ def _torch_zero_bubble(schedule: str, m: int):
     p, rank = runtime.world_size(), runtime.rank()
     v = 2 if schedule in pp.V_SHAPED else 1
     stages = pp.split_model(model, p * v)
-    mine = [s for s in range(p * v) if pp.rank_of_stage(s, p, placement=pp.placement_of(schedule)) == rank]
+    mine = pp.stages_on_rank(rank, p, virtual_stages=v, placement=pp.placement_of(schedule))
     torch_stages = [PipelineStage(stages[s], s, p * v, torch.device("cpu")) for s in mine]
     runner = {
         "zb_h1": ScheduleInterleavedZeroBubble,  # with one stage per rank: ZB-H1 ("ZB1P")

@@ -61,7 +61,7 @@ def pipeline_benchmark(
             # two pipeline entries per stage
             model, inputs, targets = transformer(2 * p * v - 2, d_model, seq)
             stages = pp.split_model(model, p * v)
-            mine = {s: stages[s] for s in range(p * v) if pp.rank_of_stage(s, p) == rank}
+            mine = {s: stages[s] for s in pp.stages_on_rank(rank, p, virtual_stages=v)}
             executor = pp.PipelineExecutor(
                 mine, p * v, schedule, m, models.lm_loss, (batch // m, seq, d_model)
             )
@@ -307,8 +307,8 @@ def zero_bubble_benchmark(
     rows = []
     for schedule, policy in ZERO_BUBBLE_CASES:
         v = 2 if schedule in pp.V_SHAPED else 1
-        placement = pp.placement_of(schedule)
-        mine = [s for s in range(p * v) if pp.rank_of_stage(s, p, placement=placement) == rank]
+        mine = pp.stages_on_rank(rank, p, virtual_stages=v, placement=pp.placement_of(schedule))
+        actions = pp.build_schedule(schedule, p, m, virtual_stages=v)  # every rank's, for the simulations
         course, theirs = (
             zero_bubble_stages(p * v, mine, width=width, hidden=hidden, blocks_per_stage=blocks_per_stage)
             for _ in range(2)
@@ -318,9 +318,9 @@ def zero_bubble_benchmark(
                 recompute.recompute_modules(list(stage), policy=policy)
         executor = pp.PipelineExecutor(course, p * v, schedule, m, F.mse_loss, (batch // m, width))
         torch_stages = [PipelineStage(theirs[s], s, p * v, torch.device("cpu")) for s in mine]
-        runner_class = torch_schedule[schedule]
-        runner = runner_class(
-            torch_stages if v > 1 or schedule != "1f1b" else torch_stages[0], m, loss_fn=F.mse_loss
+        # Schedule1F1B takes its one stage, the others the list of this rank's stages
+        runner = torch_schedule[schedule](
+            torch_stages[0] if schedule == "1f1b" else torch_stages, m, loss_fn=F.mse_loss
         )
         first, last = 0 in mine, p * v - 1 in mine
 
@@ -347,15 +347,7 @@ def zero_bubble_benchmark(
                 for rank_events in events.values()
                 for kind, s, i, start, end in rank_events
             }
-            replayed.append(
-                pp.bubble_fraction(
-                    pp.simulate_timeline(
-                        pp.build_schedule(schedule, p, m, virtual_stages=v),
-                        p,
-                        durations=took,
-                    )
-                )
-            )
+            replayed.append(pp.bubble_fraction(pp.simulate_timeline(actions, p, durations=took)))
             for kind, spans in times.items():  # a rank's whole share per micro-batch: its chunks summed
                 done = [end - start for k, *_, start, end in executor.stats.events if k == kind]
                 if done:
@@ -380,23 +372,27 @@ def zero_bubble_benchmark(
         gathered = [None] * p
         torch.distributed.all_gather_object(
             gathered,
-            (
-                statistics.median(bubbles),
-                *(statistics.median(t) if t else 0.0 for t in times.values()),
-                difference,
-                course_forwards,
-                torch_forwards,
-                statistics.median(posting),
-            ),
+            {
+                "bubble": statistics.median(bubbles),
+                **{kind: statistics.median(spans) if spans else 0.0 for kind, spans in times.items()},
+                "difference": difference,
+                "course_forwards": course_forwards,
+                "torch_forwards": torch_forwards,
+                "posting_ms": statistics.median(posting),
+            },
         )
-        forward_ms, backward_ms, weight_ms = (statistics.mean(g[i] for g in gathered) for i in (1, 2, 3))
+
+        def mean(key: str) -> float:
+            return statistics.mean(g[key] for g in gathered)
+
+        forward_ms, backward_ms, weight_ms = mean("F"), mean("B"), mean("W")
         message_ms = _message_ms((batch // m, width))
         in_step_ms = 1000 * statistics.median(latencies) if latencies else 0.0
 
         def simulated(message_time: float) -> float:
             return pp.bubble_fraction(
                 pp.simulate_timeline(
-                    pp.build_schedule(schedule, p, m, virtual_stages=v),
+                    actions,
                     p,
                     forward_time=forward_ms,
                     backward_time=backward_ms,
@@ -405,7 +401,8 @@ def zero_bubble_benchmark(
                 )
             )
 
-        measured = gathered[0][0]
+        measured = gathered[0]["bubble"]  # the same on every rank: one time line
+        theory, with_messages = simulated(0.0), simulated(in_step_ms)
         rows.append(
             {
                 "schedule": schedule,
@@ -422,24 +419,24 @@ def zero_bubble_benchmark(
                 "weight_ms": weight_ms,
                 "message_ms": message_ms,  # one activation's send to the next rank, measured alone
                 "bubble_measured": measured,
-                "bubble_theory": simulated(0.0),  # the schedule simulated with the F, B and W measured
-                "bubble_error": measured - simulated(0.0),
+                "bubble_theory": theory,  # the schedule simulated with the F, B and W measured
+                "bubble_error": measured - theory,
                 # a message inside the step (its send to its arrival, where the receiver waited): slower,
                 # since the communication thread waits for a core the computing threads hold
                 "message_in_step_ms": in_step_ms,
                 # the schedule simulated with each message taking that: what message latency explains
-                "bubble_theory_with_messages": simulated(in_step_ms),
-                "bubble_error_with_messages": measured - simulated(in_step_ms),
+                "bubble_theory_with_messages": with_messages,
+                "bubble_error_with_messages": measured - with_messages,
                 # each action as long as it was measured, nothing between actions: measured - replayed
                 # is the time between actions (the executor's own work, messages); replayed - theory,
                 # what unequal actions cost the schedule
                 "bubble_replayed": statistics.median(replayed),
                 # of the time between actions: handing messages to the backend, per step and rank
-                "posting_ms_per_step": statistics.mean(g[7] for g in gathered),
-                "max_grad_difference_to_torch": max(g[4] for g in gathered),
+                "posting_ms_per_step": mean("posting_ms"),
+                "max_grad_difference_to_torch": max(g["difference"] for g in gathered),
                 # 1 without recomputation; each recomputation of a checkpointed block adds 1
-                "block_forwards_per_microbatch": statistics.mean(g[5] for g in gathered),
-                "torch_block_forwards_per_microbatch": statistics.mean(g[6] for g in gathered),
+                "block_forwards_per_microbatch": mean("course_forwards"),
+                "torch_block_forwards_per_microbatch": mean("torch_forwards"),
             }
         )
     for row in rows:

@@ -1,0 +1,199 @@
+"""Ulysses (all-to-all) attention and the USP hybrid equal one process's attention, bytes equal theory.
+
+Forward and backward, causal and not, at U = 1-4 with a sequence that cuts unevenly; the hybrid
+on a 2 x 2 grid (Ulysses inside, ring across); the transformer trained with Ulysses against one
+process; heads that do not divide refused on every rank before any message.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from course_lib import comm, data, models, runtime
+from course_lib.launch import launch
+from course_lib.memory import saved_tensor_bytes
+from course_lib.parallel import context as cp
+from course_lib.parallel import ulysses
+
+BATCH, HEADS, HEAD_DIM = 2, 12, 4  # 12 heads divide by 1, 2, 3 and 4
+SEQ = 13  # cuts unevenly into 2, 3 and 4 chunks
+
+
+def _whole_attention(causal: bool, seq: int):
+    generator = torch.Generator().manual_seed(0)
+    q, k, v, weights = (torch.randn(BATCH, HEADS, seq, HEAD_DIM, generator=generator) for _ in range(4))
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = torch.nn.functional.scaled_dot_product_attention(*whole, is_causal=causal)
+    (expected * weights).sum().backward()
+    return (q, k, v, weights), [expected, *(t.grad for t in whole)]
+
+
+def _against_one_process(attend, local, causal: bool, seq: int):
+    """``attend`` on this rank's tokens (cut by ``local``) against one process: pairs and bytes sent."""
+    (q, k, v, weights), expected = _whole_attention(causal, seq)
+    mine = [local(t).clone().requires_grad_() for t in (q, k, v)]
+    with comm.CommLog() as log:
+        out = attend(*mine)
+        (out * local(weights)).sum().backward()
+    ours = [out, *(t.grad for t in mine)]
+    return [
+        (a.detach(), local(b).detach()) for a, b in zip(ours, expected, strict=True)
+    ], log.bytes_per_rank()
+
+
+def _ulysses_against_one_process(causal: bool, seq: int):
+    rank, size = runtime.rank(), runtime.world_size()
+    layout = cp.SequenceLayout(seq, size, zigzag=False)
+    return _against_one_process(
+        lambda q, k, v: ulysses.ulysses_attention(q, k, v, layout=layout, causal=causal),
+        lambda t: layout.local(t, rank, dim=2),
+        causal,
+        seq,
+    )
+
+
+def _assert_equal(results, theory):
+    for rank, (pairs, sent) in enumerate(results):
+        for what, (ours, theirs) in zip(("output", "dq", "dk", "dv"), pairs, strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5, msg=f"{what} on rank {rank}")
+        assert sent == theory(rank), f"rank {rank}"
+
+
+@pytest.mark.parametrize("degree", [1, 2, 3, 4])
+def test_ulysses_equals_one_process_forward_and_backward_and_sends_what_theory_says(degree):
+    layout = cp.SequenceLayout(SEQ, degree, zigzag=False)
+    per_token = BATCH * HEADS * HEAD_DIM * 4
+    for causal in (False, True):
+        results = launch(_ulysses_against_one_process, degree, causal, SEQ)
+        _assert_equal(
+            results, lambda rank: ulysses.ulysses_bytes_per_rank(layout, rank, bytes_per_token=per_token)
+        )
+
+
+def test_the_byte_theory_is_the_papers_count_and_falls_with_the_degree():
+    per_token, seq = 1, 4096
+    for degree in (2, 4, 8):
+        layout = cp.SequenceLayout(seq, degree, zigzag=False)
+        sent = ulysses.ulysses_bytes_per_rank(layout, 0, bytes_per_token=per_token)
+        # four all-to-alls forward, four backward, each (U-1)/U of the S/U tokens a rank holds
+        assert sent == 8 * (degree - 1) * seq // degree**2
+        ring = cp.ring_bytes_per_rank(
+            cp.SequenceLayout(seq, degree, zigzag=True), 0, bytes_per_token=2 * per_token
+        )
+        assert ring == 2 * (3 * degree - 2) * seq // degree  # K and V, forward and backward
+        assert sent < ring
+    bytes_at = [
+        ulysses.ulysses_bytes_per_rank(cp.SequenceLayout(1024 * u, u, zigzag=False), 0, bytes_per_token=1)
+        for u in (2, 4, 8)
+    ]
+    assert bytes_at == [
+        4096,
+        6144,
+        7168,
+    ]  # S grown with U: below 8 x S/U, where the ring's 2(3U-2) x S/U grows
+
+
+def _usp_against_one_process(causal: bool, seq: int):
+    layout = ulysses.UspLayout(seq, 2, 2)
+    ulysses_group, ring_group = ulysses.usp_groups(2)
+    return _against_one_process(
+        lambda q, k, v: ulysses.usp_attention(
+            q, k, v, layout=layout, causal=causal, ulysses_group=ulysses_group, ring_group=ring_group
+        ),
+        lambda t: layout.local(t, runtime.rank(), dim=2),
+        causal,
+        seq,
+    )
+
+
+def test_the_usp_hybrid_on_a_2x2_grid_equals_one_process():
+    seq = 19  # ring chunks of 10 and 9 tokens (zig-zag: 5+5, 5+4), Ulysses pieces of 5 and 4-5
+    layout = ulysses.UspLayout(seq, 2, 2)
+    positions = torch.cat([layout.local(torch.arange(seq).view(1, -1), r) for r in range(4)], dim=1)
+    assert sorted(positions.flatten().tolist()) == list(range(seq))
+    per_token = BATCH * HEADS * HEAD_DIM * 4
+    for causal in (False, True):
+        results = launch(_usp_against_one_process, 4, causal, seq)
+        _assert_equal(
+            results, lambda rank: ulysses.usp_bytes_per_rank(layout, rank, bytes_per_token=per_token)
+        )
+
+
+def _attention_memory(seq: int):
+    size, rank = runtime.world_size(), runtime.rank()
+    layout = cp.SequenceLayout(seq, size, zigzag=False)
+    q, k, v = (torch.randn(BATCH, HEADS, layout.tokens(rank), HEAD_DIM, requires_grad=True) for _ in range(3))
+    with saved_tensor_bytes() as saved:
+        ulysses.ulysses_attention(q, k, v, layout=layout, causal=True)
+    return saved.bytes
+
+
+def test_attention_activation_memory_per_rank_falls_as_one_over_the_degree():
+    seq = 48
+    one = launch(_attention_memory, 1, seq)[0]
+    for degree in (2, 4):
+        assert launch(_attention_memory, degree, seq) == [one // degree] * degree
+
+
+def _train(degree: int, steps: int, seq: int):
+    rank = runtime.rank()
+    torch.manual_seed(0)
+    inputs, targets, vocabulary = data.zen_windows(seq_len=seq)
+    model = models.TinyTransformer(len(vocabulary), d_model=24, n_heads=4, n_layers=2, max_seq_len=seq)
+    layout = cp.SequenceLayout(seq, degree, zigzag=False)
+    if degree > 1:
+        ulysses.parallelize_ulysses(model, layout)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    generator, losses = torch.Generator().manual_seed(1), []
+    for _ in range(steps):
+        batch = torch.randint(0, len(inputs), (4,), generator=generator)
+        x, y = inputs[batch], targets[batch]
+        optimizer.zero_grad()
+        logits = model(layout.local(x, rank))
+        loss = cp.context_parallel_loss(logits, layout.local(y, rank), total_tokens=y.numel())
+        loss.backward()
+        if degree > 1:
+            comm.all_reduce_coalesced([p.grad for p in model.parameters()], op="sum")
+            loss = loss.detach().clone()
+            comm.all_reduce(loss, op="sum")
+        optimizer.step()
+        losses.append(float(loss))
+    return losses
+
+
+def test_the_transformer_trains_with_ulysses_like_one_process():
+    seq = 14  # 7, or 4 4 3 3 tokens
+    reference = launch(_train, 1, 1, 4, seq)[0]
+    for degree in (2, 4):
+        for losses in launch(_train, degree, degree, 4, seq):
+            assert losses == pytest.approx(reference, rel=1e-5)
+
+
+def _bad_inputs():
+    from conftest import user_errors
+
+    layout = cp.SequenceLayout(8, 2, zigzag=False)
+    return user_errors(
+        {
+            "heads": lambda: ulysses.ulysses_attention(
+                *(torch.zeros(1, 3, 4, 2) for _ in range(3)), layout=layout
+            ),
+            "zigzag": lambda: ulysses.ulysses_attention(
+                *(torch.zeros(1, 2, 4, 2) for _ in range(3)), layout=cp.SequenceLayout(8, 2, zigzag=True)
+            ),
+            "model": lambda: ulysses.parallelize_ulysses(
+                models.TinyTransformer(10, d_model=9, n_heads=3, n_layers=1, max_seq_len=8), layout
+            ),
+            "grid": lambda: ulysses.UspLayout(4, 2, 3),
+        }
+    )
+
+
+def test_heads_that_do_not_divide_are_refused_on_every_rank_before_any_message():
+    for errors in launch(_bad_inputs, 2):
+        assert errors["heads"].startswith("3 attention heads do not divide by the Ulysses degree 2")
+        assert "usp_attention" in errors["heads"]
+        assert "zigzag=False" in errors["zigzag"]
+        assert errors["model"].startswith("3 attention heads do not divide by the Ulysses degree 2")
+        assert "does not cut into 3 Ulysses pieces" in errors["grid"]

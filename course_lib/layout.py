@@ -59,9 +59,10 @@ class Layout:
         sequence_parallel: with T > 1, the norms run on s/T tokens and the projections keep
             only their shard of the input (Megatron-LM's sequence parallelism); off: plain tensor
             parallelism (the course's ``parallel.tensor``).
-        loss_parallel: with T > 1, the output projection and the loss are split over the
-            vocabulary (Megatron-LM's, DTensor's ``loss_parallel``); off: every tensor rank
-            computes the whole head.
+        loss_parallel: with T > 1, the embedding, the output projection and the loss are split
+            over the vocabulary (``parallel.vocab``; Megatron-LM's, DTensor's ``loss_parallel``):
+            the model returns this rank's slice of the logits. Off: every tensor rank computes
+            the whole head.
     """
 
     data: int = 1
@@ -163,6 +164,22 @@ def apply_tensor_parallel(model: nn.Module, group, *, sequence_parallel: bool = 
     return tensor.parallelize_transformer(model, group=group)
 
 
+def apply_vocabulary_parallel(model: nn.Module, group, *, sequence_parallel: bool = False) -> nn.Module:
+    """Split the token embedding and the output projection over ``group`` by vocabulary rows.
+
+    The stage then returns this rank's slice of the logits: its loss is
+    ``parallel.vocab.vocab_parallel_cross_entropy``, which never gathers them.
+
+    Args:
+        model: a ``TinyTransformer``, or a stage of one holding its embedding or head, in place.
+        group: the tensor-parallel process group.
+        sequence_parallel: the head reads this rank's tokens only (gather them first).
+    """
+    from .parallel import vocab
+
+    return vocab.parallelize_vocabulary(model, group=group, sequence_parallel=sequence_parallel)
+
+
 def apply_context_parallel(model: nn.Module, group, *, seq_len: int) -> nn.Module:
     """Cut each sequence over ``group`` in the zig-zag layout; attention becomes ring attention.
 
@@ -211,6 +228,8 @@ def parallelize(
     seed). Under pipeline parallelism the data axis is averaged by the caller after the
     executor's step (as ``parallel.three_d`` does), so only ``sharding="ddp"`` runs there; with
     context parallelism the caller also sums each parameter's gradient over the context group.
+    With ``loss_parallel`` and T > 1 the last stage returns this rank's slice of the logits over
+    the vocabulary: take the loss with ``parallel.vocab.vocab_parallel_cross_entropy``.
 
     Args:
         model: the dense transformer, cut and changed in place.
@@ -241,11 +260,17 @@ def parallelize(
     coordinate = mesh.coordinates.pipeline
     on_this_rank = pipeline.stages_on_rank(coordinate, layout.pipeline, virtual_stages=layout.virtual_stages)
     stages = {s: pieces[s] for s in on_this_rank}
-    from .models import Block
+    from .models import Block, Embedding, LMHead
 
     for index, stage in stages.items():
         if layout.tensor > 1 and any(isinstance(m, Block) for m in stage.modules()):
             apply_tensor_parallel(stage, mesh.group("tensor"), sequence_parallel=layout.sequence_parallel)
+        if (
+            layout.tensor > 1
+            and layout.loss_parallel
+            and any(isinstance(m, Embedding | LMHead) for m in stage.modules())
+        ):
+            apply_vocabulary_parallel(stage, mesh.group("tensor"), sequence_parallel=layout.sequence_parallel)
         if layout.context > 1:
             apply_context_parallel(stage, mesh.group("context"), seq_len=seq_len)
         recompute.apply_recomputation(stage, policy=layout.recomputation)

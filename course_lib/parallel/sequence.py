@@ -313,7 +313,9 @@ def sequence_parallel_parameters(model: nn.Module) -> list[nn.Parameter]:
             rows = (module.attention.out, module.mlp.fc2)
             found += [layer.bias for layer in rows if layer.bias is not None]
         elif isinstance(module, LMHead):
-            found += list(module.parameters())
+            found += list(module.norm.parameters())
+            if isinstance(module.proj, nn.Linear):  # replicated; split by vocabulary it sees every token
+                found += list(module.proj.parameters())
     return found
 
 

@@ -6,8 +6,10 @@ On a ``Mesh`` of D x P x C x T ranks, one training step of ``TinyTransformer``:
    pipeline group (same data and tensor coordinates) run them with a schedule (1F1B by default)
    and send activations to each other.
 2. **Tensor**: inside each stage, every block's attention and MLP are split over the T ranks of
-   a tensor group (``tensor.parallelize_transformer``). The T ranks of a stage hold the same
-   activations, so each sends its own copy to its counterpart in the next stage.
+   a tensor group (``tensor.parallelize_transformer``), and the embedding, the output projection
+   and the loss over the vocabulary (``vocab``: the logits are never gathered). The T ranks of a
+   stage hold the same activations, so each sends its own copy to its counterpart in the next
+   stage.
 3. **Context**: with C > 1, each sequence is cut over the C ranks of a context group (zig-zag
    layout); every attention runs as ring attention (``context.parallelize_context``). Each rank's
    loss is its tokens' share of the batch mean, and the weights' gradients are summed over the
@@ -40,6 +42,7 @@ from ..layout import Layout, parallelize
 from . import context as cp
 from . import pipeline as pp
 from . import tensor as tp
+from . import vocab
 from .mesh import Mesh, rank_at
 
 
@@ -48,8 +51,8 @@ def build_local_model(
 ) -> dict[int, nn.Module]:
     """This rank's stage of ``model`` (a dense ``TinyTransformer``), made tensor and context parallel.
 
-    ``layout.parallelize`` with plain tensor parallelism, fp32, and the data axis left to
-    ``train_3d``, which averages every gradient itself after the pipeline's step.
+    ``layout.parallelize`` with plain tensor parallelism and the vocabulary split, fp32, and the
+    data axis left to ``train_3d``, which averages every gradient itself after the pipeline's step.
     """
     degrees = {axis: mesh.degrees[axis] for axis in ("data", "pipeline", "context", "tensor")}
     plan = Layout(
@@ -58,7 +61,7 @@ def build_local_model(
         recomputation=recomputation,
         precision="fp32",
         sequence_parallel=False,
-        loss_parallel=False,
+        loss_parallel=True,
     )
     return parallelize(model, mesh, plan, seq_len=seq_len, data_parallel=False)
 
@@ -157,7 +160,13 @@ def train_3d(
     micro = local_batch // microbatches
 
     def loss_fn(logits, targets):  # this rank's tokens' share of the micro-batch's mean
-        return cp.context_parallel_loss(logits, targets, total_tokens=micro * seq_len)
+        if tensor == 1:
+            return cp.context_parallel_loss(logits, targets, total_tokens=micro * seq_len)
+        # the logits are split over the vocabulary: the loss all-reduces per token, never gathers them
+        summed = vocab.vocab_parallel_cross_entropy(
+            logits, targets, vocab_size=len(vocabulary), reduction="sum", group=mesh.group("tensor")
+        )
+        return summed / (micro * seq_len)
 
     executor = pp.PipelineExecutor(
         stages,

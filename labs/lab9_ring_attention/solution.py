@@ -1,0 +1,121 @@
+"""Solution of lab 9: ring attention, from the online softmax up.
+
+A sequence too long for one rank is cut over C ranks; attention needs every key for every query,
+so the keys and values travel around a ring of the ranks while each rank computes the block of
+attention they allow. Three pieces:
+
+- **the online-softmax merge**: two blocks' partial results (each a softmax over its own keys,
+  with the log of its denominator, ``lse``) combined exactly as if one softmax had covered both;
+- **the ring loop**: at each of C steps, pass on the chunk of keys and values you hold to the
+  next rank while you receive the previous rank's (posted together, so no rank waits on a
+  neighbour that is itself waiting), compute your block with what you hold, merge it, and only
+  then wait for the message;
+- **the zig-zag layout**: with a causal mask, contiguous chunks give rank C-1 C times the work of
+  rank 0; cutting the sequence into 2C chunks and giving rank r chunks r and 2C-1-r balances it.
+
+Check your work (every property, at 2, 3 and 4 processes):
+
+    python -m course_lib.tools.labs check lab9_ring_attention
+"""
+
+from __future__ import annotations
+
+import torch
+
+from course_lib import comm, runtime
+
+
+def chunk_lengths(total: int, pieces: int) -> list[int]:
+    """``total`` tokens cut into ``pieces`` consecutive chunks, the first ``total % pieces`` one longer."""
+    return [total // pieces + (i < total % pieces) for i in range(pieces)]
+
+
+def contiguous_segments(seq_len: int, degree: int, rank: int) -> list[tuple[int, int]]:
+    """Rank ``rank``'s positions as (start, length) runs: chunk ``rank`` of ``degree``."""
+    lengths = chunk_lengths(seq_len, degree)
+    return [(sum(lengths[:rank]), lengths[rank])]
+
+
+def zigzag_segments(seq_len: int, degree: int, rank: int) -> list[tuple[int, int]]:
+    """Rank ``rank``'s positions as (start, length) runs: chunks ``rank`` and ``2·degree-1-rank`` of 2·degree."""
+    # BEGIN SOLUTION: cut the sequence into 2 x degree chunks with chunk_lengths (uneven lengths are fine), find where each starts, and return this rank's early chunk then its late one (2 x degree - 1 - rank), in that order
+    lengths = chunk_lengths(seq_len, 2 * degree)
+    starts = [sum(lengths[:i]) for i in range(2 * degree)]
+    return [(starts[i], lengths[i]) for i in (rank, 2 * degree - 1 - rank)]
+    # END SOLUTION
+
+
+def positions(segments: list[tuple[int, int]]) -> torch.Tensor:
+    """The global positions of a rank's tokens, in the order its tensors hold them."""
+    return torch.cat([torch.arange(start, start + length) for start, length in segments])
+
+
+def local_tokens(tensor: torch.Tensor, segments: list[tuple[int, int]]) -> torch.Tensor:
+    """A rank's tokens of a whole-sequence (batch, heads, tokens, head_dim) tensor."""
+    return torch.cat([tensor.narrow(2, start, length) for start, length in segments], dim=2)
+
+
+def attend_block(q, k, v, q_positions, k_positions, *, causal: bool):
+    """One block of attention: (output, lse) of ``q`` over these keys only, or None if the mask hides all.
+
+    ``lse`` is the log of each query's softmax denominator over this block's keys: -inf for a
+    query that sees none of them (its output row is then 0).
+    """
+    scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    if causal:
+        hidden = k_positions[None, :] > q_positions[:, None]
+        if bool(hidden.all()):
+            return None  # every key comes after every query: nothing to compute
+        scores = scores.masked_fill(hidden, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    weights = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)  # a row that sees nothing: 0
+    return weights @ v, lse
+
+
+def merge_partial(out, lse, block_out, block_lse):
+    """The online softmax: the running (out, lse) and a new block's merged, as one softmax over both.
+
+    ``out`` and ``lse`` are None before the first block.
+    """
+    # BEGIN SOLUTION: nothing to merge yet: the block's result is the running result. Otherwise the merged denominator is the sum of both denominators (in log space: torch.logaddexp), and each output is re-weighted by its denominator's share of the merged one, exp(lse_part - lse_merged), broadcast over head_dim. Pitfall: exp(lse_1) + exp(lse_2) overflows; never leave log space
+    if out is None:
+        return block_out, block_lse
+    merged = torch.logaddexp(lse, block_lse)
+    return (
+        torch.exp(lse - merged).unsqueeze(-1) * out + torch.exp(block_lse - merged).unsqueeze(-1) * block_out,
+        merged,
+    )
+    # END SOLUTION
+
+
+def ring_attention(q, k, v, *, seq_len: int, causal: bool = True, zigzag: bool = True) -> torch.Tensor:
+    """Attention of this rank's queries over the whole sequence, the keys and values travelling a ring.
+
+    ``q``, ``k`` and ``v`` are this rank's tokens, (batch, heads, local tokens, head_dim), cut by
+    ``zigzag_segments`` (or ``contiguous_segments``). Returns this rank's rows of the output.
+    """
+    rank, size = runtime.rank(), runtime.world_size()
+    layout = zigzag_segments if zigzag else contiguous_segments
+    mine = positions(layout(seq_len, size, rank))
+    following, preceding = (rank + 1) % size, (rank - 1) % size
+    held = torch.stack([k, v])  # one message carries both
+    # BEGIN SOLUTION: for each of the size steps: the chunk you hold at step s belongs to rank (rank - s) % size. Unless it is the last step, post its send to the next rank together with the receive of the next chunk (comm.send_recv: the buffer must have the tokens of rank (rank - s - 1) % size) and keep the handle; compute your block with attend_block (it may be None) and merge it; then wait on the handle and hold what arrived. Pitfall: a rank that sends, waits, and only then receives can wait forever for a neighbour doing the same
+    out = lse = None
+    for step in range(size):
+        owner = (rank - step) % size
+        if step < size - 1:
+            arriving = (rank - step - 1) % size
+            buffer = held.new_empty(
+                (*held.shape[:3], len(positions(layout(seq_len, size, arriving))), held.shape[-1])
+            )
+            handle = comm.send_recv(held, following, buffer, preceding)
+        block = attend_block(
+            q, held[0], held[1], mine, positions(layout(seq_len, size, owner)), causal=causal
+        )
+        if block is not None:
+            out, lse = merge_partial(out, lse, *block)
+        if step < size - 1:
+            handle.wait()
+            held = buffer
+    return out
+    # END SOLUTION

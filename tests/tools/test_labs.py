@@ -261,3 +261,48 @@ def test_an_optional_part_not_attempted_is_skipped_and_once_written_is_graded(tm
     failed = _check_command("lab5_pipeline", "--file", str(wrong), *answers)
     assert failed.returncode == 1
     assert "FAIL  optional: ZB-H1's order is valid" in failed.stdout
+
+
+def _outcome(name: str, check: str, path: Path) -> str | None:
+    grading = labs.load(labs.LABS_DIR / name / "grading.py")
+    prop = {prop.check.__name__: prop for prop in grading.PROPERTIES}[check]
+    return labs._property_outcome(prop, labs.load(path), path)
+
+
+def test_lab9_a_merge_that_leaves_log_space_and_a_ring_one_rank_never_feeds_are_each_named(tmp_path):
+    overflowing = _mutant(
+        "lab9_ring_attention",
+        "merged = torch.logaddexp(lse, block_lse)",
+        "merged = torch.log(torch.exp(lse) + torch.exp(block_lse))",
+        tmp_path,
+    )
+    assert "stay in log space" in _outcome("lab9_ring_attention", "check_merge", overflowing)
+    starving = _mutant(  # rank 0 only receives: its right-hand neighbour waits for a chunk that never comes
+        "lab9_ring_attention",
+        "handle = comm.send_recv(held, following, buffer, preceding)",
+        "handle = (\n                comm.irecv(buffer, preceding) if rank == 0 "
+        "else comm.send_recv(held, following, buffer, preceding)\n            )",
+        tmp_path,
+    )
+    os.environ["COURSE_LAB_TIMEOUT_S"] = "10"
+    try:
+        message = _outcome("lab9_ring_attention", "check_ring_not_causal", starving)
+    finally:
+        del os.environ["COURSE_LAB_TIMEOUT_S"]
+    assert message.startswith("on 2 ranks nothing finished within 10 s") or message.startswith(
+        "a rank waited in a collective that another rank never made"
+    ), message
+
+
+def test_lab10_a_combine_that_forgets_the_gates_and_counts_sent_twice_are_each_named(tmp_path):
+    ungated = _mutant(
+        "lab10_moe", "weighted = back * routing.gate[order].unsqueeze(-1)", "weighted = back", tmp_path
+    )
+    assert "output differs from one process's" in _outcome("lab10_moe", "check_layer", ungated)
+    chatty = _mutant(
+        "lab10_moe",
+        "comm.all_to_all_single(incoming, per_expert)",
+        "comm.all_to_all_single(incoming, per_expert)\n        comm.all_to_all_single(incoming, per_expert)",
+        tmp_path,
+    )
+    assert "the routing says" in _outcome("lab10_moe", "check_traffic", chatty)

@@ -1,0 +1,110 @@
+"""Exercise: lab 10: a mixture-of-experts layer, its experts spread over the ranks.
+
+A router scores each token against E experts; the token goes to its top-k, and their outputs
+are added, weighted by the router's probabilities (the gates). Three pieces:
+
+- **routing with a capacity**: an expert takes at most ``capacity`` assignments of a batch; the
+  queues fill first choices first, then second choices, each in token order (GShard's rule),
+  and an assignment past its expert's capacity is dropped (the token gets nothing from it);
+- **the load-balancing loss** ``E · Σ_e f_e · P_e`` (f_e: the share of assignments that chose e,
+  P_e: the router's mean probability for e), 1 when both are uniform (Switch Transformer);
+- **dispatch and combine**: rank r holds experts [r·E/N, (r+1)·E/N); the rows of every kept
+  assignment go to the rank of their expert with one ``all_to_all_single`` whose pieces have
+  different sizes on every rank and step (so the counts travel first), and the results come
+  back the same way, reversed.
+
+Check your work (every property, at 2 and 4 processes):
+
+    python -m course_lib.tools.labs check lab10_moe
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from course_lib import comm, runtime
+
+
+def expert_capacity(tokens: int, num_experts: int, *, top_k: int, capacity_factor: float) -> int:
+    """The most assignments one expert takes from ``tokens`` tokens: ceil(factor x tokens x k / E)."""
+    return math.ceil(capacity_factor * tokens * top_k / num_experts)
+
+
+@dataclass
+class Routing:
+    """One entry per assignment (tokens x k), choice by choice: all first choices, then all second ones."""
+
+    token: torch.Tensor  # which token
+    expert: torch.Tensor  # to which expert
+    gate: torch.Tensor  # with which weight (differentiable: the router learns from it)
+    kept: torch.Tensor  # False: past its expert's capacity, dropped
+
+
+def route(logits: torch.Tensor, *, top_k: int, capacity_factor: float) -> Routing:
+    """Top-k routing of (tokens, E) router scores, with a capacity per expert."""
+    tokens, num_experts = logits.shape
+    # TODO: the gates are the softmax probabilities of each token's top_k experts (torch.topk), renormalised to sum to 1 when top_k > 1. Lay the assignments out choice-major (transpose before flattening). An assignment's place in its expert's queue is how many earlier assignments chose the same expert: a cumulative sum of one-hot rows does it in one line; it is kept if that place is below expert_capacity
+    raise NotImplementedError(
+        "TODO: the gates are the softmax probabilities of each token's top_k experts (torch.topk), renormalised to sum to 1 when top_k > 1. Lay the assignments out choice-major (transpose before flattening). An assignment's place in its expert's queue is how many earlier assignments chose the same expert: a cumulative sum of one-hot rows does it in one line; it is kept if that place is below expert_capacity"
+    )
+
+
+def load_balancing_loss(logits: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+    """E x Σ_e f_e x P_e from the router's (tokens, E) scores and every assignment's expert (dropped too)."""
+    # TODO: f_e counts assignments (an integer count: no gradient flows through it) over all assignments; P_e is the mean over tokens of the softmax probability of e (the gradient flows through it). Pitfall: count every expert, also the ones nobody chose (minlength)
+    raise NotImplementedError(
+        "TODO: f_e counts assignments (an integer count: no gradient flows through it) over all assignments; P_e is the mean over tokens of the softmax probability of e (the gradient flows through it). Pitfall: count every expert, also the ones nobody chose (minlength)"
+    )
+
+
+class AllToAll(torch.autograd.Function):
+    """Rows dealt out to the ranks (``send_counts[j]`` rows to rank j, in rank order); backward reversed."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, send_counts: list[int], receive_counts: list[int]) -> torch.Tensor:
+        # TODO: the output holds sum(receive_counts) rows of the same width; comm.all_to_all_single takes the split sizes of both sides. Keep both lists on ctx: the gradient travels back the other way
+        raise NotImplementedError(
+            "TODO: the output holds sum(receive_counts) rows of the same width; comm.all_to_all_single takes the split sizes of both sides. Keep both lists on ctx: the gradient travels back the other way"
+        )
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        # TODO: each row's gradient goes home: the same exchange with the two lists swapped (and a contiguous gradient); the counts get no gradient
+        raise NotImplementedError(
+            "TODO: each row's gradient goes home: the same exchange with the two lists swapped (and a contiguous gradient); the counts get no gradient"
+        )
+
+
+class ExpertParallelMoE(nn.Module):
+    """A mixture-of-experts layer holding this rank's E/N experts; every rank routes its own tokens.
+
+    Args:
+        router: ``nn.Linear(d_model, E)``, the same on every rank.
+        experts: all E experts (the same on every rank); this rank keeps its E/N consecutive ones.
+        top_k: experts per token.
+        capacity_factor: an expert's room, as a multiple of its fair share.
+    """
+
+    def __init__(self, router: nn.Linear, experts: list[nn.Module], *, top_k: int, capacity_factor: float):
+        super().__init__()
+        size, rank = runtime.world_size(), runtime.rank()
+        self.num_experts, self.local = len(experts), len(experts) // size
+        self.top_k, self.capacity_factor = top_k, capacity_factor
+        self.router = router
+        self.experts = nn.ModuleList(experts[rank * self.local : (rank + 1) * self.local])
+        self.aux_loss = self.routing = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(tokens, d_model) -> (tokens, d_model): each token's kept assignments, weighted and added."""
+        logits = self.router(x)
+        routing = self.routing = route(logits, top_k=self.top_k, capacity_factor=self.capacity_factor)
+        self.aux_loss = load_balancing_loss(logits, routing.expert)
+        size = runtime.world_size()
+        # TODO: 1. sort the kept assignments by expert (a stable argsort), hence by owning rank, and count the rows per expert. 2. exchange those counts with comm.all_to_all_single (an (E,) tensor: each rank gets, from every source, the counts for its own experts). 3. dispatch the rows (AllToAll, rows per destination rank = sum of its experts' counts). 4. each local expert runs on its rows from every source (they arrive by source, then by expert). 5. combine: send the results back (AllToAll with the counts swapped), weight each by its gate and add it to its token (index_add). Pitfall: a dropped assignment is not sent at all
+        raise NotImplementedError(
+            "TODO: 1. sort the kept assignments by expert (a stable argsort), hence by owning rank, and count the rows per expert. 2. exchange those counts with comm.all_to_all_single (an (E,) tensor: each rank gets, from every source, the counts for its own experts). 3. dispatch the rows (AllToAll, rows per destination rank = sum of its experts' counts). 4. each local expert runs on its rows from every source (they arrive by source, then by expert). 5. combine: send the results back (AllToAll with the counts swapped), weight each by its gate and add it to its token (index_add). Pitfall: a dropped assignment is not sent at all"
+        )

@@ -1,0 +1,247 @@
+"""The grading suite of lab 10: what ``python -m course_lib.tools.labs check lab10_moe`` checks.
+
+Your routing and load-balancing loss against the course's ``expert.route``; your all-to-all with
+uneven pieces, forward and backward; your layer at 2 and 4 processes, top-1 and top-2, with a
+capacity that drops tokens and one that drops none, against one process holding every expert
+(``expert.MoE`` routing each rank's tokens as its own group): outputs, the input's, the
+router's and every expert's gradients, the bytes sent against the routing.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from course_lib import comm, runtime
+from course_lib.parallel import expert as ep
+from course_lib.tools.labs import Property, Question, on_ranks
+
+WORLD_SIZES = (2, 4)
+D_MODEL, HIDDEN, EXPERTS, TOKENS = 6, 10, 4, 9  # 9 tokens a rank: capacities 3 (k=1) and 5 (k=2) at 1.25
+CASES = [(1, 0.5), (1, float(EXPERTS)), (2, 0.75), (2, float(EXPERTS))]  # (top_k, capacity factor)
+
+
+def _scores(seed: int, tokens: int = 23) -> torch.Tensor:
+    return torch.randn(tokens, EXPERTS, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+def check_route(lab) -> None:
+    for seed, (top_k, factor) in enumerate(CASES):
+        logits = _scores(seed)
+        yours, course = (
+            lab.route(logits, top_k=top_k, capacity_factor=factor),
+            ep.route(logits, top_k=top_k, capacity_factor=factor),
+        )
+        where = f"top-{top_k}, capacity factor {factor:g}"
+        for field in ("token", "expert", "kept"):
+            got, wanted = getattr(yours, field), getattr(course, field)
+            assert torch.equal(got, wanted), (
+                f"{where}: your {field} starts {got[:8].tolist()}, the course's {wanted[:8].tolist()}"
+            )
+        assert torch.allclose(yours.gate, course.gate, atol=1e-6), (
+            f"{where}: your gates differ from the course's"
+        )
+    logits = _scores(9).requires_grad_()
+    lab.route(logits, top_k=2, capacity_factor=1.0).gate.sum().backward()
+    assert logits.grad is not None and logits.grad.abs().sum() > 0, "the gates must stay differentiable"
+
+
+def check_balancing_loss(lab) -> None:
+    for seed, (top_k, factor) in enumerate(CASES):
+        logits = _scores(seed).requires_grad_()
+        course = ep.route(logits, top_k=top_k, capacity_factor=factor)
+        yours = lab.load_balancing_loss(logits, course.expert)
+        got_value, wanted_value = yours.item(), course.aux_loss.item()
+        assert abs(got_value - wanted_value) < 1e-5, (
+            f"top-{top_k}: your loss is {got_value:.5f}, E x Σ f_e P_e is {wanted_value:.5f}"
+        )
+        (wanted,) = torch.autograd.grad(course.aux_loss, logits)
+        (got,) = torch.autograd.grad(yours, logits)
+        assert torch.allclose(got, wanted, atol=1e-6), "your loss's gradient differs: only P_e carries one"
+    uniform = torch.zeros(8, EXPERTS)
+    balanced = torch.arange(8) % EXPERTS
+    assert abs(float(lab.load_balancing_loss(uniform, balanced)) - 1.0) < 1e-6, (
+        "balanced routing should give 1"
+    )
+
+
+def _exchange(lab):
+    rank, size = runtime.rank(), runtime.world_size()
+    send = [(rank + 2 * j) % 3 for j in range(size)]  # 0, 1 or 2 rows to each rank: uneven, some empty
+    receive = [(j + 2 * rank) % 3 for j in range(size)]
+    rows = torch.tensor([[100.0 * rank + j] * 3 for j in range(sum(send))], requires_grad=True)
+    out = lab.AllToAll.apply(rows, send, receive)
+    out.backward(torch.arange(out.shape[0], dtype=torch.float32).unsqueeze(-1).expand(-1, 3) + 1000 * rank)
+    return send, receive, rows.detach(), out.detach(), rows.grad
+
+
+def check_all_to_all(lab) -> None:
+    for world in WORLD_SIZES:
+        results = on_ranks(world, _exchange, lab)
+        for rank, (_, receive, _, out, _) in enumerate(results):
+            wanted = []
+            for source, (source_send, _, source_rows, _, _) in enumerate(results):
+                start = sum(source_send[:rank])
+                wanted.append(source_rows[start : start + receive[source]])
+            assert torch.equal(out, torch.cat(wanted)), (
+                f"on {world} ranks rank {rank} received {out[:, 0].tolist()}, not {torch.cat(wanted)[:, 0].tolist()}"
+            )
+        for rank, (send, _, _, _, grad) in enumerate(results):
+            wanted = []
+            for target, (_, target_receive, _, _, _) in enumerate(results):
+                start = sum(target_receive[:rank])
+                rows = (
+                    torch.arange(start, start + send[target], dtype=torch.float32).unsqueeze(-1).expand(-1, 3)
+                )
+                wanted.append(rows + 1000 * target)
+            assert grad is not None and torch.equal(grad, torch.cat(wanted)), (
+                f"on {world} ranks rank {rank}'s rows got back the wrong gradients: each row's gradient goes "
+                "back to where the row came from"
+            )
+
+
+def _layer(lab, top_k: float, factor: float):
+    rank, size = runtime.rank(), runtime.world_size()
+    torch.manual_seed(0)
+    reference = ep.MoE(
+        D_MODEL, HIDDEN, num_experts=EXPERTS, top_k=top_k, capacity_factor=factor, routing_groups=size
+    )
+    generator = torch.Generator().manual_seed(1)
+    everyone = torch.randn(size, TOKENS, D_MODEL, generator=generator)
+    weights = torch.randn(size, TOKENS, D_MODEL, generator=generator)
+    whole = everyone.clone().requires_grad_()
+    (reference(whole) * weights).sum().backward()
+    layer = lab.ExpertParallelMoE(
+        copy.deepcopy(reference.router),
+        copy.deepcopy(list(reference.experts)),
+        top_k=top_k,
+        capacity_factor=factor,
+    )
+    x = everyone[rank].clone().requires_grad_()
+    with comm.CommLog() as log:
+        out = layer(x)
+        (out * weights[rank]).sum().backward()
+    if layer.router.weight.grad is None:  # no gradient reached the router: compared as zeros
+        layer.router.weight.grad = torch.zeros_like(layer.router.weight)
+    comm.all_reduce(layer.router.weight.grad, op="sum")  # the router is replicated: its gradient is the sum
+    mine = range(rank * layer.local, (rank + 1) * layer.local)
+    expert_errors = [
+        (a.grad - b.grad).abs().max().item()
+        for e, local in zip(mine, layer.experts, strict=True)
+        for a, b in zip(local.parameters(), reference.experts[e].parameters(), strict=True)
+    ]
+    routing = reference.last_routing[rank]
+    everyone_kept = [None] * size
+    torch.distributed.all_gather_object(everyone_kept, routing.expert[routing.kept])
+    theory = ep.all_to_all_bytes(everyone_kept, rank, num_experts=EXPERTS, row_bytes=D_MODEL * 4)
+    return {
+        "output": (out.detach() - reference(everyone)[rank].detach()).abs().max().item(),
+        "input gradient": (x.grad - whole.grad[rank]).abs().max().item(),
+        "router gradient": (layer.router.weight.grad - reference.router.weight.grad).abs().max().item(),
+        "expert gradients": max(expert_errors),
+        "dropped": routing.dropped,
+        "sent": log.bytes_per_rank("all_to_all"),
+        "theory": theory,
+    }
+
+
+def check_layer(lab) -> None:
+    for top_k, factor in CASES:
+        for world in WORLD_SIZES:
+            results = on_ranks(world, _layer, lab, top_k, factor)
+            where = f"top-{top_k}, capacity factor {factor:g}, {world} ranks"
+            if factor < 1:
+                assert sum(r["dropped"] for r in results) > 0, (
+                    f"{where}: the case meant to drop tokens dropped none"
+                )
+            else:
+                assert sum(r["dropped"] for r in results) == 0
+            for rank, result in enumerate(results):
+                for what in ("output", "input gradient", "router gradient", "expert gradients"):
+                    assert result[what] < 1e-5, (
+                        f"{where}: rank {rank}'s {what} differs from one process's by {result[what]:.2e}"
+                    )
+
+
+def check_traffic(lab) -> None:
+    for world in WORLD_SIZES:
+        for rank, result in enumerate(on_ranks(world, _layer, lab, 2, 0.75)):
+            assert result["sent"] == result["theory"], (
+                f"on {world} ranks rank {rank} sent {result['sent']:.0f} bytes in all-to-alls, the routing says "
+                f"{result['theory']}: the kept rows bound for other ranks, there and back, forward and backward, "
+                "and the (E,) counts once"
+            )
+
+
+PROPERTIES = [
+    Property(
+        "the routing picks the top-k experts and drops what exceeds an expert's capacity, as GShard does",
+        check_route,
+        "Choice-major means all first choices (token order), then all second ones: a queue place is "
+        "the number of earlier assignments to the same expert.",
+    ),
+    Property(
+        "the load-balancing loss is E x Σ f_e P_e, its gradient through P_e only",
+        check_balancing_loss,
+        "f_e is a fraction of counts (torch.bincount), P_e a mean of probabilities; multiply and sum.",
+    ),
+    Property(
+        "the all-to-all deals uneven pieces out and their gradients back (2, 4 ranks)",
+        check_all_to_all,
+        "all_to_all_single cuts its input along dimension 0 into input_split_sizes pieces, piece j "
+        "for rank j; backward is the same exchange with the two lists swapped.",
+    ),
+    Property(
+        "the expert-parallel layer equals one process, top-1 and top-2, with and without drops (2, 4 ranks)",
+        check_layer,
+        "Rows must travel sorted by expert (stable argsort), and arrive by source rank, then expert: "
+        "the counts exchanged first tell each rank how to cut what arrives.",
+    ),
+    Property(
+        "the all-to-alls send the kept rows bound elsewhere and the counts, nothing more",
+        check_traffic,
+        "Exchange the per-expert counts once, as one (E,) tensor; send only kept assignments.",
+    ),
+]
+
+
+# -- the README's questions -------------------------------------------------------------------------------
+
+Q_TOKENS, Q_EXPERTS, Q_TOP_K, Q_FACTOR, Q_D_MODEL, Q_RANKS = 4096, 64, 2, 1.25, 4096, 8
+
+
+def _dispatch_bytes() -> float:
+    """Balanced routing: each expert gets tokens x k / E assignments of every rank's tokens."""
+    per_expert = Q_TOKENS * Q_TOP_K // Q_EXPERTS
+    experts = torch.arange(Q_EXPERTS).repeat_interleave(per_expert)
+    everyone = [experts] * Q_RANKS
+    combined = ep.all_to_all_bytes(everyone, 0, num_experts=Q_EXPERTS, row_bytes=Q_D_MODEL * 2)
+    counts = (Q_EXPERTS - Q_EXPERTS // Q_RANKS) * 8
+    return (combined - counts) / 4  # one of dispatch and combine, forward only
+
+
+def _aux_loss_collapsed() -> float:
+    logits = torch.zeros(Q_TOKENS, 8)
+    logits[:, 0] = 100.0  # the router sends every token to expert 0, with probability 1
+    return float(ep.route(logits, top_k=1, capacity_factor=1.0).aux_loss)
+
+
+QUESTIONS = [
+    Question(
+        "capacity_tokens4096_e64_top2_factor1p25",
+        lambda: ep.expert_capacity(Q_TOKENS, Q_EXPERTS, top_k=Q_TOP_K, capacity_factor=Q_FACTOR),
+        "ceil(factor x tokens x k / E): the fair share of the assignments, with room for imbalance",
+    ),
+    Question(
+        "dispatch_bytes_per_rank_forward_tokens4096_top2_d4096_bf16_n8",
+        _dispatch_bytes,
+        "balanced routing keeps (N-1)/N of the k x tokens assignments away from home: rows of d_model "
+        "values of 2 bytes (course_lib/parallel/expert.py, all_to_all_bytes)",
+    ),
+    Question(
+        "aux_loss_every_token_to_one_expert_e8",
+        _aux_loss_collapsed,
+        "f and P are both 1 for that expert and 0 for the others: E x Σ f_e P_e",
+    ),
+]

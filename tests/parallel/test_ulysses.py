@@ -197,3 +197,23 @@ def test_heads_that_do_not_divide_are_refused_on_every_rank_before_any_message()
         assert "zigzag=False" in errors["zigzag"]
         assert errors["model"].startswith("3 attention heads do not divide by the Ulysses degree 2")
         assert "does not cut into 3 Ulysses pieces" in errors["grid"]
+
+
+def test_the_attention_benchmark_compares_the_four_methods_with_their_theory():
+    from conftest import assert_accounted, run_bench
+
+    result = run_bench(
+        "attention", "--world-size", "4", "--seq", "40", "--heads", "4", "--head-dim", "8", "--steps", "2"
+    )
+    rows = {row["method"]: row for row in result["rows"]}
+    assert list(rows) == ["ring_contiguous", "ring_zigzag", "ulysses", "usp"]
+    assert_accounted(rows, rows)
+    for row in rows.values():
+        assert row["bytes_per_rank_measured"] == row["bytes_per_rank_theory"]
+        assert row["max_error_vs_one_process"] < 1e-5 and row["step_ms"] > 0
+        assert row["attention_bytes_over_one_process"] == pytest.approx(1 / 4)
+    # Ulysses: 2 all-to-alls forward (q, k, v together; the output) and 2 backward
+    assert rows["ulysses"]["calls_per_rank"] == [4] * 4
+    assert rows["ulysses"]["bytes_per_rank_measured"][0] < rows["usp"]["bytes_per_rank_measured"][0]
+    assert rows["usp"]["bytes_per_rank_measured"][0] < rows["ring_zigzag"]["bytes_per_rank_measured"][0]
+    assert result["ulysses_degree_of_the_hybrid"] == 2

@@ -69,6 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     context = sub.add_parser(
         "cp", help="ring attention: contiguous against zig-zag, bytes and memory", formatter_class=formatter
     )
+    attention = sub.add_parser(
+        "attention",
+        help="ring, zig-zag ring, Ulysses and the USP hybrid side by side: time, bytes, memory",
+        formatter_class=formatter,
+    )
     experts = sub.add_parser(
         "ep", help="a mixture-of-experts layer spread over the ranks (all-to-all)", formatter_class=formatter
     )
@@ -91,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         tensor,
         sequence,
         context,
+        attention,
         experts,
         recomputation,
     ):  # a step to record: all but allreduce
@@ -161,6 +167,14 @@ def main(argv: list[str] | None = None) -> int:
     context.add_argument("--heads", type=positive, default=4)
     context.add_argument("--head-dim", type=positive, default=32)
     context.add_argument("--batch", type=positive, default=1)
+    attention.add_argument("--world-size", type=processes, default=4, help="the ranks sharing the sequence")
+    attention.add_argument("--seq", type=positive, default=2048, help="tokens of the whole sequence")
+    attention.add_argument("--heads", type=positive, default=8, help="a multiple of --world-size")
+    attention.add_argument("--head-dim", type=positive, default=32)
+    attention.add_argument("--batch", type=positive, default=1)
+    attention.add_argument(
+        "--ulysses-degree", type=positive, default=2, help="U of the hybrid (Ulysses inside, ring across)"
+    )
     experts.add_argument("--world-size", type=processes, default=2, help="the expert-parallel degree")
     experts.add_argument("--d-model", type=positive, default=128)
     experts.add_argument("--hidden", type=positive, default=256, help="each expert's hidden width")
@@ -173,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     recomputation.add_argument("--layers", type=positive, default=4)
     recomputation.add_argument("--seq", type=positive, default=128)
     recomputation.add_argument("--batch", type=positive, default=4, help="sequences per rank per step")
-    for command in (sequence, context, experts, recomputation):
+    for command in (sequence, context, attention, experts, recomputation):
         command.add_argument("--steps", type=positive, default=10, help="timed steps per variant")
         command.add_argument("--warmup", type=checks.int_at_least(0), default=2)
     for command in (ddp, fsdp, mem):
@@ -217,6 +231,21 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"argument --seq: must be at least 2 x --world-size ({2 * args.world_size}), got {args.seq}"
         )
+    if args.benchmark == "attention":
+        if args.heads % args.world_size:
+            parser.error(
+                f"argument --heads: must be a multiple of --world-size {args.world_size} (Ulysses gives "
+                f"every rank whole heads), got {args.heads}"
+            )
+        if args.world_size % args.ulysses_degree:
+            parser.error(
+                f"argument --ulysses-degree: must divide --world-size {args.world_size}, "
+                f"got {args.ulysses_degree}"
+            )
+        if args.seq < 2 * args.world_size:
+            parser.error(
+                f"argument --seq: must be at least 2 x --world-size ({2 * args.world_size}), got {args.seq}"
+            )
     if args.benchmark == "ep" and (args.experts % args.world_size or args.top_k > args.experts):
         parser.error(
             f"argument --experts: must be a multiple of --world-size {args.world_size} and at least --top-k "
@@ -288,7 +317,7 @@ def memory_needed(args: argparse.Namespace) -> tuple[float, int]:
         params = args.layers * 12 * args.d_model**2 + 200 * args.d_model
         activations = 3 * word * args.layers * 20 * args.batch * args.seq * args.d_model
         return PROCESS_BASE_BYTES + 3 * 4 * word * params + activations, args.world_size
-    if args.benchmark in ("sp", "cp"):
+    if args.benchmark in ("sp", "cp", "attention"):
         heads = args.heads
         width = args.d_model if args.benchmark == "sp" else args.heads * args.head_dim
         tokens = args.batch * args.seq
@@ -359,10 +388,14 @@ def _run_benchmark(args: argparse.Namespace) -> int:
         }
     elif args.benchmark == "tp":
         result = on(args.world_size, tp_benchmark, given(*transformer, *timing))
-    elif args.benchmark in ("sp", "cp", "ep"):
+    elif args.benchmark in ("sp", "cp", "attention", "ep"):
         benchmark, flags = {
             "sp": (sequence.sp_benchmark, ("d_model", "heads", "seq", "batch")),
             "cp": (sequence.cp_benchmark, ("seq", "heads", "head_dim", "batch")),
+            "attention": (
+                sequence.attention_benchmark,
+                ("seq", "heads", "head_dim", "batch", "ulysses_degree"),
+            ),
             "ep": (
                 sequence.ep_benchmark,
                 ("d_model", "hidden", "experts", "tokens", "top_k", "capacity_factor"),

@@ -17,6 +17,13 @@ assumed; the bytes each rank sent against theory; the attention's saved activati
 against 1/C of one process's. PyTorch's ``context_parallel`` has no CPU kernel, so the
 single-process ``scaled_dot_product_attention`` is the reference time.
 
+``attention``: the four ways to split a sequence's attention over C ranks side by side, on the
+same q, k and v: ring attention on contiguous chunks, on zig-zag chunks, Ulysses (all-to-all),
+and the USP hybrid (Ulysses inside groups of U ranks, a ring across them). For each: the step
+time (forward and backward, timed in turns), the bytes each rank sent against its theory, the
+number of messages, the attention's saved activations per rank against one process's, and the
+largest difference to one process's output.
+
 ``ep``: a mixture-of-experts layer with its experts spread over the ranks, against the same layer
 on one process holding every expert (each rank running the layer on its own tokens); the
 all-to-all bytes against the routing; dropped tokens, the load per expert and the balancing loss.
@@ -38,6 +45,7 @@ from ...parallel import context as cp
 from ...parallel import expert as ep
 from ...parallel import sequence as sp
 from ...parallel import tensor as tp
+from ...parallel import ulysses
 from ..timing import interleaved_medians
 from .common import anatomies
 
@@ -292,6 +300,125 @@ def cp_benchmark(
         "torch.distributed.tensor.experimental.context_parallel has no CPU kernel "
         "(aten._scaled_dot_product_flash_attention_for_cpu has no sharding strategy)"
     )
+    return result if rank == 0 else None
+
+
+def attention_benchmark(
+    *,
+    seq: int,
+    heads: int,
+    head_dim: int,
+    batch: int,
+    ulysses_degree: int,
+    steps: int,
+    warmup: int,
+    profile: str | None = None,
+) -> dict | None:
+    """Ring (contiguous and zig-zag), Ulysses and USP on the same attention: time, bytes, memory, error.
+
+    Args:
+        seq: the whole sequence's tokens.
+        heads: attention heads (a multiple of the ranks, for Ulysses).
+        head_dim: features per head.
+        batch: sequences per step.
+        ulysses_degree: U of the hybrid (its ring has C / U ranks); 1 or C: no hybrid row.
+        steps: timed steps; the median is reported.
+        warmup: untimed steps first.
+        profile: a folder for each method's per-rank traces (None: none are written).
+    """
+    degree, rank = runtime.world_size(), runtime.rank()
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(batch, heads, seq, head_dim, generator=generator) for _ in range(3))
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    per_token = batch * heads * head_dim * 4  # one token's q (or k, or v) over every head, fp32
+    contiguous, zigzag = (cp.SequenceLayout(seq, degree, zigzag=z) for z in (False, True))
+    methods = {  # name: (attention on this rank's q, k, v; this rank's tokens of a whole tensor; theory)
+        "ring_contiguous": (
+            lambda a, b, c: cp.ring_attention(a, b, c, layout=contiguous),
+            lambda t: contiguous.local(t, rank, dim=2),
+            lambda r: cp.ring_bytes_per_rank(contiguous, r, bytes_per_token=2 * per_token),
+        ),
+        "ring_zigzag": (
+            lambda a, b, c: cp.ring_attention(a, b, c, layout=zigzag),
+            lambda t: zigzag.local(t, rank, dim=2),
+            lambda r: cp.ring_bytes_per_rank(zigzag, r, bytes_per_token=2 * per_token),
+        ),
+        "ulysses": (
+            lambda a, b, c: ulysses.ulysses_attention(a, b, c, layout=contiguous),
+            lambda t: contiguous.local(t, rank, dim=2),
+            lambda r: ulysses.ulysses_bytes_per_rank(contiguous, r, bytes_per_token=per_token),
+        ),
+    }
+    if 1 < ulysses_degree < degree:
+        grid = ulysses.UspLayout(seq, degree // ulysses_degree, ulysses_degree)
+        inner, across = ulysses.usp_groups(ulysses_degree)
+        methods["usp"] = (
+            lambda a, b, c: ulysses.usp_attention(
+                a, b, c, layout=grid, ulysses_group=inner, ring_group=across
+            ),
+            lambda t: grid.local(t, rank, dim=2),
+            lambda r: ulysses.usp_bytes_per_rank(grid, r, bytes_per_token=per_token),
+        )
+    with saved_tensor_bytes() as saved:
+        torch.nn.functional.scaled_dot_product_attention(
+            *(t.clone().requires_grad_() for t in (q, k, v)), is_causal=True
+        )
+    one_process_bytes = saved.bytes
+    step_functions, measured = {}, {}
+    for name, (attend, local, _) in methods.items():
+        mine = [local(t).clone() for t in (q, k, v)]
+
+        def step(attend=attend, mine=mine):
+            attend(*(t.detach().requires_grad_() for t in mine)).sum().backward()
+
+        step_functions[name] = step
+        with comm.CommLog() as log:
+            with saved_tensor_bytes() as saved:
+                out = attend(*(t.detach().requires_grad_() for t in mine))
+            out.sum().backward()
+        measured[name] = {
+            "bytes": log.bytes_per_rank(),
+            "calls": log.count(),
+            "attention_bytes": saved.bytes,
+            "error": (out.detach() - local(expected)).abs().max().item(),
+        }
+    median_ms = interleaved_medians(step_functions, steps, warmup)
+    where = anatomies(step_functions, trace_dir=profile)
+    everyone = [None] * degree
+    dist.all_gather_object(everyone, measured)
+    rows = []
+    for name, (_, _, theory) in methods.items():
+        per_rank = [row[name] for row in everyone]
+        rows.append(
+            where[name]
+            | {
+                "method": name,
+                "step_ms": median_ms[name],
+                "bytes_per_rank_measured": [row["bytes"] for row in per_rank],
+                "bytes_per_rank_theory": [theory(r) for r in range(degree)],
+                "calls_per_rank": [row["calls"] for row in per_rank],
+                "attention_bytes_per_rank": [row["attention_bytes"] for row in per_rank],
+                "attention_bytes_over_one_process": max(row["attention_bytes"] for row in per_rank)
+                / one_process_bytes,
+                "max_error_vs_one_process": max(row["error"] for row in per_rank),
+            }
+        )
+    reference = [t.clone().requires_grad_() for t in (q, k, v)]
+
+    def one_process():
+        parts = [t.detach().requires_grad_() for t in reference]
+        torch.nn.functional.scaled_dot_product_attention(*parts, is_causal=True).sum().backward()
+
+    result = {
+        "benchmark": "attention",
+        "degree": degree,
+        "ulysses_degree_of_the_hybrid": ulysses_degree if "usp" in methods else None,
+        "threads_per_rank": torch.get_num_threads(),
+        "shape": {"batch": batch, "heads": heads, "seq": seq, "head_dim": head_dim},
+        "one_process_attention_bytes": one_process_bytes,
+        "one_process_sdpa_ms": _median_ms(one_process, steps, warmup),
+        "rows": rows,
+    }
     return result if rank == 0 else None
 
 

@@ -14,7 +14,19 @@ from course_lib.tools import bench
 
 from conftest import run_bench, run_tool
 
-BENCHMARKS = ("ddp", "fsdp", "memory", "pipeline", "tp", "sp", "cp", "ep", "recompute", "allreduce")
+BENCHMARKS = (
+    "ddp",
+    "fsdp",
+    "memory",
+    "pipeline",
+    "tp",
+    "sp",
+    "cp",
+    "attention",
+    "ep",
+    "recompute",
+    "allreduce",
+)
 SHARES = (
     "compute_share",
     "exposed_communication_share",

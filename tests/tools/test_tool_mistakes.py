@@ -174,6 +174,8 @@ def test_a_download_without_internet_says_so_in_one_line(tmp_path):
 BENCH_MISTAKES = [
     (["ddp", "--width", "100000"], "these sizes need about "),
     (["cp", "--seq", "1000000"], "and this machine has"),
+    (["attention", "--heads", "6"], "argument --heads: must be a multiple of --world-size 4 (Ulysses gives"),
+    (["attention", "--ulysses-degree", "3"], "argument --ulysses-degree: must divide --world-size 4"),
     (["allreduce", "--max-mb", "100000"], "choose smaller sizes"),
     (["allreduce", "--min-bytes", "99999999999"], "argument --min-bytes: must be below half of the largest"),
 ]

@@ -408,3 +408,58 @@ def usp_bytes_per_rank(layout: UspLayout, rank: int, *, bytes_per_token: int) ->
         layout.ring, ring_rank, bytes_per_token=2 * bytes_per_token // layout.ulysses_degree
     )
     return ulysses + ring
+
+
+# -- when each wins: a time model ------------------------------------------------------------
+
+
+def attention_time_model(
+    *,
+    seq: int,
+    heads: int,
+    head_dim: int,
+    degree: int,
+    flops_per_s: float,
+    link_bytes_per_s: float,
+    latency_s: float = 0.0,
+    batch: int = 1,
+    element_bytes: int = 2,
+) -> dict[str, float]:
+    """Predicted seconds of one causal attention layer, forward and backward, per rank: ring or Ulysses.
+
+    The compute is the same for both, divided by C (zig-zag balances the ring): 4·b·h·S²·d FLOPs
+    forward, halved by the causal mask, twice that backward. What differs is the communication:
+
+    - **ring**: each of the C steps sends one K/V chunk (backward also its gradients) *while*
+      computing one block, so a step takes the longer of the two: the messages are hidden when
+      a block's compute (∝ (S/C)²) outlasts a chunk's transfer (∝ S/C), i.e. for long sequences;
+    - **Ulysses**: four all-to-alls each way, fewer bytes (``ulysses_bytes_per_rank``), but the
+      attention waits for them: nothing hides them.
+
+    Args:
+        seq: S, the sequence.
+        heads: H (Ulysses needs C <= H; with grouped-query attention, the key/value heads).
+        head_dim: d.
+        degree: C, the ranks sharing the sequence.
+        flops_per_s: the attention kernel's achieved rate per rank.
+        link_bytes_per_s: what one rank's link carries.
+        latency_s: the start-up time of one message (alpha).
+        batch: sequences.
+        element_bytes: 2 in bf16.
+    """
+    forward = 4 * batch * heads * seq**2 * head_dim / 2 / degree / flops_per_s
+    backward = 2 * forward
+    chunk = 2 * batch * heads * (seq / degree) * head_dim * element_bytes  # K and V of S/C tokens
+    message = latency_s + chunk / link_bytes_per_s
+    steps = degree - 1
+    ring = (
+        steps * max(forward / degree, message) + forward / degree  # the last block: nothing left to send
+        + steps * max(backward / degree, 2 * message) + backward / degree + message  # the gradients go home
+    )  # fmt: skip
+    layout = SequenceLayout(seq, degree, zigzag=False)
+    per_token = batch * heads * head_dim * element_bytes
+    exchanged = ulysses_bytes_per_rank(layout, 0, bytes_per_token=per_token)
+    ulysses = forward + backward + 4 * latency_s + exchanged / link_bytes_per_s
+    if degree == 1:
+        ring = ulysses = forward + backward
+    return {"compute_s": forward + backward, "ring_s": ring, "ulysses_s": ulysses}

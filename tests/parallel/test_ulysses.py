@@ -217,3 +217,18 @@ def test_the_attention_benchmark_compares_the_four_methods_with_their_theory():
     assert rows["ulysses"]["bytes_per_rank_measured"][0] < rows["usp"]["bytes_per_rank_measured"][0]
     assert rows["usp"]["bytes_per_rank_measured"][0] < rows["ring_zigzag"]["bytes_per_rank_measured"][0]
     assert result["ulysses_degree_of_the_hybrid"] == 2
+
+
+def test_the_time_model_hides_the_rings_messages_only_when_a_block_outlasts_a_chunk():
+    h100 = dict(heads=32, head_dim=128, degree=8, flops_per_s=400e12, latency_s=20e-6)
+    fast, slow = 150e9, 12.5e9  # a rank's NVLink and its share of a node's network, bytes/s
+    for link in (fast, slow):
+        long = ulysses.attention_time_model(seq=524288, link_bytes_per_s=link, **h100)
+        chunk = 2 * 32 * (524288 // 8) * 128 * 2  # K and V of S/C tokens, bf16
+        # long: every block outlasts its chunk, so only the gradients' last trip home shows
+        assert long["ring_s"] == pytest.approx(long["compute_s"] + 20e-6 + chunk / link)
+        assert long["ring_s"] < long["ulysses_s"]
+    short = ulysses.attention_time_model(seq=8192, link_bytes_per_s=slow, **h100)
+    assert short["ulysses_s"] < short["ring_s"]  # short: the chunks outlast the blocks, and add up
+    one = ulysses.attention_time_model(seq=4096, link_bytes_per_s=fast, **(h100 | {"degree": 1}))
+    assert one["ring_s"] == one["ulysses_s"] == one["compute_s"]

@@ -325,6 +325,39 @@ def plot_ring_attention(schedules: dict[str, list[list[dict]]], seq_len: int, *,
     return save(figure, path)
 
 
+def plot_sequence_methods(
+    curves: dict[str, dict[str, list[float]]], seq_lens: list[int], *, path=None
+) -> Figure:
+    """Predicted time of one attention layer per method over its compute alone, against sequence length.
+
+    One panel per link; 1 means the communication is entirely hidden.
+
+    Args:
+        curves: a panel title (e.g. "NVLink, 150 GB/s") -> {method name: seconds at each length},
+            with a ``"compute alone"`` entry that the others are divided by.
+        seq_lens: the sequence lengths (the x axis, tokens).
+        path: save the chart as a PNG here (None: only return it).
+    """
+    figure = Figure(figsize=(4.2 * len(curves), 3.4))
+    axes = figure.subplots(1, len(curves), squeeze=False, sharey=True)[0]
+    for axis, (title, methods) in zip(axes, curves.items()):
+        compute = methods["compute alone"]
+        axis.axhline(1.0, color="grey", linestyle=":", label="compute alone")
+        for name, seconds in methods.items():
+            if name != "compute alone":
+                ratios = [s / c for s, c in zip(seconds, compute)]
+                axis.plot(seq_lens, ratios, "-" if "ring" in name else "--", marker="o", label=name)
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xlabel("sequence length (tokens)")
+        axis.set_ylabel("time / compute alone (forward + backward)")
+        axis.set_title(title, fontsize=10)
+        axis.grid(True, alpha=0.3)
+        axis.legend(fontsize="small")
+    figure.tight_layout()
+    return save(figure, path)
+
+
 def plot_activation_memory(rows: list[dict], *, path=None) -> Figure:
     """Saved activation bytes per rank against sequence length, one line per degree.
 

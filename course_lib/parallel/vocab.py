@@ -192,7 +192,6 @@ class VocabParallelLinear(nn.Module):
         return nn.functional.linear(x, self.weight, self.bias)
 
 
-# #region vocab-parallel-loss
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, vocab_size, group):
@@ -200,6 +199,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         logits = logits.float().masked_fill(  # the padding: no entry of the vocabulary
             torch.arange(logits.shape[-1], device=logits.device) >= stop - start, float("-inf")
         )
+        # #region vocab-parallel-loss
         top = logits.max(dim=-1).values
         comm.all_reduce(top, op="max", group=group)  # 1. the largest logit of each token
         shifted = logits - top.unsqueeze(-1)
@@ -213,6 +213,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         sum_exp, target_logit = totals
         ctx.save_for_backward(exponentials.div_(sum_exp.unsqueeze(-1)), mine, index)  # my slice of softmax
         return sum_exp.log() - target_logit  # 3. every token's loss, on every rank
+        # #endregion vocab-parallel-loss
 
     @staticmethod
     def backward(ctx, grad):
@@ -220,9 +221,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # d loss / d z = softmax - one_hot(target): my slice of both, no message
         grad_logits = softmax.scatter_add(-1, index, -mine.unsqueeze(-1).to(softmax.dtype))
         return grad_logits * grad.unsqueeze(-1), None, None, None
-
-
-# #endregion vocab-parallel-loss
 
 
 def vocab_parallel_cross_entropy(

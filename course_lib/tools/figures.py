@@ -215,6 +215,23 @@ def ring_attention():
     return plots.plot_ring_attention(schedules, 16)
 
 
+def sequence_methods():
+    """Ring against Ulysses on 8 GPUs, predicted (``ulysses.attention_time_model``), over compute alone."""
+    from ..parallel import ulysses
+
+    seq_lens = [2**n for n in range(12, 20)]
+    gpus = dict(heads=32, head_dim=128, degree=8, flops_per_s=400e12, latency_s=20e-6)
+    curves = {}
+    for title, link in (("inside a node: 150 GB/s a GPU", 150e9), ("across nodes: 25 GB/s a GPU", 25e9)):
+        predicted = [ulysses.attention_time_model(seq=s, link_bytes_per_s=link, **gpus) for s in seq_lens]
+        curves[title] = {
+            "compute alone": [p["compute_s"] for p in predicted],
+            "ring (zig-zag)": [p["ring_s"] for p in predicted],
+            "Ulysses": [p["ulysses_s"] for p in predicted],
+        }
+    return plots.plot_sequence_methods(curves, seq_lens)
+
+
 def expert_load():
     """A skewed router's top-2 assignments per expert against the capacity (factor 1.0)."""
     import torch
@@ -333,6 +350,7 @@ FIGURES: dict[str, Callable] = {
     "mesh_3d": mesh_layout,
     "strong_scaling": strong_scaling,
     "ring_attention": ring_attention,
+    "sequence_methods": sequence_methods,
     "expert_load": expert_load,
     "layout_memory": layout_memory,
     "prediction_check": prediction_check,

@@ -83,6 +83,10 @@ def test_the_byte_theory_is_the_papers_count_and_falls_with_the_degree():
         )
         assert ring == 2 * (3 * degree - 2) * seq // degree  # K and V, forward and backward
         assert sent < ring
+        # Megatron-LM's sequence parallelism around attention: all-gather in, reduce-scatter out, and both
+        # again backward, of the whole sequence's activation: Ulysses sends 2/U of it
+        megatron = 4 * comm.ring_bytes("all_gather", seq * per_token, degree)
+        assert sent * degree == 2 * megatron
     bytes_at = [
         ulysses.ulysses_bytes_per_rank(cp.SequenceLayout(1024 * u, u, zigzag=False), 0, bytes_per_token=1)
         for u in (2, 4, 8)

@@ -388,18 +388,31 @@ def ring_attention(
         causal: each query sees only the keys at or before its position.
         group: the context-parallel process group (None: every rank).
     """
+    check_attention_inputs(q, k, v, layout=layout, group=group)
+    return _RingAttention.apply(q, k, v, layout, causal, group)
+
+
+def check_attention_inputs(q, k, v, *, layout, group=None) -> None:
+    """Refuse, before any message, a layout for another group size or q, k, v not of this rank's tokens.
+
+    Args:
+        q: this rank's queries.
+        k: this rank's keys.
+        v: this rank's values.
+        layout: who holds which positions (its ``degree`` must be the group's size).
+        group: the process group the tokens are split over (None: every rank).
+    """
     check_group("group", group)
     size, rank = runtime.world_size(group=group), runtime.rank(group=group)
     if layout.degree != size:
         raise UserError(
             f"the layout is for {layout.degree} ranks but the group has {size}: build it with degree={size}"
         )
-    if not (q.shape == k.shape == v.shape) or q.shape[-2] != layout.tokens(rank):
+    if not (q.shape == k.shape == v.shape) or q.dim() < 3 or q.shape[-2] != layout.tokens(rank):
         raise UserError(
             f"q, k and v must each be (batch, heads, {layout.tokens(rank)} tokens, head_dim) on rank {rank}, "
             f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}: take the tokens with layout.local()"
         )
-    return _RingAttention.apply(q, k, v, layout, causal, group)
 
 
 class RingAttention(nn.Module):

@@ -56,6 +56,7 @@ from ..errors import UserError
 from .context import (
     ContextParallelEmbedding,
     SequenceLayout,
+    check_attention_inputs,
     chunk_lengths,
     ring_attention,
     ring_bytes_per_rank,
@@ -159,14 +160,6 @@ def sequence_to_heads(y: torch.Tensor, *, tokens: list[int], group=None) -> torc
     return _SequenceToHeads.apply(y, list(tokens), group)
 
 
-def _check_inputs(q, k, v, tokens: int, rank: int, where: str) -> None:
-    if not (q.shape == k.shape == v.shape) or q.dim() < 3 or q.shape[SEQUENCE_DIM] != tokens:
-        raise UserError(
-            f"q, k and v must each be (batch, heads, {tokens} tokens, head_dim) on rank {rank}, got "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}: take the tokens with {where}"
-        )
-
-
 def ulysses_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -189,18 +182,13 @@ def ulysses_attention(
         causal: each query sees only the keys at or before its position.
         group: the Ulysses process group (None: every rank).
     """
-    check_group("group", group)
-    size, rank = runtime.world_size(group=group), runtime.rank(group=group)
-    if layout.degree != size:
-        raise UserError(
-            f"the layout is for {layout.degree} ranks but the group has {size}: use degree={size}"
-        )
+    check_attention_inputs(q, k, v, layout=layout, group=group)
+    size = runtime.world_size(group=group)
     if layout.zigzag:
         raise UserError(
             "Ulysses gathers the sequence in rank order, so it needs contiguous chunks: build the layout "
             "with zigzag=False (every rank computes the whole sequence for its heads, so it is balanced)"
         )
-    _check_inputs(q, k, v, layout.tokens(rank), rank, "layout.local()")
     check_heads(q.shape[HEADS_DIM], size)
     tokens = [layout.tokens(r) for r in range(size)]
     if size == 1:
@@ -373,7 +361,6 @@ def usp_attention(
         ulysses_group: this rank's Ulysses group (``usp_groups``).
         ring_group: this rank's ring group (``usp_groups``).
     """
-    ulysses_rank = runtime.rank(group=ulysses_group)
     ring_rank = runtime.rank(group=ring_group)
     if (runtime.world_size(group=ulysses_group), runtime.world_size(group=ring_group)) != (
         layout.ulysses_degree,
@@ -383,7 +370,8 @@ def usp_attention(
             "the groups do not match the layout's degrees: make them with usp_groups(ulysses_degree)"
         )
     pieces = layout.pieces(ring_rank)
-    _check_inputs(q, k, v, pieces[ulysses_rank], runtime.rank(), "layout.local()")
+    inside = SequenceLayout(sum(pieces), layout.ulysses_degree, zigzag=False)  # my ring chunk, cut U ways
+    check_attention_inputs(q, k, v, layout=inside, group=ulysses_group)
     check_heads(q.shape[HEADS_DIM], layout.ulysses_degree)
     # my ring chunk, for H/U heads, in the ring layout's order
     chunk = heads_to_sequence(torch.stack([q, k, v]), tokens=pieces, group=ulysses_group)

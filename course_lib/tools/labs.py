@@ -57,7 +57,14 @@ END = re.compile(r"^\s*# END SOLUTION\s*$")
 
 
 def lab_names() -> list[str]:
-    return sorted(path.parent.name for path in LABS_DIR.glob("*/solution.py"))
+    """Every lab with a solution, in the course's order (lab 10 after lab 9, not after lab 1)."""
+    names = [path.parent.name for path in LABS_DIR.glob("*/solution.py")]
+
+    def number(name: str) -> int:
+        found = re.search(r"\d+", name)
+        return int(found.group()) if found else 0
+
+    return sorted(names, key=lambda name: (number(name), name))
 
 
 def _raise_todo(indent: str, hint: str) -> list[str]:

@@ -182,6 +182,14 @@ def _imbalance() -> float:
     return max(work) / (sum(work) / len(work))
 
 
+def _attention_kept() -> float:
+    from course_lib.activations import block_activation_elements
+
+    return block_activation_elements(
+        batch=1, seq=LONG, d_model=LONG_HEADS * LONG_HEAD_DIM, heads=LONG_HEADS, context_degree=DEGREE
+    )["attention"]
+
+
 QUESTIONS = [
     Question(
         "ring_bytes_per_rank_s131072_c8_h32_d128_bf16",
@@ -195,6 +203,13 @@ QUESTIONS = [
         "with contiguous chunks rank r computes r + 1 blocks (the diagonal one counted whole): compare the "
         "busiest rank with the mean (context.attention_work)",
         rel_tol=1e-3,
+    ),
+    Question(
+        "attention_kept_elements_per_rank_s131072_c8_h32_d128",
+        _attention_kept,
+        "for its S/C tokens a rank keeps q, k, v, the output and the copy of it the out projection reads "
+        "(S/C x heads x head_dim each), and one log-sum-exp per token and head "
+        "(course_lib/activations.py, block_activation_elements)",
     ),
     Question(
         "ulysses_bytes_per_rank_s131072_u8_h32_d128_bf16",

@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm, runtime
-from ..checks import check_group, check_int, check_module, claim_module
+from ..checks import check_group, check_int, check_module, check_number, claim_module
 from ..errors import UserError
 from .context import (
     ContextParallelEmbedding,
@@ -435,6 +435,12 @@ def attention_time_model(
         batch: sequences.
         element_bytes: 2 in bf16.
     """
+    for name, value in (("heads", heads), ("head_dim", head_dim), ("degree", degree), ("batch", batch)):
+        check_int(name, value, minimum=1)
+    check_int("seq", seq, minimum=degree)
+    for name, value in (("flops_per_s", flops_per_s), ("link_bytes_per_s", link_bytes_per_s)):
+        check_number(name, value, above=0)
+    check_number("latency_s", latency_s, minimum=0)
     forward = 4 * batch * heads * seq**2 * head_dim / 2 / degree / flops_per_s
     backward = 2 * forward
     chunk = 2 * batch * heads * (seq / degree) * head_dim * element_bytes  # K and V of S/C tokens

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from course_lib import comm, data, models, runtime
+from course_lib.errors import UserError
 from course_lib.launch import launch
 from course_lib.memory import saved_tensor_bytes
 from course_lib.parallel import context as cp
@@ -236,3 +237,5 @@ def test_the_time_model_hides_the_rings_messages_only_when_a_block_outlasts_a_ch
     assert short["ulysses_s"] < short["ring_s"]  # short: the chunks outlast the blocks, and add up
     one = ulysses.attention_time_model(seq=4096, link_bytes_per_s=fast, **(h100 | {"degree": 1}))
     assert one["ring_s"] == one["ulysses_s"] == one["compute_s"]
+    with pytest.raises(UserError, match="link_bytes_per_s must be a finite number above 0, got 0"):
+        ulysses.attention_time_model(seq=4096, link_bytes_per_s=0, **h100)

@@ -55,6 +55,7 @@ the whole ring.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
 
 import torch
@@ -455,6 +456,26 @@ def parallelize_context(model: nn.Module, layout: SequenceLayout, *, group=None)
         layout: which positions every rank of the group holds.
         group: the context-parallel process group (None: every rank).
     """
+    return split_model_tokens(
+        model, layout, attention_core=lambda: RingAttention(layout, group=group), group=group
+    )
+
+
+def split_model_tokens(
+    model: nn.Module, layout: SequenceLayout, *, attention_core: Callable[[], nn.Module], group=None
+) -> nn.Module:
+    """Any split of the tokens over a group: the embedding looks positions up, attention is swapped.
+
+    What ring attention (``parallelize_context``) and Ulysses (``ulysses.parallelize_ulysses``)
+    share: only attention sees other ranks' tokens, so only its core changes.
+
+    Args:
+        model: the transformer (dense or tensor parallel), or a stage of one, changed in place.
+        layout: which positions every rank of the group holds.
+        attention_core: makes one attention core (``RingAttention``, ``ulysses.UlyssesAttention``)
+            for each block.
+        group: the process group the tokens are split over (None: every rank).
+    """
     from ..models import Embedding, SelfAttention
 
     check_module("model", model)
@@ -466,7 +487,7 @@ def parallelize_context(model: nn.Module, layout: SequenceLayout, *, group=None)
             setattr(model, name, ContextParallelEmbedding(child, layout, rank))
     for module in model.modules():
         if isinstance(module, SelfAttention):
-            module.attend = RingAttention(layout, group=group)
+            module.attend = attention_core()
     return model
 
 

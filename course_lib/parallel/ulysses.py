@@ -51,15 +51,15 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm, runtime
-from ..checks import check_group, check_int, check_module, check_number, claim_module
+from ..checks import check_group, check_int, check_module, check_number
 from ..errors import UserError
 from .context import (
-    ContextParallelEmbedding,
     SequenceLayout,
     check_attention_inputs,
     chunk_lengths,
     ring_attention,
     ring_bytes_per_rank,
+    split_model_tokens,
 )
 
 HEADS_DIM, SEQUENCE_DIM = -3, -2  # q, k, v are (..., heads, tokens, head_dim)
@@ -248,22 +248,17 @@ def parallelize_ulysses(model: nn.Module, layout: SequenceLayout, *, group=None)
         layout: contiguous chunks (``zigzag=False``) over the group.
         group: the Ulysses process group (None: every rank).
     """
-    from ..models import Embedding, SelfAttention
+    from ..models import SelfAttention
 
     check_module("model", model)
     check_group("group", group)
-    rank, size = runtime.rank(group=group), runtime.world_size(group=group)
-    for module in model.modules():
+    size = runtime.world_size(group=group)
+    for module in model.modules():  # every block refused before any is changed
         if isinstance(module, SelfAttention):
             check_heads(module.q.out_features // module.head_dim, size)
-    claim_module(model, "context parallelism")
-    for name, child in list(model.named_children()):
-        if isinstance(child, Embedding):
-            setattr(model, name, ContextParallelEmbedding(child, layout, rank))
-    for module in model.modules():
-        if isinstance(module, SelfAttention):
-            module.attend = UlyssesAttention(layout, group=group)
-    return model
+    return split_model_tokens(
+        model, layout, attention_core=lambda: UlyssesAttention(layout, group=group), group=group
+    )
 
 
 # -- the hybrid: Ulysses inside a group, ring attention across groups ---------------------------

@@ -56,7 +56,6 @@ from ..errors import UserError
 from .context import (
     SequenceLayout,
     check_attention_inputs,
-    chunk_lengths,
     ring_attention,
     ring_bytes_per_rank,
     split_model_tokens,
@@ -298,9 +297,14 @@ class UspLayout:
         """(ring rank, Ulysses rank) of global rank ``rank``."""
         return divmod(rank, self.ulysses_degree)
 
+    def inside(self, ring_rank: int) -> SequenceLayout:
+        """Ring chunk ``ring_rank``, in the order its rank holds it, cut over the Ulysses group."""
+        return SequenceLayout(self.ring.tokens(ring_rank), self.ulysses_degree, zigzag=False)
+
     def pieces(self, ring_rank: int) -> list[int]:
         """The token counts of the Ulysses pieces of ring chunk ``ring_rank``."""
-        return chunk_lengths(self.ring.tokens(ring_rank), self.ulysses_degree)
+        inside = self.inside(ring_rank)
+        return [inside.tokens(r) for r in range(self.ulysses_degree)]
 
     def local(self, tensor: torch.Tensor, rank: int, *, dim: int = 1) -> torch.Tensor:
         """Rank ``rank``'s tokens of a whole-sequence ``tensor`` (sequence along ``dim``)."""
@@ -365,8 +369,7 @@ def usp_attention(
             "the groups do not match the layout's degrees: make them with usp_groups(ulysses_degree)"
         )
     pieces = layout.pieces(ring_rank)
-    inside = SequenceLayout(sum(pieces), layout.ulysses_degree, zigzag=False)  # my ring chunk, cut U ways
-    check_attention_inputs(q, k, v, layout=inside, group=ulysses_group)
+    check_attention_inputs(q, k, v, layout=layout.inside(ring_rank), group=ulysses_group)
     check_heads(q.shape[HEADS_DIM], layout.ulysses_degree)
     # my ring chunk, for H/U heads, in the ring layout's order
     chunk = heads_to_sequence(torch.stack([q, k, v]), tokens=pieces, group=ulysses_group)
@@ -383,8 +386,7 @@ def usp_bytes_per_rank(layout: UspLayout, rank: int, *, bytes_per_token: int) ->
         bytes_per_token: one token's q over every head (batch x heads x head_dim x element size).
     """
     ring_rank, ulysses_rank = layout.coordinates(rank)
-    pieces = layout.pieces(ring_rank)
-    inside = SequenceLayout(sum(pieces), layout.ulysses_degree, zigzag=False)
+    inside = layout.inside(ring_rank)
     ulysses = ulysses_bytes_per_rank(inside, ulysses_rank, bytes_per_token=bytes_per_token)
     # the ring carries K and V of H/U heads
     ring = ring_bytes_per_rank(

@@ -181,6 +181,23 @@ def _median_ms(function, steps: int, warmup: int) -> float:
     return 1000 * statistics.median(times)
 
 
+def _one_process_attention(q, k, v, steps: int, warmup: int) -> dict:
+    """The reference: causal SDPA on the whole sequence, what it keeps for backward and its time."""
+    with saved_tensor_bytes() as saved:
+        torch.nn.functional.scaled_dot_product_attention(
+            *(t.clone().requires_grad_() for t in (q, k, v)), is_causal=True
+        )
+
+    def one_process():
+        parts = [t.detach().requires_grad_() for t in (q, k, v)]
+        torch.nn.functional.scaled_dot_product_attention(*parts, is_causal=True).sum().backward()
+
+    return {
+        "one_process_attention_bytes": saved.bytes,
+        "one_process_sdpa_ms": _median_ms(one_process, steps, warmup),
+    }
+
+
 def _own_blocks(layout: cp.SequenceLayout, rank: int, shape: tuple[int, int, int], generator) -> callable:
     """This rank's attention blocks, forward and backward, with no messages: its compute alone."""
     batch, heads, head_dim = shape
@@ -235,10 +252,7 @@ def cp_benchmark(
         "threads_per_rank": torch.get_num_threads(),
         "shape": {"batch": batch, "heads": heads, "seq": seq, "head_dim": head_dim},
     }
-    with saved_tensor_bytes() as saved:
-        whole = [t.clone().requires_grad_() for t in (q, k, v)]
-        torch.nn.functional.scaled_dot_product_attention(*whole, is_causal=True)
-    result["one_process_attention_bytes"] = saved.bytes
+    result |= _one_process_attention(q, k, v, steps, warmup)
     for zigzag in (False, True):
         layout = cp.SequenceLayout(seq, degree, zigzag=zigzag)
         mine = [layout.local(t, rank, dim=2).clone() for t in (q, k, v)]
@@ -289,13 +303,6 @@ def cp_benchmark(
                 4 * batch * heads * layout.tokens(r) * (4 * head_dim + 1) for r in range(degree)
             ],
         }
-    reference = [t.clone().requires_grad_() for t in (q, k, v)]
-
-    def one_process():
-        parts = [t.detach().requires_grad_() for t in reference]
-        torch.nn.functional.scaled_dot_product_attention(*parts, is_causal=True).sum().backward()
-
-    result["one_process_sdpa_ms"] = _median_ms(one_process, steps, warmup)
     result["native_twin"] = (
         "torch.distributed.tensor.experimental.context_parallel has no CPU kernel "
         "(aten._scaled_dot_product_flash_attention_for_cpu has no sharding strategy)"
@@ -359,11 +366,7 @@ def attention_benchmark(
             lambda t: grid.local(t, rank, dim=2),
             lambda r: ulysses.usp_bytes_per_rank(grid, r, bytes_per_token=per_token),
         )
-    with saved_tensor_bytes() as saved:
-        torch.nn.functional.scaled_dot_product_attention(
-            *(t.clone().requires_grad_() for t in (q, k, v)), is_causal=True
-        )
-    one_process_bytes = saved.bytes
+    reference = _one_process_attention(q, k, v, steps, warmup)
     step_functions, measured = {}, {}
     for name, (attend, local, _) in methods.items():
         mine = [local(t).clone() for t in (q, k, v)]
@@ -399,24 +402,17 @@ def attention_benchmark(
                 "calls_per_rank": [row["calls"] for row in per_rank],
                 "attention_bytes_per_rank": [row["attention_bytes"] for row in per_rank],
                 "attention_bytes_over_one_process": max(row["attention_bytes"] for row in per_rank)
-                / one_process_bytes,
+                / reference["one_process_attention_bytes"],
                 "max_error_vs_one_process": max(row["error"] for row in per_rank),
             }
         )
-    reference = [t.clone().requires_grad_() for t in (q, k, v)]
-
-    def one_process():
-        parts = [t.detach().requires_grad_() for t in reference]
-        torch.nn.functional.scaled_dot_product_attention(*parts, is_causal=True).sum().backward()
-
     result = {
         "benchmark": "attention",
         "degree": degree,
         "ulysses_degree_of_the_hybrid": ulysses_degree if "usp" in methods else None,
         "threads_per_rank": torch.get_num_threads(),
         "shape": {"batch": batch, "heads": heads, "seq": seq, "head_dim": head_dim},
-        "one_process_attention_bytes": one_process_bytes,
-        "one_process_sdpa_ms": _median_ms(one_process, steps, warmup),
+        **reference,
         "rows": rows,
     }
     return result if rank == 0 else None

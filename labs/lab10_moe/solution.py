@@ -20,18 +20,13 @@ Check your work (every property, at 2 and 4 processes):
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from course_lib import comm, runtime
-
-
-def expert_capacity(tokens: int, num_experts: int, *, top_k: int, capacity_factor: float) -> int:
-    """The most assignments one expert takes from ``tokens`` tokens: ceil(factor x tokens x k / E)."""
-    return math.ceil(capacity_factor * tokens * top_k / num_experts)
+from course_lib.parallel.expert import expert_capacity  # ceil(factor x tokens x k / E)
 
 
 @dataclass

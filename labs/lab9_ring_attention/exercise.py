@@ -23,11 +23,7 @@ from __future__ import annotations
 import torch
 
 from course_lib import comm, runtime
-
-
-def chunk_lengths(total: int, pieces: int) -> list[int]:
-    """``total`` tokens cut into ``pieces`` consecutive chunks, the first ``total % pieces`` one longer."""
-    return [total // pieces + (i < total % pieces) for i in range(pieces)]
+from course_lib.parallel.context import chunk_lengths  # total tokens in consecutive pieces, the first longer
 
 
 def contiguous_segments(seq_len: int, degree: int, rank: int) -> list[tuple[int, int]]:

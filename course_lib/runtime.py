@@ -67,8 +67,14 @@ DEFAULT_TIMEOUT_S = 300
 MAX_TIMEOUT_S = 24 * 3600
 """A rank that waits longer than a day for another is not waiting for anything that will come."""
 
-SLURM_PORT_BASE, SLURM_PORT_SPAN = 20000, 40000
-"""MASTER_PORT for srun jobs is derived from the job id, so two jobs sharing a node do not collide."""
+SLURM_PORT_BASE, SLURM_PORT_SPAN = 12000, 8000
+"""MASTER_PORT for srun jobs is derived from the job id, so two jobs sharing a node do not collide.
+
+The ports stay below Linux's ephemeral range (32768-60999, ``ip_local_port_range``), from which the
+kernel picks the source port of every outgoing connection on the node: a port in that range can be
+held, at any moment, by some program's connection. The job's preflight uses the next span
+(``slurm/common.sh``: 20000-27999), and ``torchrun`` jobs meet on 29500-30500.
+"""
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,41 @@ def test_srun_one_task_per_gpu():
     assert env.launcher == "slurm"
 
 
+def _shell_port(script: str, pattern: str, job_id: int) -> int:
+    """The port a job script computes in shell arithmetic, for one job id."""
+    import re
+    import subprocess
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "slurm" / script).read_text()
+    expression = re.search(pattern, text).group(1)
+    printed = subprocess.run(
+        ["bash", "-c", f"SLURM_JOB_ID={job_id}; echo $(( {expression} ))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(printed.stdout)
+
+
+@pytest.mark.parametrize("job_id", [0, 1, 6, 7999, 8000, 123456, 2**31 - 1])
+def test_the_ports_a_job_derives_from_its_id_are_distinct_and_below_the_ephemeral_range(job_id):
+    """Linux hands out source ports of outgoing connections from 32768 up: a port there may be taken."""
+    training = resolve_environment(
+        environ={
+            "SLURM_PROCID": "0",
+            "SLURM_NTASKS": "2",
+            "SLURM_JOB_NODELIST": "n1",
+            "SLURM_JOB_ID": str(job_id),
+        }
+    ).master_port
+    preflight = _shell_port("common.sh", r"MASTER_PORT=\$\(\((.+?)\)\) ", job_id)
+    torchrun = _shell_port("torchrun_per_node.sbatch", r"port=\$\(\((.+?)\)\)", job_id)
+    ports = [training, preflight, torchrun, torchrun + 1]
+    assert all(1024 <= port < 32768 for port in ports), ports
+    assert len(set(ports)) == len(ports), ports
+
+
 def test_srun_respects_explicit_master():
     env = resolve_environment(
         environ={

@@ -396,6 +396,11 @@ def _activations_per_gpu(
     )
     positions = 8 * seq_len / layout.context if model.position_embeddings else 0
     loss = 4 + 4  # the loss, and the one scalar the cross-entropy keeps for backward
+    if layout.loss_parallel and layout.tensor > 1:
+        # split over the vocabulary, the embedding keeps which ids are this rank's (bool) and their
+        # rows (int64); the loss, which targets are (bool) and their columns (int64)
+        positions += 9 * tokens
+        loss += 9 * tokens
     if p == 1:
         return positions + layers * block_bytes + head + loss
     first = positions + layers * block_bytes + boundary
@@ -424,10 +429,56 @@ def head_activation_bytes(model: ModelSpec, layout: Layout, *, micro_batch: int,
     sp = layout.tensor if layout.sequence_parallel else 1  # the final norm runs on s/T tokens
     norm = layout.element_bytes * tokens / sp * model.d_model + 4 * model.norm_statistics * tokens / sp
     if layout.loss_parallel:  # the norm's output gathered; every token's logits, 1/T of the vocabulary each
-        projected, rows, columns = tokens, tokens, model.vocab / layout.tensor
+        projected, rows, columns = tokens, tokens, vocabulary_rows(model, layout)
     else:  # this rank's tokens (s/T with sequence parallelism), the whole vocabulary
         projected, rows, columns = tokens / sp, tokens / sp, model.vocab
     return norm + layout.element_bytes * projected * model.d_model + 4 * rows * columns
+
+
+def _vocabulary_collectives(
+    activation_bytes: float, tokens: float, layout: Layout, link: Link
+) -> tuple[float, float]:
+    """Seconds and bytes per rank of vocabulary parallelism's collectives, for one micro-batch.
+
+    ``parallel.vocab``: the embedding's partial lookups all-reduced (first stage); the head's input
+    all-gathered and its gradient reduce-scattered under sequence parallelism, or only that
+    gradient all-reduced without it; the loss's max and (Σ exp, target logit) all-reduced, three
+    fp32 values per token (last stage). With pipeline stages, the busier of the two ends.
+
+    Args:
+        activation_bytes: one micro-batch's activations, b·s/C tokens of d values.
+        tokens: b·s/C, the tokens of one micro-batch on this GPU.
+        layout: the tensor degree and ``sequence_parallel``.
+        link: the tensor group's link.
+    """
+    t = layout.tensor
+    first = [("all_reduce", activation_bytes)]
+    if layout.sequence_parallel:
+        last = [("all_gather", activation_bytes), ("reduce_scatter", activation_bytes)]
+    else:
+        last = [("all_reduce", activation_bytes)]
+    last += [("all_reduce", 4 * tokens), ("all_reduce", 2 * 4 * tokens)]
+
+    def cost(calls):
+        return (
+            sum(collective_seconds(op, size, t, link) for op, size in calls),
+            sum(ring_bytes(op, size, t) for op, size in calls),
+        )
+
+    if layout.pipeline == 1:
+        return cost(first + last)
+    return max(cost(first), cost(last))
+
+
+def vocabulary_rows(model: ModelSpec, layout: Layout) -> int:
+    """The embedding's and projection's rows on one GPU: ceil(V/T) with ``loss_parallel`` (the
+    vocabulary padded to a multiple of T, as ``parallel.vocab`` and Megatron-LM pad it), else V.
+
+    Args:
+        model: the vocabulary.
+        layout: the tensor degree and ``loss_parallel``.
+    """
+    return math.ceil(model.vocab / layout.tensor) if layout.loss_parallel else model.vocab
 
 
 def block_parameters_per_gpu(model: ModelSpec, layout: Layout) -> float:
@@ -450,12 +501,9 @@ def stage_parameters(model: ModelSpec, layout: Layout) -> float:
         model: the shapes.
         layout: the degrees.
     """
-    vocab_split = layout.tensor if layout.loss_parallel else 1
-    embedding = model.vocab * model.d_model / vocab_split + model.position_embeddings * model.d_model
-    head = (
-        model._norm_parameters()
-        + (model.vocab * model.d_model + (model.vocab if model.bias else 0)) / vocab_split
-    )
+    rows = vocabulary_rows(model, layout)
+    embedding = rows * model.d_model + model.position_embeddings * model.d_model
+    head = model._norm_parameters() + rows * model.d_model + (rows if model.bias else 0)
     block = block_parameters_per_gpu(model, layout)
     entries = [embedding, *([block] * model.layers), head]
     stages = layout.pipeline * layout.virtual_stages
@@ -637,6 +685,12 @@ def predict(
             replicated += model.head_parameters() - model._norm_parameters()
         tensor += collective_seconds("all_reduce", 4 * replicated, t, link_of("tensor", layout, cluster))
         tensor_sent += ring_bytes("all_reduce", 4 * replicated, t)
+    if layout.loss_parallel and t > 1:
+        vocab_time, vocab_sent = _vocabulary_collectives(
+            activation_bytes, tokens, layout, link_of("tensor", layout, cluster)
+        )
+        tensor += microbatches * vocab_time
+        tensor_sent += microbatches * vocab_sent
 
     kv_bytes = element * 2 * tokens * model.kv_heads * model.head_dim / t
     context_link = link_of("context", layout, cluster)
@@ -672,10 +726,13 @@ def predict(
     data_sent += gathers * ring_bytes("all_gather", param_bytes, shard_group)
 
     pipeline_link = link_of("pipeline", layout, cluster)
-    send = pipeline_link.latency_s + activation_bytes / t / pipeline_link.bandwidth
+    # A stage's output: this rank's s/T tokens under sequence parallelism, else every token (each
+    # tensor rank holds and sends the whole of it)
+    message = activation_bytes / (t if layout.sequence_parallel else 1)
+    send = pipeline_link.latency_s + message / pipeline_link.bandwidth
     pipeline = 2 * (p - 1) * send if p > 1 else 0.0  # filling and draining: the steady state overlaps
     # a middle stage sends activations on and gradients back; the two ends send one of them
-    pipeline_sent = (1 if p == 2 else 2) * microbatches * activation_bytes / t if p > 1 else 0.0
+    pipeline_sent = (1 if p == 2 else 2) * microbatches * message if p > 1 else 0.0
 
     expert = expert_sent = 0.0
     if layout.expert > 1:

@@ -95,8 +95,17 @@ class Embedding(nn.Module):
         self.tokens = nn.Embedding(vocab_size, d_model)
         self.positions = nn.Embedding(max_seq_len, d_model)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.tokens(ids) + self.positions(torch.arange(ids.shape[1], device=ids.device))
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Each token's embedding plus its position's.
+
+        Args:
+            ids: (batch, seq) token ids.
+            positions: (seq,) where those tokens sit in their sequences (None: 0 to seq - 1;
+                context parallelism passes the positions of its chunk).
+        """
+        if positions is None:
+            positions = torch.arange(ids.shape[1], device=ids.device)
+        return self.tokens(ids) + self.positions(positions)
 
 
 class CausalAttention(nn.Module):

@@ -440,8 +440,9 @@ class ContextParallelEmbedding(nn.Module):
         self.embedding, self.layout, self.rank = embedding, layout, rank
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        positions = self.layout.positions(self.rank).to(ids.device)
-        return self.embedding.tokens(ids) + self.embedding.positions(positions)
+        # through the embedding's own call, so that what hooks it still runs (sequence
+        # parallelism cuts its output over the tensor ranks)
+        return self.embedding(ids, positions=self.layout.positions(self.rank).to(ids.device))
 
 
 def parallelize_context(model: nn.Module, layout: SequenceLayout, *, group=None) -> nn.Module:

@@ -43,6 +43,7 @@ from ..layout import Layout, parallelize
 from ..parallel import context as cp
 from ..parallel import pipeline as pp
 from ..parallel import sequence as sp
+from ..parallel import vocab
 from ..parallel.mesh import Mesh
 
 
@@ -93,22 +94,34 @@ LAYOUTS = [
     Layout(data=2, sharding="fsdp"),
     Layout(data=2, sharding="ddp", recomputation="full"),
     Layout(data=2, sharding="ddp", recomputation="selective"),
-    Layout(tensor=2, sharding="ddp", sequence_parallel=False),
-    Layout(tensor=2, sharding="ddp", sequence_parallel=False, recomputation="selective"),
-    Layout(tensor=2, sharding="ddp", sequence_parallel=True),
+    Layout(tensor=2, sharding="ddp", sequence_parallel=False, loss_parallel=False),
+    Layout(tensor=2, sharding="ddp", sequence_parallel=False, loss_parallel=False, recomputation="selective"),
+    Layout(tensor=2, sharding="ddp", sequence_parallel=True, loss_parallel=False),
+    Layout(tensor=2, sharding="ddp", sequence_parallel=True, loss_parallel=True),
     Layout(context=2, sharding="ddp"),
     Layout(context=2, sharding="ddp", recomputation="full"),
     Layout(pipeline=2, sharding="ddp", schedule="1f1b", micro_batch=2),
     Layout(pipeline=2, sharding="ddp", schedule="gpipe", micro_batch=2),
-    Layout(data=2, tensor=2, sharding="ddp", sequence_parallel=False),
+    Layout(data=2, tensor=2, sharding="ddp", sequence_parallel=False, loss_parallel=False),
 ]
 """The sweep: every axis on 2 processes, each with one policy or variant changed, and a 2-D layout."""
 
 
 def course_layout(layout: Layout, sweep: Sweep = SWEEP) -> Layout:
-    """The layout as the course runs it on CPU: fp32, the head not split over the vocabulary."""
+    """The layout as the course runs it on CPU: fp32, one micro-batch a replica without a pipeline."""
     micro = layout.micro_batch if layout.pipeline > 1 else sweep.global_batch // layout.data
-    return layout.with_(precision="fp32", loss_parallel=False, micro_batch=micro)
+    return layout.with_(precision="fp32", micro_batch=micro)
+
+
+def label(layout: Layout) -> str:
+    """``Layout.name`` and, with tensor parallelism, how the norms and the vocabulary are split."""
+    if layout.tensor == 1:
+        return layout.name()
+    return (
+        layout.name()
+        + ("" if layout.sequence_parallel else " no-sp")
+        + (" vocab" if layout.loss_parallel else "")
+    )
 
 
 def measure_layout(layout: Layout, sweep: Sweep = SWEEP) -> dict | None:
@@ -123,7 +136,7 @@ def measure_layout(layout: Layout, sweep: Sweep = SWEEP) -> dict | None:
     layout = course_layout(layout, sweep)
     seq_len = sweep.seq_len
     mesh = Mesh(data=layout.data, pipeline=layout.pipeline, context=layout.context, tensor=layout.tensor)
-    inputs, targets, _ = zen_windows(seq_len=seq_len)
+    inputs, targets, vocabulary = zen_windows(seq_len=seq_len)
     stages = parallelize(sweep.model(), mesh, layout, seq_len=seq_len)
     params = [p for stage in stages.values() for p in stage.parameters()]
     optimizer = torch.optim.AdamW(params, lr=1e-3)
@@ -132,6 +145,22 @@ def measure_layout(layout: Layout, sweep: Sweep = SWEEP) -> dict | None:
     sequence = cp.SequenceLayout(seq_len, layout.context, zigzag=True)
     if layout.context > 1:
         x, y = (sequence.local(t, mesh.coordinates.context) for t in (x, y))
+
+    def loss_fn(logits, targets):
+        """This rank's share of the mean loss of ``targets``' whole sequences: the shares of the context
+        ranks, and under sequence parallelism of the tensor ranks, add up to it."""
+        if layout.tensor > 1 and layout.loss_parallel:  # this rank's slice of every token's logits
+            summed = vocab.vocab_parallel_cross_entropy(
+                logits, targets, vocab_size=len(vocabulary), reduction="sum", group=mesh.group("tensor")
+            )
+        else:
+            if layout.tensor > 1 and layout.sequence_parallel:  # the logits of this rank's tokens
+                targets = targets.chunk(layout.tensor, dim=1)[mesh.coordinates.tensor]
+            summed = torch.nn.functional.cross_entropy(
+                logits.flatten(0, -2), targets.flatten(), reduction="sum"
+            )
+        return summed / (len(targets) * seq_len)
+
     executors = {}
     if layout.pipeline > 1:  # one counts the memory in flight (slowly), the other is timed
         for measuring in (True, False):
@@ -140,7 +169,7 @@ def measure_layout(layout: Layout, sweep: Sweep = SWEEP) -> dict | None:
                 layout.pipeline,
                 layout.schedule,
                 len(mine) // layout.micro_batch,
-                models.lm_loss,
+                loss_fn,
                 (layout.micro_batch, seq_len, sweep.d_model),
                 group=mesh.group("pipeline"),
                 measure_memory=measuring,
@@ -148,11 +177,7 @@ def measure_layout(layout: Layout, sweep: Sweep = SWEEP) -> dict | None:
     stage = stages[min(stages)]
 
     def loss_of(logits):
-        if layout.context > 1:
-            return cp.context_parallel_loss(logits, y, total_tokens=len(mine) * seq_len)
-        if layout.tensor > 1 and layout.sequence_parallel:
-            return sp.sequence_parallel_loss(logits, y, group=mesh.group("tensor"))
-        return models.lm_loss(logits, y)
+        return loss_fn(logits, y)
 
     def step(executor=None, counter: OperationCounter | None = None) -> None:
         optimizer.zero_grad()
@@ -454,7 +479,7 @@ def validate(launch, *, layouts: list[Layout] = LAYOUTS, sweep: Sweep = SWEEP) -
             predicted.memory["parameters"] + predicted.memory["gradients"] + predicted.memory["optimizer"]
         )
         row = {
-            "layout": layout.name() + ("" if layout.sequence_parallel or layout.tensor == 1 else " no-sp"),
+            "layout": label(layout),
             "processes": layout.gpus,
             "own_core": layout.gpus <= calibration["cores"],
             "speed_beside": {

@@ -2,8 +2,8 @@
 
 The loss and the logits' gradients of logits split over the vocabulary; the split embedding and
 output projection against the dense ones; the logits' and the loss's memory per rank against
-1/T; the transformer trained with tensor and vocabulary parallelism against one process; bad
-inputs refused.
+1/T; the transformer trained with tensor and vocabulary parallelism against one process, and
+laid out over context and sequence-parallel tensor ranks together; bad inputs refused.
 """
 
 from __future__ import annotations
@@ -223,3 +223,51 @@ def test_bad_inputs_are_refused_with_the_fix():
         )
         assert "choose mean, sum or none" in errors["reduction"]
         assert "no Embedding or LMHead found" in errors["model"]
+
+
+def _context_and_sequence_parallel(loss_parallel: bool):
+    """``layout.parallelize`` on a 2 x 2 grid of context and tensor ranks, sequence parallel."""
+    from course_lib.layout import Layout, parallelize
+    from course_lib.parallel import context as cp
+    from course_lib.parallel.mesh import Mesh
+
+    seq_len = 16
+    torch.manual_seed(0)
+    inputs, targets, vocabulary = data.zen_windows(seq_len=seq_len)
+    dense = models.TinyTransformer(len(vocabulary), d_model=24, n_heads=4, n_layers=2, max_seq_len=seq_len)
+    x, y = inputs[:4], targets[:4]
+    expected = models.lm_loss(dense(x), y)
+    expected.backward()
+    layout = Layout(context=2, tensor=2, sharding="ddp", sequence_parallel=True, loss_parallel=loss_parallel)
+    mesh = Mesh(context=2, tensor=2)
+    model = parallelize(copy.deepcopy(dense), mesh, layout, seq_len=seq_len)[0]
+    tokens = cp.SequenceLayout(seq_len, 2, zigzag=True)
+    x, y = (tokens.local(t, mesh.coordinates.context) for t in (x, y))
+    logits = model(x)
+    if loss_parallel:
+        summed = vocab.vocab_parallel_cross_entropy(
+            logits, y, vocab_size=len(vocabulary), reduction="sum", group=mesh.group("tensor")
+        )
+    else:  # the logits of this tensor rank's tokens only
+        mine = y.chunk(2, dim=1)[mesh.coordinates.tensor]
+        summed = torch.nn.functional.cross_entropy(logits.flatten(0, 1), mine.flatten(), reduction="sum")
+    share = summed / (4 * seq_len)
+    share.backward()
+    sp.all_reduce_sequence_parallel_gradients(model, group=mesh.group("tensor"))
+    head = next(m for m in model.modules() if isinstance(m, models.LMHead))
+    norm = head.norm.weight.grad
+    comm.all_reduce(norm, op="sum", group=mesh.group("context"))
+    loss = share.detach().clone()
+    for axis in ("context",) if loss_parallel else ("tensor", "context"):
+        comm.all_reduce(loss, op="sum", group=mesh.group(axis))
+    return loss, expected.detach(), norm, dense[3].norm.weight.grad
+
+
+@pytest.mark.parametrize("loss_parallel", [False, True])
+def test_context_and_sequence_parallelism_together_compute_what_one_process_does(loss_parallel):
+    """The ring over context ranks and the norms on s/(C·T) tokens: the embedding's output is cut twice."""
+    for loss, expected, norm_grad, expected_norm_grad in launch(
+        _context_and_sequence_parallel, 4, loss_parallel
+    ):
+        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(norm_grad, expected_norm_grad, rtol=1e-4, atol=1e-6)

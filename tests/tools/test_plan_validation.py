@@ -1,7 +1,8 @@
 """The planner against measurement on real processes: ``plan --validate`` on a small transformer.
 
 Every axis on two processes (a ZeRO stage, FSDP, recomputation both ways, tensor parallelism with
-and without sequence parallelism, context and pipeline parallelism): the model-state bytes and
+and without sequence parallelism and the vocabulary split, context and pipeline parallelism) and
+two grids of four (context and pipeline stages with tensor ranks): the model-state bytes and
 the bytes sent equal the prediction, the activations are within 2 %, and the table and JSON say
 so. Exact means: but for AdamW's step counter (4 bytes per parameter tensor) and the sharded
 flat parameters' padding (fewer than N elements each), which the planner leaves out. Step times
@@ -21,10 +22,12 @@ LAYOUTS = [
     Layout(data=2, sharding="zero2"),
     Layout(data=2, sharding="fsdp", recomputation="selective"),
     Layout(data=2, sharding="ddp", recomputation="full"),
-    Layout(tensor=2, sharding="ddp", sequence_parallel=False, recomputation="selective"),
-    Layout(tensor=2, sharding="ddp"),
+    Layout(tensor=2, sharding="ddp", sequence_parallel=False, loss_parallel=False, recomputation="selective"),
+    Layout(tensor=2, sharding="ddp", sequence_parallel=True, loss_parallel=True),
     Layout(context=2, sharding="ddp", recomputation="full"),
     Layout(pipeline=2, sharding="ddp", micro_batch=2),
+    Layout(context=2, tensor=2, sharding="ddp", sequence_parallel=True, loss_parallel=True),
+    Layout(pipeline=2, tensor=2, sharding="ddp", sequence_parallel=False, loss_parallel=True, micro_batch=2),
 ]
 
 
@@ -50,7 +53,18 @@ def test_the_calibration_and_the_table_name_what_they_measured(result):
     assert calibration["matmul_flops"] > 0 and calibration["memory_bandwidth"] > 0
     text = pv.table(result)
     assert text.count("\n") == len(LAYOUTS) + 2
-    assert "step time within a factor 1.33:" in text and "of 7 layouts with a core per process" in text
+    own_core = sum(layout.gpus <= calibration["cores"] for layout in LAYOUTS)
+    assert (
+        "step time within a factor 1.33:" in text and f"of {own_core} layouts with a core per process" in text
+    )
+    assert [row["layout"] for row in result["layouts"]][3:] == [
+        "t2 ddp sac no-sp",
+        "t2 ddp vocab",
+        "c2 ddp ac",
+        "p2 ddp 1f1b mb2",
+        "c2.t2 ddp vocab",
+        "p2.t2 ddp 1f1b mb2 no-sp vocab",
+    ]
 
 
 def test_the_calibration_recovers_the_bandwidths_and_the_host_cost_it_was_made_from():

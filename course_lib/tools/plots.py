@@ -628,7 +628,8 @@ def plot_prediction_check(result: dict, *, path=None) -> Figure:
     axis.set_xticks(range(len(rows)), [row["layout"] for row in rows], rotation=30, ha="right", fontsize=8)
     axis.set_xlabel("layout (processes on this machine)")
     axis.set_ylabel("measured / predicted")
-    axis.legend(fontsize=8, loc="upper left")
+    # above the axes, in one row: inside, it would hide the points of the first layouts
+    axis.legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncols=5, frameon=False)
     figure.tight_layout()
     return save(figure, path)
 

@@ -277,28 +277,35 @@ def check_sequence_split(seq_len: int, degree: int) -> None:
 
 
 def parallelize_sequence(model: nn.Module, *, group=None, regather_in_backward: bool = False) -> nn.Module:
-    """Make a dense ``models.TinyTransformer`` tensor and sequence parallel, in place.
+    """Make a dense ``models.TinyTransformer``, or a pipeline stage of one, tensor and sequence parallel.
 
     The embedding still runs whole on every rank (its input is the token ids) and its output is
     cut to this rank's tokens; every block is converted (``sequence_parallel_block``); the head
     then returns the logits of this rank's tokens only: compare them with
-    ``targets.chunk(T, dim=1)[rank]`` (``sequence_parallel_loss``).
+    ``targets.chunk(T, dim=1)[rank]`` (``sequence_parallel_loss``). A stage without the
+    embedding takes, and every stage but the last returns, this rank's tokens: the activations
+    sent between pipeline stages are 1/T of a whole stage's.
 
     Args:
-        model: a dense ``models.TinyTransformer``.
+        model: a dense ``models.TinyTransformer``, or an ``nn.Sequential`` stage of one.
         group: the tensor-parallel process group (None: every rank).
         regather_in_backward: Megatron-LM's variant (see ``sequence_parallel_block``).
     """
-    from ..models import Block, Embedding
+    from ..models import Block, Embedding, LMHead
 
     check_module("model", model)
     check_group("group", group)
-    if not isinstance(model[0], Embedding):
-        raise UserError("parallelize_sequence needs the whole TinyTransformer, starting with its embedding")
-    for block in model:
+    parts = list(model) if isinstance(model, nn.Sequential) else []
+    if not any(isinstance(part, Embedding | Block | LMHead) for part in parts):
+        raise UserError(
+            "parallelize_sequence needs a TinyTransformer, or a pipeline stage of one (an nn.Sequential of "
+            "its embedding, blocks and head)"
+        )
+    for block in parts:
         if isinstance(block, Block):
             sequence_parallel_block(block, group=group, regather_in_backward=regather_in_backward)
-    model[0].register_forward_hook(lambda module, args, output: split_sequence(output, group=group))
+    if isinstance(parts[0], Embedding):
+        parts[0].register_forward_hook(lambda module, args, output: split_sequence(output, group=group))
     return model
 
 

@@ -9,7 +9,8 @@ On a ``Mesh`` of D x P x C x T ranks, one training step of ``TinyTransformer``:
    a tensor group (``tensor.parallelize_transformer``), and the embedding, the output projection
    and the loss over the vocabulary (``vocab``: the logits are never gathered). The T ranks of a
    stage hold the same activations, so each sends its own copy to its counterpart in the next
-   stage.
+   stage; with ``sequence_parallel`` (Megatron-LM's sequence parallelism, ``sequence``) each
+   holds and sends only its 1/T of the tokens, and the norms run on them.
 3. **Context**: with C > 1, each sequence is cut over the C ranks of a context group (zig-zag
    layout); every attention runs as ring attention (``context.parallelize_context``). Each rank's
    loss is its tokens' share of the batch mean, and the weights' gradients are summed over the
@@ -41,18 +42,24 @@ from ..errors import UserError
 from ..layout import Layout, parallelize
 from . import context as cp
 from . import pipeline as pp
+from . import sequence as sp
 from . import tensor as tp
 from . import vocab
 from .mesh import Mesh, rank_at
 
 
 def build_local_model(
-    model: nn.Module, mesh: Mesh, *, seq_len: int, recomputation: str = "none"
+    model: nn.Module,
+    mesh: Mesh,
+    *,
+    seq_len: int,
+    recomputation: str = "none",
+    sequence_parallel: bool = False,
 ) -> dict[int, nn.Module]:
     """This rank's stage of ``model`` (a dense ``TinyTransformer``), made tensor and context parallel.
 
-    ``layout.parallelize`` with plain tensor parallelism and the vocabulary split, fp32, and the
-    data axis left to ``train_3d``, which averages every gradient itself after the pipeline's step.
+    ``layout.parallelize`` with the vocabulary split, fp32, and the data axis left to
+    ``train_3d``, which averages every gradient itself after the pipeline's step.
     """
     degrees = {axis: mesh.degrees[axis] for axis in ("data", "pipeline", "context", "tensor")}
     plan = Layout(
@@ -60,7 +67,7 @@ def build_local_model(
         sharding="ddp",
         recomputation=recomputation,
         precision="fp32",
-        sequence_parallel=False,
+        sequence_parallel=sequence_parallel,
         loss_parallel=True,
     )
     return parallelize(model, mesh, plan, seq_len=seq_len, data_parallel=False)
@@ -79,6 +86,7 @@ def check_run(
     *,
     context: int = 1,
     seq_len: int = 32,
+    sequence_parallel: bool = False,
 ) -> None:
     """Everything that can be wrong, checked before any process waits on another."""
     from .mesh import check_degrees
@@ -86,6 +94,15 @@ def check_run(
     check_degrees(world_size, data=data, pipeline=pipeline, context=context, tensor=tensor)
     tp.check_tensor_parallel_degree(d_model, n_heads, 4 * d_model, tensor)
     cp.check_context_split(seq_len, context, zigzag=True)
+    if sequence_parallel:  # each context rank's tokens cut again over the tensor ranks
+        chunks = cp.SequenceLayout(seq_len, context, zigzag=True)
+        uneven = sorted({chunks.tokens(c) for c in range(context) if chunks.tokens(c) % tensor})
+        if uneven:
+            raise UserError(
+                f"sequence parallelism cuts each context rank's tokens ({uneven[0]} of a sequence of "
+                f"{seq_len} over {context} rank(s)) over the {tensor} tensor ranks: choose a sequence "
+                f"length whose chunks divide by {tensor}, or leave sequence parallelism off"
+            )
     if pipeline > n_layers + 2:
         raise UserError(
             f"cannot cut {n_layers + 2} layers (embedding, {n_layers} blocks, head) into {pipeline} stages"
@@ -114,6 +131,7 @@ def train_3d(
     n_layers: int = 4,
     seed: int = 0,
     recompute: str = "none",
+    sequence_parallel: bool = False,
     profile: str | None = None,
 ) -> list[float] | None:
     """Train on the current process group laid out as a mesh; return the loss of every step on rank 0.
@@ -137,13 +155,15 @@ def train_3d(
         seed: the seed of the weights and of the batches, the same on every rank.
         recompute: what each block keeps for backward: ``"none"``, ``"full"`` or ``"selective"``
             (``course_lib.recompute``).
+        sequence_parallel: with T > 1, Megatron-LM's sequence parallelism: the norms run on
+            1/T of the tokens, and the stages send each other 1/T of the activations.
         profile: record the anatomy of 3 steps after 2 (``anatomy.LoopProfiler``): each rank's
             trace and ``anatomy.json`` go into this folder.
     """
     world = runtime.world_size()
     check_run(
         world, data, pipeline, tensor, global_batch, microbatches, n_layers, d_model, n_heads,
-        context=context, seq_len=seq_len,
+        context=context, seq_len=seq_len, sequence_parallel=sequence_parallel,
     )  # fmt: skip
     mesh = Mesh(data=data, pipeline=pipeline, context=context, tensor=tensor)
     layout = cp.SequenceLayout(seq_len, context, zigzag=True)
@@ -153,7 +173,9 @@ def train_3d(
     model = models.TinyTransformer(
         len(vocabulary), d_model=d_model, n_heads=n_heads, n_layers=n_layers, max_seq_len=seq_len
     )
-    stages = build_local_model(model, mesh, seq_len=seq_len, recomputation=recompute)
+    stages = build_local_model(
+        model, mesh, seq_len=seq_len, recomputation=recompute, sequence_parallel=sequence_parallel
+    )
     params = [p for stage in stages.values() for p in stage.parameters()]
     optimizer = torch.optim.AdamW(params, lr=lr)
     local_batch = global_batch // data
@@ -174,7 +196,8 @@ def train_3d(
         schedule,
         microbatches,
         loss_fn,
-        (micro, layout.tokens(my_chunk), d_model),
+        # what a stage sends: this rank's tokens, cut again over the tensor ranks under sequence parallelism
+        (micro, layout.tokens(my_chunk) // (tensor if sequence_parallel else 1), d_model),
         group=mesh.group("pipeline"),
     )
     generator = torch.Generator().manual_seed(seed)
@@ -194,6 +217,9 @@ def train_3d(
                     layout.local(inputs[mine], my_chunk), layout.local(targets[mine], my_chunk)
                 )
             with anatomy.phase("gradients"):
+                if sequence_parallel and tensor > 1:  # the norms saw 1/T of the tokens each: add up
+                    for stage in stages.values():
+                        sp.all_reduce_sequence_parallel_gradients(stage, group=mesh.group("tensor"))
                 grads = [param.grad for param in params]
                 if context > 1:  # each chunk of the sequences adds its part
                     comm.all_reduce_coalesced(grads, op="sum", group=mesh.group("context"))

@@ -161,6 +161,8 @@ def measure_layout(layout: Layout, sweep: Sweep = SWEEP) -> dict | None:
             )
         return summed / (len(targets) * seq_len)
 
+    # what one stage sends the next: this rank's tokens, 1/T of them under sequence parallelism
+    boundary_tokens = x.shape[1] // (layout.tensor if layout.sequence_parallel else 1)
     executors = {}
     if layout.pipeline > 1:  # one counts the memory in flight (slowly), the other is timed
         for measuring in (True, False):
@@ -170,7 +172,7 @@ def measure_layout(layout: Layout, sweep: Sweep = SWEEP) -> dict | None:
                 layout.schedule,
                 len(mine) // layout.micro_batch,
                 loss_fn,
-                (layout.micro_batch, seq_len, sweep.d_model),
+                (layout.micro_batch, boundary_tokens, sweep.d_model),
                 group=mesh.group("pipeline"),
                 measure_memory=measuring,
             )

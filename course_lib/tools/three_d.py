@@ -47,6 +47,12 @@ def main(argv: list[str] | None = None) -> int:
         help="what each block of the grid run keeps for backward (the one-process run keeps everything)",
     )
     parser.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="with --tensor above 1, Megatron-LM's sequence parallelism: the norms on 1/T of the tokens, "
+        "and 1/T of the activations sent between stages",
+    )
+    parser.add_argument(
         "--plot", type=checks.file_to_write, default=None, help="save the two loss curves to this PNG"
     )
     parser.add_argument(
@@ -60,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_run(
             world, args.data, args.pipeline, args.tensor, args.global_batch, args.microbatches, 4, 64, 4,
-            context=args.context,
+            context=args.context, sequence_parallel=args.sequence_parallel,
         )  # fmt: skip
         check_process_count(world)
     except UserError as error:
@@ -86,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout_s=1800,
         profile=str(args.profile) if args.profile else None,
         recompute=args.recompute,
+        sequence_parallel=args.sequence_parallel,
         **options,
     )[0]
     if args.profile:

@@ -236,3 +236,21 @@ def test_the_3d_command_prints_both_curves_and_refuses_a_bad_grid(tmp_path):
     refused = run_tool("three_d", "--data", "3", "--pipeline", "1", "--tensor", "1")
     assert refused.returncode == 2
     assert "the global batch of 16 must split into 3 data-parallel parts of 2 micro-batches" in refused.stderr
+
+
+@pytest.mark.parametrize("grid", [dict(pipeline=2, context=1), dict(pipeline=1, context=2)])
+def test_sequence_parallel_tensor_ranks_with_pipeline_stages_or_context_match_one_process(
+    grid, short_single_losses
+):
+    """Stages that take and send 1/T of the tokens; context chunks cut again over the tensor ranks."""
+    losses = launch(train_3d, 4, data=1, tensor=2, steps=6, sequence_parallel=True, **grid)[0]
+    assert losses == pytest.approx(short_single_losses, rel=1e-5)
+
+
+def test_a_context_chunk_that_the_tensor_ranks_cannot_share_is_refused_with_the_fix():
+    from course_lib.errors import UserError
+    from course_lib.parallel.three_d import check_run
+
+    with pytest.raises(UserError, match="each context rank's tokens \\(15 of a sequence of 30 over 2"):
+        check_run(4, 1, 1, 2, 16, 2, 4, 64, 4, context=2, seq_len=30, sequence_parallel=True)
+    check_run(4, 1, 1, 2, 16, 2, 4, 64, 4, context=2, seq_len=30)  # without it, nothing to cut

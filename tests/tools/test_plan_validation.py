@@ -2,7 +2,7 @@
 
 Every axis on two processes (a ZeRO stage, FSDP, recomputation both ways, tensor parallelism with
 and without sequence parallelism and the vocabulary split, context and pipeline parallelism) and
-two grids of four (context and pipeline stages with tensor ranks): the model-state bytes and
+grids of four (context or pipeline stages with tensor ranks): the model-state bytes and
 the bytes sent equal the prediction, the activations are within 2 %, and the table and JSON say
 so. Exact means: but for AdamW's step counter (4 bytes per parameter tensor) and the sharded
 flat parameters' padding (fewer than N elements each), which the planner leaves out. Step times
@@ -28,6 +28,7 @@ LAYOUTS = [
     Layout(pipeline=2, sharding="ddp", micro_batch=2),
     Layout(context=2, tensor=2, sharding="ddp", sequence_parallel=True, loss_parallel=True),
     Layout(pipeline=2, tensor=2, sharding="ddp", sequence_parallel=False, loss_parallel=True, micro_batch=2),
+    Layout(pipeline=2, tensor=2, sharding="ddp", sequence_parallel=True, loss_parallel=True, micro_batch=2),
 ]
 
 
@@ -64,6 +65,7 @@ def test_the_calibration_and_the_table_name_what_they_measured(result):
         "p2 ddp 1f1b mb2",
         "c2.t2 ddp vocab",
         "p2.t2 ddp 1f1b mb2 no-sp vocab",
+        "p2.t2 ddp 1f1b mb2 vocab",
     ]
 
 

@@ -435,39 +435,56 @@ def head_activation_bytes(model: ModelSpec, layout: Layout, *, micro_batch: int,
     return norm + layout.element_bytes * projected * model.d_model + 4 * rows * columns
 
 
-def _vocabulary_collectives(
-    activation_bytes: float, tokens: float, layout: Layout, link: Link
+def _tensor_collectives_beside_the_blocks(
+    model: ModelSpec, layout: Layout, *, activation_bytes: float, tokens: float, microbatches: int, link: Link
 ) -> tuple[float, float]:
-    """Seconds and bytes per rank of vocabulary parallelism's collectives, for one micro-batch.
+    """Seconds and bytes per rank of the tensor group's collectives other than the blocks' f and g.
 
-    ``parallel.vocab``: the embedding's partial lookups all-reduced (first stage); the head's input
-    all-gathered and its gradient reduce-scattered under sequence parallelism, or only that
-    gradient all-reduced without it; the loss's max and (Σ exp, target logit) all-reduced, three
-    fp32 values per token (last stage). With pipeline stages, the busier of the two ends.
+    Under sequence parallelism, the embedding's output is cut to s/T tokens (its gradient
+    all-gathered in backward), and the weights that see only this rank's tokens (the norms, the
+    row-parallel biases, and without ``loss_parallel`` the head's projection) have partial
+    gradients, summed in one all-reduce a step. With ``loss_parallel`` (``parallel.vocab``), per
+    micro-batch: the embedding's partial lookups all-reduced; the head's input all-gathered and
+    its gradient reduce-scattered under sequence parallelism, or that gradient all-reduced
+    without it; the loss's max and (Σ exp, target logit), three fp32 values per token. The
+    embedding is on the first pipeline stage, the head on the last: the busier end counts.
 
     Args:
+        model: the shapes.
+        layout: the degrees, ``sequence_parallel`` and ``loss_parallel``.
         activation_bytes: one micro-batch's activations, b·s/C tokens of d values.
         tokens: b·s/C, the tokens of one micro-batch on this GPU.
-        layout: the tensor degree and ``sequence_parallel``.
+        microbatches: micro-batches per step.
         link: the tensor group's link.
     """
-    t = layout.tensor
-    first = [("all_reduce", activation_bytes)]
+    first, last = [], []  # the calls only the embedding's stage, or only the head's, makes
+    blocks = head = 0.0  # replicated parameters whose gradients are partial
     if layout.sequence_parallel:
-        last = [("all_gather", activation_bytes), ("reduce_scatter", activation_bytes)]
-    else:
-        last = [("all_reduce", activation_bytes)]
-    last += [("all_reduce", 4 * tokens), ("all_reduce", 2 * 4 * tokens)]
+        first += [("all_gather", activation_bytes)] * microbatches
+        blocks = math.ceil(model.layers / layout.pipeline) * model.replicated_block_parameters()
+        head = model._norm_parameters() if layout.loss_parallel else model.head_parameters()
+    if layout.loss_parallel:
+        first += [("all_reduce", activation_bytes)] * microbatches
+        if layout.sequence_parallel:
+            last += [("all_gather", activation_bytes), ("reduce_scatter", activation_bytes)] * microbatches
+        else:
+            last += [("all_reduce", activation_bytes)] * microbatches
+        last += [("all_reduce", 4 * tokens), ("all_reduce", 2 * 4 * tokens)] * microbatches
 
     def cost(calls):
+        calls = [(op, size) for op, size in calls if size > 0]
         return (
-            sum(collective_seconds(op, size, t, link) for op, size in calls),
-            sum(ring_bytes(op, size, t) for op, size in calls),
+            sum(collective_seconds(op, size, layout.tensor, link) for op, size in calls),
+            sum(ring_bytes(op, size, layout.tensor) for op, size in calls),
         )
 
     if layout.pipeline == 1:
-        return cost(first + last)
-    return max(cost(first), cost(last))
+        return cost([*first, *last, ("all_reduce", 4 * (blocks + head))])
+    return max(
+        cost([*first, ("all_reduce", 4 * blocks)]),
+        cost([*last, ("all_reduce", 4 * (blocks + head))]),
+        key=lambda seconds_and_bytes: seconds_and_bytes[1],
+    )
 
 
 def vocabulary_rows(model: ModelSpec, layout: Layout) -> int:
@@ -669,28 +686,21 @@ def predict(
     passes = 4 + (1 if layout.sequence_parallel and t > 1 else 0)
     passes += {"none": 0, "selective": 1, "full": 2}[layout.recomputation]
     activation_bytes = element * tokens * model.d_model
-    # and the embedding's output, cut to s/T tokens, has its gradient all-gathered in backward
-    split_embedding = (
-        microbatches * ring_bytes("all_gather", activation_bytes, t) if layout.sequence_parallel else 0
-    )
-    tensor_each = collective_seconds("all_reduce", activation_bytes, t, link_of("tensor", layout, cluster))
+    tensor_link = link_of("tensor", layout, cluster)
+    tensor_each = collective_seconds("all_reduce", activation_bytes, t, tensor_link)
     tensor = passes * layers_per_stage * microbatches * tensor_each
     tensor_sent = passes * layers_per_stage * microbatches * ring_bytes("all_reduce", activation_bytes, t)
-    tensor_sent += split_embedding
-    if layout.sequence_parallel and t > 1:
-        # Each tensor rank saw only its s/T tokens in the norms (and without loss_parallel, the
-        # head): the gradients of those replicated weights are partial and summed over the group.
-        replicated = layers_per_stage * model.replicated_block_parameters() + model._norm_parameters()
-        if not layout.loss_parallel:  # the output projection
-            replicated += model.head_parameters() - model._norm_parameters()
-        tensor += collective_seconds("all_reduce", 4 * replicated, t, link_of("tensor", layout, cluster))
-        tensor_sent += ring_bytes("all_reduce", 4 * replicated, t)
-    if layout.loss_parallel and t > 1:
-        vocab_time, vocab_sent = _vocabulary_collectives(
-            activation_bytes, tokens, layout, link_of("tensor", layout, cluster)
+    if t > 1:
+        beside_seconds, beside_sent = _tensor_collectives_beside_the_blocks(
+            model,
+            layout,
+            activation_bytes=activation_bytes,
+            tokens=tokens,
+            microbatches=microbatches,
+            link=tensor_link,
         )
-        tensor += microbatches * vocab_time
-        tensor_sent += microbatches * vocab_sent
+        tensor += beside_seconds
+        tensor_sent += beside_sent
 
     kv_bytes = element * 2 * tokens * model.kv_heads * model.head_dim / t
     context_link = link_of("context", layout, cluster)

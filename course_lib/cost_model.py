@@ -362,12 +362,14 @@ def block_activation_elements(model: ModelSpec, layout: Layout, *, micro_batch: 
     q_k_v = (1 + 2 * kv) * sbh / t
     attention = (sbh + lse) / t  # the output and the log-sum-exp
     if layout.recomputation == "selective":
-        ring_recomputed = layout.context > 1
+        # the ring's blocks are batched matmuls, recomputed; Ulysses' attention is the fused kernel, kept
+        ring_recomputed = layout.context > 1 and layout.context_attention == "ring"
         gate_up = 2 * mlp_hidden / t if model.gated_mlp else mlp_hidden / t
         return block_input + q_k_v + (0 if ring_recomputed else attention) + gate_up + 2 * sbh
     norms = 2 * (sbh + model.norm_statistics * tokens) / sp
     projection_inputs = 2 * sbh / sp
-    ring_output_copy = sbh / t if layout.context > 1 else 0  # ring attention's layout: one reshaped copy
+    # the attention's output, reshaped from the ring's (or Ulysses' all-to-all's) layout: one copy
+    ring_output_copy = sbh / t if layout.context > 1 else 0
     mlp = (4 if model.gated_mlp else 2) * mlp_hidden / t
     router = tokens * model.experts if model.experts > 1 else 0
     return norms + projection_inputs + q_k_v + attention + ring_output_copy + mlp + router
@@ -542,7 +544,15 @@ def check(model: ModelSpec, layout: Layout, *, gpus: int, seq_len: int, global_b
         return f"the MLP's {model.ffn_hidden} hidden units do not split over tensor degree {layout.tensor}"
     if model.layers < layout.pipeline * layout.virtual_stages:
         return f"{model.layers} layers cannot fill {layout.pipeline * layout.virtual_stages} stages"
-    if layout.context > 1 and seq_len % (2 * layout.context):
+    ulysses = layout.context > 1 and layout.context_attention == "ulysses"
+    if ulysses and model.kv_heads % (layout.tensor * layout.context):
+        return (
+            f"{model.kv_heads} key/value heads do not split over tensor x context = "
+            f"{layout.tensor * layout.context} ranks (Ulysses trades the sequence split for a head split)"
+        )
+    if ulysses and seq_len % layout.context:
+        return f"a sequence of {seq_len} does not cut into {layout.context} chunks"
+    if layout.context > 1 and not ulysses and seq_len % (2 * layout.context):
         return f"a sequence of {seq_len} does not cut into {2 * layout.context} zig-zag chunks"
     if model.experts > 1 and model.experts % layout.expert:
         return f"{model.experts} experts do not split over expert degree {layout.expert}"
@@ -668,7 +678,12 @@ def predict(
         "none": 0.0,
         "full": (block_flops / cluster.achieved_flops + pointwise_blocks) / 3,  # one more forward
         # the pointwise operations' forward again (and under context parallelism the ring's attention)
-        "selective": pointwise_blocks / 3 + (attention_flops / 3 / cluster.achieved_flops if c > 1 else 0.0),
+        "selective": pointwise_blocks / 3
+        + (
+            attention_flops / 3 / cluster.achieved_flops
+            if c > 1 and layout.context_attention == "ring"
+            else 0.0
+        ),
     }[layout.recomputation]
     compute_and_memory = compute + pointwise_blocks + pointwise_head
     bubble = 0.0
@@ -714,6 +729,18 @@ def predict(
         attention_compute = 0.0
     context = layers_per_stage * microbatches * max(0.0, ring - attention_compute)
     context_sent = layers_per_stage * microbatches * chunk_sends * kv_bytes
+    if c > 1 and layout.context_attention == "ulysses":
+        # Ulysses: q, k and v in one all-to-all to the head split, the output in one back; backward
+        # the same two again, and recomputation (either policy) the forward's. Nothing to hide them
+        # under: attention waits for its heads.
+        q_bytes = element * tokens * model.heads * model.head_dim / t
+        calls = (("all_to_all", q_bytes * (1 + 2 * model.kv_heads / model.heads)), ("all_to_all", q_bytes))
+        passes = 2 + (layout.recomputation != "none")
+        each = sum(collective_seconds(op, size, c, context_link) for op, size in calls)
+        context = layers_per_stage * microbatches * passes * each
+        context_sent = (
+            layers_per_stage * microbatches * passes * sum(ring_bytes(op, size, c) for op, size in calls)
+        )
 
     data_link, shard_group = link_of("data", layout, cluster), d * c
     gradient_bytes, param_bytes = 4 * stage_params, element * stage_params

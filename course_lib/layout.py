@@ -36,6 +36,7 @@ SHARDINGS = ("ddp", "zero1", "zero2", "fsdp")
 RECOMPUTATION = ("none", "full", "selective")
 SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
 PRECISIONS = ("bf16", "fp32")
+CONTEXT_ATTENTION = ("ring", "ulysses")
 AXES = ("pipeline", "data", "context", "tensor")  # outermost first: the mesh's order
 
 
@@ -46,7 +47,8 @@ class Layout:
     Args:
         data: D, the replicas (each takes 1/D of the global batch).
         pipeline: P, the stages the layers are cut into.
-        context: C, the pieces each sequence is cut into (ring attention).
+        context: C, the pieces each sequence is cut into (ring attention, or Ulysses: see
+            ``context_attention``).
         tensor: T, the pieces each block's matrices are cut into (with sequence parallelism).
         expert: the ranks each MoE layer's experts are spread over (must divide D x C).
         sharding: what the data axis shards: ``"ddp"`` (nothing), ``"zero1"`` (optimizer
@@ -63,6 +65,10 @@ class Layout:
             over the vocabulary (``parallel.vocab``; Megatron-LM's, DTensor's ``loss_parallel``):
             the model returns this rank's slice of the logits. Off: every tensor rank computes
             the whole head.
+        context_attention: with C > 1, how attention sees the other ranks' tokens: ``"ring"``
+            (``parallel.context``: K/V chunks passed around a ring, zig-zag chunks) or
+            ``"ulysses"`` (``parallel.ulysses``: all-to-alls that trade the sequence split for a
+            head split, contiguous chunks; the heads on a tensor rank must divide by C).
     """
 
     data: int = 1
@@ -78,6 +84,7 @@ class Layout:
     precision: str = "bf16"
     sequence_parallel: bool = True
     loss_parallel: bool = True
+    context_attention: str = "ring"
 
     def __post_init__(self):
         for name in ("data", "pipeline", "context", "tensor", "expert", "virtual_stages", "micro_batch"):
@@ -89,6 +96,7 @@ class Layout:
             ("recomputation", RECOMPUTATION),
             ("schedule", SCHEDULES),
             ("precision", PRECISIONS),
+            ("context_attention", CONTEXT_ATTENTION),
         ):
             if getattr(self, name) not in choices:
                 raise UserError(
@@ -134,7 +142,16 @@ class Layout:
             extras.append(self.schedule + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else ""))
         if self.micro_batch > 1:
             extras.append(f"mb{self.micro_batch}")
+        if self.context > 1 and self.context_attention != "ring":
+            extras.append(self.context_attention)
         return f"{label} {' '.join(extras)}"
+
+    def sequence_layout(self, seq_len: int):
+        """Which tokens of a ``seq_len`` sequence each context rank holds (``context.SequenceLayout``):
+        zig-zag chunks for the ring (each rank's causal work even), contiguous ones for Ulysses."""
+        from .parallel.context import SequenceLayout
+
+        return SequenceLayout(seq_len, self.context, zigzag=self.context_attention == "ring")
 
     def with_(self, **changes) -> Layout:
         """A copy with some fields changed (checked again)."""
@@ -180,19 +197,24 @@ def apply_vocabulary_parallel(model: nn.Module, group, *, sequence_parallel: boo
     return vocab.parallelize_vocabulary(model, group=group, sequence_parallel=sequence_parallel)
 
 
-def apply_context_parallel(model: nn.Module, group, *, seq_len: int) -> nn.Module:
-    """Cut each sequence over ``group`` in the zig-zag layout; attention becomes ring attention.
+def apply_context_parallel(model: nn.Module, group, *, seq_len: int, attention: str = "ring") -> nn.Module:
+    """Cut each sequence over ``group``; attention becomes ring attention (zig-zag chunks) or Ulysses.
 
     Args:
         model: a ``TinyTransformer`` (dense or tensor parallel), or a stage of one, changed in place.
         group: the context-parallel process group.
         seq_len: the whole sequence's tokens.
+        attention: ``"ring"`` (``parallel.context``) or ``"ulysses"`` (``parallel.ulysses``:
+            contiguous chunks, the heads on this rank must divide by the group's size).
     """
     from . import runtime
-    from .parallel import context
+    from .parallel import context, ulysses
 
-    layout = context.SequenceLayout(seq_len, runtime.world_size(group=group), zigzag=True)
-    return context.parallelize_context(model, layout, group=group)
+    size = runtime.world_size(group=group)
+    chunks = Layout(context=size, context_attention=attention).sequence_layout(seq_len)
+    if attention == "ulysses":
+        return ulysses.parallelize_ulysses(model, chunks, group=group)
+    return context.parallelize_context(model, chunks, group=group)
 
 
 def apply_data_parallel(model: nn.Module, group, *, sharding: str) -> nn.Module:
@@ -272,7 +294,9 @@ def parallelize(
         ):
             apply_vocabulary_parallel(stage, mesh.group("tensor"), sequence_parallel=layout.sequence_parallel)
         if layout.context > 1:
-            apply_context_parallel(stage, mesh.group("context"), seq_len=seq_len)
+            apply_context_parallel(
+                stage, mesh.group("context"), seq_len=seq_len, attention=layout.context_attention
+            )
         recompute.apply_recomputation(stage, policy=layout.recomputation)
         if data_parallel and layout.pipeline == 1 and (layout.data > 1 or layout.sharding != "ddp"):
             stages[index] = apply_data_parallel(stage, mesh.group("data"), sharding=layout.sharding)

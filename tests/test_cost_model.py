@@ -111,6 +111,11 @@ def test_the_step_and_memory_are_the_sums_of_their_parts_and_mfu_follows():
         (Layout(data=8, tensor=16), "8 key/value heads do not split over tensor degree 16"),
         (Layout(data=2, pipeline=64), "32 layers cannot fill 64 stages"),
         (Layout(data=16, context=8), "a sequence of 4100 does not cut into 16 zig-zag chunks"),
+        (
+            Layout(data=8, tensor=2, context=8, context_attention="ulysses"),
+            "8 key/value heads do not split over tensor x context = 16 ranks",
+        ),
+        (Layout(data=16, context=8, context_attention="ulysses"), "a sequence of 4100 does not cut into 8"),
         (Layout(data=128), "a global batch of 64 sequences does not split into 128 replicas"),
         (Layout(data=16, expert=2), "expert parallelism needs a mixture-of-experts model"),
         (Layout(data=64, sharding="ddp"), "needs 1"),  # 16 bytes x 8 B parameters on every GPU
@@ -135,6 +140,10 @@ def test_a_bad_layout_is_refused_with_the_rule():
         Layout(data=4, expert=3)
     with pytest.raises(UserError, match="virtual_stages 2 needs schedule='interleaved_1f1b'"):
         Layout(pipeline=2, virtual_stages=2)
+    with pytest.raises(
+        UserError, match="Layout context_attention 'all' is unknown: choose one of ring, ulysses"
+    ):
+        Layout(context=2, context_attention="all")
 
 
 def test_the_plan_ranks_what_fits_fastest_first():
@@ -222,6 +231,19 @@ def test_run_trains_the_first_layout_here_and_prints_predicted_beside_measured(c
     assert "the first the course's loop runs here: predicted -> measured" in printed
     lines = {line.split()[0]: line for line in printed.splitlines() if "->" in line and "(x" in line}
     assert lines["activations"].endswith("(x1.000)") and lines["sent"].endswith("(x1.000)")
+
+
+def test_the_plan_weighs_ulysses_all_to_alls_where_the_ring_hides_under_attention(capsys):
+    """Llama 3 70B, 8,192 tokens on Alps: the ring's passes hide under attention, Ulysses' cannot."""
+    argv = ["--model", "llama3-70b", "--cluster", "alps", "--gpus", "64", "--top", "1"]
+    first = {}
+    for attention in ("ring", "ulysses"):
+        assert plan_tool.main([*argv, "--context-attention", attention]) == 0
+        line = next(line for line in capsys.readouterr().out.splitlines() if line.lstrip().startswith("1 "))
+        first[attention] = line.split()
+    assert "ulysses" not in first["ring"] and "ulysses" in first["ulysses"]
+    exposed = {attention: float(words[-1]) for attention, words in first.items()}
+    assert exposed["ring"] < 0.1 < 1 < exposed["ulysses"]
 
 
 def test_run_is_refused_for_a_model_this_machine_cannot_train(capsys):

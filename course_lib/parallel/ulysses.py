@@ -254,7 +254,7 @@ def parallelize_ulysses(model: nn.Module, layout: SequenceLayout, *, group=None)
     size = runtime.world_size(group=group)
     for module in model.modules():  # every block refused before any is changed
         if isinstance(module, SelfAttention):
-            check_heads(module.q.out_features // module.head_dim, size)
+            check_heads(module.q.weight.shape[0] // module.head_dim, size)  # the heads on this rank
     return split_model_tokens(
         model, layout, attention_core=lambda: UlyssesAttention(layout, group=group), group=group
     )

@@ -30,7 +30,7 @@ import sys
 from .. import checks
 from ..cost_model import CLUSTERS, GB, MODELS, Prediction, plan
 from ..errors import UserError
-from ..layout import Layout
+from ..layout import CONTEXT_ATTENTION, Layout
 
 SUFFIXES = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 
@@ -91,6 +91,13 @@ def main(argv: list[str] | None = None) -> int:
         default=4 * 2**20,
         help="tokens per optimizer step (K, M, G: binary multiples; 4M = 4,194,304)",
     )
+    parser.add_argument(
+        "--context-attention",
+        choices=CONTEXT_ATTENTION,
+        default="ring",
+        help="how the layouts with a context degree attend across its ranks: ring attention, or Ulysses' "
+        "all-to-alls (their heads must divide by tensor x context)",
+    )
     parser.add_argument("--top", type=checks.int_at_least(1), default=10, help="layouts to show")
     parser.add_argument("--json", type=checks.file_to_write, default=None, help="write every prediction here")
     parser.add_argument(
@@ -127,14 +134,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"--seq-len {args.seq_len}: use a multiple of {args.seq_len}"
             )
         global_batch = args.global_batch_tokens // args.seq_len
-        sweep, template = None, Layout()
+        sweep, template = None, Layout(context_attention=args.context_attention)
         if LOCAL_CLUSTER == args.cluster or LOCAL_MODEL == args.model:
             from ..launch import check_process_count
             from .plan_validation import SWEEP, course_layout
 
             sweep = dataclasses.replace(SWEEP, seq_len=args.seq_len, global_batch=global_batch)
-            if args.model == LOCAL_MODEL:  # as the course runs it: fp32, the head whole on every rank
-                template = course_layout(Layout(), sweep).with_(micro_batch=1)
+            if args.model == LOCAL_MODEL:  # as the course runs it: fp32
+                template = course_layout(template, sweep).with_(micro_batch=1)
             if args.run:
                 check_process_count(args.gpus)
         model = sweep.spec() if args.model == LOCAL_MODEL else MODELS[args.model]

@@ -40,7 +40,6 @@ from .. import comm, cost_model, flops, memory, models, runtime, scaling
 from ..data import zen_windows
 from ..errors import UserError
 from ..layout import Layout, parallelize
-from ..parallel import context as cp
 from ..parallel import pipeline as pp
 from ..parallel import sequence as sp
 from ..parallel import vocab
@@ -142,7 +141,7 @@ def measure_layout(layout: Layout, sweep: Sweep = SWEEP) -> dict | None:
     optimizer = torch.optim.AdamW(params, lr=1e-3)
     mine = torch.arange(sweep.global_batch)[mesh.coordinates.data :: layout.data]
     x, y = inputs[mine], targets[mine]
-    sequence = cp.SequenceLayout(seq_len, layout.context, zigzag=True)
+    sequence = layout.sequence_layout(seq_len)
     if layout.context > 1:
         x, y = (sequence.local(t, mesh.coordinates.context) for t in (x, y))
 

@@ -225,10 +225,9 @@ def test_bad_inputs_are_refused_with_the_fix():
         assert "no Embedding or LMHead found" in errors["model"]
 
 
-def _context_and_sequence_parallel(loss_parallel: bool):
+def _context_and_sequence_parallel(loss_parallel: bool, attention: str):
     """``layout.parallelize`` on a 2 x 2 grid of context and tensor ranks, sequence parallel."""
     from course_lib.layout import Layout, parallelize
-    from course_lib.parallel import context as cp
     from course_lib.parallel.mesh import Mesh
 
     seq_len = 16
@@ -238,10 +237,17 @@ def _context_and_sequence_parallel(loss_parallel: bool):
     x, y = inputs[:4], targets[:4]
     expected = models.lm_loss(dense(x), y)
     expected.backward()
-    layout = Layout(context=2, tensor=2, sharding="ddp", sequence_parallel=True, loss_parallel=loss_parallel)
+    layout = Layout(
+        context=2,
+        tensor=2,
+        sharding="ddp",
+        sequence_parallel=True,
+        loss_parallel=loss_parallel,
+        context_attention=attention,
+    )
     mesh = Mesh(context=2, tensor=2)
     model = parallelize(copy.deepcopy(dense), mesh, layout, seq_len=seq_len)[0]
-    tokens = cp.SequenceLayout(seq_len, 2, zigzag=True)
+    tokens = layout.sequence_layout(seq_len)
     x, y = (tokens.local(t, mesh.coordinates.context) for t in (x, y))
     logits = model(x)
     if loss_parallel:
@@ -263,11 +269,13 @@ def _context_and_sequence_parallel(loss_parallel: bool):
     return loss, expected.detach(), norm, dense[3].norm.weight.grad
 
 
+@pytest.mark.parametrize("attention", ["ring", "ulysses"])
 @pytest.mark.parametrize("loss_parallel", [False, True])
-def test_context_and_sequence_parallelism_together_compute_what_one_process_does(loss_parallel):
-    """The ring over context ranks and the norms on s/(C·T) tokens: the embedding's output is cut twice."""
+def test_context_and_sequence_parallelism_together_compute_what_one_process_does(loss_parallel, attention):
+    """Ring attention or Ulysses over the context ranks, the norms on s/(C·T) tokens: the embedding's
+    output is cut twice (under Ulysses each tensor rank's 2 heads are traded over the context ranks)."""
     for loss, expected, norm_grad, expected_norm_grad in launch(
-        _context_and_sequence_parallel, 4, loss_parallel
+        _context_and_sequence_parallel, 4, loss_parallel, attention
     ):
         torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(norm_grad, expected_norm_grad, rtol=1e-4, atol=1e-6)

@@ -1,7 +1,8 @@
 """The planner against measurement on real processes: ``plan --validate`` on a small transformer.
 
 Every axis on two processes (a ZeRO stage, FSDP, recomputation both ways, tensor parallelism with
-and without sequence parallelism and the vocabulary split, context and pipeline parallelism) and
+and without sequence parallelism and the vocabulary split, context parallelism by the ring and by
+Ulysses, pipeline parallelism) and
 grids of four (context or pipeline stages with tensor ranks): the model-state bytes and
 the bytes sent equal the prediction, the activations are within 2 %, and the table and JSON say
 so. Exact means: but for AdamW's step counter (4 bytes per parameter tensor) and the sharded
@@ -25,6 +26,7 @@ LAYOUTS = [
     Layout(tensor=2, sharding="ddp", sequence_parallel=False, loss_parallel=False, recomputation="selective"),
     Layout(tensor=2, sharding="ddp", sequence_parallel=True, loss_parallel=True),
     Layout(context=2, sharding="ddp", recomputation="full"),
+    Layout(context=2, sharding="ddp", recomputation="selective", context_attention="ulysses"),
     Layout(pipeline=2, sharding="ddp", micro_batch=2),
     Layout(context=2, tensor=2, sharding="ddp", sequence_parallel=True, loss_parallel=True),
     Layout(pipeline=2, tensor=2, sharding="ddp", sequence_parallel=False, loss_parallel=True, micro_batch=2),
@@ -62,6 +64,7 @@ def test_the_calibration_and_the_table_name_what_they_measured(result):
         "t2 ddp sac no-sp",
         "t2 ddp vocab",
         "c2 ddp ac",
+        "c2 ddp sac ulysses",
         "p2 ddp 1f1b mb2",
         "c2.t2 ddp vocab",
         "p2.t2 ddp 1f1b mb2 no-sp vocab",

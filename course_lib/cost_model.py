@@ -43,13 +43,14 @@ for the layout's axes and their traffic; Rajbhandari et al. (arXiv:1910.02054) f
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass, field
 
 from . import memory
 from .comm import ring_bytes
 from .errors import UserError
-from .layout import AXES, Layout
+from .layout import AXES, CONTEXT_ATTENTION, Layout
 from .parallel.pipeline import bubble_fraction, build_schedule, peak_activations_theory, simulate_timeline
 
 
@@ -548,7 +549,7 @@ def check(model: ModelSpec, layout: Layout, *, gpus: int, seq_len: int, global_b
     if ulysses and model.kv_heads % (layout.tensor * layout.context):
         return (
             f"{model.kv_heads} key/value heads do not split over tensor x context = "
-            f"{layout.tensor * layout.context} ranks (Ulysses trades the sequence split for a head split)"
+            f"{layout.tensor * layout.context} (Ulysses splits the heads)"
         )
     if ulysses and seq_len % layout.context:
         return f"a sequence of {seq_len} does not cut into {layout.context} chunks"
@@ -817,15 +818,28 @@ def divisors(n: int) -> list[int]:
 
 
 def candidate_layouts(
-    model: ModelSpec, cluster: ClusterSpec, *, gpus: int, template: Layout | None = None
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    *,
+    gpus: int,
+    template: Layout | None = None,
+    context_attention: tuple[str, ...] = CONTEXT_ATTENTION,
 ) -> list[Layout]:
     """Every layout the planner considers for ``gpus`` GPUs: the product of the axes' choices.
 
     Tensor degree up to two nodes' worth (to show why it stops at one), pipeline and context
-    degrees that are powers of two, three shardings, three recomputation policies, 1F1B and
-    interleaved 1F1B (v = 2), micro-batches of 1 and 2 sequences; with a mixture of experts, the
-    experts spread over as many data x context ranks as divide them. Everything else (precision,
-    sequence and loss parallelism) is ``template``'s.
+    degrees that are powers of two, with a context degree ring attention and Ulysses, three
+    shardings, three recomputation policies, 1F1B and interleaved 1F1B (v = 2), micro-batches of
+    1 and 2 sequences; with a mixture of experts, the experts spread over as many data x context
+    ranks as divide them. Everything else (precision, sequence and loss parallelism) is
+    ``template``'s.
+
+    Args:
+        model: the shapes (the experts).
+        cluster: the machine (GPUs per node).
+        gpus: the GPUs of the job.
+        template: the choices every candidate shares.
+        context_attention: the methods tried where the context degree is above 1.
     """
     layouts, template = [], template or Layout()
     for t in [k for k in divisors(gpus) if k <= 2 * cluster.gpus_per_node]:
@@ -836,7 +850,8 @@ def candidate_layouts(
                 if model.experts > 1:
                     experts += [e for e in divisors(d * c) if e > 1 and model.experts % e == 0]
                 schedules = [("1f1b", 1)] + ([("interleaved_1f1b", 2)] if p > 1 else [])
-                for e in experts:
+                methods = context_attention if c > 1 else (template.context_attention,)
+                for e, attention in itertools.product(experts, methods):
                     for sharding in ("ddp", "zero1", "fsdp"):
                         for recomputation in ("none", "selective", "full"):
                             for schedule, v in schedules:
@@ -846,6 +861,7 @@ def candidate_layouts(
                                             data=d, pipeline=p, context=c, tensor=t, expert=e,
                                             sharding=sharding, recomputation=recomputation,
                                             schedule=schedule, virtual_stages=v, micro_batch=micro_batch,
+                                            context_attention=attention,
                                         )
                                     )  # fmt: skip
     return layouts
@@ -859,6 +875,7 @@ def plan(
     seq_len: int,
     global_batch: int,
     template: Layout | None = None,
+    context_attention: tuple[str, ...] = CONTEXT_ATTENTION,
 ) -> tuple[list[Prediction], list[Prediction]]:
     """Every candidate layout predicted: (those that fit, fastest first; those that do not).
 
@@ -869,12 +886,15 @@ def plan(
         seq_len: s, tokens per sequence.
         global_batch: sequences per optimizer step.
         template: the choices every candidate shares (precision, sequence and loss parallelism).
+        context_attention: the methods tried where the context degree is above 1 (ring, Ulysses).
     """
     if gpus < 1:
         raise UserError(f"the job needs at least one GPU, got {gpus}")
+    candidates = candidate_layouts(
+        model, cluster, gpus=gpus, template=template, context_attention=context_attention
+    )
     predictions = [
-        predict(model, cluster, layout, seq_len=seq_len, global_batch=global_batch)
-        for layout in candidate_layouts(model, cluster, gpus=gpus, template=template)
+        predict(model, cluster, layout, seq_len=seq_len, global_batch=global_batch) for layout in candidates
     ]
     fitting = sorted((p for p in predictions if p.fits), key=lambda p: (-p.tokens_per_s, p.memory["total"]))
     return fitting, [p for p in predictions if not p.fits]

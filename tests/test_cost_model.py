@@ -113,7 +113,7 @@ def test_the_step_and_memory_are_the_sums_of_their_parts_and_mfu_follows():
         (Layout(data=16, context=8), "a sequence of 4100 does not cut into 16 zig-zag chunks"),
         (
             Layout(data=8, tensor=2, context=8, context_attention="ulysses"),
-            "8 key/value heads do not split over tensor x context = 16 ranks",
+            "8 key/value heads do not split over tensor x context = 16 (Ulysses splits the heads)",
         ),
         (Layout(data=16, context=8, context_attention="ulysses"), "a sequence of 4100 does not cut into 8"),
         (Layout(data=128), "a global batch of 64 sequences does not split into 128 replicas"),
@@ -244,6 +244,15 @@ def test_the_plan_weighs_ulysses_all_to_alls_where_the_ring_hides_under_attentio
     assert "ulysses" not in first["ring"] and "ulysses" in first["ulysses"]
     exposed = {attention: float(words[-1]) for attention, words in first.items()}
     assert exposed["ring"] < 0.1 < 1 < exposed["ulysses"]
+    assert plan_tool.main([*argv[:-1], "3"]) == 0  # both, ranked together: the ring's grid, then Ulysses'
+    ranked = [
+        words
+        for words in map(str.split, capsys.readouterr().out.splitlines())
+        if words[:1] in (["1"], ["2"], ["3"])
+    ]
+    assert [words[1] for words in ranked[:3]] == ["d8.p2.c4", "d4.p4.c4", "d8.p2.c4"] and "ulysses" in ranked[
+        2
+    ]
 
 
 def test_run_is_refused_for_a_model_this_machine_cannot_train(capsys):

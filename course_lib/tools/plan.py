@@ -53,7 +53,7 @@ def row(rank: int, prediction: Prediction, gpus: int) -> str:
     exposed = sum(v for k, v in time.items() if "exposed" in k)
     memory_bound = time["memory-bound operations"] + time["optimizer step"]
     return (
-        f"{rank:>3}  {prediction.layout.name():<36} {_gb(memory['total']):>6} {_gb(states):>6} "
+        f"{rank:>3}  {prediction.layout.name():<44} {_gb(memory['total']):>6} {_gb(states):>6} "
         f"{_gb(memory['activations']):>6}  {time['total']:>7.3f} {prediction.tokens_per_s / gpus:>9,.0f} "
         f"{prediction.mfu:>6.1%}  {time['compute']:>7.3f} {memory_bound:>7.3f} {time['recomputation']:>6.3f} "
         f"{time['pipeline bubble']:>6.3f} {exposed:>7.3f}"
@@ -61,7 +61,7 @@ def row(rank: int, prediction: Prediction, gpus: int) -> str:
 
 
 HEADER = (
-    "  #  layout                               GB/GPU states   acts   step s  tok/s/GPU    MFU  "
+    "  #  layout                                       GB/GPU states   acts   step s  tok/s/GPU    MFU  "
     "compute  memory recomp bubble exposed"
 )
 LOCAL_MODEL, LOCAL_CLUSTER = "course-transformer", "this-machine"
@@ -93,10 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--context-attention",
-        choices=CONTEXT_ATTENTION,
-        default="ring",
-        help="how the layouts with a context degree attend across its ranks: ring attention, or Ulysses' "
-        "all-to-alls (their heads must divide by tensor x context)",
+        choices=[*CONTEXT_ATTENTION, "both"],
+        default="both",
+        help="how the layouts with a context degree attend across its ranks: ring attention, Ulysses' "
+        "all-to-alls (their heads must divide by tensor x context), or both, ranked together",
     )
     parser.add_argument("--top", type=checks.int_at_least(1), default=10, help="layouts to show")
     parser.add_argument("--json", type=checks.file_to_write, default=None, help="write every prediction here")
@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"--seq-len {args.seq_len}: use a multiple of {args.seq_len}"
             )
         global_batch = args.global_batch_tokens // args.seq_len
-        sweep, template = None, Layout(context_attention=args.context_attention)
+        sweep, template = None, Layout()
+        methods = CONTEXT_ATTENTION if args.context_attention == "both" else (args.context_attention,)
         if LOCAL_CLUSTER == args.cluster or LOCAL_MODEL == args.model:
             from ..launch import check_process_count
             from .plan_validation import SWEEP, course_layout
@@ -154,8 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             cluster = CLUSTERS[args.cluster]
         fitting, rejected = plan(
-            model, cluster, gpus=args.gpus, seq_len=args.seq_len, global_batch=global_batch, template=template
-        )
+            model, cluster, gpus=args.gpus, seq_len=args.seq_len, global_batch=global_batch,
+            template=template, context_attention=methods,
+        )  # fmt: skip
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -55,6 +55,7 @@ def build_local_model(
     seq_len: int,
     recomputation: str = "none",
     sequence_parallel: bool = False,
+    context_attention: str = "ring",
 ) -> dict[int, nn.Module]:
     """This rank's stage of ``model`` (a dense ``TinyTransformer``), made tensor and context parallel.
 
@@ -69,6 +70,7 @@ def build_local_model(
         precision="fp32",
         sequence_parallel=sequence_parallel,
         loss_parallel=True,
+        context_attention=context_attention,
     )
     return parallelize(model, mesh, plan, seq_len=seq_len, data_parallel=False)
 
@@ -87,15 +89,20 @@ def check_run(
     context: int = 1,
     seq_len: int = 32,
     sequence_parallel: bool = False,
+    context_attention: str = "ring",
 ) -> None:
     """Everything that can be wrong, checked before any process waits on another."""
+    from . import ulysses
     from .mesh import check_degrees
 
     check_degrees(world_size, data=data, pipeline=pipeline, context=context, tensor=tensor)
     tp.check_tensor_parallel_degree(d_model, n_heads, 4 * d_model, tensor)
-    cp.check_context_split(seq_len, context, zigzag=True)
+    plan = Layout(context=context, context_attention=context_attention)  # refuses an unknown method
+    cp.check_context_split(seq_len, context, zigzag=context_attention == "ring")
+    if context_attention == "ulysses":  # a tensor rank's heads, traded over the context ranks
+        ulysses.check_heads(n_heads // tensor, context)
     if sequence_parallel:  # each context rank's tokens cut again over the tensor ranks
-        chunks = cp.SequenceLayout(seq_len, context, zigzag=True)
+        chunks = plan.sequence_layout(seq_len)
         uneven = sorted({chunks.tokens(c) for c in range(context) if chunks.tokens(c) % tensor})
         if uneven:
             raise UserError(
@@ -132,6 +139,7 @@ def train_3d(
     seed: int = 0,
     recompute: str = "none",
     sequence_parallel: bool = False,
+    context_attention: str = "ring",
     profile: str | None = None,
 ) -> list[float] | None:
     """Train on the current process group laid out as a mesh; return the loss of every step on rank 0.
@@ -157,6 +165,8 @@ def train_3d(
             (``course_lib.recompute``).
         sequence_parallel: with T > 1, Megatron-LM's sequence parallelism: the norms run on
             1/T of the tokens, and the stages send each other 1/T of the activations.
+        context_attention: with C > 1, ``"ring"`` (zig-zag chunks) or ``"ulysses"`` (contiguous
+            chunks; all-to-alls trade them for 1/C of each tensor rank's heads).
         profile: record the anatomy of 3 steps after 2 (``anatomy.LoopProfiler``): each rank's
             trace and ``anatomy.json`` go into this folder.
     """
@@ -164,9 +174,10 @@ def train_3d(
     check_run(
         world, data, pipeline, tensor, global_batch, microbatches, n_layers, d_model, n_heads,
         context=context, seq_len=seq_len, sequence_parallel=sequence_parallel,
+        context_attention=context_attention,
     )  # fmt: skip
     mesh = Mesh(data=data, pipeline=pipeline, context=context, tensor=tensor)
-    layout = cp.SequenceLayout(seq_len, context, zigzag=True)
+    layout = Layout(context=context, context_attention=context_attention).sequence_layout(seq_len)
     my_chunk = mesh.coordinates.context
     inputs, targets, vocabulary = zen_windows(seq_len=seq_len)
     torch.manual_seed(seed)
@@ -174,7 +185,12 @@ def train_3d(
         len(vocabulary), d_model=d_model, n_heads=n_heads, n_layers=n_layers, max_seq_len=seq_len
     )
     stages = build_local_model(
-        model, mesh, seq_len=seq_len, recomputation=recompute, sequence_parallel=sequence_parallel
+        model,
+        mesh,
+        seq_len=seq_len,
+        recomputation=recompute,
+        sequence_parallel=sequence_parallel,
+        context_attention=context_attention,
     )
     params = [p for stage in stages.values() for p in stage.parameters()]
     optimizer = torch.optim.AdamW(params, lr=lr)

@@ -15,6 +15,7 @@ import sys
 from .. import checks
 from ..errors import UserError
 from ..launch import check_process_count, launch
+from ..layout import CONTEXT_ATTENTION
 from ..parallel import pipeline as pp
 from ..parallel.mesh import describe_grid
 from ..parallel.three_d import check_run, train_3d
@@ -47,6 +48,13 @@ def main(argv: list[str] | None = None) -> int:
         help="what each block of the grid run keeps for backward (the one-process run keeps everything)",
     )
     parser.add_argument(
+        "--context-attention",
+        choices=CONTEXT_ATTENTION,
+        default="ring",
+        help="with --context above 1: ring attention (zig-zag chunks) or Ulysses' all-to-alls (contiguous "
+        "chunks)",
+    )
+    parser.add_argument(
         "--sequence-parallel",
         action="store_true",
         help="with --tensor above 1, Megatron-LM's sequence parallelism: the norms on 1/T of the tokens, "
@@ -67,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         check_run(
             world, args.data, args.pipeline, args.tensor, args.global_batch, args.microbatches, 4, 64, 4,
             context=args.context, sequence_parallel=args.sequence_parallel,
+            context_attention=args.context_attention,
         )  # fmt: skip
         check_process_count(world)
     except UserError as error:
@@ -93,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         profile=str(args.profile) if args.profile else None,
         recompute=args.recompute,
         sequence_parallel=args.sequence_parallel,
+        context_attention=args.context_attention,
         **options,
     )[0]
     if args.profile:

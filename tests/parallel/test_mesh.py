@@ -254,3 +254,23 @@ def test_a_context_chunk_that_the_tensor_ranks_cannot_share_is_refused_with_the_
     with pytest.raises(UserError, match="each context rank's tokens \\(15 of a sequence of 30 over 2"):
         check_run(4, 1, 1, 2, 16, 2, 4, 64, 4, context=2, seq_len=30, sequence_parallel=True)
     check_run(4, 1, 1, 2, 16, 2, 4, 64, 4, context=2, seq_len=30)  # without it, nothing to cut
+
+
+@pytest.mark.parametrize(
+    "grid", [dict(pipeline=1, tensor=1), dict(pipeline=2, tensor=1), dict(pipeline=1, tensor=2)]
+)
+def test_ulysses_over_the_context_ranks_matches_one_process(grid, short_single_losses):
+    """Contiguous chunks, all-to-alls to a head split: with pipeline stages, or each tensor rank's heads."""
+    world = 2 * grid["pipeline"] * grid["tensor"]
+    losses = launch(train_3d, world, data=1, context=2, steps=6, context_attention="ulysses", **grid)[0]
+    assert losses == pytest.approx(short_single_losses, rel=1e-5)
+
+
+def test_heads_that_the_context_ranks_cannot_share_are_refused_under_ulysses():
+    from course_lib.errors import UserError
+    from course_lib.parallel.three_d import check_run
+
+    with pytest.raises(UserError, match="2 attention heads do not divide by the Ulysses degree 4"):
+        check_run(8, 1, 1, 2, 16, 2, 4, 64, 4, context=4, context_attention="ulysses")
+    with pytest.raises(UserError, match="Layout context_attention 'both' is unknown"):
+        check_run(2, 1, 1, 1, 16, 2, 4, 64, 4, context=2, context_attention="both")

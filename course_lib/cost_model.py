@@ -439,7 +439,14 @@ def head_activation_bytes(model: ModelSpec, layout: Layout, *, micro_batch: int,
 
 
 def _tensor_collectives_beside_the_blocks(
-    model: ModelSpec, layout: Layout, *, activation_bytes: float, tokens: float, microbatches: int, link: Link
+    model: ModelSpec,
+    layout: Layout,
+    *,
+    activation_bytes: float,
+    tokens: float,
+    microbatches: int,
+    layers: int,
+    link: Link,
 ) -> tuple[float, float]:
     """Seconds and bytes per rank of the tensor group's collectives other than the blocks' f and g.
 
@@ -458,13 +465,14 @@ def _tensor_collectives_beside_the_blocks(
         activation_bytes: one micro-batch's activations, b·s/C tokens of d values.
         tokens: b·s/C, the tokens of one micro-batch on this GPU.
         microbatches: micro-batches per step.
+        layers: the blocks of the fullest pipeline stage.
         link: the tensor group's link.
     """
     first, last = [], []  # the calls only the embedding's stage, or only the head's, makes
     blocks = head = 0.0  # replicated parameters whose gradients are partial
     if layout.sequence_parallel:
         first += [("all_gather", activation_bytes)] * microbatches
-        blocks = math.ceil(model.layers / layout.pipeline) * model.replicated_block_parameters()
+        blocks = layers * model.replicated_block_parameters()
         head = model._norm_parameters() if layout.loss_parallel else model.head_parameters()
     if layout.loss_parallel:
         first += [("all_reduce", activation_bytes)] * microbatches
@@ -713,35 +721,37 @@ def predict(
             activation_bytes=activation_bytes,
             tokens=tokens,
             microbatches=microbatches,
+            layers=layers_per_stage,
             link=tensor_link,
         )
         tensor += beside_seconds
         tensor_sent += beside_sent
 
-    kv_bytes = element * 2 * tokens * model.kv_heads * model.head_dim / t
     context_link = link_of("context", layout, cluster)
-    # Forward passes on C-1 K/V chunks; backward the same C-1 again and C of their gradients.
-    chunk_sends = 3 * c - 2 if c > 1 else 0
-    if c > 1 and layout.recomputation != "none":
-        chunk_sends += c - 1  # the ring's forward again (recomputed under both policies)
-    ring = chunk_sends * (context_link.latency_s + kv_bytes / context_link.bandwidth)
-    attention_compute = attention_flops / cluster.achieved_flops / (layers_per_stage * microbatches)
-    if not cluster.overlaps_communication:
-        attention_compute = 0.0
-    context = layers_per_stage * microbatches * max(0.0, ring - attention_compute)
-    context_sent = layers_per_stage * microbatches * chunk_sends * kv_bytes
     if c > 1 and layout.context_attention == "ulysses":
         # Ulysses: q, k and v in one all-to-all to the head split, the output in one back; backward
         # the same two again, and recomputation (either policy) the forward's. Nothing to hide them
         # under: attention waits for its heads.
         q_bytes = element * tokens * model.heads * model.head_dim / t
         calls = (("all_to_all", q_bytes * (1 + 2 * model.kv_heads / model.heads)), ("all_to_all", q_bytes))
-        passes = 2 + (layout.recomputation != "none")
+        exchanges = 2 + (layout.recomputation != "none")
         each = sum(collective_seconds(op, size, c, context_link) for op, size in calls)
-        context = layers_per_stage * microbatches * passes * each
+        context = layers_per_stage * microbatches * exchanges * each
         context_sent = (
-            layers_per_stage * microbatches * passes * sum(ring_bytes(op, size, c) for op, size in calls)
+            layers_per_stage * microbatches * exchanges * sum(ring_bytes(op, size, c) for op, size in calls)
         )
+    else:
+        kv_bytes = element * 2 * tokens * model.kv_heads * model.head_dim / t
+        # Forward passes on C-1 K/V chunks; backward the same C-1 again and C of their gradients.
+        chunk_sends = 3 * c - 2 if c > 1 else 0
+        if c > 1 and layout.recomputation != "none":
+            chunk_sends += c - 1  # the ring's forward again (recomputed under both policies)
+        ring = chunk_sends * (context_link.latency_s + kv_bytes / context_link.bandwidth)
+        attention_compute = attention_flops / cluster.achieved_flops / (layers_per_stage * microbatches)
+        if not cluster.overlaps_communication:
+            attention_compute = 0.0
+        context = layers_per_stage * microbatches * max(0.0, ring - attention_compute)
+        context_sent = layers_per_stage * microbatches * chunk_sends * kv_bytes
 
     data_link, shard_group = link_of("data", layout, cluster), d * c
     gradient_bytes, param_bytes = 4 * stage_params, element * stage_params

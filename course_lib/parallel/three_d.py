@@ -97,12 +97,12 @@ def check_run(
 
     check_degrees(world_size, data=data, pipeline=pipeline, context=context, tensor=tensor)
     tp.check_tensor_parallel_degree(d_model, n_heads, 4 * d_model, tensor)
-    plan = Layout(context=context, context_attention=context_attention)  # refuses an unknown method
+    context_layout = Layout(context=context, context_attention=context_attention)  # refuses an unknown method
     cp.check_context_split(seq_len, context, zigzag=context_attention == "ring")
     if context_attention == "ulysses":  # a tensor rank's heads, traded over the context ranks
         ulysses.check_heads(n_heads // tensor, context)
     if sequence_parallel:  # each context rank's tokens cut again over the tensor ranks
-        chunks = plan.sequence_layout(seq_len)
+        chunks = context_layout.sequence_layout(seq_len)
         uneven = sorted({chunks.tokens(c) for c in range(context) if chunks.tokens(c) % tensor})
         if uneven:
             raise UserError(

@@ -40,6 +40,7 @@ from .. import comm, cost_model, flops, memory, models, runtime, scaling
 from ..data import zen_windows
 from ..errors import UserError
 from ..layout import Layout, parallelize
+from ..parallel import context as cp
 from ..parallel import pipeline as pp
 from ..parallel import sequence as sp
 from ..parallel import vocab
@@ -152,13 +153,10 @@ def measure_layout(layout: Layout, sweep: Sweep = SWEEP) -> dict | None:
             summed = vocab.vocab_parallel_cross_entropy(
                 logits, targets, vocab_size=len(vocabulary), reduction="sum", group=mesh.group("tensor")
             )
-        else:
-            if layout.tensor > 1 and layout.sequence_parallel:  # the logits of this rank's tokens
-                targets = targets.chunk(layout.tensor, dim=1)[mesh.coordinates.tensor]
-            summed = torch.nn.functional.cross_entropy(
-                logits.flatten(0, -2), targets.flatten(), reduction="sum"
-            )
-        return summed / (len(targets) * seq_len)
+            return summed / (len(targets) * seq_len)
+        if layout.tensor > 1 and layout.sequence_parallel:  # the logits of this rank's tokens
+            targets = targets.chunk(layout.tensor, dim=1)[mesh.coordinates.tensor]
+        return cp.context_parallel_loss(logits, targets, total_tokens=len(targets) * seq_len)
 
     # what one stage sends the next: this rank's tokens, 1/T of them under sequence parallelism
     boundary_tokens = x.shape[1] // (layout.tensor if layout.sequence_parallel else 1)

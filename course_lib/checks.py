@@ -290,8 +290,9 @@ def check_group(name: str, group: Any) -> Any:
 
     if not dist.is_initialized():
         raise UserError(
-            f"{name}: no process group exists yet: call course_lib.runtime.init() first (torchrun jobs), or "
-            "run the code through course_lib.launch.launch(), which does it for you"
+            f"{name}: no process group exists yet: call course_lib.distributed.runtime.init() first "
+            "(torchrun jobs), or "
+            "run the code through course_lib.distributed.launch.launch(), which does it for you"
         )
     if group is None:
         return group

@@ -37,7 +37,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
 from . import checks
-from .errors import UserError
+from .errors import STOP_SIGNALS, UserError
 
 DATASETS = ("digits", "cifar10", "synthetic")
 INPUT_SHAPES = {"digits": (1, 8, 8), "cifar10": (3, 32, 32), "synthetic": (3, 32, 32)}
@@ -300,8 +300,6 @@ def leave_stop_signals_to_the_trainer(_worker_id: int) -> None:
     signal" before it could checkpoint; ignoring them leaves the stop to the training process,
     which finishes its step, checkpoints, and shuts its loaders down itself.
     """
-    from .preemption import STOP_SIGNALS
-
     for number in STOP_SIGNALS:
         signal.signal(number, signal.SIG_IGN)
 

@@ -9,6 +9,8 @@ environment alone), so every rank raises the same error at the same moment and n
 waiting for a partner that already left.
 """
 
+import signal
+
 EXIT_USER_ERROR = 2
 """Exit status for a mistake in flags, data or checkpoints (the same status argparse uses)."""
 
@@ -18,6 +20,10 @@ EXIT_CRASH = 1
 
 EXIT_REQUEUE = 3
 """Exit status after a stop signal (SIGUSR1, SIGTERM): a checkpoint was written, requeue the job."""
+
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+"""The signals that ask a job to stop (Slurm's time limit, ``--signal=B:USR1@120``, a preemption):
+the training process finishes its step, checkpoints and exits with ``EXIT_REQUEUE``."""
 
 EXIT_DIVERGED = 4
 """Exit status when the loss or the gradient became NaN or infinite: the run stopped at that step,

@@ -32,7 +32,7 @@ fail() {  # one clear line in the job's output file, a non-zero exit, before any
 }
 
 COURSE_ROOT=${COURSE_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}
-[ -f "$COURSE_ROOT/course_lib/train.py" ] \
+[ -f "$COURSE_ROOT/course_lib/train/cli.py" ] \
   || fail "$COURSE_ROOT is not the course repository: submit from its root (cd <repo> && sbatch slurm/...) or set COURSE_ROOT"
 
 COURSE_CLUSTER=${COURSE_CLUSTER:-generic}
@@ -118,7 +118,7 @@ course_preflight() {  # course_preflight LAUNCHER...: one all-reduce on every ra
     return 0
   fi
   # A port of its own: the training's rendezvous comes right after, on the job's usual port
-  # (12000 + id % 8000, course_lib/runtime.py). Both stay below the kernel's ephemeral range
+  # (12000 + id % 8000, course_lib/distributed/runtime.py). Both stay below the kernel's ephemeral range
   # (32768 and up), where any program's outgoing connection may be holding the port.
   MASTER_PORT=$(( 20000 + ${SLURM_JOB_ID:-0} % 8000 )) "$@" -m course_lib.tools.jobcheck preflight \
     || course_refuse "job stopped by the preflight above: nothing was trained"

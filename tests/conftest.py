@@ -54,7 +54,7 @@ def start_ranks(
     args: list[str], nprocs: int, env: dict[str, str] | None = None, module: str = "course_lib.train"
 ) -> list[subprocess.Popen]:
     """Start ``python -m module args`` as ranks 0..nprocs-1 with the variables torchrun would set."""
-    from course_lib.launch import free_port
+    from course_lib.distributed.launch import free_port
 
     port = str(free_port())
     processes = []
@@ -157,7 +157,7 @@ def checkpoint_weights(directory: Path) -> dict:
 
 
 def latest_weights(checkpoint_dir: Path) -> tuple[str, dict]:
-    from course_lib.checkpoint import latest_checkpoint
+    from course_lib.train.checkpoint import latest_checkpoint
 
     latest = latest_checkpoint(checkpoint_dir)
     assert latest is not None, f"no checkpoint in {checkpoint_dir}"

@@ -15,7 +15,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from course_lib import memory, runtime  # noqa: E402
+from course_lib.distributed import runtime  # noqa: E402
+from course_lib.parallel import memory
 
 
 def _mlp(seed: int = 0) -> nn.Module:
@@ -85,8 +86,8 @@ def fsdp_offload() -> dict:
 
 
 def matmul_peak() -> dict:
-    """A large bf16 product's measured rate, against this GPU's datasheet peak (course_lib.flops)."""
-    from course_lib import flops
+    """A large bf16 product's measured rate, against this GPU's datasheet peak (course_lib.plan.flops)."""
+    from course_lib.plan import flops
 
     device = torch.device("cuda", 0)
     measured = flops.measure_matmul_tflops(device=device, size=8192, dtype=torch.bfloat16, repeats=20)
@@ -109,7 +110,7 @@ def nccl_world_of_one() -> dict:
 
 def _anatomy_of(wrapped: nn.Module, device: torch.device, *, batch: int, width: int):
     """Five recorded steps (after three warm ones) of ``wrapped``: the benchmarks' SGD step."""
-    from course_lib import anatomy
+    from course_lib.observe import anatomy
     from course_lib.tools.bench import training_step
 
     generator = torch.Generator(device=device).manual_seed(runtime.rank())

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from course_lib import models
-from course_lib.activations import (
+from course_lib.parallel.memory import saved_tensor_bytes
+from course_lib.plan.activations import (
     block_activation_elements,
     embedding_activation_bytes,
     head_activation_bytes,
 )
-from course_lib.memory import saved_tensor_bytes
 
 
 @pytest.mark.parametrize(

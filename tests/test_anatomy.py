@@ -9,9 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from course_lib import anatomy, comm, runtime
-from course_lib.anatomy import Collective, StepTimeline
-from course_lib.launch import launch
+from course_lib.distributed import comm, runtime
+from course_lib.distributed.launch import launch
+from course_lib.observe import anatomy
+from course_lib.observe.anatomy import Collective, StepTimeline
 
 
 def test_interval_algebra():
@@ -178,7 +179,7 @@ def test_each_fsdp_strategy_and_one_process_leave_little_unexplained(strategy, r
 
 
 def test_a_3d_run_records_its_anatomy_and_leaves_little_unexplained(tmp_path):
-    from course_lib.parallel.three_d import train_3d
+    from course_lib.train.three_d import train_3d
 
     launch(train_3d, 4, data=1, pipeline=2, tensor=2, steps=6, profile=str(tmp_path))
     recorded = json.loads((tmp_path / "anatomy.json").read_text())

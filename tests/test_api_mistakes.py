@@ -12,8 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from course_lib import comm, models, runtime
-from course_lib.launch import launch
+from course_lib import models
+from course_lib.distributed import comm, runtime
+from course_lib.distributed.launch import launch
 from course_lib.parallel import context as cp
 from course_lib.parallel import expert as ep
 from course_lib.parallel import pipeline as pp

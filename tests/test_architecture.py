@@ -1,9 +1,23 @@
-"""The package's shape, read from its source: data flows down, lessons never reach the tools.
+"""The package's shape, read from its source: each layer imports only the layers below it.
 
-``course_lib`` holds lessons (what a student reads) and, in ``course_lib/tools``, what serves the
-course (benchmarks, plots, the slide checker, the lab commands). Tools import lessons; a lesson
-never imports a tool, never draws, never picks a matplotlib backend, and no two modules import
-each other, directly or around a loop. Run with ``-s`` to see the graph.
+``course_lib`` is cut into layers, one sub-package per part of the course, and a module may
+import only from its own layer or a layer below:
+
+====  ==============================================  ============================================
+rank  layer                                           what it holds
+====  ==============================================  ============================================
+0     ``errors``, ``checks``, ``data``, ``models``    the leaves everything uses
+1     ``distributed``                                 processes, collectives, the ledger, the ring
+2     ``parallel``  |  ``observe``                    the techniques  |  the instruments; siblings
+                                                      that never import each other (hooks join them)
+3     ``plan``                                        layouts composed, costs predicted
+4     ``train``                                       the training harness and its drivers
+5     ``tools``                                       what serves the course: benchmarks, pictures
+====  ==============================================  ============================================
+
+It also checks that no two modules import each other around a loop, that every import of a
+course module sits at the top of its file (an import inside a function hides a dependency from
+the reader and from this test), and that lessons never draw. Run with ``-s`` to see the graph.
 """
 
 from __future__ import annotations
@@ -13,8 +27,38 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "course_lib"
 TOOLS = "course_lib.tools"
-# What the harness is made of: the parallel lessons may not know about it (no registration, no plumbing).
-HARNESS = {"course_lib.strategies", "course_lib.trainer", "course_lib.train", "course_lib.checkpoint"}
+LEAVES = ("course_lib.errors", "course_lib.checks", "course_lib.data", "course_lib.models")
+LAYERS = {
+    "leaves": 0,
+    "course_lib.distributed": 1,
+    "course_lib.parallel": 2,
+    "course_lib.observe": 2,
+    "course_lib.plan": 3,
+    "course_lib.train": 4,
+    "course_lib.tools": 5,
+}
+
+
+def layer_of(name: str) -> str | None:
+    """The layer a module belongs to (None: the package's own ``__init__``)."""
+    if name in LEAVES:
+        return "leaves"
+    for layer in LAYERS:
+        if name == layer or name.startswith(layer + "."):
+            return layer
+    return None
+
+
+def forbidden(source: str, target: str) -> str | None:
+    """Why ``source`` may not import ``target``, or None when it may."""
+    here, there = layer_of(source), layer_of(target)
+    if here is None or there is None or here == there:
+        return None
+    if LAYERS[there] < LAYERS[here]:
+        return None
+    if LAYERS[there] == LAYERS[here]:
+        return f"{here} and {there} are siblings: they never import each other (use the hooks)"
+    return f"{here} (layer {LAYERS[here]}) reaches up to {there} (layer {LAYERS[there]})"
 
 
 def module_name(path: Path) -> str:
@@ -26,11 +70,12 @@ def all_modules() -> dict[str, Path]:
     return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
 
 
-def imported_modules(name: str, path: Path, known: set[str]) -> set[str]:
-    """Every course_lib module ``name`` imports, at the top or inside a function."""
+def course_imports(name: str, path: Path, known: set[str]) -> list[tuple[ast.stmt, set[str]]]:
+    """Each import statement of ``name`` that names course_lib modules, with the modules it names."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found = set()
+    statements = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        found = set()
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names if alias.name.split(".")[0] == "course_lib")
         elif isinstance(node, ast.ImportFrom):
@@ -43,7 +88,28 @@ def imported_modules(name: str, path: Path, known: set[str]) -> set[str]:
                 continue
             for alias in node.names:  # `from . import comm` imports a module, `from .errors import X` a name
                 found.add(f"{source}.{alias.name}" if f"{source}.{alias.name}" in known else source)
-    return found - {name}
+        if found - {name}:
+            statements.append((node, found - {name}))
+    return statements
+
+
+def imported_modules(name: str, path: Path, known: set[str]) -> set[str]:
+    """Every course_lib module ``name`` imports, at the top or inside a function."""
+    return set().union(*(found for _, found in course_imports(name, path, known)))
+
+
+def top_level_statements(tree: ast.Module) -> set[tuple[int, int]]:
+    """The statements a module runs when imported: its body, and the bodies of its top-level
+    ``if`` and ``try`` blocks (``if TYPE_CHECKING:``), never a function's or a class's."""
+    found, pending = set(), list(tree.body)
+    while pending:
+        node = pending.pop()
+        found.add((node.lineno, node.col_offset))
+        if isinstance(node, (ast.If, ast.Try)):
+            pending.extend(node.body + node.orelse + getattr(node, "finalbody", []))
+            for handler in getattr(node, "handlers", []):
+                pending.extend(handler.body)
+    return found
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -91,12 +157,35 @@ def describe(graph: dict[str, set[str]]) -> str:
         return name.removeprefix("course_lib.") or name
 
     lines = []
-    for title, wanted in (("lessons", False), ("tools", True)):
-        lines.append(f"{title}:")
-        for name in sorted(n for n in graph if is_tool(n) == wanted and n not in ("course_lib", TOOLS)):
-            targets = ", ".join(short(t) for t in sorted(graph[name]) if t not in ("course_lib", TOOLS))
-            lines.append(f"  {short(name):<22} -> {targets or '(nothing of course_lib)'}")
+    for layer, rank in sorted(LAYERS.items(), key=lambda item: item[1]):
+        lines.append(f"{layer.removeprefix('course_lib.')} (layer {rank}):")
+        for name in sorted(n for n in graph if layer_of(n) == layer and n != layer):
+            targets = ", ".join(short(t) for t in sorted(graph[name]) if layer_of(t) is not None)
+            lines.append(f"  {short(name):<28} -> {targets or '(nothing of course_lib)'}")
     return "\n".join(lines)
+
+
+def layering_problems(graph: dict[str, set[str]]) -> list[str]:
+    return [
+        f"{source} imports {target}: {why}"
+        for source, targets in sorted(graph.items())
+        for target in sorted(targets)
+        if (why := forbidden(source, target)) is not None
+    ]
+
+
+def function_level_imports() -> list[str]:
+    modules = all_modules()
+    problems = []
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), str(path))
+        at_top = top_level_statements(tree)
+        for node, found in course_imports(name, path, set(modules)):
+            if (node.lineno, node.col_offset) not in at_top:
+                problems.append(
+                    f"{name} line {node.lineno} imports {', '.join(sorted(found))} inside a function"
+                )
+    return problems
 
 
 def test_the_package_has_no_import_cycle():
@@ -106,6 +195,21 @@ def test_the_package_has_no_import_cycle():
     assert cycles(graph) == [], "modules that import each other (around a loop): " + "; ".join(
         " <-> ".join(component) for component in cycles(graph)
     )
+
+
+def test_every_module_belongs_to_a_layer():
+    unplaced = sorted(name for name in all_modules() if name != "course_lib" and layer_of(name) is None)
+    assert unplaced == [], f"modules outside every layer (add them to a sub-package): {unplaced}"
+
+
+def test_each_layer_imports_only_the_layers_below_it():
+    problems = layering_problems(import_graph())
+    assert problems == [], "imports against the layers:\n" + "\n".join(problems)
+
+
+def test_every_import_of_a_course_module_is_at_the_top_of_its_file():
+    problems = function_level_imports()
+    assert problems == [], "move these imports to the top of the file:\n" + "\n".join(problems)
 
 
 def test_lessons_never_import_tools():
@@ -126,7 +230,8 @@ def test_parallel_lessons_know_nothing_of_the_training_harness():
         f"{name} imports {target}"
         for name, targets in sorted(graph.items())
         if name.startswith("course_lib.parallel.")
-        for target in sorted(targets & HARNESS)
+        for target in sorted(targets)
+        if layer_of(target) in ("course_lib.train", "course_lib.observe")
     ]
     assert reaching == [], "a parallel/ lesson registers itself or reaches into the harness: " + "; ".join(
         reaching
@@ -172,6 +277,42 @@ def test_the_checker_finds_a_cycle_and_an_upward_import():
     ]
 
 
+def test_the_checker_finds_imports_against_the_layers(tmp_path):
+    """Upward, sibling and function-level imports are all caught; downward ones pass."""
+    graph = {
+        "course_lib.distributed.comm": {"course_lib.observe.faults", "course_lib.errors"},
+        "course_lib.parallel.ddp": {"course_lib.observe.anatomy", "course_lib.distributed.comm"},
+        "course_lib.plan.layout": {"course_lib.parallel.ddp", "course_lib.train.loop"},
+        "course_lib.train.loop": {"course_lib.plan.layout", "course_lib.observe.faults"},
+    }
+    assert layering_problems(graph) == [
+        "course_lib.distributed.comm imports course_lib.observe.faults: "
+        "course_lib.distributed (layer 1) reaches up to course_lib.observe (layer 2)",
+        "course_lib.parallel.ddp imports course_lib.observe.anatomy: "
+        "course_lib.parallel and course_lib.observe are siblings: "
+        "they never import each other (use the hooks)",
+        "course_lib.plan.layout imports course_lib.train.loop: "
+        "course_lib.plan (layer 3) reaches up to course_lib.train (layer 4)",
+    ]
+    lesson = tmp_path / "course_lib" / "plan" / "lesson.py"
+    lesson.parent.mkdir(parents=True)
+    lesson.write_text(
+        "from __future__ import annotations\n"
+        "from typing import TYPE_CHECKING\n"
+        "from ..errors import UserError\n"
+        "if TYPE_CHECKING:\n"
+        "    from ..models import TinyTransformer\n"
+        "def late():\n"
+        "    from ..parallel import ddp\n"
+    )
+    known = {"course_lib.parallel.ddp", "course_lib.errors", "course_lib.models"}
+    tree = ast.parse(lesson.read_text())
+    at_top = top_level_statements(tree)
+    statements = course_imports("course_lib.plan.lesson", lesson, known)
+    nested = [found for node, found in statements if (node.lineno, node.col_offset) not in at_top]
+    assert nested == [{"course_lib.parallel.ddp"}] and len(statements) == 3
+
+
 def test_the_jobs_checks_import_without_torch():
     """A job checks its GPUs and the network plugin with Python from wherever it runs (a container, a
     uenv) before the training environment is known to work: those checks must not need torch."""
@@ -185,7 +326,8 @@ def test_the_jobs_checks_import_without_torch():
         "        if name == 'torch' or name.startswith('torch.'):\n"
         "            raise ModuleNotFoundError(\"No module named 'torch'\")\n"
         "sys.meta_path.insert(0, NoTorch())\n"
-        "import course_lib.runtime, course_lib.flight_recorder, course_lib.faults\n"
+        "import course_lib.distributed.runtime, course_lib.observe.flight_recorder\n"
+        "import course_lib.observe.faults\n"
         "import course_lib.tools.jobcheck\n"
     )
     repository = Path(__file__).resolve().parents[1]

@@ -279,7 +279,7 @@ def test_lab_end_to_end(tmp_path):
     assert rows[0]["speedup"] == 1.0 and all(row["time_per_epoch_s"] > 0 for row in rows)
     # the multi-epoch path (first epoch left out of the median)
     assert all(row["epochs"] == 2 for row in rows)
-    from course_lib.scaling import format_table
+    from course_lib.plan.scaling import format_table
 
     assert format_table(rows) in lab.stdout and "All runs trained the same model" in lab.stdout
     assert (tmp_path / "strong_scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib import comm, runtime
+from course_lib.distributed import comm, ring, runtime
+from course_lib.distributed.launch import launch
 from course_lib.errors import UserError
-from course_lib.launch import launch
 
 WORLD_SIZES = [2, 3, 4]
 LENGTH = 11  # divides by none of 2, 3, 4
@@ -147,7 +147,7 @@ def test_every_wrapper_equals_torch_distributed(world_size):
 def _ring_versus_all_reduce(length, dtype):
     ours, theirs = _rank_tensor(length, dtype), _rank_tensor(length, dtype)
     with comm.CommLog() as log:
-        comm.ring_all_reduce(ours)
+        ring.ring_all_reduce(ours)
     dist.all_reduce(theirs)
     return torch.equal(ours, theirs), log.bytes_per_rank("send"), theirs.numel() * theirs.element_size()
 
@@ -169,7 +169,7 @@ def _ring_on_a_non_contiguous_tensor():
     view = base.t()
     expected = view.clone()
     dist.all_reduce(expected)
-    comm.ring_all_reduce(view)
+    ring.ring_all_reduce(view)
     return torch.equal(view, expected) and torch.equal(base.t(), expected)
 
 

@@ -7,11 +7,12 @@ import json
 
 import pytest
 
-from course_lib import cost_model as cm
-from course_lib import memory, scaling
 from course_lib.errors import UserError
-from course_lib.layout import Layout
+from course_lib.parallel import memory
 from course_lib.parallel.pipeline import bubble_overhead_theory
+from course_lib.plan import cost_model as cm
+from course_lib.plan import scaling
+from course_lib.plan.layout import Layout
 from course_lib.tools import plan as plan_tool
 
 LLAMA_8B, ALPS = cm.MODELS["llama3-8b"], cm.CLUSTERS["alps"]
@@ -204,7 +205,8 @@ COURSE_LAYOUTS = [
 @pytest.mark.parametrize("policy", ["none", "full", "selective"])
 @pytest.mark.parametrize("planner, course", COURSE_LAYOUTS)
 def test_the_planners_block_is_the_measured_formula_for_the_course_block(planner, course, policy):
-    from course_lib import activations, models
+    from course_lib import models
+    from course_lib.plan import activations
 
     spec = cm.ModelSpec.of(models.TinyTransformer(37, d_model=24, n_heads=6, n_layers=2, max_seq_len=24))
     layout = Layout(precision="fp32", recomputation=policy, **planner)
@@ -216,7 +218,8 @@ def test_the_planners_block_is_the_measured_formula_for_the_course_block(planner
 
 
 def test_the_planners_head_is_the_measured_formula_for_the_course_head():
-    from course_lib import activations, models
+    from course_lib import models
+    from course_lib.plan import activations
 
     spec = cm.ModelSpec.of(models.TinyTransformer(37, d_model=24, n_heads=6, n_layers=2, max_seq_len=24))
     ours = cm.head_activation_bytes(spec, Layout(precision="fp32"), micro_batch=5, seq_len=24)

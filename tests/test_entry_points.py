@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib import models
+from course_lib.distributed.launch import launch
 from course_lib.errors import UserError
-from course_lib.launch import launch
 from course_lib.parallel import ddp, fsdp, mesh, pipeline, tensor, zero
 
 
@@ -165,5 +165,5 @@ def test_a_group_that_does_not_hold_this_rank_is_named(nprocs):
 
 
 def test_wrapping_before_the_processes_meet_says_how_to_start_them():
-    with pytest.raises(UserError, match=r"call course_lib.runtime.init\(\) first"):
+    with pytest.raises(UserError, match=r"call course_lib.distributed.runtime.init\(\) first"):
         ddp.DataParallel(_odd_model())

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from course_lib import scaling, train
 from course_lib.errors import EXIT_DIVERGED
+from course_lib.plan import scaling
 from course_lib.tools import bench, lab, study, three_d
+from course_lib.train import cli as train
 
 from conftest import REPO, clean_env, finish, latest_weights, run_ranks, start_ranks
 
@@ -237,7 +238,7 @@ REFUSED_BEFORE_THE_RANKS_MEET = [
 def test_the_dry_run_refuses_what_the_run_refuses(
     flags, variables, message, dry_run, course_fsdp_checkpoint, monkeypatch, capsys
 ):
-    from course_lib.launch import free_port
+    from course_lib.distributed.launch import free_port
 
     places = dict(
         ckpt=course_fsdp_checkpoint,

@@ -9,9 +9,10 @@ import time
 import pytest
 import torch
 
-from course_lib import comm, faults, flight_recorder
+from course_lib.distributed import comm
+from course_lib.distributed.launch import launch
 from course_lib.errors import UserError
-from course_lib.launch import launch
+from course_lib.observe import faults, flight_recorder
 from course_lib.tools import diagnose
 
 COLLECTIVE_TIMEOUT_S = 4
@@ -215,7 +216,7 @@ def test_the_training_command_records_and_the_diagnosis_names_the_hung_rank(tmp_
 
 
 def _slow_steps(steps: int = 4) -> dict | None:
-    from course_lib import stragglers
+    from course_lib.observe import stragglers
 
     meter = stragglers.StragglerMeter()
     torch.manual_seed(0)
@@ -248,7 +249,7 @@ def test_a_slow_rank_is_named_with_what_it_cost_the_others(monkeypatch):
 
 
 def test_a_step_report_from_known_arrivals():
-    from course_lib import stragglers
+    from course_lib.observe import stragglers
 
     group = (0, 1, 2)
     notes = [  # per rank: two collectives; rank 2 is 0.5 s late at the first, rank 0 0.1 s at the second
@@ -283,7 +284,7 @@ def test_the_training_command_reports_a_slow_rank_and_the_tool_plots_it(tmp_path
 
 
 def test_the_straggler_report_needs_the_courses_collectives(tmp_path, capsys):
-    from course_lib import train
+    from course_lib.train import cli as train
 
     report = str(tmp_path / "s.jsonl")
     status = train.main(["--epochs", "1", "--max-steps", "1", "--no-progress", "--straggler-report", report])

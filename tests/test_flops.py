@@ -8,8 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from course_lib import flops, models
-from course_lib.trainer import TrainConfig
+from course_lib import models
+from course_lib.plan import flops
+from course_lib.train.loop import TrainConfig
 
 
 def test_a_linear_layers_training_flops_are_counted_exactly():
@@ -52,7 +53,7 @@ def test_the_matmul_peak_is_measured_and_bad_sizes_are_refused():
 
 
 def test_the_trainer_reports_the_models_tflops_and_no_mfu_on_a_cpu():
-    from course_lib.launch import launch
+    from course_lib.distributed.launch import launch
 
     config = TrainConfig(strategy="single", global_batch_size=60, epochs=1, max_steps=2, progress=False)
     (history,) = launch(_history, 1, dataclasses.replace(config))
@@ -63,6 +64,6 @@ def test_the_trainer_reports_the_models_tflops_and_no_mfu_on_a_cpu():
 
 
 def _history(config):
-    from course_lib.trainer import train
+    from course_lib.train.loop import train
 
     return train(config).history

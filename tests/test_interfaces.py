@@ -145,12 +145,12 @@ def test_the_material_calls_a_real_api():
     """The discovery works: it finds the central pieces, so the checks below cannot pass empty."""
     api = student_api()
     for expected in (
-        "course_lib.launch.launch",
-        "course_lib.comm.all_reduce",
+        "course_lib.distributed.launch.launch",
+        "course_lib.distributed.comm.all_reduce",
         "course_lib.parallel.ddp.DataParallel",
         "course_lib.parallel.fsdp.FullyShardedDataParallel",
         "course_lib.parallel.pipeline.build_schedule",
-        "course_lib.runtime.rank",
+        "course_lib.distributed.runtime.rank",
     ):
         assert expected in api, f"{expected} not found among {sorted(api)}"
     assert len(api) > 40

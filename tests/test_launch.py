@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib import runtime
-from course_lib.launch import ChildFailedError, launch
+from course_lib.distributed import runtime
+from course_lib.distributed.launch import ChildFailedError, launch
 
 
 def _sum_of_ranks(offset):
@@ -108,7 +108,7 @@ def test_bad_arguments_are_refused_before_any_process_starts(call, message):
 
 
 def test_too_many_processes_for_the_machine_are_refused_and_sharing_is_explained(capsys):
-    from course_lib import launch as launcher
+    from course_lib.distributed import launch as launcher
     from course_lib.errors import UserError
 
     with pytest.raises(

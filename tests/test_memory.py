@@ -3,8 +3,10 @@
 import pytest
 import torch
 
-from course_lib import memory, models, runtime
-from course_lib.launch import launch
+from course_lib import models
+from course_lib.distributed import runtime
+from course_lib.distributed.launch import launch
+from course_lib.parallel import memory
 
 
 @pytest.mark.parametrize(

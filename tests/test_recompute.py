@@ -15,17 +15,19 @@ import copy
 import pytest
 import torch
 
-from course_lib import models, recompute, runtime
-from course_lib.activations import (
+from course_lib import models
+from course_lib.distributed import runtime
+from course_lib.distributed.launch import launch
+from course_lib.parallel import context as cp
+from course_lib.parallel import recompute
+from course_lib.parallel import sequence as sp
+from course_lib.parallel import tensor as tp
+from course_lib.parallel.memory import live_tensor_bytes
+from course_lib.plan.activations import (
     block_activation_elements,
     embedding_activation_bytes,
     head_activation_bytes,
 )
-from course_lib.launch import launch
-from course_lib.memory import live_tensor_bytes
-from course_lib.parallel import context as cp
-from course_lib.parallel import sequence as sp
-from course_lib.parallel import tensor as tp
 
 BATCH, SEQ, D_MODEL, HEADS = 5, 24, 24, 6  # 24 tokens cut into 2C zig-zag chunks at C = 2, 3
 LAYOUTS = {

@@ -2,10 +2,10 @@
 
 import pytest
 
-from course_lib import runtime
+from course_lib.distributed import runtime
+from course_lib.distributed.launch import launch
+from course_lib.distributed.runtime import choose_backend, first_slurm_host, resolve_environment
 from course_lib.errors import UserError
-from course_lib.launch import launch
-from course_lib.runtime import choose_backend, first_slurm_host, resolve_environment
 
 
 def test_plain_process_is_rank_zero_of_one():
@@ -132,7 +132,10 @@ SRUN = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_NNODES": "2", "SLURM_JO
 
 # (the launcher's variables, with one of them wrong; what the one line must say)
 MALFORMED = [
-    (TORCHRUN | {"RANK": "2"}, "RANK='2' is not a whole number from 0 to 1: torchrun and course_lib.launch"),
+    (
+        TORCHRUN | {"RANK": "2"},
+        "RANK='2' is not a whole number from 0 to 1: torchrun and course_lib.distributed.launch",
+    ),
     (TORCHRUN | {"RANK": "zero"}, "RANK='zero' is not a whole number from 0 to 1"),
     (
         TORCHRUN | {"WORLD_SIZE": "0"},
@@ -279,7 +282,7 @@ def _train_as(rank: int, port: int, *extra: str):
 def test_a_port_already_in_use_is_named_in_one_line():
     import socket
 
-    from course_lib.launch import free_port
+    from course_lib.distributed.launch import free_port
 
     port = free_port()
     with socket.socket() as taken:
@@ -295,7 +298,7 @@ def test_a_port_already_in_use_is_named_in_one_line():
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_ranks_that_never_meet_say_so_in_one_line(rank):
-    from course_lib.launch import free_port
+    from course_lib.distributed.launch import free_port
 
     outcome = _train_as(rank, free_port())  # the other rank never starts
     assert outcome.returncode == 1, outcome.stderr

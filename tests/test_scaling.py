@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from course_lib import anatomy, scaling
 from course_lib.errors import UserError
+from course_lib.observe import anatomy
+from course_lib.plan import scaling
 
 
 @pytest.mark.parametrize("serial_fraction", [0.0, 0.05, 0.3])

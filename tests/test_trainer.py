@@ -1,6 +1,6 @@
 """trainer: the same model on 1, 2, 3 and 4 ranks; exact validation; resumable checkpoints.
 
-Every multi-rank run goes through ``course_lib.launch`` (real processes, gloo) and returns the
+Every multi-rank run goes through ``course_lib.distributed.launch`` (real processes, gloo) and returns the
 full weights gathered on rank 0, which are compared with a single-process run.
 """
 
@@ -17,10 +17,12 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from course_lib import checkpoint, data, models, runtime, strategies
+from course_lib import data, models
+from course_lib.distributed import runtime
+from course_lib.distributed.launch import launch
 from course_lib.errors import UserError
-from course_lib.launch import launch
-from course_lib.trainer import TrainConfig, Trainer, evaluate, train, validate_config
+from course_lib.train import checkpoint, strategies
+from course_lib.train.loop import TrainConfig, Trainer, evaluate, train, validate_config
 
 # Global batch 60 divides by 1, 2, 3 and 4 ranks; digits gives 23 steps per epoch.
 BASE = TrainConfig(global_batch_size=60, epochs=1, max_steps=4, progress=False, lr=3e-3)
@@ -399,7 +401,7 @@ def test_course_sharded_checkpoint_from_two_ranks_resumes_on_four_and_refuses_an
     ],
 )
 def test_sharding_flags_are_checked_before_any_rank_waits(changes, message):
-    from course_lib.trainer import validate_config
+    from course_lib.train.loop import validate_config
 
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
         validate_config(dataclasses.replace(BASE, **changes), 2)
@@ -410,7 +412,7 @@ def test_sharding_flags_are_checked_before_any_rank_waits(changes, message):
 
 def _one_step(strategy: str, impl: str, extra: dict) -> tuple[dict, int, int]:
     """The collectives of one warm training step, and the strategy's units and buckets."""
-    from course_lib import comm
+    from course_lib.distributed import comm
 
     trainer = Trainer(dataclasses.replace(BASE, strategy=strategy, impl=impl, **extra))
     batches = iter(trainer.train_loader)
@@ -463,7 +465,7 @@ def _host_reads_per_step(grad_accum: int) -> int:
 
     def counting(name):
         def read(tensor, *args, **kwargs):
-            if inspect.stack()[1].filename.endswith("course_lib/trainer.py"):
+            if inspect.stack()[1].filename.endswith("course_lib/train/loop.py"):
                 reads.append(name)
             return originals[name](tensor, *args, **kwargs)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from course_lib import faults
+from course_lib.observe import faults
 
 from conftest import run_ranks
 

@@ -1,14 +1,9 @@
-"""The from-scratch implementations, one idea per file, each proven equal to its PyTorch twin.
+"""Part 2 of the course: the techniques, one idea per file, each proven equal to its PyTorch twin.
 
-``course_lib.parallel.ShardedOptimizer`` is ZeRO-1 in the optimizer form PyTorch and the
-literature use (``zero_optimizer.py``); it is looked up on first use, so that importing the
-package stays cheap.
+Data parallelism (``ddp``), its memory (``memory``), the sharded parameter (``flat_param``),
+ZeRO (``zero``, ``zero_optimizer``) and FSDP (``fsdp``); tensor (``tensor``, ``vocab``), sequence
+(``sequence``), context (``context``, ``ulysses``) and expert (``expert``) parallelism;
+activation recomputation (``recompute``); pipelines (``pipeline``, ``split_backward``); and the
+grid of ranks they share (``mesh``). None of them imports the instruments (``course_lib.observe``)
+nor the harness above them.
 """
-
-
-def __getattr__(name: str):
-    if name == "ShardedOptimizer":
-        from .zero_optimizer import ShardedOptimizer
-
-        return ShardedOptimizer
-    raise AttributeError(f"module 'course_lib.parallel' has no attribute {name!r}")

@@ -62,9 +62,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import comm, runtime
 from ..checks import check_group, check_int, check_module, claim_module
+from ..distributed import comm, runtime
 from ..errors import UserError
+from ..models import Embedding, SelfAttention
 
 
 def chunk_lengths(total: int, pieces: int) -> list[int]:
@@ -477,8 +478,6 @@ def split_model_tokens(
             for each block.
         group: the process group the tokens are split over (None: every rank).
     """
-    from ..models import Embedding, SelfAttention
-
     check_module("model", model)
     check_group("group", group)
     claim_module(model, "context parallelism")

@@ -12,7 +12,7 @@ all the work. Three things make it correct:
 
 The cost. Memory: a full copy of parameters, gradients and optimizer state on every rank, plus
 one flat buffer per bucket. Traffic: one all-reduce of all gradients per step, 2(N-1)/N · 4Ψ bytes
-sent per rank for Ψ fp32 parameters (see ``course_lib.comm``).
+sent per rank for Ψ fp32 parameters (see ``course_lib.distributed.comm``).
 
 Three ways to schedule that all-reduce, from slowest to fastest (``sync=``):
 
@@ -57,7 +57,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import comm, runtime
 from ..checks import (
     DATA_PARALLEL_WRAPPER,
     check_choice,
@@ -66,6 +65,7 @@ from ..checks import (
     check_number,
     claim_module,
 )
+from ..distributed import comm, runtime
 from ..errors import UserError
 
 SYNC_MODES = ("naive", "bucketed", "overlapped")

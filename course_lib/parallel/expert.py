@@ -46,9 +46,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .. import comm, runtime
 from ..checks import check_group, check_int, check_module, check_number, claim_module
+from ..distributed import comm, runtime
 from ..errors import UserError
+from ..models import MLP, Block, TinyTransformer
 
 
 @dataclass
@@ -207,8 +208,6 @@ class MoE(nn.Module):
         capacity_factor: float = 1.25,
         routing_groups: int = 1,
     ):
-        from ..models import MLP
-
         super().__init__()
         check_experts(num_experts, 1, top_k=top_k, capacity_factor=capacity_factor)
         check_int("routing_groups", routing_groups, minimum=1)
@@ -329,8 +328,6 @@ def moe_transformer(
         capacity_factor: room per expert (see ``expert_capacity``).
         routing_groups: see ``MoE``.
     """
-    from ..models import Block, TinyTransformer
-
     model = TinyTransformer(
         vocab_size, d_model=d_model, n_heads=n_heads, n_layers=n_layers, max_seq_len=max_seq_len
     )

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .. import comm, runtime
+from ..distributed import comm, runtime
 from ..errors import UserError
 from .ddp import GradientSyncSwitch
 

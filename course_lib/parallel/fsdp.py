@@ -73,12 +73,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .. import runtime
 from ..checks import DATA_PARALLEL_WRAPPER, check_group, check_int, check_module, claim_module
+from ..distributed import runtime
 from ..errors import UserError
-from ..recompute import recompute_modules
 from .ddp import EndOfBackward, start_as_replicas
 from .flat_param import FlatParameter, FlatShardedMixin, owned_parameters
+from .recompute import recompute_modules
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 OFFLOAD_MODES = ("none", "params", "full")

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from .. import runtime
 from ..checks import check_choice, check_group
+from ..distributed import runtime
 from ..errors import UserError
 
 AXES = ("pipeline", "data", "context", "tensor")  # slowest to fastest

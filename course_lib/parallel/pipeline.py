@@ -47,10 +47,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import comm, runtime
 from ..checks import check_group, check_int, check_module
+from ..distributed import comm, runtime
 from ..errors import UserError
-from ..memory import live_tensor_bytes
+from .memory import live_tensor_bytes
 from .split_backward import BackwardSplitter
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v", "dualpipe_v")

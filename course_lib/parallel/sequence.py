@@ -44,10 +44,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import comm, runtime
 from ..checks import SPLIT_LAYERS, check_group, check_module, claim_module
+from ..distributed import comm, runtime
 from ..errors import UserError
-from ..models import SelfAttention
+from ..models import Block, Embedding, LMHead, SelfAttention
 from .tensor import ColumnParallelLinear, RowParallelLinear, _split_size
 
 SEQUENCE_DIM = 1  # activations are (batch, sequence, features)
@@ -291,8 +291,6 @@ def parallelize_sequence(model: nn.Module, *, group=None, regather_in_backward: 
         group: the tensor-parallel process group (None: every rank).
         regather_in_backward: Megatron-LM's variant (see ``sequence_parallel_block``).
     """
-    from ..models import Block, Embedding, LMHead
-
     check_module("model", model)
     check_group("group", group)
     parts = list(model) if isinstance(model, nn.Sequential) else []
@@ -311,8 +309,6 @@ def parallelize_sequence(model: nn.Module, *, group=None, regather_in_backward: 
 
 def sequence_parallel_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The replicated parameters that see only this rank's tokens: their gradients are partial sums."""
-    from ..models import Block, LMHead
-
     found = []
     for module in model.modules():
         if isinstance(module, Block):

@@ -43,9 +43,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import comm, runtime
 from ..checks import SPLIT_LAYERS, check_group, check_int, check_module, check_not_converted, claim_module
+from ..distributed import comm, runtime
 from ..errors import UserError
+from ..models import Block
 
 
 # #region f-and-g
@@ -278,8 +279,6 @@ def parallelize_transformer(model: nn.Module, *, group=None) -> nn.Module:
             ``Block``s.
         group: the tensor-parallel process group (None: every rank).
     """
-    from ..models import Block
-
     check_module("model", model)
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     if not blocks:

@@ -50,9 +50,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import comm, runtime
 from ..checks import check_group, check_int, check_module, check_number
+from ..distributed import comm, runtime
 from ..errors import UserError
+from ..models import SelfAttention
 from .context import (
     SequenceLayout,
     check_attention_inputs,
@@ -247,8 +248,6 @@ def parallelize_ulysses(model: nn.Module, layout: SequenceLayout, *, group=None)
         layout: contiguous chunks (``zigzag=False``) over the group.
         group: the Ulysses process group (None: every rank).
     """
-    from ..models import SelfAttention
-
     check_module("model", model)
     check_group("group", group)
     size = runtime.world_size(group=group)

@@ -47,9 +47,10 @@ import math
 import torch
 from torch import nn
 
-from .. import comm, runtime
 from ..checks import check_group, check_int, check_module, claim_module
+from ..distributed import comm, runtime
 from ..errors import UserError
+from ..models import Embedding, LMHead
 from .sequence import gather_sequence
 from .tensor import copy_to_parallel, reduce_from_parallel
 
@@ -276,8 +277,6 @@ def parallelize_vocabulary(model: nn.Module, *, group=None, sequence_parallel: b
         group: the tensor-parallel process group (None: every rank).
         sequence_parallel: the head's input holds this rank's tokens (``sequence.parallelize_sequence``).
     """
-    from ..models import Embedding, LMHead
-
     check_module("model", model)
     check_group("group", group)
     parts = [m for m in model.modules() if isinstance(m, Embedding | LMHead)]

@@ -47,8 +47,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import comm, runtime
 from ..checks import DATA_PARALLEL_WRAPPER, check_group, check_module, check_number, claim_module
+from ..distributed import comm, runtime
 from ..errors import UserError
 from .ddp import DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB, EndOfBackward, make_buckets, start_as_replicas
 from .flat_param import FlatParameter, FlatShardedMixin, ParamSlot, owned_parameters

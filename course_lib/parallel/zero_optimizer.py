@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-from .. import comm, runtime
 from ..checks import check_group
+from ..distributed import comm, runtime
 from ..errors import UserError
 
 COUPLED_OPTIMIZERS = ("LBFGS",)

@@ -30,7 +30,7 @@ from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 
 from ..errors import UserError
-from ..flight_recorder import FORMAT, PYTORCH_PREFIX
+from ..observe.flight_recorder import FORMAT, PYTORCH_PREFIX
 
 
 @dataclass

@@ -20,10 +20,18 @@ from pathlib import Path
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
-from .. import anatomy, checks, memory
-from ..comm import ring_all_reduce_counts
-from ..parallel import mesh, pipeline
+from .. import checks
+from ..distributed import runtime
+from ..distributed.launch import launch
+from ..distributed.ring import ring_all_reduce_counts
+from ..observe import anatomy
+from ..parallel import context, expert, memory, mesh, pipeline, ulysses
+from ..parallel.fsdp import FullyShardedDataParallel
+from ..plan import cost_model
+from ..plan.layout import Layout
 from . import plots
+from .bench import MLP_BATCH, MLP_LAYERS, MLP_WIDTH, mlp, training_step
+from .plan_validation import validate
 from .study import read_csv
 
 PNG_METADATA = {"Software": None}  # no version string in the file: the same drawing gives the same bytes
@@ -206,8 +214,6 @@ def mesh_layout():
 
 def ring_attention():
     """The blocks each of 4 ranks computes at each ring step, contiguous and zig-zag, causal."""
-    from ..parallel import context
-
     schedules = {
         name: context.ring_schedule(context.SequenceLayout(16, 4, zigzag=zigzag))
         for name, zigzag in (("contiguous", False), ("zig-zag", True))
@@ -217,8 +223,6 @@ def ring_attention():
 
 def sequence_methods():
     """Ring against Ulysses on 8 GPUs, predicted (``ulysses.attention_time_model``), over compute alone."""
-    from ..parallel import ulysses
-
     seq_lens = [2**n for n in range(12, 20)]
     gpus = dict(heads=32, head_dim=128, degree=8, flops_per_s=400e12, latency_s=20e-6)
     curves = {}
@@ -235,8 +239,6 @@ def sequence_methods():
 def expert_load():
     """A skewed router's top-2 assignments per expert against the capacity (factor 1.0)."""
     import torch
-
-    from ..parallel import expert
 
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(64, 8, generator=generator) + torch.linspace(1.5, -1.5, 8)
@@ -274,10 +276,6 @@ def _fsdp_steps_with_and_without_prefetch() -> dict:
     """Each rank: the bench's MLP under the course's FSDP (a unit per linear), prefetch on and off."""
     import torch
 
-    from .. import runtime
-    from ..parallel.fsdp import FullyShardedDataParallel
-    from .bench import MLP_BATCH, MLP_LAYERS, MLP_WIDTH, mlp, training_step
-
     torch.manual_seed(0)
     reference = mlp(MLP_WIDTH, MLP_LAYERS)
     generator = torch.Generator().manual_seed(runtime.rank())
@@ -298,9 +296,6 @@ def _fsdp_steps_with_and_without_prefetch() -> dict:
 
 def layout_memory():
     """Memory per GPU of seven layouts of Llama 3 8B on 64 GH200s of Alps (``cost_model.predict``)."""
-    from .. import cost_model
-    from ..layout import Layout
-
     alps = cost_model.CLUSTERS["alps"]
     layouts = [
         Layout(data=64, sharding="ddp"),
@@ -325,9 +320,6 @@ def prediction_check():
 
 def record() -> list[Path]:
     """Measure again what the slides show measured; the recordings written."""
-    from ..launch import launch
-    from .plan_validation import validate
-
     recorded = launch(_fsdp_steps_with_and_without_prefetch, 2, check_collectives=False)[0]
     for kind, path in RECORDED_FSDP.items():
         recorded[kind].save(path)

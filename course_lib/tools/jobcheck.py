@@ -36,7 +36,8 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from .. import checks, runtime
+from .. import checks
+from ..distributed import runtime
 from ..errors import EXIT_CRASH, EXIT_USER_ERROR, RendezvousFailed, UserError
 
 PLUGIN_SOURCES = ("uenv", "container", "none")
@@ -223,8 +224,6 @@ def preflight(*, timeout_s: float) -> int:
     """Every rank: one all-reduce, its sum checked and, on NCCL, its network. Returns the exit status."""
     import torch
     import torch.distributed as dist
-
-    from .. import runtime
 
     log_dir = Path(tempfile.mkdtemp(prefix="course-preflight-"))
     # NCCL reads these when its first communicator is made: set them before init, keep the user's.

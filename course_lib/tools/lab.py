@@ -33,11 +33,12 @@ import shlex
 import subprocess
 import sys
 
-from .. import checks, runtime
+from .. import checks
 from ..data import DATASETS
+from ..distributed import runtime
 from ..models import MODELS
-from ..scaling import add_speedup, format_table, read_metrics, summarize
-from ..trainer import MAX_LEARNING_RATE
+from ..plan.scaling import add_speedup, format_table, read_metrics, summarize
+from ..train.loop import MAX_LEARNING_RATE
 from .plots import plot_study
 
 RUNS = (("single", 1), ("ddp", 2), ("fsdp", 2))

@@ -47,8 +47,8 @@ from types import ModuleType
 from typing import Any
 
 from .. import checks
+from ..distributed.launch import launch
 from ..errors import UserError
-from ..launch import launch
 
 LINE_LENGTH = 110  # pyproject.toml's [tool.ruff] line-length: exercises are formatted like the code
 LABS_DIR = Path(__file__).resolve().parent.parent.parent / "labs"

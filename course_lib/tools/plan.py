@@ -28,9 +28,20 @@ import re
 import sys
 
 from .. import checks
-from ..cost_model import CLUSTERS, GB, MODELS, Prediction, plan
+from ..distributed.launch import check_process_count, launch
 from ..errors import UserError
-from ..layout import CONTEXT_ATTENTION, Layout
+from ..plan.cost_model import CLUSTERS, GB, MODELS, Prediction, plan, predict
+from ..plan.layout import CONTEXT_ATTENTION, Layout
+from .plan_validation import (
+    SWEEP,
+    calibrate,
+    course_layout,
+    machine,
+    measure_layout,
+    predict_beside,
+    table,
+    validate,
+)
 
 SUFFIXES = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 
@@ -137,9 +148,6 @@ def main(argv: list[str] | None = None) -> int:
         sweep, template = None, Layout()
         methods = CONTEXT_ATTENTION if args.context_attention == "both" else (args.context_attention,)
         if LOCAL_CLUSTER == args.cluster or LOCAL_MODEL == args.model:
-            from ..launch import check_process_count
-            from .plan_validation import SWEEP, course_layout
-
             sweep = dataclasses.replace(SWEEP, seq_len=args.seq_len, global_batch=global_batch)
             if args.model == LOCAL_MODEL:  # as the course runs it: fp32
                 template = course_layout(template, sweep).with_(micro_batch=1)
@@ -147,9 +155,6 @@ def main(argv: list[str] | None = None) -> int:
                 check_process_count(args.gpus)
         model = sweep.spec() if args.model == LOCAL_MODEL else MODELS[args.model]
         if args.cluster == LOCAL_CLUSTER:
-            from ..launch import launch
-            from .plan_validation import calibrate, machine
-
             print("calibrating this machine...", file=sys.stderr, flush=True)
             cluster = machine(calibrate(launch, sweep))
         else:
@@ -191,9 +196,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _validate(args) -> int:
-    from ..launch import launch
-    from .plan_validation import table, validate
-
     print(
         "calibrating on this machine, then running each layout on local processes...",
         file=sys.stderr,
@@ -227,10 +229,6 @@ def runnable_here(layout: Layout) -> bool:
 
 
 def _run_first(fitting: list[Prediction], sweep, model, cluster) -> None:
-    from ..cost_model import predict
-    from ..launch import launch
-    from .plan_validation import course_layout, measure_layout, predict_beside
-
     chosen = next((p.layout for p in fitting if runnable_here(p.layout)), None)
     if chosen is None:
         print("\nnone of the layouts that fit runs on the course's training loop here", file=sys.stderr)

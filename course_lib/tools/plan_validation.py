@@ -36,15 +36,17 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .. import comm, cost_model, flops, memory, models, runtime, scaling
+from .. import models
 from ..data import zen_windows
+from ..distributed import comm, runtime
 from ..errors import UserError
-from ..layout import Layout, parallelize
 from ..parallel import context as cp
+from ..parallel import memory, vocab
 from ..parallel import pipeline as pp
 from ..parallel import sequence as sp
-from ..parallel import vocab
 from ..parallel.mesh import Mesh
+from ..plan import cost_model, flops, scaling
+from ..plan.layout import Layout, parallelize
 
 
 @dataclass(frozen=True, kw_only=True)

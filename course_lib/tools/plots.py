@@ -16,6 +16,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from ..errors import UserError
+from ..observe import anatomy
 from ..parallel.pipeline import bubble_fraction
 
 PNG_DPI = 120
@@ -497,17 +498,17 @@ def plot_anatomies(recorded: dict, *, path: str | Path | None = None) -> Figure:
             typical step.
         path: save the chart as a PNG here (None: only return it).
     """
-    ranks = max(len(anatomy.timelines) for anatomy in recorded.values())
+    ranks = max(len(recording.timelines) for recording in recorded.values())
     figure = Figure(figsize=(11, len(recorded) * (0.8 * ranks + 0.8) + 1.0))
     axes = figure.subplots(len(recorded), 1, sharex=True, squeeze=False)[:, 0]
-    steps = {title: anatomy.typical_step() for title, anatomy in recorded.items()}
+    steps = {title: recording.typical_step() for title, recording in recorded.items()}
     longest = max(
         timeline[steps[title]].step_ms
-        for title, anatomy in recorded.items()
-        for timeline in anatomy.timelines
+        for title, recording in recorded.items()
+        for timeline in recording.timelines
     )
-    for axis, (title, anatomy) in zip(axes, recorded.items()):
-        _draw_anatomy(axis, anatomy, steps[title], longest, title)
+    for axis, (title, recording) in zip(axes, recorded.items()):
+        _draw_anatomy(axis, recording, steps[title], longest, title)
     for axis in axes[:-1]:
         axis.set_xlabel("")
     _anatomy_legend(axes[-1], below=0.3)
@@ -531,8 +532,6 @@ def _anatomy_legend(axis, *, below: float) -> None:
 
 def _draw_anatomy(axis, recorded, step: int, longest: float, title: str) -> None:
     """One recorded step's lanes on ``axis``: each rank's parts above, its collectives below."""
-    from .. import anatomy
-
     ranks = len(recorded.timelines)
     for rank in range(ranks):
         cut = anatomy.parts(recorded.timelines, rank, step)

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from .. import checks
 from ..errors import UserError
-from ..stragglers import StepReport, describe, summary
+from ..observe.stragglers import StepReport, describe, summary
+from .plots import plot_stragglers
 
 
 def read_report(path: str | Path) -> list[StepReport]:
@@ -53,8 +54,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(json.dumps(summary(steps), indent=1) if args.json else describe(steps))
     if args.plot:
-        from .plots import plot_stragglers
-
         plot_stragglers([step.as_dict() for step in steps], path=args.plot)
         print(f"plot: {args.plot}", file=sys.stderr)
     return 0

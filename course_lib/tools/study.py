@@ -12,7 +12,7 @@ metrics go) into the results folder; with Slurm each run is ``slurm/scaling_run.
 nodes = ceil(N / GPUs per node). ``collect`` reads every run's metrics, tolerating failed and
 missing runs (it lists them), and writes ``scaling.csv``; ``plot`` draws time per epoch (log-log,
 with the ideal 1/N), speedup, parallel efficiency, validation accuracy and peak memory per GPU.
-What the numbers mean is the lesson ``course_lib.scaling``.
+What the numbers mean is the lesson ``course_lib.plan.scaling``.
 """
 
 from __future__ import annotations
@@ -30,10 +30,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import checks, runtime
+from .. import checks
+from ..data import DATASETS
+from ..distributed import runtime
 from ..errors import EXIT_USER_ERROR, UserError
-from ..scaling import add_speedup, format_table, read_metrics, summarize
-from ..trainer import validate_config
+from ..models import MODELS
+from ..plan.scaling import add_speedup, format_table, read_metrics, summarize
+from ..train.loop import TrainConfig, validate_config
 from .plots import plot_study
 
 # -- the study: plan, submit, collect, plot -----------------------------------------------------
@@ -165,8 +168,6 @@ def wait_for_jobs(runs: list[PlannedRun], poll_s: float = 2.0) -> None:
 
 def _training_config(run: PlannedRun, args: argparse.Namespace):
     """The ``TrainConfig`` a local run of the study trains with (what its command line says)."""
-    from ..trainer import TrainConfig
-
     return TrainConfig(
         strategy=run.strategy,
         dataset=args.dataset,
@@ -325,9 +326,6 @@ def read_csv(path: Path) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..data import DATASETS
-    from ..models import MODELS
-
     parser = checks.CommandParser(
         prog="python -m course_lib.tools.study", description=__doc__.split("\n\n")[0]
     )

@@ -2,7 +2,7 @@
 
 ``python -m course_lib.tools.three_d --data 2 --pipeline 2 --tensor 2`` (add ``--context 2`` for
 ring attention over a 4-D grid of 16) trains the transformer of
-``course_lib.parallel.three_d`` on 8 local processes and on one, prints both loss curves as JSON
+``course_lib.train.three_d`` on 8 local processes and on one, prints both loss curves as JSON
 (they must agree), and with ``--plot`` draws them.
 """
 
@@ -13,13 +13,13 @@ import json
 import sys
 
 from .. import checks
+from ..distributed.launch import check_process_count, launch
 from ..errors import UserError
-from ..launch import check_process_count, launch
-from ..layout import CONTEXT_ATTENTION
 from ..parallel import pipeline as pp
 from ..parallel.mesh import describe_grid
-from ..parallel.three_d import check_run, train_3d
-from ..recompute import POLICIES
+from ..parallel.recompute import POLICIES
+from ..plan.layout import CONTEXT_ATTENTION
+from ..train.three_d import check_run, train_3d
 from .plots import plot_loss_curves
 
 

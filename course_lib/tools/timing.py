@@ -6,7 +6,8 @@ import statistics
 import time
 from collections.abc import Callable
 
-from .. import comm
+from ..distributed import comm
+from ..observe import collective_check
 
 
 def interleaved_medians(
@@ -21,7 +22,7 @@ def interleaved_medians(
     Rotating makes slow drifts of the machine (clock, caches, the other processes on the cores)
     hit every variant alike, so their ratio is fair. Every rank starts each step together (a
     barrier), so one rank's lateness is not counted as another's communication. The cross-rank
-    check of each collective (``comm.unchecked``) is off: it is a collective of its own.
+    check of each collective (``collective_check.unchecked``) is off: it is a collective of its own.
 
     Args:
         steps_by_name: one step function per variant, the same on every rank (a collective).
@@ -32,7 +33,7 @@ def interleaved_medians(
     """
     times = {name: [] for name in steps_by_name}
     names = list(steps_by_name)
-    with comm.unchecked():
+    with collective_check.unchecked():
         for round_index in range(warmup + steps):
             shift = round_index % len(names)
             for name in names[shift:] + names[:shift]:

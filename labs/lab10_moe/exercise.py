@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from course_lib import comm, runtime
+from course_lib.distributed import comm, runtime
 from course_lib.parallel.expert import expert_capacity  # ceil(factor x tokens x k / E)
 
 

@@ -13,7 +13,7 @@ import copy
 
 import torch
 
-from course_lib import comm, runtime
+from course_lib.distributed import comm, runtime
 from course_lib.parallel import expert as ep
 from course_lib.tools.labs import Property, Question, on_ranks
 

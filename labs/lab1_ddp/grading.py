@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from course_lib import comm, models, runtime
+from course_lib import models
+from course_lib.distributed import comm, runtime
 from course_lib.parallel.ddp import make_buckets
 from course_lib.tools.labs import Property, Question, on_ranks
 
@@ -281,7 +282,7 @@ QUESTIONS = [
     Question(
         "bytes_sent_per_rank_per_step_on_4_ranks",
         lambda: comm.ring_bytes("all_reduce", _gradient_bytes(), 4),
-        "a ring all-reduce of S bytes makes each of N ranks send 2(N-1)/N x S (course_lib/comm.py); S is the "
+        "a ring all-reduce of S bytes makes each of N ranks send 2(N-1)/N x S (course_lib/distributed/comm.py); S is the "
         "gradients' bytes (4 per fp32 element)",
     ),
     Question(

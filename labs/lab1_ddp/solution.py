@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from course_lib import comm, runtime
+from course_lib.distributed import comm, runtime
 
 
 def broadcast_parameters(module: nn.Module) -> None:

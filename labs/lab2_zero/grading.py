@@ -14,7 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from course_lib import comm, memory, models, runtime
+from course_lib import models
+from course_lib.distributed import comm, runtime
+from course_lib.parallel import memory
 from course_lib.tools.labs import Property, Question, on_ranks
 
 WORLD_SIZES = (2, 3, 4)
@@ -267,7 +269,7 @@ QUESTIONS = [
     Question(
         "adam_state_bytes_per_rank_zero1_on_4_ranks",
         lambda: _fp32_adam("zero1", 4).optimizer,
-        "Adam keeps two fp32 moments per parameter, and ZeRO-1 splits them over the ranks (course_lib/memory.py)",
+        "Adam keeps two fp32 moments per parameter, and ZeRO-1 splits them over the ranks (course_lib/parallel/memory.py)",
     ),
     Question(
         "model_state_bytes_per_rank_ddp_on_4_ranks",

@@ -22,7 +22,7 @@ import math
 import torch
 from torch import nn
 
-from course_lib import comm, runtime
+from course_lib.distributed import comm, runtime
 
 
 def shard_bounds(numel: int, rank: int, world_size: int) -> tuple[int, int]:

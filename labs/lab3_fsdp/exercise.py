@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from course_lib import comm, runtime
+from course_lib.distributed import comm, runtime
 
 
 class ShardedUnit(nn.Module):

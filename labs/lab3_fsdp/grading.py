@@ -13,7 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from course_lib import comm, memory, models, runtime
+from course_lib import models
+from course_lib.distributed import comm, runtime
+from course_lib.parallel import memory
 from course_lib.tools.labs import Property, Question, on_ranks
 
 WORLD_SIZES = (2, 3, 4)
@@ -303,7 +305,7 @@ QUESTIONS = [
                 _digits_cnn_parameters(), 3, "zero3", param_bytes=4, grad_bytes=4, optimizer_bytes=8
             ).total
         ),
-        "fp32 parameters, gradients and Adam's two moments, all sharded (course_lib/memory.py)",
+        "fp32 parameters, gradients and Adam's two moments, all sharded (course_lib/parallel/memory.py)",
     ),
     Question(
         "elements_sent_per_rank_per_step_zero3_on_3_ranks",

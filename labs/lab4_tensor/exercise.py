@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from course_lib import comm, runtime
+from course_lib.distributed import comm, runtime
 
 
 class CopyToParallel(torch.autograd.Function):

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from course_lib import comm, runtime
+from course_lib.distributed import comm, runtime
 from course_lib.tools.labs import Property, Question, on_ranks
 
 WORLD_SIZES = (2, 3, 4)
@@ -248,7 +248,7 @@ QUESTIONS = [
     Question(
         "all_reduce_bytes_per_rank_forward_tokens4096_d1024_tp4_fp32",
         lambda: comm.ring_bytes("all_reduce", 4 * TOKENS * D_MODEL, DEGREE),
-        "g all-reduces the MLP's output (tokens x d_model, fp32) once: 2(T-1)/T of it per rank (course_lib/comm.py)",
+        "g all-reduces the MLP's output (tokens x d_model, fp32) once: 2(T-1)/T of it per rank (course_lib/distributed/comm.py)",
     ),
     Question(
         "bytes_per_rank_to_gather_the_hidden_activation_tp4_fp32",

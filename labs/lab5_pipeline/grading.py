@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from course_lib import runtime
+from course_lib.distributed import runtime
 from course_lib.parallel import pipeline
 from course_lib.tools.labs import Property, Question, on_ranks
 

@@ -1,7 +1,7 @@
 """The grading suite of lab 6: what ``python -m course_lib.tools.labs check lab6_scaling`` checks.
 
 Your functions on tables made from the model with known terms (so the right answer is known):
-speedup, efficiency and Karp-Flatt against ``course_lib.scaling``, the communication term against
+speedup, efficiency and Karp-Flatt against ``course_lib.plan.scaling``, the communication term against
 the alpha-beta model, and the fit, which must give back the terms the table was made from. Then
 your answers against *your own* measurements: the ``[measured]`` block of your answers.toml (your
 study's seconds per epoch, your network's alpha and beta) is fitted again with the course's
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from course_lib import scaling
+from course_lib.plan import scaling
 from course_lib.tools.labs import Property, Question
 
 TABLES = {

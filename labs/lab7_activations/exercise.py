@@ -7,7 +7,7 @@ memory that decides, for long sequences, whether a model fits. Korthikanti et al
 it term by term; here you count it for the course's ``models.Block`` (no dropout, fused
 attention), then for one rank of a tensor-parallel group, then under recomputation. Every
 function returns elements (multiply by 4 for fp32 bytes), in the units of
-``course_lib.activations``, which you should not read before you are done.
+``course_lib.plan.activations``, which you should not read before you are done.
 
 Check your work (measured on real processes with ``memory.live_tensor_bytes`` at 1, 2 and 3
 ranks, the block converted by the course's own tensor and sequence parallelism):

@@ -1,7 +1,7 @@
 """The grading suite of lab 7: what ``python -m course_lib.tools.labs check lab7_activations`` checks.
 
 Your formulas against what real processes keep: a ``models.Block`` (converted by the course's own
-tensor and sequence parallelism, recomputed by ``course_lib.recompute``) runs one forward, and
+tensor and sequence parallelism, recomputed by ``course_lib.parallel.recompute``) runs one forward, and
 ``memory.live_tensor_bytes`` counts every byte it leaves alive for backward, at 1, 2 and 3 ranks
 and shapes that divide by nothing in particular.
 """
@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from course_lib import activations, models, recompute, runtime
-from course_lib.memory import live_tensor_bytes
+from course_lib import models
+from course_lib.distributed import runtime
+from course_lib.parallel import recompute
 from course_lib.parallel import sequence as sp
 from course_lib.parallel import tensor as tp
+from course_lib.parallel.memory import live_tensor_bytes
+from course_lib.plan import activations
 from course_lib.tools.labs import Property, Question, on_ranks
 
 SHAPES = ((5, 12, 24, 6), (3, 7, 20, 5), (2, 24, 36, 6))  # batch, seq, d_model, heads

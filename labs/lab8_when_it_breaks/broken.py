@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the data and helpers
 import exercise  # noqa: E402
 from exercise import THRESHOLD  # noqa: E402
 
-from course_lib import comm, flight_recorder, runtime  # noqa: E402
+from course_lib.distributed import comm, runtime
+from course_lib.observe import flight_recorder  # noqa: E402
 
 
 def report_high_loss(loss: torch.Tensor, step: int) -> None:
@@ -69,7 +70,7 @@ SCRIPTS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    from course_lib.launch import launch
+    from course_lib.distributed.launch import launch
 
     parser = argparse.ArgumentParser(description="Run one of lab 8's broken scripts on 2 local processes.")
     parser.add_argument("script", choices=sorted(SCRIPTS))

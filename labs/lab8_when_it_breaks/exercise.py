@@ -14,7 +14,8 @@ import torch
 from torch import nn
 from torch.utils.data import DistributedSampler, TensorDataset
 
-from course_lib import comm, data, runtime
+from course_lib import data
+from course_lib.distributed import comm, runtime
 
 THRESHOLD = 20.0
 """The loss above which ``train_and_report`` prints the mean loss."""

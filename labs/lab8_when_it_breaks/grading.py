@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from torch.utils.data import DistributedSampler, TensorDataset
 
-from course_lib import flight_recorder
-from course_lib.launch import launch
+from course_lib.distributed.launch import launch
+from course_lib.observe import flight_recorder
 from course_lib.tools import diagnose
 from course_lib.tools.labs import Property, Question, load, on_ranks
 

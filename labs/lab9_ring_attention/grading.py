@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from course_lib import comm, runtime
+from course_lib.distributed import comm, runtime
 from course_lib.parallel import context as cp
 from course_lib.parallel import ulysses
 from course_lib.tools.labs import Property, Question, on_ranks
@@ -183,7 +183,7 @@ def _imbalance() -> float:
 
 
 def _attention_kept() -> float:
-    from course_lib.activations import block_activation_elements
+    from course_lib.plan.activations import block_activation_elements
 
     return block_activation_elements(
         batch=1, seq=LONG, d_model=LONG_HEADS * LONG_HEAD_DIM, heads=LONG_HEADS, context_degree=DEGREE
@@ -209,7 +209,7 @@ QUESTIONS = [
         _attention_kept,
         "for its S/C tokens a rank keeps q, k, v, the output and the copy of it the out projection reads "
         "(S/C x heads x head_dim each), and one log-sum-exp per token and head "
-        "(course_lib/activations.py, block_activation_elements)",
+        "(course_lib/plan/activations.py, block_activation_elements)",
     ),
     Question(
         "ulysses_bytes_per_rank_s131072_u8_h32_d128_bf16",

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from course_lib import comm, runtime
+from course_lib.distributed import comm, runtime
 from course_lib.parallel.context import chunk_lengths  # total tokens in consecutive pieces, the first longer
 
 

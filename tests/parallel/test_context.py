@@ -12,10 +12,11 @@ import copy
 import pytest
 import torch
 
-from course_lib import comm, data, models, runtime
-from course_lib.launch import launch
-from course_lib.memory import saved_tensor_bytes
+from course_lib import data, models
+from course_lib.distributed import comm, runtime
+from course_lib.distributed.launch import launch
 from course_lib.parallel import context as cp
+from course_lib.parallel.memory import saved_tensor_bytes
 
 BATCH, HEADS, HEAD_DIM = 2, 3, 8
 SEQ = 13  # cuts unevenly into 2, 3, 4, 6 and 8 chunks
@@ -113,7 +114,7 @@ def _block_saved_bytes(seq: int, d_model: int, heads: int) -> int:
 
 @pytest.mark.parametrize("degree", [2, 3, 4])
 def test_a_context_parallel_block_keeps_what_the_activation_formula_says(degree):
-    from course_lib.activations import block_activation_elements
+    from course_lib.plan.activations import block_activation_elements
 
     seq, d_model, heads = 24, 24, 6  # 24 cuts into 2C zig-zag chunks at C = 2, 3, 4: s/C tokens each
     kept = launch(_block_saved_bytes, degree, seq, d_model, heads)

@@ -10,9 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from course_lib import comm, models, runtime
+from course_lib import models
+from course_lib.distributed import comm, runtime
+from course_lib.distributed.launch import launch
 from course_lib.errors import UserError
-from course_lib.launch import launch
 from course_lib.parallel.ddp import DataParallel, make_buckets
 from course_lib.tools import bench
 

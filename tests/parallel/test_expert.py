@@ -15,10 +15,11 @@ import copy
 import pytest
 import torch
 
-from course_lib import comm, data, models, runtime
-from course_lib.launch import launch
-from course_lib.memory import saved_tensor_bytes
+from course_lib import data, models
+from course_lib.distributed import comm, runtime
+from course_lib.distributed.launch import launch
 from course_lib.parallel import expert as ep
+from course_lib.parallel.memory import saved_tensor_bytes
 
 D_MODEL, HIDDEN, EXPERTS = 6, 10, 4
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
@@ -197,7 +198,7 @@ def test_the_benchmarks_refuse_sizes_that_do_not_split():
 
 
 def _saved_against_formula(h: int = 64, tokens: tuple[int, int] = (8, 32)):
-    from course_lib.activations import moe_activation_bytes
+    from course_lib.plan.activations import moe_activation_bytes
 
     results = []
     for top_k, capacity_factor in ((1, 1.25), (2, 1.25), (1, 1.0), (2, 0.5)):

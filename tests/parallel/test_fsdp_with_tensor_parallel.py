@@ -12,9 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from course_lib import comm, data, models, runtime
+from course_lib import data, models
+from course_lib.distributed import comm, runtime
+from course_lib.distributed.launch import launch
 from course_lib.errors import UserError
-from course_lib.launch import launch
 from course_lib.parallel import tensor as tp
 from course_lib.parallel.fsdp import FullyShardedDataParallel
 from course_lib.parallel.mesh import Mesh

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from course_lib.distributed.launch import launch
 from course_lib.errors import UserError
-from course_lib.launch import launch
 from course_lib.parallel import mesh
-from course_lib.parallel.three_d import train_3d
+from course_lib.train.three_d import train_3d
 
 
 @pytest.mark.parametrize(
@@ -249,7 +249,7 @@ def test_sequence_parallel_tensor_ranks_with_pipeline_stages_or_context_match_on
 
 def test_a_context_chunk_that_the_tensor_ranks_cannot_share_is_refused_with_the_fix():
     from course_lib.errors import UserError
-    from course_lib.parallel.three_d import check_run
+    from course_lib.train.three_d import check_run
 
     with pytest.raises(UserError, match="each context rank's tokens \\(15 of a sequence of 30 over 2"):
         check_run(4, 1, 1, 2, 16, 2, 4, 64, 4, context=2, seq_len=30, sequence_parallel=True)
@@ -268,7 +268,7 @@ def test_ulysses_over_the_context_ranks_matches_one_process(grid, short_single_l
 
 def test_heads_that_the_context_ranks_cannot_share_are_refused_under_ulysses():
     from course_lib.errors import UserError
-    from course_lib.parallel.three_d import check_run
+    from course_lib.train.three_d import check_run
 
     with pytest.raises(UserError, match="2 attention heads do not divide by the Ulysses degree 4"):
         check_run(8, 1, 1, 2, 16, 2, 4, 64, 4, context=4, context_attention="ulysses")

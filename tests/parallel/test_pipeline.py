@@ -5,10 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from course_lib import activations, data, models, recompute, runtime
+from course_lib import data, models
+from course_lib.distributed import runtime
+from course_lib.distributed.launch import launch
 from course_lib.errors import UserError
-from course_lib.launch import launch
 from course_lib.parallel import pipeline as pp
+from course_lib.parallel import recompute
+from course_lib.plan import activations
 from course_lib.tools import plots
 
 CASES = [(schedule, p, m, 1) for schedule in ("gpipe", "1f1b") for p in (2, 4) for m in (4, 8)] + [

@@ -15,11 +15,12 @@ import copy
 import pytest
 import torch
 
-from course_lib import comm, data, models, runtime
-from course_lib.launch import launch
-from course_lib.memory import saved_tensor_bytes
+from course_lib import data, models
+from course_lib.distributed import comm, runtime
+from course_lib.distributed.launch import launch
 from course_lib.parallel import sequence as sp
 from course_lib.parallel import tensor as tp
+from course_lib.parallel.memory import saved_tensor_bytes
 
 SEQ, D_MODEL, HEADS, BATCH = 12, 24, 6, 5
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
@@ -146,7 +147,7 @@ def _calls_and_bytes(log: comm.CommLog) -> dict:
 
 @pytest.mark.parametrize("degree", [1, 2, 3])
 def test_each_variant_saves_what_the_formula_says_and_regathering_costs_one_all_gather(degree):
-    from course_lib.activations import block_activation_elements
+    from course_lib.plan.activations import block_activation_elements
 
     shape = dict(batch=BATCH, seq=SEQ, d_model=D_MODEL, heads=HEADS)
     formulas = {
@@ -175,7 +176,7 @@ def test_each_variant_saves_what_the_formula_says_and_regathering_costs_one_all_
 
 
 def test_the_activation_formula_refuses_a_variant_without_its_parallelism():
-    from course_lib.activations import block_activation_elements
+    from course_lib.plan.activations import block_activation_elements
 
     from conftest import user_errors
 

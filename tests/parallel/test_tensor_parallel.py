@@ -6,9 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from course_lib import comm, data, models, runtime
+from course_lib import data, models
+from course_lib.distributed import comm, runtime
+from course_lib.distributed.launch import launch
 from course_lib.errors import UserError
-from course_lib.launch import launch
 from course_lib.parallel import tensor as tp
 
 BATCH, SEQ, D_MODEL, HEADS = 5, 7, 24, 4  # an odd batch and sequence length

@@ -13,8 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from course_lib import models, runtime
-from course_lib.launch import launch
+from course_lib import models
+from course_lib.distributed import runtime
+from course_lib.distributed.launch import launch
 from course_lib.parallel.ddp import DataParallel
 from course_lib.parallel.fsdp import FullyShardedDataParallel
 from course_lib.parallel.pipeline import split_model

@@ -10,12 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from course_lib import comm, data, models, runtime
+from course_lib import data, models
+from course_lib.distributed import comm, runtime
+from course_lib.distributed.launch import launch
 from course_lib.errors import UserError
-from course_lib.launch import launch
-from course_lib.memory import saved_tensor_bytes
 from course_lib.parallel import context as cp
 from course_lib.parallel import ulysses
+from course_lib.parallel.memory import saved_tensor_bytes
 
 BATCH, HEADS, HEAD_DIM = 2, 12, 4  # 12 heads divide by 1, 2, 3 and 4
 SEQ = 13  # cuts unevenly into 2, 3 and 4 chunks

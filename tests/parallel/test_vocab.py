@@ -13,12 +13,13 @@ import copy
 import pytest
 import torch
 
-from course_lib import comm, data, models, runtime
-from course_lib.launch import launch
-from course_lib.memory import saved_tensor_bytes
+from course_lib import data, models
+from course_lib.distributed import comm, runtime
+from course_lib.distributed.launch import launch
 from course_lib.parallel import sequence as sp
 from course_lib.parallel import tensor as tp
 from course_lib.parallel import vocab
+from course_lib.parallel.memory import saved_tensor_bytes
 
 VOCAB = 13  # 2, 3 and 4 ranks hold 7, 5 and 4 rows: the last rank pads 1, 2 and 3
 TOKENS, D_MODEL = (3, 5), 8
@@ -227,8 +228,8 @@ def test_bad_inputs_are_refused_with_the_fix():
 
 def _context_and_sequence_parallel(loss_parallel: bool, attention: str):
     """``layout.parallelize`` on a 2 x 2 grid of context and tensor ranks, sequence parallel."""
-    from course_lib.layout import Layout, parallelize
     from course_lib.parallel.mesh import Mesh
+    from course_lib.plan.layout import Layout, parallelize
 
     seq_len = 16
     torch.manual_seed(0)

@@ -10,11 +10,12 @@ import torch
 from test_pipeline import _named_grads
 from torch import nn
 
-from course_lib import models, runtime
+from course_lib import models
+from course_lib.distributed import runtime
+from course_lib.distributed.launch import launch
 from course_lib.errors import UserError
-from course_lib.launch import launch
-from course_lib.memory import live_tensor_bytes
 from course_lib.parallel import pipeline as pp
+from course_lib.parallel.memory import live_tensor_bytes
 from course_lib.parallel.split_backward import BackwardSplitter
 
 ZERO_BUBBLE = [("zb_h1", 1), ("zb_v", 2), ("dualpipe_v", 2)]

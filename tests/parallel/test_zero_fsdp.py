@@ -10,10 +10,11 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 
-from course_lib import comm, memory, models, runtime
+from course_lib import models
+from course_lib.distributed import comm, runtime
+from course_lib.distributed.launch import launch
 from course_lib.errors import UserError
-from course_lib.launch import launch
-from course_lib.parallel import zero
+from course_lib.parallel import memory, zero
 from course_lib.parallel.fsdp import FullyShardedDataParallel, MixedPrecision
 from course_lib.parallel.zero import ZeroDataParallel
 from course_lib.tools import bench

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from course_lib import comm, runtime
+from course_lib.distributed import comm, runtime
+from course_lib.distributed.launch import launch
 from course_lib.errors import UserError
-from course_lib.launch import launch
 from course_lib.parallel.zero_optimizer import ShardedOptimizer, partition_parameters
 
 GLOBAL_BATCH, STEPS = 60, 3

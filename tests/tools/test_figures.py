@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from course_lib import comm
+from course_lib.distributed import ring
 from course_lib.tools import figures
 
 from conftest import REPO
@@ -23,7 +23,7 @@ def test_every_committed_figure_is_what_the_command_draws_now(tmp_path):
 
 
 def test_the_ring_counts_end_with_every_chunk_complete_on_every_rank():
-    frames = comm.ring_all_reduce_counts(4)
+    frames = ring.ring_all_reduce_counts(4)
     assert len(frames) == 1 + 2 * 3
     assert frames[3] == [[1, 4, 3, 2], [2, 1, 4, 3], [3, 2, 1, 4], [4, 3, 2, 1]]  # rank r owns chunk r + 1
     assert frames[-1] == [[4] * 4] * 4

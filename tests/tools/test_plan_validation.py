@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import pytest
 
-from course_lib.launch import launch
-from course_lib.layout import Layout
+from course_lib.distributed.launch import launch
+from course_lib.plan.layout import Layout
 from course_lib.tools import plan_validation as pv
 
 SMALL = pv.Sweep(d_model=32, n_heads=4, n_layers=2, seq_len=16, global_batch=8, steps=3, warmup=1)
@@ -76,7 +76,7 @@ def test_the_calibration_recovers_the_bandwidths_and_the_host_cost_it_was_made_f
     """Steps made by the time model itself, from known rates: ``with_speed`` solves them back."""
     import dataclasses
 
-    from course_lib import cost_model
+    from course_lib.plan import cost_model
 
     link = {"latency_s": 1e-4, "bandwidth_bytes_per_s": 1e9, "cores": 2}
     truth = link | {
@@ -126,7 +126,7 @@ def test_the_operation_counter_counts_forward_and_backward():
 def test_the_host_term_and_the_optimizer_bandwidth_enter_the_prediction():
     import dataclasses
 
-    from course_lib import cost_model
+    from course_lib.plan import cost_model
 
     cluster = pv.machine(
         {

@@ -151,7 +151,7 @@ def test_a_snippet_that_no_longer_runs_fails_with_its_slide_and_line(tmp_path):
         # two
 
         ```python
-        from course_lib import memory
+        from course_lib.parallel import memory
         ```
 
         ---
@@ -177,7 +177,7 @@ def test_a_snippet_that_hangs_is_stopped_with_the_processes_it_started(tmp_path)
 
         ```python
         import time
-        from course_lib.launch import launch
+        from course_lib.distributed.launch import launch
 
         launch(time.sleep, 2, 600)
         ```

@@ -17,7 +17,7 @@ Each benchmark is a module of its own, whose docstring says what it compares:
 ``allreduce``           ``allreduce.py``: the network itself, as ``nccl-tests`` measures it
 ======================  ===================================================================================
 
-Every benchmark but ``allreduce`` also reports the step anatomy (``course_lib.anatomy``) of each
+Every benchmark but ``allreduce`` also reports the step anatomy (``course_lib.observe.anatomy``) of each
 variant it times, under the variant's name, and writes their traces with ``--profile DIR``.
 
 What the benchmarks share is in ``common``, the command in ``cli``. The names below are the ones

@@ -18,7 +18,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from ... import comm, runtime
+from ...distributed import comm, runtime
+from ...plan import scaling
 
 ALLREDUCE_MIN_BYTES = 8
 """The smallest message of the all-reduce sweep: two float32 numbers, where latency is everything."""
@@ -61,8 +62,6 @@ def allreduce_benchmark(*, sizes: list[int], iterations: int, warmup: int) -> di
             time is the median of the blocks' means on GPUs, of every call's time on CPUs.
         warmup: untimed all-reduces per size first (NCCL sets up each size's channels on first use).
     """
-
-    from ... import scaling
 
     process = runtime.process_info()
     world, device = process.world_size, process.device

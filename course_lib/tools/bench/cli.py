@@ -10,9 +10,11 @@ import json
 import sys
 from collections.abc import Callable
 
-from ... import checks, runtime
+from ... import checks
+from ...distributed import runtime
+from ...distributed.launch import launch, max_processes
 from ...errors import EXIT_USER_ERROR, UserError
-from ...launch import launch, max_processes
+from ..plots import plot_allreduce
 from . import sequence
 from .allreduce import (
     ALLREDUCE_MAX_MB,
@@ -466,8 +468,6 @@ def _run_allreduce(args: argparse.Namespace) -> int:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(text + "\n")
     if args.plot is not None:
-        from ..plots import plot_allreduce
-
         plot_allreduce(result, path=args.plot, expected_gbps=args.expect_gbps)
     if not result["all_correct"]:
         print("error: some all-reduce gave a wrong sum: the network corrupts data", file=sys.stderr)

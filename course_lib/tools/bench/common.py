@@ -9,7 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ... import anatomy, runtime
+from ... import data, models
+from ...distributed import runtime
+from ...observe import anatomy
 
 MLP_WIDTH = 1024
 """Width of the MLP the ddp, fsdp and memory benchmarks train (layers of width x width)."""
@@ -124,8 +126,6 @@ def rank_batch(batch: int, width: int):
 
 
 def transformer(layers: int, d_model: int, seq: int):
-    from ... import data, models
-
     inputs, targets, vocabulary = data.zen_windows(seq_len=seq)
     torch.manual_seed(0)
     return (

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ... import comm, runtime
+from ...distributed import comm, runtime
+from ...parallel.ddp import DataParallel
 from ..timing import interleaved_medians
 from .common import anatomies, data_parallel_header, mlp, rank_batch, training_step
 
@@ -39,8 +40,6 @@ def ddp_benchmark(
         profile: a folder for each variant's per-rank traces (None: none are written).
     """
     from torch.nn.parallel import DistributedDataParallel
-
-    from ...parallel.ddp import DataParallel
 
     world = runtime.world_size()
     torch.manual_seed(0)

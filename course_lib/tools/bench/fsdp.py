@@ -7,7 +7,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ... import comm, memory, runtime
+from ...distributed import comm, runtime
+from ...parallel import memory
+from ...parallel.fsdp import FullyShardedDataParallel
 from ..timing import interleaved_medians
 from .common import anatomies, data_parallel_header, mlp, rank_batch, training_step
 
@@ -26,8 +28,6 @@ def fsdp_benchmark(
         profile: a folder for each variant's per-rank traces (None: none are written).
     """
     from torch.distributed.fsdp import fully_shard
-
-    from ...parallel.fsdp import FullyShardedDataParallel
 
     world = runtime.world_size()
     hybrid_size = world // 2 if world % 2 == 0 else world

@@ -9,16 +9,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ... import comm, memory, runtime
+from ...distributed import comm, runtime
+from ...parallel import memory
+from ...parallel.ddp import DataParallel
+from ...parallel.fsdp import FullyShardedDataParallel
+from ...parallel.zero import ZeroDataParallel
 from .common import anatomies, mlp, rank_batch, training_step
 
 
 def wrap_for_stage(model: nn.Module, stage: str, units: list[nn.Module] | None = None) -> nn.Module:
     """The model as ``stage`` (ddp, zero1, zero2, zero3) trains it, with the course's implementations."""
-    from ...parallel.ddp import DataParallel
-    from ...parallel.fsdp import FullyShardedDataParallel
-    from ...parallel.zero import ZeroDataParallel
-
     if stage == "ddp":
         return DataParallel(model)
     if stage in ("zero1", "zero2"):

@@ -14,7 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ... import comm, runtime
+from ... import models
+from ...distributed import comm, runtime
+from ...parallel import pipeline as pp
+from ...parallel import recompute
 from ..timing import interleaved_medians
 from .common import anatomies, transformer
 
@@ -50,9 +53,6 @@ def pipeline_benchmark(
         ScheduleGPipe,
         ScheduleInterleaved1F1B,
     )
-
-    from ... import models
-    from ...parallel import pipeline as pp
 
     p, rank = runtime.world_size(), runtime.rank()
     rows = []
@@ -164,8 +164,6 @@ def _bubble_and_events_on_one_time_line(stats) -> tuple[float, dict, dict]:
     Args:
         stats: this rank's ``PipelineStats`` of the step just run (call it on every rank).
     """
-    from ...parallel import pipeline as pp
-
     everyone = [None] * runtime.world_size()
     torch.distributed.all_gather_object(everyone, stats)
     by_rank = dict(enumerate(everyone))
@@ -193,8 +191,6 @@ def pipeline_bubble_benchmark(
         steps: timed steps; the median bubble is reported.
         warmup: untimed steps first.
     """
-    from ...parallel import pipeline as pp
-
     p, rank = runtime.world_size(), runtime.rank()
     torch.manual_seed(0)
     stages = [
@@ -293,9 +289,6 @@ def zero_bubble_benchmark(
         ScheduleInterleavedZeroBubble,
         ScheduleZBVZeroBubble,
     )
-
-    from ... import recompute
-    from ...parallel import pipeline as pp
 
     p, rank, m = runtime.world_size(), runtime.rank(), ZERO_BUBBLE_MICROBATCHES
     inputs, targets = torch.randn(batch, width, requires_grad=True), torch.randn(batch, width)

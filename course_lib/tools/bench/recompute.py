@@ -1,7 +1,7 @@
 """``recompute``: the memory each recomputation policy saves and the time it pays, side by side.
 
 The course's transformer, data parallel on the ranks, under ``none``, ``full`` and ``selective``
-(``course_lib.recompute``): what one forward leaves alive for backward
+(``course_lib.parallel.recompute``): what one forward leaves alive for backward
 (``memory.live_tensor_bytes``) against the planner's formula (``cost_model.predict``), and the
 median step time, the three policies timed in rotating order in one run.
 """
@@ -12,10 +12,13 @@ import copy
 
 import torch
 
-from ... import cost_model, memory, models, recompute, runtime
+from ... import models
 from ...data import zen_windows
-from ...layout import Layout
+from ...distributed import runtime
+from ...parallel import memory, recompute
 from ...parallel.ddp import DataParallel
+from ...plan import cost_model
+from ...plan.layout import Layout
 from ..timing import interleaved_medians
 
 

@@ -38,14 +38,15 @@ import time
 import torch
 import torch.distributed as dist
 
-from ... import comm, models, runtime
-from ...activations import block_activation_elements
-from ...memory import saved_tensor_bytes
+from ... import models
+from ...distributed import comm, runtime
 from ...parallel import context as cp
 from ...parallel import expert as ep
 from ...parallel import sequence as sp
 from ...parallel import tensor as tp
 from ...parallel import ulysses
+from ...parallel.memory import saved_tensor_bytes
+from ...plan.activations import block_activation_elements
 from ..timing import interleaved_medians
 from .common import anatomies
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from ... import comm, runtime
+from ... import models
+from ...distributed import comm, runtime
+from ...parallel import tensor as tp
 from ..timing import interleaved_medians
 from .common import anatomies
 
@@ -31,9 +33,6 @@ def tp_benchmark(
 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    from ... import models
-    from ...parallel import tensor as tp
 
     degree = runtime.world_size()
     mesh = init_device_mesh("cpu", (degree,))

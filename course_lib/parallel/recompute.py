@@ -46,8 +46,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from . import models
-from .errors import UserError
+from .. import models
+from ..errors import UserError
 
 POLICIES = ("none", "full", "selective")
 

@@ -30,7 +30,11 @@ from dataclasses import dataclass, fields, replace
 
 from torch import nn
 
-from .errors import UserError
+from ..distributed import runtime
+from ..errors import UserError
+from ..models import Block, Embedding, LMHead
+from ..parallel import context, ddp, fsdp, pipeline, recompute, sequence, tensor, ulysses, vocab, zero
+from ..parallel.context import SequenceLayout
 
 SHARDINGS = ("ddp", "zero1", "zero2", "fsdp")
 RECOMPUTATION = ("none", "full", "selective")
@@ -149,8 +153,6 @@ class Layout:
     def sequence_layout(self, seq_len: int):
         """Which tokens of a ``seq_len`` sequence each context rank holds (``context.SequenceLayout``):
         zig-zag chunks for the ring (each rank's causal work even), contiguous ones for Ulysses."""
-        from .parallel.context import SequenceLayout
-
         return SequenceLayout(seq_len, self.context, zigzag=self.context_attention == "ring")
 
     def with_(self, **changes) -> Layout:
@@ -174,8 +176,6 @@ def apply_tensor_parallel(model: nn.Module, group, *, sequence_parallel: bool = 
             (``parallel.sequence``, the regathered variant); the model then takes and returns
             this rank's s/T tokens.
     """
-    from .parallel import sequence, tensor
-
     if sequence_parallel:
         return sequence.parallelize_sequence(model, group=group, regather_in_backward=True)
     return tensor.parallelize_transformer(model, group=group)
@@ -192,8 +192,6 @@ def apply_vocabulary_parallel(model: nn.Module, group, *, sequence_parallel: boo
         group: the tensor-parallel process group.
         sequence_parallel: the head reads this rank's tokens only (gather them first).
     """
-    from .parallel import vocab
-
     return vocab.parallelize_vocabulary(model, group=group, sequence_parallel=sequence_parallel)
 
 
@@ -207,9 +205,6 @@ def apply_context_parallel(model: nn.Module, group, *, seq_len: int, attention: 
         attention: ``"ring"`` (``parallel.context``) or ``"ulysses"`` (``parallel.ulysses``:
             contiguous chunks, the heads on this rank must divide by the group's size).
     """
-    from . import runtime
-    from .parallel import context, ulysses
-
     size = runtime.world_size(group=group)
     chunks = Layout(context=size, context_attention=attention).sequence_layout(seq_len)
     if attention == "ulysses":
@@ -226,9 +221,6 @@ def apply_data_parallel(model: nn.Module, group, *, sharding: str) -> nn.Module:
         sharding: ``"ddp"`` (``parallel.ddp``), ``"zero1"``/``"zero2"`` (``parallel.zero``) or
             ``"fsdp"`` (``parallel.fsdp``, one unit per block).
     """
-    from . import recompute
-    from .parallel import ddp, fsdp, zero
-
     if sharding == "ddp":
         return ddp.DataParallel(model, group=group)
     if sharding in ("zero1", "zero2"):
@@ -261,9 +253,6 @@ def parallelize(
         data_parallel: wrap the stage for the data axis; False leaves the data axis to the
             caller (``parallel.three_d`` averages every gradient itself after the step).
     """
-    from . import recompute
-    from .parallel import pipeline
-
     for axis in AXES:
         if mesh.degrees[axis] != layout.degree(axis):
             raise UserError(
@@ -282,7 +271,6 @@ def parallelize(
     coordinate = mesh.coordinates.pipeline
     on_this_rank = pipeline.stages_on_rank(coordinate, layout.pipeline, virtual_stages=layout.virtual_stages)
     stages = {s: pieces[s] for s in on_this_rank}
-    from .models import Block, Embedding, LMHead
 
     for index, stage in stages.items():
         if layout.tensor > 1 and any(isinstance(m, Block) for m in stage.modules()):

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 
 import torch.distributed as dist
 
-from . import comm, runtime
+from ..distributed import comm, runtime
 
 
 @dataclass
@@ -96,8 +96,8 @@ class StragglerMeter:
     ...     train_step()
     >>> meter.reports  # rank 0: one StepReport per step
 
-    Only the collectives made through ``course_lib.comm`` are seen (the course's DDP, ZeRO, FSDP and
-    model parallelism); PyTorch's own DDP and FSDP call the transport directly.
+    Only the collectives made through ``course_lib.distributed.comm`` are seen (the course's DDP,
+    ZeRO, FSDP and model parallelism); PyTorch's own DDP and FSDP call the transport directly.
 
     Args:
         group: the ranks compared (None: every rank).
@@ -154,7 +154,7 @@ def describe(reports: list[StepReport]) -> str:
     """
     found = summary(reports)
     if not found["steps"]:
-        return "stragglers: no step made a collective through course_lib.comm"
+        return "stragglers: no step made a collective through course_lib.distributed.comm"
     rank = found["slowest_rank"]
     others = [w for r, w in enumerate(found["waited_per_step_s"]) if r != rank]
     return (

@@ -28,7 +28,7 @@ collectives executed by the backend's threads (gloo's ``gloo:all_reduce``...) or
 after a barrier, so times are measured from there on every rank and the ranks' clocks agree to
 within the barrier's skew (tens of microseconds on one machine). Collective #k of a group is
 matched across ranks through ``comm.CommRecord.sequence`` when every collective went through
-``course_lib.comm``; otherwise (PyTorch's own DDP or FSDP2, a single group) by issue order.
+``course_lib.distributed.comm``; otherwise (PyTorch's own DDP or FSDP2, a single group) by issue order.
 
 Cost: the profiler slows each operator by a few microseconds, so record only a few steps; the
 times it shows are those of a profiled step.
@@ -51,8 +51,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import comm, runtime
-from .errors import UserError
+from ..checks import check_int
+from ..distributed import comm, runtime
+from ..errors import UserError
+from . import collective_check
 
 PHASE_PREFIX = "phase:"
 STEP_MARK = "anatomy:step"
@@ -295,7 +297,9 @@ class Recorder:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         self._calls_per_step: list[list[comm.CommRecord]] = []
         self._log = comm.CommLog()
-        self._unchecked = comm.unchecked()  # the cross-rank check would be a collective of its own
+        self._unchecked = (
+            collective_check.unchecked()
+        )  # the cross-rank check would be a collective of its own
         self._unchecked.__enter__()
         self._log.__enter__()
         with _quiet_native_stderr():
@@ -464,8 +468,6 @@ def record_steps(
         warmup: steps run first and not recorded (allocations, caches, bucket rebuilds settle).
         trace_dir: also write each rank's Chrome/Perfetto trace there, ``rank<N>.json``.
     """
-    from .checks import check_int
-
     check_int("steps", steps, minimum=1)
     check_int("warmup", warmup, minimum=0)
     for _ in range(warmup):

@@ -10,7 +10,7 @@ launcher            what the process finds in its environment
 ==================  ==========================================================================
 ``torchrun``        RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
 ``srun`` (Slurm)    SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS, SLURM_JOB_NODELIST, SLURM_JOB_ID
-``course_lib.launch``  the torchrun variables, set by the launcher for each forked child
+``course_lib.distributed.launch``  the torchrun variables, set by the launcher for each forked child
 nothing             a plain ``python train.py``: rank 0 of a world of 1
 ==================  ==========================================================================
 
@@ -58,8 +58,12 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from . import faults, flight_recorder
-from .errors import RendezvousFailed, UserError
+from ..checks import check_int, check_number
+from ..errors import RendezvousFailed, UserError
+from . import hooks
+
+RUN_VARIABLE = "COURSE_RUN_ID"
+"""A name every rank of one run shares (the launcher sets it; instruments write it into their records)."""
 
 DEFAULT_TIMEOUT_S = 300
 """How long a collective waits for a missing rank before failing (instead of hanging forever)."""
@@ -87,7 +91,7 @@ class DistEnvironment:
     local_world_size: int
     master_addr: str
     master_port: int
-    launcher: str  # "torchrun" (or course_lib.launch), "slurm", or "single"
+    launcher: str  # "torchrun" (or course_lib.distributed.launch), "slurm", or "single"
 
 
 @dataclass(frozen=True)
@@ -111,7 +115,7 @@ _process: ProcessInfo | None = None
 
 
 LAUNCHER_VARIABLES = {
-    "RANK": "torchrun and course_lib.launch set it; unset it to run one process",
+    "RANK": "torchrun and course_lib.distributed.launch set it; unset it to run one process",
     "WORLD_SIZE": "the number of processes; torchrun sets it (--nproc-per-node x --nnodes)",
     "LOCAL_RANK": "this process's number among its node's; torchrun sets it",
     "LOCAL_WORLD_SIZE": "the processes of this node; torchrun sets it",
@@ -427,8 +431,6 @@ def init(
     if _process is not None:
         return _process
 
-    from .checks import check_int, check_number
-
     check_number("timeout_s", timeout_s, above=0, maximum=MAX_TIMEOUT_S)
     if num_threads is not None:
         check_int("num_threads", num_threads, minimum=1)
@@ -445,10 +447,7 @@ def init(
         device = torch.device("cpu")
         torch.set_num_threads(num_threads or cpu_threads_per_rank(env.local_world_size))
 
-    faults.reset()  # a forked process reads COURSE_FAULT afresh, with its own rank
-    folder = os.environ.get(flight_recorder.FOLDER_VARIABLE)
-    if folder:  # before the process group: on GPUs, PyTorch's own recorder reads its variables there
-        flight_recorder.start(folder, rank=env.rank, world_size=env.world_size)
+    hooks.started(rank=env.rank, world_size=env.world_size)  # instruments, before the process group
     timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         if env.world_size == 1:
@@ -478,7 +477,7 @@ def init(
 def process_info() -> ProcessInfo:
     """What the ``init()`` call of this process found: its rank, world size, device and backend."""
     if _process is None:
-        raise RuntimeError("course_lib.runtime.init() has not been called in this process")
+        raise RuntimeError("course_lib.distributed.runtime.init() has not been called in this process")
     return _process
 
 
@@ -491,8 +490,8 @@ def shutdown() -> None:
     """
     global _process
     # A rank that ends while others wait says so: its record shows the last collective it made.
-    flight_recorder.dump("finished: the program ended here")
-    flight_recorder.stop()
+    hooks.ending("finished: the program ended here")
+    hooks.stopped()
     gc.collect()
     import torch.distributed as dist
 

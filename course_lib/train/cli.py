@@ -16,7 +16,7 @@ On a Slurm cluster, one task per GPU (see ``slurm/``)::
 Exit status: 0 done, 2 a mistake in the input (one line says how to fix it), 1 a crash (on this
 rank, or on another rank that this one was waiting for), 3 stopped by SIGUSR1 or SIGTERM at a
 step boundary after writing a checkpoint (a job script requeues itself on 3; see
-``course_lib.preemption``), 4 the loss or a gradient became NaN or infinite: every rank stopped
+``course_lib.train.preemption``), 4 the loss or a gradient became NaN or infinite: every rank stopped
 at that step, before updating, and the newest checkpoint is the last good one (one line says
 what to try).
 
@@ -32,9 +32,10 @@ import sys
 import time
 import traceback
 
-from . import checks, flight_recorder, runtime
-from .data import DATASETS
-from .errors import (
+from .. import checks
+from ..data import DATASETS
+from ..distributed import runtime
+from ..errors import (
     EXIT_CRASH,
     EXIT_DIVERGED,
     EXIT_REQUEUE,
@@ -44,12 +45,13 @@ from .errors import (
     UserError,
     report_exit_status,
 )
-from .models import MODELS
-from .parallel.fsdp import OFFLOAD_MODES, SHARDING_STRATEGIES
+from ..models import MODELS
+from ..observe import flight_recorder
+from ..parallel.fsdp import OFFLOAD_MODES, SHARDING_STRATEGIES
+from ..parallel.recompute import POLICIES
+from .loop import OPTIMIZERS, PRECISIONS, TrainConfig, train, validate_config
 from .preemption import Preempted
-from .recompute import POLICIES
 from .strategies import IMPLEMENTATIONS, STRATEGIES
-from .trainer import OPTIMIZERS, PRECISIONS, TrainConfig
 
 
 class _DefaultsWhereTheyHelp(argparse.ArgumentDefaultsHelpFormatter):
@@ -245,7 +247,6 @@ def run(
 ) -> int:
     """Validate, join the process group, train, leave. Returns the exit status."""
     why = ""  # what stopped this rank, for its flight record
-    from .trainer import train, validate_config
 
     try:
         env = runtime.resolve_environment()

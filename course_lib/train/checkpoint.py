@@ -49,8 +49,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import runtime
-from .errors import UserError
+from ..distributed import runtime
+from ..errors import UserError
 from .strategies import unwrap
 
 FORMAT_VERSION = 1

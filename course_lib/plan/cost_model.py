@@ -47,11 +47,12 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from . import memory
-from .comm import ring_bytes
-from .errors import UserError
+from ..distributed.comm import ring_bytes
+from ..errors import UserError
+from ..models import Block
+from ..parallel import memory
+from ..parallel.pipeline import bubble_fraction, build_schedule, peak_activations_theory, simulate_timeline
 from .layout import AXES, CONTEXT_ATTENTION, Layout
-from .parallel.pipeline import bubble_fraction, build_schedule, peak_activations_theory, simulate_timeline
 
 
 @dataclass(frozen=True)
@@ -94,8 +95,6 @@ class ModelSpec:
     @classmethod
     def of(cls, model, *, name: str = "course-transformer") -> ModelSpec:
         """The spec of one of the course's ``models.TinyTransformer`` (LayerNorm, biases, GELU MLP)."""
-        from .models import Block
-
         blocks = [m for m in model if isinstance(m, Block)]
         return cls(
             name, len(blocks), model.d_model, model.n_heads, model.n_heads, blocks[0].mlp.fc1.out_features,

@@ -28,7 +28,9 @@ folder), and ``tools.diagnose`` reads those dumps too (PyTorch's own reader is
 
 Cost: one record per collective and one walk up the caller's frames, a few microseconds beside a
 collective's tens of microseconds at least; off unless ``start`` is called (``--flight-recorder
-DIR`` on the trainer, or ``COURSE_FLIGHT_RECORDER=DIR``, which ``runtime.init`` reads).
+DIR`` on the trainer, or ``COURSE_FLIGHT_RECORDER=DIR``, which ``runtime.init`` reads). Importing
+this module installs it into the collectives' and the processes' hooks
+(``course_lib.distributed.hooks``): the collectives report to it without knowing it.
 
 Reference: PyTorch's flight recorder (docs: "Flight Recorder for Debugging Stuck Jobs";
 ``torch.distributed.flight_recorder``), which this lesson follows in what it records.
@@ -48,12 +50,12 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .errors import UserError
+from ..distributed import hooks
+from ..distributed.runtime import RUN_VARIABLE
+from ..errors import UserError
 
 FOLDER_VARIABLE = "COURSE_FLIGHT_RECORDER"
 """The folder every rank writes its record to; set, ``runtime.init`` starts the recorder."""
-RUN_VARIABLE = "COURSE_RUN_ID"
-"""A name every rank of one run shares (the launcher sets it), written into each record."""
 FORMAT = "course-flight-recorder/1"
 REQUEST = "DUMP_REQUESTED"
 """The file a rank writes to ask every other rank of the folder to dump (its text: the reason)."""
@@ -273,9 +275,18 @@ def failed(error: BaseException) -> None:
     _recorder.request_everyone(reason)
 
 
-_COMM_FILES = (os.path.join("course_lib", "comm.py"), os.path.join("course_lib", "flight_recorder.py"))
-_PLUMBING = (*_COMM_FILES, os.path.join("course_lib", "faults.py"), "threading.py")
-"""Frames a stack leaves out: the collectives' own, the fault injector's, a thread's wait."""
+_COMM_FILES = (
+    os.path.join("course_lib", "distributed", "comm.py"),
+    os.path.join("course_lib", "distributed", "hooks.py"),
+    os.path.join("course_lib", "observe", "flight_recorder.py"),
+)
+_PLUMBING = (
+    *_COMM_FILES,
+    os.path.join("course_lib", "observe", "faults.py"),
+    os.path.join("course_lib", "observe", "collective_check.py"),
+    "threading.py",
+)
+"""Frames a stack leaves out: the collectives' own, the instruments', a thread's wait."""
 
 
 def _caller() -> str:
@@ -309,3 +320,56 @@ def _main_thread_stack() -> list[str]:
         for summary in traceback.extract_stack(frame)
         if not summary.filename.endswith(_PLUMBING)
     ]
+
+
+class RecordCollectives(hooks.CollectiveHook):
+    """Each collective into the recorder, if one runs: issued, then completed or failed."""
+
+    order = 10  # before the cross-rank check, so that a call it refuses is in the record
+
+    def issued(self, call) -> None:
+        if _recorder is not None:
+            call.notes[self] = _recorder.issue(
+                call.op,
+                sequence=call.record.sequence,
+                group_ranks=call.record.group_ranks,
+                shape=() if call.tensor is None else call.tensor.shape,
+                dtype="" if call.tensor is None else call.tensor.dtype,
+                peer=call.peer,
+            )
+
+    def completed(self, call) -> None:
+        entry = call.notes.get(self)
+        if entry is not None:
+            entry.completed_s = time.time()
+
+    def failed(self, call, error: BaseException) -> None:
+        failed(error)
+
+
+class RecordProcess(hooks.ProcessHook):
+    """Start with the process (``COURSE_FLIGHT_RECORDER`` set), write at its end, answer a hang."""
+
+    order = 10
+
+    def started(self, *, rank: int, world_size: int) -> None:
+        folder = os.environ.get(FOLDER_VARIABLE)
+        if folder:  # before the process group: on GPUs, PyTorch's own recorder reads its variables there
+            start(folder, rank=rank, world_size=world_size)
+
+    def ending(self, reason: str) -> None:
+        dump(reason)  # a rank that ends while others wait says so: the last collective it made
+
+    def stopped(self) -> None:
+        stop()
+
+    def hung(self, reason: str) -> None:
+        """In the launcher, before it stops hung ranks: ask each for its record, wait a moment."""
+        folder = os.environ.get(FOLDER_VARIABLE)
+        if folder:
+            request_dumps(folder, reason)
+            time.sleep(5 * POLL_S)
+
+
+hooks.register(RecordCollectives())
+hooks.register(RecordProcess())

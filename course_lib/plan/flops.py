@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from .errors import UserError
+from ..errors import UserError
 
 PEAK_TFLOPS = (
     # (a substring of torch.cuda.get_device_name(), {matmul precision: dense TFLOP/s}), first match

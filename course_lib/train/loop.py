@@ -35,24 +35,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from . import (
-    anatomy,
-    checkpoint,
-    checks,
-    comm,
-    data,
-    faults,
-    flight_recorder,
-    flops,
-    memory,
-    models,
-    recompute,
-    replicas,
-    runtime,
-    stragglers,
-    strategies,
-)
-from .errors import Diverged, UserError
+from .. import checks, data, models
+from ..distributed import comm, runtime
+from ..errors import Diverged, UserError
+from ..observe import anatomy, faults, flight_recorder, replicas, stragglers
+from ..parallel import memory, recompute
+from ..parallel.fsdp import OFFLOAD_MODES, SHARDING_STRATEGIES, hybrid_shard_group_size
+from ..plan import flops
+from . import checkpoint, strategies
 from .preemption import Preempted, StopRequests
 
 PRECISIONS = ("fp32", "bf16")
@@ -206,8 +196,6 @@ def validate_config(config: TrainConfig, world_size: int, ranks_per_node: int | 
     _check_sharding_flags(config)
     hybrid = ("fsdp", "course", 3, "HYBRID_SHARD")
     if (config.strategy, config.impl, config.zero_stage, config.sharding) == hybrid:
-        from .parallel.fsdp import hybrid_shard_group_size
-
         hybrid_shard_group_size(config.hybrid_shard_size, world_size, ranks_per_node or world_size)
     if config.checkpoint_every and not config.checkpoint_dir:
         raise UserError("--checkpoint-every needs --checkpoint-dir (where to write the checkpoints)")
@@ -280,7 +268,6 @@ def _check_sharding_flags(config: TrainConfig) -> None:
         raise UserError(
             f"{flags} choose(s) among the course's sharded implementations: add --strategy fsdp --impl course"
         )
-    from .parallel.fsdp import OFFLOAD_MODES, SHARDING_STRATEGIES
 
     if config.zero_stage not in (1, 2, 3):
         raise UserError(
@@ -463,7 +450,7 @@ class Trainer:
         self.data = data.load_dataset(config.dataset, data_dir=config.data_dir, seed=config.seed)
         model = models.build_model(config.model, num_classes=self.data.num_classes).to(self.process.device)
         # The model's arithmetic per sample, counted once on a shape-only copy: throughput x this
-        # is the achieved FLOP/s, and over the GPUs' peak it is MFU (course_lib.flops).
+        # is the achieved FLOP/s, and over the GPUs' peak it is MFU (course_lib.plan.flops).
         self.flops_per_sample = flops.training_flops_per_sample(model, tuple(self.data.train[0][0].shape))
         # Recompute before wrapping: the wrappers' hooks then run around the recomputed forward.
         recompute.apply_recomputation(model, policy=config.recompute)

@@ -33,7 +33,7 @@ scale for free in time: the ring's 2(N-1) messages each pay a latency (a term 2(
 grows with N), and under strong scaling the compute that could hide the communication shrinks
 as 1/N (``scaling.strong_scaling_seconds``).
 
-``ring_all_reduce`` builds the all-reduce from ``send``/``recv`` to show where the 2(N-1)/N comes
+``ring.ring_all_reduce`` builds the all-reduce from ``send``/``recv`` to show where the 2(N-1)/N comes
 from: N-1 steps of reduce-scatter, then N-1 steps of all-gather, each moving one N-th of the
 tensor to the right-hand neighbour.
 
@@ -45,19 +45,16 @@ Collective Communication Operations in MPICH", IJHPCA 2005.
 
 from __future__ import annotations
 
-import contextlib
-import math
-import os
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from . import faults, flight_recorder, runtime
-from .errors import UserError
+from ..errors import UserError
+from . import hooks, runtime
 
 REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -176,7 +173,7 @@ class CommLog:
 
 
 class _SkippedWork:
-    """The handle of a call a fault skipped: nothing to wait for."""
+    """The handle of a call an instrument skipped (a fault on purpose): nothing to wait for."""
 
     def wait(self) -> bool:
         return True
@@ -188,11 +185,8 @@ class _SkippedWork:
 class _LoggedWork:
     """The handle of an asynchronous call: ``wait()`` also finishes the record (and any post-step)."""
 
-    def __init__(
-        self, work, record: CommRecord, started: float, after: Callable[[], None] | None, entry=None
-    ):
-        self._work, self._record, self._started, self._after = work, record, started, after
-        self._entry = entry  # the flight recorder's, if one runs
+    def __init__(self, work, call: Call, started: float, after: Callable[[], None] | None):
+        self._work, self._call, self._started, self._after = work, call, started, after
         self._done = False
 
     def wait(self) -> bool:
@@ -200,13 +194,14 @@ class _LoggedWork:
             try:
                 self._work.wait()
             except Exception as error:
-                flight_recorder.failed(error)
+                for hook in hooks.collective_hooks:
+                    hook.failed(self._call, error)
                 raise
             if self._after is not None:
                 self._after()
-            self._record.seconds = time.perf_counter() - self._started
-            if self._entry is not None:
-                self._entry.completed_s = time.time()
+            self._call.record.seconds = time.perf_counter() - self._started
+            for hook in hooks.collective_hooks:
+                hook.completed(self._call)
             self._done = True
         return True
 
@@ -215,42 +210,6 @@ class _LoggedWork:
 
 
 # -- what every call checks ----------------------------------------------------------------
-
-CHECK_COLLECTIVES = "COURSE_CHECK_COLLECTIVES"
-"""With this variable set to 1 (``launch`` sets it in its processes unless told not to), each
-collective first checks that every rank of the group makes the same call with tensors of the
-same shape and dtype: one small all-gather more per call, the price of a clear error. Without
-it, gloo aborts the process ("terminate called") or, for a broadcast, copies part of a tensor
-and goes on. PyTorch checks the same with TORCH_DISTRIBUTED_DEBUG=DETAIL."""
-
-_FINGERPRINT_DIMS = 6
-_OPS = (
-    "all_reduce",
-    "broadcast",
-    "all_gather",
-    "reduce_scatter",
-    "reduce",
-    "gather",
-    "scatter",
-    "all_to_all",
-)
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8)
-_unchecked_depth = 0
-
-
-@contextlib.contextmanager
-def unchecked():
-    """Collectives inside skip the cross-rank check: for timing them, since the check is a collective too."""
-    global _unchecked_depth
-    _unchecked_depth += 1
-    try:
-        yield
-    finally:
-        _unchecked_depth -= 1
-
-
-def _checking() -> bool:
-    return _unchecked_depth == 0 and os.environ.get(CHECK_COLLECTIVES) == "1"
 
 
 def _check_tensors(op: str, **named) -> None:
@@ -274,42 +233,6 @@ def _check_tensors(op: str, **named) -> None:
             _check_device(value)
 
 
-def _fingerprint(op: str, dtype: torch.dtype, shape: tuple[int, ...], numel: int) -> list[int]:
-    dims = list(shape[:_FINGERPRINT_DIMS]) + [-1] * (_FINGERPRINT_DIMS - len(shape[:_FINGERPRINT_DIMS]))
-    dtype_code = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES) + hash(str(dtype)) % 1000
-    return [_OPS.index(op), dtype_code, len(shape), numel, *dims]
-
-
-def _describe(row: list[int]) -> str:
-    op, dtype_code, ndim, numel, *dims = row
-    dtype = str(_DTYPES[dtype_code]).removeprefix("torch.") if dtype_code < len(_DTYPES) else "another dtype"
-    shape = tuple(dims[: min(ndim, _FINGERPRINT_DIMS)])
-    return f"{_OPS[op]} of {dtype} {shape if ndim <= _FINGERPRINT_DIMS else f'{shape}... ({numel} elements)'}"
-
-
-def _check_same_call(op: str, tensor: torch.Tensor, group, *, shape: tuple[int, ...] | None = None) -> None:
-    """Refuse, in one line on every rank, a call that the group's ranks do not all make alike.
-
-    ``shape``: what must agree, when not the tensor's whole shape (an all-to-all's rows differ).
-    """
-    size = runtime.world_size(group=group)
-    if size == 1 or not _checking():
-        return
-    shape = tuple(tensor.shape) if shape is None else shape
-    mine = torch.tensor(_fingerprint(op, tensor.dtype, shape, math.prod(shape)), device=tensor.device)
-    everyone = torch.empty(size * mine.numel(), dtype=mine.dtype, device=mine.device)
-    _all_gather_single(everyone, mine, group=group)
-    rows = everyone.view(size, -1).tolist()
-    if all(row == rows[0] for row in rows):
-        return
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
-    calls = "; ".join(f"rank {rank}: {_describe(row)}" for rank, row in zip(ranks, rows))
-    raise UserError(
-        f"comm: the ranks made different calls ({calls}): every rank of the group must make the "
-        "same collectives, in the same order, with tensors of the same shape and dtype"
-    )
-
-
 def _check_device(*tensors: torch.Tensor) -> None:
     backend = dist.get_backend()
     for tensor in tensors:
@@ -320,8 +243,21 @@ def _check_device(*tensors: torch.Tensor) -> None:
             raise UserError(
                 f"a {tuple(tensor.shape)} tensor on {tensor.device} was passed to a {backend} collective, "
                 f"which needs {wanted} tensors: move it with "
-                "tensor.to(course_lib.runtime.process_info().device)"
+                "tensor.to(course_lib.distributed.runtime.process_info().device)"
             )
+
+
+@dataclass
+class Call:
+    """One collective as it goes out, for the ledger and for the hooks (``hooks.CollectiveHook``)."""
+
+    op: str
+    record: CommRecord
+    group: object
+    tensor: torch.Tensor | None = None  # the one the ranks' calls must agree on, if any
+    check_shape: tuple[int, ...] | None = None  # what of its shape must agree, when not all of it
+    peer: int | None = None  # the other rank of a send or a receive
+    notes: dict = field(default_factory=dict)  # what a hook keeps between issued and completed
 
 
 def _run(
@@ -340,54 +276,43 @@ def _run(
     """Call ``call()`` (a torch.distributed operation), log it, and finish with ``after`` when complete.
 
     ``sent_bytes``: what this rank sends, when the formula of ``ring_bytes`` does not say it (an
-    all-to-all with uneven pieces). ``tensor``: the one the ranks' calls must agree on
-    (``_check_same_call``) and the flight recorder describes; ``check_shape``: what of its shape
-    must agree, when not all of it; ``peer``: the other rank of a send or receive.
+    all-to-all with uneven pieces). ``tensor``: the one the ranks' calls must agree on and the
+    instruments describe; ``check_shape``: what of its shape must agree, when not all of it;
+    ``peer``: the other rank of a send or receive. The instruments (``hooks.collective_hooks``)
+    see the call before it goes out, and when it completed or failed.
     """
-    if faults.active():  # a fault on purpose (course_lib.faults): a rank that skips, hangs, dies, lags
-        call = faults.at_collective(op, -1 if op in POINT_TO_POINT else _calls_on.get(group, 0), call)
-        if call is None:  # skipped: as if the line that makes it had not run
-            return _SkippedWork() if async_op else None
+    sequence = -1 if op in POINT_TO_POINT else _calls_on.get(group, 0)  # point to point: no order
+    if not all(hook.intercept(op, sequence) for hook in hooks.collective_hooks):
+        return _SkippedWork() if async_op else None  # as if the line that makes it had not run
+    if sequence >= 0:
+        _calls_on[group] = sequence + 1
     size = runtime.world_size(group=group)
     sent = ring_bytes(op, tensor_bytes, size) if sent_bytes is None else sent_bytes
-    sequence = -1  # point to point: each pair has its own order
-    if op not in POINT_TO_POINT:
-        sequence = _calls_on.get(group, 0)
-        _calls_on[group] = sequence + 1
     record = CommRecord(op, tensor_bytes, sent, size, sequence=sequence, issued_s=time.time())
-    recorder = flight_recorder.recorder()
-    if _active_logs or recorder is not None:
+    if _active_logs or hooks.collective_hooks:
         record.group_ranks = (
             tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(size))
         )
     for log in _active_logs:
         log.records.append(record)
-    entry = None
-    if recorder is not None:
-        entry = recorder.issue(
-            op,
-            sequence=sequence,
-            group_ranks=record.group_ranks,
-            shape=() if tensor is None else tensor.shape,
-            dtype="" if tensor is None else tensor.dtype,
-            peer=peer,
-        )
-    started = time.perf_counter()  # the check, when on, is where a rank waits for the others: timed
+    described = Call(op, record, group, tensor=tensor, check_shape=check_shape, peer=peer)
+    started = time.perf_counter()  # a check, when one runs, is where a rank waits for the others
     try:
-        if tensor is not None and sequence >= 0:  # a collective itself: its failure is recorded too
-            _check_same_call(op, tensor, group, shape=check_shape)
+        for hook in hooks.collective_hooks:
+            hook.issued(described)
         work = call()
         if not async_op:
             if after is not None:
                 after()
             record.seconds = time.perf_counter() - started
-            if entry is not None:
-                entry.completed_s = time.time()
+            for hook in hooks.collective_hooks:
+                hook.completed(described)
             return None
     except Exception as error:
-        flight_recorder.failed(error)
+        for hook in hooks.collective_hooks:
+            hook.failed(described, error)
         raise
-    return _LoggedWork(work, record, started, after, entry)
+    return _LoggedWork(work, described, started, after)
 
 
 def _reduce_op(op: str):
@@ -412,8 +337,8 @@ def _mean_divider(tensor: torch.Tensor, op: str, group) -> Callable[[], None] | 
 # -- the collectives ------------------------------------------------------------------------
 
 # torch 2.14 renamed the tensor-to-tensor collectives (the old names still work, with a warning).
-_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
 def nbytes(tensor: torch.Tensor) -> int:
@@ -436,9 +361,8 @@ def all_reduce(tensor: torch.Tensor, *, op: str = "sum", group=None, async_op: b
             instead of blocking until the collective is done.
     """
     _check_tensors("all_reduce", tensor=tensor)
-    if faults.active():  # a fault on purpose may send half of it, or to another group (course_lib.faults)
-        tensor = faults.resized("all_reduce", _calls_on.get(group, 0), tensor)
-        group = faults.regrouped("all_reduce", _calls_on.get(group, 0), group)
+    for hook in hooks.collective_hooks:  # an instrument may change them (a fault on purpose)
+        tensor, group = hook.substitute("all_reduce", _calls_on.get(group, 0), tensor, group)
     reduce_op, divide = _reduce_op(op), _mean_divider(tensor, op, group)
     return _run(
         "all_reduce",
@@ -508,7 +432,7 @@ def all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, *, group=
         "all_gather",
         nbytes(output),
         group,
-        lambda: _all_gather_single(output, tensor, group=group, async_op=async_op),
+        lambda: all_gather_single(output, tensor, group=group, async_op=async_op),
         async_op,
         tensor=tensor,
     )
@@ -554,7 +478,7 @@ def reduce_scatter_tensor(
         "reduce_scatter",
         nbytes(tensor),
         group,
-        lambda: _reduce_scatter_single(output, tensor, op=reduce_op, group=group, async_op=async_op),
+        lambda: reduce_scatter_single(output, tensor, op=reduce_op, group=group, async_op=async_op),
         async_op,
         divide,
         tensor=tensor,
@@ -883,78 +807,3 @@ def send_recv(
         tensor=send_tensor,
         peer=dst,
     )
-
-
-# -- the ring all-reduce, by hand -----------------------------------------------------------
-
-
-def ring_all_reduce_counts(n: int) -> list[list[list[int]]]:
-    """What a ring all-reduce does, counted: after each step, how many ranks' values each chunk holds.
-
-    ``frames[step][rank][chunk]``: in reduce-scatter step k, rank r sends chunk (r - k) mod n to
-    rank r + 1, which adds it to its own; after n - 1 steps rank r holds the complete chunk
-    (r + 1) mod n. In the n - 1 all-gather steps the complete chunks travel on round the ring.
-
-    Args:
-        n: the ranks in the ring (and chunks of the tensor).
-    """
-    counts = [[1] * n for _ in range(n)]
-    frames = [[row[:] for row in counts]]
-    for step in range(n - 1):
-        sent = [(r, (r - step) % n, counts[r][(r - step) % n]) for r in range(n)]
-        for r, chunk, value in sent:
-            counts[(r + 1) % n][chunk] += value
-        frames.append([row[:] for row in counts])
-    for step in range(n - 1):
-        sent = [(r, (r + 1 - step) % n, counts[r][(r + 1 - step) % n]) for r in range(n)]
-        for r, chunk, value in sent:
-            counts[(r + 1) % n][chunk] = value
-        frames.append([row[:] for row in counts])
-    return frames
-
-
-def ring_all_reduce(tensor: torch.Tensor, *, group=None) -> torch.Tensor:
-    """Sum ``tensor`` over the group in place, with the ring algorithm, from send/recv only.
-
-    The tensor is cut into N chunks (``tensor_split``: lengths may differ by one). Ranks form a
-    ring; each step every rank sends one chunk to its right neighbour and receives one from its
-    left neighbour.
-
-    1. Reduce-scatter, N-1 steps: at step s rank r sends chunk (r - s) mod N and adds the chunk
-       (r - s - 1) mod N it receives. Afterwards rank r holds the complete sum of chunk (r + 1) mod N.
-    2. All-gather, N-1 steps: each rank passes the finished chunks around the ring, so at step s
-       rank r sends chunk (r + 1 - s) mod N and stores the chunk (r - s) mod N it receives.
-
-    Each rank sent 2(N-1) chunks of S/N bytes: 2(N-1)/N · S, whatever N is.
-
-    Args:
-        tensor: this rank's contribution, overwritten with the sum.
-        group: the ranks of the ring (None: every rank), in their order in the group.
-    """
-    n, rank = runtime.world_size(group=group), runtime.rank(group=group)
-    if n == 1:
-        return tensor
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(n))
-    right, left = ranks[(rank + 1) % n], ranks[(rank - 1) % n]
-    work = tensor.contiguous().view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
-    chunks = list(torch.tensor_split(work, n))
-
-    def exchange(send_index: int, receive_index: int) -> torch.Tensor:
-        incoming = torch.empty_like(chunks[receive_index])
-        # clone: we modify chunks while it flies
-        outgoing = isend(chunks[send_index].clone(), right, group=group)
-        recv(incoming, left, group=group)
-        outgoing.wait()
-        return incoming
-
-    # #region ring-steps
-    for step in range(n - 1):
-        received = exchange((rank - step) % n, (rank - step - 1) % n)
-        chunks[(rank - step - 1) % n] += received
-    for step in range(n - 1):
-        received = exchange((rank + 1 - step) % n, (rank - step) % n)
-        chunks[(rank - step) % n].copy_(received)
-    # #endregion ring-steps
-    if work.data_ptr() != tensor.data_ptr():
-        tensor.copy_(work.view_as(tensor))
-    return tensor

@@ -75,7 +75,8 @@ MLSys 2023 (arXiv:2205.05198), section 4 (equations 1-4) and 4.2.2 (sequence par
 
 from __future__ import annotations
 
-from .errors import UserError
+from ..errors import UserError
+from ..parallel.pipeline import peak_activations_theory
 
 RECOMPUTATION_POLICIES = ("none", "full", "selective")  # as ``recompute.POLICIES``
 
@@ -237,8 +238,6 @@ def pipeline_activation_bytes(
         microbatches: m, the pieces each batch is cut into.
         rank: the rank's place in the pipeline (the first holds the most under 1F1B).
     """
-    from .parallel.pipeline import peak_activations_theory
-
     if schedule not in ("gpipe", "1f1b"):
         raise UserError(
             f"pipeline_activation_bytes covers gpipe and 1f1b (one stage per rank), not {schedule!r}"

@@ -36,16 +36,18 @@ import contextlib
 import torch
 from torch import nn
 
-from .. import anatomy, comm, models, runtime
+from .. import models
 from ..data import zen_windows
+from ..distributed import comm, runtime
 from ..errors import UserError
-from ..layout import Layout, parallelize
-from . import context as cp
-from . import pipeline as pp
-from . import sequence as sp
-from . import tensor as tp
-from . import vocab
-from .mesh import Mesh, rank_at
+from ..observe import anatomy
+from ..parallel import context as cp
+from ..parallel import pipeline as pp
+from ..parallel import sequence as sp
+from ..parallel import tensor as tp
+from ..parallel import ulysses, vocab
+from ..parallel.mesh import Mesh, check_degrees, rank_at
+from ..plan.layout import Layout, parallelize
 
 
 def build_local_model(
@@ -92,9 +94,6 @@ def check_run(
     context_attention: str = "ring",
 ) -> None:
     """Everything that can be wrong, checked before any process waits on another."""
-    from . import ulysses
-    from .mesh import check_degrees
-
     check_degrees(world_size, data=data, pipeline=pipeline, context=context, tensor=tensor)
     tp.check_tensor_parallel_degree(d_model, n_heads, 4 * d_model, tensor)
     context_layout = Layout(context=context, context_attention=context_attention)  # refuses an unknown method
@@ -162,7 +161,7 @@ def train_3d(
         n_layers: blocks (with the embedding and head, at least P pieces to cut).
         seed: the seed of the weights and of the batches, the same on every rank.
         recompute: what each block keeps for backward: ``"none"``, ``"full"`` or ``"selective"``
-            (``course_lib.recompute``).
+            (``course_lib.parallel.recompute``).
         sequence_parallel: with T > 1, Megatron-LM's sequence parallelism: the norms run on
             1/T of the tokens, and the stages send each other 1/T of the activations.
         context_attention: with C > 1, ``"ring"`` (zig-zag chunks) or ``"ulysses"`` (contiguous

@@ -22,7 +22,7 @@ from __future__ import annotations
 import signal
 import threading
 
-STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+from ..errors import STOP_SIGNALS
 
 
 class Preempted(Exception):

@@ -33,8 +33,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .anatomy import PARTS
-from .errors import UserError
+from ..errors import UserError
+from ..observe.anatomy import PARTS
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import runtime
-from .errors import UserError
+from ..distributed import runtime
+from ..errors import UserError
 
 
 class ReplicasDiverged(UserError):

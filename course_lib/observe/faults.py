@@ -24,13 +24,14 @@ seed                seeds its data sampler with AT instead of the run's seed
 no-set-epoch        does not call ``sampler.set_epoch`` from epoch AT on (epochs count from 0)
 ==================  =================================================================
 
-The first six act in ``comm``; the last four in the trainer (``course_lib.trainer``), which
+The first six act in ``comm``; the last four in the trainer (``course_lib.train.loop``), which
 reads them through ``poisoned_loss``, ``corrupt_after``, ``sampler_seed`` and ``skips_set_epoch``.
 
-The collectives in ``comm`` read the fault at each call (``at_collective``, ``resized``); with no
-fault set, nothing is checked but one variable. The peers see each fault only through
-what the transport does: a wait until the timeout, an error, or (without the course's check of
-every call) a wrong result.
+Importing this module installs it into the collectives' hooks (``course_lib.distributed.hooks``):
+``comm`` then asks it before each call (``at_collective``, ``resized``, ``regrouped``), without
+knowing what it is; with no fault set, nothing is checked but one variable. The peers see each
+fault only through what the transport does: a wait until the timeout, an error, or (without
+the course's check of every call) a wrong result.
 """
 
 from __future__ import annotations
@@ -39,11 +40,11 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .errors import UserError
+from ..distributed import hooks
+from ..errors import UserError
 
 if TYPE_CHECKING:  # torch is imported where a fault needs it: runtime (and the jobs' checks) import this
     import torch
@@ -138,35 +139,34 @@ def _my_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
-def at_collective(op: str, sequence: int, call: Callable[[], object]) -> Callable[[], object] | None:
-    """The call a collective makes, changed by this rank's fault (``comm`` asks before every call).
+def at_collective(op: str, sequence: int) -> bool:
+    """Whether this rank makes its collective number ``sequence`` (``comm`` asks before every call).
 
-    Returns ``call``, or None when the fault skips it (the collective is not made and takes no
-    number); sleeps first for ``slow``, never returns for ``hang``, ends the process for ``kill``.
+    False when the fault skips it (the collective is not made and takes no number); sleeps first
+    for ``slow``, never returns for ``hang``, ends the process for ``kill``.
 
     Args:
         op: the collective's name.
         sequence: the number it will have on its group (-1 for point to point).
-        call: what it would call.
     """
     fault = _for_me()
     if fault is None:
-        return call
+        return True
     if fault.kind == "slow":
         time.sleep(fault.at)
-        return call
+        return True
     if sequence != int(fault.at) or fault.kind in _fired or fault.kind in ("wrong-size", "wrong-group"):
-        return call
+        return True
     _fired.add(fault.kind)
     if fault.kind == "skip-collective":
-        return None
+        return False
     if fault.kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if fault.kind == "hang":
         forever = threading.Event()
         while not forever.wait(3600):  # asleep in Python: the recorder's watcher still runs
             pass
-    return call
+    return True
 
 
 def resized(op: str, sequence: int, tensor: torch.Tensor) -> torch.Tensor:
@@ -255,3 +255,26 @@ def regrouped(op: str, sequence: int, group):
         return group
     _fired.add("wrong-group")
     return None
+
+
+class FaultAtCollectives(hooks.CollectiveHook):
+    """The six faults that act in the collectives, asked before each call."""
+
+    order = 0  # first: a skipped or hung call is never recorded nor checked
+
+    def intercept(self, op: str, sequence: int) -> bool:
+        return not active() or at_collective(op, sequence)
+
+    def substitute(self, op: str, sequence: int, tensor, group):
+        if not active():
+            return tensor, group
+        return resized(op, sequence, tensor), regrouped(op, sequence, group)
+
+
+class FaultPerProcess(hooks.ProcessHook):
+    def started(self, *, rank: int, world_size: int) -> None:
+        reset()  # a forked process reads COURSE_FAULT afresh, with its own rank
+
+
+hooks.register(FaultAtCollectives())
+hooks.register(FaultPerProcess())

@@ -3,7 +3,7 @@
 ``torchrun`` is how real jobs start, but it needs a terminal and a script file. In a notebook
 or a test we want to write a function and see it run on 4 processes right there:
 
->>> from course_lib.launch import launch
+>>> from course_lib.distributed.launch import launch
 >>> def hello():
 ...     from course_lib import runtime
 ...     return runtime.rank() * 10
@@ -41,8 +41,9 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from . import flight_recorder, runtime
-from .errors import UserError
+from ..checks import check_choice, check_int, check_number
+from ..errors import UserError
+from . import hooks, runtime
 
 PROCESSES_PER_CORE_LIMIT = 8
 """More processes than this per CPU core would spend their time switching, not computing: refused."""
@@ -82,8 +83,6 @@ def _child(
 ) -> None:
     import torch
 
-    from .comm import CHECK_COLLECTIVES
-
     torch.set_num_threads(1)  # first torch call in the child: see the module docstring
     os.environ.update(
         RANK=str(rank),
@@ -93,8 +92,8 @@ def _child(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
-    os.environ.setdefault(flight_recorder.RUN_VARIABLE, f"launch-{os.getppid()}-{port}")
-    os.environ[CHECK_COLLECTIVES] = "1" if check_collectives else "0"
+    os.environ.setdefault(runtime.RUN_VARIABLE, f"launch-{os.getppid()}-{port}")
+    os.environ[hooks.CHECK_COLLECTIVES] = "1" if check_collectives else "0"
     exit_code = 0
     try:
         runtime.init(backend=backend, timeout_s=timeout_s, num_threads=1)
@@ -104,7 +103,7 @@ def _child(
         runtime.barrier()
         result = fn(*args, **kwargs)
         # before the launcher, which has every result, stops the processes still shutting down
-        flight_recorder.dump("finished: the program ended here")
+        hooks.ending("finished: the program ended here")
         try:
             _send(connection, ("ok", result))
         except Exception as error:  # the result could not be pickled
@@ -114,7 +113,7 @@ def _child(
             exit_code = 1
     except BaseException as error:  # noqa: BLE001 (report everything, including KeyboardInterrupt)
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        flight_recorder.dump(f"stopped by an error: {type(error).__name__}: {first}")
+        hooks.ending(f"stopped by an error: {type(error).__name__}: {first}")
         text = traceback.format_exc()
         try:
             _send(connection, ("error", error, text))
@@ -125,14 +124,6 @@ def _child(
         runtime.shutdown()
         connection.close()
         runtime.flush_and_exit(exit_code)
-
-
-def _ask_for_flight_records(reason: str) -> None:
-    """Before stopping hung ranks: ask each for its flight record, if they keep one; wait a moment."""
-    folder = os.environ.get(flight_recorder.FOLDER_VARIABLE)
-    if folder:
-        flight_recorder.request_dumps(folder, reason)
-        time.sleep(5 * flight_recorder.POLL_S)
 
 
 def _stop(processes: list) -> None:
@@ -206,9 +197,10 @@ def launch(
 
     Each process has joined a process group (``runtime.init``) before ``fn`` starts. If any rank
     raises, the others are stopped and the exception is raised here. If they do not all finish
-    within ``timeout_s`` seconds, they are stopped and ``TimeoutError`` is raised. Every
-    collective made through ``course_lib.comm`` first checks that all ranks make the same call
-    with tensors of the same shape (``comm.CHECK_COLLECTIVES``); a timing turns that off.
+    within ``timeout_s`` seconds, they are stopped and ``TimeoutError`` is raised. With
+    ``course_lib.observe.collective_check`` imported, every collective made through
+    ``course_lib.distributed.comm`` first checks that all ranks make the same call with tensors of
+    the same shape (``hooks.CHECK_COLLECTIVES``); a timing turns that off.
 
     Args:
         fn: the function every rank runs; define it at the top level of a module or a notebook
@@ -225,8 +217,6 @@ def launch(
             the launcher stops them all.
         kwargs: keyword arguments passed to ``fn`` on every rank.
     """
-    from .checks import check_choice, check_int, check_number
-
     if not callable(fn):
         raise UserError(f"fn must be a function to run on every rank, got {type(fn).__name__}")
     check_int("nprocs", nprocs, minimum=1)
@@ -240,7 +230,8 @@ def launch(
     if dist.is_initialized():
         raise RuntimeError(
             "launch() was called from a process that already joined a process group; forked children would "
-            "inherit its sockets. Call course_lib.runtime.shutdown() first, or restart the kernel."
+            "inherit its sockets. Call course_lib.distributed.runtime.shutdown() first, or restart the "
+            "kernel."
         )
     context = multiprocessing.get_context("fork")
     port = free_port()
@@ -280,11 +271,9 @@ def launch(
             ready = multiprocessing.connection.wait(list(pending), timeout=max(0.0, wait_s))
             if not ready:
                 if failures:  # the others are still running: their records first, then stop them
-                    _ask_for_flight_records(f"the launcher: rank {min(failures)} failed")
+                    hooks.hung(f"the launcher: rank {min(failures)} failed")
                     break
-                _ask_for_flight_records(
-                    f"the launcher: ranks {sorted(pending.values())} did not finish in {timeout_s} s"
-                )
+                hooks.hung(f"the launcher: ranks {sorted(pending.values())} did not finish in {timeout_s} s")
                 raise TimeoutError(
                     f"ranks {sorted(pending.values())} of {nprocs} did not finish within {timeout_s} s; they "
                     "were stopped (a rank waiting in a collective that another rank never called?)"

@@ -33,9 +33,12 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from .errors import UserError
-from .models import sharding_units
-from .runtime import ProcessInfo
+from ..distributed.runtime import ProcessInfo
+from ..errors import UserError
+from ..models import sharding_units
+from ..parallel.ddp import DataParallel
+from ..parallel.fsdp import FullyShardedDataParallel
+from ..parallel.zero import ZeroDataParallel
 
 STRATEGIES = ("single", "ddp", "fsdp")
 IMPLEMENTATIONS = ("torch", "course")
@@ -83,20 +86,14 @@ def wrap_model(
         return model
     if strategy == "ddp":
         if impl == "course":
-            from .parallel.ddp import DataParallel
-
             return DataParallel(model)
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [process.device.index] if process.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids)
     if impl == "course" and zero_stage in (1, 2):
-        from .parallel.zero import ZeroDataParallel
-
         return ZeroDataParallel(model, stage=zero_stage)
     if impl == "course":
-        from .parallel.fsdp import FullyShardedDataParallel
-
         return FullyShardedDataParallel(
             model,
             auto_wrap_policy=sharding_units(model),
@@ -119,8 +116,6 @@ def unwrap(model: nn.Module) -> nn.Module:
     parameter names then match those of a single process or of FSDP.
     """
     from torch.nn.parallel import DistributedDataParallel
-
-    from .parallel.ddp import DataParallel
 
     return model.module if isinstance(model, (DistributedDataParallel, DataParallel)) else model
 

@@ -10,6 +10,10 @@ from pathlib import Path
 
 import pytest
 
+# The instruments the tests rely on, installed into every process the launcher forks: each
+# collective checked across its ranks (one line when they differ), faults on purpose, the recorder.
+from course_lib.observe import collective_check, faults, flight_recorder  # noqa: F401
+
 # No matplotlib backend is chosen for the processes the tests start: the notebook kernels must draw
 # inline, as in JupyterLab (the library only makes Figures, which need none).
 os.environ.pop("MPLBACKEND", None)

@@ -263,6 +263,8 @@ def check_command_line(module_name: str, argv: list[str]) -> str | None:
     """
     try:
         module = importlib.import_module(module_name)
+        if hasattr(module, "__path__") and not hasattr(module, "main"):  # `python -m` runs its __main__
+            module = importlib.import_module(module_name + ".__main__")
     except ImportError:
         return f"there is no module {module_name}"
     if not callable(getattr(module, "main", None)):

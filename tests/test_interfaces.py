@@ -28,7 +28,19 @@ import pytest
 
 from conftest import REPO
 
-PARALLEL_LESSONS = ("ddp", "flat_param", "zero", "fsdp", "tensor", "pipeline", "mesh", "three_d")
+PARALLEL_LESSONS = tuple(
+    f"course_lib.{name}"
+    for name in (
+        "parallel.ddp",
+        "parallel.flat_param",
+        "parallel.zero",
+        "parallel.fsdp",
+        "parallel.tensor",
+        "parallel.pipeline",
+        "parallel.mesh",
+        "train.three_d",
+    )
+)
 
 
 def teaching_sources() -> list[tuple[str, str]]:
@@ -93,7 +105,7 @@ def student_api() -> dict[str, object]:
             if _defined_in_course_lib(value) and not name.startswith("_"):
                 api[f"{module_name}.{name}"] = value
     for lesson in PARALLEL_LESSONS:
-        module = importlib.import_module(f"course_lib.parallel.{lesson}")
+        module = importlib.import_module(lesson)
         for name, value in vars(module).items():
             if inspect.isclass(value) and value.__module__ == module.__name__ and not name.startswith("_"):
                 # a dataclass is a record a lesson returns; one the material builds is found above
@@ -192,9 +204,9 @@ def test_the_material_calls_no_private_name():
 
 @pytest.mark.parametrize("lesson", PARALLEL_LESSONS)
 def test_each_parallel_lesson_names_its_paper(lesson):
-    doc = importlib.import_module(f"course_lib.parallel.{lesson}").__doc__
+    doc = importlib.import_module(lesson).__doc__
     assert re.search(r"(Paper|Papers|This is)\b.*?(19|20)\d\d", doc, re.S), (
-        f"course_lib/parallel/{lesson}.py: say which paper the lesson follows (authors, title, year)"
+        f"{lesson.replace('.', '/')}.py: say which paper the lesson follows (authors, title, year)"
     )
 
 

@@ -9,7 +9,7 @@ checks, slide by slide:
 1. **images**: every image a slide shows (``![..](/images/x.png)``, ``<img src=..>``, or an
    ``image:``/``background:`` in its frontmatter) exists under ``slides/public``, and none is
    fetched from the internet (the decks must work offline);
-2. **code imports**: every ``<<< @/course_lib/comm.py#ring-steps`` names a file that exists and a
+2. **code imports**: every ``<<< @/course_lib/distributed/ring.py#ring-steps`` names a file that exists and a
    ``#region`` that exists in it (for a missing region Slidev silently shows the whole file);
 3. **python blocks** run: a deck's blocks run in order, in one namespace, in a fresh process
    started from the repository root, like the cells of a notebook;

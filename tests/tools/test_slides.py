@@ -197,14 +197,14 @@ def test_a_code_import_of_a_missing_region_or_file_is_named(tmp_path):
         """\
         # two
 
-        <<< @/course_lib/comm.py#no-such-region python
+        <<< @/course_lib/distributed/comm.py#no-such-region python
 
         <<< @/course_lib/no_such_file.py python
         """,
     )
     problems = slides.check_deck(deck)
     assert len(problems) == 2
-    assert "slide 2: code import @/course_lib/comm.py#no-such-region" in problems[0]
+    assert "slide 2: code import @/course_lib/distributed/comm.py#no-such-region" in problems[0]
     assert "has no region 'no-such-region'" in problems[0]
     assert "slide 2: code import @/course_lib/no_such_file.py names no file" in problems[1]
 

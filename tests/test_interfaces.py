@@ -22,6 +22,7 @@ import importlib
 import importlib.util
 import inspect
 import json
+import pkgutil
 import re
 
 import pytest
@@ -105,12 +106,18 @@ def student_api() -> dict[str, object]:
             if _defined_in_course_lib(value) and not name.startswith("_"):
                 api[f"{module_name}.{name}"] = value
     for lesson in PARALLEL_LESSONS:
-        module = importlib.import_module(lesson)
-        for name, value in vars(module).items():
-            if inspect.isclass(value) and value.__module__ == module.__name__ and not name.startswith("_"):
-                # a dataclass is a record a lesson returns; one the material builds is found above
-                if _parameters(value) and not dataclasses.is_dataclass(value):
-                    api[f"{module.__name__}.{name}"] = value
+        package = importlib.import_module(lesson)
+        inside = [f"{lesson}.{m.name}" for m in pkgutil.iter_modules(getattr(package, "__path__", []))]
+        for module in (package, *map(importlib.import_module, inside)):  # a package: each of its files
+            for name, value in vars(module).items():
+                if (
+                    inspect.isclass(value)
+                    and value.__module__ == module.__name__
+                    and not name.startswith("_")
+                ):
+                    # a dataclass is a record a lesson returns; one the material builds is found above
+                    if _parameters(value) and not dataclasses.is_dataclass(value):
+                        api[f"{module.__name__}.{name}"] = value
     return dict(sorted(api.items()))
 
 

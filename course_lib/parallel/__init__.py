@@ -3,7 +3,8 @@
 Data parallelism (``ddp``), its memory (``memory``), the sharded parameter (``flat_param``),
 ZeRO (``zero``, ``zero_optimizer``) and FSDP (``fsdp``); tensor (``tensor``, ``vocab``), sequence
 (``sequence``), context (``context``, ``ulysses``) and expert (``expert``) parallelism;
-activation recomputation (``recompute``); pipelines (``pipeline``, ``split_backward``); and the
-grid of ranks they share (``mesh``). None of them imports the instruments (``course_lib.observe``)
-nor the harness above them.
+activation recomputation (``recompute``); pipelines (``pipeline/``: the schedules, the
+zero-bubble split backward, the theory and the executor); and the grid of ranks they share
+(``mesh``). None of them imports the instruments (``course_lib.observe``) nor the harness above
+them.
 """

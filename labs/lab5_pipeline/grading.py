@@ -192,7 +192,7 @@ QUESTIONS = [
     Question(
         "bubble_fraction_p4_m8",
         lambda: pipeline.bubble_fraction_theory(4, 8),
-        "the idle share of each rank's step: (p - 1)/(m + p - 1), course_lib/parallel/pipeline.py",
+        "the idle share of each rank's step: (p - 1)/(m + p - 1), course_lib/parallel/pipeline/theory.py",
         rel_tol=1e-2,
     ),
     Question(

@@ -16,7 +16,7 @@ from course_lib.distributed.launch import launch
 from course_lib.errors import UserError
 from course_lib.parallel import pipeline as pp
 from course_lib.parallel.memory import live_tensor_bytes
-from course_lib.parallel.split_backward import BackwardSplitter
+from course_lib.parallel.pipeline.zero_bubble import BackwardSplitter
 
 ZERO_BUBBLE = [("zb_h1", 1), ("zb_v", 2), ("dualpipe_v", 2)]
 SEQ, D_MODEL, BATCH = pipeline_tests.SEQ, pipeline_tests.D_MODEL, 12  # 8 pipeline entries: a V of 4 ranks

@@ -2,7 +2,7 @@
 
 A layer y = x Wᵀ has two gradients: the input's, dx = dy W, which the previous pipeline stage is
 waiting for, and the weight's, dW = dyᵀ x, which nobody needs until the optimizer step. An
-ordinary backward computes both at once. The zero-bubble schedules (``pipeline.py``: ZB-H1, ZB-V,
+ordinary backward computes both at once. The zero-bubble schedules (below: ZB-H1, ZB-V,
 DualPipeV) run them as two actions: B first, so that the gradient goes back to the previous rank
 as early as possible, and W later, in what would have been the bubble. B and W cost about the
 same (one matmul each for a linear layer), so a third of the backward becomes movable work.
@@ -32,17 +32,162 @@ PyTorch's, 2 under 1F1B): with recomputation, prefer 1F1B or a split without it.
 Paper: Qi, Wan, Huang and Lin, "Zero Bubble Pipeline Parallelism", ICLR 2024 (arXiv:2401.10241),
 section 2; PyTorch's version is ``torch.distributed.pipelining``'s ``stage_backward_input`` and
 ``stage_backward_weight``, which find the same cut in the autograd graph instead of at layers.
+
+The schedules. Each is a function of (rank, p, m) giving that rank's F, B and W in order
+(``v``, the chunks per rank, is fixed by the schedule: 1 for ZB-H1, 2 for the V's); they come
+first, the split backward that runs them after.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from ..errors import UserError
+from ...errors import UserError
+from .actions import Action
+
+
+def zb_h1_order(rank: int, p: int, m: int, v: int = 1) -> list[Action]:
+    """ZB-H1 (Qi et al. 2024, section 3.1): 1F1B with each backward split into B and W, rank r
+    putting off its first r W's. B alone goes back to the previous rank sooner than a whole
+    backward would, so the warm-up and drain bubbles shrink by T_W each step; the W's put off
+    fill the drain, where 1F1B's later ranks sat idle. At most p micro-batches wait for their W
+    on any rank: 1F1B's peak on rank 0."""
+    warmup = min(p - rank - 1, m)
+    actions = [Action("F", rank, i) for i in range(warmup)]
+    put_off: list[int] = []  # micro-batches whose B ran and whose W has not
+
+    def backward(i: int) -> None:
+        actions.append(Action("B", rank, i))
+        put_off.append(i)
+        if len(put_off) > rank:
+            actions.append(Action("W", rank, put_off.pop(0)))
+
+    for i in range(m - warmup):
+        actions.append(Action("F", rank, warmup + i))
+        backward(i)
+    for i in range(m - warmup, m):
+        backward(i)
+    actions += [Action("W", rank, i) for i in put_off]
+    return actions
+
+
+def zb_v_order(rank: int, p: int, m: int, v: int = 2) -> list[Action]:
+    """ZB-V (Qi et al. 2024, section 6): two chunks per rank in a V, rank r holding stage r (going
+    down) and stage 2p - 1 - r (coming back). Warm up with the first chunk's forwards, then alternate
+    F, B and W of both chunks; the drain runs the B's first and the W's after, so the W's fill what
+    would be the bubble. With T_F = T_B = T_W the bubble is almost gone, at 1F1B's peak activation
+    memory. Written as PyTorch's ``ScheduleZBVZeroBubble`` builds it: for m < 2p - 1 it plans
+    2p - 1 micro-batches and leaves the missing ones out."""
+    down, up = rank, 2 * p - 1 - rank
+    planned = max(2 * p - 1, m)
+    forwards, backwards = {down: 0, up: 0}, {down: 0, up: 0}
+    actions: list[Action] = []
+
+    def forward(stage: int) -> None:
+        actions.append(Action("F", stage, forwards[stage]))
+        forwards[stage] += 1
+
+    def backward(stage: int, *, then_weights: bool) -> None:
+        actions.append(Action("B", stage, backwards[stage]))
+        if then_weights:
+            actions.append(Action("W", stage, backwards[stage]))
+        backwards[stage] += 1
+
+    for _ in range(2 * (p - rank) - 1):
+        forward(down)
+    for _ in range(rank):
+        forward(up)
+        forward(down)
+    for _ in range(p - rank):
+        forward(up)
+        backward(up, then_weights=True)
+    while forwards[up] < forwards[down] or forwards[down] < planned:
+        if forwards[down] < planned:
+            forward(down)
+        backward(down, then_weights=True)
+        forward(up)
+        backward(up, then_weights=True)
+    weights = dict(backwards)  # the drain: B's now, their W's after
+    for _ in range(rank):
+        backward(down, then_weights=False)
+        backward(up, then_weights=False)
+    for _ in range(p - rank):
+        backward(down, then_weights=False)
+        actions.append(Action("W", down, weights[down]))
+        weights[down] += 1
+    actions += [Action("W", up, i) for i in range(weights[up], backwards[up])]
+    actions += [Action("W", down, i) for i in range(weights[down], backwards[down])]
+    return [a for a in actions if a.microbatch < m]
+
+
+def dualpipe_v_order(rank: int, p: int, m: int, v: int = 2) -> list[Action]:
+    """DualPipeV (DeepSeek-V3, 2024; the V-shaped half of DualPipe, as PyTorch's
+    ``ScheduleDualPipeV`` builds it): the V placement of ZB-V, but in the steady state each rank
+    pairs the forward of one chunk with the whole backward of the other (``F`` then ``B`` and ``W``
+    here). On a GPU the pair overlaps: one computes while the other's messages (an MoE layer's
+    all-to-all) travel. On one CPU core they run one after the other, so what this course measures
+    is the schedule's bubble, not that overlap. Only the warm-up and the drain split B from W."""
+    down, up = rank, 2 * p - 1 - rank
+    done = defaultdict(int)  # (kind, stage) -> micro-batches done
+    put_off: list[tuple[int, int]] = []  # (stage, micro-batch) whose B ran and whose W has not
+    actions: list[Action] = []
+
+    def forward(stage: int) -> None:
+        actions.append(Action("F", stage, done["F", stage]))
+        done["F", stage] += 1
+
+    def backward(stage: int, *, split: bool) -> None:
+        i = done["B", stage]
+        done["B", stage] += 1
+        actions.append(Action("B", stage, i))
+        if split:
+            put_off.append((stage, i))
+        else:  # the whole backward at once
+            actions.append(Action("W", stage, i))
+
+    def weights() -> None:
+        if put_off:
+            stage, i = put_off.pop(0)
+            actions.append(Action("W", stage, i))
+
+    for _ in range(2 * (p - rank - 1)):
+        forward(down)
+    for _ in range(rank + 1):
+        forward(down)
+        forward(up)
+    for _ in range(p - rank - 1):
+        backward(up, split=True)
+        weights()
+        forward(up)
+    for _ in range(m - 2 * p + rank + 1):  # the steady state: pairs of one chunk's F and the other's B
+        forward(down)
+        backward(up, split=False)
+        forward(up)
+        backward(down, split=False)
+    for _ in range(p - rank - 1):
+        backward(up, split=False)
+        forward(up)
+        backward(down, split=False)
+    split = False
+    for i in range(rank + 1):  # the drain: the second half of its B's leave their W for later
+        split = split or (i == (rank + 1) // 2 and rank % 2 == 1)
+        backward(up, split=split)
+        split = split or (i == (rank + 1) // 2 and rank % 2 == 0)
+        backward(down, split=split)
+    for _ in range(p - rank - 1):
+        weights()
+        backward(down, split=split)
+    while put_off:
+        weights()
+    return actions
+
+
+# -- the backward split in two -----------------------------------------------------------------
 
 
 @dataclass

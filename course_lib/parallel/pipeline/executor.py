@@ -1,0 +1,417 @@
+"""The model cut into stages, and one rank's schedule run with real sends and receives.
+
+``split_model`` cuts a sequence of layers into stages (refusing a weight tied across two of
+them); ``PipelineExecutor`` runs this rank's list of actions in order: a forward keeps its input
+and output until the backward, a send is non-blocking (``isend``), a receive blocks. Each loss is
+divided by m, so the gradients are the average over micro-batches: exactly those of the whole
+batch. ``PipelineStats`` is what one step did: its timeline, its messages, the activations held.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ...checks import check_group, check_int, check_module
+from ...distributed import comm, runtime
+from ...errors import UserError
+from ..memory import live_tensor_bytes
+from .actions import (
+    SPLIT_BACKWARD,
+    placement_of,
+    rank_of_stage,
+    stages_on_rank,
+)
+from .schedules import build_schedule
+from .zero_bubble import BackwardSplitter
+
+# -- cutting the model ------------------------------------------------------------------------
+
+
+def split_model(
+    layers: nn.Sequential | list[nn.Module], num_stages: int, *, cut_points: list[int] | None = None
+) -> list[nn.Sequential]:
+    """Cut a sequence of layers into ``num_stages`` stages.
+
+    Args:
+        layers: the model as a sequence (an ``nn.Sequential`` or a list of modules).
+        num_stages: how many stages (pipeline ranks x virtual stages per rank).
+        cut_points: the index of the first layer of every stage but the first (e.g. [3, 6]); by
+            default the layers are shared out evenly, earlier stages taking one more when it does
+            not divide.
+    """
+    layers = list(layers)
+    if num_stages < 1:
+        raise UserError(f"the number of stages must be at least 1, got {num_stages}")
+    if num_stages > len(layers):
+        raise UserError(
+            f"cannot cut {len(layers)} layers into {num_stages} stages: every stage needs at least one "
+            f"layer; use at most {len(layers)} stages (pipeline degree x virtual stages)"
+        )
+    if cut_points is None:
+        base, extra = divmod(len(layers), num_stages)
+        sizes = [base + (1 if s < extra else 0) for s in range(num_stages)]
+        cut_points = [sum(sizes[:s]) for s in range(1, num_stages)]
+    bounds = [0, *cut_points, len(layers)]
+    if len(cut_points) != num_stages - 1 or any(a >= b for a, b in zip(bounds, bounds[1:])):
+        raise UserError(
+            f"cut points {cut_points} must be {num_stages - 1} increasing layer indices between 1 and "
+            f"{len(layers) - 1}"
+        )
+    stages = [nn.Sequential(*layers[a:b]) for a, b in zip(bounds, bounds[1:])]
+    _check_no_tie_across_stages(stages)
+    return stages
+
+
+def _device_of(stages, group) -> torch.device:
+    """Where this rank's stages compute: their first parameter's or buffer's device, or, for stages
+    that hold neither (an activation, a reshape), the device the backend communicates from."""
+    for stage in stages:
+        for tensor in (*stage.parameters(), *stage.buffers()):
+            return tensor.device
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _check_no_tie_across_stages(stages: list[nn.Sequential]) -> None:
+    """Each rank keeps only its stage, so a weight tied across two stages would train as two weights."""
+    stage_of: dict[int, int] = {}
+    for index, stage in enumerate(stages):
+        for name, param in stage.named_parameters(remove_duplicate=False):
+            first = stage_of.setdefault(id(param), index)
+            if first != index:
+                raise UserError(
+                    f"a weight is tied between stage {first} and stage {index} (here as {name}): each "
+                    "pipeline rank keeps one copy of its own stage, so the two would train apart; build the "
+                    "model untied (tie_embeddings=False), or cut so that both uses are in one stage"
+                )
+
+
+# -- running one rank's schedule ---------------------------------------------------------------
+
+
+@dataclass
+class PipelineStats:
+    """What one ``step`` did on this rank."""
+
+    peak_activations: int = 0  # forwards (per virtual stage) whose activations were held at once
+    peak_activation_bytes: int = 0  # bytes of stage inputs and outputs held for backward, at most
+    # With ``measure_memory``: the most bytes the held forwards kept alive at once (everything autograd
+    # and recomputation keep for backward, and each forward's output), as ``memory.live_tensor_bytes``
+    # counts them; None without it.
+    peak_kept_bytes: int | None = None
+    events: list = field(default_factory=list)  # (kind, stage, microbatch, start, end) in seconds
+    # (SEND_F | SEND_B, receiving stage, microbatch, issued, issued) and (RECV_F | RECV_B, stage,
+    # microbatch, began waiting, received): when each message left and arrived, in seconds
+    messages: list = field(default_factory=list)
+    # Seconds spent handing messages to the backend (posting receives, starting sends): time between
+    # actions that the schedule counts as free. On a CPU, gloo's thread holds a connection's lock
+    # while it moves data, and waits for a core the computing threads hold: a post can take ms.
+    posting_s: float = 0.0
+    step_time_s: float = 0.0
+    # time.perf_counter() when the step began; the events are seconds after it. On one machine every
+    # process reads the same monotonic clock, so the ranks' events can be put on one time line.
+    clock_start: float = 0.0
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Share of this rank's own step it spent not computing (waiting for its neighbours).
+
+        Each rank's step ends when its own last action does, so a rank that finishes early (the
+        last stage, whose last backward comes first) counts less idle time than the theory's
+        common window does; ``bubble_fraction(events)`` over every rank's events measures that one.
+        """
+        busy = sum(end - start for *_, start, end in self.events)
+        return 1 - busy / self.step_time_s
+
+
+def on_one_clock(stats_by_rank: dict[int, PipelineStats]) -> dict[int, list]:
+    """Every rank's events of one step on one time line, in seconds since the first rank began.
+
+    Each rank measures its events from its own start; on one machine all processes read the same
+    monotonic clock, so shifting each by its ``clock_start`` lines them up (what a picture of the
+    step and the bubble over a window common to all ranks need).
+
+    Args:
+        stats_by_rank: {rank: that rank's ``PipelineStats`` of the same step}.
+    """
+    first = min(stats.clock_start for stats in stats_by_rank.values())
+    return {
+        rank: [
+            (kind, stage, microbatch, stats.clock_start - first + start, stats.clock_start - first + end)
+            for kind, stage, microbatch, start, end in stats.events
+        ]
+        for rank, stats in stats_by_rank.items()
+    }
+
+
+def message_latencies(stats_by_rank: dict[int, PipelineStats]) -> list[float]:
+    """How long each message of one step took, from its send to its arrival, where the receiver was
+    already waiting for it (otherwise its arrival time is unknown), in seconds, on one clock.
+
+    The theory counts messages as free; inside a step a message also waits for its sender's and
+    receiver's cores (on a CPU, the communication thread shares them with the computing ones).
+
+    Args:
+        stats_by_rank: {rank: that rank's ``PipelineStats`` of the same step}.
+    """
+    first = min(stats.clock_start for stats in stats_by_rank.values())
+    sent, received = {}, []
+    for stats in stats_by_rank.values():
+        shift = stats.clock_start - first
+        for kind, stage, microbatch, start, end in stats.messages:
+            key = (kind[-1], stage, microbatch)
+            if kind.startswith("SEND"):
+                sent[key] = shift + start
+            else:
+                received.append((key, shift + start, shift + end))
+    return [end - sent[key] for key, began, end in received if key in sent and began <= sent[key]]
+
+
+class PipelineExecutor:
+    """Run one rank's share of a pipeline schedule with real sends and receives.
+
+    Args:
+        stages: {stage index: module} for the stages this rank holds (see ``rank_of_stage``).
+        num_stages: the stages of the whole pipeline (ranks x virtual stages).
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
+        microbatches: m, the pieces each batch is cut into.
+        loss_fn: ``loss_fn(outputs, targets)`` on the last stage; each micro-batch's loss is
+            divided by m, so the gradients are those of the whole batch.
+        boundary_shape: the shape of one micro-batch's activation between stages, e.g.
+            (micro_batch, seq, d_model); receives allocate it.
+        group: the pipeline's ranks, in stage order (default: all).
+        dtype: the dtype of the activations sent between stages.
+        measure_memory: count what every forward leaves alive for its backward
+            (``memory.live_tensor_bytes``; slow, for lessons and tests) into
+            ``stats.peak_kept_bytes``.
+    """
+
+    def __init__(
+        self,
+        stages: dict[int, nn.Module],
+        num_stages: int,
+        schedule: str,
+        microbatches: int,
+        loss_fn,
+        boundary_shape: tuple[int, ...],
+        *,
+        group=None,
+        dtype: torch.dtype = torch.float32,
+        measure_memory: bool = False,
+    ):
+        if not isinstance(stages, dict) or not stages:
+            raise UserError(
+                "stages must be a non-empty dict {stage index: module} of the stages this rank holds (see "
+                f"rank_of_stage), got {type(stages).__name__}"
+            )
+        for index, stage in stages.items():
+            check_module(f"stages[{index}]", stage)
+        check_int("num_stages", num_stages, minimum=1)
+        check_int("microbatches", microbatches, minimum=1)
+        if not callable(loss_fn):
+            raise UserError(
+                f"loss_fn must be a function (outputs, targets) -> loss, got {type(loss_fn).__name__}"
+            )
+        if not all(isinstance(size, int) and size >= 1 for size in boundary_shape):
+            raise UserError(
+                "boundary_shape must be positive whole numbers, e.g. (micro_batch, seq, d_model), got "
+                f"{tuple(boundary_shape)}"
+            )
+        check_group("group", group)
+        self.group = group
+        self.pipeline_size = runtime.world_size(group=group)
+        self.rank = runtime.rank(group=group)
+        if num_stages % self.pipeline_size:
+            raise UserError(f"{num_stages} stages do not go round {self.pipeline_size} pipeline ranks evenly")
+        self.virtual_stages = num_stages // self.pipeline_size
+        self.actions = build_schedule(
+            schedule, self.pipeline_size, microbatches, virtual_stages=self.virtual_stages
+        )[self.rank]
+        self.placement = placement_of(schedule)
+        expected = set(
+            stages_on_rank(
+                self.rank, self.pipeline_size, virtual_stages=self.virtual_stages, placement=self.placement
+            )
+        )
+        if set(stages) != expected:
+            where = " (a V: rank r holds stages r and 2p - 1 - r)" if self.placement == "v" else ""
+            raise UserError(
+                f"rank {self.rank} must hold stages {sorted(expected)}{where} under {schedule}, got "
+                f"{sorted(stages)}"
+            )
+        # The schedules with W actions run each stage's backward in two (zero_bubble.py).
+        self.splitter = BackwardSplitter(list(stages.values())) if schedule in SPLIT_BACKWARD else None
+        self.stages, self.num_stages, self.schedule = stages, num_stages, schedule
+        self.microbatches, self.loss_fn = microbatches, loss_fn
+        self.boundary_shape, self.dtype = tuple(boundary_shape), dtype
+        self.measure_memory = measure_memory
+        self.device = _device_of(stages.values(), group)
+        self.stats = PipelineStats()
+
+    def _global(self, pipeline_rank: int) -> int:
+        return dist.get_global_rank(self.group, pipeline_rank) if self.group is not None else pipeline_rank
+
+    def _tag(self, direction: str, receiving_stage: int, microbatch: int) -> int:
+        """One tag per message, so a receive can only match the send meant for it."""
+        return (receiving_stage * self.microbatches + microbatch) * 2 + (direction == "B")
+
+    def _receives_in_order(self) -> list[tuple[int, int]]:
+        """(index of each RECV action, index of the last SEND before it to the same peer, or -1)."""
+        receives, last_send = [], {}
+        for index, action in enumerate(self.actions):
+            if action.kind.startswith("SEND"):
+                last_send[action.peer] = index
+            elif action.kind.startswith("RECV"):
+                receives.append((index, last_send.get(action.peer, -1)))
+        return receives
+
+    def _post_receives(self, receives: list[tuple[int, int]], posted: dict, *, done: int) -> None:
+        """Post every receive that may start now, long before the schedule reaches it.
+
+        A receive may start once every earlier send of this rank to the same peer has started
+        (``done`` is the index of the last action carried out). So between any two ranks the
+        messages still start in the schedule's order: NCCL matches a pair's sends and receives in
+        the order they are posted (gloo by tag). A message its sender sends early then lands while
+        this rank computes; posted only when the schedule reaches it, the transfer would wait for
+        that moment and add to the bubble.
+        """
+        while receives and receives[0][1] <= done:
+            index, _ = receives.pop(0)
+            action = self.actions[index]
+            direction, stage, microbatch = action.kind[-1], action.stage, action.microbatch
+            buffer = torch.empty(self.boundary_shape, dtype=self.dtype, device=self.device)
+            work = comm.irecv(
+                buffer,
+                src=self._global(action.peer),
+                group=self.group,
+                tag=self._tag(direction, stage, microbatch),
+            )
+            posted[index] = (work, buffer)
+
+    def step(
+        self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """One forward and backward of the whole batch; returns the mean loss on the last stage's rank.
+
+        The first stage's rank needs ``inputs``, the last stage's rank ``targets``; gradients are
+        accumulated into the stages' parameters (call ``optimizer.step()`` after).
+        """
+        m, last_stage = self.microbatches, self.num_stages - 1
+        has_first, has_last = 0 in self.stages, last_stage in self.stages
+        # Both ends check, so that neither waits for the other after a mistake.
+        for needed, tensor, name in ((has_first, inputs, "inputs"), (has_last, targets, "targets")):
+            if needed and tensor is None:
+                raise UserError(
+                    f"this rank holds the {'first' if name == 'inputs' else 'last'} stage: pass {name}"
+                )
+            if needed and tensor.shape[0] % m:
+                raise UserError(
+                    f"a batch of {tensor.shape[0]} samples does not split into {m} equal micro-batches: use "
+                    f"a batch size that is a multiple of {m}"
+                )
+        input_chunks = inputs.chunk(m) if has_first else None
+        target_chunks = targets.chunk(m) if has_last else None
+        inbox = {}  # ("F" | "B", stage, microbatch) -> what that stage receives (activation or gradient)
+        held = {}  # (stage, microbatch) -> (input, output, record of a split forward) kept for the backward
+        waiting = {}  # (stage, microbatch) -> record of a split forward whose B ran and whose W has not
+        outbox = {}  # ("F" | "B", receiving stage, microbatch) -> what to send
+        in_flight, losses, stats = [], [], PipelineStats()
+        held_bytes = 0
+        kept, kept_bytes = {}, 0  # with measure_memory: (stage, microbatch) -> bytes its forward left alive
+        with contextlib.ExitStack() as measuring:  # with measure_memory: ends the count even on an error
+            live = None
+            if self.measure_memory:
+                stats.peak_kept_bytes = 0
+                live = measuring.enter_context(live_tensor_bytes())
+            receives = self._receives_in_order()
+            posted = {}  # index of a RECV action -> (work handle, buffer the message lands in)
+            started = time.perf_counter()
+            stats.clock_start = started
+            for index, action in enumerate(self.actions):
+                posting = time.perf_counter()
+                self._post_receives(receives, posted, done=index - 1)
+                stats.posting_s += time.perf_counter() - posting
+                s, i, direction = action.stage, action.microbatch, action.kind[-1]
+                if action.kind.startswith("RECV"):
+                    work, buffer = posted.pop(index)
+                    begin = time.perf_counter()
+                    work.wait()
+                    inbox[(direction, s, i)] = buffer
+                    stats.messages.append((action.kind, s, i, begin - started, time.perf_counter() - started))
+                elif action.kind.startswith("SEND"):
+                    message = outbox.pop((direction, s, i))
+                    sent = time.perf_counter() - started
+                    stats.messages.append((action.kind, s, i, sent, sent))
+                    in_flight.append(
+                        comm.isend(
+                            message,
+                            dst=self._global(action.peer),
+                            group=self.group,
+                            tag=self._tag(direction, s, i),
+                        )
+                    )
+                    stats.posting_s += time.perf_counter() - started - sent
+                elif action.kind == "F":
+                    begin = time.perf_counter()
+                    x = input_chunks[i] if s == 0 else inbox.pop(("F", s, i)).requires_grad_()
+                    alive_before = live.now if live is not None else 0
+                    record = None
+                    if self.splitter is not None:
+                        y, record = self.splitter.forward(self.stages[s], x)
+                    else:
+                        y = self.stages[s](x)
+                    if s == last_stage:
+                        y = (
+                            self.loss_fn(y, target_chunks[i]) / m
+                        )  # each micro-batch counts 1/m: the batch mean
+                    if (
+                        live is not None
+                    ):  # what this forward left alive: kept for its backward, and its output
+                        kept[(s, i)] = live.now - alive_before
+                        kept_bytes += kept[(s, i)]
+                        stats.peak_kept_bytes = max(stats.peak_kept_bytes, kept_bytes)
+                    if s == last_stage:
+                        losses.append(y.detach())
+                    else:
+                        self._deliver(("F", s + 1, i), y.detach(), inbox, outbox)
+                    held[(s, i)] = (x, y, record)
+                    held_bytes += sum(t.numel() * t.element_size() for t in (x, y))
+                    stats.peak_activations = max(stats.peak_activations, len(held) + len(waiting))
+                    stats.peak_activation_bytes = max(stats.peak_activation_bytes, held_bytes)
+                    stats.events.append(("F", s, i, begin - started, time.perf_counter() - started))
+                elif action.kind == "W":  # the weights' gradients, from what this micro-batch's B kept
+                    begin = time.perf_counter()
+                    self.splitter.backward_weights(waiting.pop((s, i)))
+                    stats.events.append(("W", s, i, begin - started, time.perf_counter() - started))
+                else:
+                    begin = time.perf_counter()
+                    x, y, record = held.pop((s, i))
+                    held_bytes -= sum(t.numel() * t.element_size() for t in (x, y))
+                    kept_bytes -= kept.pop((s, i), 0)
+                    gradient = None if s == last_stage else inbox.pop(("B", s, i))  # from the next stage
+                    if record is not None:  # B alone: the input's gradient now, the weights' at its W
+                        input_grad = self.splitter.backward_input(record, y, gradient, x)
+                        waiting[(s, i)] = record
+                    else:  # the whole backward; on the last stage y is the loss, where backward starts
+                        y.backward(gradient)
+                        input_grad = x.grad if s > 0 else None
+                    if s > 0:
+                        self._deliver(("B", s - 1, i), input_grad, inbox, outbox)
+                    stats.events.append(("B", s, i, begin - started, time.perf_counter() - started))
+            for work in in_flight:
+                work.wait()
+        stats.step_time_s = time.perf_counter() - started
+        self.stats = stats
+        return torch.stack(losses).sum() if has_last else None
+
+    def _deliver(self, key: tuple, tensor: torch.Tensor, inbox: dict, outbox: dict) -> None:
+        """Hand a tensor to the stage that needs it: directly if it lives on this rank, else via a send."""
+        local = rank_of_stage(key[1], self.pipeline_size, placement=self.placement) == self.rank
+        (inbox if local else outbox)[key] = tensor

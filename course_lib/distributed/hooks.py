@@ -32,7 +32,7 @@ CHECK_COLLECTIVES = "COURSE_CHECK_COLLECTIVES"
 class CollectiveHook:
     """Told about every collective. ``order`` places it among the others: lower runs first.
 
-    ``call`` is a ``comm.Call``: the operation, its ``CommRecord`` (sequence number, group's
+    ``call`` is a ``calls.Call``: the operation, its ``CommRecord`` (sequence number, group's
     ranks), the group, the tensor the ranks must agree on, and ``notes`` for the hook's own use.
     This module stays free of torch (and of ``comm``): the jobs' checks import the instruments
     on machines where torch may not work yet."""

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import runtime
-from .comm import isend, recv
+from .p2p import isend, recv
 
 
 def ring_all_reduce_counts(n: int) -> list[list[list[int]]]:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import comm, hooks, runtime
-from ..distributed.comm import Call
+from ..distributed.calls import Call
 from ..errors import UserError
 
 _FINGERPRINT_DIMS = 6

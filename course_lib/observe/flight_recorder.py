@@ -277,6 +277,8 @@ def failed(error: BaseException) -> None:
 
 _COMM_FILES = (
     os.path.join("course_lib", "distributed", "comm.py"),
+    os.path.join("course_lib", "distributed", "p2p.py"),
+    os.path.join("course_lib", "distributed", "calls.py"),
     os.path.join("course_lib", "distributed", "hooks.py"),
     os.path.join("course_lib", "observe", "flight_recorder.py"),
 )

@@ -118,7 +118,7 @@ course_preflight() {  # course_preflight LAUNCHER...: one all-reduce on every ra
     return 0
   fi
   # A port of its own: the training's rendezvous comes right after, on the job's usual port
-  # (12000 + id % 8000, course_lib/distributed/runtime.py). Both stay below the kernel's ephemeral range
+  # (12000 + id % 8000, course_lib/distributed/environment.py). Both stay below the kernel's ephemeral range
   # (32768 and up), where any program's outgoing connection may be holding the port.
   MASTER_PORT=$(( 20000 + ${SLURM_JOB_ID:-0} % 8000 )) "$@" -m course_lib.tools.jobcheck preflight \
     || course_refuse "job stopped by the preflight above: nothing was trained"

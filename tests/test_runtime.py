@@ -2,9 +2,9 @@
 
 import pytest
 
-from course_lib.distributed import runtime
+from course_lib.distributed import environment, runtime
+from course_lib.distributed.environment import choose_backend, first_slurm_host, resolve_environment
 from course_lib.distributed.launch import launch
-from course_lib.distributed.runtime import choose_backend, first_slurm_host, resolve_environment
 from course_lib.errors import UserError
 
 
@@ -41,7 +41,7 @@ def test_srun_one_task_per_gpu():
     )
     assert (env.rank, env.local_rank, env.world_size, env.local_world_size) == (5, 1, 8, 4)
     assert env.master_addr == "nid001234"
-    assert env.master_port == runtime.SLURM_PORT_BASE + 123456 % runtime.SLURM_PORT_SPAN
+    assert env.master_port == environment.SLURM_PORT_BASE + 123456 % environment.SLURM_PORT_SPAN
     assert env.launcher == "slurm"
 
 
@@ -224,9 +224,9 @@ def test_print0_and_context_on_three_ranks(capfd):
 
 
 def test_cpu_threads_follow_omp_num_threads_or_share_the_cores():
-    assert runtime.cpu_threads_per_rank(4, {"OMP_NUM_THREADS": "3"}) == 3
-    assert runtime.cpu_threads_per_rank(1, {}) == runtime.usable_cpus()
-    assert runtime.cpu_threads_per_rank(10_000, {}) == 1
+    assert environment.cpu_threads_per_rank(4, {"OMP_NUM_THREADS": "3"}) == 3
+    assert environment.cpu_threads_per_rank(1, {}) == environment.usable_cpus()
+    assert environment.cpu_threads_per_rank(10_000, {}) == 1
 
 
 @pytest.mark.parametrize(
@@ -245,12 +245,12 @@ def test_cpu_threads_follow_omp_num_threads_or_share_the_cores():
     ],
 )
 def test_each_process_gets_the_gpu_of_its_layout(layout, local_rank, visible_gpus, gpu):
-    assert runtime.gpu_for_process(local_rank=local_rank, visible_gpus=visible_gpus) == gpu
+    assert environment.gpu_for_process(local_rank=local_rank, visible_gpus=visible_gpus) == gpu
 
 
 def test_a_process_that_sees_no_gpu_is_told_how_to_get_one():
     with pytest.raises(UserError, match=r"sees no GPU: request GPUs from Slurm \(--gpus-per-task=1\)"):
-        runtime.gpu_for_process(local_rank=0, visible_gpus=0)
+        environment.gpu_for_process(local_rank=0, visible_gpus=0)
 
 
 def _train_as(rank: int, port: int, *extra: str):

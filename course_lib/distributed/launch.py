@@ -5,7 +5,7 @@ or a test we want to write a function and see it run on 4 processes right there:
 
 >>> from course_lib.distributed.launch import launch
 >>> def hello():
-...     from course_lib import runtime
+...     from course_lib.distributed import runtime
 ...     return runtime.rank() * 10
 >>> launch(hello, nprocs=4)
 [0, 10, 20, 30]
@@ -43,7 +43,7 @@ from typing import Any
 
 from ..checks import check_choice, check_int, check_number
 from ..errors import UserError
-from . import hooks, runtime
+from . import environment, hooks, runtime
 
 PROCESSES_PER_CORE_LIMIT = 8
 """More processes than this per CPU core would spend their time switching, not computing: refused."""
@@ -158,14 +158,14 @@ _told_about_sharing = False
 
 def max_processes(cores: int | None = None) -> int:
     """The most local processes worth starting on ``cores`` CPU cores (default: this process's)."""
-    return PROCESSES_PER_CORE_LIMIT * (cores or runtime.usable_cpus())
+    return PROCESSES_PER_CORE_LIMIT * (cores or environment.usable_cpus())
 
 
 def check_process_count(nprocs: int, cores: int | None = None) -> None:
     """Refuse a senseless number of processes; say once what sharing few cores means for the rest."""
     global _told_about_sharing
 
-    cores = cores or runtime.usable_cpus()
+    cores = cores or environment.usable_cpus()
     limit = max_processes(cores)
     if nprocs > limit:
         raise UserError(

@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from .. import checks
-from ..distributed import runtime
+from ..distributed import environment, runtime
 from ..errors import EXIT_CRASH, EXIT_USER_ERROR, RendezvousFailed, UserError
 
 PLUGIN_SOURCES = ("uenv", "container", "none")
@@ -114,12 +114,12 @@ def gpu_layout_from_slurm(
     gpus_per_task = None
     if environ.get("SLURM_GPUS_PER_TASK", "").strip():  # "1", or "gpu:1" with a type
         count = {"SLURM_GPUS_PER_TASK": environ["SLURM_GPUS_PER_TASK"].split(":")[-1]}
-        gpus_per_task = runtime.int_variable(count, "SLURM_GPUS_PER_TASK") or None  # 0: none asked for
+        gpus_per_task = environment.int_variable(count, "SLURM_GPUS_PER_TASK") or None  # 0: none asked for
     on_node = {"SLURM_GPUS_ON_NODE": environ.get("SLURM_GPUS_ON_NODE", "").strip() or "0"}
     return gpu_layout_problem(
         tasks_per_node=tasks_on_first_node(environ.get("SLURM_TASKS_PER_NODE", "1")),
         processes_per_task=processes_per_task,
-        gpus_on_node=runtime.int_variable(on_node, "SLURM_GPUS_ON_NODE"),
+        gpus_on_node=environment.int_variable(on_node, "SLURM_GPUS_ON_NODE"),
         gpus_per_task=gpus_per_task,
         needs_gpus=needs_gpus,
     )
@@ -254,7 +254,7 @@ def preflight(*, timeout_s: float) -> int:
     if context.backend == "nccl":
         network = nccl_network("".join(p.read_text(errors="replace") for p in log_dir.glob("nccl.*.log")))
     results: list = [None] * context.world_size
-    dist.all_gather_object(results, (correct, network, runtime.node_name()))
+    dist.all_gather_object(results, (correct, network, environment.node_name()))
     runtime.shutdown()
     if context.rank != 0:
         return 0 if all(ok for ok, _, _ in results) else EXIT_USER_ERROR

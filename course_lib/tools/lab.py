@@ -35,7 +35,7 @@ import sys
 
 from .. import checks
 from ..data import DATASETS
-from ..distributed import runtime
+from ..distributed import environment
 from ..models import MODELS
 from ..plan.scaling import add_speedup, format_table, read_metrics, summarize
 from ..train.loop import MAX_LEARNING_RATE
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = parser.add_mutually_exclusive_group()
     threads.add_argument(
         "--threads-per-process",
-        type=checks.int_at_least(1, runtime.usable_cpus()),
+        type=checks.int_at_least(1, environment.usable_cpus()),
         default=1,
         help="CPU threads per rank: 1 gives each rank a worker of its own, like one GPU per rank",
     )
@@ -133,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         command = command_for(strategy, nprocs, [*train_args, "--metrics", str(metrics)])
         print(f"\n=== {strategy} on {nprocs} process(es): {shlex.join(command)}", flush=True)
         # Set for every run, so that torchrun does not choose (and warn about it).
-        threads = max(1, runtime.usable_cpus() // nprocs) if args.share_cores else args.threads_per_process
+        threads = (
+            max(1, environment.usable_cpus() // nprocs) if args.share_cores else args.threads_per_process
+        )
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         finished = subprocess.run(command, env=env)
         if finished.returncode != 0:

@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import models
 from ..data import zen_windows
-from ..distributed import comm, runtime
+from ..distributed import comm, environment, runtime
 from ..errors import UserError
 from ..parallel import context as cp
 from ..parallel import memory, vocab
@@ -260,12 +260,12 @@ def calibrate(launch, sweep: Sweep = SWEEP) -> dict:
     """
     link = launch(probe_link, 2, check_collectives=False)[0]
     latency, bandwidth = scaling.fit_ring_all_reduce(2, message_bytes=list(link), seconds=list(link.values()))
-    cores = min(runtime.usable_cpus(), max(layout.gpus for layout in LAYOUTS))
+    cores = min(environment.usable_cpus(), max(layout.gpus for layout in LAYOUTS))
     side_by_side = launch(probe_compute, cores, sweep, check_collectives=False)
     calibration = {
         "latency_s": latency,
         "bandwidth_bytes_per_s": bandwidth,
-        "cores": runtime.usable_cpus(),
+        "cores": environment.usable_cpus(),
     }
     return with_speed(calibration, median_speed(side_by_side), sweep)
 

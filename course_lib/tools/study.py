@@ -32,7 +32,7 @@ from typing import Any
 
 from .. import checks
 from ..data import DATASETS
-from ..distributed import runtime
+from ..distributed import environment
 from ..errors import EXIT_USER_ERROR, UserError
 from ..models import MODELS
 from ..plan.scaling import add_speedup, format_table, read_metrics, summarize
@@ -222,7 +222,7 @@ def run_locally(
                 "course_lib.train",
                 *flags,
             ]
-        threads = max(1, runtime.usable_cpus() // run.world_size) if share_cores else 1
+        threads = max(1, environment.usable_cpus() // run.world_size) if share_cores else 1
         env["OMP_NUM_THREADS"] = str(threads)
         print(f"running {run.name} here...", flush=True)
         run.metrics_path(results).unlink(missing_ok=True)

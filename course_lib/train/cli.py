@@ -34,7 +34,7 @@ import traceback
 
 from .. import checks
 from ..data import DATASETS
-from ..distributed import runtime
+from ..distributed import environment, runtime
 from ..errors import (
     EXIT_CRASH,
     EXIT_DIVERGED,
@@ -249,13 +249,13 @@ def run(
     why = ""  # what stopped this rank, for its flight record
 
     try:
-        env = runtime.resolve_environment()
+        env = environment.resolve_environment()
     except UserError as error:  # which process is rank 0 is what is in doubt: every one says it
         print(f"error: {error}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
     try:
         checks.check_number("--timeout", timeout_s, above=0, maximum=runtime.MAX_TIMEOUT_S)
-        runtime.choose_backend(backend, _cuda_available())
+        environment.choose_backend(backend, _cuda_available())
         validate_config(config, env.world_size, env.local_world_size)
         if flight_recorder_dir:
             checks.check_folder_to_write("--flight-recorder", flight_recorder_dir)

@@ -18,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ...distributed import comm, runtime
+from ...distributed import comm, environment, runtime
 from ...plan import scaling
 
 ALLREDUCE_MIN_BYTES = 8
@@ -113,7 +113,7 @@ def allreduce_benchmark(*, sizes: list[int], iterations: int, warmup: int) -> di
             }
         )
     nodes = [None] * world
-    dist.all_gather_object(nodes, runtime.node_name())
+    dist.all_gather_object(nodes, environment.node_name())
     if not process.is_main:
         return None
     result = {

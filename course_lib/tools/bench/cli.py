@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable
 
 from ... import checks
-from ...distributed import runtime
+from ...distributed import environment, runtime
 from ...distributed.launch import launch, max_processes
 from ...errors import EXIT_USER_ERROR, UserError
 from ..plots import plot_allreduce
@@ -349,7 +349,7 @@ def _run_benchmark(args: argparse.Namespace) -> int:
     if args.benchmark == "pipeline":
         options = given(*transformer, *timing)
         rows = [row for stages in args.stages for row in on(stages, pipeline_benchmark, options)]
-        cores = runtime.usable_cpus()
+        cores = environment.usable_cpus()
         fits = stage_counts_with_a_core_each(args.stages, cores=cores)
         bubble_options = dict(
             width=PIPELINE_BUBBLE_WIDTH,
@@ -436,7 +436,7 @@ def _on_local_processes(name: str, world: int, benchmark: Callable, options: dic
 
 def _run_allreduce(args: argparse.Namespace) -> int:
     """The sweep on this launcher's ranks (srun, torchrun), or on ``--world-size`` local processes."""
-    launched = runtime.resolve_environment().world_size > 1
+    launched = environment.resolve_environment().world_size > 1
     if launched:
         context = runtime.init()
         device = context.device.type

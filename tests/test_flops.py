@@ -10,7 +10,7 @@ from torch import nn
 
 from course_lib import models
 from course_lib.plan import flops
-from course_lib.train.loop import TrainConfig
+from course_lib.train.config import TrainConfig
 
 
 def test_a_linear_layers_training_flops_are_counted_exactly():

@@ -604,6 +604,265 @@ def bubble_overhead(
     return idle / (1 - idle)
 
 
+@dataclass(frozen=True)
+class StepShape:
+    """One training step as every axis's formula reads it: the job, and the fullest GPU's share.
+
+    Args:
+        model: the shapes.
+        cluster: the machine.
+        layout: the layout.
+        seq_len: s, tokens per sequence.
+        global_batch: sequences per optimizer step, over all replicas.
+    """
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    layout: Layout
+    seq_len: int
+    global_batch: int
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per replica and step, run one after the other."""
+        return self.global_batch // (self.layout.data * self.layout.micro_batch)
+
+    @property
+    def layers(self) -> int:
+        """The blocks of the fullest pipeline stage."""
+        return math.ceil(self.model.layers / self.layout.pipeline)
+
+    @property
+    def tokens(self) -> float:
+        """This GPU's tokens of one micro-batch: b·s/C."""
+        return self.layout.micro_batch * self.seq_len / self.layout.context
+
+    @property
+    def activation_bytes(self) -> float:
+        """One micro-batch's activations on this GPU: b·s/C tokens of d values."""
+        return self.layout.element_bytes * self.tokens * self.model.d_model
+
+    @property
+    def tokens_per_gpu_step(self) -> float:
+        """Every micro-batch of this GPU's replica and context chunk."""
+        return self.global_batch * self.seq_len / (self.layout.data * self.layout.context)
+
+
+def memory_per_gpu(step: StepShape) -> tuple[dict[str, float], float]:
+    """Bytes the fullest GPU holds, by part, and its model states alone.
+
+    Model states: the stage's parameters sharded by the ZeRO stage over data x context;
+    activations at the worst moment of the schedule; FSDP's gathered layer and the next
+    (prefetched); what the allocator and the libraries reserve.
+    """
+    model, layout = step.model, step.layout
+    element = layout.element_bytes
+    stage = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "fsdp": "zero3"}[layout.sharding]
+    per_param = memory.MIXED_PRECISION_ADAM if layout.precision == "bf16" else memory.FP32_ADAM
+    states = memory.model_state_bytes(
+        stage_parameters(model, layout), layout.data * layout.context, stage, **per_param
+    )
+    block = block_activation_elements(model, layout, micro_batch=layout.micro_batch, seq_len=step.seq_len)
+    head = head_activation_bytes(model, layout, micro_batch=layout.micro_batch, seq_len=step.seq_len)
+    activations = _activations_per_gpu(
+        model, layout, block * element, head, step.tokens, step.microbatches, step.seq_len
+    )
+    layer_bytes = element * model.block_parameters() / layout.tensor
+    gathered = 2 * layer_bytes if layout.sharding == "fsdp" else 0  # this layer and the prefetched next
+    parts = {
+        "parameters": states.params,
+        "gradients": states.grads,
+        "optimizer": states.optimizer,
+        "activations": activations,
+        "gathered parameters": gathered,
+        "reserved (assumed)": step.cluster.reserved_bytes,
+    }
+    parts["total"] = sum(parts.values())
+    return parts, states.total
+
+
+@dataclass
+class ComputeSeconds:
+    """The fullest GPU's own work in one step, in seconds (``attention_flops``: FLOPs)."""
+
+    matmuls: float
+    pointwise_blocks: float  # the blocks' memory-bound operations
+    pointwise_head: float  # the head's
+    optimizer: float
+    recompute: float
+    bubble: float
+    attention_flops: float  # the attention's score and value products, which a ring can hide under
+
+    @property
+    def forward_and_backward(self) -> float:
+        return self.matmuls + self.pointwise_blocks + self.pointwise_head
+
+
+def compute_seconds(step: StepShape) -> ComputeSeconds:
+    """The matmuls at the achieved rate, the memory-bound work at the memory's bandwidth, the
+    recomputation, and the pipeline's bubble (the schedule simulated)."""
+    model, cluster, layout = step.model, step.cluster, step.layout
+    t, p, c = layout.tensor, layout.pipeline, layout.context
+    # The fullest GPU holds a stage's blocks and, on the last stage, the head.
+    tokens = step.tokens_per_gpu_step
+    head_flops = 6 * model.head_parameters() * tokens / (t if layout.loss_parallel else 1)
+    block_flops = (model.flops_per_token(step.seq_len) - 6 * model.head_parameters()) * tokens / (t * p)
+    matmuls = (block_flops + head_flops) / cluster.achieved_flops
+    attention_flops = 12 * model.layers * model.d_model * step.seq_len * tokens / (t * p)
+    # Memory-bound work: what the blocks keep for backward is written once in forward and read
+    # twice in backward by the norms, activation functions and adds; the optimizer step moves
+    # each parameter it updates, its gradient and its two moments.
+    unrecomputed = layout.with_(recomputation="none")
+    block_bytes = layout.element_bytes * block_activation_elements(
+        model, unrecomputed, micro_batch=layout.micro_batch, seq_len=step.seq_len
+    )
+    head = head_activation_bytes(model, layout, micro_batch=layout.micro_batch, seq_len=step.seq_len)
+    pointwise_blocks = 3 * block_bytes * step.layers * step.microbatches / cluster.memory_bandwidth
+    pointwise_head = 3 * head * step.microbatches / cluster.memory_bandwidth
+    updated = stage_parameters(model, layout) / (1 if layout.sharding == "ddp" else layout.data * c)
+    optimizer = (
+        OPTIMIZER_BYTES[layout.precision]
+        * updated
+        / (cluster.optimizer_bandwidth or cluster.memory_bandwidth)
+    )
+    recompute = {
+        "none": 0.0,
+        "full": (block_flops / cluster.achieved_flops + pointwise_blocks) / 3,  # one more forward
+        # the pointwise operations' forward again (and under context parallelism the ring's attention)
+        "selective": pointwise_blocks / 3
+        + (
+            attention_flops / 3 / cluster.achieved_flops
+            if c > 1 and layout.context_attention == "ring"
+            else 0.0
+        ),
+    }[layout.recomputation]
+    parts = ComputeSeconds(
+        matmuls, pointwise_blocks, pointwise_head, optimizer, recompute, 0.0, attention_flops
+    )
+    if p > 1:  # the schedule itself, simulated: a backward twice a forward, three times if recomputed
+        backward_over_forward = 2.0 + (layout.recomputation == "full")
+        parts.bubble = (parts.forward_and_backward + recompute) * bubble_overhead(
+            layout.schedule, p, step.microbatches, layout.virtual_stages, backward_over_forward
+        )
+    return parts
+
+
+def tensor_axis(step: StepShape) -> tuple[float, float]:
+    """Seconds and bytes per rank of the tensor group in one step: f and g around every block,
+    and the collectives beside the blocks. Nothing hides them: the next matmul needs each result."""
+    layout = step.layout
+    t = layout.tensor
+    # All-reduce-sized passes per block: f and g, forward and backward (4); sequence parallelism's
+    # regathered inputs add two all-gathers in backward (one all-reduce's worth); recomputing
+    # repeats the forward's g: both under "full", under "selective" the attention's, whose
+    # result the second norm needs again (the MLP's goes nowhere in backward).
+    passes = 4 + (1 if layout.sequence_parallel and t > 1 else 0)
+    passes += {"none": 0, "selective": 1, "full": 2}[layout.recomputation]
+    link = link_of("tensor", layout, step.cluster)
+    calls = passes * step.layers * step.microbatches
+    seconds = calls * collective_seconds("all_reduce", step.activation_bytes, t, link)
+    sent = calls * ring_bytes("all_reduce", step.activation_bytes, t)
+    if t > 1:
+        beside_seconds, beside_sent = _tensor_collectives_beside_the_blocks(
+            step.model,
+            layout,
+            activation_bytes=step.activation_bytes,
+            tokens=step.tokens,
+            microbatches=step.microbatches,
+            layers=step.layers,
+            link=link,
+        )
+        seconds += beside_seconds
+        sent += beside_sent
+    return seconds, sent
+
+
+def context_axis(step: StepShape, attention_flops: float) -> tuple[float, float]:
+    """Seconds exposed and bytes per rank of the context group: Ulysses' all-to-alls, paid whole,
+    or the ring's K/V chunks, hidden under the attention's compute where the cluster overlaps."""
+    model, cluster, layout = step.model, step.cluster, step.layout
+    c, t, element = layout.context, layout.tensor, layout.element_bytes
+    link = link_of("context", layout, cluster)
+    blocks = step.layers * step.microbatches
+    if c > 1 and layout.context_attention == "ulysses":
+        # Ulysses: q, k and v in one all-to-all to the head split, the output in one back; backward
+        # the same two again, and recomputation (either policy) the forward's. Nothing to hide them
+        # under: attention waits for its heads.
+        q_bytes = element * step.tokens * model.heads * model.head_dim / t
+        calls = (("all_to_all", q_bytes * (1 + 2 * model.kv_heads / model.heads)), ("all_to_all", q_bytes))
+        exchanges = 2 + (layout.recomputation != "none")
+        each = sum(collective_seconds(op, size, c, link) for op, size in calls)
+        return blocks * exchanges * each, blocks * exchanges * sum(
+            ring_bytes(op, size, c) for op, size in calls
+        )
+    kv_bytes = element * 2 * step.tokens * model.kv_heads * model.head_dim / t
+    # Forward passes on C-1 K/V chunks; backward the same C-1 again and C of their gradients.
+    chunk_sends = 3 * c - 2 if c > 1 else 0
+    if c > 1 and layout.recomputation != "none":
+        chunk_sends += c - 1  # the ring's forward again (recomputed under both policies)
+    ring = chunk_sends * (link.latency_s + kv_bytes / link.bandwidth)
+    attention_compute = attention_flops / cluster.achieved_flops / blocks
+    if not cluster.overlaps_communication:
+        attention_compute = 0.0
+    return blocks * max(0.0, ring - attention_compute), blocks * chunk_sends * kv_bytes
+
+
+def data_axis(step: StepShape, busy: float) -> tuple[float, float]:
+    """Seconds exposed and bytes per rank of the data (and context) group's gradient reductions
+    and parameter gathers. ``busy``: the step's compute, which hides them where the cluster
+    overlaps (DDP's and ZeRO's reductions under the backward, FSDP's gathers under all of it)."""
+    layout, cluster = step.layout, step.cluster
+    link, group = link_of("data", layout, cluster), layout.data * layout.context
+    stage_params = stage_parameters(step.model, layout)
+    gradient_bytes, param_bytes = 4 * stage_params, layout.element_bytes * stage_params
+    reduce_op = "all_reduce" if layout.sharding == "ddp" else "reduce_scatter"
+    gradient_time = collective_seconds(reduce_op, gradient_bytes, group, link)
+    gathers = 0
+    if layout.sharding in ("zero1", "zero2"):
+        gathers = 1  # the updated parameters, after the step
+    elif layout.sharding == "fsdp":  # forward and backward, every micro-batch without PP
+        gathers = 2 * (step.microbatches if layout.pipeline == 1 else 1)
+    gather_time = gathers * collective_seconds("all_gather", param_bytes, group, link)
+    hidden = busy * 2 / 3 if layout.sharding != "fsdp" else busy
+    if not cluster.overlaps_communication:
+        hidden = 0.0
+    seconds = max(0.0, gradient_time + (gather_time if layout.sharding == "fsdp" else 0) - hidden)
+    if layout.sharding in ("zero1", "zero2"):
+        seconds += gather_time  # after the optimizer step: nothing left to hide it under
+    sent = ring_bytes(reduce_op, gradient_bytes, group) + gathers * ring_bytes(
+        "all_gather", param_bytes, group
+    )
+    return seconds, sent
+
+
+def pipeline_axis(step: StepShape) -> tuple[float, float]:
+    """Seconds exposed and bytes per rank of the pipeline's sends: filling and draining pay them,
+    the steady state overlaps them."""
+    layout = step.layout
+    p = layout.pipeline
+    if p == 1:
+        return 0.0, 0.0
+    link = link_of("pipeline", layout, step.cluster)
+    # A stage's output: this rank's s/T tokens under sequence parallelism, else every token (each
+    # tensor rank holds and sends the whole of it)
+    message = step.activation_bytes / (layout.tensor if layout.sequence_parallel else 1)
+    send = link.latency_s + message / link.bandwidth
+    # a middle stage sends activations on and gradients back; the two ends send one of them
+    return 2 * (p - 1) * send, (1 if p == 2 else 2) * step.microbatches * message
+
+
+def expert_axis(step: StepShape) -> tuple[float, float]:
+    """Seconds and bytes per rank of the experts' all-to-alls: dispatch and combine, forward and
+    backward, on every block; nothing hides them."""
+    layout = step.layout
+    if layout.expert == 1:
+        return 0.0, 0.0
+    rows_bytes = layout.element_bytes * step.tokens * step.model.top_k * step.model.d_model
+    each = collective_seconds("all_to_all", rows_bytes, layout.expert, link_of("data", layout, step.cluster))
+    calls = 4 * step.layers * step.microbatches
+    return calls * each, calls * ring_bytes("all_to_all", rows_bytes, layout.expert)
+
+
 def predict(
     model: ModelSpec,
     cluster: ClusterSpec,
@@ -614,6 +873,9 @@ def predict(
     operations: int = 0,
 ) -> Prediction:
     """Memory per GPU, traffic and step time of one training step of ``model`` laid out as ``layout``.
+
+    The sum of the parts above: the memory, the GPU's own work, then each axis's seconds exposed
+    and bytes sent, and the host's dispatching.
 
     Args:
         model: the shapes (``MODELS``).
@@ -631,193 +893,38 @@ def predict(
     if problem:
         result.problem = problem
         return result
-    d, p, c, t = layout.data, layout.pipeline, layout.context, layout.tensor
-    element = layout.element_bytes
-    microbatches = global_batch // (d * layout.micro_batch)  # per replica, one after the other
-    layers_per_stage = math.ceil(model.layers / p)
-
-    # -- memory ---------------------------------------------------------------------------------
-    stage_params = stage_parameters(model, layout)
-    stage = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "fsdp": "zero3"}[layout.sharding]
-    per_param = memory.MIXED_PRECISION_ADAM if layout.precision == "bf16" else memory.FP32_ADAM
-    states = memory.model_state_bytes(stage_params, d * c, stage, **per_param)
-    block = block_activation_elements(model, layout, micro_batch=layout.micro_batch, seq_len=seq_len)
-    tokens = layout.micro_batch * seq_len / c
-    head = head_activation_bytes(model, layout, micro_batch=layout.micro_batch, seq_len=seq_len)
-    activations = _activations_per_gpu(model, layout, block * element, head, tokens, microbatches, seq_len)
-    layer_bytes = element * model.block_parameters() / t
-    gathered = 2 * layer_bytes if layout.sharding == "fsdp" else 0  # this layer and the prefetched next
-    result.memory = {
-        "parameters": states.params,
-        "gradients": states.grads,
-        "optimizer": states.optimizer,
-        "activations": activations,
-        "gathered parameters": gathered,
-        "reserved (assumed)": cluster.reserved_bytes,
+    step = StepShape(model, cluster, layout, seq_len, global_batch)
+    result.memory, model_states = memory_per_gpu(step)
+    work = compute_seconds(step)
+    axes = {
+        "tensor": tensor_axis(step),
+        "context": context_axis(step, work.attention_flops),
+        "data": data_axis(step, work.forward_and_backward + work.recompute),
+        "pipeline": pipeline_axis(step),
+        "expert": expert_axis(step),
     }
-    result.memory["total"] = sum(result.memory.values())
-
-    # -- compute: the matmuls at the achieved rate, the rest at the memory's bandwidth ----------
-    # The fullest GPU holds a stage's blocks and, on the last stage, the head.
-    global_tokens = global_batch * seq_len
-    tokens_per_gpu_step = global_tokens / (d * c)  # every micro-batch of this GPU's replica and chunk
-    head_flops = 6 * model.head_parameters() * tokens_per_gpu_step / (t if layout.loss_parallel else 1)
-    block_flops = (
-        (model.flops_per_token(seq_len) - 6 * model.head_parameters()) * tokens_per_gpu_step / (t * p)
-    )
-    compute = (block_flops + head_flops) / cluster.achieved_flops
-    attention_flops = 12 * model.layers * model.d_model * seq_len * tokens_per_gpu_step / (t * p)
-    # Memory-bound work: what the blocks keep for backward is written once in forward and read
-    # twice in backward by the norms, activation functions and adds; the optimizer step moves
-    # each parameter it updates, its gradient and its two moments.
-    unrecomputed = layout.with_(recomputation="none")
-    block_bytes = element * block_activation_elements(
-        model, unrecomputed, micro_batch=layout.micro_batch, seq_len=seq_len
-    )
-    pointwise_blocks = 3 * block_bytes * layers_per_stage * microbatches / cluster.memory_bandwidth
-    pointwise_head = 3 * head * microbatches / cluster.memory_bandwidth
-    updated = stage_params / (1 if layout.sharding == "ddp" else d * c)
-    optimizer = (
-        OPTIMIZER_BYTES[layout.precision]
-        * updated
-        / (cluster.optimizer_bandwidth or cluster.memory_bandwidth)
-    )
-    recompute = {
-        "none": 0.0,
-        "full": (block_flops / cluster.achieved_flops + pointwise_blocks) / 3,  # one more forward
-        # the pointwise operations' forward again (and under context parallelism the ring's attention)
-        "selective": pointwise_blocks / 3
-        + (
-            attention_flops / 3 / cluster.achieved_flops
-            if c > 1 and layout.context_attention == "ring"
-            else 0.0
-        ),
-    }[layout.recomputation]
-    compute_and_memory = compute + pointwise_blocks + pointwise_head
-    bubble = 0.0
-    if p > 1:  # the schedule itself, simulated: a backward twice a forward, three times if recomputed
-        backward_over_forward = 2.0 + (layout.recomputation == "full")
-        bubble = (compute_and_memory + recompute) * bubble_overhead(
-            layout.schedule, p, microbatches, layout.virtual_stages, backward_over_forward
-        )
-
-    # -- communication, by axis -----------------------------------------------------------------
-    # All-reduce-sized passes per block: f and g, forward and backward (4); sequence parallelism's
-    # regathered inputs add two all-gathers in backward (one all-reduce's worth); recomputing
-    # repeats the forward's g: both under "full", under "selective" the attention's, whose
-    # result the second norm needs again (the MLP's goes nowhere in backward).
-    passes = 4 + (1 if layout.sequence_parallel and t > 1 else 0)
-    passes += {"none": 0, "selective": 1, "full": 2}[layout.recomputation]
-    activation_bytes = element * tokens * model.d_model
-    tensor_link = link_of("tensor", layout, cluster)
-    tensor_each = collective_seconds("all_reduce", activation_bytes, t, tensor_link)
-    tensor = passes * layers_per_stage * microbatches * tensor_each
-    tensor_sent = passes * layers_per_stage * microbatches * ring_bytes("all_reduce", activation_bytes, t)
-    if t > 1:
-        beside_seconds, beside_sent = _tensor_collectives_beside_the_blocks(
-            model,
-            layout,
-            activation_bytes=activation_bytes,
-            tokens=tokens,
-            microbatches=microbatches,
-            layers=layers_per_stage,
-            link=tensor_link,
-        )
-        tensor += beside_seconds
-        tensor_sent += beside_sent
-
-    context_link = link_of("context", layout, cluster)
-    if c > 1 and layout.context_attention == "ulysses":
-        # Ulysses: q, k and v in one all-to-all to the head split, the output in one back; backward
-        # the same two again, and recomputation (either policy) the forward's. Nothing to hide them
-        # under: attention waits for its heads.
-        q_bytes = element * tokens * model.heads * model.head_dim / t
-        calls = (("all_to_all", q_bytes * (1 + 2 * model.kv_heads / model.heads)), ("all_to_all", q_bytes))
-        exchanges = 2 + (layout.recomputation != "none")
-        each = sum(collective_seconds(op, size, c, context_link) for op, size in calls)
-        context = layers_per_stage * microbatches * exchanges * each
-        context_sent = (
-            layers_per_stage * microbatches * exchanges * sum(ring_bytes(op, size, c) for op, size in calls)
-        )
-    else:
-        kv_bytes = element * 2 * tokens * model.kv_heads * model.head_dim / t
-        # Forward passes on C-1 K/V chunks; backward the same C-1 again and C of their gradients.
-        chunk_sends = 3 * c - 2 if c > 1 else 0
-        if c > 1 and layout.recomputation != "none":
-            chunk_sends += c - 1  # the ring's forward again (recomputed under both policies)
-        ring = chunk_sends * (context_link.latency_s + kv_bytes / context_link.bandwidth)
-        attention_compute = attention_flops / cluster.achieved_flops / (layers_per_stage * microbatches)
-        if not cluster.overlaps_communication:
-            attention_compute = 0.0
-        context = layers_per_stage * microbatches * max(0.0, ring - attention_compute)
-        context_sent = layers_per_stage * microbatches * chunk_sends * kv_bytes
-
-    data_link, shard_group = link_of("data", layout, cluster), d * c
-    gradient_bytes, param_bytes = 4 * stage_params, element * stage_params
-    reduce_op = "all_reduce" if layout.sharding == "ddp" else "reduce_scatter"
-    gradient_time = collective_seconds(reduce_op, gradient_bytes, shard_group, data_link)
-    gathers = 0
-    if layout.sharding in ("zero1", "zero2"):
-        gathers = 1  # the updated parameters, after the step
-    elif layout.sharding == "fsdp":
-        gathers = 2 * (microbatches if p == 1 else 1)  # forward and backward, every micro-batch without PP
-    gather_time = gathers * collective_seconds("all_gather", param_bytes, shard_group, data_link)
-    backward = (compute_and_memory + recompute) * 2 / 3
-    hidden = backward if layout.sharding != "fsdp" else compute_and_memory + recompute
-    if not cluster.overlaps_communication:
-        hidden = 0.0
-    data = max(0.0, gradient_time + (gather_time if layout.sharding == "fsdp" else 0) - hidden)
-    if layout.sharding in ("zero1", "zero2"):
-        data += gather_time  # after the optimizer step: nothing left to hide it under
-    data_sent = ring_bytes(reduce_op, gradient_bytes, shard_group)
-    data_sent += gathers * ring_bytes("all_gather", param_bytes, shard_group)
-
-    pipeline_link = link_of("pipeline", layout, cluster)
-    # A stage's output: this rank's s/T tokens under sequence parallelism, else every token (each
-    # tensor rank holds and sends the whole of it)
-    message = activation_bytes / (t if layout.sequence_parallel else 1)
-    send = pipeline_link.latency_s + message / pipeline_link.bandwidth
-    pipeline = 2 * (p - 1) * send if p > 1 else 0.0  # filling and draining: the steady state overlaps
-    # a middle stage sends activations on and gradients back; the two ends send one of them
-    pipeline_sent = (1 if p == 2 else 2) * microbatches * message if p > 1 else 0.0
-
-    expert = expert_sent = 0.0
-    if layout.expert > 1:
-        rows_bytes = element * tokens * model.top_k * model.d_model
-        each = collective_seconds("all_to_all", rows_bytes, layout.expert, link_of("data", layout, cluster))
-        expert = 4 * layers_per_stage * microbatches * each  # dispatch and combine, forward and backward
-        expert_sent = (
-            4 * layers_per_stage * microbatches * ring_bytes("all_to_all", rows_bytes, layout.expert)
-        )
-
     result.time = {
-        "compute": compute,
-        "memory-bound operations": pointwise_blocks + pointwise_head,
-        "optimizer step": optimizer,
-        "recomputation": recompute,
-        "pipeline bubble": bubble,
-        "tensor (exposed)": tensor,
-        "context (exposed)": context,
-        "data (exposed)": data,
-        "pipeline sends (exposed)": pipeline,
-        "expert (exposed)": expert,
+        "compute": work.matmuls,
+        "memory-bound operations": work.pointwise_blocks + work.pointwise_head,
+        "optimizer step": work.optimizer,
+        "recomputation": work.recompute,
+        "pipeline bubble": work.bubble,
+        "tensor (exposed)": axes["tensor"][0],
+        "context (exposed)": axes["context"][0],
+        "data (exposed)": axes["data"][0],
+        "pipeline sends (exposed)": axes["pipeline"][0],
+        "expert (exposed)": axes["expert"][0],
         "host (dispatching operations)": operations * cluster.host_seconds_per_operation,
     }
     result.time["total"] = sum(result.time.values())
-    result.traffic = {
-        "tensor": tensor_sent,
-        "context": context_sent,
-        "data": data_sent,
-        "pipeline": pipeline_sent,
-        "expert": expert_sent,
-    }
-    result.tokens_per_s = global_tokens / result.time["total"]
+    result.traffic = {axis: sent for axis, (_, sent) in axes.items()}
+    result.tokens_per_s = global_batch * seq_len / result.time["total"]
     result.mfu = model.flops_per_token(seq_len) * result.tokens_per_s / (layout.gpus * cluster.peak_flops)
-    usable = cluster.gpu_memory_bytes
-    if result.memory["total"] > usable:
+    usable, needed = cluster.gpu_memory_bytes, result.memory["total"]
+    if needed > usable:
         result.problem = (
-            f"needs {result.memory['total'] / GB:.0f} GB per GPU of {usable / GB:.0f} "
-            f"(activations {activations / GB:.0f} GB, model states {states.total / GB:.0f} GB)"
+            f"needs {needed / GB:.0f} GB per GPU of {usable / GB:.0f} "
+            f"(activations {result.memory['activations'] / GB:.0f} GB, model states {model_states / GB:.0f} GB)"
         )
     return result
 

@@ -38,7 +38,7 @@ from ..data import DATASETS
 from ..distributed import environment
 from ..models import MODELS
 from ..plan.scaling import add_speedup, format_table, read_metrics, summarize
-from ..train.loop import MAX_LEARNING_RATE
+from ..train.config import MAX_LEARNING_RATE
 from .plots import plot_study
 
 RUNS = (("single", 1), ("ddp", 2), ("fsdp", 2))

@@ -36,7 +36,7 @@ from ..distributed import environment
 from ..errors import EXIT_USER_ERROR, UserError
 from ..models import MODELS
 from ..plan.scaling import add_speedup, format_table, read_metrics, summarize
-from ..train.loop import TrainConfig, validate_config
+from ..train.config import TrainConfig, validate_config
 from .plots import plot_study
 
 # -- the study: plan, submit, collect, plot -----------------------------------------------------

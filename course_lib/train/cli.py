@@ -49,7 +49,8 @@ from ..models import MODELS
 from ..observe import flight_recorder
 from ..parallel.fsdp import OFFLOAD_MODES, SHARDING_STRATEGIES
 from ..parallel.recompute import POLICIES
-from .loop import OPTIMIZERS, PRECISIONS, TrainConfig, train, validate_config
+from .config import OPTIMIZERS, PRECISIONS, TrainConfig, validate_config
+from .loop import train
 from .preemption import Preempted
 from .strategies import IMPLEMENTATIONS, STRATEGIES
 

@@ -11,124 +11,41 @@ Per step and rank: ``--grad-accum`` forward/backward passes on micro-batches of
 ``global_batch / (world_size * grad_accum)`` samples, then one optimizer step. Per epoch:
 validation on every sample exactly once, one JSON line of metrics, one checkpoint.
 
-Everything a run needs is checked by ``validate_config`` from the environment alone, *before*
-the processes meet: a bad flag then stops every rank at once with the same message.
+Everything a run needs is checked before the processes meet (``config.py``); what a run
+measures (validation, memory, the metrics file) is in ``metrics.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import math
-import os
 import random
-import resource
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .. import checks, data, models
-from ..distributed import comm, runtime
-from ..errors import Diverged, UserError
+from .. import data, models
+from ..distributed import runtime
+from ..errors import Diverged
 from ..observe import anatomy, faults, flight_recorder, replicas, stragglers
-from ..parallel import memory, recompute
-from ..parallel.fsdp import OFFLOAD_MODES, SHARDING_STRATEGIES, hybrid_shard_group_size
+from ..parallel import recompute
 from ..plan import flops
 from . import checkpoint, strategies
+from .config import TrainConfig, autocast, resolve_resume_path, steps_per_epoch, validate_config
+from .metrics import (
+    EMPTY_EPOCH_SUMS,
+    append_metrics,
+    epoch_record,
+    on_first_rank,
+    reduce_max,
+    reduce_sum,
+)
 from .preemption import Preempted, StopRequests
-
-PRECISIONS = ("fp32", "bf16")
-OPTIMIZERS = ("adamw", "sgd")
-
-
-@dataclass(kw_only=True)
-class TrainConfig:
-    """Every knob of a run; the command-line flags map one to one onto these fields.
-
-    Args:
-        strategy: ``"single"`` (one process), ``"ddp"`` or ``"fsdp"``.
-        impl: ``"torch"`` (PyTorch's own DDP and FSDP2) or ``"course"`` (``course_lib.parallel``).
-        zero_stage: with ``--strategy fsdp --impl course``: 1 or 2 shard the optimizer state (and
-            the gradients) with ZeRO, 3 is FSDP.
-        sharding: the FSDP sharding strategy (stage 3, ``--impl course``): ``"FULL_SHARD"``,
-            ``"SHARD_GRAD_OP"``, ``"HYBRID_SHARD"`` or ``"NO_SHARD"``.
-        hybrid_shard_size: ranks per shard group for HYBRID_SHARD (None: the ranks of a node).
-        cpu_offload: the course FSDP's offload: ``"none"``, ``"params"`` or ``"full"``.
-        recompute: what each unit keeps for backward (``recompute.POLICIES``): ``"none"``
-            (everything), ``"full"`` (its input; the rest is recomputed) or ``"selective"``; with
-            any strategy.
-        dataset: ``"digits"``, ``"synthetic"`` or ``"cifar10"``.
-        data_dir: where CIFAR-10's files are.
-        model: ``"digits_cnn"``, ``"cifar_cnn"`` or ``"resnet18"``.
-        epochs: passes over the training split.
-        global_batch_size: samples per optimizer step over all ranks and accumulation steps.
-        lr: the learning rate.
-        optimizer: ``"adamw"`` or ``"sgd"`` (with momentum 0.9).
-        weight_decay: the optimizer's weight decay.
-        clip_grad_norm: clip the whole gradient's 2-norm to this before each step (None: never).
-        seed: the seed of the weights and of the data order, the same on every rank.
-        precision: ``"fp32"`` or ``"bf16"`` (autocast).
-        grad_accum: micro-batches each rank accumulates before a step.
-        eval_batch_size: samples per forward when validating.
-        checkpoint_dir: where checkpoints are written (None: none are).
-        checkpoint_every: also save every N steps (0: only at the end of each epoch).
-        resume: ``"latest"`` (the newest in ``checkpoint_dir``) or a checkpoint folder.
-        metrics: a JSON-lines file that gets one line per epoch.
-        max_steps: stop after this many optimizer steps in total (None: run every epoch).
-        workers: data-loading processes per rank.
-        progress: show a progress bar on rank 0.
-        profile: record the anatomy of ``profile_steps`` steps (after ``PROFILE_WARMUP_STEPS``):
-            each rank's trace and the budget (``anatomy.json``) go into this folder.
-        profile_steps: how many steps to record with ``profile``.
-        check_replicas: every this many steps, check that every rank holds the same weights
-            (``replicas.check_replicas``; 0: never); with ``--strategy ddp``.
-        straggler_report: a JSON-lines file that gets one line per step: every rank's lateness
-            at the step's collectives, its time in them, the slowest rank and what it cost the
-            others (``stragglers``); with the course's collectives (``--impl course``).
-    """
-
-    strategy: str = "single"
-    impl: str = "torch"
-    zero_stage: int = 3
-    sharding: str = "FULL_SHARD"
-    hybrid_shard_size: int | None = None
-    cpu_offload: str = "none"
-    recompute: str = "none"
-    dataset: str = "digits"
-    data_dir: str = "data"
-    model: str = "digits_cnn"
-    epochs: int = 5
-    global_batch_size: int = 64
-    lr: float = 3e-3
-    optimizer: str = "adamw"
-    weight_decay: float = 0.0
-    clip_grad_norm: float | None = None
-    seed: int = 0
-    precision: str = "fp32"
-    grad_accum: int = 1
-    eval_batch_size: int = 256
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0
-    resume: str | None = None
-    metrics: str | None = None
-    max_steps: int | None = None
-    workers: int = 0
-    progress: bool = True
-    profile: str | None = None
-    profile_steps: int = 3
-    straggler_report: str | None = None
-    check_replicas: int = 0
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 @dataclass
@@ -138,159 +55,8 @@ class TrainResult:
     state_dict: dict[str, torch.Tensor] | None = None  # full model weights on rank 0, if requested
 
 
-def resolve_resume_path(config: TrainConfig) -> Path | None:
-    """The checkpoint to resume from, or None for a fresh start."""
-    if config.resume is None:
-        return None
-    if config.resume == "latest":
-        if not config.checkpoint_dir:
-            raise UserError("--resume latest needs --checkpoint-dir (where to look for checkpoints)")
-        return checkpoint.latest_checkpoint(config.checkpoint_dir)  # None: nothing saved yet, start afresh
-    return Path(config.resume)
-
-
-def validate_config(config: TrainConfig, world_size: int, ranks_per_node: int | None = None) -> None:
-    """Every check that needs no other process: run it on every rank before they meet.
-
-    Each number must be finite and in its meaningful range, each path must be a folder or a
-    file as expected and writable where the run will write: a mistake then stops every rank at
-    once with the same one-line message, instead of a traceback from deep inside torch. What a
-    run would refuse later (a batch larger than the data, shard groups that do not cut the
-    ranks, a checkpoint of another layout) is refused here too, so that ``--dry-run`` refuses
-    everything the run itself would.
-
-    Args:
-        config: the run.
-        world_size: the processes it runs on.
-        ranks_per_node: the processes of one node (None: all of them).
-    """
-    checks.check_int("--epochs", config.epochs, minimum=1)
-    checks.check_int("--global-batch-size", config.global_batch_size, minimum=1)
-    checks.check_int("--grad-accum", config.grad_accum, minimum=1)
-    checks.check_int("eval_batch_size", config.eval_batch_size, minimum=1)
-    checks.check_number("--lr", config.lr, above=0, maximum=MAX_LEARNING_RATE)
-    checks.check_number("--weight-decay", config.weight_decay, minimum=0)
-    if config.clip_grad_norm is not None:
-        checks.check_number("--clip-grad-norm", config.clip_grad_norm, above=0)
-    checks.check_int("--seed", config.seed, minimum=0, maximum=MAX_SEED)
-    if config.max_steps is not None:
-        checks.check_int("--max-steps", config.max_steps, minimum=1)
-    checks.check_int("--workers", config.workers, minimum=0, maximum=MAX_LOADER_WORKERS)
-    checks.check_int("--checkpoint-every", config.checkpoint_every, minimum=0)
-    if config.hybrid_shard_size is not None:
-        checks.check_int("--hybrid-shard-size", config.hybrid_shard_size, minimum=1, maximum=world_size)
-    strategies.check_strategy(config.strategy, config.impl, world_size)
-    checks.check_folder_to_read("--data-dir", config.data_dir)
-    data.check_data_available(config.dataset, config.data_dir)
-    models.check_model_fits_data(config.model, config.dataset, data.INPUT_SHAPES[config.dataset])
-    data.per_rank_batch_size(config.global_batch_size, world_size, grad_accum_steps=config.grad_accum)
-    steps_per_epoch(config)
-    if config.recompute not in recompute.POLICIES:
-        raise UserError(
-            f"unknown --recompute {config.recompute!r}: choose one of {', '.join(recompute.POLICIES)}"
-        )
-    if config.precision not in PRECISIONS:
-        raise UserError(f"unknown precision {config.precision!r}: choose one of {', '.join(PRECISIONS)}")
-    if config.optimizer not in OPTIMIZERS:
-        raise UserError(f"unknown optimizer {config.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
-    _check_sharding_flags(config)
-    hybrid = ("fsdp", "course", 3, "HYBRID_SHARD")
-    if (config.strategy, config.impl, config.zero_stage, config.sharding) == hybrid:
-        hybrid_shard_group_size(config.hybrid_shard_size, world_size, ranks_per_node or world_size)
-    if config.checkpoint_every and not config.checkpoint_dir:
-        raise UserError("--checkpoint-every needs --checkpoint-dir (where to write the checkpoints)")
-    if config.checkpoint_dir:
-        checks.check_folder_to_write("--checkpoint-dir", config.checkpoint_dir)
-    if config.metrics:
-        checks.check_file_to_write("--metrics", config.metrics)
-    if config.profile:
-        checks.check_folder_to_write("--profile", config.profile)
-    checks.check_int("--profile-steps", config.profile_steps, minimum=1)
-    checks.check_int("--check-replicas", config.check_replicas, minimum=0)
-    if config.check_replicas and config.strategy != "ddp":
-        raise UserError(
-            "--check-replicas compares whole replicas: use it with --strategy ddp (FSDP and ZeRO shard the "
-            "weights, so the ranks hold different pieces by design)"
-        )
-    if config.straggler_report:
-        if config.strategy == "single" or config.impl != "course":
-            raise UserError(
-                "--straggler-report times the collectives the course's own code makes: add --strategy ddp "
-                "(or fsdp) --impl course (PyTorch's DDP and FSDP call the transport directly)"
-            )
-        checks.check_file_to_write("--straggler-report", config.straggler_report)
-    if config.resume not in (None, "latest"):
-        checks.check_folder_to_read("--resume", config.resume)
-    resume_path = resolve_resume_path(config)
-    if resume_path is not None:
-        meta = checkpoint.read_meta(resume_path)
-        checkpoint.check_compatible(meta, config.as_dict(), resume_path)
-        checkpoint.check_layout(meta, checkpoint.layout_kind(config.as_dict()), resume_path)
-    if config.checkpoint_dir:
-        checkpoint.check_folder_for_run(config.checkpoint_dir, resume_path)
-
-
-EMPTY_EPOCH_SUMS = {"loss_sum": 0.0, "samples": 0.0, "steps": 0, "seconds": 0.0}
-"""What an epoch's record adds up over its steps, before the first one."""
-
-
-def steps_per_epoch(config: TrainConfig) -> int:
-    """Optimizer steps in one pass over the training split (the last, incomplete global batch is dropped)."""
-    samples = data.train_samples(config.dataset)
-    if config.global_batch_size > samples:
-        raise UserError(
-            f"--global-batch-size {config.global_batch_size} is larger than the {samples} training samples "
-            f"of {config.dataset}: use at most {samples}"
-        )
-    return samples // config.global_batch_size
-
-
 PROFILE_WARMUP_STEPS = 2
 """Steps a run takes before ``--profile`` records: the first ones pay for allocations and set-up."""
-
-MAX_LEARNING_RATE = 1e6
-"""Far above any learning rate that trains; a larger one is a typo (a missing minus in 1e-3)."""
-MAX_SEED = 2**32 - 1
-"""numpy and Python's ``random`` take seeds up to this; torch's generator takes them too."""
-MAX_LOADER_WORKERS = 64
-"""Data-loader processes per rank; more would spend the machine's memory on copies of the dataset."""
-
-
-SHARDING_FLAGS = ("zero_stage", "sharding", "hybrid_shard_size", "cpu_offload")
-
-
-def _check_sharding_flags(config: TrainConfig) -> None:
-    """The sharding flags choose among the course's own implementations: refuse them anywhere else."""
-    defaults = TrainConfig()
-    changed = [name for name in SHARDING_FLAGS if getattr(config, name) != getattr(defaults, name)]
-    if changed and (config.strategy, config.impl) != ("fsdp", "course"):
-        flags = ", ".join("--" + name.replace("_", "-") for name in changed)
-        raise UserError(
-            f"{flags} choose(s) among the course's sharded implementations: add --strategy fsdp --impl course"
-        )
-
-    if config.zero_stage not in (1, 2, 3):
-        raise UserError(
-            "--zero-stage must be 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters: FSDP), got "
-            f"{config.zero_stage}"
-        )
-    if config.sharding not in SHARDING_STRATEGIES:
-        raise UserError(
-            f"unknown --sharding {config.sharding!r}: choose one of {', '.join(SHARDING_STRATEGIES)}"
-        )
-    if config.cpu_offload not in OFFLOAD_MODES:
-        raise UserError(
-            f"unknown --cpu-offload {config.cpu_offload!r}: choose one of {', '.join(OFFLOAD_MODES)}"
-        )
-    fsdp_only = [name for name in changed if name not in ("zero_stage",)]
-    if config.zero_stage != 3 and fsdp_only:
-        flags = ", ".join("--" + name.replace("_", "-") for name in fsdp_only)
-        raise UserError(
-            f"{flags} configure FSDP (ZeRO stage 3), but --zero-stage is {config.zero_stage}: drop them or "
-            "use --zero-stage 3"
-        )
-    if config.hybrid_shard_size is not None and config.sharding != "HYBRID_SHARD":
-        raise UserError("--hybrid-shard-size needs --sharding HYBRID_SHARD")
 
 
 def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
@@ -299,75 +65,6 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.
             model.parameters(), lr=config.lr, momentum=0.9, weight_decay=config.weight_decay
         )
     return torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-
-
-def autocast(device: torch.device, precision: str):
-    """bf16 autocast runs matrix products in bfloat16 while the weights stay fp32."""
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
-
-
-@torch.no_grad()
-def evaluate(
-    model: torch.nn.Module, loader, device: torch.device, *, precision: str = "fp32"
-) -> dict[str, float]:
-    """Loss and accuracy over the whole validation set, every sample counted exactly once.
-
-    ``DistributedSampler`` pads the dataset to a multiple of the world size by repeating its first
-    samples, and deals positions round-robin: this rank's i-th sample sits at position
-    ``rank + i * world_size`` of the padded order, and it is padding if that position is past
-    the end of the dataset. Those samples still run through the model (with FSDP every rank
-    must run the same number of forwards) but are left out of the sums.
-
-    Args:
-        model: the (wrapped) model, the same on every rank.
-        loader: this rank's ``data.validation_loader``.
-        device: where the model computes.
-        precision: ``"fp32"`` or ``"bf16"`` (autocast), as in training.
-    """
-    was_training = model.training
-    model.eval()
-    sampler = loader.sampler
-    dataset_size = len(loader.dataset)
-    position = sampler.rank
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct predictions, samples
-    for inputs, targets in loader:
-        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-        with autocast(device, precision):
-            logits = model(inputs)
-        losses = F.cross_entropy(logits.float(), targets, reduction="none")
-        positions = position + sampler.num_replicas * torch.arange(len(targets), device=device)
-        real = positions < dataset_size
-        position += sampler.num_replicas * len(targets)
-        correct = (logits.argmax(dim=1) == targets) & real
-        totals += torch.stack([losses[real].double().sum(), correct.double().sum(), real.double().sum()])
-    if dist.is_initialized() and runtime.world_size() > 1:
-        dist.all_reduce(totals)
-    model.train(was_training)
-    loss_sum, correct, samples = totals.tolist()
-    return {"val_loss": loss_sum / samples, "val_acc": correct / samples, "val_samples": int(samples)}
-
-
-def peak_memory_mb(device: torch.device) -> tuple[float, str]:
-    """Peak memory of this process: tensors allocated on the GPU, or the resident set on a CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20, "cuda_max_allocated"
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / (2**20 if sys.platform == "darwin" else 2**10), "cpu_max_rss"
-
-
-def _reduce_max(value: float, device: torch.device | str = "cpu") -> float:
-    if not (dist.is_initialized() and runtime.world_size() > 1):
-        return value
-    tensor = torch.tensor([value], dtype=torch.float64, device=device)  # NCCL reduces only GPU tensors
-    comm.all_reduce(tensor, op="max")
-    return tensor.item()
-
-
-def _reduce_sum(tensor: torch.Tensor) -> list[float]:
-    """The sum over ranks of ``tensor``, read back as numbers."""
-    if dist.is_initialized() and runtime.world_size() > 1:
-        comm.all_reduce(tensor)
-    return tensor.tolist()
 
 
 def _gradients_finite(model: torch.nn.Module, device: torch.device) -> torch.Tensor:
@@ -379,45 +76,6 @@ def _gradients_finite(model: torch.nn.Module, device: torch.device) -> torch.Ten
     if not gradients:
         return torch.ones((), dtype=torch.bool, device=device)
     return torch.stack([torch.isfinite(grad).all().to(device) for grad in gradients]).all()
-
-
-def _append_metrics(path: str, record: dict[str, Any]) -> None:
-    """Append one JSON line, whole or not at all: a line cut short by a full disk is taken back."""
-    line = (json.dumps(record) + "\n").encode()
-    try:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "ab") as handle:
-            start = handle.tell()
-            try:
-                handle.write(line)
-                handle.flush()
-                os.fsync(handle.fileno())
-            except OSError:
-                with contextlib.suppress(OSError):  # a device such as /dev/full cannot be truncated
-                    handle.truncate(start)
-                raise
-    except OSError as error:
-        raise UserError(
-            f"could not write the metrics to {path} ({error.strerror or error}); the lines written before "
-            "are intact: free some space or choose another --metrics file, then rerun with --resume latest"
-        ) from None
-
-
-def _on_first_rank(action) -> None:
-    """Run ``action`` on rank 0 only, and stop every rank with its error if it raises ``UserError``.
-
-    Without this, rank 0 would stop alone and the others would wait for it in their next
-    collective until the timeout.
-    """
-    problem = None
-    if runtime.is_main():
-        try:
-            action()
-        except UserError as error:
-            problem = str(error)
-    problem = runtime.from_rank0(problem)
-    if problem is not None:
-        raise UserError(problem)
 
 
 class Trainer:
@@ -581,7 +239,7 @@ class Trainer:
                 torch.tensor(1.0 if stop else 0.0, dtype=torch.float64, device=loss_sum.device),
             ]
         )
-        loss_total, samples_total, non_finite_ranks, stopping_ranks = _reduce_sum(summary)
+        loss_total, samples_total, non_finite_ranks, stopping_ranks = reduce_sum(summary)
         diverged = non_finite_ranks > 0 or not math.isfinite(loss_total / samples_total)
         return loss_total, samples_total, diverged, stopping_ranks > 0
 
@@ -635,7 +293,7 @@ class Trainer:
                 "grad_norm": grad_norm,
                 "lr": config.lr,
             }
-            _on_first_rank(lambda: _append_metrics(config.metrics, record))
+            on_first_rank(lambda: append_metrics(config.metrics, record))
         raise Diverged(
             f"training diverged at step {step} (epoch {position.epoch + 1}): {what}; try "
             f"{', '.join(tries[:-1])} or {tries[-1]}{resume}"
@@ -663,6 +321,19 @@ class Trainer:
             return math.inf
         return self.config.max_steps - self.position.global_step
 
+    def _progress_bar(self, epoch: int, first_step: int) -> tqdm:
+        """The epoch's bar on rank 0 (``--no-progress``: none), on stderr so the metrics stay clean."""
+        return tqdm(
+            total=self.steps_per_epoch,
+            initial=first_step,
+            desc=f"epoch {epoch + 1}/{self.config.epochs}",
+            disable=not (self.process.is_main and self.config.progress),
+            leave=False,
+            dynamic_ncols=True,
+            mininterval=0.5,
+            file=sys.stderr,
+        )
+
     def _train_epoch(self, epoch: int) -> dict[str, Any] | None:
         """Train the rest of ``epoch``; return its metrics record (None if nothing was left to do)."""
         config, position = self.config, self.position
@@ -676,16 +347,7 @@ class Trainer:
         if self.process.world_size > 1:  # disjoint shares, a new order: one all-gather of indices
             self._last_share = data.check_epoch_order(sampler, epoch=epoch, previous=self._last_share)
         batches = iter(self.train_loader)
-        bar = tqdm(
-            total=self.steps_per_epoch,
-            initial=first_step,
-            desc=f"epoch {epoch + 1}/{config.epochs}",
-            disable=not (self.process.is_main and config.progress),
-            leave=False,
-            dynamic_ncols=True,
-            mininterval=0.5,
-            file=sys.stderr,
-        )
+        bar = self._progress_bar(epoch, first_step)
         if self.process.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.process.device)
         # What the epoch's metrics add up; a resumed epoch goes on from what the checkpoint had summed.
@@ -699,7 +361,7 @@ class Trainer:
             ):
                 step_loss, step_samples, stop = self._train_step(batches)
             if self._stragglers is not None and self._stragglers.reports:  # rank 0: this step's line
-                _append_metrics(self.config.straggler_report, self._stragglers.reports[-1].as_dict())
+                append_metrics(self.config.straggler_report, self._stragglers.reports[-1].as_dict())
             if self._profiler is not None and self._profiler.complete:
                 self._finish_profile()
             sums["loss_sum"] += step_loss
@@ -722,52 +384,9 @@ class Trainer:
         if self.process.device.type == "cuda":
             torch.cuda.synchronize(self.process.device)
         # the slowest rank sets the pace (a resumed epoch: the time before the stop, plus this part)
-        epoch_time = _reduce_max(seconds_before + time.perf_counter() - started, self.process.device)
+        epoch_time = reduce_max(seconds_before + time.perf_counter() - started, self.process.device)
         bar.close()
-        steps = int(sums["steps"])
-        peak_mb, peak_kind = peak_memory_mb(self.process.device)
-        record = {
-            "epoch": epoch + 1,
-            "strategy": config.strategy,
-            "impl": config.impl,
-            "sharding": self.sharding_label,
-            "world_size": self.process.world_size,
-            "global_batch_size": config.global_batch_size,
-            "micro_batch_size": self.micro_batch,
-            "grad_accum": config.grad_accum,
-            "dataset": config.dataset,
-            "model": config.model,
-            "precision": config.precision,
-            "device": self.process.device.type,
-            "backend": self.process.backend,
-            "steps": steps,
-            # False when --max-steps ended it early: its numbers then describe only those steps
-            "epoch_complete": position.step_in_epoch == self.steps_per_epoch,
-            "epoch_time_s": epoch_time,
-            "samples_per_s": steps * config.global_batch_size / epoch_time,
-            "train_loss": sums["loss_sum"] / sums["samples"],
-        }
-        if first_step:  # stopped and resumed inside this epoch: the sums above still cover all of it
-            record["resumed_at_step"] = first_step
-        record["model_tflops"] = self.flops_per_sample * record["samples_per_s"] / 1e12
-        peak = flops.peak_tflops(self.process.device, flops.matmul_precision(config.precision))
-        record["mfu"] = (
-            None
-            if peak is None
-            else flops.model_flops_utilization(
-                flops_per_sample=self.flops_per_sample,
-                samples_per_s=record["samples_per_s"],
-                gpus=self.process.world_size,
-                peak_tflops_per_gpu=peak,
-            )
-        )
-        record.update(evaluate(self.model, self.val_loader, self.process.device, precision=config.precision))
-        record["peak_mem_mb"] = _reduce_max(peak_mb, self.process.device)
-        record["peak_mem_kind"] = peak_kind
-        # What sharding divides by N, on any device: on a CPU the peak above is the process's
-        # resident memory, mostly PyTorch's own runtime, and hardly moves with N.
-        held = memory.measure_model_states(self.model, optimizer=self.optimizer).total
-        record["model_state_mb"] = _reduce_max(held / 2**20, self.process.device)
+        record = epoch_record(self, epoch=epoch, sums=sums, first_step=first_step, epoch_time_s=epoch_time)
         if position.step_in_epoch == self.steps_per_epoch:
             position.epoch, position.step_in_epoch, position.epoch_sums = epoch + 1, 0, {}
         return record
@@ -801,7 +420,7 @@ class Trainer:
                 break
             position.history.append(record)
             if config.metrics:
-                _on_first_rank(lambda: _append_metrics(config.metrics, record))
+                on_first_rank(lambda: append_metrics(config.metrics, record))
             if self.process.is_main:
                 tqdm.write(
                     f"epoch {record['epoch']}/{config.epochs}: train loss {record['train_loss']:.4f}, val "

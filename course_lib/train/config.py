@@ -1,0 +1,266 @@
+"""What a training run is: one ``TrainConfig``, and every rule it follows, checked before the ranks meet.
+
+Everything a run needs is checked by ``validate_config`` from the environment alone (the world
+size, the ranks per node, the data's size): a bad flag then stops every rank at once, with the
+same one-line message naming the fix, before any of them waits for another. The command line
+(``cli.py``) is built from the same fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import checks, data, models
+from ..errors import UserError
+from ..parallel import recompute
+from ..parallel.fsdp import OFFLOAD_MODES, SHARDING_STRATEGIES, hybrid_shard_group_size
+from . import checkpoint, strategies
+
+PRECISIONS = ("fp32", "bf16")
+
+
+OPTIMIZERS = ("adamw", "sgd")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Every knob of a run; the command-line flags map one to one onto these fields.
+
+    Args:
+        strategy: ``"single"`` (one process), ``"ddp"`` or ``"fsdp"``.
+        impl: ``"torch"`` (PyTorch's own DDP and FSDP2) or ``"course"`` (``course_lib.parallel``).
+        zero_stage: with ``--strategy fsdp --impl course``: 1 or 2 shard the optimizer state (and
+            the gradients) with ZeRO, 3 is FSDP.
+        sharding: the FSDP sharding strategy (stage 3, ``--impl course``): ``"FULL_SHARD"``,
+            ``"SHARD_GRAD_OP"``, ``"HYBRID_SHARD"`` or ``"NO_SHARD"``.
+        hybrid_shard_size: ranks per shard group for HYBRID_SHARD (None: the ranks of a node).
+        cpu_offload: the course FSDP's offload: ``"none"``, ``"params"`` or ``"full"``.
+        recompute: what each unit keeps for backward (``recompute.POLICIES``): ``"none"``
+            (everything), ``"full"`` (its input; the rest is recomputed) or ``"selective"``; with
+            any strategy.
+        dataset: ``"digits"``, ``"synthetic"`` or ``"cifar10"``.
+        data_dir: where CIFAR-10's files are.
+        model: ``"digits_cnn"``, ``"cifar_cnn"`` or ``"resnet18"``.
+        epochs: passes over the training split.
+        global_batch_size: samples per optimizer step over all ranks and accumulation steps.
+        lr: the learning rate.
+        optimizer: ``"adamw"`` or ``"sgd"`` (with momentum 0.9).
+        weight_decay: the optimizer's weight decay.
+        clip_grad_norm: clip the whole gradient's 2-norm to this before each step (None: never).
+        seed: the seed of the weights and of the data order, the same on every rank.
+        precision: ``"fp32"`` or ``"bf16"`` (autocast).
+        grad_accum: micro-batches each rank accumulates before a step.
+        eval_batch_size: samples per forward when validating.
+        checkpoint_dir: where checkpoints are written (None: none are).
+        checkpoint_every: also save every N steps (0: only at the end of each epoch).
+        resume: ``"latest"`` (the newest in ``checkpoint_dir``) or a checkpoint folder.
+        metrics: a JSON-lines file that gets one line per epoch.
+        max_steps: stop after this many optimizer steps in total (None: run every epoch).
+        workers: data-loading processes per rank.
+        progress: show a progress bar on rank 0.
+        profile: record the anatomy of ``profile_steps`` steps (after ``PROFILE_WARMUP_STEPS``):
+            each rank's trace and the budget (``anatomy.json``) go into this folder.
+        profile_steps: how many steps to record with ``profile``.
+        check_replicas: every this many steps, check that every rank holds the same weights
+            (``replicas.check_replicas``; 0: never); with ``--strategy ddp``.
+        straggler_report: a JSON-lines file that gets one line per step: every rank's lateness
+            at the step's collectives, its time in them, the slowest rank and what it cost the
+            others (``stragglers``); with the course's collectives (``--impl course``).
+    """
+
+    strategy: str = "single"
+    impl: str = "torch"
+    zero_stage: int = 3
+    sharding: str = "FULL_SHARD"
+    hybrid_shard_size: int | None = None
+    cpu_offload: str = "none"
+    recompute: str = "none"
+    dataset: str = "digits"
+    data_dir: str = "data"
+    model: str = "digits_cnn"
+    epochs: int = 5
+    global_batch_size: int = 64
+    lr: float = 3e-3
+    optimizer: str = "adamw"
+    weight_decay: float = 0.0
+    clip_grad_norm: float | None = None
+    seed: int = 0
+    precision: str = "fp32"
+    grad_accum: int = 1
+    eval_batch_size: int = 256
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    resume: str | None = None
+    metrics: str | None = None
+    max_steps: int | None = None
+    workers: int = 0
+    progress: bool = True
+    profile: str | None = None
+    profile_steps: int = 3
+    straggler_report: str | None = None
+    check_replicas: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def resolve_resume_path(config: TrainConfig) -> Path | None:
+    """The checkpoint to resume from, or None for a fresh start."""
+    if config.resume is None:
+        return None
+    if config.resume == "latest":
+        if not config.checkpoint_dir:
+            raise UserError("--resume latest needs --checkpoint-dir (where to look for checkpoints)")
+        return checkpoint.latest_checkpoint(config.checkpoint_dir)  # None: nothing saved yet, start afresh
+    return Path(config.resume)
+
+
+def validate_config(config: TrainConfig, world_size: int, ranks_per_node: int | None = None) -> None:
+    """Every check that needs no other process: run it on every rank before they meet.
+
+    Each number must be finite and in its meaningful range, each path must be a folder or a
+    file as expected and writable where the run will write: a mistake then stops every rank at
+    once with the same one-line message, instead of a traceback from deep inside torch. What a
+    run would refuse later (a batch larger than the data, shard groups that do not cut the
+    ranks, a checkpoint of another layout) is refused here too, so that ``--dry-run`` refuses
+    everything the run itself would.
+
+    Args:
+        config: the run.
+        world_size: the processes it runs on.
+        ranks_per_node: the processes of one node (None: all of them).
+    """
+    checks.check_int("--epochs", config.epochs, minimum=1)
+    checks.check_int("--global-batch-size", config.global_batch_size, minimum=1)
+    checks.check_int("--grad-accum", config.grad_accum, minimum=1)
+    checks.check_int("eval_batch_size", config.eval_batch_size, minimum=1)
+    checks.check_number("--lr", config.lr, above=0, maximum=MAX_LEARNING_RATE)
+    checks.check_number("--weight-decay", config.weight_decay, minimum=0)
+    if config.clip_grad_norm is not None:
+        checks.check_number("--clip-grad-norm", config.clip_grad_norm, above=0)
+    checks.check_int("--seed", config.seed, minimum=0, maximum=MAX_SEED)
+    if config.max_steps is not None:
+        checks.check_int("--max-steps", config.max_steps, minimum=1)
+    checks.check_int("--workers", config.workers, minimum=0, maximum=MAX_LOADER_WORKERS)
+    checks.check_int("--checkpoint-every", config.checkpoint_every, minimum=0)
+    if config.hybrid_shard_size is not None:
+        checks.check_int("--hybrid-shard-size", config.hybrid_shard_size, minimum=1, maximum=world_size)
+    strategies.check_strategy(config.strategy, config.impl, world_size)
+    checks.check_folder_to_read("--data-dir", config.data_dir)
+    data.check_data_available(config.dataset, config.data_dir)
+    models.check_model_fits_data(config.model, config.dataset, data.INPUT_SHAPES[config.dataset])
+    data.per_rank_batch_size(config.global_batch_size, world_size, grad_accum_steps=config.grad_accum)
+    steps_per_epoch(config)
+    if config.recompute not in recompute.POLICIES:
+        raise UserError(
+            f"unknown --recompute {config.recompute!r}: choose one of {', '.join(recompute.POLICIES)}"
+        )
+    if config.precision not in PRECISIONS:
+        raise UserError(f"unknown precision {config.precision!r}: choose one of {', '.join(PRECISIONS)}")
+    if config.optimizer not in OPTIMIZERS:
+        raise UserError(f"unknown optimizer {config.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+    _check_sharding_flags(config)
+    hybrid = ("fsdp", "course", 3, "HYBRID_SHARD")
+    if (config.strategy, config.impl, config.zero_stage, config.sharding) == hybrid:
+        hybrid_shard_group_size(config.hybrid_shard_size, world_size, ranks_per_node or world_size)
+    if config.checkpoint_every and not config.checkpoint_dir:
+        raise UserError("--checkpoint-every needs --checkpoint-dir (where to write the checkpoints)")
+    if config.checkpoint_dir:
+        checks.check_folder_to_write("--checkpoint-dir", config.checkpoint_dir)
+    if config.metrics:
+        checks.check_file_to_write("--metrics", config.metrics)
+    if config.profile:
+        checks.check_folder_to_write("--profile", config.profile)
+    checks.check_int("--profile-steps", config.profile_steps, minimum=1)
+    checks.check_int("--check-replicas", config.check_replicas, minimum=0)
+    if config.check_replicas and config.strategy != "ddp":
+        raise UserError(
+            "--check-replicas compares whole replicas: use it with --strategy ddp (FSDP and ZeRO shard the "
+            "weights, so the ranks hold different pieces by design)"
+        )
+    if config.straggler_report:
+        if config.strategy == "single" or config.impl != "course":
+            raise UserError(
+                "--straggler-report times the collectives the course's own code makes: add --strategy ddp "
+                "(or fsdp) --impl course (PyTorch's DDP and FSDP call the transport directly)"
+            )
+        checks.check_file_to_write("--straggler-report", config.straggler_report)
+    if config.resume not in (None, "latest"):
+        checks.check_folder_to_read("--resume", config.resume)
+    resume_path = resolve_resume_path(config)
+    if resume_path is not None:
+        meta = checkpoint.read_meta(resume_path)
+        checkpoint.check_compatible(meta, config.as_dict(), resume_path)
+        checkpoint.check_layout(meta, checkpoint.layout_kind(config.as_dict()), resume_path)
+    if config.checkpoint_dir:
+        checkpoint.check_folder_for_run(config.checkpoint_dir, resume_path)
+
+
+def steps_per_epoch(config: TrainConfig) -> int:
+    """Optimizer steps in one pass over the training split (the last, incomplete global batch is dropped)."""
+    samples = data.train_samples(config.dataset)
+    if config.global_batch_size > samples:
+        raise UserError(
+            f"--global-batch-size {config.global_batch_size} is larger than the {samples} training samples "
+            f"of {config.dataset}: use at most {samples}"
+        )
+    return samples // config.global_batch_size
+
+
+MAX_LEARNING_RATE = 1e6
+"""Far above any learning rate that trains; a larger one is a typo (a missing minus in 1e-3)."""
+
+
+MAX_SEED = 2**32 - 1
+"""numpy and Python's ``random`` take seeds up to this; torch's generator takes them too."""
+
+
+MAX_LOADER_WORKERS = 64
+"""Data-loader processes per rank; more would spend the machine's memory on copies of the dataset."""
+
+
+SHARDING_FLAGS = ("zero_stage", "sharding", "hybrid_shard_size", "cpu_offload")
+
+
+def _check_sharding_flags(config: TrainConfig) -> None:
+    """The sharding flags choose among the course's own implementations: refuse them anywhere else."""
+    defaults = TrainConfig()
+    changed = [name for name in SHARDING_FLAGS if getattr(config, name) != getattr(defaults, name)]
+    if changed and (config.strategy, config.impl) != ("fsdp", "course"):
+        flags = ", ".join("--" + name.replace("_", "-") for name in changed)
+        raise UserError(
+            f"{flags} choose(s) among the course's sharded implementations: add --strategy fsdp --impl course"
+        )
+
+    if config.zero_stage not in (1, 2, 3):
+        raise UserError(
+            "--zero-stage must be 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters: FSDP), got "
+            f"{config.zero_stage}"
+        )
+    if config.sharding not in SHARDING_STRATEGIES:
+        raise UserError(
+            f"unknown --sharding {config.sharding!r}: choose one of {', '.join(SHARDING_STRATEGIES)}"
+        )
+    if config.cpu_offload not in OFFLOAD_MODES:
+        raise UserError(
+            f"unknown --cpu-offload {config.cpu_offload!r}: choose one of {', '.join(OFFLOAD_MODES)}"
+        )
+    fsdp_only = [name for name in changed if name not in ("zero_stage",)]
+    if config.zero_stage != 3 and fsdp_only:
+        flags = ", ".join("--" + name.replace("_", "-") for name in fsdp_only)
+        raise UserError(
+            f"{flags} configure FSDP (ZeRO stage 3), but --zero-stage is {config.zero_stage}: drop them or "
+            "use --zero-stage 3"
+        )
+    if config.hybrid_shard_size is not None and config.sharding != "HYBRID_SHARD":
+        raise UserError("--hybrid-shard-size needs --sharding HYBRID_SHARD")
+
+
+def autocast(device: torch.device, precision: str):
+    """bf16 autocast runs matrix products in bfloat16 while the weights stay fp32."""
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=precision == "bf16")

@@ -10,40 +10,42 @@ import pytest
 from course_lib.errors import UserError
 from course_lib.parallel import memory
 from course_lib.parallel.pipeline import bubble_overhead_theory
+from course_lib.plan import compute_model, memory_model, network_model, planner, scaling, specs
 from course_lib.plan import cost_model as cm
-from course_lib.plan import scaling
 from course_lib.plan.layout import Layout
 from course_lib.tools import plan as plan_tool
 
-LLAMA_8B, ALPS = cm.MODELS["llama3-8b"], cm.CLUSTERS["alps"]
+LLAMA_8B, ALPS = specs.MODELS["llama3-8b"], specs.CLUSTERS["alps"]
 
 
 def test_the_models_have_their_published_sizes():
     assert LLAMA_8B.parameters() == 8_030_261_248  # Meta-Llama-3-8B: 8.03 B
-    assert round(cm.MODELS["llama3-70b"].parameters() / 1e9, 1) == 70.6
-    mixtral = cm.MODELS["mixtral-8x7b"]
+    assert round(specs.MODELS["llama3-70b"].parameters() / 1e9, 1) == 70.6
+    mixtral = specs.MODELS["mixtral-8x7b"]
     assert round(mixtral.parameters() / 1e9, 1) == 46.7  # "47B parameters, 13B active"
     assert round(mixtral.active_parameters() / 1e9, 1) == 12.9
 
 
 def test_a_collective_costs_what_the_alpha_beta_lesson_says():
-    link = cm.Link(latency_s=5e-6, bandwidth=20e9)
+    link = specs.Link(latency_s=5e-6, bandwidth=20e9)
     for group in (1, 2, 3, 8):
-        assert cm.collective_seconds("all_reduce", 1e8, group, link) == pytest.approx(
+        assert network_model.collective_seconds("all_reduce", 1e8, group, link) == pytest.approx(
             scaling.ring_all_reduce_seconds(
                 group, message_bytes=1e8, latency_s=5e-6, bandwidth_bytes_per_s=20e9
             )
         )
     # a reduce-scatter then an all-gather is one all-reduce
-    halves = sum(cm.collective_seconds(op, 1e8, 4, link) for op in ("reduce_scatter", "all_gather"))
-    assert halves == pytest.approx(cm.collective_seconds("all_reduce", 1e8, 4, link))
+    halves = sum(
+        network_model.collective_seconds(op, 1e8, 4, link) for op in ("reduce_scatter", "all_gather")
+    )
+    assert halves == pytest.approx(network_model.collective_seconds("all_reduce", 1e8, 4, link))
 
 
 def test_the_tensor_axis_stays_inside_a_node_and_the_data_axis_leaves_it():
     layout = Layout(data=4, tensor=4)  # 16 GPUs, 4 per node
-    assert cm.link_of("tensor", layout, ALPS) is ALPS.inside_node
-    assert cm.link_of("data", layout, ALPS) is ALPS.between_nodes
-    assert cm.link_of("data", Layout(data=4), ALPS) is ALPS.inside_node
+    assert network_model.link_of("tensor", layout, ALPS) is ALPS.inside_node
+    assert network_model.link_of("data", layout, ALPS) is ALPS.between_nodes
+    assert network_model.link_of("data", Layout(data=4), ALPS) is ALPS.inside_node
 
 
 def _predict(layout: Layout, **options):
@@ -74,11 +76,11 @@ def test_each_policy_keeps_less_and_pays_more():
 
 def test_tensor_parallelism_splits_every_term_but_selectives_row_outputs():
     spec, layout = LLAMA_8B, Layout(tensor=1)
-    one = cm.block_activation_elements(spec, layout, micro_batch=1, seq_len=1024)
-    four = cm.block_activation_elements(spec, layout.with_(tensor=4), micro_batch=1, seq_len=1024)
+    one = memory_model.block_activation_elements(spec, layout, micro_batch=1, seq_len=1024)
+    four = memory_model.block_activation_elements(spec, layout.with_(tensor=4), micro_batch=1, seq_len=1024)
     assert four == pytest.approx(one / 4)  # Megatron-LM's sequence parallelism: everything / T
     selective = [
-        cm.block_activation_elements(
+        memory_model.block_activation_elements(
             spec, layout.with_(tensor=t, recomputation="selective"), micro_batch=1, seq_len=1024
         )
         for t in (1, 4)
@@ -148,7 +150,7 @@ def test_a_bad_layout_is_refused_with_the_rule():
 
 
 def test_the_plan_ranks_what_fits_fastest_first():
-    fitting, rejected = cm.plan(LLAMA_8B, ALPS, gpus=16, seq_len=8192, global_batch=64)
+    fitting, rejected = planner.plan(LLAMA_8B, ALPS, gpus=16, seq_len=8192, global_batch=64)
     assert fitting and rejected
     speeds = [p.tokens_per_s for p in fitting]
     assert speeds == sorted(speeds, reverse=True)
@@ -186,7 +188,7 @@ def test_the_course_transformer_is_a_spec_with_its_exact_parameter_count():
     from course_lib import models
 
     model = models.TinyTransformer(37, d_model=24, n_heads=6, n_layers=3, max_seq_len=12)
-    assert cm.ModelSpec.of(model).parameters() == models.count_parameters(model)
+    assert specs.ModelSpec.of(model).parameters() == models.count_parameters(model)
 
 
 COURSE_LAYOUTS = [
@@ -208,9 +210,9 @@ def test_the_planners_block_is_the_measured_formula_for_the_course_block(planner
     from course_lib import models
     from course_lib.plan import activations
 
-    spec = cm.ModelSpec.of(models.TinyTransformer(37, d_model=24, n_heads=6, n_layers=2, max_seq_len=24))
+    spec = specs.ModelSpec.of(models.TinyTransformer(37, d_model=24, n_heads=6, n_layers=2, max_seq_len=24))
     layout = Layout(precision="fp32", recomputation=policy, **planner)
-    ours = cm.block_activation_elements(spec, layout, micro_batch=5, seq_len=24)
+    ours = memory_model.block_activation_elements(spec, layout, micro_batch=5, seq_len=24)
     measured_formula = activations.block_activation_elements(
         batch=5, seq=24, d_model=24, heads=6, recomputation=policy, **course
     )["total"]
@@ -221,8 +223,8 @@ def test_the_planners_head_is_the_measured_formula_for_the_course_head():
     from course_lib import models
     from course_lib.plan import activations
 
-    spec = cm.ModelSpec.of(models.TinyTransformer(37, d_model=24, n_heads=6, n_layers=2, max_seq_len=24))
-    ours = cm.head_activation_bytes(spec, Layout(precision="fp32"), micro_batch=5, seq_len=24)
+    spec = specs.ModelSpec.of(models.TinyTransformer(37, d_model=24, n_heads=6, n_layers=2, max_seq_len=24))
+    ours = memory_model.head_activation_bytes(spec, Layout(precision="fp32"), micro_batch=5, seq_len=24)
     theirs = activations.head_activation_bytes(batch=5, seq=24, d_model=24, vocab=37)
     assert ours == theirs - 4 - 8 * 5 * 24  # the cross-entropy's saved scalar; the targets, the batch's
 
@@ -276,5 +278,5 @@ def test_the_planners_bubble_is_the_simulated_schedules_and_equals_the_theory(
 ):
     from course_lib.parallel import pipeline
 
-    simulated = cm.bubble_overhead(schedule, p, m, v, backward_over_forward)
+    simulated = compute_model.bubble_overhead(schedule, p, m, v, backward_over_forward)
     assert simulated == pytest.approx(pipeline.bubble_overhead_theory(p, m, virtual_stages=v))

@@ -27,7 +27,7 @@ from ..distributed.ring import ring_all_reduce_counts
 from ..observe import anatomy
 from ..parallel import context, expert, memory, mesh, pipeline, ulysses
 from ..parallel.fsdp import FullyShardedDataParallel
-from ..plan import cost_model
+from ..plan import cost_model, specs
 from ..plan.layout import Layout
 from . import plots
 from .bench import MLP_BATCH, MLP_LAYERS, MLP_WIDTH, mlp, training_step
@@ -296,7 +296,7 @@ def _fsdp_steps_with_and_without_prefetch() -> dict:
 
 def layout_memory():
     """Memory per GPU of seven layouts of Llama 3 8B on 64 GH200s of Alps (``cost_model.predict``)."""
-    alps = cost_model.CLUSTERS["alps"]
+    alps = specs.CLUSTERS["alps"]
     layouts = [
         Layout(data=64, sharding="ddp"),
         Layout(data=64, sharding="fsdp"),
@@ -306,7 +306,7 @@ def layout_memory():
         Layout(data=16, context=4, sharding="fsdp"),
         Layout(data=8, pipeline=2, context=4, sharding="fsdp", schedule="interleaved_1f1b", virtual_stages=2),
     ]
-    model = cost_model.MODELS["llama3-8b"]
+    model = specs.MODELS["llama3-8b"]
     predictions = [
         cost_model.predict(model, alps, layout, seq_len=8192, global_batch=512) for layout in layouts
     ]

@@ -2,7 +2,7 @@
 
 ``python -m course_lib.tools.plan --model llama3-8b --cluster alps --gpus 64 --seq-len 8192
 --global-batch-tokens 4M`` predicts memory per GPU, step time, tokens/s and MFU for every layout
-``cost_model.candidate_layouts`` lists, prints the fastest that fit with their memory and time
+``planner.candidate_layouts`` lists, prints the fastest that fit with their memory and time
 broken down, and for the layouts that do not fit, the one reason each (grouped). ``--json FILE``
 writes every prediction.
 
@@ -30,8 +30,10 @@ import sys
 from .. import checks
 from ..distributed.launch import check_process_count, launch
 from ..errors import UserError
-from ..plan.cost_model import CLUSTERS, GB, MODELS, Prediction, plan, predict
+from ..plan.cost_model import Prediction, predict
 from ..plan.layout import CONTEXT_ATTENTION, Layout
+from ..plan.planner import plan
+from ..plan.specs import CLUSTERS, GB, MODELS
 from .plan_validation import (
     SWEEP,
     calibrate,

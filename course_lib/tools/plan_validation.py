@@ -45,7 +45,7 @@ from ..parallel import memory, vocab
 from ..parallel import pipeline as pp
 from ..parallel import sequence as sp
 from ..parallel.mesh import Mesh
-from ..plan import cost_model, flops, scaling
+from ..plan import cost_model, flops, scaling, specs
 from ..plan.layout import Layout, parallelize
 
 
@@ -83,8 +83,8 @@ class Sweep:
             max_seq_len=self.seq_len,
         )  # fmt: skip
 
-    def spec(self) -> cost_model.ModelSpec:
-        return cost_model.ModelSpec.of(self.model())
+    def spec(self) -> specs.ModelSpec:
+        return specs.ModelSpec.of(self.model())
 
 
 SWEEP = Sweep()
@@ -306,7 +306,7 @@ def with_speed(calibration: dict, speed: dict, sweep: Sweep = SWEEP) -> dict:
     """The calibration with the compute speed ``probe_compute`` measured.
 
     The matmul rate is the probe's; the optimizer's bandwidth is the bytes AdamW moves
-    (``cost_model.OPTIMIZER_BYTES`` a parameter) over its step's time. The rest of a forward and
+    (``specs.OPTIMIZER_BYTES`` a parameter) over its step's time. The rest of a forward and
     backward is two unknowns: the bandwidth its norms and activation functions reach (their
     bytes are ``cost_model``'s) and the host's time per dispatched operation (their number is
     counted). Two batch sizes give two equations: the operations are the same at both, the
@@ -323,7 +323,7 @@ def with_speed(calibration: dict, speed: dict, sweep: Sweep = SWEEP) -> dict:
     calibration = calibration | {
         "matmul_flops": speed["matmul_flops"],
         "memory_bandwidth": 1.0,  # for the moment: the memory-bound "seconds" below are bytes
-        "optimizer_bandwidth": cost_model.OPTIMIZER_BYTES["fp32"] * parameters / speed["optimizer_s"],
+        "optimizer_bandwidth": specs.OPTIMIZER_BYTES["fp32"] * parameters / speed["optimizer_s"],
         "host_seconds_per_operation": 0.0,
         "one_process_step_s": steps[sweep.global_batch] + speed["optimizer_s"],
         "one_process_operations": speed["operations"],
@@ -416,10 +416,10 @@ def probe_compute(sweep: Sweep = SWEEP) -> dict:
     }
 
 
-def machine(calibration: dict) -> cost_model.ClusterSpec:
+def machine(calibration: dict) -> specs.ClusterSpec:
     """This machine as the planner sees it: one node of ``cores`` "GPUs" joined by the measured link."""
-    link = cost_model.Link(calibration["latency_s"], calibration["bandwidth_bytes_per_s"])
-    return cost_model.ClusterSpec(
+    link = specs.Link(calibration["latency_s"], calibration["bandwidth_bytes_per_s"])
+    return specs.ClusterSpec(
         name="this machine",
         gpus_per_node=calibration["cores"],
         gpu_memory_bytes=1e12,
@@ -438,7 +438,7 @@ def machine(calibration: dict) -> cost_model.ClusterSpec:
 
 def predict_beside(
     measured: dict, layout: Layout, calibration: dict, sweep: Sweep = SWEEP
-) -> tuple[cost_model.ClusterSpec, cost_model.Prediction]:
+) -> tuple[specs.ClusterSpec, cost_model.Prediction]:
     """The prediction for a layout ``measure_layout`` ran: this machine at the speed measured beside
     the run, with the operations the run counted; and that machine.
 

@@ -76,7 +76,7 @@ def test_the_calibration_recovers_the_bandwidths_and_the_host_cost_it_was_made_f
     """Steps made by the time model itself, from known rates: ``with_speed`` solves them back."""
     import dataclasses
 
-    from course_lib.plan import cost_model
+    from course_lib.plan import cost_model, specs
 
     link = {"latency_s": 1e-4, "bandwidth_bytes_per_s": 1e9, "cores": 2}
     truth = link | {
@@ -97,9 +97,7 @@ def test_the_calibration_recovers_the_bandwidths_and_the_host_cost_it_was_made_f
             operations=operations,
         ).time
         forward_backward[batch] = time["total"] - time["optimizer step"]
-    optimizer_s = (
-        cost_model.OPTIMIZER_BYTES["fp32"] * SMALL.spec().parameters() / truth["optimizer_bandwidth"]
-    )
+    optimizer_s = specs.OPTIMIZER_BYTES["fp32"] * SMALL.spec().parameters() / truth["optimizer_bandwidth"]
     speed = {
         "matmul_flops": truth["matmul_flops"],
         "forward_backward_s": forward_backward,

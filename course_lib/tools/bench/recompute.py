@@ -17,7 +17,7 @@ from ...data import zen_windows
 from ...distributed import runtime
 from ...parallel import memory, recompute
 from ...parallel.ddp import DataParallel
-from ...plan import cost_model
+from ...plan import cost_model, specs
 from ...plan.layout import Layout
 from ..timing import interleaved_medians
 
@@ -53,7 +53,7 @@ def recompute_benchmark(
     generator = torch.Generator().manual_seed(rank)
     mine = torch.randint(0, len(inputs), (batch,), generator=generator)
     x, y = inputs[mine], targets[mine]
-    spec = cost_model.ModelSpec.of(dense)
+    spec = specs.ModelSpec.of(dense)
     rows, steps_by_policy = [], {}
     for policy in recompute.POLICIES:
         model = DataParallel(recompute.apply_recomputation(copy.deepcopy(dense), policy=policy))
@@ -66,7 +66,7 @@ def recompute_benchmark(
             data=world, recomputation=policy, precision="fp32", loss_parallel=False, micro_batch=batch
         )
         formula = cost_model.predict(
-            spec, cost_model.CLUSTERS["alps"], layout, seq_len=seq, global_batch=batch * world
+            spec, specs.CLUSTERS["alps"], layout, seq_len=seq, global_batch=batch * world
         ).memory["activations"]
         rows.append({"policy": policy, "activation_bytes": kept, "activation_bytes_formula": formula})
 

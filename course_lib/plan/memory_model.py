@@ -1,0 +1,206 @@
+"""What the fullest GPU holds in one step: model states, activations, gathered parameters.
+
+- **model states**: ``memory.model_state_bytes`` of the parameters a GPU holds (its pipeline
+  stage's layers, 1/T of each matrix, 1/E of the experts), sharded over the data (and context)
+  ranks by the ZeRO stage;
+- **activations**: the per-block count of ``activations`` (Korthikanti et al.), written here for
+  a Llama-style block (RMSNorm, grouped-query attention, a gated MLP, flash attention), times the
+  micro-batches the pipeline schedule keeps in flight (``pipeline.peak_activations_theory``).
+
+Papers: Korthikanti et al. (arXiv:2205.05198) for activations; Rajbhandari et al.
+(arXiv:1910.02054) for model states.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..parallel import memory
+from ..parallel.pipeline import peak_activations_theory
+from .layout import Layout
+from .specs import ModelSpec, StepShape
+
+
+def vocabulary_rows(model: ModelSpec, layout: Layout) -> int:
+    """The embedding's and projection's rows on one GPU: ceil(V/T) with ``loss_parallel`` (the
+    vocabulary padded to a multiple of T, as ``parallel.vocab`` and Megatron-LM pad it), else V.
+
+    Args:
+        model: the vocabulary.
+        layout: the tensor degree and ``loss_parallel``.
+    """
+    return math.ceil(model.vocab / layout.tensor) if layout.loss_parallel else model.vocab
+
+
+def block_parameters_per_gpu(model: ModelSpec, layout: Layout) -> float:
+    """One block's parameters on one GPU: the matrices and their column biases split over T (the
+    experts also over E); the norms and the row-parallel layers' biases whole on every tensor rank."""
+    t, replicated = layout.tensor, model.replicated_block_parameters()
+    experts = model.experts * model.expert_parameters() if model.experts > 1 else 0
+    split = model.block_parameters() - replicated - experts
+    return split / t + replicated + experts / (t * layout.expert)
+
+
+def stage_parameters(model: ModelSpec, layout: Layout) -> float:
+    """Parameters on the fullest GPU: its pipeline stages' entries, each cut as ``parallelize`` cuts it.
+
+    The model is the list [embedding, L blocks, head] shared out evenly over P·v stages (earlier
+    stages take one more when it does not divide, as ``pipeline.split_model`` does); the embedding
+    and head are split over the tensor ranks only with ``loss_parallel``.
+
+    Args:
+        model: the shapes.
+        layout: the degrees.
+    """
+    rows = vocabulary_rows(model, layout)
+    embedding = rows * model.d_model + model.position_embeddings * model.d_model
+    head = model._norm_parameters() + rows * model.d_model + (rows if model.bias else 0)
+    block = block_parameters_per_gpu(model, layout)
+    entries = [embedding, *([block] * model.layers), head]
+    stages = layout.pipeline * layout.virtual_stages
+    base, extra = divmod(len(entries), stages)
+    sizes = [base + (1 if s < extra else 0) for s in range(stages)]
+    bounds = [sum(sizes[:s]) for s in range(stages + 1)]
+    per_stage = [sum(entries[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+    per_rank = [sum(per_stage[r :: layout.pipeline]) for r in range(layout.pipeline)]
+    return max(per_rank)
+
+
+def block_activation_elements(model: ModelSpec, layout: Layout, *, micro_batch: int, seq_len: int) -> float:
+    """Elements one Llama-style block keeps for backward per micro-batch on one GPU (bf16 elements).
+
+    The course's ``activations.block_activation_elements`` term by term, for RMSNorm (input and
+    one statistic per token) or LayerNorm (two), grouped-query attention (k and v are
+    kv_heads/heads of q), flash attention (an fp32 log-sum-exp per head and token: 2 bf16
+    elements), a gated MLP (gate, up, SiLU and product: 4·ffn per token) or a plain one (2·ffn),
+    and with ``layout.sequence_parallel`` Megatron-LM's sequence parallelism (the norms and the
+    projections' inputs on s/T tokens). For the course's block in fp32 it is
+    ``activations.block_activation_elements`` exactly (the tests hold the two equal).
+
+    Args:
+        model: the shapes.
+        layout: tensor, context degrees and recomputation.
+        micro_batch: b, sequences per micro-batch.
+        seq_len: s, tokens per sequence.
+    """
+    t = layout.tensor
+    sp = t if layout.sequence_parallel else 1  # what the norms and the projections' inputs are cut by
+    tokens = micro_batch * seq_len / layout.context  # this GPU's tokens of the micro-batch
+    h, a = model.d_model, model.heads
+    sbh = tokens * h
+    kv = model.kv_heads / model.heads
+    rows = model.top_k if model.experts > 1 else 1  # an MoE layer computes k rows per token
+    mlp_hidden = tokens * rows * model.ffn_hidden
+    lse = a * tokens * 4 / layout.element_bytes  # one fp32 log-sum-exp per head and token
+    block_input = sbh / sp
+    if layout.recomputation == "full":
+        return block_input
+    q_k_v = (1 + 2 * kv) * sbh / t
+    attention = (sbh + lse) / t  # the output and the log-sum-exp
+    if layout.recomputation == "selective":
+        # the ring's blocks are batched matmuls, recomputed; Ulysses' attention is the fused kernel, kept
+        ring_recomputed = layout.context > 1 and layout.context_attention == "ring"
+        gate_up = 2 * mlp_hidden / t if model.gated_mlp else mlp_hidden / t
+        return block_input + q_k_v + (0 if ring_recomputed else attention) + gate_up + 2 * sbh
+    norms = 2 * (sbh + model.norm_statistics * tokens) / sp
+    projection_inputs = 2 * sbh / sp
+    # the attention's output, reshaped from the ring's (or Ulysses' all-to-all's) layout: one copy
+    ring_output_copy = sbh / t if layout.context > 1 else 0
+    mlp = (4 if model.gated_mlp else 2) * mlp_hidden / t
+    router = tokens * model.experts if model.experts > 1 else 0
+    return norms + projection_inputs + q_k_v + attention + ring_output_copy + mlp + router
+
+
+def _activations_per_gpu(
+    model: ModelSpec,
+    layout: Layout,
+    block_bytes: float,
+    head: float,
+    tokens: float,
+    microbatches: int,
+    seq_len: int,
+) -> float:
+    """What a step's forwards leave alive at the worst moment on the fullest GPU.
+
+    Per micro-batch, a stage keeps its blocks' terms; the first stage also the positions it looked
+    up, the last the head's terms and the loss. A block's terms count its input, which on a later
+    stage is the message received (made before the step's forward), and a stage keeps its output
+    until that micro-batch's backward (the message sent). The token ids and targets are the batch's.
+    """
+    p, v = layout.pipeline, layout.virtual_stages
+    layers = math.ceil(model.layers / p)
+    boundary = (
+        layout.element_bytes * tokens * model.d_model / (layout.tensor if layout.sequence_parallel else 1)
+    )
+    positions = 8 * seq_len / layout.context if model.position_embeddings else 0
+    loss = 4 + 4  # the loss, and the one scalar the cross-entropy keeps for backward
+    if layout.loss_parallel and layout.tensor > 1:
+        # split over the vocabulary, the embedding keeps which ids are this rank's (bool) and their
+        # rows (int64); the loss, which targets are (bool) and their columns (int64)
+        positions += 9 * tokens
+        loss += 9 * tokens
+    if p == 1:
+        return positions + layers * block_bytes + head + loss
+    first = positions + layers * block_bytes + boundary
+    last = layers * block_bytes - boundary + head + loss
+    # counted per virtual stage; a virtual stage holds 1/v of the rank's layers
+    in_flight_first = peak_activations_theory(layout.schedule, p, microbatches, 0, virtual_stages=v) / v
+    in_flight_last = peak_activations_theory(layout.schedule, p, microbatches, p - 1, virtual_stages=v) / v
+    return max(in_flight_first * first, in_flight_last * last)
+
+
+def head_activation_bytes(model: ModelSpec, layout: Layout, *, micro_batch: int, seq_len: int) -> float:
+    """Bytes the final norm, the output projection and the loss keep per micro-batch on one GPU.
+
+    The norm's input and statistics, the projection's input, the loss's fp32 log-softmax (one
+    value per token and vocabulary entry: split over the tensor ranks with ``loss_parallel``) and
+    nothing for the targets (the batch's): ``activations.head_activation_bytes`` for the course's
+    head in fp32, less the targets and the loss.
+
+    Args:
+        model: the shapes.
+        layout: tensor and context degrees, ``loss_parallel``, precision.
+        micro_batch: b, sequences per micro-batch.
+        seq_len: s, tokens per sequence.
+    """
+    tokens = micro_batch * seq_len / layout.context
+    sp = layout.tensor if layout.sequence_parallel else 1  # the final norm runs on s/T tokens
+    norm = layout.element_bytes * tokens / sp * model.d_model + 4 * model.norm_statistics * tokens / sp
+    if layout.loss_parallel:  # the norm's output gathered; every token's logits, 1/T of the vocabulary each
+        projected, rows, columns = tokens, tokens, vocabulary_rows(model, layout)
+    else:  # this rank's tokens (s/T with sequence parallelism), the whole vocabulary
+        projected, rows, columns = tokens / sp, tokens / sp, model.vocab
+    return norm + layout.element_bytes * projected * model.d_model + 4 * rows * columns
+
+
+def memory_per_gpu(step: StepShape) -> tuple[dict[str, float], float]:
+    """Bytes the fullest GPU holds, by part, and its model states alone.
+
+    Model states: the stage's parameters sharded by the ZeRO stage over data x context;
+    activations at the worst moment of the schedule; FSDP's gathered layer and the next
+    (prefetched); what the allocator and the libraries reserve.
+    """
+    model, layout = step.model, step.layout
+    element = layout.element_bytes
+    stage = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "fsdp": "zero3"}[layout.sharding]
+    per_param = memory.MIXED_PRECISION_ADAM if layout.precision == "bf16" else memory.FP32_ADAM
+    states = memory.model_state_bytes(
+        stage_parameters(model, layout), layout.data * layout.context, stage, **per_param
+    )
+    block = block_activation_elements(model, layout, micro_batch=layout.micro_batch, seq_len=step.seq_len)
+    head = head_activation_bytes(model, layout, micro_batch=layout.micro_batch, seq_len=step.seq_len)
+    activations = _activations_per_gpu(
+        model, layout, block * element, head, step.tokens, step.microbatches, step.seq_len
+    )
+    layer_bytes = element * model.block_parameters() / layout.tensor
+    gathered = 2 * layer_bytes if layout.sharding == "fsdp" else 0  # this layer and the prefetched next
+    parts = {
+        "parameters": states.params,
+        "gradients": states.grads,
+        "optimizer": states.optimizer,
+        "activations": activations,
+        "gathered parameters": gathered,
+        "reserved (assumed)": step.cluster.reserved_bytes,
+    }
+    parts["total"] = sum(parts.values())
+    return parts, states.total

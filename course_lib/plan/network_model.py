@@ -1,0 +1,222 @@
+"""Each axis's communication in one step: seconds exposed and bytes sent per rank.
+
+Each collective from the alpha-beta model (``scaling``), on the link the axis runs on: the tensor
+axis innermost, inside a node, the data axis across nodes once the inner axes fill one
+(``layout.AXES``). What is hidden under compute is not paid: DDP's and ZeRO's gradient
+reductions under the backward, FSDP's gathers under the forward and backward, ring attention's
+passes under the attention; tensor parallelism's all-reduces sit between the matmuls that need
+them and are paid whole; the pipeline pays its sends while it fills and drains.
+
+Paper: Narayanan et al. (arXiv:2104.04473) for the layout's axes and their traffic.
+"""
+
+from __future__ import annotations
+
+from ..distributed.comm import ring_bytes
+from .layout import AXES, Layout
+from .memory_model import stage_parameters
+from .specs import ClusterSpec, Link, ModelSpec, StepShape
+
+
+def ring_steps(op: str, group: int) -> int:
+    """Messages one rank sends in a ring collective: 2(N-1) for an all-reduce, N-1 for the others."""
+    return (2 if op == "all_reduce" else 1) * (group - 1)
+
+
+def collective_seconds(op: str, message_bytes: float, group: int, link: Link) -> float:
+    """The alpha-beta time of one ring collective: a latency per message, ``comm.ring_bytes`` at the
+    link's bandwidth.
+
+    Args:
+        op: ``"all_reduce"``, ``"all_gather"``, ``"reduce_scatter"`` or ``"all_to_all"``.
+        message_bytes: the whole tensor's bytes (the all-gather's output, the all-reduce's input).
+        group: N, the ranks.
+        link: the link the ring runs on.
+    """
+    return ring_steps(op, group) * link.latency_s + ring_bytes(op, message_bytes, group) / link.bandwidth
+
+
+def link_of(axis: str, layout: Layout, cluster: ClusterSpec) -> Link:
+    """The link an axis's rings run on: inside a node while this axis and those inside it fit one."""
+    inner = 1
+    for name in reversed(AXES):
+        inner *= layout.degree(name)
+        if name == axis:
+            break
+    return cluster.inside_node if inner <= cluster.gpus_per_node else cluster.between_nodes
+
+
+def tensor_axis(step: StepShape) -> tuple[float, float]:
+    """Seconds and bytes per rank of the tensor group in one step: f and g around every block,
+    and the collectives beside the blocks. Nothing hides them: the next matmul needs each result."""
+    layout = step.layout
+    t = layout.tensor
+    # All-reduce-sized passes per block: f and g, forward and backward (4); sequence parallelism's
+    # regathered inputs add two all-gathers in backward (one all-reduce's worth); recomputing
+    # repeats the forward's g: both under "full", under "selective" the attention's, whose
+    # result the second norm needs again (the MLP's goes nowhere in backward).
+    passes = 4 + (1 if layout.sequence_parallel and t > 1 else 0)
+    passes += {"none": 0, "selective": 1, "full": 2}[layout.recomputation]
+    link = link_of("tensor", layout, step.cluster)
+    calls = passes * step.layers * step.microbatches
+    seconds = calls * collective_seconds("all_reduce", step.activation_bytes, t, link)
+    sent = calls * ring_bytes("all_reduce", step.activation_bytes, t)
+    if t > 1:
+        beside_seconds, beside_sent = _tensor_collectives_beside_the_blocks(
+            step.model,
+            layout,
+            activation_bytes=step.activation_bytes,
+            tokens=step.tokens,
+            microbatches=step.microbatches,
+            layers=step.layers,
+            link=link,
+        )
+        seconds += beside_seconds
+        sent += beside_sent
+    return seconds, sent
+
+
+def _tensor_collectives_beside_the_blocks(
+    model: ModelSpec,
+    layout: Layout,
+    *,
+    activation_bytes: float,
+    tokens: float,
+    microbatches: int,
+    layers: int,
+    link: Link,
+) -> tuple[float, float]:
+    """Seconds and bytes per rank of the tensor group's collectives other than the blocks' f and g.
+
+    Under sequence parallelism, the embedding's output is cut to s/T tokens (its gradient
+    all-gathered in backward), and the weights that see only this rank's tokens (the norms, the
+    row-parallel biases, and without ``loss_parallel`` the head's projection) have partial
+    gradients, summed in one all-reduce a step. With ``loss_parallel`` (``parallel.vocab``), per
+    micro-batch: the embedding's partial lookups all-reduced; the head's input all-gathered and
+    its gradient reduce-scattered under sequence parallelism, or that gradient all-reduced
+    without it; the loss's max and (Σ exp, target logit), three fp32 values per token. The
+    embedding is on the first pipeline stage, the head on the last: the busier end counts.
+
+    Args:
+        model: the shapes.
+        layout: the degrees, ``sequence_parallel`` and ``loss_parallel``.
+        activation_bytes: one micro-batch's activations, b·s/C tokens of d values.
+        tokens: b·s/C, the tokens of one micro-batch on this GPU.
+        microbatches: micro-batches per step.
+        layers: the blocks of the fullest pipeline stage.
+        link: the tensor group's link.
+    """
+    first, last = [], []  # the calls only the embedding's stage, or only the head's, makes
+    blocks = head = 0.0  # replicated parameters whose gradients are partial
+    if layout.sequence_parallel:
+        first += [("all_gather", activation_bytes)] * microbatches
+        blocks = layers * model.replicated_block_parameters()
+        head = model._norm_parameters() if layout.loss_parallel else model.head_parameters()
+    if layout.loss_parallel:
+        first += [("all_reduce", activation_bytes)] * microbatches
+        if layout.sequence_parallel:
+            last += [("all_gather", activation_bytes), ("reduce_scatter", activation_bytes)] * microbatches
+        else:
+            last += [("all_reduce", activation_bytes)] * microbatches
+        last += [("all_reduce", 4 * tokens), ("all_reduce", 2 * 4 * tokens)] * microbatches
+
+    def cost(calls):
+        calls = [(op, size) for op, size in calls if size > 0]
+        return (
+            sum(collective_seconds(op, size, layout.tensor, link) for op, size in calls),
+            sum(ring_bytes(op, size, layout.tensor) for op, size in calls),
+        )
+
+    if layout.pipeline == 1:
+        return cost([*first, *last, ("all_reduce", 4 * (blocks + head))])
+    return max(
+        cost([*first, ("all_reduce", 4 * blocks)]),
+        cost([*last, ("all_reduce", 4 * (blocks + head))]),
+        key=lambda seconds_and_bytes: seconds_and_bytes[1],
+    )
+
+
+def context_axis(step: StepShape, attention_flops: float) -> tuple[float, float]:
+    """Seconds exposed and bytes per rank of the context group: Ulysses' all-to-alls, paid whole,
+    or the ring's K/V chunks, hidden under the attention's compute where the cluster overlaps."""
+    model, cluster, layout = step.model, step.cluster, step.layout
+    c, t, element = layout.context, layout.tensor, layout.element_bytes
+    link = link_of("context", layout, cluster)
+    blocks = step.layers * step.microbatches
+    if c > 1 and layout.context_attention == "ulysses":
+        # Ulysses: q, k and v in one all-to-all to the head split, the output in one back; backward
+        # the same two again, and recomputation (either policy) the forward's. Nothing to hide them
+        # under: attention waits for its heads.
+        q_bytes = element * step.tokens * model.heads * model.head_dim / t
+        calls = (("all_to_all", q_bytes * (1 + 2 * model.kv_heads / model.heads)), ("all_to_all", q_bytes))
+        exchanges = 2 + (layout.recomputation != "none")
+        each = sum(collective_seconds(op, size, c, link) for op, size in calls)
+        return blocks * exchanges * each, blocks * exchanges * sum(
+            ring_bytes(op, size, c) for op, size in calls
+        )
+    kv_bytes = element * 2 * step.tokens * model.kv_heads * model.head_dim / t
+    # Forward passes on C-1 K/V chunks; backward the same C-1 again and C of their gradients.
+    chunk_sends = 3 * c - 2 if c > 1 else 0
+    if c > 1 and layout.recomputation != "none":
+        chunk_sends += c - 1  # the ring's forward again (recomputed under both policies)
+    ring = chunk_sends * (link.latency_s + kv_bytes / link.bandwidth)
+    attention_compute = attention_flops / cluster.achieved_flops / blocks
+    if not cluster.overlaps_communication:
+        attention_compute = 0.0
+    return blocks * max(0.0, ring - attention_compute), blocks * chunk_sends * kv_bytes
+
+
+def data_axis(step: StepShape, busy: float) -> tuple[float, float]:
+    """Seconds exposed and bytes per rank of the data (and context) group's gradient reductions
+    and parameter gathers. ``busy``: the step's compute, which hides them where the cluster
+    overlaps (DDP's and ZeRO's reductions under the backward, FSDP's gathers under all of it)."""
+    layout, cluster = step.layout, step.cluster
+    link, group = link_of("data", layout, cluster), layout.data * layout.context
+    stage_params = stage_parameters(step.model, layout)
+    gradient_bytes, param_bytes = 4 * stage_params, layout.element_bytes * stage_params
+    reduce_op = "all_reduce" if layout.sharding == "ddp" else "reduce_scatter"
+    gradient_time = collective_seconds(reduce_op, gradient_bytes, group, link)
+    gathers = 0
+    if layout.sharding in ("zero1", "zero2"):
+        gathers = 1  # the updated parameters, after the step
+    elif layout.sharding == "fsdp":  # forward and backward, every micro-batch without PP
+        gathers = 2 * (step.microbatches if layout.pipeline == 1 else 1)
+    gather_time = gathers * collective_seconds("all_gather", param_bytes, group, link)
+    hidden = busy * 2 / 3 if layout.sharding != "fsdp" else busy
+    if not cluster.overlaps_communication:
+        hidden = 0.0
+    seconds = max(0.0, gradient_time + (gather_time if layout.sharding == "fsdp" else 0) - hidden)
+    if layout.sharding in ("zero1", "zero2"):
+        seconds += gather_time  # after the optimizer step: nothing left to hide it under
+    sent = ring_bytes(reduce_op, gradient_bytes, group) + gathers * ring_bytes(
+        "all_gather", param_bytes, group
+    )
+    return seconds, sent
+
+
+def pipeline_axis(step: StepShape) -> tuple[float, float]:
+    """Seconds exposed and bytes per rank of the pipeline's sends: filling and draining pay them,
+    the steady state overlaps them."""
+    layout = step.layout
+    p = layout.pipeline
+    if p == 1:
+        return 0.0, 0.0
+    link = link_of("pipeline", layout, step.cluster)
+    # A stage's output: this rank's s/T tokens under sequence parallelism, else every token (each
+    # tensor rank holds and sends the whole of it)
+    message = step.activation_bytes / (layout.tensor if layout.sequence_parallel else 1)
+    send = link.latency_s + message / link.bandwidth
+    # a middle stage sends activations on and gradients back; the two ends send one of them
+    return 2 * (p - 1) * send, (1 if p == 2 else 2) * step.microbatches * message
+
+
+def expert_axis(step: StepShape) -> tuple[float, float]:
+    """Seconds and bytes per rank of the experts' all-to-alls: dispatch and combine, forward and
+    backward, on every block; nothing hides them."""
+    layout = step.layout
+    if layout.expert == 1:
+        return 0.0, 0.0
+    rows_bytes = layout.element_bytes * step.tokens * step.model.top_k * step.model.d_model
+    each = collective_seconds("all_to_all", rows_bytes, layout.expert, link_of("data", layout, step.cluster))
+    calls = 4 * step.layers * step.microbatches
+    return calls * each, calls * ring_bytes("all_to_all", rows_bytes, layout.expert)

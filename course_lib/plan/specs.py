@@ -1,0 +1,287 @@
+"""What the planner knows: the models, the machines, and one step's shape on the fullest GPU.
+
+``ModelSpec`` holds a transformer's shapes (Llama 3 8B and 70B, Mixtral 8x7B, the course's own
+block, in ``MODELS``); ``ClusterSpec`` a machine's GPUs, memory and links (Alps' GH200 nodes, an
+8-H100 node, this laptop, in ``CLUSTERS``), each number with its source or the measurement it was
+fitted to; ``StepShape`` what every formula of the cost model reads about one step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..models import Block
+from .layout import Layout
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shapes of a decoder-only transformer, Llama-style.
+
+    Args:
+        name: its name on the command line.
+        layers: L, transformer blocks.
+        d_model: h, the width.
+        heads: a, query heads.
+        kv_heads: key/value heads (grouped-query attention; = heads for multi-head attention).
+        ffn_hidden: the MLP's hidden width (per expert for a mixture of experts).
+        vocab: V, the vocabulary.
+        gated_mlp: SwiGLU (three matrices) rather than two.
+        experts: experts per MoE layer (1: a dense MLP).
+        top_k: experts per token.
+        norm: ``"rms"`` (RMSNorm: a weight, one statistic per token) or ``"layer"`` (LayerNorm: a
+            weight and a bias, a mean and 1/std per token).
+        bias: the linear layers have biases.
+        position_embeddings: rows of a learned position embedding (0: none, rotary positions).
+        source: where the shapes come from.
+    """
+
+    name: str
+    layers: int
+    d_model: int
+    heads: int
+    kv_heads: int
+    ffn_hidden: int
+    vocab: int
+    gated_mlp: bool = True
+    experts: int = 1
+    top_k: int = 1
+    norm: str = "rms"
+    bias: bool = False
+    position_embeddings: int = 0
+    source: str = ""
+
+    @classmethod
+    def of(cls, model, *, name: str = "course-transformer") -> ModelSpec:
+        """The spec of one of the course's ``models.TinyTransformer`` (LayerNorm, biases, GELU MLP)."""
+        blocks = [m for m in model if isinstance(m, Block)]
+        return cls(
+            name, len(blocks), model.d_model, model.n_heads, model.n_heads, blocks[0].mlp.fc1.out_features,
+            model.vocab_size, gated_mlp=False, norm="layer", bias=True,
+            position_embeddings=model[0].positions.num_embeddings,
+            source="the course's models.TinyTransformer",
+        )  # fmt: skip
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.heads
+
+    @property
+    def norm_statistics(self) -> int:
+        """Values a norm keeps per token for backward: LayerNorm's mean and 1/std, RMSNorm's 1/rms."""
+        return 2 if self.norm == "layer" else 1
+
+    def _norm_parameters(self) -> int:
+        return (2 if self.norm == "layer" else 1) * self.d_model
+
+    def replicated_block_parameters(self) -> int:
+        """What tensor parallelism leaves whole on every rank of a block: the two norms, and the
+        biases of ``out`` and fc2 (added once, after the partial sums)."""
+        return 2 * self._norm_parameters() + (2 * self.d_model if self.bias else 0)
+
+    def attention_parameters(self) -> int:
+        """q and out (h x h each), k and v (h x kv_heads·head_dim each), the block's two norms."""
+        h, kv = self.d_model, self.kv_heads * self.head_dim
+        biases = (2 * h + 2 * kv) if self.bias else 0
+        return 2 * h * h + 2 * h * kv + biases + 2 * self._norm_parameters()
+
+    def expert_parameters(self) -> int:
+        """One MLP (one expert)."""
+        matrices = 3 if self.gated_mlp else 2
+        biases = ((matrices - 1) * self.ffn_hidden + self.d_model) if self.bias else 0
+        return matrices * self.d_model * self.ffn_hidden + biases
+
+    def block_parameters(self) -> int:
+        router = self.d_model * self.experts if self.experts > 1 else 0
+        return self.attention_parameters() + self.experts * self.expert_parameters() + router
+
+    def embedding_parameters(self) -> int:
+        """The token (and position) embeddings: looked up, not multiplied, so they cost no FLOPs."""
+        return (self.vocab + self.position_embeddings) * self.d_model
+
+    def head_parameters(self) -> int:
+        """The final norm and the output projection (untied from the embedding)."""
+        return self._norm_parameters() + self.vocab * self.d_model + (self.vocab if self.bias else 0)
+
+    def parameters(self) -> int:
+        """Ψ: the embeddings, the blocks, the final norm and the output projection."""
+        return self.embedding_parameters() + self.layers * self.block_parameters() + self.head_parameters()
+
+    def active_parameters(self) -> int:
+        """The parameters one token meets: ``top_k`` experts per MoE layer instead of all of them."""
+        inactive = (
+            self.layers * (self.experts - self.top_k) * self.expert_parameters() if self.experts > 1 else 0
+        )
+        return self.parameters() - inactive
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 per active non-embedding parameter, plus attention's 12·L·h·s."""
+        return (
+            6 * (self.active_parameters() - self.embedding_parameters())
+            + 12 * self.layers * self.d_model * seq_len
+        )
+
+
+MODELS = {
+    spec.name: spec
+    for spec in (
+        ModelSpec(
+            "llama3-8b", 32, 4096, 32, 8, 14336, 128256,
+            source="Llama 3 8B (Grattafiori et al., 2024, table 3; meta-llama/Meta-Llama-3-8B config.json)",
+        ),
+        ModelSpec(
+            "llama3-70b", 80, 8192, 64, 8, 28672, 128256,
+            source="Llama 3 70B (Grattafiori et al., 2024, table 3; meta-llama/Meta-Llama-3-70B config.json)",
+        ),
+        ModelSpec(
+            "mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, experts=8, top_k=2,
+            source="Mixtral 8x7B (Jiang et al., 2024, table 1; mistralai/Mixtral-8x7B-v0.1 config.json)",
+        ),
+    )
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Link:
+    """One class of link in the alpha-beta model: ``latency_s`` per message, ``bandwidth`` bytes/s per GPU."""
+
+    latency_s: float
+    bandwidth: float
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """What the planner needs to know of a machine.
+
+    Args:
+        name: its name on the command line.
+        gpus_per_node: GPUs joined by the fast link.
+        gpu_memory_bytes: one GPU's memory.
+        reserved_bytes: what the job cannot use of it (CUDA context, NCCL buffers, allocator
+            fragmentation): an assumption, named in every breakdown.
+        peak_flops: the datasheet's dense bf16 FLOP/s of one GPU (for MFU).
+        achieved_flops: what large bf16 matmuls reach on it (for time).
+        memory_bandwidth: bytes/s its memory-bound operations reach (norms, activation
+            functions, the optimizer step).
+        inside_node: the link between GPUs of one node.
+        between_nodes: each GPU's share of the network.
+        overlaps_communication: collectives run beside the compute (a GPU's copy engines and
+            spare SMs); False on CPUs, where gloo's threads need the cores that compute.
+        source: where the figures come from.
+        optimizer_bandwidth: bytes/s the optimizer step reaches, when it differs from
+            ``memory_bandwidth`` (None: the same). AdamW streams its 28 bytes a parameter with
+            little arithmetic; a CPU core's activation functions (GELU's erf, softmax's exp) are
+            slower than their bytes say, and on a CPU the two rates are measured apart.
+        host_seconds_per_operation: what the host spends dispatching one operation (Python, the
+            dispatcher, autograd's bookkeeping) when that time is on the step's path: on a CPU,
+            where the core that dispatches is the one that computes. A GPU's host queues
+            kernels ahead of the device and the time hides behind large kernels: 0.
+    """
+
+    name: str
+    gpus_per_node: int
+    gpu_memory_bytes: float
+    reserved_bytes: float
+    peak_flops: float
+    achieved_flops: float
+    memory_bandwidth: float
+    inside_node: Link
+    between_nodes: Link
+    overlaps_communication: bool = True
+    source: str = ""
+    optimizer_bandwidth: float | None = None
+    host_seconds_per_operation: float = 0.0
+
+
+GB = 1e9
+
+
+OPTIMIZER_BYTES = {"fp32": 7 * 4, "bf16": 7 * 4 + 2}
+"""Bytes AdamW moves per parameter it updates: reads the weight, gradient and two moments, writes
+the weight and moments (fp32), and in mixed precision writes the bf16 copy forward uses."""
+
+
+CLUSTERS = {
+    spec.name: spec
+    for spec in (
+        ClusterSpec(
+            name="alps",
+            gpus_per_node=4,
+            gpu_memory_bytes=96 * GB,
+            reserved_bytes=6 * GB,
+            peak_flops=989.4e12,
+            achieved_flops=0.7 * 989.4e12,
+            memory_bandwidth=0.8 * 4000 * GB,
+            inside_node=Link(10e-6, 150 * GB),
+            between_nodes=Link(20e-6, 25 * GB),
+            source=(
+                "CSCS Alps GH200 nodes (docs.cscs.ch/alps/hardware): 4 GH200 per node, 96 GB HBM3 each, "
+                "NVLink all-to-all (6 NVLink-4 links of 25 GB/s per peer and direction), one Slingshot-11 "
+                "NIC of 200 Gb/s per GPU; bf16 peak and 4 TB/s HBM3 from NVIDIA's datasheet; 70 % of the "
+                "peak and 80 % of the bandwidth achieved and the latencies are assumptions: measure yours "
+                "with bench allreduce and flops"
+            ),
+        ),
+        ClusterSpec(
+            name="h100-node",
+            gpus_per_node=8,
+            gpu_memory_bytes=80 * GB,
+            reserved_bytes=6 * GB,
+            peak_flops=989.4e12,
+            achieved_flops=0.7 * 989.4e12,
+            memory_bandwidth=0.8 * 3350 * GB,
+            inside_node=Link(10e-6, 436 * GB),
+            between_nodes=Link(20e-6, 50 * GB),
+            source=(
+                "8 H100 SXM per node with NVSwitch (all-reduce bus bandwidth 436 GB/s measured in the "
+                "Ultra-Scale Playbook), one 400 Gb/s InfiniBand NIC per GPU; 3.35 TB/s HBM3; 70 % of the "
+                "bf16 peak and 80 % of the bandwidth achieved and the latencies are assumptions"
+            ),
+        ),
+    )
+}
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """One training step as every axis's formula reads it: the job, and the fullest GPU's share.
+
+    Args:
+        model: the shapes.
+        cluster: the machine.
+        layout: the layout.
+        seq_len: s, tokens per sequence.
+        global_batch: sequences per optimizer step, over all replicas.
+    """
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    layout: Layout
+    seq_len: int
+    global_batch: int
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per replica and step, run one after the other."""
+        return self.global_batch // (self.layout.data * self.layout.micro_batch)
+
+    @property
+    def layers(self) -> int:
+        """The blocks of the fullest pipeline stage."""
+        return math.ceil(self.model.layers / self.layout.pipeline)
+
+    @property
+    def tokens(self) -> float:
+        """This GPU's tokens of one micro-batch: b·s/C."""
+        return self.layout.micro_batch * self.seq_len / self.layout.context
+
+    @property
+    def activation_bytes(self) -> float:
+        """One micro-batch's activations on this GPU: b·s/C tokens of d values."""
+        return self.layout.element_bytes * self.tokens * self.model.d_model
+
+    @property
+    def tokens_per_gpu_step(self) -> float:
+        """Every micro-batch of this GPU's replica and context chunk."""
+        return self.global_batch * self.seq_len / (self.layout.data * self.layout.context)

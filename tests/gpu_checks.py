@@ -110,12 +110,12 @@ def nccl_world_of_one() -> dict:
 
 def _anatomy_of(wrapped: nn.Module, device: torch.device, *, batch: int, width: int):
     """Five recorded steps (after three warm ones) of ``wrapped``: the benchmarks' SGD step."""
-    from course_lib.observe import anatomy
+    from course_lib.observe import profiling
     from course_lib.tools.bench import training_step
 
     generator = torch.Generator(device=device).manual_seed(runtime.rank())
     inputs, targets = (torch.randn(batch, width, device=device, generator=generator) for _ in range(2))
-    return anatomy.record_steps(training_step(wrapped, inputs, targets), steps=5, warmup=3)
+    return profiling.record_steps(training_step(wrapped, inputs, targets), steps=5, warmup=3)
 
 
 def _wide_mlp(width: int, layers: int) -> nn.Module:

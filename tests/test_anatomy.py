@@ -11,7 +11,7 @@ from torch import nn
 
 from course_lib.distributed import comm, runtime
 from course_lib.distributed.launch import launch
-from course_lib.observe import anatomy
+from course_lib.observe import anatomy, profiling
 from course_lib.observe.anatomy import Collective, StepTimeline
 
 
@@ -79,7 +79,7 @@ def _ddp_anatomy(kind: str, trace_dir: str | None = None):
             optimizer.step()
             optimizer.zero_grad()
 
-    return anatomy.record_steps(step, steps=3, warmup=2, trace_dir=trace_dir)
+    return profiling.record_steps(step, steps=3, warmup=2, trace_dir=trace_dir)
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +132,7 @@ def _late_rank() -> anatomy.Anatomy:
                 time.sleep(0.05)  # rank 1 arrives 50 ms late at the all-reduce
             comm.all_reduce(tensor)
 
-    return anatomy.record_steps(step, steps=3, warmup=1)
+    return profiling.record_steps(step, steps=3, warmup=1)
 
 
 def test_a_late_rank_shows_as_the_others_idle_time():
@@ -161,7 +161,7 @@ def _strategy_anatomy(strategy: str) -> dict:
     step = training_step(
         model, torch.randn(16, 128, generator=generator), torch.randn(16, 128, generator=generator)
     )
-    recorded = anatomy.record_steps(step, steps=3, warmup=2)
+    recorded = profiling.record_steps(step, steps=3, warmup=2)
     operations = {c.operation for steps in recorded.timelines for t in steps for c in t.collectives}
     return recorded.summary() | {"operations": operations}
 
@@ -186,7 +186,7 @@ def test_a_3d_run_records_its_anatomy_and_leaves_little_unexplained(tmp_path):
     assert recorded["unexplained_share"] <= 0.10, recorded["table"]
     assert recorded["conditions"]["grid"] == {"pipeline": 2, "data": 1, "context": 1, "tensor": 2}
     assert {f"rank{r}.json" for r in range(4)} <= {p.name for p in tmp_path.iterdir()}
-    drawn_again = anatomy.load(tmp_path)  # what --profile wrote is an anatomy to read and draw again
+    drawn_again = profiling.load(tmp_path)  # what --profile wrote is an anatomy to read and draw again
     assert drawn_again.summary()["step_ms"] == pytest.approx(recorded["step_ms"])
 
 
@@ -204,7 +204,7 @@ def test_the_picture_of_a_step_has_its_lanes_units_and_legend(ddp_anatomies):
 def test_a_saved_anatomy_loads_back_with_the_same_budgets(ddp_anatomies, tmp_path):
     recorded = ddp_anatomies["course"]
     recorded.save(tmp_path / "anatomy.json")
-    loaded = anatomy.load(tmp_path / "anatomy.json")
+    loaded = profiling.load(tmp_path / "anatomy.json")
     assert loaded.timelines == recorded.timelines  # the keys are tuples again, as recorded
     assert loaded.budgets == recorded.budgets and loaded.conditions == recorded.conditions
 
@@ -219,10 +219,10 @@ def test_asking_for_what_was_not_recorded_names_what_was(ddp_anatomies, tmp_path
     with pytest.raises(UserError, match="step 7 was not recorded: the anatomy holds steps 0 to 2"):
         plot_anatomy(recorded, step=7)
     with pytest.raises(UserError, match="does not exist: an anatomy is the anatomy.json that --profile DIR"):
-        anatomy.load(tmp_path / "nowhere.json")
+        profiling.load(tmp_path / "nowhere.json")
     (tmp_path / "metrics.json").write_text('{"epoch": 1}')
     with pytest.raises(UserError, match="is not an anatomy"):
-        anatomy.load(tmp_path / "metrics.json")
+        profiling.load(tmp_path / "metrics.json")
 
 
 def test_two_steps_drawn_one_above_the_other_share_one_time_scale(ddp_anatomies):

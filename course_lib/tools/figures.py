@@ -24,7 +24,7 @@ from .. import checks
 from ..distributed import runtime
 from ..distributed.launch import launch
 from ..distributed.ring import ring_all_reduce_counts
-from ..observe import anatomy
+from ..observe import profiling
 from ..parallel import context, expert, memory, mesh, pipeline, ulysses
 from ..parallel.fsdp import FullyShardedDataParallel
 from ..plan import cost_model, specs
@@ -262,7 +262,7 @@ def fsdp_prefetch():
     }
     recorded = {}
     for kind, title in titles.items():
-        measured = anatomy.load(RECORDED_FSDP[kind])
+        measured = profiling.load(RECORDED_FSDP[kind])
         summary = measured.summary()
         title += (
             f" ({summary['step_ms']:.0f} ms, {summary['exposed_communication_share']:.0%} exposed "
@@ -289,7 +289,7 @@ def _fsdp_steps_with_and_without_prefetch() -> dict:
         wrapped = FullyShardedDataParallel(
             model, auto_wrap_policy=units, forward_prefetch=on, backward_prefetch=on
         )
-        recorded[kind] = anatomy.record_steps(training_step(wrapped, inputs, targets), steps=5, warmup=3)
+        recorded[kind] = profiling.record_steps(training_step(wrapped, inputs, targets), steps=5, warmup=3)
         recorded[kind].conditions |= {"model": f"MLP {MLP_LAYERS} x {MLP_WIDTH}", "batch_per_rank": MLP_BATCH}
     return recorded
 

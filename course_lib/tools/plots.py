@@ -471,7 +471,7 @@ def plot_anatomy(
     idle, host overhead, unexplained), and under it the collectives in flight, hidden or not.
 
     Args:
-        recorded: what ``anatomy.record_steps`` (or a ``Recorder``) returned.
+        recorded: what ``profiling.record_steps`` (or a ``Recorder``) returned.
         step: which recorded step (None: the one of median length on rank 0).
         title: the chart's title (default: the step's length and its exposed communication).
         path: save the chart as a PNG here (None: only return it).
@@ -494,7 +494,7 @@ def plot_anatomies(recorded: dict, *, path: str | Path | None = None) -> Figure:
     """Several recorded steps one above the other, on one time scale: what changed between them.
 
     Args:
-        recorded: a title for each anatomy (``anatomy.record_steps``' result); each panel draws its
+        recorded: a title for each anatomy (``profiling.record_steps``' result); each panel draws its
             typical step.
         path: save the chart as a PNG here (None: only return it).
     """

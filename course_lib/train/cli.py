@@ -47,7 +47,7 @@ from ..errors import (
 )
 from ..models import MODELS
 from ..observe import flight_recorder
-from ..parallel.fsdp import OFFLOAD_MODES, SHARDING_STRATEGIES
+from ..parallel.fsdp_units import OFFLOAD_MODES, SHARDING_STRATEGIES
 from ..parallel.recompute import POLICIES
 from .config import OPTIMIZERS, PRECISIONS, TrainConfig, validate_config
 from .loop import train

@@ -18,7 +18,7 @@ import torch
 from .. import checks, data, models
 from ..errors import UserError
 from ..parallel import recompute
-from ..parallel.fsdp import OFFLOAD_MODES, SHARDING_STRATEGIES, hybrid_shard_group_size
+from ..parallel.fsdp_units import OFFLOAD_MODES, SHARDING_STRATEGIES, hybrid_shard_group_size
 from . import checkpoint, strategies
 
 PRECISIONS = ("fp32", "bf16")

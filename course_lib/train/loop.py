@@ -32,7 +32,7 @@ from tqdm import tqdm
 from .. import data, models
 from ..distributed import runtime
 from ..errors import Diverged
-from ..observe import anatomy, faults, flight_recorder, replicas, stragglers
+from ..observe import anatomy, faults, flight_recorder, profiling, replicas, stragglers
 from ..parallel import recompute
 from ..plan import flops
 from . import checkpoint, strategies
@@ -85,7 +85,7 @@ class Trainer:
         self.config = config
         self.stop_requests = stop_requests  # if given, a stop signal ends training at a step boundary
         self._profiler = (  # --profile: the anatomy of a few warm steps
-            anatomy.LoopProfiler(
+            profiling.LoopProfiler(
                 config.profile,
                 steps=config.profile_steps,
                 warmup=PROFILE_WARMUP_STEPS,

@@ -40,7 +40,7 @@ from .. import models
 from ..data import zen_windows
 from ..distributed import comm, runtime
 from ..errors import UserError
-from ..observe import anatomy
+from ..observe import anatomy, profiling
 from ..parallel import context as cp
 from ..parallel import pipeline as pp
 from ..parallel import sequence as sp
@@ -166,7 +166,7 @@ def train_3d(
             1/T of the tokens, and the stages send each other 1/T of the activations.
         context_attention: with C > 1, ``"ring"`` (zig-zag chunks) or ``"ulysses"`` (contiguous
             chunks; all-to-alls trade them for 1/C of each tensor rank's heads).
-        profile: record the anatomy of 3 steps after 2 (``anatomy.LoopProfiler``): each rank's
+        profile: record the anatomy of 3 steps after 2 (``profiling.LoopProfiler``): each rank's
             trace and ``anatomy.json`` go into this folder.
     """
     world = runtime.world_size()
@@ -219,7 +219,7 @@ def train_3d(
     losses = []
     last_stage = mesh.coordinates.pipeline == pipeline - 1
     reporter = rank_at(mesh.degrees, pipeline=pipeline - 1)  # a rank of the last stage
-    profiler = anatomy.LoopProfiler(profile, grid=mesh.degrees, schedule=schedule) if profile else None
+    profiler = profiling.LoopProfiler(profile, grid=mesh.degrees, schedule=schedule) if profile else None
     for _ in range(steps):
         # the same draw everywhere
         batch = torch.randint(0, len(inputs), (global_batch,), generator=generator)

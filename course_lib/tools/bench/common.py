@@ -11,7 +11,7 @@ from torch import nn
 
 from ... import data, models
 from ...distributed import runtime
-from ...observe import anatomy
+from ...observe import anatomy, profiling
 
 MLP_WIDTH = 1024
 """Width of the MLP the ddp, fsdp and memory benchmarks train (layers of width x width)."""
@@ -90,7 +90,7 @@ def anatomies(
     steps: int = ANATOMY_STEPS,
     trace_dir: str | Path | None = None,
 ) -> dict[str, dict]:
-    """Where each variant's step goes (``anatomy.record_steps``): its typical step's parts, averaged
+    """Where each variant's step goes (``profiling.record_steps``): its typical step's parts, averaged
     over the ranks, in ms and as fractions of the step (``exposed_communication_share``...).
 
     Each step is marked as a phase of its own: what runs in it and is neither computation nor
@@ -110,7 +110,7 @@ def anatomies(
         return run
 
     return {
-        name: anatomy.record_steps(
+        name: profiling.record_steps(
             marked(step),
             steps=steps,
             warmup=WARMUP_STEPS,

@@ -94,6 +94,7 @@ all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tens
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
+# #region all-reduce
 def all_reduce(tensor: torch.Tensor, *, op: str = "sum", group=None, async_op: bool = False):
     """Every rank ends with the reduction (sum, mean, min, max, product) of all ``tensor``s, in place.
 
@@ -117,6 +118,9 @@ def all_reduce(tensor: torch.Tensor, *, op: str = "sum", group=None, async_op: b
         divide,
         tensor=tensor,
     )
+
+
+# #endregion all-reduce
 
 
 def all_reduce_coalesced(tensors: list[torch.Tensor], *, op: str = "sum", group=None) -> None:

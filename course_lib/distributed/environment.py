@@ -152,6 +152,7 @@ def first_slurm_host(nodelist: str) -> str:
     return prefix + first
 
 
+# #region who-am-i
 def resolve_environment(*, environ: Mapping[str, str] | None = None) -> DistEnvironment:
     """Read rank, world size and rendezvous address from torchrun, srun, or nothing at all.
 
@@ -276,6 +277,9 @@ def gpu_for_process(*, local_rank: int, visible_gpus: int) -> int:
     if local_rank < 0:
         raise UserError(f"LOCAL_RANK={local_rank} is negative: it counts a node's processes from 0")
     return local_rank % visible_gpus
+
+
+# #endregion who-am-i
 
 
 def choose_backend(requested: str, cuda_available: bool) -> tuple[str, str]:

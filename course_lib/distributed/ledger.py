@@ -58,6 +58,7 @@ class CommRecord:
     issued_s: float = 0.0  # when this rank called it (time.time(): one clock for the ranks of a machine)
 
 
+# #region bytes-per-rank
 def ring_bytes(op: str, tensor_bytes: int, group_size: int) -> float:
     """Bytes each rank sends for ``op`` on a tensor of ``tensor_bytes`` (see the module's table).
 
@@ -82,6 +83,9 @@ def ring_bytes(op: str, tensor_bytes: int, group_size: int) -> float:
         "send": 1.0,
     }[op]
     return factor * tensor_bytes
+
+
+# #endregion bytes-per-rank
 
 
 def bus_bandwidth(op: str, algorithm_bandwidth: float, group_size: int) -> float:

@@ -46,6 +46,7 @@ def ring_all_reduce_counts(n: int) -> list[list[list[int]]]:
     return frames
 
 
+# #region ring
 def ring_all_reduce(tensor: torch.Tensor, *, group=None) -> torch.Tensor:
     """Sum ``tensor`` over the group in place, with the ring algorithm, from send/recv only.
 
@@ -91,3 +92,6 @@ def ring_all_reduce(tensor: torch.Tensor, *, group=None) -> torch.Tensor:
     if work.data_ptr() != tensor.data_ptr():
         tensor.copy_(work.view_as(tensor))
     return tensor
+
+
+# #endregion ring

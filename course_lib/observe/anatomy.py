@@ -166,6 +166,7 @@ class Budget:
         return asdict(self) | self.shares()
 
 
+# #region budget
 def parts(timelines: list[list[StepTimeline]], rank: int, step: int) -> dict[str, Intervals]:
     """When, in ``rank``'s recorded step ``step``, it computed, communicated exposed, idled...
 
@@ -230,6 +231,9 @@ def budget(timelines: list[list[StepTimeline]], rank: int, step: int) -> Budget:
         communication_ms=length(cut["communication"]),
         hidden_communication_ms=length(intersect(cut["communication"], cut["compute"])),
     )
+
+
+# #endregion budget
 
 
 @dataclass

@@ -243,6 +243,7 @@ def _block_forward(q, k, v, query, key, causal, scale):
     return torch.exp(scores - lse.unsqueeze(-1)) @ v, lse
 
 
+# #region ring-attention
 # #region online-softmax
 def merge_partial_attention(out, lse, block_out, block_lse):
     """The online-softmax rule: two blocks' results as if one softmax had covered both."""
@@ -367,6 +368,9 @@ class _RingAttention(torch.autograd.Function):
             kv_grad_handle.wait()
             kv_grad = arriving_grad
         return q_grad, kv_grad[0], kv_grad[1], None, None, None
+
+
+# #endregion ring-attention
 
 
 def ring_attention(

@@ -213,6 +213,7 @@ class GradientSyncSwitch:
             self.require_gradient_sync = previous
 
 
+# #region data-parallel
 class DataParallel(GradientSyncSwitch, nn.Module):
     """Wrap ``module`` so that its gradients are averaged over the process group after each backward.
 
@@ -380,3 +381,6 @@ class DataParallel(GradientSyncSwitch, nn.Module):
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
         return {id(p): bool(flag) for p, flag in zip(params, used.tolist())}
+
+
+# #endregion data-parallel

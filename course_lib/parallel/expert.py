@@ -85,6 +85,7 @@ def expert_capacity(tokens: int, num_experts: int, *, top_k: int, capacity_facto
     return math.ceil(capacity_factor * tokens * top_k / num_experts)
 
 
+# #region experts
 def route(logits: torch.Tensor, *, top_k: int, capacity_factor: float) -> Routing:
     """Top-k routing with a capacity, for one group of tokens.
 
@@ -276,6 +277,9 @@ class MoE(nn.Module):
                 done[i] = output
         # 4. Combine: the results go back where their rows came from.
         return _AllToAll.apply(torch.cat(done), receive, send, self.group)
+
+
+# #endregion experts
 
 
 def expert_parallel(moe: MoE, *, group=None) -> MoE:

@@ -194,6 +194,7 @@ class FlatParameter:
             self.free()
 
     # -- parameters: gather and free ----------------------------------------------------------
+    # #region flat-parameter
     def gather(self) -> None:
         """Rebuild the full parameters from every rank's shard (one all-gather of the compute dtype)."""
         self.start_gather()
@@ -284,6 +285,8 @@ class FlatParameter:
             self.shard.grad = grad
         else:
             self.shard.grad += grad
+
+    # #endregion flat-parameter
 
     # -- state --------------------------------------------------------------------------------
     def full_fp32(self) -> torch.Tensor:

@@ -260,6 +260,7 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
         unit.reshard_after_forward = bool(reshard)
 
     # -- forward --------------------------------------------------------------------------------
+    # #region fsdp-hooks
     def forward(self, *args, **kwargs):
         self._sync_this_backward = self.require_gradient_sync
         param_dtype = self.mixed_precision.param_dtype
@@ -369,6 +370,8 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
         for unit in self.units:
             if unit.flat.is_gathered or unit.flat.is_gathering:
                 unit.flat.free()
+
+    # #endregion fsdp-hooks
 
     # -- inspection -----------------------------------------------------------------------------
     def gather_parameters(self) -> None:

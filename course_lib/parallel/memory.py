@@ -65,6 +65,7 @@ class ModelStateBytes:
         return self.params + self.grads + self.optimizer
 
 
+# #region zero-memory
 def model_state_bytes(
     num_params: float,
     world_size: int,
@@ -116,6 +117,9 @@ def traffic_elements_per_rank(num_params: float, world_size: int, stage: str) ->
         raise ValueError(f"unknown stage {stage!r}: choose one of {', '.join(STAGES)}")
     passes = 3 if stage == "zero3" else 2
     return passes * (world_size - 1) / world_size * num_params
+
+
+# #endregion zero-memory
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

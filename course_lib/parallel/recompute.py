@@ -83,6 +83,7 @@ def _keep_listed_results(saved_ops: frozenset):
     return functools.partial(create_selective_checkpoint_contexts, policy)
 
 
+# #region recomputation
 def recompute_modules(
     modules: Iterable[nn.Module], *, policy: str, saved_ops: Iterable = SAVED_BY_SELECTIVE
 ) -> None:
@@ -128,3 +129,6 @@ def apply_recomputation(model: nn.Module, *, policy: str) -> nn.Module:
     """
     recompute_modules(recomputation_units(model), policy=policy)
     return model
+
+
+# #endregion recomputation

@@ -80,6 +80,7 @@ def _reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
     return _start_reduce_scatter_sequence(x, group, async_op=False)[1]
 
 
+# #region sequence-parallel
 # #region gather-and-reduce-scatter
 class _GatherSequence(torch.autograd.Function):
     """Entering a TP region: every rank needs every token."""
@@ -109,6 +110,7 @@ class _ReduceScatterSequence(torch.autograd.Function):
 
 
 # #endregion gather-and-reduce-scatter
+# #endregion sequence-parallel
 
 
 class _SplitSequence(torch.autograd.Function):

@@ -49,6 +49,7 @@ from ..errors import UserError
 from ..models import Block
 
 
+# #region tensor-parallel
 # #region f-and-g
 class _CopyToParallel(torch.autograd.Function):
     @staticmethod
@@ -238,6 +239,9 @@ def parallel_mlp(mlp: nn.Module, *, group=None) -> nn.Module:
     mlp.fc1 = ColumnParallelLinear.from_dense(mlp.fc1, group=group)
     mlp.fc2 = RowParallelLinear.from_dense(mlp.fc2, group=group)
     return mlp
+
+
+# #endregion tensor-parallel
 
 
 def parallel_attention(attention: nn.Module, n_heads: int, *, group=None) -> nn.Module:

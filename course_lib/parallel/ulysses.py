@@ -160,6 +160,7 @@ def sequence_to_heads(y: torch.Tensor, *, tokens: list[int], group=None) -> torc
     return _SequenceToHeads.apply(y, list(tokens), group)
 
 
+# #region ulysses
 def ulysses_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -197,6 +198,9 @@ def ulysses_attention(
     whole = heads_to_sequence(torch.stack([q, k, v]), tokens=tokens, group=group)
     out = nn.functional.scaled_dot_product_attention(*whole, is_causal=causal)
     return sequence_to_heads(out, tokens=tokens, group=group)
+
+
+# #endregion ulysses
 
 
 def ulysses_bytes_per_rank(layout: SequenceLayout, rank: int, *, bytes_per_token: int) -> int:

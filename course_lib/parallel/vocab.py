@@ -224,6 +224,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad_logits * grad.unsqueeze(-1), None, None, None
 
 
+# #region vocab-loss
 def vocab_parallel_cross_entropy(
     logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int, reduction: str = "mean", group=None
 ) -> torch.Tensor:
@@ -249,6 +250,9 @@ def vocab_parallel_cross_entropy(
         raise UserError(f"unknown reduction {reduction!r}: choose mean, sum or none")
     losses = _VocabParallelCrossEntropy.apply(logits, targets, vocab_size, group)
     return {"mean": losses.mean, "sum": losses.sum, "none": lambda: losses}[reduction]()
+
+
+# #endregion vocab-loss
 
 
 def gather_vocab_logits(logits: torch.Tensor, *, vocab_size: int, group=None) -> torch.Tensor:

@@ -85,6 +85,7 @@ class GradientBucket:
         return [max(0, end - start) for start, end in self.pieces]
 
 
+# #region zero-data-parallel
 class ZeroDataParallel(FlatShardedMixin, nn.Module):
     """ZeRO stage 1 or 2 around ``module``: build any element-wise optimizer on ``model.parameters()``.
 
@@ -243,3 +244,6 @@ class ZeroDataParallel(FlatShardedMixin, nn.Module):
         """The tensors this rank holds, by category (for ``memory.measure_model_states``)."""
         grads = [self.flat_shard.grad, self._gradient_buffer] + [s.leaf.grad for s in self.flat.slots]
         return {"params": [self.flat.full, self.flat_shard], "grads": grads}
+
+
+# #endregion zero-data-parallel

@@ -232,6 +232,7 @@ def apply_data_parallel(model: nn.Module, group, *, sharding: str) -> nn.Module:
     raise UserError(f"unknown sharding {sharding!r}: choose one of {', '.join(SHARDINGS)}")
 
 
+# #region compose
 def parallelize(
     model: nn.Module, mesh, layout: Layout, *, seq_len: int, data_parallel: bool = True
 ) -> dict[int, nn.Module]:
@@ -289,3 +290,6 @@ def parallelize(
         if data_parallel and layout.pipeline == 1 and (layout.data > 1 or layout.sharding != "ddp"):
             stages[index] = apply_data_parallel(stage, mesh.group("data"), sharding=layout.sharding)
     return stages
+
+
+# #endregion compose

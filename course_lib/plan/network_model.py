@@ -46,6 +46,7 @@ def link_of(axis: str, layout: Layout, cluster: ClusterSpec) -> Link:
     return cluster.inside_node if inner <= cluster.gpus_per_node else cluster.between_nodes
 
 
+# #region axes
 def tensor_axis(step: StepShape) -> tuple[float, float]:
     """Seconds and bytes per rank of the tensor group in one step: f and g around every block,
     and the collectives beside the blocks. Nothing hides them: the next matmul needs each result."""
@@ -220,3 +221,6 @@ def expert_axis(step: StepShape) -> tuple[float, float]:
     each = collective_seconds("all_to_all", rows_bytes, layout.expert, link_of("data", layout, step.cluster))
     calls = 4 * step.layers * step.microbatches
     return calls * each, calls * ring_bytes("all_to_all", rows_bytes, layout.expert)
+
+
+# #endregion axes

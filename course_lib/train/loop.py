@@ -175,6 +175,7 @@ class Trainer:
             )
 
     # -- one optimizer step ------------------------------------------------------------------
+    # #region train-step
     def _train_step(self, batches) -> tuple[float, float, bool]:
         """Forward and backward over ``grad_accum`` micro-batches, then one update.
 
@@ -242,6 +243,8 @@ class Trainer:
         loss_total, samples_total, non_finite_ranks, stopping_ranks = reduce_sum(summary)
         diverged = non_finite_ranks > 0 or not math.isfinite(loss_total / samples_total)
         return loss_total, samples_total, diverged, stopping_ranks > 0
+
+    # #endregion train-step
 
     def _stop_diverged(self, step_loss: float, grad_norm: float | None, *, local_loss: float) -> None:
         """Record the divergence, tell the user what to try, and stop (no update, no checkpoint).

@@ -295,6 +295,7 @@ class PipelineExecutor:
             )
             posted[index] = (work, buffer)
 
+    # #region run-a-schedule
     def step(
         self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None
     ) -> torch.Tensor | None:
@@ -410,6 +411,8 @@ class PipelineExecutor:
         stats.step_time_s = time.perf_counter() - started
         self.stats = stats
         return torch.stack(losses).sum() if has_last else None
+
+    # #endregion run-a-schedule
 
     def _deliver(self, key: tuple, tensor: torch.Tensor, inbox: dict, outbox: dict) -> None:
         """Hand a tensor to the stage that needs it: directly if it lives on this rank, else via a send."""

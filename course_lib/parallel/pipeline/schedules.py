@@ -20,6 +20,7 @@ from .actions import (
 from .zero_bubble import dualpipe_v_order, zb_h1_order, zb_v_order
 
 
+# #region schedules
 def compute_order(
     schedule: str, pipeline_size: int, microbatches: int, *, virtual_stages: int = 1
 ) -> dict[int, list[Action]]:
@@ -126,6 +127,9 @@ def build_schedule(
                 steps.append(action)
         full[rank] = steps
     return full
+
+
+# #endregion schedules
 
 
 def check_schedule(

@@ -51,6 +51,7 @@ from ...errors import UserError
 from .actions import Action
 
 
+# #region zb-h1
 def zb_h1_order(rank: int, p: int, m: int, v: int = 1) -> list[Action]:
     """ZB-H1 (Qi et al. 2024, section 3.1): 1F1B with each backward split into B and W, rank r
     putting off its first r W's. B alone goes back to the previous rank sooner than a whole
@@ -74,6 +75,9 @@ def zb_h1_order(rank: int, p: int, m: int, v: int = 1) -> list[Action]:
         backward(i)
     actions += [Action("W", rank, i) for i in put_off]
     return actions
+
+
+# #endregion zb-h1
 
 
 def zb_v_order(rank: int, p: int, m: int, v: int = 2) -> list[Action]:

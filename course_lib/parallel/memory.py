@@ -48,6 +48,9 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 STAGES = ("ddp", "zero1", "zero2", "zero3")
+SHARDING_STAGES = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "fsdp": "zero3"}
+"""The one translation between the names a layout shards by (``layout.SHARDINGS``; FSDP is the
+framework's name) and ZeRO's stages (the paper's): FSDP is ZeRO-3."""
 MIXED_PRECISION_ADAM = {"param_bytes": 2, "grad_bytes": 2, "optimizer_bytes": 12}
 FP32_ADAM = {"param_bytes": 4, "grad_bytes": 4, "optimizer_bytes": 8}  # two fp32 moments, no master copy
 

@@ -77,8 +77,7 @@ from __future__ import annotations
 
 from ..errors import UserError
 from ..parallel.pipeline import peak_activations_theory
-
-RECOMPUTATION_POLICIES = ("none", "full", "selective")  # as ``recompute.POLICIES``
+from ..parallel.recompute import POLICIES as RECOMPUTATION_POLICIES
 
 
 def block_activation_elements(

@@ -33,15 +33,17 @@ from torch import nn
 from ..distributed import runtime
 from ..errors import UserError
 from ..models import Block, Embedding, LMHead
-from ..parallel import context, ddp, fsdp, pipeline, recompute, sequence, tensor, ulysses, vocab, zero
+from ..parallel import context, ddp, fsdp, memory, pipeline, recompute, sequence, tensor, ulysses, vocab, zero
 from ..parallel.context import SequenceLayout
+from ..parallel.mesh import AXES
 
-SHARDINGS = ("ddp", "zero1", "zero2", "fsdp")
-RECOMPUTATION = ("none", "full", "selective")
+SHARDINGS = tuple(memory.SHARDING_STAGES)
+"""Data-parallel sharding, in the names of ``parallel.memory.SHARDING_STAGES`` (fsdp is ZeRO-3)."""
 SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
+"""The pipeline schedules the planner lays out (of ``pipeline.SCHEDULES``)."""
 PRECISIONS = ("bf16", "fp32")
+"""What the matmuls compute in: bf16 autocast over fp32 weights, or fp32 throughout."""
 CONTEXT_ATTENTION = ("ring", "ulysses")
-AXES = ("pipeline", "data", "context", "tensor")  # outermost first: the mesh's order
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,7 +99,7 @@ class Layout:
                 raise UserError(f"Layout {name} must be a whole number, 1 or more, got {value!r}")
         for name, choices in (
             ("sharding", SHARDINGS),
-            ("recomputation", RECOMPUTATION),
+            ("recomputation", recompute.POLICIES),
             ("schedule", SCHEDULES),
             ("precision", PRECISIONS),
             ("context_attention", CONTEXT_ATTENTION),

@@ -182,7 +182,7 @@ def memory_per_gpu(step: StepShape) -> tuple[dict[str, float], float]:
     """
     model, layout = step.model, step.layout
     element = layout.element_bytes
-    stage = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "fsdp": "zero3"}[layout.sharding]
+    stage = memory.SHARDING_STAGES[layout.sharding]
     per_param = memory.MIXED_PRECISION_ADAM if layout.precision == "bf16" else memory.FP32_ADAM
     states = memory.model_state_bytes(
         stage_parameters(model, layout), layout.data * layout.context, stage, **per_param

@@ -2,7 +2,7 @@
 
 Each collective from the alpha-beta model (``scaling``), on the link the axis runs on: the tensor
 axis innermost, inside a node, the data axis across nodes once the inner axes fill one
-(``layout.AXES``). What is hidden under compute is not paid: DDP's and ZeRO's gradient
+(``mesh.AXES``). What is hidden under compute is not paid: DDP's and ZeRO's gradient
 reductions under the backward, FSDP's gathers under the forward and backward, ring attention's
 passes under the attention; tensor parallelism's all-reduces sit between the matmuls that need
 them and are paid whole; the pipeline pays its sends while it fills and drains.
@@ -13,7 +13,8 @@ Paper: Narayanan et al. (arXiv:2104.04473) for the layout's axes and their traff
 from __future__ import annotations
 
 from ..distributed.comm import ring_bytes
-from .layout import AXES, Layout
+from ..parallel.mesh import AXES
+from .layout import Layout
 from .memory_model import stage_parameters
 from .specs import ClusterSpec, Link, ModelSpec, StepShape
 

@@ -19,10 +19,8 @@ from .. import checks, data, models
 from ..errors import UserError
 from ..parallel import recompute
 from ..parallel.fsdp_units import OFFLOAD_MODES, SHARDING_STRATEGIES, hybrid_shard_group_size
+from ..plan.layout import PRECISIONS
 from . import checkpoint, strategies
-
-PRECISIONS = ("fp32", "bf16")
-
 
 OPTIMIZERS = ("adamw", "sgd")
 

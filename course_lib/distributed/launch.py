@@ -217,6 +217,37 @@ def launch(
             the launcher stops them all.
         kwargs: keyword arguments passed to ``fn`` on every rank.
     """
+    _check_arguments(fn, nprocs, backend, timeout_s, collective_timeout_s)
+    context = multiprocessing.get_context("fork")
+    port = free_port()
+    processes, pending = [], {}  # pending: the receiving end of each rank's pipe -> its rank
+    for rank in range(nprocs):
+        receive_end, send_end = context.Pipe(duplex=False)
+        child_args = (rank, nprocs, port, fn, args, kwargs, send_end, backend)
+        process = context.Process(
+            target=_child,
+            name=f"rank{rank}",
+            args=(*child_args, collective_timeout_s or timeout_s, check_collectives),
+        )
+        process.start()
+        send_end.close()  # only the child writes; closing our copy lets us see EOF if it dies
+        processes.append(process)
+        pending[receive_end] = rank
+    try:
+        results, failures = _collect(processes, pending, timeout_s)
+    finally:
+        _stop(processes)
+        for receive_end in pending:
+            receive_end.close()
+    if failures:
+        _raise_failure(failures)
+    return [results[rank] for rank in range(nprocs)]
+
+
+def _check_arguments(
+    fn, nprocs: int, backend: str, timeout_s: float, collective_timeout_s: float | None
+) -> None:
+    """Refuse what ``launch`` cannot run, before any process starts."""
     if not callable(fn):
         raise UserError(f"fn must be a function to run on every rank, got {type(fn).__name__}")
     check_int("nprocs", nprocs, minimum=1)
@@ -233,72 +264,47 @@ def launch(
             "inherit its sockets. Call course_lib.distributed.runtime.shutdown() first, or restart the "
             "kernel."
         )
-    context = multiprocessing.get_context("fork")
-    port = free_port()
-    processes, pending = [], {}
-    for rank in range(nprocs):
-        receive_end, send_end = context.Pipe(duplex=False)
-        process = context.Process(
-            target=_child,
-            name=f"rank{rank}",
-            args=(
-                rank,
-                nprocs,
-                port,
-                fn,
-                args,
-                kwargs,
-                send_end,
-                backend,
-                collective_timeout_s or timeout_s,
-                check_collectives,
-            ),
-        )
-        process.start()
-        send_end.close()  # only the child writes; closing our copy lets us see EOF if it dies
-        processes.append(process)
-        pending[receive_end] = rank
 
+
+def _collect(processes: list, pending: dict, timeout_s: float) -> tuple[dict, dict]:
+    """Each rank's result or failure, as they arrive; after a failure the others get a moment more.
+
+    Returns ({rank: result}, {rank: (exception or None, traceback text)}); ``pending`` keeps the
+    ranks that never reported (the caller stops them).
+    """
     results: dict[int, Any] = {}
     failures: dict[int, tuple[BaseException | None, str]] = {}
     deadline = time.monotonic() + timeout_s
-    try:
-        while pending:
-            if failures:  # give the other ranks a moment to report, then stop them
-                wait_s = min(ROOT_CAUSE_GRACE_S, deadline - time.monotonic())
-            else:
-                wait_s = deadline - time.monotonic()
-            ready = multiprocessing.connection.wait(list(pending), timeout=max(0.0, wait_s))
-            if not ready:
-                if failures:  # the others are still running: their records first, then stop them
-                    hooks.hung(f"the launcher: rank {min(failures)} failed")
-                    break
-                hooks.hung(f"the launcher: ranks {sorted(pending.values())} did not finish in {timeout_s} s")
-                raise TimeoutError(
-                    f"ranks {sorted(pending.values())} of {nprocs} did not finish within {timeout_s} s; they "
-                    "were stopped (a rank waiting in a collective that another rank never called?)"
+    while pending:
+        if failures:  # give the other ranks a moment to report, then stop them
+            wait_s = min(ROOT_CAUSE_GRACE_S, deadline - time.monotonic())
+        else:
+            wait_s = deadline - time.monotonic()
+        ready = multiprocessing.connection.wait(list(pending), timeout=max(0.0, wait_s))
+        if not ready:
+            if failures:  # the others are still running: their records first, then stop them
+                hooks.hung(f"the launcher: rank {min(failures)} failed")
+                break
+            hooks.hung(f"the launcher: ranks {sorted(pending.values())} did not finish in {timeout_s} s")
+            raise TimeoutError(
+                f"ranks {sorted(pending.values())} of {len(processes)} did not finish within {timeout_s} s; "
+                "they were stopped (a rank waiting in a collective that another rank never called?)"
+            )
+        for receive_end in ready:
+            rank = pending.pop(receive_end)
+            try:
+                message = pickle.loads(receive_end.recv_bytes())
+            except EOFError:
+                processes[rank].join(5)
+                message = (
+                    "error",
+                    None,
+                    f"rank {rank} exited with code {processes[rank].exitcode} without reporting (killed, "
+                    "or a crash in native code)",
                 )
-            for receive_end in ready:
-                rank = pending.pop(receive_end)
-                try:
-                    message = pickle.loads(receive_end.recv_bytes())
-                except EOFError:
-                    processes[rank].join(5)
-                    message = (
-                        "error",
-                        None,
-                        f"rank {rank} exited with code {processes[rank].exitcode} without reporting (killed, "
-                        "or a crash in native code)",
-                    )
-                receive_end.close()
-                if message[0] == "ok":
-                    results[rank] = message[1]
-                else:
-                    failures[rank] = (message[1], message[2])
-    finally:
-        _stop(processes)
-        for receive_end in pending:
             receive_end.close()
-    if failures:
-        _raise_failure(failures)
-    return [results[rank] for rank in range(nprocs)]
+            if message[0] == "ok":
+                results[rank] = message[1]
+            else:
+                failures[rank] = (message[1], message[2])
+    return results, failures

@@ -164,43 +164,19 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
         names = {id(m): name for name, m in module.named_modules()}
         shard_device = torch.device("cpu") if cpu_offload != "none" else compute_device
 
-        self.units: list[Unit] = []
-        unassigned = owned_parameters(module)
-        # Children first, so that a nested unit takes its parameters before its parent does. A
-        # parameter belongs to the innermost unit that holds *every* place of it: a weight tied
-        # between two units (an embedding and the output head) goes to their common ancestor,
-        # which is gathered for as long as either of them computes (FSDP's rule for shared
-        # parameters).
-        for unit_module in reversed([module, *unit_modules]):
-            prefix = names[id(unit_module)]
-            inside = {id(m) for m in unit_module.modules()}
-            params = [o for o in unassigned if all(id(owner) in inside for _, owner, _ in o.places)]
-            unassigned = [o for o in unassigned if not any(o is p for p in params)]
-            if not params:
-                continue
-            flat = FlatParameter(
-                prefix,
-                params,
-                self.shard_group,
-                replicate_group=replicate_group,
-                compute_device=compute_device,
-                param_dtype=mixed_precision.param_dtype,
-                reduce_dtype=mixed_precision.reduce_dtype,
-                shard_device=shard_device,
-            )
-            self.units.insert(
-                0,
-                Unit(
-                    unit_module,
-                    prefix,
-                    flat,
-                    reshard_after_forward=(
-                        layout.sharding_strategy != "SHARD_GRAD_OP"
-                        if reshard_after_forward is None
-                        else reshard_after_forward
-                    ),
-                ),
-            )
+        reshard = (
+            layout.sharding_strategy != "SHARD_GRAD_OP"
+            if reshard_after_forward is None
+            else reshard_after_forward
+        )
+        self.units = self._make_units(
+            [module, *unit_modules],
+            names,
+            replicate_group=replicate_group,
+            compute_device=compute_device,
+            shard_device=shard_device,
+            reshard_after_forward=reshard,
+        )
         self.flat_params = [unit.flat for unit in self.units]
         self.flat_shards = nn.ParameterList([flat.shard for flat in self.flat_params])
         if mixed_precision.buffer_dtype is not None:
@@ -222,6 +198,51 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
         self._sync_this_backward = True
         self._end_of_backward = EndOfBackward(self._finish_backward)
         self._peak: dict[str, int] = {}
+        self._register_hooks()
+        if activation_checkpointing:
+            self._checkpoint_leaf_units()
+
+    def _make_units(
+        self,
+        unit_modules: list[nn.Module],
+        names: dict[int, str],
+        *,
+        replicate_group,
+        compute_device: torch.device,
+        shard_device: torch.device,
+        reshard_after_forward: bool,
+    ) -> list[Unit]:
+        """One unit per module of ``unit_modules`` (the root first) that owns parameters, each with
+        its flat parameter; a parameter goes to the innermost unit that holds every place of it."""
+        units: list[Unit] = []
+        unassigned = owned_parameters(unit_modules[0])
+        # Children first, so that a nested unit takes its parameters before its parent does. A
+        # parameter belongs to the innermost unit that holds *every* place of it: a weight tied
+        # between two units (an embedding and the output head) goes to their common ancestor,
+        # which is gathered for as long as either of them computes (FSDP's rule for shared
+        # parameters).
+        for unit_module in reversed(unit_modules):
+            prefix = names[id(unit_module)]
+            inside = {id(m) for m in unit_module.modules()}
+            params = [o for o in unassigned if all(id(owner) in inside for _, owner, _ in o.places)]
+            unassigned = [o for o in unassigned if not any(o is p for p in params)]
+            if not params:
+                continue
+            flat = FlatParameter(
+                prefix,
+                params,
+                self.shard_group,
+                replicate_group=replicate_group,
+                compute_device=compute_device,
+                param_dtype=self.mixed_precision.param_dtype,
+                reduce_dtype=self.mixed_precision.reduce_dtype,
+                shard_device=shard_device,
+            )
+            units.insert(0, Unit(unit_module, prefix, flat, reshard_after_forward=reshard_after_forward))
+        return units
+
+    def _register_hooks(self) -> None:
+        """Each unit gathers before its forward and frees after; each gradient reports when ready."""
         for unit in self.units:
             unit.hooks.append(
                 unit.module.register_forward_pre_hook(functools.partial(self._before_forward, unit))
@@ -232,8 +253,6 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
                     slot.leaf.register_post_accumulate_grad_hook(
                         functools.partial(self._gradient_ready, unit)
                     )
-        if activation_checkpointing:
-            self._checkpoint_leaf_units()
 
     def _checkpoint_leaf_units(self) -> None:
         # Recomputing a unit that contains units would gather and free them mid-backward.

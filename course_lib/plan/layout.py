@@ -26,11 +26,12 @@ place them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 
 from torch import nn
 
-from ..distributed import runtime
+from ..distributed import comm, runtime
 from ..errors import UserError
 from ..models import Block, Embedding, LMHead
 from ..parallel import context, ddp, fsdp, memory, pipeline, recompute, sequence, tensor, ulysses, vocab, zero
@@ -295,3 +296,59 @@ def parallelize(
 
 
 # #endregion compose
+
+
+def layout_loss(layout: Layout, mesh, *, vocab_size: int, seq_len: int) -> Callable:
+    """The loss of one micro-batch on this rank, as the last stage of ``parallelize``'s model
+    gives its logits: this rank's share of the mean over the micro-batch's whole sequences, so
+    that the shares of the context ranks (and under sequence parallelism the tensor ranks) add up
+    to it.
+
+    Args:
+        layout: the layout ``parallelize`` applied.
+        mesh: the mesh it applied it on.
+        vocab_size: V, the vocabulary (the logits' last dimension, split with ``loss_parallel``).
+        seq_len: tokens of a whole sequence (context parallelism cuts it).
+    """
+
+    def loss_fn(logits, targets):
+        whole = len(targets) * seq_len  # the micro-batch's tokens, over every rank
+        if layout.tensor > 1 and layout.loss_parallel:  # this rank's slice of every token's logits
+            summed = vocab.vocab_parallel_cross_entropy(
+                logits, targets, vocab_size=vocab_size, reduction="sum", group=mesh.group("tensor")
+            )
+            return summed / whole
+        if layout.tensor > 1 and layout.sequence_parallel:  # the logits of this rank's tokens
+            targets = targets.chunk(layout.tensor, dim=1)[mesh.coordinates.tensor]
+        return context.context_parallel_loss(logits, targets, total_tokens=whole)
+
+    return loss_fn
+
+
+def finish_gradients(
+    stages: dict[int, nn.Module], mesh, layout: Layout, *, data_parallel: bool = True
+) -> None:
+    """After a step's backward, the gradient reductions no wrapper made, so that every rank holds
+    the gradient of the whole batch.
+
+    - sequence parallelism: the weights that saw 1/T of the tokens (the norms) add up their
+      partial gradients over the tensor ranks;
+    - context parallelism: each chunk of the sequences adds its part of every gradient;
+    - the data axis: averaged here when ``parallelize`` wrapped no data-parallel wrapper around
+      the stage (under the pipeline, or with ``data_parallel=False``).
+
+    Args:
+        stages: what ``parallelize`` returned.
+        mesh: the mesh it applied the layout on.
+        layout: the layout.
+        data_parallel: what was passed to ``parallelize``.
+    """
+    if layout.tensor > 1 and layout.sequence_parallel:
+        for stage in stages.values():
+            sequence.all_reduce_sequence_parallel_gradients(stage, group=mesh.group("tensor"))
+    grads = [param.grad for stage in stages.values() for param in stage.parameters()]
+    if layout.context > 1:
+        comm.all_reduce_coalesced(grads, op="sum", group=mesh.group("context"))
+    wrapped = data_parallel and layout.pipeline == 1
+    if not wrapped and layout.data > 1:
+        comm.all_reduce_coalesced(grads, op="mean", group=mesh.group("data"))

@@ -40,13 +40,11 @@ from .. import models
 from ..data import zen_windows
 from ..distributed import comm, environment, runtime
 from ..errors import UserError
-from ..parallel import context as cp
-from ..parallel import memory, vocab
+from ..parallel import memory
 from ..parallel import pipeline as pp
-from ..parallel import sequence as sp
 from ..parallel.mesh import Mesh
 from ..plan import cost_model, flops, scaling, specs
-from ..plan.layout import Layout, parallelize
+from ..plan.layout import Layout, finish_gradients, layout_loss, parallelize
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,17 +146,7 @@ def measure_layout(layout: Layout, sweep: Sweep = SWEEP) -> dict | None:
     if layout.context > 1:
         x, y = (sequence.local(t, mesh.coordinates.context) for t in (x, y))
 
-    def loss_fn(logits, targets):
-        """This rank's share of the mean loss of ``targets``' whole sequences: the shares of the context
-        ranks, and under sequence parallelism of the tensor ranks, add up to it."""
-        if layout.tensor > 1 and layout.loss_parallel:  # this rank's slice of every token's logits
-            summed = vocab.vocab_parallel_cross_entropy(
-                logits, targets, vocab_size=len(vocabulary), reduction="sum", group=mesh.group("tensor")
-            )
-            return summed / (len(targets) * seq_len)
-        if layout.tensor > 1 and layout.sequence_parallel:  # the logits of this rank's tokens
-            targets = targets.chunk(layout.tensor, dim=1)[mesh.coordinates.tensor]
-        return cp.context_parallel_loss(logits, targets, total_tokens=len(targets) * seq_len)
+    loss_fn = layout_loss(layout, mesh, vocab_size=len(vocabulary), seq_len=seq_len)
 
     # what one stage sends the next: this rank's tokens, 1/T of them under sequence parallelism
     boundary_tokens = x.shape[1] // (layout.tensor if layout.sequence_parallel else 1)
@@ -191,13 +179,7 @@ def measure_layout(layout: Layout, sweep: Sweep = SWEEP) -> dict | None:
             executor.step(x, y)
         else:
             loss_of(stage(x)).backward()
-        if layout.tensor > 1 and layout.sequence_parallel:
-            sp.all_reduce_sequence_parallel_gradients(stage, group=mesh.group("tensor"))
-        grads = [param.grad for param in params]  # one collective each, as the model counts them
-        if layout.context > 1:  # each chunk of the sequences adds its part of every gradient
-            comm.all_reduce_coalesced(grads, op="sum", group=mesh.group("context"))
-        if executors and layout.data > 1:
-            comm.all_reduce_coalesced(grads, op="mean", group=mesh.group("data"))
+        finish_gradients(stages, mesh, layout)  # one collective for each axis, as the model counts them
 
     if not executors:  # what one forward leaves alive for its backward (its loss included)
         with memory.live_tensor_bytes() as live:

@@ -102,6 +102,16 @@ class Trainer:
             config.global_batch_size, self.process.world_size, grad_accum_steps=config.grad_accum
         )
 
+        self._build_model(config)
+        self._build_loaders(config)
+        self.steps_per_epoch = steps_per_epoch(config)
+        # A fresh run's id, the same on every rank: it names the run's temporary checkpoint folders.
+        run_id = runtime.from_rank0(checkpoint.new_run_id())
+        self.position = checkpoint.TrainingPosition(config=config.as_dict(), run_id=run_id)
+        self._resume(config)
+
+    def _build_model(self, config: TrainConfig) -> None:
+        """The model, the same on every rank, wrapped by the strategy; its optimizer."""
         # The same seed on every rank gives every replica the same initial weights.
         torch.manual_seed(config.seed)
         random.seed(config.seed)
@@ -140,6 +150,8 @@ class Trainer:
         if config.strategy == "ddp":  # replicas: a flight record, if one is kept, holds their fingerprints
             flight_recorder.watch_replicas(lambda: replicas.fingerprints(strategies.unwrap(self.model)))
 
+    def _build_loaders(self, config: TrainConfig) -> None:
+        """This rank's slice of every training batch, and its share of the validation set."""
         pin = self.process.device.type == "cuda"
         self.train_loader = data.train_loader(
             self.data.train,
@@ -159,10 +171,9 @@ class Trainer:
             workers=config.workers,
             pin_memory=pin,
         )
-        self.steps_per_epoch = steps_per_epoch(config)
-        # A fresh run's id, the same on every rank: it names the run's temporary checkpoint folders.
-        run_id = runtime.from_rank0(checkpoint.new_run_id())
-        self.position = checkpoint.TrainingPosition(config=config.as_dict(), run_id=run_id)
+
+    def _resume(self, config: TrainConfig) -> None:
+        """Go on from ``--resume``'s checkpoint, if one is asked for, with this run's flags."""
         resume_path = resolve_resume_path(config)
         if resume_path is not None:
             self.position = checkpoint.load(resume_path, self.model, self.optimizer, config.as_dict())

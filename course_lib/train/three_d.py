@@ -43,11 +43,10 @@ from ..errors import UserError
 from ..observe import anatomy, profiling
 from ..parallel import context as cp
 from ..parallel import pipeline as pp
-from ..parallel import sequence as sp
 from ..parallel import tensor as tp
-from ..parallel import ulysses, vocab
+from ..parallel import ulysses
 from ..parallel.mesh import Mesh, check_degrees, rank_at
-from ..plan.layout import Layout, parallelize
+from ..plan.layout import Layout, finish_gradients, layout_loss, parallelize
 
 
 def build_local_model(
@@ -64,8 +63,25 @@ def build_local_model(
     ``layout.parallelize`` with the vocabulary split, fp32, and the data axis left to
     ``train_3d``, which averages every gradient itself after the pipeline's step.
     """
+    plan = local_layout(
+        mesh,
+        recomputation=recomputation,
+        sequence_parallel=sequence_parallel,
+        context_attention=context_attention,
+    )
+    return parallelize(model, mesh, plan, seq_len=seq_len, data_parallel=False)
+
+
+def local_layout(
+    mesh: Mesh,
+    *,
+    recomputation: str = "none",
+    sequence_parallel: bool = False,
+    context_attention: str = "ring",
+) -> Layout:
+    """The layout ``train_3d`` runs: the mesh's degrees, the vocabulary split, fp32, DDP's data axis."""
     degrees = {axis: mesh.degrees[axis] for axis in ("data", "pipeline", "context", "tensor")}
-    plan = Layout(
+    return Layout(
         **degrees,
         sharding="ddp",
         recomputation=recomputation,
@@ -74,7 +90,6 @@ def build_local_model(
         loss_parallel=True,
         context_attention=context_attention,
     )
-    return parallelize(model, mesh, plan, seq_len=seq_len, data_parallel=False)
 
 
 def check_run(
@@ -196,15 +211,9 @@ def train_3d(
     local_batch = global_batch // data
     micro = local_batch // microbatches
 
-    def loss_fn(logits, targets):  # this rank's tokens' share of the micro-batch's mean
-        if tensor == 1:
-            return cp.context_parallel_loss(logits, targets, total_tokens=micro * seq_len)
-        # the logits are split over the vocabulary: the loss all-reduces per token, never gathers them
-        summed = vocab.vocab_parallel_cross_entropy(
-            logits, targets, vocab_size=len(vocabulary), reduction="sum", group=mesh.group("tensor")
-        )
-        return summed / (micro * seq_len)
-
+    plan = local_layout(mesh, recomputation=recompute, sequence_parallel=sequence_parallel,
+                        context_attention=context_attention)  # fmt: skip
+    loss_fn = layout_loss(plan, mesh, vocab_size=len(vocabulary), seq_len=seq_len)
     executor = pp.PipelineExecutor(
         stages,
         pipeline,
@@ -231,15 +240,8 @@ def train_3d(
                 loss = executor.step(
                     layout.local(inputs[mine], my_chunk), layout.local(targets[mine], my_chunk)
                 )
-            with anatomy.phase("gradients"):
-                if sequence_parallel and tensor > 1:  # the norms saw 1/T of the tokens each: add up
-                    for stage in stages.values():
-                        sp.all_reduce_sequence_parallel_gradients(stage, group=mesh.group("tensor"))
-                grads = [param.grad for param in params]
-                if context > 1:  # each chunk of the sequences adds its part
-                    comm.all_reduce_coalesced(grads, op="sum", group=mesh.group("context"))
-                # average the replicas' gradients: the gradient of the whole batch
-                comm.all_reduce_coalesced(grads, op="mean", group=mesh.group("data"))
+            with anatomy.phase("gradients"):  # sequence, context and data: the gradient of the whole batch
+                finish_gradients(stages, mesh, plan, data_parallel=False)
             with anatomy.phase("optimizer"):
                 optimizer.step()
         if profiler is not None and profiler.complete:

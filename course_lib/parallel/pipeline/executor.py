@@ -23,6 +23,7 @@ from ...errors import UserError
 from ..memory import live_tensor_bytes
 from .actions import (
     SPLIT_BACKWARD,
+    Action,
     placement_of,
     rank_of_stage,
     stages_on_rank,
@@ -174,6 +175,30 @@ def message_latencies(stats_by_rank: dict[int, PipelineStats]) -> list[float]:
     return [end - sent[key] for key, began, end in received if key in sent and began <= sent[key]]
 
 
+@dataclass
+class _Step:
+    """What one ``step`` carries from action to action on this rank."""
+
+    inputs: tuple | None  # the micro-batches, on the first stage's rank
+    targets: tuple | None  # their targets, on the last stage's rank
+    inbox: dict = field(default_factory=dict)  # ("F" | "B", stage, microbatch) -> what that stage receives
+    outbox: dict = field(default_factory=dict)  # ("F" | "B", receiving stage, microbatch) -> what to send
+    held: dict = field(default_factory=dict)  # (stage, microbatch) -> (input, output, split record)
+    waiting: dict = field(default_factory=dict)  # (stage, microbatch) -> a split record whose W is to come
+    in_flight: list = field(default_factory=list)  # sends not yet known to be complete
+    losses: list = field(default_factory=list)
+    stats: PipelineStats = field(default_factory=PipelineStats)
+    held_bytes: int = 0
+    live: live_tensor_bytes | None = None  # with measure_memory: the count of live tensors
+    kept: dict = field(default_factory=dict)  # with measure_memory: (stage, microbatch) -> bytes kept
+    kept_bytes: int = 0
+    started: float = 0.0
+
+    def clock(self) -> float:
+        """Seconds since the step began."""
+        return time.perf_counter() - self.started
+
+
 class PipelineExecutor:
     """Run one rank's share of a pipeline schedule with real sends and receives.
 
@@ -317,100 +342,104 @@ class PipelineExecutor:
                     f"a batch of {tensor.shape[0]} samples does not split into {m} equal micro-batches: use "
                     f"a batch size that is a multiple of {m}"
                 )
-        input_chunks = inputs.chunk(m) if has_first else None
-        target_chunks = targets.chunk(m) if has_last else None
-        inbox = {}  # ("F" | "B", stage, microbatch) -> what that stage receives (activation or gradient)
-        held = {}  # (stage, microbatch) -> (input, output, record of a split forward) kept for the backward
-        waiting = {}  # (stage, microbatch) -> record of a split forward whose B ran and whose W has not
-        outbox = {}  # ("F" | "B", receiving stage, microbatch) -> what to send
-        in_flight, losses, stats = [], [], PipelineStats()
-        held_bytes = 0
-        kept, kept_bytes = {}, 0  # with measure_memory: (stage, microbatch) -> bytes its forward left alive
+        run = _Step(
+            inputs=inputs.chunk(m) if has_first else None,
+            targets=targets.chunk(m) if has_last else None,
+        )
         with contextlib.ExitStack() as measuring:  # with measure_memory: ends the count even on an error
-            live = None
             if self.measure_memory:
-                stats.peak_kept_bytes = 0
-                live = measuring.enter_context(live_tensor_bytes())
+                run.stats.peak_kept_bytes = 0
+                run.live = measuring.enter_context(live_tensor_bytes())
             receives = self._receives_in_order()
             posted = {}  # index of a RECV action -> (work handle, buffer the message lands in)
-            started = time.perf_counter()
-            stats.clock_start = started
+            run.started = run.stats.clock_start = time.perf_counter()
+            do = {"F": self._forward, "B": self._backward, "W": self._backward_weights}
             for index, action in enumerate(self.actions):
                 posting = time.perf_counter()
                 self._post_receives(receives, posted, done=index - 1)
-                stats.posting_s += time.perf_counter() - posting
-                s, i, direction = action.stage, action.microbatch, action.kind[-1]
+                run.stats.posting_s += time.perf_counter() - posting
                 if action.kind.startswith("RECV"):
-                    work, buffer = posted.pop(index)
-                    begin = time.perf_counter()
-                    work.wait()
-                    inbox[(direction, s, i)] = buffer
-                    stats.messages.append((action.kind, s, i, begin - started, time.perf_counter() - started))
+                    self._receive(run, action, *posted.pop(index))
                 elif action.kind.startswith("SEND"):
-                    message = outbox.pop((direction, s, i))
-                    sent = time.perf_counter() - started
-                    stats.messages.append((action.kind, s, i, sent, sent))
-                    in_flight.append(
-                        comm.isend(
-                            message,
-                            dst=self._global(action.peer),
-                            group=self.group,
-                            tag=self._tag(direction, s, i),
-                        )
-                    )
-                    stats.posting_s += time.perf_counter() - started - sent
-                elif action.kind == "F":
-                    begin = time.perf_counter()
-                    x = input_chunks[i] if s == 0 else inbox.pop(("F", s, i)).requires_grad_()
-                    alive_before = live.now if live is not None else 0
-                    record = None
-                    if self.splitter is not None:
-                        y, record = self.splitter.forward(self.stages[s], x)
-                    else:
-                        y = self.stages[s](x)
-                    if s == last_stage:
-                        y = (
-                            self.loss_fn(y, target_chunks[i]) / m
-                        )  # each micro-batch counts 1/m: the batch mean
-                    if (
-                        live is not None
-                    ):  # what this forward left alive: kept for its backward, and its output
-                        kept[(s, i)] = live.now - alive_before
-                        kept_bytes += kept[(s, i)]
-                        stats.peak_kept_bytes = max(stats.peak_kept_bytes, kept_bytes)
-                    if s == last_stage:
-                        losses.append(y.detach())
-                    else:
-                        self._deliver(("F", s + 1, i), y.detach(), inbox, outbox)
-                    held[(s, i)] = (x, y, record)
-                    held_bytes += sum(t.numel() * t.element_size() for t in (x, y))
-                    stats.peak_activations = max(stats.peak_activations, len(held) + len(waiting))
-                    stats.peak_activation_bytes = max(stats.peak_activation_bytes, held_bytes)
-                    stats.events.append(("F", s, i, begin - started, time.perf_counter() - started))
-                elif action.kind == "W":  # the weights' gradients, from what this micro-batch's B kept
-                    begin = time.perf_counter()
-                    self.splitter.backward_weights(waiting.pop((s, i)))
-                    stats.events.append(("W", s, i, begin - started, time.perf_counter() - started))
+                    self._send(run, action)
                 else:
                     begin = time.perf_counter()
-                    x, y, record = held.pop((s, i))
-                    held_bytes -= sum(t.numel() * t.element_size() for t in (x, y))
-                    kept_bytes -= kept.pop((s, i), 0)
-                    gradient = None if s == last_stage else inbox.pop(("B", s, i))  # from the next stage
-                    if record is not None:  # B alone: the input's gradient now, the weights' at its W
-                        input_grad = self.splitter.backward_input(record, y, gradient, x)
-                        waiting[(s, i)] = record
-                    else:  # the whole backward; on the last stage y is the loss, where backward starts
-                        y.backward(gradient)
-                        input_grad = x.grad if s > 0 else None
-                    if s > 0:
-                        self._deliver(("B", s - 1, i), input_grad, inbox, outbox)
-                    stats.events.append(("B", s, i, begin - started, time.perf_counter() - started))
-            for work in in_flight:
+                    do[action.kind](run, action)
+                    run.stats.events.append(
+                        (action.kind, action.stage, action.microbatch, begin - run.started, run.clock())
+                    )
+            for work in run.in_flight:
                 work.wait()
-        stats.step_time_s = time.perf_counter() - started
-        self.stats = stats
-        return torch.stack(losses).sum() if has_last else None
+        run.stats.step_time_s = time.perf_counter() - run.started
+        self.stats = run.stats
+        return torch.stack(run.losses).sum() if has_last else None
+
+    def _receive(self, run: _Step, action: Action, work, buffer: torch.Tensor) -> None:
+        """Wait for a message this rank posted the receive of; it becomes the stage's input."""
+        begin = time.perf_counter()
+        work.wait()
+        run.inbox[(action.kind[-1], action.stage, action.microbatch)] = buffer
+        run.stats.messages.append(
+            (action.kind, action.stage, action.microbatch, begin - run.started, run.clock())
+        )
+
+    def _send(self, run: _Step, action: Action) -> None:
+        """Start sending what a compute action left for another rank; never wait for it here."""
+        direction, s, i = action.kind[-1], action.stage, action.microbatch
+        message = run.outbox.pop((direction, s, i))
+        sent = run.clock()
+        run.stats.messages.append((action.kind, s, i, sent, sent))
+        run.in_flight.append(
+            comm.isend(
+                message, dst=self._global(action.peer), group=self.group, tag=self._tag(direction, s, i)
+            )
+        )
+        run.stats.posting_s += run.clock() - sent
+
+    def _forward(self, run: _Step, action: Action) -> None:
+        """A stage's forward of one micro-batch: keep its input and output for the backward."""
+        s, i, last_stage = action.stage, action.microbatch, self.num_stages - 1
+        x = run.inputs[i] if s == 0 else run.inbox.pop(("F", s, i)).requires_grad_()
+        alive_before = run.live.now if run.live is not None else 0
+        record = None
+        if self.splitter is not None:
+            y, record = self.splitter.forward(self.stages[s], x)
+        else:
+            y = self.stages[s](x)
+        if s == last_stage:  # each micro-batch counts 1/m: the batch mean
+            y = self.loss_fn(y, run.targets[i]) / self.microbatches
+        if run.live is not None:  # what this forward left alive: kept for its backward, and its output
+            run.kept[(s, i)] = run.live.now - alive_before
+            run.kept_bytes += run.kept[(s, i)]
+            run.stats.peak_kept_bytes = max(run.stats.peak_kept_bytes, run.kept_bytes)
+        if s == last_stage:
+            run.losses.append(y.detach())
+        else:
+            self._deliver(("F", s + 1, i), y.detach(), run.inbox, run.outbox)
+        run.held[(s, i)] = (x, y, record)
+        run.held_bytes += sum(t.numel() * t.element_size() for t in (x, y))
+        run.stats.peak_activations = max(run.stats.peak_activations, len(run.held) + len(run.waiting))
+        run.stats.peak_activation_bytes = max(run.stats.peak_activation_bytes, run.held_bytes)
+
+    def _backward(self, run: _Step, action: Action) -> None:
+        """A stage's backward of one micro-batch (B alone, in a schedule that splits it)."""
+        s, i = action.stage, action.microbatch
+        x, y, record = run.held.pop((s, i))
+        run.held_bytes -= sum(t.numel() * t.element_size() for t in (x, y))
+        run.kept_bytes -= run.kept.pop((s, i), 0)
+        gradient = None if s == self.num_stages - 1 else run.inbox.pop(("B", s, i))  # from the next stage
+        if record is not None:  # B alone: the input's gradient now, the weights' at its W
+            input_grad = self.splitter.backward_input(record, y, gradient, x)
+            run.waiting[(s, i)] = record
+        else:  # the whole backward; on the last stage y is the loss, where backward starts
+            y.backward(gradient)
+            input_grad = x.grad if s > 0 else None
+        if s > 0:
+            self._deliver(("B", s - 1, i), input_grad, run.inbox, run.outbox)
+
+    def _backward_weights(self, run: _Step, action: Action) -> None:
+        """W: the weights' gradients, from what this micro-batch's B kept."""
+        self.splitter.backward_weights(run.waiting.pop((action.stage, action.microbatch)))
 
     # #endregion run-a-schedule
 

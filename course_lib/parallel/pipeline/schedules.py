@@ -9,6 +9,8 @@ forward, or deadlocks. A schedule it accepts cannot hang the executor.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from .actions import (
     COMPUTE,
     Action,
@@ -155,6 +157,31 @@ def check_schedule(
         placement: where the stages live, ``"loop"`` or ``"v"`` (``placement_of(schedule)``).
     """
     stages = pipeline_size * virtual_stages
+
+    def rank_of(stage: int) -> int:
+        return rank_of_stage(stage, pipeline_size, placement=placement)
+
+    _check_every_action_once(actions, stages, microbatches)
+    for rank, rank_actions in actions.items():
+        for action in rank_actions:
+            if action.kind in COMPUTE and rank_of(action.stage) != rank:
+                raise ValueError(
+                    f"{action} is on rank {rank}, but stage {action.stage} lives on rank "
+                    f"{rank_of(action.stage)}"
+                )
+    sent = _replay(actions, stages, rank_of)
+    unmatched = sent - {
+        (a.kind[-1], a.stage, a.microbatch, r)
+        for r, acts in actions.items()
+        for a in acts
+        if a.kind.startswith("RECV")
+    }
+    if unmatched:
+        raise ValueError(f"sends nobody receives: {sorted(unmatched)[:3]}")
+
+
+def _check_every_action_once(actions: dict[int, list[Action]], stages: int, microbatches: int) -> None:
+    """Every forward and backward (and W, where the backward is split) of every (stage, micro-batch), once."""
     kinds = COMPUTE if splits_backward(actions) else ("F", "B")
     expected = {(kind, s, i) for kind in kinds for s in range(stages) for i in range(microbatches)}
     seen = [
@@ -167,17 +194,28 @@ def check_schedule(
         every = "forward, backward (B) and weight gradient (W)" if "W" in kinds else "forward and backward"
         raise ValueError(f"the schedule does not run every {every} exactly once")
 
-    def rank_of(stage: int) -> int:
-        return rank_of_stage(stage, pipeline_size, placement=placement)
 
-    for rank, rank_actions in actions.items():
-        for action in rank_actions:
-            if action.kind in COMPUTE and rank_of(action.stage) != rank:
-                raise ValueError(
-                    f"{action} is on rank {rank}, but stage {action.stage} lives on rank "
-                    f"{rank_of(action.stage)}"
-                )
-    sent: set[tuple] = set()  # (kind, stage, microbatch, to rank)
+def _ready(action: Action, rank: int, stages: int, done: set, available: set, sent: set) -> bool:
+    """Whether ``action`` can run now on ``rank``: what it computes from, or receives, is there."""
+    key = (action.stage, action.microbatch)
+    if action.kind == "F":
+        return action.stage == 0 or ("F", *key) in available
+    if action.kind == "B":
+        return ("F", *key) in done and (action.stage == stages - 1 or ("B", *key) in available)
+    if action.kind == "W":
+        return ("B", *key) in done
+    if action.kind.startswith("RECV"):
+        return (action.kind[-1], *key, rank) in sent
+    # a send needs what it sends to have been computed
+    source = action.stage - 1 if action.kind == "SEND_F" else action.stage + 1
+    return (action.kind[-1], source, action.microbatch) in done
+
+
+def _replay(actions: dict[int, list[Action]], stages: int, rank_of: Callable[[int], int]) -> set[tuple]:
+    """Run every rank's list together, sends never blocking and receives waiting for their send;
+    raise on a deadlock or a send to the wrong rank. Returns the sends made: (kind, stage,
+    microbatch, to rank)."""
+    sent: set[tuple] = set()
     done: set[tuple] = set()
     available: set[tuple] = set()  # inputs a rank holds: ("F"|"B", stage, microbatch)
     position = {rank: 0 for rank in actions}
@@ -186,23 +224,9 @@ def check_schedule(
         for rank, rank_actions in actions.items():
             while position[rank] < len(rank_actions):
                 a = rank_actions[position[rank]]
-                key = (a.stage, a.microbatch)
-                if a.kind == "F":
-                    ready = a.stage == 0 or ("F", *key) in available
-                elif a.kind == "B":
-                    ready = ("F", *key) in done and (a.stage == stages - 1 or ("B", *key) in available)
-                elif a.kind == "W":
-                    ready = ("B", *key) in done
-                elif a.kind.startswith("RECV"):
-                    ready = (a.kind[-1], a.stage, a.microbatch, rank) in sent
-                else:  # a send needs what it sends to have been computed
-                    ready = (
-                        a.kind[-1],
-                        a.stage - 1 if a.kind == "SEND_F" else a.stage + 1,
-                        a.microbatch,
-                    ) in done
-                if not ready:
+                if not _ready(a, rank, stages, done, available, sent):
                     break
+                key = (a.stage, a.microbatch)
                 if a.kind in ("F", "B"):
                     done.add((a.kind, *key))
                     neighbour = a.stage + 1 if a.kind == "F" else a.stage - 1
@@ -221,11 +245,4 @@ def check_schedule(
         if not progressed:
             stuck = {r: str(actions[r][position[r]]) for r in actions if position[r] < len(actions[r])}
             raise ValueError(f"deadlock: every rank waits ({stuck})")
-    unmatched = sent - {
-        (a.kind[-1], a.stage, a.microbatch, r)
-        for r, acts in actions.items()
-        for a in acts
-        if a.kind.startswith("RECV")
-    }
-    if unmatched:
-        raise ValueError(f"sends nobody receives: {sorted(unmatched)[:3]}")
+    return sent

@@ -161,72 +161,11 @@ def resolve_environment(*, environ: Mapping[str, str] | None = None) -> DistEnvi
             what a launcher's variables mean without starting anything.
     """
     environ = os.environ if environ is None else environ
-
     if "RANK" in environ:
-        if "WORLD_SIZE" not in environ:
-            raise UserError(
-                "RANK is set but WORLD_SIZE is not: launch with torchrun (which sets both), or set "
-                "WORLD_SIZE to the number of processes"
-            )
-        world_size = int_variable(environ, "WORLD_SIZE", minimum=1)
-        rank = int_variable(environ, "RANK", maximum=world_size - 1)
-        local_world = int_variable(environ, "LOCAL_WORLD_SIZE", minimum=1, default=world_size)
-        local_rank = int_variable(environ, "LOCAL_RANK", maximum=local_world - 1, default=0)
-        if world_size > 1 and ("MASTER_ADDR" not in environ or "MASTER_PORT" not in environ):
-            raise UserError(
-                "MASTER_ADDR and MASTER_PORT must be set when WORLD_SIZE > 1: launch with torchrun, or "
-                "export the address and a free port of rank 0's host"
-            )
-        return DistEnvironment(
-            rank=rank,
-            local_rank=local_rank,
-            world_size=world_size,
-            local_world_size=local_world,
-            master_addr=_address_variable(environ, "MASTER_ADDR")
-            if "MASTER_ADDR" in environ
-            else "127.0.0.1",
-            master_port=int_variable(environ, "MASTER_PORT", minimum=1, maximum=MAX_PORT, default=0),
-            launcher="torchrun",
-        )
-
-    # srun starts one task per GPU. Inside a batch script *without* srun, SLURM_PROCID is 0 but
-    # the step has a single task: then this is an ordinary single process.
-    tasks_variable = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS"
-    if "SLURM_PROCID" in environ and tasks_variable in environ:
-        world_size = int_variable(environ, tasks_variable, minimum=1)
-    else:
-        world_size = 1
-    if world_size > 1:
-        rank = int_variable(environ, "SLURM_PROCID", maximum=world_size - 1)
-        nodes_variable = "SLURM_STEP_NUM_NODES" if "SLURM_STEP_NUM_NODES" in environ else "SLURM_NNODES"
-        nodes = int_variable(environ, nodes_variable, minimum=1, maximum=world_size, default=1)
-        local_world = max(1, world_size // nodes)
-        local_rank = int_variable(environ, "SLURM_LOCALID", default=0)
-        if "MASTER_ADDR" in environ:
-            master_addr = _address_variable(environ, "MASTER_ADDR")
-        elif "SLURM_STEP_NODELIST" in environ or "SLURM_JOB_NODELIST" in environ:
-            master_addr = first_slurm_host(
-                environ.get("SLURM_STEP_NODELIST", environ.get("SLURM_JOB_NODELIST", ""))
-            )
-        else:
-            raise UserError(
-                "under srun, neither MASTER_ADDR nor SLURM_JOB_NODELIST is set: export MASTER_ADDR"
-            )
-        if "MASTER_PORT" in environ:
-            master_port = int_variable(environ, "MASTER_PORT", minimum=1, maximum=MAX_PORT)
-        else:
-            job_id = int_variable(environ, "SLURM_JOB_ID", default=0)
-            master_port = SLURM_PORT_BASE + job_id % SLURM_PORT_SPAN
-        return DistEnvironment(
-            rank=rank,
-            local_rank=local_rank,
-            world_size=world_size,
-            local_world_size=local_world,
-            master_addr=master_addr,
-            master_port=master_port,
-            launcher="slurm",
-        )
-
+        return _from_torchrun(environ)
+    slurm = _from_srun(environ)
+    if slurm is not None:
+        return slurm
     return DistEnvironment(
         rank=0,
         local_rank=0,
@@ -235,6 +174,73 @@ def resolve_environment(*, environ: Mapping[str, str] | None = None) -> DistEnvi
         master_addr="127.0.0.1",
         master_port=0,
         launcher="single",
+    )
+
+
+def _from_torchrun(environ: Mapping[str, str]) -> DistEnvironment:
+    """torchrun's variables (or the launcher's, which are the same)."""
+    if "WORLD_SIZE" not in environ:
+        raise UserError(
+            "RANK is set but WORLD_SIZE is not: launch with torchrun (which sets both), or set "
+            "WORLD_SIZE to the number of processes"
+        )
+    world_size = int_variable(environ, "WORLD_SIZE", minimum=1)
+    rank = int_variable(environ, "RANK", maximum=world_size - 1)
+    local_world = int_variable(environ, "LOCAL_WORLD_SIZE", minimum=1, default=world_size)
+    local_rank = int_variable(environ, "LOCAL_RANK", maximum=local_world - 1, default=0)
+    if world_size > 1 and ("MASTER_ADDR" not in environ or "MASTER_PORT" not in environ):
+        raise UserError(
+            "MASTER_ADDR and MASTER_PORT must be set when WORLD_SIZE > 1: launch with torchrun, or "
+            "export the address and a free port of rank 0's host"
+        )
+    return DistEnvironment(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        local_world_size=local_world,
+        master_addr=_address_variable(environ, "MASTER_ADDR") if "MASTER_ADDR" in environ else "127.0.0.1",
+        master_port=int_variable(environ, "MASTER_PORT", minimum=1, maximum=MAX_PORT, default=0),
+        launcher="torchrun",
+    )
+
+
+def _from_srun(environ: Mapping[str, str]) -> DistEnvironment | None:
+    """Slurm's variables under srun, or None outside a step of several tasks."""
+    # srun starts one task per GPU. Inside a batch script *without* srun, SLURM_PROCID is 0 but
+    # the step has a single task: then this is an ordinary single process.
+    tasks_variable = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS"
+    if "SLURM_PROCID" in environ and tasks_variable in environ:
+        world_size = int_variable(environ, tasks_variable, minimum=1)
+    else:
+        world_size = 1
+    if world_size == 1:
+        return None
+    rank = int_variable(environ, "SLURM_PROCID", maximum=world_size - 1)
+    nodes_variable = "SLURM_STEP_NUM_NODES" if "SLURM_STEP_NUM_NODES" in environ else "SLURM_NNODES"
+    nodes = int_variable(environ, nodes_variable, minimum=1, maximum=world_size, default=1)
+    local_world = max(1, world_size // nodes)
+    local_rank = int_variable(environ, "SLURM_LOCALID", default=0)
+    if "MASTER_ADDR" in environ:
+        master_addr = _address_variable(environ, "MASTER_ADDR")
+    elif "SLURM_STEP_NODELIST" in environ or "SLURM_JOB_NODELIST" in environ:
+        master_addr = first_slurm_host(
+            environ.get("SLURM_STEP_NODELIST", environ.get("SLURM_JOB_NODELIST", ""))
+        )
+    else:
+        raise UserError("under srun, neither MASTER_ADDR nor SLURM_JOB_NODELIST is set: export MASTER_ADDR")
+    if "MASTER_PORT" in environ:
+        master_port = int_variable(environ, "MASTER_PORT", minimum=1, maximum=MAX_PORT)
+    else:
+        job_id = int_variable(environ, "SLURM_JOB_ID", default=0)
+        master_port = SLURM_PORT_BASE + job_id % SLURM_PORT_SPAN
+    return DistEnvironment(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        local_world_size=local_world,
+        master_addr=master_addr,
+        master_port=master_port,
+        launcher="slurm",
     )
 
 

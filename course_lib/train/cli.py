@@ -27,13 +27,15 @@ batch sizes, the checkpoint to resume) and exits: a job script runs it before sp
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import inspect
 import os
+import re
 import sys
 import time
 import traceback
 
 from .. import checks
-from ..data import DATASETS
 from ..distributed import environment, runtime
 from ..errors import (
     EXIT_CRASH,
@@ -45,14 +47,10 @@ from ..errors import (
     UserError,
     report_exit_status,
 )
-from ..models import MODELS
 from ..observe import flight_recorder
-from ..parallel.fsdp_units import OFFLOAD_MODES, SHARDING_STRATEGIES
-from ..parallel.recompute import POLICIES
-from .config import OPTIMIZERS, PRECISIONS, TrainConfig, validate_config
+from .config import CHOICES, TrainConfig, validate_config
 from .loop import train
 from .preemption import Preempted
-from .strategies import IMPLEMENTATIONS, STRATEGIES
 
 
 class _DefaultsWhereTheyHelp(argparse.ArgumentDefaultsHelpFormatter):
@@ -65,145 +63,105 @@ class _DefaultsWhereTheyHelp(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+FLAG_GROUPS = {
+    "what to train": ("strategy", "impl", "dataset", "data_dir", "model"),
+    "sharding (--strategy fsdp --impl course)": (
+        "zero_stage",
+        "sharding",
+        "hybrid_shard_size",
+        "cpu_offload",
+    ),
+    "how to train": (
+        "epochs",
+        "global_batch_size",
+        "lr",
+        "optimizer",
+        "weight_decay",
+        "clip_grad_norm",
+        "seed",
+        "precision",
+        "recompute",
+        "grad_accum",
+        "eval_batch_size",
+        "max_steps",
+        "workers",
+    ),
+    "checkpoints and metrics": (
+        "checkpoint_dir",
+        "checkpoint_every",
+        "resume",
+        "metrics",
+        "profile",
+        "profile_steps",
+        "check_replicas",
+        "straggler_report",
+        "progress",
+    ),
+}
+"""Where each of ``TrainConfig``'s fields shows in ``--help``; every field has its flag."""
+
+METAVARS = {"check_replicas": "N", "checkpoint_every": "N", "straggler_report": "FILE", "metrics": "FILE"}
+TYPES = {"int": int, "int | None": int, "float": float, "float | None": float}
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's entry in the class docstring's ``Args:`` section, on one line."""
+    docs, name = {}, None
+    for line in inspect.getdoc(cls).split("Args:", 1)[1].splitlines():
+        entry = re.match(r"    (\w+): (.*)", line)
+        if entry:
+            name, docs[entry.group(1)] = entry.group(1), entry.group(2)
+        elif name and line.startswith("        "):
+            docs[name] += " " + line.strip()
+    return {key: text.replace("``", "") for key, text in docs.items()}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    defaults = TrainConfig()
+    """The command line of ``TrainConfig``: one flag per field, its docstring entry the help."""
     parser = checks.CommandParser(
         prog="python -m course_lib.train",
         description="Train a CNN on one process, or on many with DDP or FSDP.",
         formatter_class=_DefaultsWhereTheyHelp,
     )
-    what = parser.add_argument_group("what to train")
-    what.add_argument("--strategy", choices=STRATEGIES, default=defaults.strategy)
-    what.add_argument(
-        "--impl",
-        choices=IMPLEMENTATIONS,
-        default=defaults.impl,
-        help="torch: PyTorch's DDP/FSDP2; course: the readable versions in course_lib.parallel",
-    )
-    what.add_argument("--dataset", choices=DATASETS, default=defaults.dataset)
-    what.add_argument(
-        "--data-dir",
-        default=os.environ.get("COURSE_DATA_DIR", defaults.data_dir),
-        help="where cifar10 lives (default: $COURSE_DATA_DIR or ./data)",
-    )
-    what.add_argument("--model", choices=MODELS, default=defaults.model)
-    shard = parser.add_argument_group("sharding (--strategy fsdp --impl course)")
-    shard.add_argument(
-        "--zero-stage",
-        type=int,
-        choices=(1, 2, 3),
-        default=defaults.zero_stage,
-        help="shard optimizer state (1), + gradients (2), + parameters (3: FSDP)",
-    )
-    shard.add_argument(
-        "--sharding",
-        choices=SHARDING_STRATEGIES,
-        default=defaults.sharding,
-        help="FSDP sharding strategy (stage 3)",
-    )
-    shard.add_argument(
-        "--hybrid-shard-size",
-        type=int,
-        default=None,
-        help="ranks per shard group with HYBRID_SHARD (default: ranks per node)",
-    )
-    shard.add_argument(
-        "--cpu-offload",
-        choices=OFFLOAD_MODES,
-        default=defaults.cpu_offload,
-        help="keep shards (params) and also activations (full) in CPU memory",
-    )
-    how = parser.add_argument_group("how to train")
-    how.add_argument("--epochs", type=int, default=defaults.epochs)
-    how.add_argument(
-        "--global-batch-size",
-        type=int,
-        default=defaults.global_batch_size,
-        help="samples per optimizer step, summed over all ranks",
-    )
-    how.add_argument("--lr", type=float, default=defaults.lr)
-    how.add_argument("--optimizer", choices=OPTIMIZERS, default=defaults.optimizer)
-    how.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
-    how.add_argument("--clip-grad-norm", type=float, default=None, help="clip the gradient's 2-norm to this")
-    how.add_argument("--seed", type=int, default=defaults.seed)
-    how.add_argument(
-        "--precision",
-        choices=PRECISIONS,
-        default=defaults.precision,
-        help="bf16: autocast matrix products to bfloat16, weights stay fp32",
-    )
-    how.add_argument(
-        "--recompute",
-        choices=POLICIES,
-        default=defaults.recompute,
-        help="what each unit keeps for backward: none (everything), full (its input) or selective",
-    )
-    how.add_argument(
-        "--grad-accum",
-        type=int,
-        default=defaults.grad_accum,
-        help="micro-batches per optimizer step on each rank",
-    )
-    how.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
-    how.add_argument(
-        "--workers", type=int, default=defaults.workers, help="data-loader worker processes per rank"
-    )
-    out = parser.add_argument_group("checkpoints and metrics")
-    out.add_argument("--checkpoint-dir", default=None, help="save a checkpoint here after every epoch")
-    out.add_argument("--checkpoint-every", type=int, default=0, help="also save every N steps")
-    out.add_argument(
-        "--resume",
-        nargs="?",
-        const="latest",
-        default=None,
-        help="resume from the newest checkpoint in --checkpoint-dir, or from the given directory",
-    )
-    out.add_argument("--metrics", default=None, help="append one JSON line per epoch to this file")
-    out.add_argument(
-        "--profile",
-        default=None,
-        help="record the anatomy of a few warm steps: each rank's trace and anatomy.json go into this folder",
-    )
-    out.add_argument("--profile-steps", type=int, default=3, help="steps --profile records")
-    out.add_argument(
-        "--check-replicas",
-        metavar="N",
-        type=int,
-        default=0,
-        help="every N steps, check that every rank holds the same weights (--strategy ddp; 0: never)",
-    )
-    out.add_argument(
-        "--straggler-report",
-        metavar="FILE",
-        default=None,
-        help="one JSON line per step: each rank's lateness at the collectives and the slowest rank "
-        "(needs --impl course); plot it with python -m course_lib.tools.stragglers FILE --plot OUT.png",
-    )
-    out.add_argument(
-        "--no-progress",
-        dest="progress",
-        action="store_false",
-        help="no progress bar (one is shown by default)",
-    )
-    out.add_argument(
+    fields = {field.name: field for field in dataclasses.fields(TrainConfig)}
+    grouped = [name for names in FLAG_GROUPS.values() for name in names]
+    assert sorted(grouped) == sorted(fields), "every field of TrainConfig has its place in FLAG_GROUPS"
+    docs = field_docs(TrainConfig)
+    for title, names in FLAG_GROUPS.items():
+        group = parser.add_argument_group(title)
+        for name in names:
+            field, flag = fields[name], "--" + name.replace("_", "-")
+            if field.type == "bool":  # on by default: the flag turns it off
+                group.add_argument(f"--no-{name}", dest=name, action="store_false", help=docs[name])
+                continue
+            options = {"default": field.default, "help": docs[name], "type": TYPES.get(field.type)}
+            options["choices"] = CHOICES.get(name)
+            options["metavar"] = METAVARS.get(name)
+            if name == "data_dir":  # the cluster's data folder, set once for every job
+                options["default"] = os.environ.get("COURSE_DATA_DIR", field.default)
+                options["help"] += " (default: $COURSE_DATA_DIR or ./data)"
+            if name == "resume":  # --resume alone: the newest checkpoint
+                options.update(nargs="?", const="latest")
+            group.add_argument(flag, **{key: value for key, value in options.items() if value is not None})
+    command = parser.add_argument_group("this command")
+    command.add_argument(
         "--dry-run",
         action="store_true",
         help="check the configuration for this many processes (WORLD_SIZE) and exit",
     )
-    system = parser.add_argument_group("processes")
-    system.add_argument(
+    command.add_argument(
         "--backend",
         choices=("auto", "nccl", "gloo"),
         default="auto",
         help="auto: nccl with GPUs, gloo without",
     )
-    system.add_argument(
+    command.add_argument(
         "--timeout",
         type=float,
         default=runtime.DEFAULT_TIMEOUT_S,
         help="seconds a rank waits for the others before giving up",
     )
-    system.add_argument(
+    command.add_argument(
         "--flight-recorder",
         metavar="DIR",
         default=None,

@@ -107,6 +107,22 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
+CHOICES = {
+    "strategy": strategies.STRATEGIES,
+    "impl": strategies.IMPLEMENTATIONS,
+    "zero_stage": (1, 2, 3),
+    "sharding": SHARDING_STRATEGIES,
+    "cpu_offload": OFFLOAD_MODES,
+    "recompute": recompute.POLICIES,
+    "dataset": data.DATASETS,
+    "model": models.MODELS,
+    "optimizer": OPTIMIZERS,
+    "precision": PRECISIONS,
+}
+"""The fields that take one of a few values, and those values, each defined by the module that owns
+it; the command line offers exactly these (``cli.build_parser``)."""
+
+
 def resolve_resume_path(config: TrainConfig) -> Path | None:
     """The checkpoint to resume from, or None for a fresh start."""
     if config.resume is None:

@@ -184,11 +184,6 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
                 if buffer.is_floating_point():
                     buffer.data = buffer.data.to(mixed_precision.buffer_dtype)
 
-        for unit in self.units:
-            unit.holds_units = any(
-                other is not unit and any(other.module is m for m in unit.module.modules())
-                for other in self.units
-            )
         self.forward_prefetch, self.backward_prefetch = forward_prefetch, backward_prefetch
         self._forward_order: list[Unit] = []  # units as their forward starts, recorded in the first step
         self._backward_order: list[Unit] = []  # units as their forward ends, reversed: backward's order
@@ -239,6 +234,10 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
                 shard_device=shard_device,
             )
             units.insert(0, Unit(unit_module, prefix, flat, reshard_after_forward=reshard_after_forward))
+        for unit in units:
+            unit.holds_units = any(
+                other is not unit and any(other.module is m for m in unit.module.modules()) for other in units
+            )
         return units
 
     def _register_hooks(self) -> None:

@@ -326,6 +326,21 @@ def read_csv(path: Path) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    parser, sub = build_parser()
+    args = parser.parse_args(argv)
+    parser = sub.choices[args.command]  # later mistakes are reported as this subcommand's
+    _check_arguments(parser, args)
+    if args.command == "submit":
+        return _submit(parser, args)
+    try:
+        return _collect_or_plot(args)
+    except UserError as error:
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
+    """The command and its three subcommands: submit, collect, plot."""
     parser = checks.CommandParser(
         prog="python -m course_lib.tools.study", description=__doc__.split("\n\n")[0]
     )
@@ -383,8 +398,11 @@ def main(argv: list[str] | None = None) -> int:
     submit.add_argument(
         "--sbatch-arg", action="append", default=[], help="passed to sbatch, e.g. --sbatch-arg=--account=x"
     )
-    args = parser.parse_args(argv)
-    parser = sub.choices[args.command]  # later mistakes are reported as this subcommand's
+    return parser, sub
+
+
+def _check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What argparse cannot check alone: flags that go together, and a study folder that exists."""
     if args.command == "submit":
         if args.share_cores and not args.local:
             parser.error("argument --share-cores: only with --local (on Slurm each rank has its own GPU)")
@@ -405,56 +423,53 @@ def main(argv: list[str] | None = None) -> int:
             f"submit --results {args.results}` first"
         )
 
-    if args.command == "submit":
-        try:
-            runs = plan_runs(args.gpus, args.strategies, args.gpus_per_node)
-        except ValueError as error:
-            parser.error(f"argument --gpus: {error}")
-        if args.local:  # every run checked as the training command will check it, before the first starts
-            try:
-                for run in runs:
-                    validate_config(_training_config(run, args), run.world_size)
-            except UserError as error:
-                parser.error(f"{run.name}: {error}")
-        settings = {
-            "dataset": args.dataset,
-            "model": args.model,
-            "epochs": args.epochs,
-            "data_dir": args.data_dir,
-            "global_batch_size": args.global_batch_size,
-            "where": "local" if args.local else "slurm",
-        }
-        if args.local:
-            settings["threads_per_rank"] = "cores / ranks" if args.share_cores else 1
-        args.results = args.results.resolve()
-        args.results.mkdir(parents=True, exist_ok=True)
-        if args.local:
-            run_locally(args.results, runs, settings, share_cores=args.share_cores)
-        else:
-            submit_slurm(args.results, runs, settings, args.sbatch_arg)
-        _save_plan(args.results, runs, settings)
-        refused = [run for run in runs if run.problem]
-        if refused:
-            print(f"error: {len(refused)} of {len(runs)} runs could not be submitted", file=sys.stderr)
-            return 1
-        if args.wait and not args.local:
-            wait_for_jobs(runs)
-        if args.local:
-            failed = collect(args.results)[1]
-            for problem in failed:
-                print(f"failed: {problem}", file=sys.stderr)
-            if failed:
-                print(
-                    f"error: {len(failed)} of {len(runs)} runs failed (their logs are in {args.results})",
-                    file=sys.stderr,
-                )
-                return 1
-        return 0
+
+def _submit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Plan the runs, check them, start them (Slurm or here), and say which failed."""
     try:
-        return _collect_or_plot(args)
-    except UserError as error:
-        print(f"{parser.prog}: error: {error}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        runs = plan_runs(args.gpus, args.strategies, args.gpus_per_node)
+    except ValueError as error:
+        parser.error(f"argument --gpus: {error}")
+    if args.local:  # every run checked as the training command will check it, before the first starts
+        try:
+            for run in runs:
+                validate_config(_training_config(run, args), run.world_size)
+        except UserError as error:
+            parser.error(f"{run.name}: {error}")
+    settings = {
+        "dataset": args.dataset,
+        "model": args.model,
+        "epochs": args.epochs,
+        "data_dir": args.data_dir,
+        "global_batch_size": args.global_batch_size,
+        "where": "local" if args.local else "slurm",
+    }
+    if args.local:
+        settings["threads_per_rank"] = "cores / ranks" if args.share_cores else 1
+    args.results = args.results.resolve()
+    args.results.mkdir(parents=True, exist_ok=True)
+    if args.local:
+        run_locally(args.results, runs, settings, share_cores=args.share_cores)
+    else:
+        submit_slurm(args.results, runs, settings, args.sbatch_arg)
+    _save_plan(args.results, runs, settings)
+    refused = [run for run in runs if run.problem]
+    if refused:
+        print(f"error: {len(refused)} of {len(runs)} runs could not be submitted", file=sys.stderr)
+        return 1
+    if args.wait and not args.local:
+        wait_for_jobs(runs)
+    if args.local:
+        failed = collect(args.results)[1]
+        for problem in failed:
+            print(f"failed: {problem}", file=sys.stderr)
+        if failed:
+            print(
+                f"error: {len(failed)} of {len(runs)} runs failed (their logs are in {args.results})",
+                file=sys.stderr,
+            )
+            return 1
+    return 0
 
 
 def _collect_or_plot(args: argparse.Namespace) -> int:

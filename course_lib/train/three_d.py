@@ -191,42 +191,34 @@ def train_3d(
         context_attention=context_attention,
     )  # fmt: skip
     mesh = Mesh(data=data, pipeline=pipeline, context=context, tensor=tensor)
-    layout = Layout(context=context, context_attention=context_attention).sequence_layout(seq_len)
+    plan = local_layout(
+        mesh,
+        recomputation=recompute,
+        sequence_parallel=sequence_parallel,
+        context_attention=context_attention,
+    )
+    chunks = plan.sequence_layout(seq_len)  # how the context ranks cut each sequence
     my_chunk = mesh.coordinates.context
     inputs, targets, vocabulary = zen_windows(seq_len=seq_len)
     torch.manual_seed(seed)
     model = models.TinyTransformer(
         len(vocabulary), d_model=d_model, n_heads=n_heads, n_layers=n_layers, max_seq_len=seq_len
     )
-    stages = build_local_model(
-        model,
-        mesh,
-        seq_len=seq_len,
-        recomputation=recompute,
-        sequence_parallel=sequence_parallel,
-        context_attention=context_attention,
-    )
-    params = [p for stage in stages.values() for p in stage.parameters()]
-    optimizer = torch.optim.AdamW(params, lr=lr)
-    local_batch = global_batch // data
-    micro = local_batch // microbatches
-
-    plan = local_layout(mesh, recomputation=recompute, sequence_parallel=sequence_parallel,
-                        context_attention=context_attention)  # fmt: skip
-    loss_fn = layout_loss(plan, mesh, vocab_size=len(vocabulary), seq_len=seq_len)
+    stages = parallelize(model, mesh, plan, seq_len=seq_len, data_parallel=False)
+    optimizer = torch.optim.AdamW([p for stage in stages.values() for p in stage.parameters()], lr=lr)
+    micro = global_batch // data // microbatches
     executor = pp.PipelineExecutor(
         stages,
         pipeline,
         schedule,
         microbatches,
-        loss_fn,
+        layout_loss(plan, mesh, vocab_size=len(vocabulary), seq_len=seq_len),
         # what a stage sends: this rank's tokens, cut again over the tensor ranks under sequence parallelism
-        (micro, layout.tokens(my_chunk) // (tensor if sequence_parallel else 1), d_model),
+        (micro, chunks.tokens(my_chunk) // (tensor if sequence_parallel else 1), d_model),
         group=mesh.group("pipeline"),
     )
     generator = torch.Generator().manual_seed(seed)
     losses = []
-    last_stage = mesh.coordinates.pipeline == pipeline - 1
     reporter = rank_at(mesh.degrees, pipeline=pipeline - 1)  # a rank of the last stage
     profiler = profiling.LoopProfiler(profile, grid=mesh.degrees, schedule=schedule) if profile else None
     for _ in range(steps):
@@ -238,7 +230,7 @@ def train_3d(
                 optimizer.zero_grad()
             with anatomy.phase("pipeline"):  # forward and backward of every micro-batch
                 loss = executor.step(
-                    layout.local(inputs[mine], my_chunk), layout.local(targets[mine], my_chunk)
+                    chunks.local(inputs[mine], my_chunk), chunks.local(targets[mine], my_chunk)
                 )
             with anatomy.phase("gradients"):  # sequence, context and data: the gradient of the whole batch
                 finish_gradients(stages, mesh, plan, data_parallel=False)
@@ -246,14 +238,19 @@ def train_3d(
                 optimizer.step()
         if profiler is not None and profiler.complete:
             profiler.finish()
-        # The loss lives on the last stage: average it over the replicas, then everyone takes it from one.
-        report = torch.zeros(1) if loss is None else loss.detach().reshape(1)
-        if last_stage:
-            if context > 1:
-                comm.all_reduce(report, op="sum", group=mesh.group("context"))
-            comm.all_reduce(report, op="mean", group=mesh.group("data"))
-        comm.broadcast(report, src=reporter)
-        losses.append(float(report))
+        losses.append(_reported_loss(loss, mesh, reporter))
     if profiler is not None:
         profiler.finish()  # fewer steps than it records: what there was
     return losses if runtime.rank() == 0 else None
+
+
+def _reported_loss(loss: torch.Tensor | None, mesh: Mesh, reporter: int) -> float:
+    """The step's loss on every rank: it lives on the last stage, summed over the context chunks
+    and averaged over the replicas there, then every rank takes it from ``reporter``."""
+    report = torch.zeros(1) if loss is None else loss.detach().reshape(1)
+    if mesh.coordinates.pipeline == mesh.degrees["pipeline"] - 1:
+        if mesh.degrees["context"] > 1:
+            comm.all_reduce(report, op="sum", group=mesh.group("context"))
+        comm.all_reduce(report, op="mean", group=mesh.group("data"))
+    comm.broadcast(report, src=reporter)
+    return float(report)

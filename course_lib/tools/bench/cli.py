@@ -47,6 +47,27 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m course_lib.tools.bench", description=__doc__.split("\n\n")[0]
     )
     sub = parser.add_subparsers(dest="benchmark", required=True)
+    _add_options(**_add_benchmarks(sub))
+    args = parser.parse_args(argv)
+    parser = sub.choices[args.benchmark]  # later mistakes are reported as this subcommand's
+    _check_sizes(parser, args)
+    needed, processes = memory_needed(args)
+    available = available_memory_bytes()
+    if available is not None and needed * processes > available:
+        parser.error(
+            f"these sizes need about {needed / 1e9:.1f} GB on each of {processes} process(es), "
+            f"{needed * processes / 1e9:.1f} GB in all, and this machine has {available / 1e9:.1f} GB "
+            "available: choose smaller sizes"
+        )
+    try:
+        return _run_benchmark(args)
+    except UserError as error:
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+def _add_benchmarks(sub) -> dict[str, argparse.ArgumentParser]:
+    """One subcommand per benchmark, by the name its options are added under."""
     formatter = argparse.ArgumentDefaultsHelpFormatter
     ddp = sub.add_parser("ddp", help="course DDP (3 modes) against torch DDP", formatter_class=formatter)
     fsdp = sub.add_parser(
@@ -89,7 +110,25 @@ def main(argv: list[str] | None = None) -> int:
         help="all-reduce time, algorithm and bus bandwidth per message size, and the alpha-beta fit",
         formatter_class=formatter,
     )
-    positive, processes = checks.int_at_least(1), checks.int_at_least(1, max_processes())
+    return dict(
+        ddp=ddp,
+        fsdp=fsdp,
+        mem=mem,
+        pipe=pipe,
+        tensor=tensor,
+        sequence=sequence,
+        context=context,
+        attention=attention,
+        experts=experts,
+        recomputation=recomputation,
+        reduce=reduce,
+    )
+
+
+def _add_options(
+    *, ddp, fsdp, mem, pipe, tensor, sequence, context, attention, experts, recomputation, reduce
+) -> None:
+    """Each benchmark's sizes and counts, with their defaults."""
     for command in (
         ddp,
         fsdp,
@@ -108,6 +147,22 @@ def main(argv: list[str] | None = None) -> int:
             default=None,
             help="write each variant's per-rank traces and the result (anatomy.json) into this folder",
         )
+    _add_allreduce_options(reduce)
+    _add_data_parallel_options(ddp=ddp, fsdp=fsdp, mem=mem)
+    _add_model_parallel_options(
+        pipe=pipe,
+        tensor=tensor,
+        sequence=sequence,
+        context=context,
+        attention=attention,
+        experts=experts,
+        recomputation=recomputation,
+    )
+
+
+def _add_allreduce_options(reduce) -> None:
+    """The network's sweep: message sizes, repetitions, where to write, what speed to expect."""
+    positive = checks.int_at_least(1)
     reduce.add_argument(
         "--world-size",
         type=checks.int_at_least(2, max_processes()),
@@ -137,6 +192,33 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the link's speed in GB/s: print a verdict, exit 1 when the bus bandwidth is far below it",
     )
+
+
+def _add_data_parallel_options(*, ddp, fsdp, mem) -> None:
+    """The MLP the data-parallel benchmarks train, and their ranks."""
+    positive, processes = checks.int_at_least(1), checks.int_at_least(1, max_processes())
+    for command in (ddp, fsdp, mem):
+        command.add_argument("--width", type=positive, default=MLP_WIDTH)
+        command.add_argument("--layers", type=positive, default=MLP_LAYERS)
+        command.add_argument("--batch", type=positive, default=MLP_BATCH, help="samples per rank per step")
+    for command in (ddp, fsdp):
+        command.add_argument("--world-size", type=processes, default=2)
+        command.add_argument("--steps", type=positive, default=TIMED_STEPS, help="timed steps per variant")
+        command.add_argument("--warmup", type=checks.int_at_least(0), default=WARMUP_STEPS)
+    ddp.add_argument(
+        "--bucket-mb",
+        type=checks.number_above(0),
+        default=DDP_BUCKET_MB,
+        help="bucket size, the same for both implementations",
+    )
+    mem.add_argument("--world-sizes", type=processes, nargs="+", default=[2, 4])
+
+
+def _add_model_parallel_options(
+    *, pipe, tensor, sequence, context, attention, experts, recomputation
+) -> None:
+    """The shapes the model-parallel benchmarks cut, and their ranks."""
+    positive, processes = checks.int_at_least(1), checks.int_at_least(1, max_processes())
     for command in (pipe, tensor):
         command.add_argument("--d-model", type=positive, default=128)
         command.add_argument("--seq", type=positive, default=64)
@@ -192,23 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     for command in (sequence, context, attention, experts, recomputation):
         command.add_argument("--steps", type=positive, default=10, help="timed steps per variant")
         command.add_argument("--warmup", type=checks.int_at_least(0), default=2)
-    for command in (ddp, fsdp, mem):
-        command.add_argument("--width", type=positive, default=MLP_WIDTH)
-        command.add_argument("--layers", type=positive, default=MLP_LAYERS)
-        command.add_argument("--batch", type=positive, default=MLP_BATCH, help="samples per rank per step")
-    for command in (ddp, fsdp):
-        command.add_argument("--world-size", type=processes, default=2)
-        command.add_argument("--steps", type=positive, default=TIMED_STEPS, help="timed steps per variant")
-        command.add_argument("--warmup", type=checks.int_at_least(0), default=WARMUP_STEPS)
-    ddp.add_argument(
-        "--bucket-mb",
-        type=checks.number_above(0),
-        default=DDP_BUCKET_MB,
-        help="bucket size, the same for both implementations",
-    )
-    mem.add_argument("--world-sizes", type=processes, nargs="+", default=[2, 4])
-    args = parser.parse_args(argv)
-    parser = sub.choices[args.benchmark]  # later mistakes are reported as this subcommand's
+
+
+def _check_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, as argparse would, sizes that the benchmark cannot cut as asked."""
     if args.benchmark == "pipeline" and args.batch % PIPELINE_MICROBATCHES[-1]:
         parser.error(
             f"argument --batch: must be a multiple of {PIPELINE_MICROBATCHES[-1]} (it is cut into "
@@ -262,19 +331,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"argument --min-bytes: must be below half of the largest message ({largest_mb:g} MB; "
                 f"--max-mb sets it), so that the sweep has two sizes to fit a model to, got {args.min_bytes}"
             )
-    needed, processes = memory_needed(args)
-    available = available_memory_bytes()
-    if available is not None and needed * processes > available:
-        parser.error(
-            f"these sizes need about {needed / 1e9:.1f} GB on each of {processes} process(es), "
-            f"{needed * processes / 1e9:.1f} GB in all, and this machine has {available / 1e9:.1f} GB "
-            "available: choose smaller sizes"
-        )
-    try:
-        return _run_benchmark(args)
-    except UserError as error:
-        print(f"{parser.prog}: error: {error}", file=sys.stderr)
-        return EXIT_USER_ERROR
 
 
 PROCESS_BASE_BYTES = 400e6

@@ -39,13 +39,13 @@ def _twice() -> dict[str, str]:
     zero_model = mlp()
     zero = ZeroDataParallel(zero_model)
     tensor_parallel, then_sequence = _transformer(), _transformer()
-    tp.parallelize_transformer(tensor_parallel)
-    tp.parallelize_transformer(then_sequence)
+    tp.apply_tensor_parallel(tensor_parallel)
+    tp.apply_tensor_parallel(then_sequence)
     context_parallel = _transformer()
     layout = cp.SequenceLayout(8, 2, zigzag=True)
-    cp.parallelize_context(context_parallel, layout)
+    cp.apply_context_parallel(context_parallel, chunks=layout)
     moe = ep.MoE(8, 16, num_experts=4)
-    ep.expert_parallel(moe)
+    ep.apply_expert_parallel(moe)
     DataParallel(model)
     return user_errors(
         {
@@ -53,10 +53,10 @@ def _twice() -> dict[str, str]:
             "FSDP around ZeRO": lambda: FullyShardedDataParallel(zero),
             "ZeRO on a wrapped model": lambda: ZeroDataParallel(zero_model),
             "FSDP on a DDP model": lambda: FullyShardedDataParallel(model),
-            "TP twice": lambda: tp.parallelize_transformer(tensor_parallel),
-            "SP after TP": lambda: sp.parallelize_sequence(then_sequence),
-            "CP twice": lambda: cp.parallelize_context(context_parallel, layout),
-            "EP twice": lambda: ep.expert_parallel(moe),
+            "TP twice": lambda: tp.apply_tensor_parallel(tensor_parallel),
+            "SP after TP": lambda: sp.apply_sequence_parallel(then_sequence),
+            "CP twice": lambda: cp.apply_context_parallel(context_parallel, chunks=layout),
+            "EP twice": lambda: ep.apply_expert_parallel(moe),
         }
     )
 
@@ -87,8 +87,8 @@ def test_a_parallelism_applied_twice_is_refused(case, twice):
 
 def _tensor_then_context() -> bool:
     model = _transformer()
-    tp.parallelize_transformer(model)  # tensor x context, as train_3d does
-    cp.parallelize_context(model, cp.SequenceLayout(8, 1, zigzag=False))
+    tp.apply_tensor_parallel(model)  # tensor x context, as train_3d does
+    cp.apply_context_parallel(model, chunks=cp.SequenceLayout(8, 1, zigzag=False))
     return True
 
 

@@ -64,13 +64,13 @@ def _kept_by_one_block(kinds: tuple[str, ...]) -> dict[tuple[str, str], int]:
             block = models.Block(D_MODEL, HEADS)
             x = torch.randn(BATCH, SEQ, D_MODEL, generator=torch.Generator().manual_seed(1))
             if kind == "tensor":
-                tp.parallelize_transformer(block)
+                tp.apply_tensor_parallel(block)
             elif kind.startswith("sequence"):
                 sp.sequence_parallel_block(block, regather_in_backward=kind == "sequence_regathered")
                 x = x.chunk(size, dim=1)[rank]
             elif kind == "context":
                 layout = cp.SequenceLayout(SEQ, size, zigzag=True)
-                cp.parallelize_context(block, layout)
+                cp.apply_context_parallel(block, chunks=layout)
                 x = layout.local(x, rank)
             recompute.apply_recomputation(block, policy=policy)
             x = x.contiguous().requires_grad_()

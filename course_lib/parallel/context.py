@@ -450,20 +450,20 @@ class ContextParallelEmbedding(nn.Module):
         return self.embedding(ids, positions=self.layout.positions(self.rank).to(ids.device))
 
 
-def parallelize_context(model: nn.Module, layout: SequenceLayout, *, group=None) -> nn.Module:
+def apply_context_parallel(model: nn.Module, *, chunks: SequenceLayout, group=None) -> nn.Module:
     """Make a ``models.TinyTransformer`` (or a pipeline stage of one) run on this rank's tokens.
 
     Every block's attention core becomes ``RingAttention``; the embedding looks positions up from
-    the layout. The rest (norms, MLPs, the head) works token by token and is unchanged; the model
-    then takes ``layout.local(ids)`` and returns the logits of those tokens.
+    the chunks. The rest (norms, MLPs, the head) works token by token and is unchanged; the model
+    then takes ``chunks.local(ids)`` and returns the logits of those tokens.
 
     Args:
         model: the transformer (dense or tensor parallel), changed in place.
-        layout: which positions every rank of the group holds.
+        chunks: which positions every rank of the group holds (a ``SequenceLayout``).
         group: the context-parallel process group (None: every rank).
     """
     return split_model_tokens(
-        model, layout, attention_core=lambda: RingAttention(layout, group=group), group=group
+        model, chunks, attention_core=lambda: RingAttention(chunks, group=group), group=group
     )
 
 
@@ -472,7 +472,7 @@ def split_model_tokens(
 ) -> nn.Module:
     """Any split of the tokens over a group: the embedding looks positions up, attention is swapped.
 
-    What ring attention (``parallelize_context``) and Ulysses (``ulysses.parallelize_ulysses``)
+    What ring attention (``apply_context_parallel``) and Ulysses (``ulysses.apply_ulysses``)
     share: only attention sees other ranks' tokens, so only its core changes.
 
     Args:

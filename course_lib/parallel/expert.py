@@ -183,7 +183,7 @@ def check_experts(num_experts: int, degree: int, *, top_k: int, capacity_factor:
 class MoE(nn.Module):
     """A mixture-of-experts MLP: a router and ``num_experts`` ``models.MLP`` experts.
 
-    On one process it holds every expert; ``expert_parallel`` spreads them over a group. After
+    On one process it holds every expert; ``apply_expert_parallel`` spreads them over a group. After
     each forward, ``last_routing`` holds the routings (one per token group) for the auxiliary
     loss (``aux_loss``) and the dropped-token count (``dropped``), and ``rows_computed`` the rows
     this rank's experts computed (from every rank's tokens).
@@ -282,7 +282,7 @@ class MoE(nn.Module):
 # #endregion experts
 
 
-def expert_parallel(moe: MoE, *, group=None) -> MoE:
+def apply_expert_parallel(moe: MoE, *, group=None) -> MoE:
     """Keep only this rank's experts of ``moe`` (its E/N consecutive ones); the rest is unchanged.
 
     Every rank must start from the same weights (same seed). The router and everything outside
@@ -294,7 +294,7 @@ def expert_parallel(moe: MoE, *, group=None) -> MoE:
     """
     check_module("moe", moe)
     if not isinstance(moe, MoE):
-        raise UserError(f"expert_parallel takes an expert.MoE layer, got {type(moe).__name__}")
+        raise UserError(f"apply_expert_parallel takes an expert.MoE layer, got {type(moe).__name__}")
     check_group("group", group)
     size, rank = runtime.world_size(group=group), runtime.rank(group=group)
     check_experts(moe.num_experts, size, top_k=moe.top_k, capacity_factor=moe.capacity_factor)

@@ -278,7 +278,7 @@ def check_sequence_split(seq_len: int, degree: int) -> None:
         )
 
 
-def parallelize_sequence(model: nn.Module, *, group=None, regather_in_backward: bool = False) -> nn.Module:
+def apply_sequence_parallel(model: nn.Module, *, group=None, regather_in_backward: bool = False) -> nn.Module:
     """Make a dense ``models.TinyTransformer``, or a pipeline stage of one, tensor and sequence parallel.
 
     The embedding still runs whole on every rank (its input is the token ids) and its output is
@@ -298,8 +298,8 @@ def parallelize_sequence(model: nn.Module, *, group=None, regather_in_backward: 
     parts = list(model) if isinstance(model, nn.Sequential) else []
     if not any(isinstance(part, Embedding | Block | LMHead) for part in parts):
         raise UserError(
-            "parallelize_sequence needs a TinyTransformer, or a pipeline stage of one (an nn.Sequential of "
-            "its embedding, blocks and head)"
+            "apply_sequence_parallel needs a TinyTransformer, or a pipeline stage of one (an nn.Sequential "
+            "of its embedding, blocks and head)"
         )
     for block in parts:
         if isinstance(block, Block):
@@ -328,7 +328,7 @@ def all_reduce_sequence_parallel_gradients(model: nn.Module, *, group=None) -> N
     """After backward: add the partial gradients of the token-by-token parameters over the group.
 
     Args:
-        model: the model ``parallelize_sequence`` converted.
+        model: the model ``apply_sequence_parallel`` converted.
         group: the tensor-parallel process group (None: every rank).
     """
     partial = [param.grad for param in sequence_parallel_parameters(model) if param.grad is not None]

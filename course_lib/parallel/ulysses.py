@@ -240,16 +240,16 @@ class UlyssesAttention(nn.Module):
         return ulysses_attention(q, k, v, layout=self.layout, causal=True, group=self.group)
 
 
-def parallelize_ulysses(model: nn.Module, layout: SequenceLayout, *, group=None) -> nn.Module:
+def apply_ulysses(model: nn.Module, *, chunks: SequenceLayout, group=None) -> nn.Module:
     """Make a ``models.TinyTransformer`` run on this rank's contiguous chunk, attention by all-to-all.
 
-    As ``context.parallelize_context``: the embedding looks positions up from the layout, every
-    attention core becomes ``UlyssesAttention``; the model then takes ``layout.local(ids)`` and
+    As ``context.apply_context_parallel``: the embedding looks positions up from the chunks, every
+    attention core becomes ``UlyssesAttention``; the model then takes ``chunks.local(ids)`` and
     returns those tokens' logits (``context.context_parallel_loss``).
 
     Args:
         model: the transformer, changed in place; its heads must divide by the group's size.
-        layout: contiguous chunks (``zigzag=False``) over the group.
+        chunks: contiguous chunks (``SequenceLayout(..., zigzag=False)``) over the group.
         group: the Ulysses process group (None: every rank).
     """
     check_module("model", model)
@@ -259,7 +259,7 @@ def parallelize_ulysses(model: nn.Module, layout: SequenceLayout, *, group=None)
         if isinstance(module, SelfAttention):
             check_heads(module.q.weight.shape[0] // module.head_dim, size)  # the heads on this rank
     return split_model_tokens(
-        model, layout, attention_core=lambda: UlyssesAttention(layout, group=group), group=group
+        model, chunks, attention_core=lambda: UlyssesAttention(chunks, group=group), group=group
     )
 
 

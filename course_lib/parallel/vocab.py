@@ -269,7 +269,7 @@ def gather_vocab_logits(logits: torch.Tensor, *, vocab_size: int, group=None) ->
     return torch.cat(pieces, dim=-1)[..., :vocab_size]
 
 
-def parallelize_vocabulary(model: nn.Module, *, group=None, sequence_parallel: bool = False) -> nn.Module:
+def apply_vocabulary_parallel(model: nn.Module, *, group=None, sequence_parallel: bool = False) -> nn.Module:
     """Split the token embedding and the output projection of a ``TinyTransformer`` (or a stage of one).
 
     The model then returns this rank's ceil(V/T) logits of every token: take the loss with
@@ -279,7 +279,7 @@ def parallelize_vocabulary(model: nn.Module, *, group=None, sequence_parallel: b
     Args:
         model: the transformer (or a pipeline stage holding its embedding and/or head), in place.
         group: the tensor-parallel process group (None: every rank).
-        sequence_parallel: the head's input holds this rank's tokens (``sequence.parallelize_sequence``).
+        sequence_parallel: the head's input holds this rank's tokens (``sequence.apply_sequence_parallel``).
     """
     check_module("model", model)
     check_group("group", group)

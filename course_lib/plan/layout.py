@@ -9,11 +9,14 @@ choices that change memory and time but not the result: recomputation, the pipel
 its micro-batches, and the precision.
 
 ``parallelize(model, mesh, layout)`` applies a layout to the course's transformer with one verb
-per technique, each of the same shape, in torchtitan's order (``parallelize_llama``): cut the
-pipeline stage, then ``apply_tensor_parallel``, ``apply_context_parallel``,
-``apply_recomputation`` (recompute what the parallel layers compute) and last
-``apply_data_parallel`` (DDP, ZeRO or FSDP over the data axis, whose hooks must wrap everything
-else).
+per technique, each of the same shape, ``apply_x(model, *, group, options)``, defined in the
+technique's own lesson, in torchtitan's order (``parallelize_llama``): cut the pipeline stage,
+then ``tensor.apply_tensor_parallel`` (or ``sequence.apply_sequence_parallel``),
+``vocab.apply_vocabulary_parallel``, ``context.apply_context_parallel`` (or
+``ulysses.apply_ulysses``), ``recompute.apply_recomputation`` (recompute what the parallel layers
+compute) and last the data axis's wrapper (DDP, ZeRO or FSDP, whose hooks must wrap everything
+else). ``layout_loss`` and ``finish_gradients`` are the rest of a training step: the loss of the
+split logits, and the gradient reductions no wrapper makes.
 
 The planner (``cost_model``) predicts a layout's memory, traffic and step time; the mesh's order
 puts the tensor axis innermost, on the fastest links, then context, data and pipeline outermost:
@@ -31,7 +34,7 @@ from dataclasses import dataclass, fields, replace
 
 from torch import nn
 
-from ..distributed import comm, runtime
+from ..distributed import comm
 from ..errors import UserError
 from ..models import Block, Embedding, LMHead
 from ..parallel import context, ddp, fsdp, memory, pipeline, recompute, sequence, tensor, ulysses, vocab, zero
@@ -169,53 +172,7 @@ class Layout:
 # -- one verb per technique ---------------------------------------------------------------------
 
 
-def apply_tensor_parallel(model: nn.Module, group, *, sequence_parallel: bool = False) -> nn.Module:
-    """Split every block's attention heads and MLP over ``group`` (with Megatron-LM's sequence parallelism).
-
-    Args:
-        model: a dense ``TinyTransformer``, or a pipeline stage of one, changed in place.
-        group: the tensor-parallel process group.
-        sequence_parallel: also run the norms on s/T tokens and keep only the input's shard
-            (``parallel.sequence``, the regathered variant); the model then takes and returns
-            this rank's s/T tokens.
-    """
-    if sequence_parallel:
-        return sequence.parallelize_sequence(model, group=group, regather_in_backward=True)
-    return tensor.parallelize_transformer(model, group=group)
-
-
-def apply_vocabulary_parallel(model: nn.Module, group, *, sequence_parallel: bool = False) -> nn.Module:
-    """Split the token embedding and the output projection over ``group`` by vocabulary rows.
-
-    The stage then returns this rank's slice of the logits: its loss is
-    ``parallel.vocab.vocab_parallel_cross_entropy``, which never gathers them.
-
-    Args:
-        model: a ``TinyTransformer``, or a stage of one holding its embedding or head, in place.
-        group: the tensor-parallel process group.
-        sequence_parallel: the head reads this rank's tokens only (gather them first).
-    """
-    return vocab.parallelize_vocabulary(model, group=group, sequence_parallel=sequence_parallel)
-
-
-def apply_context_parallel(model: nn.Module, group, *, seq_len: int, attention: str = "ring") -> nn.Module:
-    """Cut each sequence over ``group``; attention becomes ring attention (zig-zag chunks) or Ulysses.
-
-    Args:
-        model: a ``TinyTransformer`` (dense or tensor parallel), or a stage of one, changed in place.
-        group: the context-parallel process group.
-        seq_len: the whole sequence's tokens.
-        attention: ``"ring"`` (``parallel.context``) or ``"ulysses"`` (``parallel.ulysses``:
-            contiguous chunks, the heads on this rank must divide by the group's size).
-    """
-    size = runtime.world_size(group=group)
-    chunks = Layout(context=size, context_attention=attention).sequence_layout(seq_len)
-    if attention == "ulysses":
-        return ulysses.parallelize_ulysses(model, chunks, group=group)
-    return context.parallelize_context(model, chunks, group=group)
-
-
-def apply_data_parallel(model: nn.Module, group, *, sharding: str) -> nn.Module:
+def data_parallel_wrapper(model: nn.Module, *, sharding: str, group=None) -> nn.Module:
     """Wrap ``model`` so that the data axis averages its gradients, sharding what ``sharding`` says.
 
     Args:
@@ -276,22 +233,26 @@ def parallelize(
     on_this_rank = pipeline.stages_on_rank(coordinate, layout.pipeline, virtual_stages=layout.virtual_stages)
     stages = {s: pieces[s] for s in on_this_rank}
 
+    tensor_group, sp = mesh.group("tensor"), layout.sequence_parallel
     for index, stage in stages.items():
         if layout.tensor > 1 and any(isinstance(m, Block) for m in stage.modules()):
-            apply_tensor_parallel(stage, mesh.group("tensor"), sequence_parallel=layout.sequence_parallel)
-        if (
-            layout.tensor > 1
-            and layout.loss_parallel
-            and any(isinstance(m, Embedding | LMHead) for m in stage.modules())
-        ):
-            apply_vocabulary_parallel(stage, mesh.group("tensor"), sequence_parallel=layout.sequence_parallel)
+            if sp:  # Megatron-LM's sequence parallelism, the input's shard regathered in backward
+                sequence.apply_sequence_parallel(stage, group=tensor_group, regather_in_backward=True)
+            else:
+                tensor.apply_tensor_parallel(stage, group=tensor_group)
+        holds_vocabulary = any(isinstance(m, Embedding | LMHead) for m in stage.modules())
+        if layout.tensor > 1 and layout.loss_parallel and holds_vocabulary:
+            vocab.apply_vocabulary_parallel(stage, group=tensor_group, sequence_parallel=sp)
         if layout.context > 1:
-            apply_context_parallel(
-                stage, mesh.group("context"), seq_len=seq_len, attention=layout.context_attention
+            apply_context = (
+                ulysses.apply_ulysses
+                if layout.context_attention == "ulysses"
+                else context.apply_context_parallel
             )
+            apply_context(stage, chunks=layout.sequence_layout(seq_len), group=mesh.group("context"))
         recompute.apply_recomputation(stage, policy=layout.recomputation)
         if data_parallel and layout.pipeline == 1 and (layout.data > 1 or layout.sharding != "ddp"):
-            stages[index] = apply_data_parallel(stage, mesh.group("data"), sharding=layout.sharding)
+            stages[index] = data_parallel_wrapper(stage, sharding=layout.sharding, group=mesh.group("data"))
     return stages
 
 

@@ -6,13 +6,13 @@ On a ``Mesh`` of D x P x C x T ranks, one training step of ``TinyTransformer``:
    pipeline group (same data and tensor coordinates) run them with a schedule (1F1B by default)
    and send activations to each other.
 2. **Tensor**: inside each stage, every block's attention and MLP are split over the T ranks of
-   a tensor group (``tensor.parallelize_transformer``), and the embedding, the output projection
+   a tensor group (``tensor.apply_tensor_parallel``), and the embedding, the output projection
    and the loss over the vocabulary (``vocab``: the logits are never gathered). The T ranks of a
    stage hold the same activations, so each sends its own copy to its counterpart in the next
    stage; with ``sequence_parallel`` (Megatron-LM's sequence parallelism, ``sequence``) each
    holds and sends only its 1/T of the tokens, and the norms run on them.
 3. **Context**: with C > 1, each sequence is cut over the C ranks of a context group (zig-zag
-   layout); every attention runs as ring attention (``context.parallelize_context``). Each rank's
+   layout); every attention runs as ring attention (``context.apply_context_parallel``). Each rank's
    loss is its tokens' share of the batch mean, and the weights' gradients are summed over the
    context group (each rank's tokens add their part).
 4. **Data**: each of the D replicas of this whole arrangement takes 1/D of the global batch;

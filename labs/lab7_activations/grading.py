@@ -32,7 +32,7 @@ def _kept(batch: int, seq: int, d_model: int, heads: int, sequence_parallel: boo
         sp.sequence_parallel_block(block, regather_in_backward=True)
         x = x.chunk(size, dim=1)[rank]
     elif size > 1:
-        tp.parallelize_transformer(block)
+        tp.apply_tensor_parallel(block)
     recompute.apply_recomputation(block, policy=policy)
     x = x.contiguous().requires_grad_()
     with live_tensor_bytes() as live:

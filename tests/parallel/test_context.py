@@ -105,7 +105,7 @@ def _block_saved_bytes(seq: int, d_model: int, heads: int) -> int:
     torch.manual_seed(0)
     size, rank = runtime.world_size(), runtime.rank()
     layout = cp.SequenceLayout(seq, size, zigzag=True)
-    block = cp.parallelize_context(models.Block(d_model, heads), layout)
+    block = cp.apply_context_parallel(models.Block(d_model, heads), layout)
     x = torch.randn(BATCH, seq, d_model, generator=torch.Generator().manual_seed(1))
     with saved_tensor_bytes(ignore=block.parameters()) as saved:
         block(layout.local(x, rank).requires_grad_())
@@ -134,7 +134,7 @@ def _train(degree: int, steps: int, seq: int, zigzag: bool):
     model = models.TinyTransformer(len(vocabulary), d_model=24, n_heads=2, n_layers=2, max_seq_len=seq)
     if degree > 1:
         layout = cp.SequenceLayout(seq, degree, zigzag=zigzag)
-        cp.parallelize_context(model, layout)
+        cp.apply_context_parallel(model, chunks=layout)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     generator, losses = torch.Generator().manual_seed(1), []
     for _ in range(steps):
@@ -212,7 +212,7 @@ def _state_dict_keys_before_and_after():
     torch.manual_seed(0)
     model = models.TinyTransformer(10, d_model=8, n_heads=2, n_layers=1, max_seq_len=8)
     before = copy.deepcopy(model.state_dict())
-    after = cp.parallelize_context(model, cp.SequenceLayout(8, 2, zigzag=True)).state_dict()
+    after = cp.apply_context_parallel(model, chunks=cp.SequenceLayout(8, 2, zigzag=True)).state_dict()
     return before, {key.replace("0.embedding.", "0."): value for key, value in after.items()}
 
 

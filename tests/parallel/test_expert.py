@@ -69,7 +69,7 @@ def _expert_parallel_against_one_process(top_k: int, capacity_factor: float):
         kept_experts.append(routing.expert[routing.kept])
         if r == rank:
             router_grad, dropped = reference.router.weight.grad.clone(), reference.dropped
-    parallel = ep.expert_parallel(copy.deepcopy(moe))
+    parallel = ep.apply_expert_parallel(copy.deepcopy(moe))
     mine = inputs[rank].clone().requires_grad_()
     with comm.CommLog() as log:
         y = parallel(mine)
@@ -119,7 +119,7 @@ def _train_expert_parallel(steps: int, top_k: int, reference_groups: int):
             layer.routing_groups = reference_groups
     else:
         for layer in ep.moe_layers(model):
-            ep.expert_parallel(layer)
+            ep.apply_expert_parallel(layer)
     experts = {id(p) for layer in ep.moe_layers(model) for p in layer.experts.parameters()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     generator, losses, dropped = torch.Generator().manual_seed(1), [], 0
@@ -158,7 +158,7 @@ def _bad_arguments():
 
     return user_errors(
         {
-            "experts": lambda: ep.expert_parallel(ep.MoE(4, 4, num_experts=3)),
+            "experts": lambda: ep.apply_expert_parallel(ep.MoE(4, 4, num_experts=3)),
             "capacity": lambda: ep.MoE(4, 4, capacity_factor=0),
             "top_k": lambda: ep.MoE(4, 4, num_experts=2, top_k=3),
         }
@@ -205,7 +205,7 @@ def _saved_against_formula(h: int = 64, tokens: tuple[int, int] = (8, 32)):
         torch.manual_seed(0)
         moe = ep.MoE(h, 2 * h, num_experts=4, top_k=top_k, capacity_factor=capacity_factor)
         if runtime.world_size() > 1:
-            ep.expert_parallel(moe)
+            ep.apply_expert_parallel(moe)
         x = torch.randn(*tokens, h, generator=torch.Generator().manual_seed(runtime.rank() + 1))
         x.requires_grad_()
         with saved_tensor_bytes(ignore=[*moe.parameters(), x]) as saved:

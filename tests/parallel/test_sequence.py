@@ -37,7 +37,7 @@ def _transformer():
 
 def _train_against_one_process(steps: int, regather_in_backward: bool = False):
     dense, inputs, targets = _transformer()
-    parallel = sp.parallelize_sequence(copy.deepcopy(dense), regather_in_backward=regather_in_backward)
+    parallel = sp.apply_sequence_parallel(copy.deepcopy(dense), regather_in_backward=regather_in_backward)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=3e-3) for m in (dense, parallel)]
     generator, losses, first_grads = torch.Generator().manual_seed(1), [], None
     for _ in range(steps):
@@ -92,7 +92,7 @@ def _block_traffic_and_norm_memory():
     x = torch.randn(BATCH, SEQ, D_MODEL, generator=torch.Generator().manual_seed(2))
     measured = {}
     for name, block, block_input in (
-        ("tensor", tp.parallelize_transformer(copy.deepcopy(dense)), x),
+        ("tensor", tp.apply_tensor_parallel(copy.deepcopy(dense)), x),
         ("sequence", sp.sequence_parallel_block(copy.deepcopy(dense)), x.chunk(size, dim=1)[rank]),
     ):
         with comm.CommLog() as log:
@@ -127,7 +127,7 @@ def _saved_activations_and_traffic():
     mine = x.chunk(size, dim=1)[rank]
     variants = {
         "one process": (copy.deepcopy(dense), x),
-        "tensor": (tp.parallelize_transformer(copy.deepcopy(dense)), x),
+        "tensor": (tp.apply_tensor_parallel(copy.deepcopy(dense)), x),
         "gathered-kept": (sp.sequence_parallel_block(copy.deepcopy(dense)), mine),
         "regathered": (sp.sequence_parallel_block(copy.deepcopy(dense), regather_in_backward=True), mine),
     }
@@ -240,7 +240,7 @@ def _refusals():
     model, inputs, _ = _transformer()
     return user_errors(
         {
-            "sequence": lambda: sp.parallelize_sequence(model)(inputs[:2, : SEQ - 1]),
+            "sequence": lambda: sp.apply_sequence_parallel(model)(inputs[:2, : SEQ - 1]),
             "heads": lambda: sp.sequence_parallel_block(models.Block(D_MODEL, 4)),
         }
     )

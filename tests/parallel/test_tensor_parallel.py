@@ -113,7 +113,7 @@ def _converted_transformer():
     dense = models.TinyTransformer(
         len(vocabulary), d_model=D_MODEL, n_heads=HEADS, n_layers=2, max_seq_len=16
     )
-    parallel = tp.parallelize_transformer(_copy(dense))
+    parallel = tp.apply_tensor_parallel(_copy(dense))
     batch, labels = inputs[:BATCH], targets[:BATCH]
     dense_loss, parallel_loss = models.lm_loss(dense(batch), labels), models.lm_loss(parallel(batch), labels)
     dense_loss.backward()

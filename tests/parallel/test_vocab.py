@@ -153,8 +153,8 @@ def _train(tensor: int, steps: int, tied: bool):
         len(vocabulary), d_model=24, n_heads=12, n_layers=2, max_seq_len=8, tie_embeddings=tied
     )
     if tensor > 1:
-        tp.parallelize_transformer(model)
-        vocab.parallelize_vocabulary(model)
+        tp.apply_tensor_parallel(model)
+        vocab.apply_vocabulary_parallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     generator, losses = torch.Generator().manual_seed(1), []
     for _ in range(steps):
@@ -186,8 +186,8 @@ def _sequence_and_vocabulary_parallel():
     x, y = inputs[:4], targets[:4]
     expected = models.lm_loss(dense(x), y)
     expected.backward()
-    model = sp.parallelize_sequence(copy.deepcopy(dense))
-    vocab.parallelize_vocabulary(model, sequence_parallel=True)
+    model = sp.apply_sequence_parallel(copy.deepcopy(dense))
+    vocab.apply_vocabulary_parallel(model, sequence_parallel=True)
     loss = vocab.vocab_parallel_cross_entropy(model(x), y, vocab_size=len(vocabulary))
     loss.backward()
     sp.all_reduce_sequence_parallel_gradients(model)
@@ -212,7 +212,7 @@ def _bad_inputs():
             "reduction": lambda: vocab.vocab_parallel_cross_entropy(
                 torch.zeros(3, 7), torch.zeros(3, dtype=torch.long), vocab_size=13, reduction="max"
             ),
-            "model": lambda: vocab.parallelize_vocabulary(torch.nn.Linear(2, 2)),
+            "model": lambda: vocab.apply_vocabulary_parallel(torch.nn.Linear(2, 2)),
         }
     )
 

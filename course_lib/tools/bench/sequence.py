@@ -110,7 +110,7 @@ def sp_benchmark(
     theirs = parallelize_module(copy.deepcopy(dense), init_device_mesh("cpu", (degree,)), plan)
     ours = sp.sequence_parallel_block(copy.deepcopy(dense))
     regathering = sp.sequence_parallel_block(copy.deepcopy(dense), regather_in_backward=True)
-    tensor_only = tp.parallelize_transformer(copy.deepcopy(dense))
+    tensor_only = tp.apply_tensor_parallel(copy.deepcopy(dense))
     whole = torch.randn(batch, seq, d_model, generator=torch.Generator().manual_seed(1))
     mine = whole.chunk(degree, dim=1)[rank].contiguous()
 
@@ -447,7 +447,7 @@ def ep_benchmark(
     degree, rank = runtime.world_size(), runtime.rank()
     torch.manual_seed(0)
     full = ep.MoE(d_model, hidden, num_experts=experts, top_k=top_k, capacity_factor=capacity_factor)
-    parallel = ep.expert_parallel(copy.deepcopy(full))
+    parallel = ep.apply_expert_parallel(copy.deepcopy(full))
     x = torch.randn(1, tokens, d_model, generator=torch.Generator().manual_seed(10 + rank))
     variants = {"expert_parallel": _forward_backward(parallel, x), "one_process": _forward_backward(full, x)}
     median_ms = interleaved_medians(variants, steps, warmup)

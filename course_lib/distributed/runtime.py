@@ -1,20 +1,11 @@
 """How a process learns who it is: rank, world size, device, backend.
 
 A distributed job is N copies of one program. Before they can exchange a single tensor, each
-copy must learn four things: its *rank* (0 .. N-1), the *world size* N, the device it owns,
-and where rank 0 listens so that all of them can meet (the *rendezvous*). Launchers say it in
-different words:
+copy must learn its *rank*, the *world size* N, the device it owns, and where rank 0 listens so
+that all of them can meet (the *rendezvous*). Each launcher (torchrun, srun, this course's
+``launch``, or none) says it in its own variables: ``environment.py`` reads them all.
 
-==================  ==========================================================================
-launcher            what the process finds in its environment
-==================  ==========================================================================
-``torchrun``        RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
-``srun`` (Slurm)    SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS, SLURM_JOB_NODELIST, SLURM_JOB_ID
-``course_lib.distributed.launch``  the torchrun variables, set by the launcher for each forked child
-nothing             a plain ``python train.py``: rank 0 of a world of 1
-==================  ==========================================================================
-
-``environment.resolve_environment()`` turns any of these into one ``DistEnvironment``;
+``environment.resolve_environment()`` turns them into one ``DistEnvironment``;
 ``init()`` then picks the device and backend (a GPU means ``cuda`` + ``nccl``, otherwise ``cpu``
 + ``gloo``; ``environment.choose_backend``, with the GPU of each process chosen by
 ``environment.gpu_for_process``) and joins the process group.

@@ -149,15 +149,7 @@ def _add_options(
         )
     _add_allreduce_options(reduce)
     _add_data_parallel_options(ddp=ddp, fsdp=fsdp, mem=mem)
-    _add_model_parallel_options(
-        pipe=pipe,
-        tensor=tensor,
-        sequence=sequence,
-        context=context,
-        attention=attention,
-        experts=experts,
-        recomputation=recomputation,
-    )
+    _add_model_parallel_options(pipe, tensor, sequence, context, attention, experts, recomputation)
 
 
 def _add_allreduce_options(reduce) -> None:
@@ -214,9 +206,7 @@ def _add_data_parallel_options(*, ddp, fsdp, mem) -> None:
     mem.add_argument("--world-sizes", type=processes, nargs="+", default=[2, 4])
 
 
-def _add_model_parallel_options(
-    *, pipe, tensor, sequence, context, attention, experts, recomputation
-) -> None:
+def _add_model_parallel_options(pipe, tensor, sequence, context, attention, experts, recomputation) -> None:
     """The shapes the model-parallel benchmarks cut, and their ranks."""
     positive, processes = checks.int_at_least(1), checks.int_at_least(1, max_processes())
     for command in (pipe, tensor):

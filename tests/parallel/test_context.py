@@ -105,7 +105,7 @@ def _block_saved_bytes(seq: int, d_model: int, heads: int) -> int:
     torch.manual_seed(0)
     size, rank = runtime.world_size(), runtime.rank()
     layout = cp.SequenceLayout(seq, size, zigzag=True)
-    block = cp.apply_context_parallel(models.Block(d_model, heads), layout)
+    block = cp.apply_context_parallel(models.Block(d_model, heads), chunks=layout)
     x = torch.randn(BATCH, seq, d_model, generator=torch.Generator().manual_seed(1))
     with saved_tensor_bytes(ignore=block.parameters()) as saved:
         block(layout.local(x, rank).requires_grad_())

@@ -189,7 +189,7 @@ def _bad_inputs():
                 *(torch.zeros(1, 2, 4, 2) for _ in range(3)), layout=cp.SequenceLayout(8, 2, zigzag=True)
             ),
             "model": lambda: ulysses.apply_ulysses(
-                models.TinyTransformer(10, d_model=9, n_heads=3, n_layers=1, max_seq_len=8), layout
+                models.TinyTransformer(10, d_model=9, n_heads=3, n_layers=1, max_seq_len=8), chunks=layout
             ),
             "grid": lambda: ulysses.UspLayout(4, 2, 3),
         }

@@ -47,7 +47,7 @@ from ..errors import (
     UserError,
     report_exit_status,
 )
-from ..observe import flight_recorder
+from ..observe import collective_check, flight_recorder  # noqa: F401 (collective_check: installed, every call checked)
 from .config import CHOICES, TrainConfig, validate_config
 from .loop import train
 from .preemption import Preempted

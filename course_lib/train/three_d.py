@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch import nn
 
 from .. import models
 from ..data import zen_windows
@@ -49,29 +48,6 @@ from ..parallel.mesh import Mesh, check_degrees, rank_at
 from ..plan.layout import Layout, finish_gradients, layout_loss, parallelize
 
 
-def build_local_model(
-    model: nn.Module,
-    mesh: Mesh,
-    *,
-    seq_len: int,
-    recomputation: str = "none",
-    sequence_parallel: bool = False,
-    context_attention: str = "ring",
-) -> dict[int, nn.Module]:
-    """This rank's stage of ``model`` (a dense ``TinyTransformer``), made tensor and context parallel.
-
-    ``layout.parallelize`` with the vocabulary split, fp32, and the data axis left to
-    ``train_3d``, which averages every gradient itself after the pipeline's step.
-    """
-    plan = local_layout(
-        mesh,
-        recomputation=recomputation,
-        sequence_parallel=sequence_parallel,
-        context_attention=context_attention,
-    )
-    return parallelize(model, mesh, plan, seq_len=seq_len, data_parallel=False)
-
-
 def local_layout(
     mesh: Mesh,
     *,
@@ -79,7 +55,8 @@ def local_layout(
     sequence_parallel: bool = False,
     context_attention: str = "ring",
 ) -> Layout:
-    """The layout ``train_3d`` runs: the mesh's degrees, the vocabulary split, fp32, DDP's data axis."""
+    """The layout ``train_3d`` runs: the mesh's degrees, the vocabulary split, fp32, and the data
+    axis left to ``finish_gradients`` (``parallelize(..., data_parallel=False)``)."""
     degrees = {axis: mesh.degrees[axis] for axis in ("data", "pipeline", "context", "tensor")}
     return Layout(
         **degrees,

@@ -251,12 +251,18 @@ def parallelize(
             )
             apply_context(stage, chunks=layout.sequence_layout(seq_len), group=mesh.group("context"))
         recompute.apply_recomputation(stage, policy=layout.recomputation)
-        if data_parallel and layout.pipeline == 1 and (layout.data > 1 or layout.sharding != "ddp"):
+        if wraps_data_axis(layout, data_parallel=data_parallel):
             stages[index] = data_parallel_wrapper(stage, sharding=layout.sharding, group=mesh.group("data"))
     return stages
 
 
 # #endregion compose
+
+
+def wraps_data_axis(layout: Layout, *, data_parallel: bool = True) -> bool:
+    """Whether ``parallelize`` wraps the stage for the data axis (its wrapper then reduces the
+    gradients): only without a pipeline, whose data axis is averaged after the executor's step."""
+    return data_parallel and layout.pipeline == 1 and (layout.data > 1 or layout.sharding != "ddp")
 
 
 def layout_loss(layout: Layout, mesh, *, vocab_size: int, seq_len: int) -> Callable:
@@ -310,6 +316,5 @@ def finish_gradients(
     grads = [param.grad for stage in stages.values() for param in stage.parameters()]
     if layout.context > 1:
         comm.all_reduce_coalesced(grads, op="sum", group=mesh.group("context"))
-    wrapped = data_parallel and layout.pipeline == 1
-    if not wrapped and layout.data > 1:
+    if not wraps_data_axis(layout, data_parallel=data_parallel) and layout.data > 1:
         comm.all_reduce_coalesced(grads, op="mean", group=mesh.group("data"))

@@ -22,7 +22,7 @@ PYTEST_ARGS ?=
 # notebook's cells, the Slurm cluster and the built slides each stay with one worker.
 TEST_WORKERS ?= 2
 
-.PHONY: setup system-deps lab lint format test test-fast clean-results slides slides-setup slides-build
+.PHONY: setup system-deps lab lint format test test-fast clean-results slides slides-setup slides-build gpu-record
 
 setup:
 	@set -euo pipefail; \
@@ -75,6 +75,12 @@ lint: setup
 format: setup
 	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .
+
+# On a machine with a CUDA GPU (at most 8 minutes): the rates of the block products at bf16 and
+# fp8, attention and memory-bound work, and the gpu-marked tests, written to
+# slides/recorded/gpu/<gpu>.json for the planner. Commit what it records.
+gpu-record: setup
+	$(PY) -m course_lib.tools.gpu_record
 
 test: system-deps setup lint
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)

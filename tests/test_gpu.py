@@ -113,7 +113,7 @@ def test_the_course_fsdp_offloads_to_pinned_memory_and_trains_like_the_gpu():
 
 def test_model_state_memory_on_the_cuda_allocator_matches_the_model_within_2_percent():
     result = _check("model_state_memory")
-    assert result["counted_bytes"] == result["model_bytes"]
+    assert result["counted_bytes"] == result["model_bytes"] + result["step_counter_bytes"]
     assert result["allocator_bytes"] == pytest.approx(result["model_bytes"], rel=0.02)
 
 

@@ -20,6 +20,7 @@ small sizes, to check the command itself.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -43,7 +44,6 @@ TOKENS = (2048, 8192)
 """Tokens of one micro-batch (M of every product): a 2,048-token and an 8,192-token sequence."""
 TENSOR_DEGREES = (1, 2, 4, 8)
 """Tensor-parallel degrees whose split products are measured (N or K divided by the degree)."""
-ATTENTION_SEQ_LENS = (2048, 8192)
 PASSES = ("forward", "input_grad", "weight_grad")
 """A linear layer's three products: y = x·Wᵀ, dx = dy·W, dW = dyᵀ·x."""
 
@@ -222,6 +222,81 @@ def record_attention(
                 del q, k, v, grad, out
         report(f"attention of {spec.name} timed")
     return rows
+
+
+class LlamaBlock(torch.nn.Module):
+    """One Llama block of a ``ModelSpec`` as torchtitan writes it, rotary positions left out: an
+    RMSNorm, q/k/v/out projections with the key/value heads repeated to the query heads, causal
+    fused attention, a residual add, an RMSNorm, SwiGLU, a residual add."""
+
+    def __init__(self, spec: ModelSpec, *, tensor: int = 1):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = spec.heads // tensor, spec.kv_heads, spec.head_dim
+        h, kv = spec.d_model, spec.kv_heads * spec.head_dim
+        linear = functools.partial(torch.nn.Linear, bias=False)
+        self.norm1, self.norm2 = torch.nn.RMSNorm(h), torch.nn.RMSNorm(h)
+        self.q, self.k, self.v = linear(h, h // tensor), linear(h, kv), linear(h, kv)
+        self.out = linear(h // tensor, h)
+        self.gate, self.up = linear(h, spec.ffn_hidden // tensor), linear(h, spec.ffn_hidden // tensor)
+        self.down = linear(spec.ffn_hidden // tensor, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        y = self.norm1(x)
+        q = self.q(y).view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
+        k, v = (
+            proj(y).view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
+            for proj in (self.k, self.v)
+        )
+        repeats = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(attended.transpose(1, 2).reshape(batch, seq, -1))
+        y = self.norm2(x)
+        return x + self.down(F.silu(self.gate(y)) * self.up(y))
+
+
+def record_blocks(
+    models: list[ModelSpec], *, tokens: int, compile_too: bool, timer: Timer, device, report
+) -> list[dict]:
+    """A whole block's forward and backward in bf16, eager and compiled, beside the sum of its
+    parts as recorded above: what the planner adds up, held against what the GPU does."""
+    rows = []
+    for spec in models:
+        if spec.experts > 1:
+            continue  # routing and uneven experts: not a Llama block
+        torch.manual_seed(0)
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        block = LlamaBlock(spec).to(device=device, dtype=dtype)
+        x = torch.randn(1, tokens, spec.d_model, device=device, dtype=dtype, requires_grad=True)
+        grad = torch.randn_like(x)
+        variants = {"eager": block}
+        if compile_too:
+            variants["compiled"] = torch.compile(block)
+        for mode, module in variants.items():
+            begin = time.perf_counter()
+            module(x).backward(grad)  # the first call compiles
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            first_s = time.perf_counter() - begin
+            torch.cuda.reset_peak_memory_stats(device) if device.type == "cuda" else None
+            seconds = timer(lambda module=module, x=x, grad=grad: module(x).backward(grad))
+            peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+            rows.append(
+                {"model": spec.name, "tokens": tokens, "mode": mode, "seconds": seconds,
+                 "first_call_s": first_s, "flops": _block_flops(spec, tokens), "peak_memory_bytes": peak}
+            )  # fmt: skip
+            rows[-1]["tflops"] = rows[-1]["flops"] / seconds / 1e12
+        del block, variants, x, grad
+        report(f"a block of {spec.name} timed")
+    return rows
+
+
+def _block_flops(spec: ModelSpec, tokens: int) -> float:
+    """One block's forward and backward FLOPs: 6 per weight of its products per token, and the
+    causal attention's 4·s²·d per head forward (half of the square), three times that in all."""
+    weights = sum(row["k"] * row["n"] for row in block_products(spec, tokens=1, tensor=1)[:4])
+    return 6 * tokens * weights + 3 * 4 * spec.heads * tokens**2 * spec.head_dim / 2
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -451,11 +526,12 @@ def main(argv: list[str] | None = None) -> int:
         record = {"device": describe_device(device)}
         args.out.mkdir(parents=True, exist_ok=True)
         out = args.out / f"{slug(record['device']['name'])}.json"
+        tokens = args.tokens or (TOKENS if on_gpu else (64,))
         precisions = ["bf16", "fp8-tensorwise", "fp8-rowwise"] if on_gpu else ["bf16"]
         record["matmuls"] = record_matmuls(
             models,
             tokens=args.tokens or (TOKENS if on_gpu else (64,)),
-            tensors=TENSOR_DEGREES if on_gpu else (8,),
+            tensors=TENSOR_DEGREES if on_gpu else (1,),
             precisions=precisions,
             timer=timer,
             device=device,
@@ -464,8 +540,8 @@ def main(argv: list[str] | None = None) -> int:
         _write(out, record)
         record["attention"] = record_attention(
             models,
-            seq_lens=ATTENTION_SEQ_LENS if on_gpu else (128,),
-            tensors=(1, 8) if on_gpu else (8,),
+            seq_lens=tokens,
+            tensors=(1, 8) if on_gpu else (1,),
             timer=timer,
             device=device,
             report=report,
@@ -474,6 +550,15 @@ def main(argv: list[str] | None = None) -> int:
         record["pointwise"] = record_pointwise(
             elements=2**28 if on_gpu else 2**18,
             width=4096 if on_gpu else 512,
+            compile_too=on_gpu and not args.no_compile,
+            timer=timer,
+            device=device,
+            report=report,
+        )
+        _write(out, record)
+        record["blocks"] = record_blocks(
+            models,
+            tokens=max(args.tokens or (TOKENS if on_gpu else (64,))),
             compile_too=on_gpu and not args.no_compile,
             timer=timer,
             device=device,
@@ -518,8 +603,32 @@ def summary(record: dict) -> dict:
         "pointwise_gbps": {
             f"{row['operation']} ({row['mode']})": row["gbps"] for row in record.get("pointwise", [])
         },
+        "blocks": [_block_against_parts(record, row) for row in record.get("blocks", [])],
         "tests": record.get("tests", {}).get("summary"),
     }
+
+
+def _block_against_parts(record: dict, block: dict) -> dict:
+    """A measured block beside the sum of its products and its attention as timed alone: the rest
+    is its memory-bound work (norms, SwiGLU's pointwise part, adds, the repeated heads) and launches."""
+    products = sum(
+        row["seconds"]
+        for row in record.get("matmuls", [])
+        if (row["model"], row["tokens"], row["tensor"], row["precision"])
+        == (block["model"], block["tokens"], 1, "bf16")
+        and row["matmul"] != "head"
+    )
+    attention = sum(
+        row["forward_s"] + row["backward_s"]
+        for row in record.get("attention", [])
+        if (row["model"], row["seq_len"], row["tensor"]) == (block["model"], block["tokens"], 1)
+    )
+    return {
+        "model": block["model"], "mode": block["mode"], "tokens": block["tokens"],
+        "measured_ms": 1e3 * block["seconds"], "products_ms": 1e3 * products, "attention_ms": 1e3 * attention,
+        "rest_ms": 1e3 * (block["seconds"] - products - attention), "tflops": block["tflops"],
+        "first_call_s": block["first_call_s"],
+    }  # fmt: skip
 
 
 if __name__ == "__main__":

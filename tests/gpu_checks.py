@@ -39,10 +39,11 @@ def _steps(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.dev
 def model_state_memory() -> dict:
     """Bytes the CUDA allocator holds for an MLP's parameters, gradients and Adam state, against the model."""
     device = torch.device("cuda", 0)
-    # cuBLAS takes its workspace (megabytes) through the same allocator on the first product:
-    # take it before counting, so that only the model states are counted.
-    warm = torch.randn(64, 1024, device=device, requires_grad=True)
-    (warm @ torch.randn(1024, 1024, device=device)).sum().backward()
+    # cuBLAS and cuBLASLt (a linear layer's product with its bias) each take a workspace through
+    # the same allocator on their first product, once per stream: the same steps on a throwaway
+    # copy first, so that only the model states are counted.
+    warm = _mlp().to(device)
+    _steps(warm, torch.optim.Adam(warm.parameters(), lr=1e-3), device)
     del warm
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated(device)

@@ -16,6 +16,7 @@ from course_lib import models
 from course_lib.distributed import comm, runtime
 from course_lib.distributed.launch import launch
 from course_lib.parallel import context as cp
+from course_lib.parallel import context_chunks
 from course_lib.parallel import expert as ep
 from course_lib.parallel import pipeline as pp
 from course_lib.parallel import sequence as sp
@@ -42,7 +43,7 @@ def _twice() -> dict[str, str]:
     tp.apply_tensor_parallel(tensor_parallel)
     tp.apply_tensor_parallel(then_sequence)
     context_parallel = _transformer()
-    layout = cp.SequenceLayout(8, 2, zigzag=True)
+    layout = context_chunks.SequenceLayout(8, 2, zigzag=True)
     cp.apply_context_parallel(context_parallel, chunks=layout)
     moe = ep.MoE(8, 16, num_experts=4)
     ep.apply_expert_parallel(moe)
@@ -88,7 +89,7 @@ def test_a_parallelism_applied_twice_is_refused(case, twice):
 def _tensor_then_context() -> bool:
     model = _transformer()
     tp.apply_tensor_parallel(model)  # tensor x context, as train_3d does
-    cp.apply_context_parallel(model, chunks=cp.SequenceLayout(8, 1, zigzag=False))
+    cp.apply_context_parallel(model, chunks=context_chunks.SequenceLayout(8, 1, zigzag=False))
     return True
 
 

@@ -19,7 +19,7 @@ from course_lib import models
 from course_lib.distributed import runtime
 from course_lib.distributed.launch import launch
 from course_lib.parallel import context as cp
-from course_lib.parallel import recompute
+from course_lib.parallel import context_chunks, recompute
 from course_lib.parallel import sequence as sp
 from course_lib.parallel import tensor as tp
 from course_lib.parallel.memory import live_tensor_bytes
@@ -69,7 +69,7 @@ def _kept_by_one_block(kinds: tuple[str, ...]) -> dict[tuple[str, str], int]:
                 sp.sequence_parallel_block(block, regather_in_backward=kind == "sequence_regathered")
                 x = x.chunk(size, dim=1)[rank]
             elif kind == "context":
-                layout = cp.SequenceLayout(SEQ, size, zigzag=True)
+                layout = context_chunks.SequenceLayout(SEQ, size, zigzag=True)
                 cp.apply_context_parallel(block, chunks=layout)
                 x = layout.local(x, rank)
             recompute.apply_recomputation(block, policy=policy)

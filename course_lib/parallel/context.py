@@ -25,13 +25,9 @@ its scores over *this block's* keys, ``o_b``, and the log of that softmax's deno
 gradient needs only the block and the final ``o`` and ``lse``, and the key/value gradients
 travel with their keys and values until they are home.
 
-**Causal masking and balance.** With a causal mask, query i sees keys j <= i. A block whose keys
-all come after its queries is entirely masked: it is skipped, not computed. With contiguous
-chunks (rank r holds chunk r), rank 0 computes 1 block and rank C-1 computes C: the ring waits
-for the slowest, so it runs at about 2x the ideal time. The **zig-zag** layout cuts the
-sequence into 2C chunks and gives rank r chunks r and 2C-1-r (one early, one late): every rank
-then computes the same work (``attention_work``). Chunks may be uneven: a sequence of 50 on 4
-ranks cuts into pieces of 7 and 6.
+**Causal masking and balance** (``context_chunks``): a block whose keys all come after its
+queries is skipped; contiguous chunks leave rank C-1 with C times rank 0's work, the zig-zag
+layout (2C chunks, rank r holding r and 2C-1-r) balances it.
 
 Cost per rank: activations and attention inputs of S/C tokens; the attention block of
 (S/C)² scores at a time instead of S²; sent per layer: C-1 K/V chunks forward, C-1 K/V chunks
@@ -44,185 +40,23 @@ have a sharding strategy registered"), so on CPU the course compares with one pr
 
 Papers: Liu, Zaharia and Abbeel, "Ring Attention with Blockwise Transformers for Near-Infinite
 Context", 2023 (arXiv:2310.01889); the online softmax, Milakov and Gimelshein, 2018
-(arXiv:1805.02867) and Dao et al., "FlashAttention", NeurIPS 2022 (arXiv:2205.14135). The
-zig-zag layout is that of the implementations rather than of a paper: Megatron-LM's context
-parallelism (``get_batch_on_this_cp_rank`` cuts the sequence into 2C chunks and gives rank r
-chunks r and 2C-1-r) and zhuzilin's ring-flash-attention (``zigzag_ring_flash_attn``). The other
-balanced layout is Brandon et al.'s "Striped Attention", 2023 (arXiv:2311.09431): round-robin
-*tokens* (rank r holds tokens r, r + C, r + 2C, ...), balanced at every ring step, not only over
-the whole ring.
+(arXiv:1805.02867) and Dao et al., "FlashAttention", NeurIPS 2022 (arXiv:2205.14135); the
+layouts' sources are in ``context_chunks``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import KW_ONLY, dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checks import check_group, check_int, check_module, claim_module
+from ..checks import check_group, check_module, claim_module
 from ..distributed import comm, runtime
 from ..errors import UserError
 from ..models import Embedding, SelfAttention
-
-
-def chunk_lengths(total: int, pieces: int) -> list[int]:
-    """``total`` tokens cut into ``pieces`` consecutive chunks, the first ``total % pieces`` one longer.
-
-    Args:
-        total: the sequence length.
-        pieces: how many chunks.
-    """
-    return [total // pieces + (i < total % pieces) for i in range(pieces)]
-
-
-@dataclass(frozen=True)
-class Segment:
-    """A run of consecutive positions of the sequence: ``start`` to ``start + length``."""
-
-    start: int
-    length: int
-
-    @property
-    def end(self) -> int:
-        return self.start + self.length
-
-
-def check_context_split(seq_len: int, degree: int, *, zigzag: bool) -> None:
-    """Refuse, before any process waits, a sequence too short to give every rank its chunk(s)."""
-    check_int("sequence length", seq_len, minimum=1)
-    check_int("context-parallel degree", degree, minimum=1)
-    pieces = 2 * degree if zigzag else degree
-    if seq_len < pieces:
-        layout = f"zig-zag needs 2 x {degree}" if zigzag else f"{degree} ranks need"
-        raise UserError(
-            f"a sequence of {seq_len} tokens does not split over context-parallel degree {degree}: {layout} "
-            f"= {pieces} chunks of at least one token; use sequences of at least {pieces} tokens or a "
-            "smaller degree"
-        )
-
-
-@dataclass(frozen=True)
-class SequenceLayout:
-    """Which positions of a sequence each context-parallel rank holds.
-
-    Args:
-        seq_len: S, the whole sequence.
-        degree: C, the ranks sharing it.
-        zigzag: cut into 2C chunks and give rank r chunks r and 2C-1-r (balanced causal work);
-            otherwise rank r holds chunk r of C.
-    """
-
-    seq_len: int
-    degree: int
-    _: KW_ONLY
-    zigzag: bool = True
-
-    def __post_init__(self):
-        check_context_split(self.seq_len, self.degree, zigzag=self.zigzag)
-
-    def segments(self, rank: int) -> list[Segment]:
-        """The runs of positions rank ``rank`` holds, in the order they sit in its local tensors."""
-        pieces = 2 * self.degree if self.zigzag else self.degree
-        lengths = chunk_lengths(self.seq_len, pieces)
-        starts = [sum(lengths[:i]) for i in range(pieces)]
-        owned = [rank, pieces - 1 - rank] if self.zigzag else [rank]
-        return [Segment(starts[i], lengths[i]) for i in owned]
-
-    def tokens(self, rank: int) -> int:
-        return sum(segment.length for segment in self.segments(rank))
-
-    def positions(self, rank: int) -> torch.Tensor:
-        """The global positions of rank ``rank``'s tokens (what its position embedding looks up)."""
-        return torch.cat([torch.arange(s.start, s.end) for s in self.segments(rank)])
-
-    def local(self, tensor: torch.Tensor, rank: int, *, dim: int = 1) -> torch.Tensor:
-        """Rank ``rank``'s tokens of a whole-sequence ``tensor`` (sequence along ``dim``)."""
-        return torch.cat([tensor.narrow(dim, s.start, s.length) for s in self.segments(rank)], dim=dim)
-
-    def whole(self, pieces: list[torch.Tensor], *, dim: int = 1) -> torch.Tensor:
-        """The inverse of ``local``: every rank's piece (rank order) put back in sequence order."""
-        parts = []
-        for rank, piece in enumerate(pieces):
-            offset = 0
-            for segment in self.segments(rank):
-                parts.append((segment.start, piece.narrow(dim, offset, segment.length)))
-                offset += segment.length
-        return torch.cat([part for _, part in sorted(parts, key=lambda item: item[0])], dim=dim)
-
-
-def block_is_needed(query: Segment, key: Segment, *, causal: bool) -> bool:
-    """Does any query of ``query`` see a key of ``key``? (Causal: not if every key comes later.)"""
-    return not causal or key.start < query.end
-
-
-def attention_work(layout: SequenceLayout, *, causal: bool = True) -> list[int]:
-    """Query-key scores each rank computes in one ring attention (per batch entry and head).
-
-    The sum over ranks is S² (non-causal) or what the mask keeps of it; the largest entry is
-    what the ring's time follows.
-
-    Args:
-        layout: who holds which positions.
-        causal: skip the blocks a causal mask hides entirely.
-    """
-    work = []
-    for rank in range(layout.degree):
-        total = 0
-        for owner in range(layout.degree):
-            for query in layout.segments(rank):
-                for key in layout.segments(owner):
-                    if block_is_needed(query, key, causal=causal):
-                        total += query.length * key.length
-        work.append(total)
-    return work
-
-
-def ring_bytes_per_rank(layout: SequenceLayout, rank: int, *, bytes_per_token: int) -> int:
-    """What rank ``rank`` sends in one ring attention, forward and backward (the theory).
-
-    Forward it passes on C-1 K/V chunks (all but the last it holds); backward the same C-1
-    chunks again, and C chunks of their gradients (the last pass takes them home).
-
-    Args:
-        layout: who holds which positions.
-        rank: the rank that sends.
-        bytes_per_token: K and V of one token (2 x batch x heads x head_dim x element size).
-    """
-    if layout.degree == 1:
-        return 0
-    held = [layout.tokens((rank - step) % layout.degree) for step in range(layout.degree)]
-    return bytes_per_token * (2 * sum(held[:-1]) + sum(held))
-
-
-def ring_schedule(layout: SequenceLayout, *, causal: bool = True) -> list[list[dict]]:
-    """What happens at every step of the ring, for drawing it: ``steps[s][rank]``.
-
-    Each entry holds ``"owner"`` (whose K/V chunk the rank holds at that step), ``"blocks"`` (the
-    (query segment, key segment) pairs it computes) and ``"skipped"`` (the pairs the mask hides).
-
-    Args:
-        layout: who holds which positions.
-        causal: skip the blocks a causal mask hides entirely.
-    """
-    steps = []
-    for step in range(layout.degree):
-        row = []
-        for rank in range(layout.degree):
-            owner = (rank - step) % layout.degree
-            pairs = [(q, k) for q in layout.segments(rank) for k in layout.segments(owner)]
-            row.append(
-                {
-                    "owner": owner,
-                    "blocks": [p for p in pairs if block_is_needed(*p, causal=causal)],
-                    "skipped": [p for p in pairs if not block_is_needed(*p, causal=causal)],
-                }
-            )
-        steps.append(row)
-    return steps
-
+from .context_chunks import Segment, SequenceLayout, block_is_needed
 
 # -- one block of attention, forward and backward ----------------------------------------------
 

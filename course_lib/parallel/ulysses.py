@@ -54,13 +54,8 @@ from ..checks import check_group, check_int, check_module, check_number
 from ..distributed import comm, runtime
 from ..errors import UserError
 from ..models import SelfAttention
-from .context import (
-    SequenceLayout,
-    check_attention_inputs,
-    ring_attention,
-    ring_bytes_per_rank,
-    split_model_tokens,
-)
+from .context import check_attention_inputs, ring_attention, split_model_tokens
+from .context_chunks import SequenceLayout, ring_bytes_per_rank
 
 HEADS_DIM, SEQUENCE_DIM = -3, -2  # q, k, v are (..., heads, tokens, head_dim)
 

@@ -38,7 +38,7 @@ from ..distributed import comm
 from ..errors import UserError
 from ..models import Block, Embedding, LMHead
 from ..parallel import context, ddp, fsdp, memory, pipeline, recompute, sequence, tensor, ulysses, vocab, zero
-from ..parallel.context import SequenceLayout
+from ..parallel.context_chunks import SequenceLayout
 from ..parallel.mesh import AXES
 
 SHARDINGS = tuple(memory.SHARDING_STAGES)
@@ -157,7 +157,7 @@ class Layout:
         return f"{label} {' '.join(extras)}"
 
     def sequence_layout(self, seq_len: int):
-        """Which tokens of a ``seq_len`` sequence each context rank holds (``context.SequenceLayout``):
+        """Which tokens of a ``seq_len`` sequence each context rank holds (``context_chunks.SequenceLayout``):
         zig-zag chunks for the ring (each rank's causal work even), contiguous ones for Ulysses."""
         return SequenceLayout(seq_len, self.context, zigzag=self.context_attention == "ring")
 

@@ -25,7 +25,7 @@ from ..distributed import runtime
 from ..distributed.launch import launch
 from ..distributed.ring import ring_all_reduce_counts
 from ..observe import profiling
-from ..parallel import context, expert, memory, mesh, pipeline, ulysses
+from ..parallel import context_chunks, expert, memory, mesh, pipeline, ulysses
 from ..parallel.fsdp import FullyShardedDataParallel
 from ..plan import cost_model, specs
 from ..plan.layout import Layout
@@ -215,7 +215,7 @@ def mesh_layout():
 def ring_attention():
     """The blocks each of 4 ranks computes at each ring step, contiguous and zig-zag, causal."""
     schedules = {
-        name: context.ring_schedule(context.SequenceLayout(16, 4, zigzag=zigzag))
+        name: context_chunks.ring_schedule(context_chunks.SequenceLayout(16, 4, zigzag=zigzag))
         for name, zigzag in (("contiguous", False), ("zig-zag", True))
     }
     return plots.plot_ring_attention(schedules, 16)

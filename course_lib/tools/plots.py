@@ -284,7 +284,7 @@ def plot_allreduce(
 def plot_ring_attention(schedules: dict[str, list[list[dict]]], seq_len: int, *, path=None) -> Figure:
     """The attention matrix each rank computes, coloured by the ring step that computes each block.
 
-    One row of panels per layout (``context.ring_schedule``), one panel per rank: query positions
+    One row of panels per layout (``context_chunks.ring_schedule``), one panel per rank: query positions
     down, key positions across; a block is coloured by the step at which its keys reached the
     rank, grey where the causal mask let it be skipped, white where it belongs to another rank.
 

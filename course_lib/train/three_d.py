@@ -40,10 +40,9 @@ from ..data import zen_windows
 from ..distributed import comm, runtime
 from ..errors import UserError
 from ..observe import anatomy, profiling
-from ..parallel import context as cp
+from ..parallel import context_chunks, ulysses
 from ..parallel import pipeline as pp
 from ..parallel import tensor as tp
-from ..parallel import ulysses
 from ..parallel.mesh import Mesh, check_degrees, rank_at
 from ..plan.layout import Layout, finish_gradients, layout_loss, parallelize
 
@@ -89,7 +88,7 @@ def check_run(
     check_degrees(world_size, data=data, pipeline=pipeline, context=context, tensor=tensor)
     tp.check_tensor_parallel_degree(d_model, n_heads, 4 * d_model, tensor)
     context_layout = Layout(context=context, context_attention=context_attention)  # refuses an unknown method
-    cp.check_context_split(seq_len, context, zigzag=context_attention == "ring")
+    context_chunks.check_context_split(seq_len, context, zigzag=context_attention == "ring")
     if context_attention == "ulysses":  # a tensor rank's heads, traded over the context ranks
         ulysses.check_heads(n_heads // tensor, context)
     if sequence_parallel:  # each context rank's tokens cut again over the tensor ranks

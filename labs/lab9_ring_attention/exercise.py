@@ -23,7 +23,9 @@ from __future__ import annotations
 import torch
 
 from course_lib.distributed import comm, runtime
-from course_lib.parallel.context import chunk_lengths  # total tokens in consecutive pieces, the first longer
+from course_lib.parallel.context_chunks import (
+    chunk_lengths,  # total tokens in consecutive pieces, the first longer
+)
 
 
 def contiguous_segments(seq_len: int, degree: int, rank: int) -> list[tuple[int, int]]:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from course_lib.distributed import comm, runtime
 from course_lib.parallel import context as cp
-from course_lib.parallel import ulysses
+from course_lib.parallel import context_chunks, ulysses
 from course_lib.tools.labs import Property, Question, on_ranks
 
 WORLD_SIZES = (2, 3, 4)
@@ -55,7 +55,7 @@ def check_merge(lab) -> None:
 
 def check_zigzag(lab) -> None:
     for seq, degree in ((13, 2), (13, 3), (16, 4), (13, 4), (50, 4)):
-        layout = cp.SequenceLayout(seq, degree, zigzag=True)
+        layout = context_chunks.SequenceLayout(seq, degree, zigzag=True)
         for rank in range(degree):
             got = [tuple(s) for s in lab.zigzag_segments(seq, degree, rank)]
             wanted = [(s.start, s.length) for s in layout.segments(rank)]
@@ -69,7 +69,7 @@ def _ring(lab, causal: bool, zigzag: bool):
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(BATCH, HEADS, SEQ, HEAD_DIM, generator=generator) for _ in range(3))
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    layout = cp.SequenceLayout(SEQ, size, zigzag=zigzag)
+    layout = context_chunks.SequenceLayout(SEQ, size, zigzag=zigzag)
     mine = [layout.local(t, rank, dim=2) for t in (q, k, v)]
     course = cp.ring_attention(*mine, layout=layout, causal=causal)
     with comm.CommLog() as log:
@@ -112,7 +112,7 @@ def check_ring_causal(lab) -> None:
 
 def check_messages(lab) -> None:
     for world in WORLD_SIZES:
-        layout = cp.SequenceLayout(SEQ, world, zigzag=True)
+        layout = context_chunks.SequenceLayout(SEQ, world, zigzag=True)
         for rank, result in enumerate(on_ranks(world, _ring, lab, True, True)):
             assert result["other_calls"] == 0, (
                 f"on {world} ranks rank {rank} made {result['other_calls']} collective(s): a ring needs only "
@@ -168,17 +168,17 @@ LONG, DEGREE, LONG_HEADS, LONG_HEAD_DIM = 131072, 8, 32, 128  # bf16, batch 1: 2
 
 
 def _ring_bytes() -> float:
-    layout = cp.SequenceLayout(LONG, DEGREE, zigzag=True)
-    return cp.ring_bytes_per_rank(layout, 0, bytes_per_token=2 * LONG_HEADS * LONG_HEAD_DIM * 2)
+    layout = context_chunks.SequenceLayout(LONG, DEGREE, zigzag=True)
+    return context_chunks.ring_bytes_per_rank(layout, 0, bytes_per_token=2 * LONG_HEADS * LONG_HEAD_DIM * 2)
 
 
 def _ulysses_bytes() -> float:
-    layout = cp.SequenceLayout(LONG, DEGREE, zigzag=False)
+    layout = context_chunks.SequenceLayout(LONG, DEGREE, zigzag=False)
     return ulysses.ulysses_bytes_per_rank(layout, 0, bytes_per_token=LONG_HEADS * LONG_HEAD_DIM * 2)
 
 
 def _imbalance() -> float:
-    work = cp.attention_work(cp.SequenceLayout(LONG, DEGREE, zigzag=False))
+    work = context_chunks.attention_work(context_chunks.SequenceLayout(LONG, DEGREE, zigzag=False))
     return max(work) / (sum(work) / len(work))
 
 
@@ -201,7 +201,7 @@ QUESTIONS = [
         "contiguous_causal_work_max_over_mean_c8",
         _imbalance,
         "with contiguous chunks rank r computes r + 1 blocks (the diagonal one counted whole): compare the "
-        "busiest rank with the mean (context.attention_work)",
+        "busiest rank with the mean (context_chunks.attention_work)",
         rel_tol=1e-3,
     ),
     Question(

@@ -16,6 +16,7 @@ from course_lib import data, models
 from course_lib.distributed import comm, runtime
 from course_lib.distributed.launch import launch
 from course_lib.parallel import context as cp
+from course_lib.parallel import context_chunks
 from course_lib.parallel.memory import saved_tensor_bytes
 
 BATCH, HEADS, HEAD_DIM = 2, 3, 8
@@ -23,15 +24,15 @@ SEQ = 13  # cuts unevenly into 2, 3, 4, 6 and 8 chunks
 
 
 def test_layouts_cover_the_sequence_once_uneven_chunks_included():
-    assert cp.chunk_lengths(13, 4) == [4, 3, 3, 3]
-    layout = cp.SequenceLayout(13, 3, zigzag=True)  # 6 chunks: 3 2 2 2 2 2
+    assert context_chunks.chunk_lengths(13, 4) == [4, 3, 3, 3]
+    layout = context_chunks.SequenceLayout(13, 3, zigzag=True)  # 6 chunks: 3 2 2 2 2 2
     assert [[(s.start, s.length) for s in layout.segments(r)] for r in range(3)] == [
         [(0, 3), (11, 2)],
         [(3, 2), (9, 2)],
         [(5, 2), (7, 2)],
     ]
     for zigzag in (False, True):
-        layout = cp.SequenceLayout(SEQ, 4, zigzag=zigzag)
+        layout = context_chunks.SequenceLayout(SEQ, 4, zigzag=zigzag)
         positions = torch.cat([layout.positions(r) for r in range(4)])
         assert sorted(positions.tolist()) == list(range(SEQ))
         whole = torch.arange(SEQ).view(1, SEQ)
@@ -39,12 +40,17 @@ def test_layouts_cover_the_sequence_once_uneven_chunks_included():
 
 
 def test_zig_zag_balances_the_causal_work_and_both_count_every_visible_score():
-    contiguous, zigzag = (cp.attention_work(cp.SequenceLayout(64, 4, zigzag=z)) for z in (False, True))
+    contiguous, zigzag = (
+        context_chunks.attention_work(context_chunks.SequenceLayout(64, 4, zigzag=z)) for z in (False, True)
+    )
     assert contiguous == [256, 512, 768, 1024]  # rank 3 waits for nobody; rank 0 idles 3/4 of the time
     assert zigzag == [576] * 4
     # every score a causal mask keeps is computed once (the diagonal blocks whole)
-    assert sum(cp.attention_work(cp.SequenceLayout(64, 4, zigzag=False), causal=False)) == 64 * 64
-    schedule = cp.ring_schedule(cp.SequenceLayout(64, 4, zigzag=False))
+    assert (
+        sum(context_chunks.attention_work(context_chunks.SequenceLayout(64, 4, zigzag=False), causal=False))
+        == 64 * 64
+    )
+    schedule = context_chunks.ring_schedule(context_chunks.SequenceLayout(64, 4, zigzag=False))
     assert [row[0]["owner"] for row in schedule] == [0, 3, 2, 1]
     assert [len(row[0]["blocks"]) for row in schedule] == [1, 0, 0, 0]
 
@@ -56,7 +62,7 @@ def _ring_against_one_process(zigzag: bool, causal: bool, seq: int):
     whole = [t.clone().requires_grad_() for t in (q, k, v)]
     expected = torch.nn.functional.scaled_dot_product_attention(*whole, is_causal=causal)
     (expected * weights).sum().backward()
-    layout = cp.SequenceLayout(seq, size, zigzag=zigzag)
+    layout = context_chunks.SequenceLayout(seq, size, zigzag=zigzag)
     mine = [layout.local(t, rank, dim=2).clone().requires_grad_() for t in (q, k, v)]
     with comm.CommLog() as log:
         out = cp.ring_attention(*mine, layout=layout, causal=causal)
@@ -71,20 +77,20 @@ def test_ring_attention_equals_one_process_forward_and_backward(degree):
     for zigzag in (False, True):
         for causal in (False, True):
             results = launch(_ring_against_one_process, degree, zigzag, causal, SEQ)
-            layout = cp.SequenceLayout(SEQ, degree, zigzag=zigzag)
+            layout = context_chunks.SequenceLayout(SEQ, degree, zigzag=zigzag)
             for rank, (pairs, sent) in enumerate(results):
                 for what, (ours, theirs) in zip(("output", "dq", "dk", "dv"), pairs, strict=True):
                     torch.testing.assert_close(
                         ours, theirs, rtol=1e-5, atol=1e-5, msg=f"{what} zigzag={zigzag} causal={causal}"
                     )
-                assert sent == cp.ring_bytes_per_rank(
+                assert sent == context_chunks.ring_bytes_per_rank(
                     layout, rank, bytes_per_token=2 * BATCH * HEADS * HEAD_DIM * 4
                 )
 
 
 def _attention_memory(seq: int):
     size, rank = runtime.world_size(), runtime.rank()
-    layout = cp.SequenceLayout(seq, size, zigzag=True)
+    layout = context_chunks.SequenceLayout(seq, size, zigzag=True)
     q, k, v = (torch.randn(BATCH, HEADS, layout.tokens(rank), HEAD_DIM, requires_grad=True) for _ in range(3))
     with saved_tensor_bytes() as saved:
         cp.ring_attention(q, k, v, layout=layout)
@@ -104,7 +110,7 @@ def _block_saved_bytes(seq: int, d_model: int, heads: int) -> int:
     """What one context-parallel block keeps for backward on this rank (zig-zag, its local tokens)."""
     torch.manual_seed(0)
     size, rank = runtime.world_size(), runtime.rank()
-    layout = cp.SequenceLayout(seq, size, zigzag=True)
+    layout = context_chunks.SequenceLayout(seq, size, zigzag=True)
     block = cp.apply_context_parallel(models.Block(d_model, heads), chunks=layout)
     x = torch.randn(BATCH, seq, d_model, generator=torch.Generator().manual_seed(1))
     with saved_tensor_bytes(ignore=block.parameters()) as saved:
@@ -133,7 +139,7 @@ def _train(degree: int, steps: int, seq: int, zigzag: bool):
     inputs, targets, vocabulary = data.zen_windows(seq_len=seq)
     model = models.TinyTransformer(len(vocabulary), d_model=24, n_heads=2, n_layers=2, max_seq_len=seq)
     if degree > 1:
-        layout = cp.SequenceLayout(seq, degree, zigzag=zigzag)
+        layout = context_chunks.SequenceLayout(seq, degree, zigzag=zigzag)
         cp.apply_context_parallel(model, chunks=layout)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     generator, losses = torch.Generator().manual_seed(1), []
@@ -170,12 +176,14 @@ def _bad_inputs():
 
     return user_errors(
         {
-            "short": lambda: cp.SequenceLayout(5, 3, zigzag=True),
+            "short": lambda: context_chunks.SequenceLayout(5, 3, zigzag=True),
             "group": lambda: cp.ring_attention(
-                *(torch.zeros(1, 1, 4, 2) for _ in range(3)), layout=cp.SequenceLayout(8, 4, zigzag=False)
+                *(torch.zeros(1, 1, 4, 2) for _ in range(3)),
+                layout=context_chunks.SequenceLayout(8, 4, zigzag=False),
             ),
             "shape": lambda: cp.ring_attention(
-                *(torch.zeros(1, 1, 3, 2) for _ in range(3)), layout=cp.SequenceLayout(8, 2, zigzag=False)
+                *(torch.zeros(1, 1, 3, 2) for _ in range(3)),
+                layout=context_chunks.SequenceLayout(8, 2, zigzag=False),
             ),
         }
     )
@@ -212,7 +220,9 @@ def _state_dict_keys_before_and_after():
     torch.manual_seed(0)
     model = models.TinyTransformer(10, d_model=8, n_heads=2, n_layers=1, max_seq_len=8)
     before = copy.deepcopy(model.state_dict())
-    after = cp.apply_context_parallel(model, chunks=cp.SequenceLayout(8, 2, zigzag=True)).state_dict()
+    after = cp.apply_context_parallel(
+        model, chunks=context_chunks.SequenceLayout(8, 2, zigzag=True)
+    ).state_dict()
     return before, {key.replace("0.embedding.", "0."): value for key, value in after.items()}
 
 

@@ -15,7 +15,7 @@ from course_lib.distributed import comm, runtime
 from course_lib.distributed.launch import launch
 from course_lib.errors import UserError
 from course_lib.parallel import context as cp
-from course_lib.parallel import ulysses
+from course_lib.parallel import context_chunks, ulysses
 from course_lib.parallel.memory import saved_tensor_bytes
 
 BATCH, HEADS, HEAD_DIM = 2, 12, 4  # 12 heads divide by 1, 2, 3 and 4
@@ -46,7 +46,7 @@ def _against_one_process(attend, local, causal: bool, seq: int):
 
 def _ulysses_against_one_process(causal: bool, seq: int):
     rank, size = runtime.rank(), runtime.world_size()
-    layout = cp.SequenceLayout(seq, size, zigzag=False)
+    layout = context_chunks.SequenceLayout(seq, size, zigzag=False)
     return _against_one_process(
         lambda q, k, v: ulysses.ulysses_attention(q, k, v, layout=layout, causal=causal),
         lambda t: layout.local(t, rank, dim=2),
@@ -64,7 +64,7 @@ def _assert_equal(results, theory):
 
 @pytest.mark.parametrize("degree", [1, 2, 3, 4])
 def test_ulysses_equals_one_process_forward_and_backward_and_sends_what_theory_says(degree):
-    layout = cp.SequenceLayout(SEQ, degree, zigzag=False)
+    layout = context_chunks.SequenceLayout(SEQ, degree, zigzag=False)
     per_token = BATCH * HEADS * HEAD_DIM * 4
     for causal in (False, True):
         results = launch(_ulysses_against_one_process, degree, causal, SEQ)
@@ -76,12 +76,12 @@ def test_ulysses_equals_one_process_forward_and_backward_and_sends_what_theory_s
 def test_the_byte_theory_is_the_papers_count_and_falls_with_the_degree():
     per_token, seq = 1, 4096
     for degree in (2, 4, 8):
-        layout = cp.SequenceLayout(seq, degree, zigzag=False)
+        layout = context_chunks.SequenceLayout(seq, degree, zigzag=False)
         sent = ulysses.ulysses_bytes_per_rank(layout, 0, bytes_per_token=per_token)
         # four all-to-alls forward, four backward, each (U-1)/U of the S/U tokens a rank holds
         assert sent == 8 * (degree - 1) * seq // degree**2
-        ring = cp.ring_bytes_per_rank(
-            cp.SequenceLayout(seq, degree, zigzag=True), 0, bytes_per_token=2 * per_token
+        ring = context_chunks.ring_bytes_per_rank(
+            context_chunks.SequenceLayout(seq, degree, zigzag=True), 0, bytes_per_token=2 * per_token
         )
         assert ring == 2 * (3 * degree - 2) * seq // degree  # K and V, forward and backward
         assert sent < ring
@@ -90,7 +90,9 @@ def test_the_byte_theory_is_the_papers_count_and_falls_with_the_degree():
         megatron = 4 * comm.ring_bytes("all_gather", seq * per_token, degree)
         assert sent * degree == 2 * megatron
     bytes_at = [
-        ulysses.ulysses_bytes_per_rank(cp.SequenceLayout(1024 * u, u, zigzag=False), 0, bytes_per_token=1)
+        ulysses.ulysses_bytes_per_rank(
+            context_chunks.SequenceLayout(1024 * u, u, zigzag=False), 0, bytes_per_token=1
+        )
         for u in (2, 4, 8)
     ]
     assert bytes_at == [
@@ -128,7 +130,7 @@ def test_the_usp_hybrid_on_a_2x2_grid_equals_one_process():
 
 def _attention_memory(seq: int):
     size, rank = runtime.world_size(), runtime.rank()
-    layout = cp.SequenceLayout(seq, size, zigzag=False)
+    layout = context_chunks.SequenceLayout(seq, size, zigzag=False)
     q, k, v = (torch.randn(BATCH, HEADS, layout.tokens(rank), HEAD_DIM, requires_grad=True) for _ in range(3))
     with saved_tensor_bytes() as saved:
         ulysses.ulysses_attention(q, k, v, layout=layout, causal=True)
@@ -147,7 +149,7 @@ def _train(degree: int, steps: int, seq: int):
     torch.manual_seed(0)
     inputs, targets, vocabulary = data.zen_windows(seq_len=seq)
     model = models.TinyTransformer(len(vocabulary), d_model=24, n_heads=4, n_layers=2, max_seq_len=seq)
-    layout = cp.SequenceLayout(seq, degree, zigzag=False)
+    layout = context_chunks.SequenceLayout(seq, degree, zigzag=False)
     if degree > 1:
         ulysses.apply_ulysses(model, chunks=layout)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -179,14 +181,15 @@ def test_the_transformer_trains_with_ulysses_like_one_process():
 def _bad_inputs():
     from conftest import user_errors
 
-    layout = cp.SequenceLayout(8, 2, zigzag=False)
+    layout = context_chunks.SequenceLayout(8, 2, zigzag=False)
     return user_errors(
         {
             "heads": lambda: ulysses.ulysses_attention(
                 *(torch.zeros(1, 3, 4, 2) for _ in range(3)), layout=layout
             ),
             "zigzag": lambda: ulysses.ulysses_attention(
-                *(torch.zeros(1, 2, 4, 2) for _ in range(3)), layout=cp.SequenceLayout(8, 2, zigzag=True)
+                *(torch.zeros(1, 2, 4, 2) for _ in range(3)),
+                layout=context_chunks.SequenceLayout(8, 2, zigzag=True),
             ),
             "model": lambda: ulysses.apply_ulysses(
                 models.TinyTransformer(10, d_model=9, n_heads=3, n_layers=1, max_seq_len=8), chunks=layout

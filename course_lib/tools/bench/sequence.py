@@ -41,10 +41,10 @@ import torch.distributed as dist
 from ... import models
 from ...distributed import comm, runtime
 from ...parallel import context as cp
+from ...parallel import context_chunks, ulysses
 from ...parallel import expert as ep
 from ...parallel import sequence as sp
 from ...parallel import tensor as tp
-from ...parallel import ulysses
 from ...parallel.memory import saved_tensor_bytes
 from ...plan.activations import block_activation_elements
 from ..timing import interleaved_medians
@@ -199,11 +199,13 @@ def _one_process_attention(q, k, v, steps: int, warmup: int) -> dict:
     }
 
 
-def _own_blocks(layout: cp.SequenceLayout, rank: int, shape: tuple[int, int, int], generator) -> callable:
+def _own_blocks(
+    layout: context_chunks.SequenceLayout, rank: int, shape: tuple[int, int, int], generator
+) -> callable:
     """This rank's attention blocks, forward and backward, with no messages: its compute alone."""
     batch, heads, head_dim = shape
     q = torch.randn(batch, heads, layout.tokens(rank), head_dim, generator=generator)
-    blocks = [pair for step in cp.ring_schedule(layout) for pair in step[rank]["blocks"]]
+    blocks = [pair for step in context_chunks.ring_schedule(layout) for pair in step[rank]["blocks"]]
     keys = {
         owner: torch.randn(2, batch, heads, layout.tokens(owner), head_dim, generator=generator)
         for owner in range(layout.degree)
@@ -255,7 +257,7 @@ def cp_benchmark(
     }
     result |= _one_process_attention(q, k, v, steps, warmup)
     for zigzag in (False, True):
-        layout = cp.SequenceLayout(seq, degree, zigzag=zigzag)
+        layout = context_chunks.SequenceLayout(seq, degree, zigzag=zigzag)
         mine = [layout.local(t, rank, dim=2).clone() for t in (q, k, v)]
 
         def ring_step(layout=layout, mine=mine):
@@ -286,7 +288,7 @@ def cp_benchmark(
                 "attention_bytes": saved.bytes,
             },
         )
-        work = cp.attention_work(layout)
+        work = context_chunks.attention_work(layout)
         kv_bytes = 2 * batch * heads * head_dim * 4
         compute = [row["compute_ms"] for row in per_rank]
         result[layout_name] = where | {
@@ -297,7 +299,7 @@ def cp_benchmark(
             "compute_max_over_mean": max(compute) / statistics.mean(compute),
             "bytes_per_rank_measured": [row["bytes"] for row in per_rank],
             "bytes_per_rank_theory": [
-                cp.ring_bytes_per_rank(layout, r, bytes_per_token=kv_bytes) for r in range(degree)
+                context_chunks.ring_bytes_per_rank(layout, r, bytes_per_token=kv_bytes) for r in range(degree)
             ],
             "attention_bytes_per_rank": [row["attention_bytes"] for row in per_rank],
             "attention_bytes_theory": [
@@ -339,17 +341,17 @@ def attention_benchmark(
     q, k, v = (torch.randn(batch, heads, seq, head_dim, generator=generator) for _ in range(3))
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     per_token = batch * heads * head_dim * 4  # one token's q (or k, or v) over every head, fp32
-    contiguous, zigzag = (cp.SequenceLayout(seq, degree, zigzag=z) for z in (False, True))
+    contiguous, zigzag = (context_chunks.SequenceLayout(seq, degree, zigzag=z) for z in (False, True))
     methods = {  # name: (attention on this rank's q, k, v; this rank's tokens of a whole tensor; theory)
         "ring_contiguous": (
             lambda a, b, c: cp.ring_attention(a, b, c, layout=contiguous),
             lambda t: contiguous.local(t, rank, dim=2),
-            lambda r: cp.ring_bytes_per_rank(contiguous, r, bytes_per_token=2 * per_token),
+            lambda r: context_chunks.ring_bytes_per_rank(contiguous, r, bytes_per_token=2 * per_token),
         ),
         "ring_zigzag": (
             lambda a, b, c: cp.ring_attention(a, b, c, layout=zigzag),
             lambda t: zigzag.local(t, rank, dim=2),
-            lambda r: cp.ring_bytes_per_rank(zigzag, r, bytes_per_token=2 * per_token),
+            lambda r: context_chunks.ring_bytes_per_rank(zigzag, r, bytes_per_token=2 * per_token),
         ),
         "ulysses": (
             lambda a, b, c: ulysses.ulysses_attention(a, b, c, layout=contiguous),

@@ -213,9 +213,15 @@ file_to_read = argument_type(check_file_to_read)
 
 
 def check_choice(name: str, value: Any, choices: tuple | list) -> Any:
-    """One of ``choices``."""
+    """One of ``choices``, or one line naming them all: the one check of every choice the course offers.
+
+    Args:
+        name: what is chosen, as the caller knows it (``"schedule"``, ``"--sharding"``).
+        value: the choice made.
+        choices: the values allowed.
+    """
     if value not in choices:
-        raise UserError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+        raise UserError(f"unknown {name} {value!r}: choose one of {', '.join(map(str, choices))}")
     return value
 
 

@@ -156,7 +156,8 @@ def load_dataset(name: str, *, data_dir: str | Path = "data", seed: int = 0) -> 
         return load_synthetic_bundle(seed)
     if name == "cifar10":
         return load_cifar10_bundle(data_dir)
-    raise UserError(f"unknown dataset {name!r}: choose one of {', '.join(DATASETS)}")
+    checks.check_choice("dataset", name, DATASETS)
+    raise AssertionError(f"every dataset in DATASETS is loaded above: {name!r} is not")
 
 
 def train_samples(name: str) -> int:
@@ -174,8 +175,7 @@ def train_samples(name: str) -> int:
 
 def check_data_available(name: str, data_dir: str | Path) -> None:
     """Fail fast, before any rank waits for another, when a dataset is unknown or its files are missing."""
-    if name not in DATASETS:
-        raise UserError(f"unknown dataset {name!r}: choose one of {', '.join(DATASETS)}")
+    checks.check_choice("dataset", name, DATASETS)
     if name == "cifar10" and not (Path(data_dir) / "cifar-10-batches-py").is_dir():
         raise UserError(cifar10_missing_message(Path(data_dir)))
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .checks import check_choice
 from .errors import UserError
 
 MODELS = ("digits_cnn", "cifar_cnn", "resnet18")
@@ -250,7 +251,8 @@ def build_model(name: str, *, num_classes: int = 10) -> nn.Module:
         return CifarCNN(num_classes=num_classes)
     if name == "resnet18":
         return resnet18_cifar(num_classes=num_classes)
-    raise UserError(f"unknown model {name!r}: choose one of {', '.join(MODELS)}")
+    check_choice("model", name, MODELS)
+    raise AssertionError(f"every model in MODELS is built above: {name!r} is not")
 
 
 def model_input_shape(name: str) -> tuple[int, int, int]:
@@ -260,8 +262,7 @@ def model_input_shape(name: str) -> tuple[int, int, int]:
 
 
 def check_model_fits_data(model_name: str, dataset_name: str, input_shape: tuple[int, int, int]) -> None:
-    if model_name not in MODELS:
-        raise UserError(f"unknown model {model_name!r}: choose one of {', '.join(MODELS)}")
+    check_choice("model", model_name, MODELS)
     expected = model_input_shape(model_name)
     if tuple(expected) != tuple(input_shape):
         fitting = [m for m in MODELS if model_input_shape(m) == tuple(input_shape)]

@@ -136,7 +136,7 @@ def test_a_bad_layout_is_refused_with_the_rule():
     with pytest.raises(UserError, match="Layout tensor must be a whole number, 1 or more, got 0"):
         Layout(tensor=0)
     with pytest.raises(
-        UserError, match="Layout sharding 'zero3' is unknown: choose one of ddp, zero1, zero2, fsdp"
+        UserError, match="unknown Layout sharding 'zero3': choose one of ddp, zero1, zero2, fsdp"
     ):
         Layout(sharding="zero3")
     with pytest.raises(UserError, match="expert degree 3 must divide data x context = 4"):
@@ -144,7 +144,7 @@ def test_a_bad_layout_is_refused_with_the_rule():
     with pytest.raises(UserError, match="virtual_stages 2 needs schedule='interleaved_1f1b'"):
         Layout(pipeline=2, virtual_stages=2)
     with pytest.raises(
-        UserError, match="Layout context_attention 'all' is unknown: choose one of ring, ulysses"
+        UserError, match="unknown Layout context_attention 'all': choose one of ring, ulysses"
     ):
         Layout(context=2, context_attention="all")
 

@@ -43,7 +43,7 @@ CASES = {
     ),
     "DataParallel sync": (
         lambda: ddp.DataParallel(_odd_model(), sync="fast"),
-        "sync must be one of 'naive', 'bucketed', 'overlapped', got 'fast'",
+        "unknown sync 'fast': choose one of naive, bucketed, overlapped",
     ),
     "DataParallel group": (
         lambda: ddp.DataParallel(_odd_model(), group="all"),
@@ -121,7 +121,7 @@ CASES = {
     "Mesh fraction": (lambda: mesh.Mesh(data=1.5), "the data degree must be a whole number, got 1.5"),
     "Mesh device": (
         lambda: mesh.Mesh(data=dist.get_world_size(), device_type="tpu"),
-        "device_type must be one of 'cpu', 'cuda', got 'tpu'",
+        "unknown device_type 'tpu': choose one of cpu, cuda",
     ),
 }
 

@@ -90,7 +90,7 @@ def test_refuses_to_fork_from_a_process_group_member():
         (lambda: launch("_sum_of_ranks", 2, 0), "fn must be a function to run on every rank, got str"),
         (
             lambda: launch(_sum_of_ranks, 2, 0, backend="mpi"),
-            "backend must be one of 'gloo', 'nccl', 'auto', got 'mpi'",
+            "unknown backend 'mpi': choose one of gloo, nccl, auto",
         ),
         (
             lambda: launch(_sum_of_ranks, 2, 0, timeout_s=float("nan")),

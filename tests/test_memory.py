@@ -6,6 +6,7 @@ import torch
 from course_lib import models
 from course_lib.distributed import runtime
 from course_lib.distributed.launch import launch
+from course_lib.errors import UserError
 from course_lib.parallel import memory
 
 
@@ -23,7 +24,7 @@ def test_traffic_model():
     assert memory.traffic_elements_per_rank(1000, 4, "zero3") == 1.5 * memory.traffic_elements_per_rank(
         1000, 4, "zero1"
     )
-    with pytest.raises(ValueError, match="unknown stage"):
+    with pytest.raises(UserError, match="unknown stage"):
         memory.traffic_elements_per_rank(1000, 4, "zero4")
 
 

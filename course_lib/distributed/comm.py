@@ -28,6 +28,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from ..checks import check_choice
 from ..errors import UserError
 from . import hooks, runtime
 from .calls import POINT_TO_POINT, Call, calls_on, check_tensors, issue
@@ -73,9 +74,7 @@ REDUCE_OPS = {
 def _reduce_op(op: str):
     if op == "mean":
         return dist.ReduceOp.SUM
-    if op not in REDUCE_OPS:
-        raise UserError(f"unknown reduction {op!r}: choose one of sum, mean, min, max, product")
-    return REDUCE_OPS[op]
+    return REDUCE_OPS[check_choice("reduction", op, (*REDUCE_OPS, "mean"))]
 
 
 def _mean_divider(tensor: torch.Tensor, op: str, group) -> Callable[[], None] | None:

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checks import check_int
+from ..checks import check_choice, check_int
 from ..distributed import runtime
 from ..errors import UserError
 from .flat_param import FlatParameter
@@ -155,12 +155,8 @@ def check_units(model: nn.Module, units: list[nn.Module], policy: WrapPolicy) ->
 
 
 def check_options(sharding_strategy: str, cpu_offload: str, mixed_precision: MixedPrecision) -> None:
-    if sharding_strategy not in SHARDING_STRATEGIES:
-        raise UserError(
-            f"unknown sharding strategy {sharding_strategy!r}: choose one of {', '.join(SHARDING_STRATEGIES)}"
-        )
-    if cpu_offload not in OFFLOAD_MODES:
-        raise UserError(f"unknown cpu_offload {cpu_offload!r}: choose one of {', '.join(OFFLOAD_MODES)}")
+    check_choice("sharding strategy", sharding_strategy, SHARDING_STRATEGIES)
+    check_choice("cpu_offload", cpu_offload, OFFLOAD_MODES)
     for role in ("param_dtype", "reduce_dtype", "buffer_dtype"):
         dtype = getattr(mixed_precision, role)
         if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
@@ -246,10 +242,7 @@ def shard_layout(
             "dimension to shard over, e.g. mesh['data']"
         )
     sharding_strategy = sharding_strategy or "FULL_SHARD"
-    if sharding_strategy not in SHARDING_STRATEGIES:
-        raise UserError(
-            f"unknown sharding strategy {sharding_strategy!r}: choose one of {', '.join(SHARDING_STRATEGIES)}"
-        )
+    check_choice("sharding strategy", sharding_strategy, SHARDING_STRATEGIES)
     if sharding_strategy != "HYBRID_SHARD" and hybrid_shard_size is not None:
         raise UserError("hybrid_shard_size only applies to sharding_strategy='HYBRID_SHARD'")
     if mesh is not None:

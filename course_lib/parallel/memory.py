@@ -47,6 +47,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..checks import check_choice
+
 STAGES = ("ddp", "zero1", "zero2", "zero3")
 SHARDING_STAGES = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "fsdp": "zero3"}
 """The one translation between the names a layout shards by (``layout.SHARDINGS``; FSDP is the
@@ -90,8 +92,7 @@ def model_state_bytes(
         optimizer_bytes: bytes of optimizer state per parameter, K (12 for mixed-precision Adam:
             fp32 master weights and two moments; 8 for fp32 Adam).
     """
-    if stage not in STAGES:
-        raise ValueError(f"unknown stage {stage!r}: choose one of {', '.join(STAGES)}")
+    check_choice("stage", stage, STAGES)
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     shard = 1 / world_size
@@ -116,8 +117,7 @@ def traffic_elements_per_rank(num_params: float, world_size: int, stage: str) ->
         world_size: N, the data-parallel ranks.
         stage: ``"ddp"``, ``"zero1"``, ``"zero2"`` or ``"zero3"``.
     """
-    if stage not in STAGES:
-        raise ValueError(f"unknown stage {stage!r}: choose one of {', '.join(STAGES)}")
+    check_choice("stage", stage, STAGES)
     passes = 3 if stage == "zero3" else 2
     return passes * (world_size - 1) / world_size * num_params
 

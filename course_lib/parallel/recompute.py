@@ -47,6 +47,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .. import models
+from ..checks import check_choice
 from ..errors import UserError
 
 POLICIES = ("none", "full", "selective")
@@ -100,8 +101,7 @@ def recompute_modules(
         saved_ops: with ``"selective"``, the operations (``torch.ops.aten.*`` overloads) whose
             results are kept; everything else is recomputed.
     """
-    if policy not in POLICIES:
-        raise UserError(f"unknown recomputation policy {policy!r}: choose one of {', '.join(POLICIES)}")
+    check_choice("recomputation policy", policy, POLICIES)
     if policy == "none":
         return
     if policy == "full":

@@ -75,6 +75,7 @@ MLSys 2023 (arXiv:2205.05198), section 4 (equations 1-4) and 4.2.2 (sequence par
 
 from __future__ import annotations
 
+from ..checks import check_choice
 from ..errors import UserError
 from ..parallel.pipeline import peak_activations_theory
 from ..parallel.recompute import POLICIES as RECOMPUTATION_POLICIES
@@ -118,10 +119,7 @@ def block_activation_elements(
         raise UserError(
             "regather_in_backward is a sequence-parallel variant: pass sequence_parallel=True too"
         )
-    if recomputation not in RECOMPUTATION_POLICIES:
-        raise UserError(
-            f"unknown recomputation {recomputation!r}: choose one of {', '.join(RECOMPUTATION_POLICIES)}"
-        )
+    check_choice("recomputation", recomputation, RECOMPUTATION_POLICIES)
     t = tensor_degree
     tokens = seq / context_degree  # this rank's share of each sequence
     sbh, sb = tokens * batch * d_model, tokens * batch

@@ -34,6 +34,7 @@ from dataclasses import dataclass, fields, replace
 
 from torch import nn
 
+from ..checks import check_choice
 from ..distributed import comm
 from ..errors import UserError
 from ..models import Block, Embedding, LMHead
@@ -108,10 +109,7 @@ class Layout:
             ("precision", PRECISIONS),
             ("context_attention", CONTEXT_ATTENTION),
         ):
-            if getattr(self, name) not in choices:
-                raise UserError(
-                    f"Layout {name} {getattr(self, name)!r} is unknown: choose one of {', '.join(choices)}"
-                )
+            check_choice(f"Layout {name}", getattr(self, name), choices)
         if (self.data * self.context) % self.expert:
             raise UserError(
                 f"expert degree {self.expert} must divide data x context = {self.data * self.context}: "
@@ -189,7 +187,8 @@ def data_parallel_wrapper(model: nn.Module, *, sharding: str, group=None) -> nn.
         return fsdp.FullyShardedDataParallel(
             model, group=group, auto_wrap_policy=recompute.recomputation_units(model)
         )
-    raise UserError(f"unknown sharding {sharding!r}: choose one of {', '.join(SHARDINGS)}")
+    check_choice("sharding", sharding, SHARDINGS)
+    raise AssertionError(f"every sharding in SHARDINGS has its wrapper above: {sharding!r} has none")
 
 
 # #region compose

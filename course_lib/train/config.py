@@ -170,14 +170,9 @@ def validate_config(config: TrainConfig, world_size: int, ranks_per_node: int | 
     models.check_model_fits_data(config.model, config.dataset, data.INPUT_SHAPES[config.dataset])
     data.per_rank_batch_size(config.global_batch_size, world_size, grad_accum_steps=config.grad_accum)
     steps_per_epoch(config)
-    if config.recompute not in recompute.POLICIES:
-        raise UserError(
-            f"unknown --recompute {config.recompute!r}: choose one of {', '.join(recompute.POLICIES)}"
-        )
-    if config.precision not in PRECISIONS:
-        raise UserError(f"unknown precision {config.precision!r}: choose one of {', '.join(PRECISIONS)}")
-    if config.optimizer not in OPTIMIZERS:
-        raise UserError(f"unknown optimizer {config.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+    checks.check_choice("--recompute", config.recompute, recompute.POLICIES)
+    checks.check_choice("precision", config.precision, PRECISIONS)
+    checks.check_choice("optimizer", config.optimizer, OPTIMIZERS)
     _check_sharding_flags(config)
     hybrid = ("fsdp", "course", 3, "HYBRID_SHARD")
     if (config.strategy, config.impl, config.zero_stage, config.sharding) == hybrid:
@@ -256,14 +251,8 @@ def _check_sharding_flags(config: TrainConfig) -> None:
             "--zero-stage must be 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters: FSDP), got "
             f"{config.zero_stage}"
         )
-    if config.sharding not in SHARDING_STRATEGIES:
-        raise UserError(
-            f"unknown --sharding {config.sharding!r}: choose one of {', '.join(SHARDING_STRATEGIES)}"
-        )
-    if config.cpu_offload not in OFFLOAD_MODES:
-        raise UserError(
-            f"unknown --cpu-offload {config.cpu_offload!r}: choose one of {', '.join(OFFLOAD_MODES)}"
-        )
+    checks.check_choice("--sharding", config.sharding, SHARDING_STRATEGIES)
+    checks.check_choice("--cpu-offload", config.cpu_offload, OFFLOAD_MODES)
     fsdp_only = [name for name in changed if name not in ("zero_stage",)]
     if config.zero_stage != 3 and fsdp_only:
         flags = ", ".join("--" + name.replace("_", "-") for name in fsdp_only)

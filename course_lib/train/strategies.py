@@ -33,6 +33,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from ..checks import check_choice
 from ..distributed.runtime import ProcessInfo
 from ..errors import UserError
 from ..models import sharding_units
@@ -46,8 +47,7 @@ IMPLEMENTATIONS = ("torch", "course")
 
 def check_strategy(strategy: str, impl: str, world_size: int) -> None:
     """Reject impossible combinations before any process waits for another."""
-    if strategy not in STRATEGIES:
-        raise UserError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    check_choice("strategy", strategy, STRATEGIES)
     if impl not in IMPLEMENTATIONS:
         raise UserError(f"unknown implementation {impl!r}: choose torch or course")
     if strategy == "single" and world_size > 1:

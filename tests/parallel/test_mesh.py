@@ -272,5 +272,5 @@ def test_heads_that_the_context_ranks_cannot_share_are_refused_under_ulysses():
 
     with pytest.raises(UserError, match="2 attention heads do not divide by the Ulysses degree 4"):
         check_run(8, 1, 1, 2, 16, 2, 4, 64, 4, context=4, context_attention="ulysses")
-    with pytest.raises(UserError, match="Layout context_attention 'both' is unknown"):
+    with pytest.raises(UserError, match="unknown Layout context_attention 'both'"):
         check_run(2, 1, 1, 1, 16, 2, 4, 64, 4, context=2, context_attention="both")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import KW_ONLY, dataclass
 
+from ...checks import check_choice
 from ...errors import UserError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v", "dualpipe_v")
@@ -114,8 +115,7 @@ def splits_backward(actions: dict[int, list[Action]] | list[Action]) -> bool:
 def check_schedule_arguments(
     schedule: str, pipeline_size: int, microbatches: int, *, virtual_stages: int = 1
 ) -> None:
-    if schedule not in SCHEDULES:
-        raise UserError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
+    check_choice("schedule", schedule, SCHEDULES)
     if pipeline_size < 1 or microbatches < 1 or virtual_stages < 1:
         raise UserError("pipeline size, micro-batches and virtual stages must all be at least 1")
     if schedule in V_SHAPED:

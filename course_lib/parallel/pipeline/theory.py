@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from ...checks import check_choice
 from ...errors import UserError
 from .actions import COMPUTE, SCHEDULES, SPLIT_BACKWARD, Action, splits_backward
 
@@ -119,8 +120,7 @@ def _refuse_weight_time(schedule: str) -> None:
 
 def _times(schedule, forward_time, backward_time, weight_time) -> tuple[float, float, float]:
     """T_F, T_B and T_W with their defaults: a whole backward of 2 forwards, or B = W = 1 forward."""
-    if schedule not in SCHEDULES:
-        raise UserError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
+    check_choice("schedule", schedule, SCHEDULES)
     _check_times(schedule, weight_time)
     split = schedule in SPLIT_BACKWARD
     backward = (1.0 if split else 2.0) * forward_time if backward_time is None else backward_time

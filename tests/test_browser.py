@@ -41,7 +41,7 @@ pytestmark = pytest.mark.browser
 NOTEBOOKS = notebooks.notebook_paths()
 # Seconds each notebook may take from Run All to its last cell, on a 2-core machine that is also
 # running the rest of the test suite. A student's laptop takes a fraction of it.
-BUDGET_S = {"08_strong_scaling": 300}
+BUDGET_S = {"05_strong_scaling": 300}
 DEFAULT_BUDGET_S = 180
 ARTIFACTS = Path(os.environ.get("COURSE_TEST_ARTIFACTS", REPO / "test-artifacts")) / "notebooks"
 

@@ -12,7 +12,7 @@ different N train the *same* model. On one CPU, where every sum runs in the same
 accuracy column is then the same at every N, to the last digit; on GPUs it may move by
 floating-point noise (NCCL's reductions and cuDNN's kernels add in another order, TF32 rounds),
 but never by more than two runs with different seeds differ: that run-to-run noise is the bar,
-and notebook 08 measures it. A change larger than it means something is wrong with the
+and notebook 05 measures it. A change larger than it means something is wrong with the
 distribution, not with the hardware.
 
 This file turns a run's metrics (the JSON lines ``course_lib.train --metrics`` writes) into the

@@ -43,7 +43,7 @@ def notebook_paths(names: list[str] | None = None) -> list[Path]:
     """The course's notebooks in order, or those named (with or without ``.ipynb``).
 
     Args:
-        names: notebook names such as ``06_pipeline_parallel``; None for all of them.
+        names: notebook names such as ``07_pipeline_schedules``; None for all of them.
     """
     every = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
     if not names:
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     run_parser = commands.add_parser("run", help="execute notebooks in place and save their outputs")
     run_parser.add_argument(
-        "names", nargs="*", help="notebooks to run (default: all), e.g. 06_pipeline_parallel"
+        "names", nargs="*", help="notebooks to run (default: all), e.g. 07_pipeline_schedules"
     )
     commands.add_parser(
         "check", help="check the committed outputs: images where cells draw, no machine paths"

@@ -15,8 +15,10 @@ then ``tensor.apply_tensor_parallel`` (or ``sequence.apply_sequence_parallel``),
 ``vocab.apply_vocabulary_parallel``, ``context.apply_context_parallel`` (or
 ``ulysses.apply_ulysses``), ``recompute.apply_recomputation`` (recompute what the parallel layers
 compute) and last the data axis's wrapper (DDP, ZeRO or FSDP, whose hooks must wrap everything
-else). ``layout_loss`` and ``finish_gradients`` are the rest of a training step: the loss of the
-split logits, and the gradient reductions no wrapper makes.
+else). Pipelining is the outer verb (``pipeline.apply_pipeline_parallel``): it cuts the model and
+returns this rank's stages with the schedule that runs them. ``parallelize`` returns a
+``ParallelModel``: the stages, and the rest of a training step (``layout_loss``, the loss of the
+split logits; ``finish_gradients``, the gradient reductions no wrapper makes).
 
 The planner (``cost_model``) predicts a layout's memory, traffic and step time; the mesh's order
 puts the tensor axis innermost, on the fastest links, then context, data and pipeline outermost:
@@ -29,15 +31,16 @@ place them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from collections.abc import Callable, Iterator
+from dataclasses import KW_ONLY, dataclass, fields, replace
+from typing import Any
 
 from torch import nn
 
 from ..checks import check_choice
 from ..distributed import comm
 from ..errors import UserError
-from ..models import Block, Embedding, LMHead
+from ..models import Block, Embedding, LMHead, TinyTransformer
 from ..parallel import context, ddp, fsdp, memory, pipeline, recompute, sequence, tensor, ulysses, vocab, zero
 from ..parallel.context_chunks import SequenceLayout
 from ..parallel.mesh import AXES
@@ -194,24 +197,23 @@ def data_parallel_wrapper(model: nn.Module, *, sharding: str, group=None) -> nn.
 # #region compose
 def parallelize(
     model: nn.Module, mesh, layout: Layout, *, seq_len: int, data_parallel: bool = True
-) -> dict[int, nn.Module]:
-    """This rank's stages of a dense ``TinyTransformer``, laid out as ``layout`` on ``mesh``.
+) -> ParallelModel:
+    """A dense ``TinyTransformer`` laid out as ``layout`` on ``mesh``: what a training step calls.
 
-    Returns {stage index: module}, what ``parallel.pipeline.PipelineExecutor`` takes (one stage
-    without pipeline parallelism, index 0). Every rank must start from the same weights (the same
-    seed). Under pipeline parallelism the data axis is averaged by the caller after the
-    executor's step (as ``parallel.three_d`` does), so only ``sharding="ddp"`` runs there; with
-    context parallelism the caller also sums each parameter's gradient over the context group.
-    With ``loss_parallel`` and T > 1 the last stage returns this rank's slice of the logits over
-    the vocabulary: take the loss with ``parallel.vocab.vocab_parallel_cross_entropy``.
+    Pipelining is the outer verb (``pipeline.apply_pipeline_parallel``: this rank's stages and the
+    schedule that runs them); every other technique is then applied inside each stage, in
+    torchtitan's order. The result (``ParallelModel``) holds the stages, the loss of the split
+    logits and the gradient reductions no wrapper makes. Every rank must start from the same
+    weights (the same seed). Under pipeline parallelism the data axis is averaged after the
+    executor's step (``finish_gradients``), so only ``sharding="ddp"`` runs there.
 
     Args:
         model: the dense transformer, cut and changed in place.
         mesh: a ``parallel.mesh.Mesh`` with the layout's degrees.
         layout: the layout (its ``expert`` degree must be 1: the transformer has no MoE layers).
         seq_len: tokens per sequence (context parallelism cuts it).
-        data_parallel: wrap the stage for the data axis; False leaves the data axis to the
-            caller (``parallel.three_d`` averages every gradient itself after the step).
+        data_parallel: wrap the stage for the data axis; False leaves the data axis to
+            ``finish_gradients``, which averages every gradient after the step.
     """
     for axis in AXES:
         if mesh.degrees[axis] != layout.degree(axis):
@@ -219,6 +221,11 @@ def parallelize(
                 f"the mesh's {axis} degree is {mesh.degrees[axis]} but the layout's is "
                 f"{layout.degree(axis)}: build the mesh from the layout"
             )
+    if not isinstance(model, TinyTransformer):
+        raise UserError(
+            f"parallelize lays out the course's models.TinyTransformer, got {type(model).__name__}: apply "
+            "the techniques' own verbs (apply_tensor_parallel, ...) to other models"
+        )
     if layout.expert > 1:
         raise UserError("the course's TinyTransformer has no MoE layers: use expert=1 (see parallel.expert)")
     if data_parallel and layout.pipeline > 1 and layout.sharding != "ddp":
@@ -226,14 +233,12 @@ def parallelize(
             f"sharding {layout.sharding!r} under pipeline parallelism: the pipeline's data axis is averaged "
             "after the executor's step; use sharding='ddp'"
         )
-    num_stages = layout.pipeline * layout.virtual_stages
-    pieces = pipeline.split_model(model, num_stages)
-    coordinate = mesh.coordinates.pipeline
-    on_this_rank = pipeline.stages_on_rank(coordinate, layout.pipeline, virtual_stages=layout.virtual_stages)
-    stages = {s: pieces[s] for s in on_this_rank}
-
+    d_model, vocab_size = model.d_model, model.vocab_size
+    stages = pipeline.apply_pipeline_parallel(
+        model, schedule=layout.schedule, virtual_stages=layout.virtual_stages, group=mesh.group("pipeline")
+    )
     tensor_group, sp = mesh.group("tensor"), layout.sequence_parallel
-    for index, stage in stages.items():
+    for index, stage in stages.stages.items():
         if layout.tensor > 1 and any(isinstance(m, Block) for m in stage.modules()):
             if sp:  # Megatron-LM's sequence parallelism, the input's shard regathered in backward
                 sequence.apply_sequence_parallel(stage, group=tensor_group, regather_in_backward=True)
@@ -251,11 +256,86 @@ def parallelize(
             apply_context(stage, chunks=layout.sequence_layout(seq_len), group=mesh.group("context"))
         recompute.apply_recomputation(stage, policy=layout.recomputation)
         if wraps_data_axis(layout, data_parallel=data_parallel):
-            stages[index] = data_parallel_wrapper(stage, sharding=layout.sharding, group=mesh.group("data"))
-    return stages
+            stages.stages[index] = data_parallel_wrapper(
+                stage, sharding=layout.sharding, group=mesh.group("data")
+            )
+    loss_fn = layout_loss(layout, mesh, vocab_size=vocab_size, seq_len=seq_len)
+    return ParallelModel(
+        stages, mesh, layout, loss_fn, seq_len=seq_len, d_model=d_model, data_parallel=data_parallel
+    )
 
 
 # #endregion compose
+
+
+@dataclass
+class ParallelModel:
+    """What ``parallelize`` returns: this rank's share of the model and the rest of a training step.
+
+    A step is ``loss = model.forward_backward(x, y, executor)`` (the pipeline's schedule, or the
+    lone stage's forward and backward), then ``model.finish_gradients()``, then the optimizer's
+    step over ``model.parameters()``.
+
+    Args:
+        pipeline: this rank's stages and their schedule (``pipeline.apply_pipeline_parallel``).
+        mesh: the mesh the layout was applied on.
+        layout: the layout.
+        loss_fn: the loss of one micro-batch on this rank (``layout_loss``).
+        seq_len: tokens of a whole sequence.
+        d_model: the width of the activations the stages send each other.
+        data_parallel: whether the stages were wrapped for the data axis.
+    """
+
+    pipeline: pipeline.Pipeline
+    mesh: Any
+    layout: Layout
+    loss_fn: Callable
+    _: KW_ONLY
+    seq_len: int
+    d_model: int
+    data_parallel: bool = True
+
+    @property
+    def stages(self) -> dict[int, nn.Module]:
+        """{stage index: module}: the stages this rank holds (index 0 alone without a pipeline)."""
+        return self.pipeline.stages
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.pipeline.parameters()
+
+    def executor(self, *, micro_batch: int, microbatches: int, measure_memory: bool = False):
+        """The schedule run on this rank's stages, for micro-batches of ``micro_batch`` sequences.
+
+        What one stage sends the next: this rank's tokens (1/C of each sequence under context
+        parallelism, 1/T of those again under sequence parallelism) of ``d_model`` values each.
+
+        Args:
+            micro_batch: sequences per micro-batch.
+            microbatches: m, micro-batches per step.
+            measure_memory: count what every forward leaves alive for its backward (slow).
+        """
+        coordinate = self.mesh.coordinates.context
+        tokens = self.layout.sequence_layout(self.seq_len).tokens(coordinate)
+        tokens //= self.layout.tensor if self.layout.sequence_parallel else 1
+        return self.pipeline.executor(
+            microbatches=microbatches,
+            loss_fn=self.loss_fn,
+            boundary_shape=(micro_batch, tokens, self.d_model),
+            measure_memory=measure_memory,
+        )
+
+    def forward_backward(self, inputs, targets, executor=None):
+        """One step's forwards and backwards: the schedule (``executor``) under a pipeline, else
+        the lone stage's; the loss (on the last stage; None elsewhere)."""
+        if executor is not None:
+            return executor.step(inputs, targets)
+        loss = self.loss_fn(self.stages[0](inputs), targets)
+        loss.backward()
+        return loss.detach()
+
+    def finish_gradients(self) -> None:
+        """The gradient reductions no wrapper made (``finish_gradients``)."""
+        finish_gradients(self.stages, self.mesh, self.layout, data_parallel=self.data_parallel)
 
 
 def wraps_data_axis(layout: Layout, *, data_parallel: bool = True) -> bool:

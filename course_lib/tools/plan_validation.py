@@ -41,10 +41,9 @@ from ..data import zen_windows
 from ..distributed import comm, environment, runtime
 from ..errors import UserError
 from ..parallel import memory
-from ..parallel import pipeline as pp
 from ..parallel.mesh import Mesh
 from ..plan import cost_model, flops, scaling, specs
-from ..plan.layout import Layout, finish_gradients, layout_loss, parallelize
+from ..plan.layout import Layout, parallelize
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,37 +135,23 @@ def measure_layout(layout: Layout, sweep: Sweep = SWEEP) -> dict | None:
     layout = course_layout(layout, sweep)
     seq_len = sweep.seq_len
     mesh = Mesh(data=layout.data, pipeline=layout.pipeline, context=layout.context, tensor=layout.tensor)
-    inputs, targets, vocabulary = zen_windows(seq_len=seq_len)
-    stages = parallelize(sweep.model(), mesh, layout, seq_len=seq_len)
-    params = [p for stage in stages.values() for p in stage.parameters()]
-    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    inputs, targets, _ = zen_windows(seq_len=seq_len)
+    model = parallelize(sweep.model(), mesh, layout, seq_len=seq_len)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     mine = torch.arange(sweep.global_batch)[mesh.coordinates.data :: layout.data]
     x, y = inputs[mine], targets[mine]
     sequence = layout.sequence_layout(seq_len)
     if layout.context > 1:
         x, y = (sequence.local(t, mesh.coordinates.context) for t in (x, y))
 
-    loss_fn = layout_loss(layout, mesh, vocab_size=len(vocabulary), seq_len=seq_len)
-
-    # what one stage sends the next: this rank's tokens, 1/T of them under sequence parallelism
-    boundary_tokens = x.shape[1] // (layout.tensor if layout.sequence_parallel else 1)
     executors = {}
     if layout.pipeline > 1:  # one counts the memory in flight (slowly), the other is timed
         for measuring in (True, False):
-            executors[measuring] = pp.PipelineExecutor(
-                stages,
-                layout.pipeline,
-                layout.schedule,
-                len(mine) // layout.micro_batch,
-                loss_fn,
-                (layout.micro_batch, boundary_tokens, sweep.d_model),
-                group=mesh.group("pipeline"),
+            executors[measuring] = model.executor(
+                micro_batch=layout.micro_batch,
+                microbatches=len(mine) // layout.micro_batch,
                 measure_memory=measuring,
             )
-    stage = stages[min(stages)]
-
-    def loss_of(logits):
-        return loss_fn(logits, y)
 
     def step(executor=None, counter: OperationCounter | None = None) -> None:
         optimizer.zero_grad()
@@ -175,15 +160,12 @@ def measure_layout(layout: Layout, sweep: Sweep = SWEEP) -> dict | None:
         optimizer.step()
 
     def forward_backward(executor) -> None:
-        if executor is not None:
-            executor.step(x, y)
-        else:
-            loss_of(stage(x)).backward()
-        finish_gradients(stages, mesh, layout)  # one collective for each axis, as the model counts them
+        model.forward_backward(x, y, executor)
+        model.finish_gradients()  # one collective for each axis, as the model counts them
 
     if not executors:  # what one forward leaves alive for its backward (its loss included)
         with memory.live_tensor_bytes() as live:
-            loss = loss_of(stage(x))
+            loss = model.loss_fn(model.stages[0](x), y)
             activation_bytes = live.now
             loss.backward()
         optimizer.zero_grad()
@@ -200,7 +182,8 @@ def measure_layout(layout: Layout, sweep: Sweep = SWEEP) -> dict | None:
         sent = log.bytes_per_rank()
     counter = OperationCounter()
     step(executors.get(False), counter)
-    states = memory.measure_model_states(stage, optimizer=optimizer) if len(stages) == 1 else None
+    stage, *others = model.stages.values()  # one stage a rank, but with virtual stages
+    states = None if others else memory.measure_model_states(stage, optimizer=optimizer)
     record = {
         "operations": counter.operations,
         "model_state_bytes": states.total if states else None,

@@ -41,15 +41,15 @@ from ..distributed import comm, runtime
 from ..errors import UserError
 from ..observe import anatomy, profiling
 from ..parallel import context_chunks, ulysses
-from ..parallel import pipeline as pp
 from ..parallel import tensor as tp
 from ..parallel.mesh import Mesh, check_degrees, rank_at
-from ..plan.layout import Layout, finish_gradients, layout_loss, parallelize
+from ..plan.layout import Layout, parallelize
 
 
 def local_layout(
     mesh: Mesh,
     *,
+    schedule: str = "1f1b",
     recomputation: str = "none",
     sequence_parallel: bool = False,
     context_attention: str = "ring",
@@ -60,6 +60,7 @@ def local_layout(
     return Layout(
         **degrees,
         sharding="ddp",
+        schedule=schedule,
         recomputation=recomputation,
         precision="fp32",
         sequence_parallel=sequence_parallel,
@@ -169,6 +170,7 @@ def train_3d(
     mesh = Mesh(data=data, pipeline=pipeline, context=context, tensor=tensor)
     plan = local_layout(
         mesh,
+        schedule=schedule,
         recomputation=recompute,
         sequence_parallel=sequence_parallel,
         context_attention=context_attention,
@@ -180,19 +182,9 @@ def train_3d(
     model = models.TinyTransformer(
         len(vocabulary), d_model=d_model, n_heads=n_heads, n_layers=n_layers, max_seq_len=seq_len
     )
-    stages = parallelize(model, mesh, plan, seq_len=seq_len, data_parallel=False)
-    optimizer = torch.optim.AdamW([p for stage in stages.values() for p in stage.parameters()], lr=lr)
-    micro = global_batch // data // microbatches
-    executor = pp.PipelineExecutor(
-        stages,
-        pipeline,
-        schedule,
-        microbatches,
-        layout_loss(plan, mesh, vocab_size=len(vocabulary), seq_len=seq_len),
-        # what a stage sends: this rank's tokens, cut again over the tensor ranks under sequence parallelism
-        (micro, chunks.tokens(my_chunk) // (tensor if sequence_parallel else 1), d_model),
-        group=mesh.group("pipeline"),
-    )
+    model = parallelize(model, mesh, plan, seq_len=seq_len, data_parallel=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    executor = model.executor(micro_batch=global_batch // data // microbatches, microbatches=microbatches)
     generator = torch.Generator().manual_seed(seed)
     losses = []
     reporter = rank_at(mesh.degrees, pipeline=pipeline - 1)  # a rank of the last stage
@@ -209,7 +201,7 @@ def train_3d(
                     chunks.local(inputs[mine], my_chunk), chunks.local(targets[mine], my_chunk)
                 )
             with anatomy.phase("gradients"):  # sequence, context and data: the gradient of the whole batch
-                finish_gradients(stages, mesh, plan, data_parallel=False)
+                model.finish_gradients()
             with anatomy.phase("optimizer"):
                 optimizer.step()
         if profiler is not None and profiler.complete:

@@ -86,12 +86,14 @@ def _single_grads():
 
 def _course_pipeline(schedule: str, m: int, v: int):
     model, inputs, targets = _model_and_batch()
+    pipeline = pp.apply_pipeline_parallel(model, schedule=schedule, virtual_stages=v)  # the outer verb
     p, rank = runtime.world_size(), runtime.rank()
-    stages = pp.split_model(model, p * v)
-    mine = {s: stages[s] for s in range(p * v) if pp.rank_of_stage(s, p) == rank}
-    executor = pp.PipelineExecutor(mine, p * v, schedule, m, models.lm_loss, (BATCH // m, SEQ, D_MODEL))
+    assert sorted(pipeline.stages) == [s for s in range(p * v) if pp.rank_of_stage(s, p) == rank]
+    executor = pipeline.executor(
+        microbatches=m, loss_fn=models.lm_loss, boundary_shape=(BATCH // m, SEQ, D_MODEL)
+    )
     loss = executor.step(inputs, targets)
-    return loss, _named_grads(model, mine.values()), executor.stats.peak_activations
+    return loss, _named_grads(model, pipeline.stages.values()), executor.stats.peak_activations
 
 
 @pytest.fixture(scope="module")
@@ -211,6 +213,10 @@ def test_bad_inputs_get_clear_errors():
         pp.build_schedule("1f1b", 2, 4, virtual_stages=2)
     with pytest.raises(UserError, match="cut points"):
         pp.split_model(model, 3, cut_points=[5, 2])
+    with pytest.raises(UserError, match="model must be an nn.Sequential of layers"):
+        pp.apply_pipeline_parallel(torch.nn.Linear(2, 2))
+    with pytest.raises(UserError, match="unknown schedule 'zero_bubble'"):
+        pp.apply_pipeline_parallel(model, schedule="zero_bubble")
     message = launch(_uneven_batch, 2)[0]
     assert "a batch of 8 samples does not split into 3 equal micro-batches" in message
 

@@ -247,7 +247,7 @@ def _context_and_sequence_parallel(loss_parallel: bool, attention: str):
         context_attention=attention,
     )
     mesh = Mesh(context=2, tensor=2)
-    model = parallelize(copy.deepcopy(dense), mesh, layout, seq_len=seq_len)[0]
+    model = parallelize(copy.deepcopy(dense), mesh, layout, seq_len=seq_len).stages[0]
     tokens = layout.sequence_layout(seq_len)
     x, y = (tokens.local(t, mesh.coordinates.context) for t in (x, y))
     logits = model(x)

@@ -45,8 +45,9 @@ Read in this order: ``actions.py`` (what a schedule is made of, and which rank h
 stage), ``schedules.py`` (each rank's list of actions, and the checker that replays them),
 ``zero_bubble.py`` (the split backward and its three schedules), ``theory.py`` (the bubble and
 the memory in closed form, and a simulator), ``executor.py`` (the model cut into stages, and one
-rank's schedule run with real sends and receives). ``torch.distributed.pipelining`` is PyTorch's
-twin; the tests hold the two equal.
+rank's schedule run with real sends and receives), ``apply.py`` (the outer verb,
+``apply_pipeline_parallel``: this rank's stages and the schedule that runs them).
+``torch.distributed.pipelining`` is PyTorch's twin; the tests hold the two equal.
 """
 
 from .actions import (
@@ -61,6 +62,7 @@ from .actions import (
     splits_backward,
     stages_on_rank,
 )
+from .apply import Pipeline, apply_pipeline_parallel
 from .executor import (
     PipelineExecutor,
     PipelineStats,
@@ -95,6 +97,7 @@ __all__ = [
     "BackwardSplitter",
     "COMPUTE",
     "ORDERS",
+    "Pipeline",
     "PipelineExecutor",
     "PipelineStats",
     "SCHEDULES",
@@ -104,6 +107,7 @@ __all__ = [
     "bubble_fraction_theory",
     "bubble_overhead_theory",
     "bubble_time_theory",
+    "apply_pipeline_parallel",
     "build_schedule",
     "check_schedule",
     "check_schedule_arguments",

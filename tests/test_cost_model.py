@@ -147,6 +147,8 @@ def test_a_bad_layout_is_refused_with_the_rule():
         UserError, match="unknown Layout context_attention 'all': choose one of ring, ulysses"
     ):
         Layout(context=2, context_attention="all")
+    with pytest.raises(UserError, match="the planner does not lay out 'zb_h1' yet"):
+        Layout(pipeline=2, schedule="zb_h1")
 
 
 def test_the_plan_ranks_what_fits_fastest_first():

@@ -105,6 +105,12 @@ class Layout:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UserError(f"Layout {name} must be a whole number, 1 or more, got {value!r}")
+        if self.schedule in pipeline.SCHEDULES and self.schedule not in SCHEDULES:
+            raise UserError(
+                f"the planner does not lay out {self.schedule!r} yet: its bubble and memory are taught "
+                "in parallel.pipeline (notebook 08), but the cost model prices only "
+                f"{', '.join(SCHEDULES)}: choose one of them"
+            )
         for name, choices in (
             ("sharding", SHARDINGS),
             ("recomputation", recompute.POLICIES),

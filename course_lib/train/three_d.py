@@ -176,7 +176,6 @@ def train_3d(
         context_attention=context_attention,
     )
     chunks = plan.sequence_layout(seq_len)  # how the context ranks cut each sequence
-    my_chunk = mesh.coordinates.context
     inputs, targets, vocabulary = zen_windows(seq_len=seq_len)
     torch.manual_seed(seed)
     model = models.TinyTransformer(
@@ -193,23 +192,28 @@ def train_3d(
         # the same draw everywhere
         batch = torch.randint(0, len(inputs), (global_batch,), generator=generator)
         mine = batch[mesh.coordinates.data :: data]  # this replica's share
+        x, y = (chunks.local(t[mine], mesh.coordinates.context) for t in (inputs, targets))
         with profiler.step() if profiler else contextlib.nullcontext():
-            with anatomy.phase("optimizer"):
-                optimizer.zero_grad()
-            with anatomy.phase("pipeline"):  # forward and backward of every micro-batch
-                loss = executor.step(
-                    chunks.local(inputs[mine], my_chunk), chunks.local(targets[mine], my_chunk)
-                )
-            with anatomy.phase("gradients"):  # sequence, context and data: the gradient of the whole batch
-                model.finish_gradients()
-            with anatomy.phase("optimizer"):
-                optimizer.step()
+            loss = _step(model, executor, optimizer, x, y)
         if profiler is not None and profiler.complete:
             profiler.finish()
         losses.append(_reported_loss(loss, mesh, reporter))
     if profiler is not None:
         profiler.finish()  # fewer steps than it records: what there was
     return losses if runtime.rank() == 0 else None
+
+
+def _step(model, executor, optimizer, x, y) -> torch.Tensor | None:
+    """One optimizer step on this rank's tokens, its phases marked for the anatomy."""
+    with anatomy.phase("optimizer"):
+        optimizer.zero_grad()
+    with anatomy.phase("pipeline"):  # forward and backward of every micro-batch
+        loss = executor.step(x, y)
+    with anatomy.phase("gradients"):  # sequence, context and data: the gradient of the whole batch
+        model.finish_gradients()
+    with anatomy.phase("optimizer"):
+        optimizer.step()
+    return loss
 
 
 def _reported_loss(loss: torch.Tensor | None, mesh: Mesh, reporter: int) -> float:

@@ -215,12 +215,16 @@ def process_info() -> ProcessInfo:
     return _process
 
 
-def shutdown() -> None:
+def shutdown(*, leave_group: bool = True) -> None:
     """Leave the process group cleanly, so that the interpreter never aborts at exit.
 
     Call it after the models, optimizers and DDP/FSDP wrappers are out of scope (return from
     the function that owned them first): ``gc.collect()`` then frees them while the process
     group still exists, which is the order gloo needs.
+
+    Args:
+        leave_group: destroy the process group (a run that ended well); False after an error,
+            when the peers may be gone and the process ends at once (``flush_and_exit``).
     """
     global _process
     # A rank that ends while others wait says so: its record shows the last collective it made.
@@ -229,7 +233,7 @@ def shutdown() -> None:
     gc.collect()
     import torch.distributed as dist
 
-    if dist.is_initialized():
+    if leave_group and dist.is_initialized():
         dist.destroy_process_group()
     _process = None
 

@@ -275,7 +275,8 @@ def run(
     if status not in (0, EXIT_REQUEUE):  # the flight record, if one is kept, says why this rank stopped
         flight_recorder.dump(f"stopped by an error: {why or f'exit status {status}'}")
     # Outside the except blocks: the exception and its traceback (which keeps the model alive) are gone.
-    runtime.shutdown()
+    # After an error the peers may be gone already: the group is left to the process's end.
+    runtime.shutdown(leave_group=status in (0, EXIT_REQUEUE))
     return status
 
 

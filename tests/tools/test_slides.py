@@ -164,7 +164,7 @@ def test_a_snippet_that_no_longer_runs_fails_with_its_slide_and_line(tmp_path):
         """,
     )
     [problem] = slides.check_deck(deck)
-    assert "09-broken.md, slide 3: the python block at line 20 failed: ValueError" in problem
+    assert "09-broken.md, slide 3: the python block at line 20 failed: UserError" in problem
     assert "unknown stage 'zero4'" in problem
     assert f'File "{deck}", line 20' in problem  # the traceback points into the deck itself
 

@@ -46,11 +46,13 @@ def _measure(cases):
     return [_kept(*case) for case in cases]
 
 
+# Each check asks your formulas first, then measures: an unfinished formula says so before any
+# process starts.
 def check_one_process(lab) -> None:
+    said = [lab.one_process_terms(batch=b, seq=s, d_model=d, heads=h) for b, s, d, h in SHAPES]
     measured = on_ranks(1, _measure, [(*shape, False, "none") for shape in SHAPES])[0]
-    for shape, kept in zip(SHAPES, measured, strict=True):
+    for shape, terms, kept in zip(SHAPES, said, measured, strict=True):
         batch, seq, d_model, heads = shape
-        terms = lab.one_process_terms(batch=batch, seq=seq, d_model=d_model, heads=heads)
         assert set(terms) == {"norms", "projection_inputs", "attention", "mlp"}, (
             f"one_process_terms returned the terms {sorted(terms)}, not norms, projection_inputs, attention, mlp"
         )
@@ -65,10 +67,10 @@ def check_tensor_and_sequence_parallel(lab) -> None:
     batch, seq, d_model, heads = 5, 12, 24, 6  # 12 tokens and 6 heads split 2 and 3 ways
     for degree in (2, 3):
         for sequence_parallel in (False, True):
-            kept = on_ranks(degree, _measure, [(batch, seq, d_model, heads, sequence_parallel, "none")])
             one = lab.one_process_terms(batch=batch, seq=seq, d_model=d_model, heads=heads)
             terms = lab.tensor_parallel_terms(one, degree=degree, sequence_parallel=sequence_parallel)
             total = sum(terms.values())
+            kept = on_ranks(degree, _measure, [(batch, seq, d_model, heads, sequence_parallel, "none")])
             what = "sequence parallel" if sequence_parallel else "tensor parallel"
             for rank, measured in enumerate(kept):
                 assert total == measured[0], (
@@ -81,12 +83,15 @@ def check_recomputation(lab) -> None:
     batch, seq, d_model, heads = 5, 12, 24, 6
     for degree, sequence_parallel in ((1, False), (2, False), (2, True), (3, True)):
         cases = [(batch, seq, d_model, heads, sequence_parallel, policy) for policy in recompute.POLICIES]
-        kept = on_ranks(degree, _measure, cases)[0]
-        for policy, measured in zip(recompute.POLICIES, kept, strict=True):
-            total = lab.recomputed_total(
+        said = [
+            lab.recomputed_total(
                 batch=batch, seq=seq, d_model=d_model, heads=heads, degree=degree,
                 sequence_parallel=sequence_parallel, policy=policy,
-            )  # fmt: skip
+            )
+            for policy in recompute.POLICIES
+        ]  # fmt: skip
+        kept = on_ranks(degree, _measure, cases)[0]
+        for policy, total, measured in zip(recompute.POLICIES, said, kept, strict=True):
             where = f"{degree} rank(s){', sequence parallel' if sequence_parallel else ''}"
             assert total == measured, (
                 f"policy {policy!r} on {where}: you say {total:g} elements, the block kept {measured} "

@@ -527,43 +527,26 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         out = args.out / f"{slug(record['device']['name'])}.json"
         tokens = args.tokens or (TOKENS if on_gpu else (64,))
+        compile_too = on_gpu and not args.no_compile
+        shared = dict(timer=timer, device=device, report=report)
         precisions = ["bf16", "fp8-tensorwise", "fp8-rowwise"] if on_gpu else ["bf16"]
+        tensors = TENSOR_DEGREES if on_gpu else (1,)
         record["matmuls"] = record_matmuls(
-            models,
-            tokens=args.tokens or (TOKENS if on_gpu else (64,)),
-            tensors=TENSOR_DEGREES if on_gpu else (1,),
-            precisions=precisions,
-            timer=timer,
-            device=device,
-            report=report,
+            models, tokens=tokens, tensors=tensors, precisions=precisions, **shared
         )
-        _write(out, record)
+        _write(out, record)  # after each part: a run cut short keeps what it measured
         record["attention"] = record_attention(
-            models,
-            seq_lens=tokens,
-            tensors=(1, 8) if on_gpu else (1,),
-            timer=timer,
-            device=device,
-            report=report,
+            models, seq_lens=tokens, tensors=(1, 8) if on_gpu else (1,), **shared
         )
         _write(out, record)
         record["pointwise"] = record_pointwise(
             elements=2**28 if on_gpu else 2**18,
             width=4096 if on_gpu else 512,
-            compile_too=on_gpu and not args.no_compile,
-            timer=timer,
-            device=device,
-            report=report,
+            compile_too=compile_too,
+            **shared,
         )
         _write(out, record)
-        record["blocks"] = record_blocks(
-            models,
-            tokens=max(args.tokens or (TOKENS if on_gpu else (64,))),
-            compile_too=on_gpu and not args.no_compile,
-            timer=timer,
-            device=device,
-            report=report,
-        )
+        record["blocks"] = record_blocks(models, tokens=max(tokens), compile_too=compile_too, **shared)
         record["seconds"] = time.perf_counter() - begin
         _write(out, record)
         if not args.no_tests:

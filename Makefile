@@ -76,7 +76,7 @@ format: setup
 	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .
 
-# On a machine with a CUDA GPU (at most 8 minutes): the rates of the block products at bf16 and
+# On a machine with a CUDA GPU (about 3 minutes on an H100): the rates of the block products at bf16 and
 # fp8, attention and memory-bound work, and the gpu-marked tests, written to
 # slides/recorded/gpu/<gpu>.json for the planner. Commit what it records.
 gpu-record: setup

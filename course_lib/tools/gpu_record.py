@@ -13,7 +13,7 @@ faster: the power the multipliers draw depends on the bits). The FLOPs are the m
 for a product, 4·s²·d per head for causal attention's forward (half of the square), twice that
 for its backward; bytes are those the operation must move at least once.
 
-Usage: ``make gpu-record`` (at most 8 minutes on one GPU), or ``python -m
+Usage: ``make gpu-record`` (2.7 minutes on an H100, its tests included), or ``python -m
 course_lib.tools.gpu_record --out DIR``. On a CPU, ``--device cpu`` records the same fields at
 small sizes, to check the command itself.
 """

@@ -188,16 +188,14 @@ def data_parallel_wrapper(model: nn.Module, *, sharding: str, group=None) -> nn.
         sharding: ``"ddp"`` (``parallel.ddp``), ``"zero1"``/``"zero2"`` (``parallel.zero``) or
             ``"fsdp"`` (``parallel.fsdp``, one unit per block).
     """
+    check_choice("sharding", sharding, SHARDINGS)
     if sharding == "ddp":
         return ddp.DataParallel(model, group=group)
     if sharding in ("zero1", "zero2"):
         return zero.ZeroDataParallel(model, stage=int(sharding[-1]), group=group)
-    if sharding == "fsdp":
-        return fsdp.FullyShardedDataParallel(
-            model, group=group, auto_wrap_policy=recompute.recomputation_units(model)
-        )
-    check_choice("sharding", sharding, SHARDINGS)
-    raise AssertionError(f"every sharding in SHARDINGS has its wrapper above: {sharding!r} has none")
+    return fsdp.FullyShardedDataParallel(
+        model, group=group, auto_wrap_policy=recompute.recomputation_units(model)
+    )
 
 
 # #region compose
@@ -240,11 +238,11 @@ def parallelize(
             "after the executor's step; use sharding='ddp'"
         )
     d_model, vocab_size = model.d_model, model.vocab_size
-    stages = pipeline.apply_pipeline_parallel(
+    cut = pipeline.apply_pipeline_parallel(
         model, schedule=layout.schedule, virtual_stages=layout.virtual_stages, group=mesh.group("pipeline")
     )
     tensor_group, sp = mesh.group("tensor"), layout.sequence_parallel
-    for index, stage in stages.stages.items():
+    for index, stage in cut.stages.items():
         if layout.tensor > 1 and any(isinstance(m, Block) for m in stage.modules()):
             if sp:  # Megatron-LM's sequence parallelism, the input's shard regathered in backward
                 sequence.apply_sequence_parallel(stage, group=tensor_group, regather_in_backward=True)
@@ -262,12 +260,12 @@ def parallelize(
             apply_context(stage, chunks=layout.sequence_layout(seq_len), group=mesh.group("context"))
         recompute.apply_recomputation(stage, policy=layout.recomputation)
         if wraps_data_axis(layout, data_parallel=data_parallel):
-            stages.stages[index] = data_parallel_wrapper(
+            cut.stages[index] = data_parallel_wrapper(
                 stage, sharding=layout.sharding, group=mesh.group("data")
             )
     loss_fn = layout_loss(layout, mesh, vocab_size=vocab_size, seq_len=seq_len)
     return ParallelModel(
-        stages, mesh, layout, loss_fn, seq_len=seq_len, d_model=d_model, data_parallel=data_parallel
+        cut, mesh, layout, loss_fn, seq_len=seq_len, d_model=d_model, data_parallel=data_parallel
     )
 
 
@@ -390,7 +388,7 @@ def finish_gradients(
       the stage (under the pipeline, or with ``data_parallel=False``).
 
     Args:
-        stages: what ``parallelize`` returned.
+        stages: the stages ``parallelize`` laid out (``ParallelModel.stages``).
         mesh: the mesh it applied the layout on.
         layout: the layout.
         data_parallel: what was passed to ``parallelize``.

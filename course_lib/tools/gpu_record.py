@@ -77,6 +77,11 @@ def pass_shape(m: int, k: int, n: int, which: str) -> tuple[int, int, int]:
     return {"forward": (m, k, n), "input_grad": (m, n, k), "weight_grad": (k, m, n)}[which]
 
 
+def _dtype(device: torch.device) -> torch.dtype:
+    """What the recorded work computes in: bf16 on a GPU, as training does; fp32 on a CPU check."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 class Timer:
     """Median seconds of a function on one device: CUDA events on a GPU, the wall clock on a CPU.
 
@@ -192,7 +197,7 @@ def record_attention(
         for seq_len in seq_lens:
             for t in tensors:
                 heads = spec.heads // t
-                dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+                dtype = _dtype(device)
                 shape = (1, heads, seq_len, spec.head_dim)
                 q, k, v = (
                     torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3)
@@ -266,7 +271,7 @@ def record_blocks(
         if spec.experts > 1:
             continue  # routing and uneven experts: not a Llama block
         torch.manual_seed(0)
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        dtype = _dtype(device)
         block = LlamaBlock(spec).to(device=device, dtype=dtype)
         x = torch.randn(1, tokens, spec.d_model, device=device, dtype=dtype, requires_grad=True)
         grad = torch.randn_like(x)
@@ -279,14 +284,16 @@ def record_blocks(
             if device.type == "cuda":
                 torch.cuda.synchronize()
             first_s = time.perf_counter() - begin
-            torch.cuda.reset_peak_memory_stats(device) if device.type == "cuda" else None
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
             seconds = timer(lambda module=module, x=x, grad=grad: module(x).backward(grad))
             peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+            flops = _block_flops(spec, tokens)
             rows.append(
                 {"model": spec.name, "tokens": tokens, "mode": mode, "seconds": seconds,
-                 "first_call_s": first_s, "flops": _block_flops(spec, tokens), "peak_memory_bytes": peak}
+                 "first_call_s": first_s, "flops": flops, "tflops": flops / seconds / 1e12,
+                 "peak_memory_bytes": peak}
             )  # fmt: skip
-            rows[-1]["tflops"] = rows[-1]["flops"] / seconds / 1e12
         del block, variants, x, grad
         report(f"a block of {spec.name} timed")
     return rows
@@ -295,7 +302,8 @@ def record_blocks(
 def _block_flops(spec: ModelSpec, tokens: int) -> float:
     """One block's forward and backward FLOPs: 6 per weight of its products per token, and the
     causal attention's 4·s²·d per head forward (half of the square), three times that in all."""
-    weights = sum(row["k"] * row["n"] for row in block_products(spec, tokens=1, tensor=1)[:4])
+    products = block_products(spec, tokens=1, tensor=1)
+    weights = sum(row["k"] * row["n"] for row in products if row["matmul"] != "head")
     return 6 * tokens * weights + 3 * 4 * spec.heads * tokens**2 * spec.head_dim / 2
 
 
@@ -315,7 +323,7 @@ def record_pointwise(
 ) -> list[dict]:
     """Memory-bound operations as rates: the bytes they must move over their time, eager (one
     kernel per operation, each reading and writing memory) and compiled (fused by inductor)."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = _dtype(device)
     size = dtype.itemsize
     rows_of = elements // width
     a, b = (torch.randn(rows_of, width, device=device, dtype=dtype) for _ in range(2))
@@ -368,7 +376,7 @@ def record_pointwise(
 
 def _cross_entropy(*, rows_of: int, vocab: int, timer: Timer, device) -> dict:
     """The loss over bf16 logits, forward and backward: the head's memory-bound work."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = _dtype(device)
     logits = torch.randn(rows_of, vocab, device=device, dtype=dtype, requires_grad=True)
     targets = torch.randint(0, vocab, (rows_of,), device=device)
     seconds = timer(lambda: F.cross_entropy(logits, targets).backward())

@@ -30,6 +30,8 @@ ranks (the property the strong-scaling study needs). ResNet-18 therefore gets
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
@@ -279,9 +281,10 @@ def sharding_units(model: nn.Module) -> list[nn.Module]:
     Args:
         model: one of the lab's CNNs or ResNet-18 (``build_model``).
     """
-    from torchvision.models import ResNet
-
-    if isinstance(model, ResNet):
+    # A ResNet was built by torchvision, which is then imported already: importing it only to ask
+    # would cost every rank about a second.
+    torchvision_models = sys.modules.get("torchvision.models")
+    if torchvision_models is not None and isinstance(model, torchvision_models.ResNet):
         return [
             block for layer in (model.layer1, model.layer2, model.layer3, model.layer4) for block in layer
         ]

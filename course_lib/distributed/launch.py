@@ -25,6 +25,9 @@ How it works, and why:
   an error that only says "another rank died" is never shown in place of the real cause.
 - Children end with ``os._exit`` after ``runtime.shutdown()``: no interpreter teardown, so
   no abort at exit.
+- What the parent imported, every child has for free; what a child imports, it pays for on every
+  launch. The first optimizer or DDP wrapper a process builds imports ``torch._dynamo`` (about
+  a second of CPU), so the parent imports it once, before the first fork.
 """
 
 from __future__ import annotations
@@ -218,6 +221,8 @@ def launch(
         kwargs: keyword arguments passed to ``fn`` on every rank.
     """
     _check_arguments(fn, nprocs, backend, timeout_s, collective_timeout_s)
+    import torch._dynamo  # noqa: F401 (once here, not in every child: see the module docstring)
+
     context = multiprocessing.get_context("fork")
     port = free_port()
     processes, pending = [], {}  # pending: the receiving end of each rank's pipe -> its rank

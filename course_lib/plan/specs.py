@@ -239,6 +239,43 @@ CLUSTERS = {
                 "bf16 peak and 80 % of the bandwidth achieved and the latencies are assumptions"
             ),
         ),
+        ClusterSpec(
+            name="h100-grand-teton",
+            gpus_per_node=8,
+            gpu_memory_bytes=96 * GB,
+            reserved_bytes=6 * GB,
+            peak_flops=989.4e12,
+            achieved_flops=0.7 * 989.4e12,
+            memory_bandwidth=0.8 * 2400 * GB,
+            inside_node=Link(10e-6, 436 * GB),
+            between_nodes=Link(20e-6, 50 * GB),
+            source=(
+                "Meta's Grand Teton hosts as torchtitan's benchmarks describe them "
+                "(pytorch/torchtitan@31a17bf:benchmarks/llama3_h100_202412_torchtitan.md): 8 H100 SXM per "
+                "host on NVLink, 96 GB HBM2e at 2.4 TB/s, a 500 W power limit, 400 Gb/s RDMA per GPU; the "
+                "SXM datasheet's bf16 peak (the benchmark's own MFU denominator: the true peak at 500 W is "
+                "lower and unpublished); the NVLink figure of h100-node; 70 % of the peak and 80 % of the "
+                "bandwidth achieved and the latencies are assumptions"
+            ),
+        ),
+        ClusterSpec(
+            name="a100-dgx",
+            gpus_per_node=8,
+            gpu_memory_bytes=80 * GB,
+            reserved_bytes=6 * GB,
+            peak_flops=312e12,
+            achieved_flops=0.7 * 312e12,
+            memory_bandwidth=0.8 * 2039 * GB,
+            inside_node=Link(10e-6, 0.8 * 300 * GB),
+            between_nodes=Link(20e-6, 25 * GB),
+            source=(
+                "DGX A100 nodes as in Selene (Narayanan et al. 2021, section 5): 8 A100 80GB SXM per node, "
+                "2.039 TB/s HBM2e and 312 TFLOP/s bf16 (NVIDIA's datasheet), NVLink 3 at 300 GB/s per GPU "
+                "and direction through NVSwitch, one 200 Gb/s HDR InfiniBand NIC per GPU; 80 % of NVLink's "
+                "rate for NCCL's ring, 70 % of the peak and 80 % of the bandwidth achieved and the "
+                "latencies are assumptions"
+            ),
+        ),
     )
 }
 

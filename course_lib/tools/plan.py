@@ -34,6 +34,7 @@ from ..plan.cost_model import Prediction, predict
 from ..plan.layout import CONTEXT_ATTENTION, Layout
 from ..plan.planner import plan
 from ..plan.specs import CLUSTERS, GB, MODELS
+from . import published
 from .plan_validation import (
     SWEEP,
     calibrate,
@@ -87,8 +88,16 @@ def breakdown(prediction: Prediction) -> str:
     return f"  memory GB: {memory}\n  time s: {time}\n  sent per GPU per step, GB: {sent or 'nothing'}"
 
 
+SUBCOMMANDS = ("check-published",)
+"""What ``plan`` does besides ranking a job's layouts, named by its first argument."""
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m course_lib.tools.plan``: the layouts of a job, ranked by predicted throughput."""
+    """``python -m course_lib.tools.plan``: the layouts of a job, ranked by predicted throughput;
+    ``plan check-published``: the planner held against published GPU runs."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "check-published":
+        return check_published(argv[1:])
     parser = checks.CommandParser(
         prog="python -m course_lib.tools.plan",
         description=__doc__.split("\n\n")[0],
@@ -194,6 +203,45 @@ def main(argv: list[str] | None = None) -> int:
         records = [_record(p) for p in fitting + rejected]
         args.json.write_text(json.dumps(records, indent=1) + "\n")
         print(f"\nevery prediction: {args.json}", file=sys.stderr)
+    return 0
+
+
+def check_published(argv: list[str]) -> int:
+    """``plan check-published [FILE] --json OUT``: every published run predicted beside its measurement."""
+    parser = checks.CommandParser(
+        prog="python -m course_lib.tools.plan check-published",
+        description=published.__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "file",
+        nargs="?",
+        type=checks.file_to_read,
+        default=published.PUBLISHED_RUNS,
+        help="a CSV of published runs, with the columns of course_lib/tools/published_gpu_runs.csv",
+    )
+    parser.add_argument(
+        "--json", type=checks.file_to_write, default=None, help="write every row and the summary here"
+    )
+    args = parser.parse_args(argv)
+    try:
+        checked = published.check(published.read_runs(args.file))
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    result = published.summary(checked)
+    print(published.table(checked))
+    print(
+        f"\n{result['expressible']} of {result['rows']} runs expressible; {result['within_1_33']:.0%} of "
+        f"them predicted within {published.WITHIN}x, median predicted/measured {result['median_ratio']:.2f}; "
+        f"{result['false_does_not_fit']} that ran predicted not to fit"
+    )
+    print(json.dumps(result))
+    if args.json:
+        args.json.write_text(
+            json.dumps({"summary": result, "rows": [published.record(c) for c in checked]}, indent=1) + "\n"
+        )
+        print(f"every row: {args.json}", file=sys.stderr)
     return 0
 
 

@@ -1,0 +1,309 @@
+"""The planner held against published GPU runs: each run's layout predicted beside what it measured.
+
+The runs (``published_gpu_runs.csv`` beside this file, one row a run, each with its source at a
+commit) come from torchtitan's benchmarks, Megatron-LM's 2021 paper, Korthikanti et al. 2022 and
+Megatron-Core's 2024 weak-scaling table. Each states its speed in its own unit, and
+``measured_tokens_per_s_per_gpu`` turns each back into tokens per second per GPU with the FLOP count
+*its authors* used, so that nothing of the planner's own count enters the measured side:
+
+- ``tokens_per_s_per_gpu`` (torchtitan): as it is;
+- ``tflops_per_gpu_megatron2021`` (Narayanan et al., arXiv:2104.04473, appendix): achieved
+  TFLOP/s per GPU counted as 96·B·s·l·h²·(1 + s/6h + V/16lh) an iteration, which includes the
+  forward that full recomputation repeats;
+- ``tflops_per_gpu_megatron2024`` (Megatron-LM's ``num_floating_point_operations``):
+  12·B·s·l·h²·[(1 + g/a + s/h)·(a·d_head/h) + (f/h)·k·(3/2 with SwiGLU) + V/2lh], no recomputation;
+- ``mfu_korthikanti`` (Korthikanti et al., arXiv:2205.05198, section 6): MFU in percent of the
+  A100's 312 TFLOP/s with 72·B·s·l·h²·(1 + s/6h + V/12lh) an iteration.
+
+A row is *expressible* when the CSV says the planner can state it (its ``assumed`` column says
+what was assumed, its ``expressible`` column why not) and the planner accepts its model, cluster
+and layout. For each expressible row, ``check`` predicts the layout (``cost_model.predict``) and
+reports the ratio predicted / measured throughput (above 1: the planner is optimistic), the
+largest terms of the predicted step, and predicted beside published memory where a run
+published it. ``summary`` gives the figures the planner is held to: the share of expressible
+rows within 1.33x, the median ratio, and runs that ran but are predicted not to fit.
+
+``python -m course_lib.tools.plan check-published [FILE] --json OUT`` prints the table and the
+summary.
+"""
+
+from __future__ import annotations
+
+import csv
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import UserError
+from ..plan.cost_model import Prediction, predict
+from ..plan.layout import Layout
+from ..plan.specs import CLUSTERS, MODELS, ModelSpec
+
+PUBLISHED_RUNS = Path(__file__).with_name("published_gpu_runs.csv")
+"""The published runs the planner is checked against, each with its source."""
+
+COLUMNS = (
+    "id", "source", "planner_model", "layers", "d_model", "heads", "kv_heads", "ffn", "vocab", "arch",
+    "cluster", "gpus", "dp", "tp", "pp", "cp", "vp", "sharding", "micro_batch", "global_batch", "seq_len",
+    "precision", "recomputation", "sequence_parallel", "loss_parallel", "measured_kind", "measured_value",
+    "measured_memory_gib", "expressible", "assumed",
+)  # fmt: skip
+"""The columns ``read_runs`` reads; the file may have more (the hardware in words, the extras)."""
+
+A100_PEAK_FLOPS = 312e12
+"""The A100's dense bf16 peak (NVIDIA's datasheet), Korthikanti et al.'s denominator of MFU."""
+
+WITHIN = 1.33
+"""A prediction within this factor of the measurement either way counts as right."""
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """One published run as the planner reads it.
+
+    Args:
+        id: the row's id.
+        source: where it was published (a file at a commit, a table).
+        model: its shapes.
+        cluster: the name of its cluster in ``specs.CLUSTERS``.
+        layout: its layout.
+        seq_len: tokens per sequence.
+        global_batch: sequences per step.
+        measured: the published tokens per second per GPU (converted: see the module docstring).
+        measured_memory_gib: the published memory of the fullest GPU, GiB (None: not published).
+        not_expressible: why the planner cannot state this run (None: it can).
+    """
+
+    id: str
+    source: str
+    model: ModelSpec | None
+    cluster: str
+    layout: Layout | None
+    seq_len: int
+    global_batch: int
+    measured: float
+    measured_memory_gib: float | None
+    not_expressible: str | None
+
+
+def _flops_per_token(kind: str, model: ModelSpec, seq_len: int) -> float:
+    """The FLOPs per token that a publication counted (see the module docstring), or 0 for tokens."""
+    l, h, s, v = model.layers, model.d_model, seq_len, model.vocab  # noqa: E741 (the papers' letters)
+    if kind == "tflops_per_gpu_megatron2021":
+        return 96 * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+    if kind == "mfu_korthikanti":
+        return 72 * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
+    if kind == "tflops_per_gpu_megatron2024":
+        attention = (1 + model.kv_heads / model.heads + s / h) * (model.heads * model.head_dim / h)
+        mlp = model.ffn_hidden / h * model.top_k * (1.5 if model.gated_mlp else 1.0)
+        return 12 * l * h * h * (attention + mlp + v / (2 * l * h))
+    return 0.0
+
+
+MEASURED_KINDS = (
+    "tokens_per_s_per_gpu",
+    "tflops_per_gpu_megatron2021",
+    "tflops_per_gpu_megatron2024",
+    "mfu_korthikanti",
+)
+
+
+def measured_tokens_per_s_per_gpu(kind: str, value: float, model: ModelSpec, seq_len: int) -> float:
+    """A published speed in tokens per second per GPU, with its authors' FLOP count.
+
+    Args:
+        kind: the unit, one of ``MEASURED_KINDS``.
+        value: the published number in that unit.
+        model: the run's shapes.
+        seq_len: its tokens per sequence.
+    """
+    if kind == "tokens_per_s_per_gpu":
+        return value
+    if kind == "mfu_korthikanti":
+        return value / 100 * A100_PEAK_FLOPS / _flops_per_token(kind, model, seq_len)
+    if kind in MEASURED_KINDS:
+        return value * 1e12 / _flops_per_token(kind, model, seq_len)
+    raise UserError(f"unknown measured_kind {kind!r}: choose one of {', '.join(MEASURED_KINDS)}")
+
+
+def _model(row: dict) -> ModelSpec:
+    """The row's shapes: a built-in model's by name, else from its columns (``arch`` gpt: LayerNorm,
+    biases, a GELU MLP and learned positions, as Megatron-LM's GPT; llama: RMSNorm, SwiGLU)."""
+    if row["planner_model"]:
+        return MODELS[row["planner_model"]]
+    gpt = row["arch"] == "gpt"
+    return ModelSpec(
+        row["id"], int(row["layers"]), int(row["d_model"]), int(row["heads"]), int(row["kv_heads"]),
+        int(row["ffn"]), int(row["vocab"]), gated_mlp=not gpt, norm="layer" if gpt else "rms", bias=gpt,
+        position_embeddings=int(row["seq_len"]) if gpt else 0, source=row["source"],
+    )  # fmt: skip
+
+
+def _layout(row: dict) -> Layout:
+    pipeline, virtual = int(row["pp"]), int(row["vp"])
+    return Layout(
+        data=int(row["dp"]), pipeline=pipeline, context=int(row["cp"]), tensor=int(row["tp"]),
+        sharding=row["sharding"], recomputation=row["recomputation"],
+        schedule="interleaved_1f1b" if virtual > 1 else "1f1b", virtual_stages=virtual,
+        micro_batch=int(row["micro_batch"]), precision=row["precision"],
+        sequence_parallel=row["sequence_parallel"] == "1", loss_parallel=row["loss_parallel"] == "1",
+    )  # fmt: skip
+
+
+def read_runs(path: Path = PUBLISHED_RUNS) -> list[PublishedRun]:
+    """Every row of a published-runs CSV, read as the planner states it.
+
+    Args:
+        path: a CSV with the columns of ``COLUMNS`` (more are ignored).
+    """
+    try:
+        with open(path, newline="", encoding="utf-8") as file:
+            rows = list(csv.DictReader(file))
+    except (OSError, UnicodeDecodeError, csv.Error) as error:
+        raise UserError(f"cannot read the published runs {path}: {error}") from error
+    missing = [column for column in COLUMNS if rows and column not in rows[0]]
+    if not rows or missing:
+        raise UserError(f"{path} has no runs" if not rows else f"{path} has no column {', '.join(missing)}")
+    runs = []
+    for number, row in enumerate(rows, start=2):  # line 1 is the header
+        try:
+            runs.append(_run(row))
+        except (ValueError, KeyError) as error:
+            raise UserError(f"{path}, line {number} ({row.get('id')}): cannot read {error}") from error
+    return runs
+
+
+def _run(row: dict) -> PublishedRun:
+    model, layout, why = None, None, None
+    if row["expressible"] != "yes":
+        why = row["assumed"] or "the file says the planner cannot state it"
+    elif row["cluster"] not in CLUSTERS:
+        why = f"no cluster {row['cluster']!r} in the planner"
+    else:
+        try:
+            model, layout = _model(row), _layout(row)
+        except UserError as error:
+            why = str(error)
+    seq_len = int(row["seq_len"])
+    kind, value = row["measured_kind"], float(row["measured_value"])
+    measured = measured_tokens_per_s_per_gpu(kind, value, model or _model(row), seq_len)
+    memory = float(row["measured_memory_gib"]) if row["measured_memory_gib"] else None
+    return PublishedRun(
+        row["id"], row["source"], model, row["cluster"], layout, seq_len, int(row["global_batch"]),
+        measured, memory, why,
+    )  # fmt: skip
+
+
+@dataclass
+class Checked:
+    """One run predicted: ``ratio`` is predicted over measured tokens/s per GPU (above 1: optimistic)."""
+
+    run: PublishedRun
+    prediction: Prediction | None
+    predicted: float = 0.0
+    ratio: float | None = None
+    memory_ratio: float | None = None
+
+    def largest_terms(self, count: int = 3) -> list[tuple[str, float]]:
+        """The predicted step's largest parts, in seconds."""
+        if self.prediction is None:
+            return []
+        parts = [(k, v) for k, v in self.prediction.time.items() if k != "total" and v > 0]
+        return sorted(parts, key=lambda part: -part[1])[:count]
+
+
+def check(runs: list[PublishedRun]) -> list[Checked]:
+    """Each expressible run's layout predicted on its cluster, beside what it measured.
+
+    Args:
+        runs: ``read_runs``'s rows.
+    """
+    checked = []
+    for run in runs:
+        if run.not_expressible:
+            checked.append(Checked(run, None))
+            continue
+        prediction = predict(
+            run.model, CLUSTERS[run.cluster], run.layout, seq_len=run.seq_len, global_batch=run.global_batch
+        )
+        result = Checked(run, prediction)
+        if prediction.time:  # refused layouts (a shape that does not split) have no time
+            result.predicted = prediction.tokens_per_s / run.layout.gpus
+            result.ratio = result.predicted / run.measured
+        if run.measured_memory_gib and prediction.memory:
+            result.memory_ratio = prediction.memory["total"] / GIB / run.measured_memory_gib
+        checked.append(result)
+    return checked
+
+
+def summary(checked: list[Checked]) -> dict:
+    """The figures the planner is held to, over the expressible rows.
+
+    ``within_1_33``: the share whose ratio lies within 1/1.33 and 1.33; ``median_ratio``;
+    ``false_does_not_fit``: runs that ran but are predicted not to fit (or refused);
+    ``memory_within_10pct``: the share of runs with published memory predicted within 10 %.
+    """
+    expressible = [c for c in checked if not c.run.not_expressible]
+    ratios = [c.ratio for c in expressible if c.ratio is not None]
+    memories = [c.memory_ratio for c in expressible if c.memory_ratio is not None]
+    return {
+        "rows": len(checked),
+        "expressible": len(expressible),
+        "within_1_33": sum(1 / WITHIN <= r <= WITHIN for r in ratios) / len(expressible)
+        if expressible
+        else 0,
+        "median_ratio": statistics.median(ratios) if ratios else None,
+        "false_does_not_fit": sum(not c.prediction.fits for c in expressible),
+        "memory_rows": len(memories),
+        "memory_within_10pct": sum(abs(m - 1) <= 0.10 for m in memories) / len(memories)
+        if memories
+        else None,
+    }
+
+
+def table(checked: list[Checked]) -> str:
+    """One line a run: measured, predicted, ratio, memory, and the largest predicted terms."""
+    lines = [
+        f"{'run':<30} {'layout':<34} {'measured':>9} {'predicted':>9} {'ratio':>6} {'GiB pub/pred':>13}  "
+        "largest predicted terms (s)"
+    ]
+    for c in checked:
+        run = c.run
+        if run.not_expressible:
+            lines.append(f"{run.id:<30} not expressible: {run.not_expressible}")
+            continue
+        memory = (
+            f"{run.measured_memory_gib:.1f}/{c.prediction.memory['total'] / GIB:.1f}"
+            if run.measured_memory_gib and c.prediction.memory
+            else ""
+        )
+        problem = f"  [{c.prediction.problem}]" if c.prediction.problem else ""
+        terms = ", ".join(f"{name} {seconds:.2f}" for name, seconds in c.largest_terms())
+        ratio = f"{c.ratio:.2f}" if c.ratio is not None else "-"
+        lines.append(
+            f"{run.id:<30} {run.layout.name():<34} {run.measured:>9,.0f} {c.predicted:>9,.0f} {ratio:>6} "
+            f"{memory:>13}  {terms}{problem}"
+        )
+    return "\n".join(lines)
+
+
+def record(c: Checked) -> dict:
+    """One checked run as JSON."""
+    run = c.run
+    return {
+        "id": run.id,
+        "source": run.source,
+        "not_expressible": run.not_expressible,
+        "layout": run.layout.name() if run.layout else None,
+        "measured_tokens_per_s_per_gpu": run.measured,
+        "predicted_tokens_per_s_per_gpu": c.predicted if c.prediction else None,
+        "ratio": c.ratio,
+        "measured_memory_gib": run.measured_memory_gib,
+        "predicted_memory_gib": c.prediction.memory["total"] / GIB
+        if c.prediction and c.prediction.memory
+        else None,
+        "problem": c.prediction.problem if c.prediction else None,
+        "time_s": c.prediction.time if c.prediction else None,
+    }

@@ -1,0 +1,114 @@
+"""The published-runs check: each unit converted with its authors' FLOP count, every row read, and the
+summary's figures computed from the predictions; ``plan check-published`` prints and writes them."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+
+from course_lib.plan.specs import MODELS
+from course_lib.tools import published
+
+from conftest import REPO, clean_env
+
+
+def _rows() -> list[dict]:
+    with open(published.PUBLISHED_RUNS, newline="") as file:
+        return list(csv.DictReader(file))
+
+
+def test_korthikantis_mfu_converts_to_the_iteration_time_the_paper_states():
+    """Korthikanti et al.'s 22B run: 41.5 % MFU, and table 5's 1.10 s an iteration of 4 x 2048 tokens
+    on 8 GPUs."""
+    (row,) = [row for row in _rows() if row["id"] == "k22-22b"]
+    model = published._model(row)
+    tokens_per_s_per_gpu = published.measured_tokens_per_s_per_gpu("mfu_korthikanti", 41.5, model, 2048)
+    assert tokens_per_s_per_gpu == pytest.approx(4 * 2048 / 1.10 / 8, rel=0.01)
+
+
+def test_the_megatron_counts_agree_with_each_other_and_with_the_planners():
+    gpt = published._model(next(row for row in _rows() if row["id"] == "m21-1.7b"))
+    s = 2048
+    k22 = published._flops_per_token("mfu_korthikanti", gpt, s)
+    # Megatron-Core's count reduces to Korthikanti's for multi-head attention and a 4h GELU MLP ...
+    assert published._flops_per_token("tflops_per_gpu_megatron2024", gpt, s) == pytest.approx(k22)
+    # ... and the 2021 count adds the forward that full recomputation repeats, except the logits'
+    h, l = gpt.d_model, gpt.layers  # noqa: E741
+    recomputed_forward = 24 * l * h * h * (1 + s / (6 * h))
+    assert published._flops_per_token("tflops_per_gpu_megatron2021", gpt, s) == pytest.approx(
+        k22 + recomputed_forward
+    )
+    # the planner's own count (6 per non-embedding parameter and 12·L·h·s) differs by the norms and biases
+    for model in (gpt, MODELS["llama3-8b"], MODELS["llama3-70b"]):
+        megatron = published._flops_per_token("tflops_per_gpu_megatron2024", model, 8192)
+        assert model.flops_per_token(8192) == pytest.approx(megatron, rel=1e-3), model.name
+
+
+def test_every_row_is_read_and_the_expressible_ones_have_a_model_and_layout():
+    rows, runs = _rows(), published.read_runs()
+    assert [run.id for run in runs] == [row["id"] for row in rows]
+    for row, run in zip(rows, runs, strict=True):
+        assert run.measured > 0 and run.global_batch == int(row["global_batch"])
+        if run.not_expressible is None:
+            assert row["expressible"] == "yes"
+            assert run.layout.gpus == int(row["gpus"]), run.id
+            assert run.model.layers == int(row["layers"]) and run.model.d_model == int(row["d_model"])
+        else:
+            assert run.model is None and run.layout is None and run.not_expressible
+
+
+def test_the_summary_counts_what_the_rows_say():
+    checked = published.check(published.read_runs())
+    result = published.summary(checked)
+    expressible = [c for c in checked if c.run.not_expressible is None]
+    assert result["rows"] == len(checked) and result["expressible"] == len(expressible)
+    ratios = sorted(c.ratio for c in expressible)
+    assert result["median_ratio"] == pytest.approx(
+        (ratios[len(ratios) // 2 - 1] + ratios[len(ratios) // 2]) / 2
+    )
+    within = [c for c in expressible if 1 / 1.33 <= c.ratio <= 1.33]
+    assert result["within_1_33"] == len(within) / len(expressible)
+    assert result["false_does_not_fit"] == sum(c.prediction.problem is not None for c in expressible)
+    for c in expressible:
+        assert c.ratio == pytest.approx(c.prediction.tokens_per_s / c.run.layout.gpus / c.run.measured)
+
+
+def _plan(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "course_lib.tools.plan", *args],
+        cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def test_the_command_prints_every_row_and_writes_the_summary(tmp_path):
+    shown = _plan("check-published", "--json", str(tmp_path / "out.json"))
+    assert shown.returncode == 0, shown.stderr
+    written = json.loads((tmp_path / "out.json").read_text())
+    summary = json.loads(shown.stdout.strip().splitlines()[-1])
+    assert written["summary"] == summary
+    assert [row["id"] for row in written["rows"]] == [row["id"] for row in _rows()]
+    for row in written["rows"]:
+        assert row["id"] in shown.stdout
+        assert (row["ratio"] is None) == (row["not_expressible"] is not None)
+
+
+def test_a_file_it_cannot_read_is_one_line_and_exit_2(tmp_path):
+    rows = _rows()
+    broken = tmp_path / "missing_column.csv"
+    with open(broken, "w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=[c for c in rows[0] if c != "seq_len"])
+        writer.writeheader()
+        writer.writerow({k: v for k, v in rows[0].items() if k != "seq_len"})
+    bad_value = tmp_path / "bad_value.csv"
+    with open(bad_value, "w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerow(rows[0] | {"gpus": "eight"} | {"dp": "eight"})
+    for path, message in ((broken, "has no column seq_len"), (bad_value, "line 2 (tt-h100-8b-fsdp8-eager)")):
+        shown = _plan("check-published", str(path))
+        assert shown.returncode == 2, shown.stdout
+        assert message in shown.stderr and "Traceback" not in shown.stderr

@@ -48,6 +48,22 @@ def test_the_tensor_axis_stays_inside_a_node_and_the_data_axis_leaves_it():
     assert network_model.link_of("data", Layout(data=4), ALPS) is ALPS.inside_node
 
 
+def test_a_group_spanning_nodes_leaves_each_node_through_its_members_nics():
+    nic = ALPS.between_nodes.bandwidth
+    # one member per node (tensor fills the node): one NIC
+    assert network_model.link_of("data", Layout(data=8, tensor=4), ALPS) is ALPS.between_nodes
+    # whole nodes: all four NICs, 4 x 25 GB/s, where the published all-reduce reaches 93 GB/s
+    whole = network_model.link_of("data", Layout(data=16), ALPS)
+    assert whole.bandwidth == 4 * nic and whole.latency_s == ALPS.between_nodes.latency_s
+    assert 0.85 < 93e9 / whole.bandwidth <= 1
+    # two members per node (tensor 2): two NICs; never more than the link inside the node
+    assert network_model.link_of("data", Layout(data=8, tensor=2), ALPS).bandwidth == 2 * nic
+    wide = specs.CLUSTERS["h100-node"]
+    assert network_model.link_of("data", Layout(data=64), wide).bandwidth == min(
+        wide.inside_node.bandwidth, 8 * wide.between_nodes.bandwidth
+    )
+
+
 def _predict(layout: Layout, **options):
     return cm.predict(LLAMA_8B, ALPS, layout, seq_len=options.get("seq_len", 4096), global_batch=64)
 
@@ -251,15 +267,17 @@ def test_the_plan_weighs_ulysses_all_to_alls_where_the_ring_hides_under_attentio
     assert "ulysses" not in first["ring"] and "ulysses" in first["ulysses"]
     exposed = {attention: float(words[-1]) for attention, words in first.items()}
     assert exposed["ring"] < 0.1 < 1 < exposed["ulysses"]
-    assert plan_tool.main([*argv[:-1], "3"]) == 0  # both, ranked together: the ring's grid, then Ulysses'
-    ranked = [
-        words
-        for words in map(str.split, capsys.readouterr().out.splitlines())
-        if words[:1] in (["1"], ["2"], ["3"])
+    # both, ranked together: the ring's best first, and Ulysses' best after ring layouts only
+    assert plan_tool.main([*argv[:-1], "50"]) == 0
+    rows = [  # the table's rows: a rank right-aligned in three columns, then the layout
+        line.split()
+        for line in capsys.readouterr().out.splitlines()
+        if line[:3].strip().isdigit() and line[3] == " "
     ]
-    assert [words[1] for words in ranked[:3]] == ["d8.p2.c4", "d4.p4.c4", "d8.p2.c4"] and "ulysses" in ranked[
-        2
-    ]
+    assert rows[0][1:3] == first["ring"][1:3]
+    first_ulysses = next(number for number, words in enumerate(rows) if "ulysses" in words)
+    assert rows[first_ulysses][1:4] == first["ulysses"][1:4]
+    assert all("ulysses" not in words for words in rows[:first_ulysses])
 
 
 def test_run_is_refused_for_a_model_this_machine_cannot_train(capsys):

@@ -38,13 +38,30 @@ def collective_seconds(op: str, message_bytes: float, group: int, link: Link) ->
 
 
 def link_of(axis: str, layout: Layout, cluster: ClusterSpec) -> Link:
-    """The link an axis's rings run on: inside a node while this axis and those inside it fit one."""
-    inner = 1
+    """The link an axis's rings run on, as one GPU sees it.
+
+    Inside a node while this axis and those inside it fit one. Across nodes, a ring's bytes leave
+    each node through the NICs of the group's members on that node: NCCL runs several rings
+    (channels) at once, each crossing the node boundary through another NIC. A group with one
+    member per node (the data axis under 8-way tensor parallelism on 8-GPU nodes) has one NIC,
+    ``between_nodes``; a group with g members per node has g of them, up to what the link inside
+    the node carries. Checked against published bus bandwidths of all-reduces spanning whole
+    nodes: 93 GB/s across 4 Alps nodes of 4 GPUs with 25 GB/s each (swiss-ai/lsaie-ss26-gipfelsturm,
+    README, "within the theoretical ceiling of 100 GB/s per node"), and 180 GB/s across 4 H100
+    nodes with 8 NICs of 25 GB/s (NVIDIA/nccl issue 1031): 0.93 and 0.90 of g NICs.
+    """
+    inside = 1  # the GPUs of the axes inside this one: its neighbours in a ring are that far apart
     for name in reversed(AXES):
-        inner *= layout.degree(name)
         if name == axis:
             break
-    return cluster.inside_node if inner <= cluster.gpus_per_node else cluster.between_nodes
+        inside *= layout.degree(name)
+    if inside * layout.degree(axis) <= cluster.gpus_per_node:
+        return cluster.inside_node
+    members = max(1, min(layout.degree(axis), cluster.gpus_per_node // inside))
+    if members == 1:
+        return cluster.between_nodes
+    network, node = cluster.between_nodes, cluster.inside_node
+    return Link(network.latency_s, min(node.bandwidth, members * network.bandwidth))
 
 
 # #region axes

@@ -46,7 +46,7 @@ def compute_seconds(step: StepShape) -> ComputeSeconds:
     head_flops = 6 * model.head_parameters() * tokens / (t if layout.loss_parallel else 1)
     block_flops = (model.flops_per_token(step.seq_len) - 6 * model.head_parameters()) * tokens / (t * p)
     matmuls = (block_flops + head_flops) / cluster.achieved_flops
-    attention_flops = 12 * model.layers * model.d_model * step.seq_len * tokens / (t * p)
+    attention_flops = 12 * model.layers * model.attention_width * step.seq_len * tokens / (t * p)
     # Memory-bound work: what the blocks keep for backward is written once in forward and read
     # twice in backward by the norms, activation functions and adds; the optimizer step moves
     # each parameter it updates, its gradient and its two moments.

@@ -53,11 +53,14 @@ def stage_parameters(model: ModelSpec, layout: Layout) -> float:
         layout: the degrees.
     """
     rows = vocabulary_rows(model, layout)
+    stages = layout.pipeline * layout.virtual_stages
     embedding = rows * model.d_model + model.position_embeddings * model.d_model
-    head = model._norm_parameters() + rows * model.d_model + (rows if model.bias else 0)
+    # a tied projection is the embedding's matrix: one copy where both sit on one stage, a copy
+    # on each end of a pipeline (Megatron-LM's, whose gradients the two ends sum)
+    projection = 0 if model.tied_embeddings and stages == 1 else rows * model.d_model
+    head = model._norm_parameters() + projection + (rows if model.bias else 0)
     block = block_parameters_per_gpu(model, layout)
     entries = [embedding, *([block] * model.layers), head]
-    stages = layout.pipeline * layout.virtual_stages
     base, extra = divmod(len(entries), stages)
     sizes = [base + (1 if s < extra else 0) for s in range(stages)]
     bounds = [sum(sizes[:s]) for s in range(stages + 1)]
@@ -88,15 +91,16 @@ def block_activation_elements(model: ModelSpec, layout: Layout, *, micro_batch: 
     tokens = micro_batch * seq_len / layout.context  # this GPU's tokens of the micro-batch
     h, a = model.d_model, model.heads
     sbh = tokens * h
-    kv = model.kv_heads / model.heads
+    heads_out = tokens * model.attention_width  # q, and the attention's output (sbh for most models)
+    kv = tokens * model.kv_heads * model.head_dim  # k, and v
     rows = model.top_k if model.experts > 1 else 1  # an MoE layer computes k rows per token
     mlp_hidden = tokens * rows * model.ffn_hidden
     lse = a * tokens * 4 / layout.element_bytes  # one fp32 log-sum-exp per head and token
     block_input = sbh / sp
     if layout.recomputation == "full":
         return block_input
-    q_k_v = (1 + 2 * kv) * sbh / t
-    attention = (sbh + lse) / t  # the output and the log-sum-exp
+    q_k_v = (heads_out + 2 * kv) / t
+    attention = (heads_out + lse) / t  # the output and the log-sum-exp
     if layout.recomputation == "selective":
         # the ring's blocks are batched matmuls, recomputed; Ulysses' attention is the fused kernel, kept
         ring_recomputed = layout.context > 1 and layout.context_attention == "ring"
@@ -105,7 +109,7 @@ def block_activation_elements(model: ModelSpec, layout: Layout, *, micro_batch: 
     norms = 2 * (sbh + model.norm_statistics * tokens) / sp
     projection_inputs = 2 * sbh / sp
     # the attention's output, reshaped from the ring's (or Ulysses' all-to-all's) layout: one copy
-    ring_output_copy = sbh / t if layout.context > 1 else 0
+    ring_output_copy = heads_out / t if layout.context > 1 else 0
     mlp = (4 if model.gated_mlp else 2) * mlp_hidden / t
     router = tokens * model.experts if model.experts > 1 else 0
     return norms + projection_inputs + q_k_v + attention + ring_output_copy + mlp + router

@@ -35,6 +35,10 @@ class ModelSpec:
         bias: the linear layers have biases.
         position_embeddings: rows of a learned position embedding (0: none, rotary positions).
         source: where the shapes come from.
+        head_dim: features per attention head (0: d_model / heads, as most models have; some,
+            such as GPT-OSS, choose it apart, so that heads x head_dim differs from d_model).
+        tied_embeddings: the output projection is the token embedding's matrix (one copy kept,
+            still one more matmul computed).
     """
 
     name: str
@@ -51,6 +55,12 @@ class ModelSpec:
     bias: bool = False
     position_embeddings: int = 0
     source: str = ""
+    head_dim: int = 0
+    tied_embeddings: bool = False
+
+    def __post_init__(self):
+        if not self.head_dim:  # the usual choice, filled in so that every formula reads one field
+            object.__setattr__(self, "head_dim", self.d_model // self.heads)
 
     @classmethod
     def of(cls, model, *, name: str = "course-transformer") -> ModelSpec:
@@ -64,8 +74,9 @@ class ModelSpec:
         )  # fmt: skip
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.heads
+    def attention_width(self) -> int:
+        """heads x head_dim: what q projects to and ``out`` projects from (d_model for most models)."""
+        return self.heads * self.head_dim
 
     @property
     def norm_statistics(self) -> int:
@@ -81,10 +92,10 @@ class ModelSpec:
         return 2 * self._norm_parameters() + (2 * self.d_model if self.bias else 0)
 
     def attention_parameters(self) -> int:
-        """q and out (h x h each), k and v (h x kv_heads·head_dim each), the block's two norms."""
-        h, kv = self.d_model, self.kv_heads * self.head_dim
-        biases = (2 * h + 2 * kv) if self.bias else 0
-        return 2 * h * h + 2 * h * kv + biases + 2 * self._norm_parameters()
+        """q and out (h x heads·head_dim each), k and v (h x kv_heads·head_dim each), the two norms."""
+        h, q, kv = self.d_model, self.attention_width, self.kv_heads * self.head_dim
+        biases = (q + h + 2 * kv) if self.bias else 0
+        return 2 * h * q + 2 * h * kv + biases + 2 * self._norm_parameters()
 
     def expert_parameters(self) -> int:
         """One MLP (one expert)."""
@@ -105,8 +116,15 @@ class ModelSpec:
         return self._norm_parameters() + self.vocab * self.d_model + (self.vocab if self.bias else 0)
 
     def parameters(self) -> int:
-        """Ψ: the embeddings, the blocks, the final norm and the output projection."""
-        return self.embedding_parameters() + self.layers * self.block_parameters() + self.head_parameters()
+        """Ψ: the embeddings, the blocks, the final norm and the output projection (counted once
+        when it is the embedding's matrix)."""
+        shared = self.vocab * self.d_model if self.tied_embeddings else 0
+        return (
+            self.embedding_parameters()
+            + self.layers * self.block_parameters()
+            + self.head_parameters()
+            - shared
+        )
 
     def active_parameters(self) -> int:
         """The parameters one token meets: ``top_k`` experts per MoE layer instead of all of them."""
@@ -116,11 +134,12 @@ class ModelSpec:
         return self.parameters() - inactive
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6 per active non-embedding parameter, plus attention's 12·L·h·s."""
-        return (
-            6 * (self.active_parameters() - self.embedding_parameters())
-            + 12 * self.layers * self.d_model * seq_len
-        )
+        """Training FLOPs per token: 6 per active parameter a token is multiplied by (the blocks'
+        and the head's, the head once even when tied), plus attention's 12·L·(heads·head_dim)·s."""
+        multiplied = self.active_parameters() - self.embedding_parameters()
+        if self.tied_embeddings:
+            multiplied += self.vocab * self.d_model
+        return 6 * multiplied + 12 * self.layers * self.attention_width * seq_len
 
 
 MODELS = {

@@ -60,12 +60,12 @@ def block_products(spec: ModelSpec, *, tokens: int, tensor: int) -> list[dict]:
         tokens: rows of the activation (a micro-batch's tokens).
         tensor: the tensor-parallel degree.
     """
-    h, kv = spec.d_model, spec.kv_heads * spec.head_dim
+    h, q, kv = spec.d_model, spec.attention_width, spec.kv_heads * spec.head_dim
     expert_rows = tokens * spec.top_k // spec.experts if spec.experts > 1 else tokens
     mlp_in = (2 if spec.gated_mlp else 1) * spec.ffn_hidden
     return [
-        {"matmul": "qkv", "m": tokens, "k": h, "n": (h + 2 * kv) // tensor},
-        {"matmul": "attention_out", "m": tokens, "k": h // tensor, "n": h},
+        {"matmul": "qkv", "m": tokens, "k": h, "n": (q + 2 * kv) // tensor},
+        {"matmul": "attention_out", "m": tokens, "k": q // tensor, "n": h},
         {"matmul": "mlp_in", "m": expert_rows, "k": h, "n": mlp_in // tensor},
         {"matmul": "mlp_out", "m": expert_rows, "k": spec.ffn_hidden // tensor, "n": h},
         {"matmul": "head", "m": tokens, "k": h, "n": spec.vocab // tensor},
@@ -237,11 +237,11 @@ class LlamaBlock(torch.nn.Module):
     def __init__(self, spec: ModelSpec, *, tensor: int = 1):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = spec.heads // tensor, spec.kv_heads, spec.head_dim
-        h, kv = spec.d_model, spec.kv_heads * spec.head_dim
+        h, q, kv = spec.d_model, spec.attention_width, spec.kv_heads * spec.head_dim
         linear = functools.partial(torch.nn.Linear, bias=False)
         self.norm1, self.norm2 = torch.nn.RMSNorm(h), torch.nn.RMSNorm(h)
-        self.q, self.k, self.v = linear(h, h // tensor), linear(h, kv), linear(h, kv)
-        self.out = linear(h // tensor, h)
+        self.q, self.k, self.v = linear(h, q // tensor), linear(h, kv), linear(h, kv)
+        self.out = linear(q // tensor, h)
         self.gate, self.up = linear(h, spec.ffn_hidden // tensor), linear(h, spec.ffn_hidden // tensor)
         self.down = linear(spec.ffn_hidden // tensor, h)
 

@@ -26,14 +26,16 @@ import dataclasses
 import json
 import re
 import sys
+from pathlib import Path
 
 from .. import checks
 from ..distributed.launch import check_process_count, launch
 from ..errors import UserError
+from ..plan import from_files
 from ..plan.cost_model import Prediction, predict
 from ..plan.layout import CONTEXT_ATTENTION, Layout
 from ..plan.planner import plan
-from ..plan.specs import CLUSTERS, GB, MODELS
+from ..plan.specs import CLUSTERS, GB, MODELS, ClusterSpec, ModelSpec
 from . import published
 from .plan_validation import (
     SWEEP,
@@ -81,6 +83,30 @@ HEADER = (
 LOCAL_MODEL, LOCAL_CLUSTER = "course-transformer", "this-machine"
 
 
+def model_named(name: str) -> ModelSpec:
+    """A built-in model by name, or the model a ``config.json`` describes."""
+    if name in MODELS:
+        return MODELS[name]
+    if name.endswith(".json") or Path(name).is_file():
+        return from_files.model_from_config(Path(name))
+    raise UserError(
+        f"unknown --model {name!r}: choose one of {', '.join([*sorted(MODELS), LOCAL_MODEL])}, or give the "
+        "path of a Hugging Face config.json"
+    )
+
+
+def cluster_named(name: str) -> ClusterSpec:
+    """A built-in cluster by name, or the cluster a TOML or JSON file describes."""
+    if name in CLUSTERS:
+        return CLUSTERS[name]
+    if name.endswith((".toml", ".json")) or Path(name).is_file():
+        return from_files.cluster_from_file(Path(name))
+    raise UserError(
+        f"unknown --cluster {name!r}: choose one of {', '.join([*sorted(CLUSTERS), LOCAL_CLUSTER])}, or give "
+        "the path of a TOML or JSON file of its fields"
+    )
+
+
 def breakdown(prediction: Prediction) -> str:
     memory = ", ".join(f"{k} {_gb(v)}" for k, v in prediction.memory.items() if k != "total")
     time = ", ".join(f"{k} {v:.3f}" for k, v in prediction.time.items() if k != "total" and v)
@@ -103,8 +129,16 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--model", choices=[*sorted(MODELS), LOCAL_MODEL])
-    parser.add_argument("--cluster", choices=[*sorted(CLUSTERS), LOCAL_CLUSTER])
+    parser.add_argument(
+        "--model",
+        help=f"one of {', '.join([*sorted(MODELS), LOCAL_MODEL])}, or a Hugging Face config.json "
+        "(plan.from_files)",
+    )
+    parser.add_argument(
+        "--cluster",
+        help=f"one of {', '.join([*sorted(CLUSTERS), LOCAL_CLUSTER])}, or a TOML or JSON file of its fields "
+        "(plan.from_files)",
+    )
     parser.add_argument("--gpus", type=checks.int_at_least(1), help="GPUs of the job")
     parser.add_argument("--seq-len", type=checks.int_at_least(1), default=8192, help="tokens per sequence")
     parser.add_argument(
@@ -164,12 +198,12 @@ def main(argv: list[str] | None = None) -> int:
                 template = course_layout(template, sweep).with_(micro_batch=1)
             if args.run:
                 check_process_count(args.gpus)
-        model = sweep.spec() if args.model == LOCAL_MODEL else MODELS[args.model]
+        model = sweep.spec() if args.model == LOCAL_MODEL else model_named(args.model)
         if args.cluster == LOCAL_CLUSTER:
             print("calibrating this machine...", file=sys.stderr, flush=True)
             cluster = machine(calibrate(launch, sweep))
         else:
-            cluster = CLUSTERS[args.cluster]
+            cluster = cluster_named(args.cluster)
         fitting, rejected = plan(
             model, cluster, gpus=args.gpus, seq_len=args.seq_len, global_batch=global_batch,
             template=template, context_attention=methods,

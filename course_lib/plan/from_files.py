@@ -1,0 +1,166 @@
+"""Your own model and cluster, from files: a Hugging Face ``config.json`` and a TOML or JSON cluster.
+
+The planner's built-in models (``specs.MODELS``) and clusters (``specs.CLUSTERS``) are a few
+well-known ones; the job you plan is rarely one of them. ``model_from_config`` reads the shapes the
+planner needs from the ``config.json`` that every model on the Hugging Face Hub ships with:
+
+=========================  =====================================================================
+config.json                ModelSpec
+=========================  =====================================================================
+hidden_size                d_model
+num_hidden_layers          layers
+num_attention_heads        heads
+num_key_value_heads        kv_heads (absent: heads, multi-head attention)
+head_dim                   head_dim (absent: hidden_size / num_attention_heads)
+intermediate_size          ffn_hidden (``moe_intermediate_size`` first, for an MoE that has it)
+vocab_size                 vocab
+tie_word_embeddings        tied_embeddings (absent: untied, as Llama, Mistral and Qwen default)
+num_local_experts /        experts (absent: a dense MLP)
+num_experts
+num_experts_per_tok        top_k
+rms_norm_eps /             norm: RMSNorm where the config has ``rms_norm_eps``, else LayerNorm
+layer_norm_eps
+hidden_act                 gated_mlp: a SwiGLU (three matrices) for ``silu``, else two matrices
+=========================  =====================================================================
+
+``cluster_from_file`` reads a ``ClusterSpec``'s fields from TOML or JSON, its two links as tables::
+
+    name = "my-cluster"
+    gpus_per_node = 8
+    gpu_memory_bytes = 80e9
+    reserved_bytes = 6e9
+    peak_flops = 989.4e12
+    achieved_flops = 692.6e12
+    memory_bandwidth = 2.68e12
+    source = "where each figure comes from"
+    [inside_node]
+    latency_s = 10e-6
+    bandwidth = 436e9
+    [between_nodes]
+    latency_s = 20e-6
+    bandwidth = 50e9
+
+A field the planner needs and the file lacks is named, with the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from pathlib import Path
+
+from ..errors import UserError
+from .specs import ClusterSpec, Link, ModelSpec
+
+
+def _read(path: Path, what: str) -> dict:
+    """A JSON or TOML file's top-level table."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise UserError(f"cannot read the {what} {path}: {error}") from error
+    try:
+        content = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as error:
+        kind = "TOML" if path.suffix == ".toml" else "JSON"
+        raise UserError(f"the {what} {path} is not valid {kind}: {error}") from error
+    if not isinstance(content, dict):
+        raise UserError(f"the {what} {path} must hold a table of fields, not a {type(content).__name__}")
+    return content
+
+
+def _whole(config: dict, key: str, path: Path, default: int | None = None) -> int:
+    """A positive whole number from the config, or the default where there is one."""
+    value = config.get(key, default)
+    if value is None:
+        raise UserError(f"{path} has no {key}: a model's config.json names it (see plan.from_files)")
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise UserError(f"{path}: {key} must be a whole number, 1 or more, got {value!r}")
+    return value
+
+
+def model_from_config(path: Path) -> ModelSpec:
+    """The shapes of a Hugging Face ``config.json`` (see the table above).
+
+    Args:
+        path: the ``config.json`` (or any JSON with those fields).
+    """
+    path = Path(path)
+    config = _read(path, "model config")
+    heads = _whole(config, "num_attention_heads", path)
+    hidden = _whole(config, "hidden_size", path)
+    experts_key = next((key for key in ("num_local_experts", "num_experts") if config.get(key)), None)
+    experts = _whole(config, experts_key, path) if experts_key else 1
+    ffn_key = (
+        "moe_intermediate_size"
+        if experts > 1 and config.get("moe_intermediate_size")
+        else "intermediate_size"
+    )
+    kv_heads = _whole(config, "num_key_value_heads", path, default=heads)
+    head_dim = _whole(config, "head_dim", path, default=hidden // heads if hidden % heads == 0 else None)
+    if heads % kv_heads:
+        raise UserError(f"{path}: {heads} attention heads do not share out over {kv_heads} key/value heads")
+    return ModelSpec(
+        name=config.get("_name_or_path") or path.parent.name or path.stem,
+        layers=_whole(config, "num_hidden_layers", path),
+        d_model=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        ffn_hidden=_whole(config, ffn_key, path),
+        vocab=_whole(config, "vocab_size", path),
+        gated_mlp=config.get("hidden_act", "silu") == "silu",
+        experts=experts,
+        top_k=_whole(config, "num_experts_per_tok", path) if experts > 1 else 1,
+        norm="rms" if "rms_norm_eps" in config or "layer_norm_eps" not in config else "layer",
+        bias=bool(config.get("attention_bias", False)),
+        source=f"{path} ({config.get('model_type', 'a config.json')})",
+        head_dim=head_dim,
+        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+    )
+
+
+def cluster_from_file(path: Path) -> ClusterSpec:
+    """A cluster's fields from TOML or JSON (``ClusterSpec``'s names; the links as tables).
+
+    Args:
+        path: a ``.toml`` file, or JSON under any other name.
+    """
+    path = Path(path)
+    content = _read(path, "cluster file")
+    fields = {field.name: field for field in dataclasses.fields(ClusterSpec)}
+    unknown = sorted(set(content) - set(fields))
+    if unknown:
+        raise UserError(
+            f"{path} has fields a cluster does not have: {', '.join(unknown)} (see plan.from_files)"
+        )
+    required = [f.name for f in fields.values() if f.default is dataclasses.MISSING and f.name not in content]
+    if required:
+        raise UserError(f"{path} has no {', '.join(required)}: a cluster needs them (see plan.from_files)")
+    values = dict(content)
+    for name in ("inside_node", "between_nodes"):
+        link = values[name]
+        missing = [key for key in ("latency_s", "bandwidth") if not isinstance(link, dict) or key not in link]
+        if missing:
+            raise UserError(f"{path}: {name} needs {' and '.join(missing)} (a table: latency_s, bandwidth)")
+        values[name] = Link(_positive(path, f"{name}.latency_s", link["latency_s"], zero=True),
+                            _positive(path, f"{name}.bandwidth", link["bandwidth"]))  # fmt: skip
+    for name in ("gpu_memory_bytes", "peak_flops", "achieved_flops", "memory_bandwidth"):
+        values[name] = _positive(path, name, values[name])
+    values["reserved_bytes"] = _positive(path, "reserved_bytes", values["reserved_bytes"], zero=True)
+    values["gpus_per_node"] = _whole(values, "gpus_per_node", path)
+    if values["achieved_flops"] > values["peak_flops"]:
+        raise UserError(f"{path}: achieved_flops is above peak_flops: the peak is the most a GPU does")
+    return ClusterSpec(**values)
+
+
+def _positive(path: Path, name: str, value, *, zero: bool = False) -> float:
+    if (
+        not isinstance(value, int | float)
+        or isinstance(value, bool)
+        or value < 0
+        or (value == 0 and not zero)
+    ):
+        raise UserError(f"{path}: {name} must be a number above 0{' (or 0)' if zero else ''}, got {value!r}")
+    return float(value)

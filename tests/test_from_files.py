@@ -1,0 +1,132 @@
+"""Models and clusters of one's own: a Hugging Face config.json gives the built-in model's exact
+counts, a head size apart from d_model/heads and tied embeddings are counted as published, and a
+cluster file gives the built-in cluster's predictions; a missing field is named."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from course_lib.errors import UserError
+from course_lib.plan import from_files, specs
+from course_lib.plan.cost_model import predict
+from course_lib.plan.layout import Layout
+
+from conftest import REPO, clean_env
+
+LLAMA3_8B = {  # meta-llama/Meta-Llama-3-8B config.json, the fields the planner reads
+    "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 14336, "model_type": "llama",
+    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+    "tie_word_embeddings": False, "vocab_size": 128256,
+}  # fmt: skip
+
+
+def _config(tmp_path, fields: dict):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(fields))
+    return path
+
+
+def test_llama_3_8bs_config_is_the_built_in_model(tmp_path):
+    model, built_in = from_files.model_from_config(_config(tmp_path, LLAMA3_8B)), specs.MODELS["llama3-8b"]
+    assert model.parameters() == built_in.parameters() == 8_030_261_248  # the Hub's count
+    assert model.flops_per_token(8192) == built_in.flops_per_token(8192)
+    layout = Layout(data=8)
+    assert predict(
+        model, specs.CLUSTERS["alps"], layout, seq_len=8192, global_batch=16
+    ).time == pytest.approx(
+        predict(built_in, specs.CLUSTERS["alps"], layout, seq_len=8192, global_batch=16).time
+    )
+
+
+def test_tied_embeddings_are_kept_once_and_multiplied_once(tmp_path):
+    # meta-llama/Llama-3.2-1B: 1,235,814,400 parameters on the Hub, its projection the embedding's matrix
+    tied = from_files.model_from_config(_config(tmp_path, LLAMA3_8B | {
+        "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "head_dim": 64,
+        "tie_word_embeddings": True,
+    }))  # fmt: skip
+    assert tied.tied_embeddings and tied.parameters() == 1_235_814_400
+    untied = specs.ModelSpec(**{**tied.__dict__, "tied_embeddings": False})
+    assert untied.parameters() - tied.parameters() == 128256 * 2048
+    assert tied.flops_per_token(4096) == untied.flops_per_token(4096)  # the head's matmul still runs
+    one = Layout(data=2, sharding="ddp")
+    states = {
+        model.tied_embeddings: predict(
+            model, specs.CLUSTERS["alps"], one, seq_len=4096, global_batch=2
+        ).memory
+        for model in (tied, untied)
+    }
+    assert states[False]["parameters"] > states[True]["parameters"]
+
+
+def test_a_head_size_apart_from_the_width_is_counted_as_published(tmp_path):
+    # openai/gpt-oss-120b: width 2880 but 64 heads of 64; the model card: 116.83 B parameters,
+    # 5.13 B active of which the embedding is no part
+    oss = from_files.model_from_config(_config(tmp_path, {
+        "hidden_act": "silu", "hidden_size": 2880, "intermediate_size": 2880, "head_dim": 64,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "num_hidden_layers": 36, "vocab_size": 201088,
+        "num_local_experts": 128, "num_experts_per_tok": 4, "attention_bias": True, "rms_norm_eps": 1e-05,
+        "tie_word_embeddings": False,
+    }))  # fmt: skip
+    assert oss.attention_width == 4096 != oss.d_model
+    assert oss.parameters() == pytest.approx(116.83e9, rel=0.005)
+    assert oss.active_parameters() - oss.embedding_parameters() == pytest.approx(5.13e9, rel=0.01)
+    # attention's FLOPs follow the heads' width, not the model's
+    wide = specs.ModelSpec(**{**oss.__dict__, "head_dim": 0, "heads": 64})
+    assert oss.flops_per_token(4096) - wide.flops_per_token(4096) == pytest.approx(
+        6 * 36 * (oss.attention_parameters() - wide.attention_parameters()) + 12 * 36 * (4096 - 2880) * 4096
+    )
+
+
+@pytest.mark.parametrize(
+    "dropped, message",
+    [("vocab_size", "has no vocab_size"), ("num_hidden_layers", "has no num_hidden_layers")],
+)
+def test_a_config_missing_a_field_names_it(tmp_path, dropped, message):
+    fields = {k: v for k, v in LLAMA3_8B.items() if k != dropped}
+    with pytest.raises(UserError, match=message):
+        from_files.model_from_config(_config(tmp_path, fields))
+
+
+def _alps_toml(tmp_path, drop: str = "") -> str:
+    alps = specs.CLUSTERS["alps"]
+    lines = [
+        f"{name} = {json.dumps(getattr(alps, name))}"
+        for name in ("name", "gpus_per_node", "gpu_memory_bytes", "reserved_bytes", "peak_flops",
+                     "achieved_flops", "memory_bandwidth", "source")
+        if name != drop
+    ]  # fmt: skip
+    for link in ("inside_node", "between_nodes"):
+        value = getattr(alps, link)
+        lines += [f"[{link}]", f"latency_s = {value.latency_s!r}", f"bandwidth = {value.bandwidth!r}"]
+    path = tmp_path / "alps.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_a_cluster_file_is_the_built_in_cluster_and_a_missing_field_is_named(tmp_path):
+    assert from_files.cluster_from_file(_alps_toml(tmp_path)) == specs.CLUSTERS["alps"]
+    with pytest.raises(UserError, match="has no peak_flops"):
+        from_files.cluster_from_file(_alps_toml(tmp_path, drop="peak_flops"))
+    broken = tmp_path / "broken.toml"
+    broken.write_text(_alps_toml(tmp_path).read_text().replace("\nbandwidth = ", "\nspeed = ", 1))
+    with pytest.raises(UserError, match="inside_node needs bandwidth"):
+        from_files.cluster_from_file(broken)
+
+
+def test_the_planner_takes_both_files_and_names_an_unknown_model(tmp_path):
+    def plan(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "course_lib.tools.plan", "--gpus", "8", "--top", "1", *args],
+            cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+
+    shown = plan("--model", str(_config(tmp_path, LLAMA3_8B)), "--cluster", str(_alps_toml(tmp_path)))
+    assert shown.returncode == 0, shown.stderr
+    assert "8.03 B parameters" in shown.stdout and "layouts fit" in shown.stdout
+    refused = plan("--model", "llama-3-8b", "--cluster", "alps")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "unknown --model 'llama-3-8b': choose one of llama3-70b, llama3-8b" in refused.stderr

@@ -130,14 +130,16 @@ def measured_tokens_per_s_per_gpu(kind: str, value: float, model: ModelSpec, seq
 
 def _model(row: dict) -> ModelSpec:
     """The row's shapes: a built-in model's by name, else from its columns (``arch`` gpt: LayerNorm,
-    biases, a GELU MLP and learned positions, as Megatron-LM's GPT; llama: RMSNorm, SwiGLU)."""
+    biases, a GELU MLP, learned positions and the output projection tied to the embedding, as
+    Megatron-LM's GPT has them unless ``--untie-embeddings-and-output-weights``; llama: RMSNorm,
+    SwiGLU)."""
     if row["planner_model"]:
         return MODELS[row["planner_model"]]
     gpt = row["arch"] == "gpt"
     return ModelSpec(
         row["id"], int(row["layers"]), int(row["d_model"]), int(row["heads"]), int(row["kv_heads"]),
         int(row["ffn"]), int(row["vocab"]), gated_mlp=not gpt, norm="layer" if gpt else "rms", bias=gpt,
-        position_embeddings=int(row["seq_len"]) if gpt else 0, source=row["source"],
+        position_embeddings=int(row["seq_len"]) if gpt else 0, source=row["source"], tied_embeddings=gpt,
     )  # fmt: skip
 
 

@@ -39,6 +39,9 @@ def test_mfu_and_the_peaks():
     assert flops.matmul_precision("fp32") in ("tf32", "fp32")
     for _, peaks in flops.PEAK_TFLOPS:
         assert peaks["bf16"] > peaks["tf32"] > peaks["fp32"] > 0
+        # where a GPU has fp8 tensor cores they run at twice bf16's rate (Hopper, Blackwell)
+        assert peaks.get("fp8", 2 * peaks["bf16"]) == pytest.approx(2 * peaks["bf16"], rel=0.001)
+    assert flops.PEAK_TFLOPS[[m for m, _ in flops.PEAK_TFLOPS].index("A100")][1].get("fp8") is None
 
 
 def test_the_matmul_peak_is_measured_and_bad_sizes_are_refused():

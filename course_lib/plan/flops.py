@@ -39,12 +39,14 @@ from ..errors import UserError
 
 PEAK_TFLOPS = (
     # (a substring of torch.cuda.get_device_name(), {matmul precision: dense TFLOP/s}), first match
-    # wins, from NVIDIA's datasheets. "tf32" is fp32 training whose products run on tensor cores
-    # (PyTorch lets cuDNN's convolutions do so by default).
-    ("H100 PCIe", {"bf16": 756.0, "tf32": 378.0, "fp32": 51.0}),
-    ("H100", {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9}),  # SXM, and GH200's H100
-    ("H200", {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9}),  # also GH200: the same GPU
-    ("A100", {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+    # wins, from NVIDIA's datasheets (their tensor-core figures are with 2:4 sparsity: halved
+    # here). "tf32" is fp32 training whose products run on tensor cores (PyTorch lets cuDNN's
+    # convolutions do so by default); "fp8" is e4m3/e5m2 products (Hopper and later).
+    ("H100 PCIe", {"fp8": 1513.0, "bf16": 756.0, "tf32": 378.0, "fp32": 51.0}),
+    ("H100", {"fp8": 1978.9, "bf16": 989.4, "tf32": 494.7, "fp32": 66.9}),  # SXM, and GH200's H100
+    ("H200", {"fp8": 1978.9, "bf16": 989.4, "tf32": 494.7, "fp32": 66.9}),  # also GH200: the same GPU
+    ("B200", {"fp8": 4500.0, "bf16": 2250.0, "tf32": 1100.0, "fp32": 75.0}),  # HGX B200, 1,000 W
+    ("A100", {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5}),  # no fp8 tensor cores
 )
 """Dense peak TFLOP/s of the GPUs the course runs on, per precision of the matrix products."""
 
@@ -77,7 +79,8 @@ def matmul_precision(precision: str) -> str:
 
 
 def peak_tflops(device: torch.device, precision: str) -> float | None:
-    """The datasheet peak of this GPU at ``precision``, or None (a CPU, or a GPU not in the table).
+    """The datasheet peak of this GPU at ``precision``, or None (a CPU, a GPU not in the table, or a
+    precision it has no tensor cores for).
 
     Args:
         device: the device training runs on.
@@ -88,7 +91,7 @@ def peak_tflops(device: torch.device, precision: str) -> float | None:
     name = torch.cuda.get_device_name(device)
     for marker, peaks in PEAK_TFLOPS:
         if marker in name:
-            return peaks[precision]
+            return peaks.get(precision)
     return None
 
 

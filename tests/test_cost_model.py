@@ -56,6 +56,9 @@ def test_a_group_spanning_nodes_leaves_each_node_through_its_members_nics():
     whole = network_model.link_of("data", Layout(data=16), ALPS)
     assert whole.bandwidth == 4 * nic and whole.latency_s == ALPS.between_nodes.latency_s
     assert 0.85 < 93e9 / whole.bandwidth <= 1
+    # FSDP's group is data x context: with the context axis inside a node, still whole nodes
+    assert network_model.link_of(("data", "context"), Layout(data=4, context=4), ALPS).bandwidth == 4 * nic
+    assert network_model.link_of("data", Layout(data=4, context=4), ALPS) is ALPS.between_nodes
     # two members per node (tensor 2): two NICs; never more than the link inside the node
     assert network_model.link_of("data", Layout(data=8, tensor=2), ALPS).bandwidth == 2 * nic
     wide = specs.CLUSTERS["h100-node"]

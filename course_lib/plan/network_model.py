@@ -12,6 +12,8 @@ Paper: Narayanan et al. (arXiv:2104.04473) for the layout's axes and their traff
 
 from __future__ import annotations
 
+import math
+
 from ..distributed.comm import ring_bytes
 from ..parallel.mesh import AXES
 from .layout import Layout
@@ -37,8 +39,9 @@ def collective_seconds(op: str, message_bytes: float, group: int, link: Link) ->
     return ring_steps(op, group) * link.latency_s + ring_bytes(op, message_bytes, group) / link.bandwidth
 
 
-def link_of(axis: str, layout: Layout, cluster: ClusterSpec) -> Link:
-    """The link an axis's rings run on, as one GPU sees it.
+def link_of(axis: str | tuple[str, ...], layout: Layout, cluster: ClusterSpec) -> Link:
+    """The link an axis's rings run on, as one GPU sees it (``axis``: one of ``AXES``, or adjacent
+    ones whose ranks form one group, as FSDP's data x context).
 
     Inside a node while this axis and those inside it fit one. Across nodes, a ring's bytes leave
     each node through the NICs of the group's members on that node: NCCL runs several rings
@@ -50,14 +53,13 @@ def link_of(axis: str, layout: Layout, cluster: ClusterSpec) -> Link:
     README, "within the theoretical ceiling of 100 GB/s per node"), and 180 GB/s across 4 H100
     nodes with 8 NICs of 25 GB/s (NVIDIA/nccl issue 1031): 0.93 and 0.90 of g NICs.
     """
-    inside = 1  # the GPUs of the axes inside this one: its neighbours in a ring are that far apart
-    for name in reversed(AXES):
-        if name == axis:
-            break
-        inside *= layout.degree(name)
-    if inside * layout.degree(axis) <= cluster.gpus_per_node:
+    axes = (axis,) if isinstance(axis, str) else axis
+    innermost = max(AXES.index(name) for name in axes)
+    inside = math.prod(layout.degree(name) for name in AXES[innermost + 1 :])  # between ring neighbours
+    group = math.prod(layout.degree(name) for name in axes)
+    if inside * group <= cluster.gpus_per_node:
         return cluster.inside_node
-    members = max(1, min(layout.degree(axis), cluster.gpus_per_node // inside))
+    members = max(1, min(group, cluster.gpus_per_node // inside))
     if members == 1:
         return cluster.between_nodes
     network, node = cluster.between_nodes, cluster.inside_node
@@ -190,7 +192,7 @@ def data_axis(step: StepShape, busy: float) -> tuple[float, float]:
     and parameter gathers. ``busy``: the step's compute, which hides them where the cluster
     overlaps (DDP's and ZeRO's reductions under the backward, FSDP's gathers under all of it)."""
     layout, cluster = step.layout, step.cluster
-    link, group = link_of("data", layout, cluster), layout.data * layout.context
+    link, group = link_of(("data", "context"), layout, cluster), layout.data * layout.context
     stage_params = stage_parameters(step.model, layout)
     gradient_bytes, param_bytes = 4 * stage_params, layout.element_bytes * stage_params
     reduce_op = "all_reduce" if layout.sharding == "ddp" else "reduce_scatter"

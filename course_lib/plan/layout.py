@@ -31,6 +31,7 @@ place them.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import KW_ONLY, dataclass, fields, replace
 from typing import Any
@@ -52,6 +53,8 @@ SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
 PRECISIONS = ("bf16", "fp32")
 """What the matmuls compute in: bf16 autocast over fp32 weights, or fp32 throughout."""
 CONTEXT_ATTENTION = ("ring", "ulysses")
+LETTERS = {"d": "data", "p": "pipeline", "c": "context", "t": "tensor", "e": "expert"}
+"""The letter of each axis in a layout's name."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,7 +148,8 @@ class Layout:
         return getattr(self, axis)
 
     def name(self) -> str:
-        """A short label, e.g. ``d8.p2.t4 fsdp sel``: only what differs from one process."""
+        """A short label, e.g. ``d8.p2.t4 fsdp sac``: only what differs from one process
+        (``from_name`` reads it back)."""
         parts = [
             f"{a[0]}{self.degree(a)}" for a in ("data", "pipeline", "context", "tensor") if self.degree(a) > 1
         ]
@@ -162,6 +166,69 @@ class Layout:
         if self.context > 1 and self.context_attention != "ring":
             extras.append(self.context_attention)
         return f"{label} {' '.join(extras)}"
+
+    @classmethod
+    def from_name(cls, text: str) -> Layout:
+        """The layout a ``name()`` describes, read back (``plan predict`` takes its layouts so).
+
+        A grid, then words in any order; what a name leaves out is the default::
+
+            grid    single | AXIS N[.AXIS N]...      AXIS: d data, p pipeline, c context, t tensor,
+                                                     e expert
+            words   ddp | zero1 | zero2 | fsdp       the data axis's sharding (default fsdp)
+                    ac | sac                         full or selective recomputation (default none)
+                    1f1b | gpipe | interleaved_1f1bxV  the pipeline schedule, V stages a rank
+                    mbN                              N sequences a micro-batch (default 1)
+                    ring | ulysses                   the context axis's attention (default ring)
+                    bf16 | fp32                      the matmuls' precision (default bf16)
+                    no-sp | no-loss-parallel         sequence or loss parallelism off (default on)
+
+        Args:
+            text: a layout's name, e.g. ``"d8.p2.c4 fsdp sac interleaved_1f1bx2 mb2"``.
+        """
+        if not text.split():
+            raise UserError("an empty layout: write one as the planner prints it, e.g. 'd8.t8 fsdp sac'")
+        grid, *words = text.split()
+        given: dict[str, Any] = {}
+
+        def give(part: str, **values):
+            for key, value in values.items():
+                if key in given:
+                    raise UserError(f"layout {text!r}: {part!r} sets the {key} a second time")
+                given[key] = value
+
+        for part in grid.split(".") if grid != "single" else []:
+            axis = re.fullmatch(r"([dpcte])([1-9]\d*)", part)
+            if axis is None:
+                raise UserError(
+                    f"layout {text!r}: {part!r} is not an axis and its degree (d8, p2, c4, t8, e8, or "
+                    "'single'): see Layout.from_name"
+                )
+            give(part, **{LETTERS[axis[1]]: int(axis[2])})
+        for word in words:
+            schedule = re.fullmatch(r"(1f1b|gpipe|interleaved_1f1b)(?:x([1-9]\d*))?", word)
+            micro_batch = re.fullmatch(r"mb([1-9]\d*)", word)
+            if word in SHARDINGS:
+                give(word, sharding=word)
+            elif word in ("ac", "sac"):
+                give(word, recomputation="full" if word == "ac" else "selective")
+            elif schedule:
+                give(word, schedule=schedule[1], virtual_stages=int(schedule[2] or 1))
+            elif micro_batch:
+                give(word, micro_batch=int(micro_batch[1]))
+            elif word in CONTEXT_ATTENTION:
+                give(word, context_attention=word)
+            elif word in PRECISIONS:
+                give(word, precision=word)
+            elif word in ("no-sp", "no-loss-parallel"):
+                give(word, **{"sequence_parallel" if word == "no-sp" else "loss_parallel": False})
+            else:
+                raise UserError(
+                    f"layout {text!r}: {word!r} is none of a sharding ({', '.join(SHARDINGS)}), ac or sac, a "
+                    "schedule (1f1b, gpipe, interleaved_1f1bx2), mbN, ring or ulysses, bf16 or fp32, no-sp "
+                    "or no-loss-parallel: see Layout.from_name"
+                )
+        return cls(**given)
 
     def sequence_layout(self, seq_len: int):
         """Which tokens of a ``seq_len`` sequence each context rank holds (``context_chunks.SequenceLayout``):

@@ -114,7 +114,7 @@ def breakdown(prediction: Prediction) -> str:
     return f"  memory GB: {memory}\n  time s: {time}\n  sent per GPU per step, GB: {sent or 'nothing'}"
 
 
-SUBCOMMANDS = ("check-published",)
+SUBCOMMANDS = ("check-published", "predict")
 """What ``plan`` does besides ranking a job's layouts, named by its first argument."""
 
 
@@ -124,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "check-published":
         return check_published(argv[1:])
+    if argv and argv[0] == "predict":
+        return predict_layouts(argv[1:])
     parser = checks.CommandParser(
         prog="python -m course_lib.tools.plan",
         description=__doc__.split("\n\n")[0],
@@ -240,6 +242,82 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def predict_layouts(argv: list[str]) -> int:
+    """``plan predict --layouts FILE --json OUT``: given layouts predicted, one JSON row each."""
+    parser = checks.CommandParser(
+        prog="python -m course_lib.tools.plan predict",
+        description="Predict the layouts of a CSV (columns layout, seq_len, global_batch, optional model; a "
+        "layout as the planner prints it, read by Layout.from_name) and write one JSON row per layout.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--layouts", type=checks.file_to_read, required=True, help="the CSV of layouts")
+    parser.add_argument("--json", type=checks.file_to_write, required=True, help="where the rows go")
+    parser.add_argument("--model", help="the model of rows without a model column: a name or a config.json")
+    parser.add_argument("--cluster", required=True, help="a built-in cluster's name, or a TOML or JSON file")
+    args = parser.parse_args(argv)
+    try:
+        cluster = cluster_named(args.cluster)
+        rows = [
+            _predicted_row(row, number, args.model, cluster) for number, row in _layout_rows(args.layouts)
+        ]
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    for row in rows:
+        shown = (
+            row.get("refused")
+            or f"{row['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, {row['memory_gib']:.1f} GiB"
+        )
+        print(f"{row['layout']:<44} {shown}")
+    print(f"{len(rows)} layouts predicted: {args.json}", file=sys.stderr)
+    return 0
+
+
+def _layout_rows(path: Path):
+    """(line number, row) of a layouts CSV, its columns checked."""
+    import csv
+
+    try:
+        with open(path, newline="", encoding="utf-8") as file:
+            rows = list(csv.DictReader(file))
+    except (OSError, UnicodeDecodeError, csv.Error) as error:
+        raise UserError(f"cannot read the layouts {path}: {error}") from error
+    missing = [
+        column for column in ("layout", "seq_len", "global_batch") if not rows or column not in rows[0]
+    ]
+    if missing:
+        raise UserError(f"{path} has no {', '.join(missing)} column (or no rows): see plan predict --help")
+    return list(enumerate(rows, start=2))  # line 1 is the header
+
+
+def _predicted_row(row: dict, number: int, default_model: str | None, cluster: ClusterSpec) -> dict:
+    """One layout of the CSV predicted, as a JSON row (``refused`` with the reason where it cannot run)."""
+    name = row.get("model") or default_model
+    if not name:
+        raise UserError(f"line {number}: no model column and no --model: name the model")
+    try:
+        seq_len, global_batch = int(row["seq_len"]), int(row["global_batch"])
+    except ValueError as error:
+        raise UserError(f"line {number}: seq_len and global_batch must be whole numbers ({error})") from error
+    layout = Layout.from_name(row["layout"])
+    prediction = predict(model_named(name), cluster, layout, seq_len=seq_len, global_batch=global_batch)
+    result = {"layout": layout.name(), "model": name, "seq_len": seq_len, "global_batch": global_batch}
+    result["fits"] = prediction.fits
+    if prediction.problem:
+        result["refused"] = prediction.problem
+    if prediction.time:  # a layout that cannot be cut has no time
+        result |= {
+            "memory_gib": prediction.memory["total"] / 2**30,
+            "tokens_per_s_per_gpu": prediction.tokens_per_s / layout.gpus,
+            "step_s": prediction.time["total"],
+            "mfu": prediction.mfu,
+            "time_s": prediction.time,
+            "memory_bytes": prediction.memory,
+        }
+    return result
+
+
 def check_published(argv: list[str]) -> int:
     """``plan check-published [FILE] --json OUT``: every published run predicted beside its measurement."""
     parser = checks.CommandParser(
@@ -259,7 +337,7 @@ def check_published(argv: list[str]) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        checked = published.check(published.read_runs(args.file))
+        checked = published.check(published.read_runs(path=args.file))
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

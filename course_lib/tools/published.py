@@ -154,7 +154,7 @@ def _layout(row: dict) -> Layout:
     )  # fmt: skip
 
 
-def read_runs(path: Path = PUBLISHED_RUNS) -> list[PublishedRun]:
+def read_runs(*, path: Path = PUBLISHED_RUNS) -> list[PublishedRun]:
     """Every row of a published-runs CSV, read as the planner states it.
 
     Args:
@@ -208,8 +208,12 @@ class Checked:
     ratio: float | None = None
     memory_ratio: float | None = None
 
-    def largest_terms(self, count: int = 3) -> list[tuple[str, float]]:
-        """The predicted step's largest parts, in seconds."""
+    def largest_terms(self, *, count: int = 3) -> list[tuple[str, float]]:
+        """The predicted step's largest parts, in seconds.
+
+        Args:
+            count: how many parts, largest first.
+        """
         if self.prediction is None:
             return []
         parts = [(k, v) for k, v in self.prediction.time.items() if k != "total" and v > 0]
@@ -246,6 +250,9 @@ def summary(checked: list[Checked]) -> dict:
     ``within_1_33``: the share whose ratio lies within 1/1.33 and 1.33; ``median_ratio``;
     ``false_does_not_fit``: runs that ran but are predicted not to fit (or refused);
     ``memory_within_10pct``: the share of runs with published memory predicted within 10 %.
+
+    Args:
+        checked: ``check``'s rows.
     """
     expressible = [c for c in checked if not c.run.not_expressible]
     ratios = [c.ratio for c in expressible if c.ratio is not None]
@@ -266,7 +273,11 @@ def summary(checked: list[Checked]) -> dict:
 
 
 def table(checked: list[Checked]) -> str:
-    """One line a run: measured, predicted, ratio, memory, and the largest predicted terms."""
+    """One line a run: measured, predicted, ratio, memory, and the largest predicted terms.
+
+    Args:
+        checked: ``check``'s rows.
+    """
     lines = [
         f"{'run':<30} {'layout':<34} {'measured':>9} {'predicted':>9} {'ratio':>6} {'GiB pub/pred':>13}  "
         "largest predicted terms (s)"
@@ -292,7 +303,11 @@ def table(checked: list[Checked]) -> str:
 
 
 def record(c: Checked) -> dict:
-    """One checked run as JSON."""
+    """One checked run as JSON.
+
+    Args:
+        c: one of ``check``'s rows.
+    """
     run = c.run
     return {
         "id": run.id,

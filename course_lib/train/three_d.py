@@ -168,31 +168,20 @@ def train_3d(
         context_attention=context_attention,
     )  # fmt: skip
     mesh = Mesh(data=data, pipeline=pipeline, context=context, tensor=tensor)
-    plan = local_layout(
-        mesh,
-        schedule=schedule,
-        recomputation=recompute,
-        sequence_parallel=sequence_parallel,
-        context_attention=context_attention,
-    )
-    chunks = plan.sequence_layout(seq_len)  # how the context ranks cut each sequence
+    plan = local_layout(mesh, schedule=schedule, recomputation=recompute, sequence_parallel=sequence_parallel,
+                        context_attention=context_attention)  # fmt: skip
     inputs, targets, vocabulary = zen_windows(seq_len=seq_len)
     torch.manual_seed(seed)
-    model = models.TinyTransformer(
-        len(vocabulary), d_model=d_model, n_heads=n_heads, n_layers=n_layers, max_seq_len=seq_len
-    )
+    model = models.TinyTransformer(len(vocabulary), d_model=d_model, n_heads=n_heads, n_layers=n_layers,
+                                   max_seq_len=seq_len)  # fmt: skip
     model = parallelize(model, mesh, plan, seq_len=seq_len, data_parallel=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     executor = model.executor(micro_batch=global_batch // data // microbatches, microbatches=microbatches)
-    generator = torch.Generator().manual_seed(seed)
     losses = []
     reporter = rank_at(mesh.degrees, pipeline=pipeline - 1)  # a rank of the last stage
     profiler = profiling.LoopProfiler(profile, grid=mesh.degrees, schedule=schedule) if profile else None
-    for _ in range(steps):
-        # the same draw everywhere
-        batch = torch.randint(0, len(inputs), (global_batch,), generator=generator)
-        mine = batch[mesh.coordinates.data :: data]  # this replica's share
-        x, y = (chunks.local(t[mine], mesh.coordinates.context) for t in (inputs, targets))
+    batches = _local_batches(inputs, targets, mesh, plan.sequence_layout(seq_len), global_batch, seed)
+    for _, (x, y) in zip(range(steps), batches, strict=False):
         with profiler.step() if profiler else contextlib.nullcontext():
             loss = _step(model, executor, optimizer, x, y)
         if profiler is not None and profiler.complete:
@@ -201,6 +190,16 @@ def train_3d(
     if profiler is not None:
         profiler.finish()  # fewer steps than it records: what there was
     return losses if runtime.rank() == 0 else None
+
+
+def _local_batches(inputs, targets, mesh, chunks, global_batch: int, seed: int):
+    """This rank's windows, step after step: the same draw of ``global_batch`` windows on every rank,
+    this replica's share of them, and of each the chunks this context rank holds (``chunks``)."""
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        batch = torch.randint(0, len(inputs), (global_batch,), generator=generator)
+        mine = batch[mesh.coordinates.data :: mesh.degrees["data"]]
+        yield tuple(chunks.local(t[mine], mesh.coordinates.context) for t in (inputs, targets))
 
 
 def _step(model, executor, optimizer, x, y) -> torch.Tensor | None:

@@ -1,0 +1,105 @@
+"""Layouts by name, and ``plan predict``: a layout's printed name reads back to the same layout,
+a name that does not parse names the part, and ``plan predict`` gives each row of a CSV the
+prediction ``cost_model.predict`` makes, or the reason it cannot run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from course_lib.errors import UserError
+from course_lib.plan import planner, specs
+from course_lib.plan.cost_model import predict
+from course_lib.plan.layout import Layout
+
+from conftest import REPO, clean_env
+
+
+@pytest.mark.parametrize("model, gpus", [("llama3-8b", 64), ("mixtral-8x7b", 48)])
+def test_every_layout_the_planner_considers_reads_back_from_its_name(model, gpus):
+    layouts = planner.candidate_layouts(specs.MODELS[model], specs.CLUSTERS["alps"], gpus=gpus)
+    assert len(layouts) > 1000
+    for layout in layouts:
+        assert Layout.from_name(layout.name()) == layout, layout.name()
+
+
+def test_the_words_a_name_leaves_out_can_be_given():
+    layout = Layout.from_name("c2.d4 zero1 ulysses fp32 no-sp no-loss-parallel mb2")
+    assert layout == Layout(
+        data=4, context=2, sharding="zero1", context_attention="ulysses", precision="fp32",
+        sequence_parallel=False, loss_parallel=False, micro_batch=2,
+    )  # fmt: skip
+    assert Layout.from_name("single") == Layout()
+    assert Layout.from_name("p4 ddp interleaved_1f1bx2").virtual_stages == 2
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("", "an empty layout"),
+        ("d8.x2 fsdp", "'x2' is not an axis and its degree"),
+        ("d0 fsdp", "'d0' is not an axis and its degree"),
+        ("d8.d2 fsdp", "'d2' sets the data a second time"),
+        ("d8 fsdp ddp", "'ddp' sets the sharding a second time"),
+        ("d8 fsdp sel", "'sel' is none of a sharding"),
+        ("p2 ddp 1f1bx2", "virtual_stages 2 needs schedule='interleaved_1f1b'"),  # read, then refused
+    ],
+)
+def test_a_name_that_does_not_parse_names_the_part(name, message):
+    with pytest.raises(UserError) as raised:
+        Layout.from_name(name)
+    assert message in str(raised.value)
+
+
+def _predict_command(tmp_path, csv_text: str, *args: str) -> subprocess.CompletedProcess:
+    (tmp_path / "layouts.csv").write_text(csv_text)
+    return subprocess.run(
+        [sys.executable, "-m", "course_lib.tools.plan", "predict", "--layouts", str(tmp_path / "layouts.csv"),
+         "--json", str(tmp_path / "out.json"), *args],
+        cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def test_plan_predict_writes_the_cost_models_prediction_for_each_row(tmp_path):
+    rows = [
+        ("d8 fsdp sac mb2", 8192, 16, "llama3-8b"),  # torchtitan's table 1 job: fits
+        ("d8.t8 fsdp sac mb12", 8192, 96, "llama3-8b"),  # predicted not to fit
+        ("d3 fsdp", 8192, 16, "llama3-8b"),  # cannot be cut: refused without a time
+        ("d4.p2 ddp 1f1b mb2", 4096, 32, "llama3-70b"),
+    ]
+    text = "layout,seq_len,global_batch,model\n" + "".join(f"{a},{b},{c},{d}\n" for a, b, c, d in rows)
+    shown = _predict_command(tmp_path, text, "--cluster", "h100-grand-teton")
+    assert shown.returncode == 0, shown.stderr
+    written = json.loads((tmp_path / "out.json").read_text())
+    assert [row["layout"] for row in written] == [name for name, *_ in rows]
+    cluster = specs.CLUSTERS["h100-grand-teton"]
+    for row, (name, seq_len, batch, model) in zip(written, rows, strict=True):
+        expected = predict(
+            specs.MODELS[model], cluster, Layout.from_name(name), seq_len=seq_len, global_batch=batch
+        )
+        assert row["fits"] == expected.fits and row.get("refused") == expected.problem
+        if expected.time:
+            assert row["step_s"] == pytest.approx(expected.time["total"])
+            assert row["tokens_per_s_per_gpu"] == pytest.approx(expected.tokens_per_s / expected.layout.gpus)
+            assert row["memory_gib"] == pytest.approx(expected.memory["total"] / 2**30)
+        else:
+            assert "step_s" not in row and "does not split" in row["refused"]
+    assert not written[1]["fits"] and "needs" in written[1]["refused"]
+
+
+@pytest.mark.parametrize(
+    "csv_text, args, message",
+    [
+        ("layout,seq_len\nd8 fsdp,8192\n", ("--model", "llama3-8b"), "has no global_batch column"),
+        ("layout,seq_len,global_batch\nd8 fsdp sel,8192,16\n", ("--model", "llama3-8b"), "'sel' is none of"),
+        ("layout,seq_len,global_batch\nd8 fsdp,8192,16\n", (), "line 2: no model column and no --model"),
+        ("layout,seq_len,global_batch\nd8 fsdp,long,16\n", ("--model", "llama3-8b"), "must be whole numbers"),
+    ],
+)
+def test_plan_predict_refuses_a_bad_file_in_one_line(tmp_path, csv_text, args, message):
+    shown = _predict_command(tmp_path, csv_text, "--cluster", "alps", *args)
+    assert shown.returncode == 2 and message in shown.stderr and "Traceback" not in shown.stderr
+    assert not (tmp_path / "out.json").exists()

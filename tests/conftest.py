@@ -122,6 +122,18 @@ def run_tool(tool: str, *args: str) -> subprocess.CompletedProcess:
     )
 
 
+def call_main(main, argv: list[str], capsys) -> subprocess.CompletedProcess:
+    """A command's ``main(argv)`` run in this process, its result as a subprocess's: the exit status
+    (argparse's refusals exit: caught), stdout and stderr. A second of interpreter start-up less
+    where the test is about the command's logic, not its process."""
+    try:
+        status = main(argv)
+    except SystemExit as exit_:
+        status = exit_.code
+    shown = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, status, shown.out, shown.err)
+
+
 def run_bench(*args: str) -> dict:
     """``python -m course_lib.tools.bench ARGS`` in a fresh process; the JSON it printed."""
     import json

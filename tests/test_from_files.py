@@ -5,8 +5,6 @@ cluster file gives the built-in cluster's predictions; a missing field is named.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -14,8 +12,9 @@ from course_lib.errors import UserError
 from course_lib.plan import from_files, specs
 from course_lib.plan.cost_model import predict
 from course_lib.plan.layout import Layout
+from course_lib.tools import plan as plan_tool
 
-from conftest import REPO, clean_env
+from conftest import call_main
 
 LLAMA3_8B = {  # meta-llama/Meta-Llama-3-8B config.json, the fields the planner reads
     "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 14336, "model_type": "llama",
@@ -117,12 +116,9 @@ def test_a_cluster_file_is_the_built_in_cluster_and_a_missing_field_is_named(tmp
         from_files.cluster_from_file(broken)
 
 
-def test_the_planner_takes_both_files_and_names_an_unknown_model(tmp_path):
+def test_the_planner_takes_both_files_and_names_an_unknown_model(tmp_path, capsys):
     def plan(*args):
-        return subprocess.run(
-            [sys.executable, "-m", "course_lib.tools.plan", "--gpus", "8", "--top", "1", *args],
-            cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+        return call_main(plan_tool.main, ["--gpus", "8", "--top", "1", *args], capsys)
 
     shown = plan("--model", str(_config(tmp_path, LLAMA3_8B)), "--cluster", str(_alps_toml(tmp_path)))
     assert shown.returncode == 0, shown.stderr

@@ -5,8 +5,6 @@ prediction ``cost_model.predict`` makes, or the reason it cannot run."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -14,8 +12,9 @@ from course_lib.errors import UserError
 from course_lib.plan import planner, specs
 from course_lib.plan.cost_model import predict
 from course_lib.plan.layout import Layout
+from course_lib.tools import plan as plan_tool
 
-from conftest import REPO, clean_env
+from conftest import call_main
 
 
 @pytest.mark.parametrize("model, gpus", [("llama3-8b", 64), ("mixtral-8x7b", 48)])
@@ -54,16 +53,20 @@ def test_a_name_that_does_not_parse_names_the_part(name, message):
     assert message in str(raised.value)
 
 
-def _predict_command(tmp_path, csv_text: str, *args: str) -> subprocess.CompletedProcess:
+def _predict_command(tmp_path, capsys, csv_text: str, *args: str):
     (tmp_path / "layouts.csv").write_text(csv_text)
-    return subprocess.run(
-        [sys.executable, "-m", "course_lib.tools.plan", "predict", "--layouts", str(tmp_path / "layouts.csv"),
-         "--json", str(tmp_path / "out.json"), *args],
-        cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    argv = [
+        "predict",
+        "--layouts",
+        str(tmp_path / "layouts.csv"),
+        "--json",
+        str(tmp_path / "out.json"),
+        *args,
+    ]
+    return call_main(plan_tool.main, argv, capsys)
 
 
-def test_plan_predict_writes_the_cost_models_prediction_for_each_row(tmp_path):
+def test_plan_predict_writes_the_cost_models_prediction_for_each_row(tmp_path, capsys):
     rows = [
         ("d8 fsdp sac mb2", 8192, 16, "llama3-8b"),  # torchtitan's table 1 job: fits
         ("d8.t8 fsdp sac mb12", 8192, 96, "llama3-8b"),  # predicted not to fit
@@ -71,7 +74,7 @@ def test_plan_predict_writes_the_cost_models_prediction_for_each_row(tmp_path):
         ("d4.p2 ddp 1f1b mb2", 4096, 32, "llama3-70b"),
     ]
     text = "layout,seq_len,global_batch,model\n" + "".join(f"{a},{b},{c},{d}\n" for a, b, c, d in rows)
-    shown = _predict_command(tmp_path, text, "--cluster", "h100-grand-teton")
+    shown = _predict_command(tmp_path, capsys, text, "--cluster", "h100-grand-teton")
     assert shown.returncode == 0, shown.stderr
     written = json.loads((tmp_path / "out.json").read_text())
     assert [row["layout"] for row in written] == [name for name, *_ in rows]
@@ -99,7 +102,7 @@ def test_plan_predict_writes_the_cost_models_prediction_for_each_row(tmp_path):
         ("layout,seq_len,global_batch\nd8 fsdp,long,16\n", ("--model", "llama3-8b"), "must be whole numbers"),
     ],
 )
-def test_plan_predict_refuses_a_bad_file_in_one_line(tmp_path, csv_text, args, message):
-    shown = _predict_command(tmp_path, csv_text, "--cluster", "alps", *args)
+def test_plan_predict_refuses_a_bad_file_in_one_line(tmp_path, capsys, csv_text, args, message):
+    shown = _predict_command(tmp_path, capsys, csv_text, "--cluster", "alps", *args)
     assert shown.returncode == 2 and message in shown.stderr and "Traceback" not in shown.stderr
     assert not (tmp_path / "out.json").exists()

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import csv
 import json
-import subprocess
-import sys
 
 import pytest
 
 from course_lib.plan.specs import MODELS
+from course_lib.tools import plan as plan_tool
 from course_lib.tools import published
 
-from conftest import REPO, clean_env
+from conftest import call_main
 
 
 def _rows() -> list[dict]:
@@ -77,15 +76,8 @@ def test_the_summary_counts_what_the_rows_say():
         assert c.ratio == pytest.approx(c.prediction.tokens_per_s / c.run.layout.gpus / c.run.measured)
 
 
-def _plan(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "course_lib.tools.plan", *args],
-        cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-
-
-def test_the_command_prints_every_row_and_writes_the_summary(tmp_path):
-    shown = _plan("check-published", "--json", str(tmp_path / "out.json"))
+def test_the_command_prints_every_row_and_writes_the_summary(tmp_path, capsys):
+    shown = call_main(plan_tool.main, ["check-published", "--json", str(tmp_path / "out.json")], capsys)
     assert shown.returncode == 0, shown.stderr
     written = json.loads((tmp_path / "out.json").read_text())
     summary = json.loads(shown.stdout.strip().splitlines()[-1])
@@ -96,7 +88,7 @@ def test_the_command_prints_every_row_and_writes_the_summary(tmp_path):
         assert (row["ratio"] is None) == (row["not_expressible"] is not None)
 
 
-def test_a_file_it_cannot_read_is_one_line_and_exit_2(tmp_path):
+def test_a_file_it_cannot_read_is_one_line_and_exit_2(tmp_path, capsys):
     rows = _rows()
     broken = tmp_path / "missing_column.csv"
     with open(broken, "w", newline="") as file:
@@ -109,6 +101,6 @@ def test_a_file_it_cannot_read_is_one_line_and_exit_2(tmp_path):
         writer.writeheader()
         writer.writerow(rows[0] | {"gpus": "eight"} | {"dp": "eight"})
     for path, message in ((broken, "has no column seq_len"), (bad_value, "line 2 (tt-h100-8b-fsdp8-eager)")):
-        shown = _plan("check-published", str(path))
+        shown = call_main(plan_tool.main, ["check-published", str(path)], capsys)
         assert shown.returncode == 2, shown.stdout
         assert message in shown.stderr and "Traceback" not in shown.stderr

@@ -212,6 +212,27 @@ file_to_write = argument_type(check_file_to_write)
 file_to_read = argument_type(check_file_to_read)
 
 
+def exit_with(main: Callable[[], int | None]) -> None:
+    """Run a command's ``main`` and exit with its status. A reader that stops early (``| head``)
+    closes the pipe: the command then ends quietly, with status 1, rather than with a traceback.
+
+    Args:
+        main: the command's main function, which returns its exit status.
+    """
+    try:
+        try:
+            status = main()
+        except SystemExit as stop:  # argparse exits from inside main (--help, a refused flag)
+            status = stop.code
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's own flush at exit
+    except BrokenPipeError:
+        # Python's advice (the signal module's note on SIGPIPE): stdout to devnull, so that the
+        # flush at exit cannot fail a second time.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        status = 1
+    sys.exit(status)
+
+
 def check_choice(name: str, value: Any, choices: tuple | list) -> Any:
     """One of ``choices``, or one line naming them all: the one check of every choice the course offers.
 

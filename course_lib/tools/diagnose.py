@@ -29,6 +29,7 @@ from collections import defaultdict
 from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 
+from .. import checks
 from ..errors import UserError
 from ..observe.flight_recorder import FORMAT, PYTORCH_PREFIX
 
@@ -398,4 +399,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    checks.exit_with(main)

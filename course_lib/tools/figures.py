@@ -13,7 +13,6 @@ prefetch, and ``plan --validate``'s sweep, on local processes) and overwrites th
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -380,4 +379,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    checks.exit_with(main)

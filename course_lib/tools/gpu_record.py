@@ -623,4 +623,4 @@ def _block_against_parts(record: dict, block: dict) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    checks.exit_with(main)

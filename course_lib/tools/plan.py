@@ -440,4 +440,4 @@ def _record(prediction: Prediction) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    checks.exit_with(main)

@@ -493,4 +493,4 @@ def _collect_or_plot(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    checks.exit_with(main)

@@ -32,6 +32,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .. import checks
 from ..errors import EXIT_CRASH, EXIT_DIVERGED, EXIT_REQUEUE, EXIT_USER_ERROR, STATUS_FOLDER
 
 FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
@@ -105,4 +106,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    checks.exit_with(main)

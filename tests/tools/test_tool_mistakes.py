@@ -186,3 +186,24 @@ def test_benchmark_sizes_that_cannot_run_are_refused_before_anything_starts(argv
     status, lines = _outcome(bench.main, argv, capsys)
     assert status == EXIT_USER_ERROR and len(lines) == 1
     assert message in lines[0]
+
+
+@pytest.mark.parametrize(
+    "command, status",
+    [
+        (["plan", "--model", "llama3-8b", "--cluster", "alps", "--gpus", "8"], 1),  # a long table
+        (["diagnose", "--help"], 0),  # argparse writes the help, ignoring a failed write, and exits 0
+    ],
+    ids=["plan", "diagnose --help"],
+)
+def test_a_reader_that_stops_early_ends_the_command_quietly(command, status):
+    """``| head``: the reader closes the pipe; the command ends without a traceback (status 1 where
+    its own output could not be written)."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", f"course_lib.tools.{command[0]}", *command[1:]],
+        cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    process.stdout.close()  # before the command has even imported its modules, let alone written
+    stderr = process.stderr.read()
+    assert process.wait(timeout=120) == status
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr

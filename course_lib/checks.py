@@ -15,6 +15,7 @@ argparse types with ``argument_type``, so argparse reports the mistake in its us
 from __future__ import annotations
 
 import argparse
+import csv
 import math
 import os
 import sys
@@ -210,6 +211,27 @@ folder_to_write = argument_type(check_folder_to_write)
 folder_to_read = argument_type(check_folder_to_read)
 file_to_write = argument_type(check_file_to_write)
 file_to_read = argument_type(check_file_to_read)
+
+
+def read_csv_rows(path: str | os.PathLike, *, what: str, columns: tuple[str, ...]) -> list[tuple[int, dict]]:
+    """The rows of a CSV a user gave, each with its line number, once the file reads and has ``columns``.
+
+    Args:
+        path: the CSV file.
+        what: what its rows are, for the messages (``"layouts"``).
+        columns: the columns it must have (it may have more).
+    """
+    try:
+        with open(path, newline="", encoding="utf-8") as file:
+            rows = list(csv.DictReader(file))
+    except (OSError, UnicodeDecodeError, csv.Error) as error:
+        raise UserError(f"cannot read the {what} {path}: {error}") from error
+    if not rows:
+        raise UserError(f"{path} has no {what}")
+    missing = [column for column in columns if column not in rows[0]]
+    if missing:
+        raise UserError(f"{path} has no column {', '.join(missing)}")
+    return list(enumerate(rows, start=2))  # line 1 holds the column names
 
 
 def exit_with(main: Callable[[], int | None]) -> None:

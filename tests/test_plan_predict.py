@@ -96,7 +96,7 @@ def test_plan_predict_writes_the_cost_models_prediction_for_each_row(tmp_path, c
 @pytest.mark.parametrize(
     "csv_text, args, message",
     [
-        ("layout,seq_len\nd8 fsdp,8192\n", ("--model", "llama3-8b"), "has no global_batch column"),
+        ("layout,seq_len\nd8 fsdp,8192\n", ("--model", "llama3-8b"), "has no column global_batch"),
         ("layout,seq_len,global_batch\nd8 fsdp sel,8192,16\n", ("--model", "llama3-8b"), "'sel' is none of"),
         ("layout,seq_len,global_batch\nd8 fsdp,8192,16\n", (), "line 2: no model column and no --model"),
         ("layout,seq_len,global_batch\nd8 fsdp,long,16\n", ("--model", "llama3-8b"), "must be whole numbers"),

@@ -50,6 +50,7 @@ import json
 import tomllib
 from pathlib import Path
 
+from ..checks import check_int, check_number
 from ..errors import UserError
 from .specs import ClusterSpec, Link, ModelSpec
 
@@ -76,9 +77,7 @@ def _whole(config: dict, key: str, path: Path, default: int | None = None) -> in
     value = config.get(key, default)
     if value is None:
         raise UserError(f"{path} has no {key}: a model's config.json names it (see plan.from_files)")
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise UserError(f"{path}: {key} must be a whole number, 1 or more, got {value!r}")
-    return value
+    return check_int(f"{path}: {key}", value, minimum=1)
 
 
 def model_from_config(path: Path) -> ModelSpec:
@@ -144,23 +143,12 @@ def cluster_from_file(path: Path) -> ClusterSpec:
         missing = [key for key in ("latency_s", "bandwidth") if not isinstance(link, dict) or key not in link]
         if missing:
             raise UserError(f"{path}: {name} needs {' and '.join(missing)} (a table: latency_s, bandwidth)")
-        values[name] = Link(_positive(path, f"{name}.latency_s", link["latency_s"], zero=True),
-                            _positive(path, f"{name}.bandwidth", link["bandwidth"]))  # fmt: skip
+        latency = check_number(f"{path}: {name}.latency_s", link["latency_s"], minimum=0)
+        values[name] = Link(latency, check_number(f"{path}: {name}.bandwidth", link["bandwidth"], above=0))
     for name in ("gpu_memory_bytes", "peak_flops", "achieved_flops", "memory_bandwidth"):
-        values[name] = _positive(path, name, values[name])
-    values["reserved_bytes"] = _positive(path, "reserved_bytes", values["reserved_bytes"], zero=True)
+        values[name] = check_number(f"{path}: {name}", values[name], above=0)
+    values["reserved_bytes"] = check_number(f"{path}: reserved_bytes", values["reserved_bytes"], minimum=0)
     values["gpus_per_node"] = _whole(values, "gpus_per_node", path)
     if values["achieved_flops"] > values["peak_flops"]:
         raise UserError(f"{path}: achieved_flops is above peak_flops: the peak is the most a GPU does")
     return ClusterSpec(**values)
-
-
-def _positive(path: Path, name: str, value, *, zero: bool = False) -> float:
-    if (
-        not isinstance(value, int | float)
-        or isinstance(value, bool)
-        or value < 0
-        or (value == 0 and not zero)
-    ):
-        raise UserError(f"{path}: {name} must be a number above 0{' (or 0)' if zero else ''}, got {value!r}")
-    return float(value)

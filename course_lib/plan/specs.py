@@ -214,6 +214,8 @@ class ClusterSpec:
 
 
 GB = 1e9
+GIB = 2**30
+"""A gibibyte: what PyTorch's memory readings and published memory figures count in."""
 
 
 OPTIMIZER_BYTES = {"fp32": 7 * 4, "bf16": 7 * 4 + 2}

@@ -35,7 +35,7 @@ from ..plan import from_files
 from ..plan.cost_model import Prediction, predict
 from ..plan.layout import CONTEXT_ATTENTION, Layout
 from ..plan.planner import plan
-from ..plan.specs import CLUSTERS, GB, MODELS, ClusterSpec, ModelSpec
+from ..plan.specs import CLUSTERS, GB, GIB, MODELS, ClusterSpec, ModelSpec
 from . import published
 from .plan_validation import (
     SWEEP,
@@ -114,18 +114,12 @@ def breakdown(prediction: Prediction) -> str:
     return f"  memory GB: {memory}\n  time s: {time}\n  sent per GPU per step, GB: {sent or 'nothing'}"
 
 
-SUBCOMMANDS = ("check-published", "predict")
-"""What ``plan`` does besides ranking a job's layouts, named by its first argument."""
-
-
 def main(argv: list[str] | None = None) -> int:
     """``python -m course_lib.tools.plan``: the layouts of a job, ranked by predicted throughput;
-    ``plan check-published``: the planner held against published GPU runs."""
+    ``plan predict`` and ``plan check-published`` (``SUBCOMMANDS``): given layouts, published runs."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "check-published":
-        return check_published(argv[1:])
-    if argv and argv[0] == "predict":
-        return predict_layouts(argv[1:])
+    if argv and argv[0] in SUBCOMMANDS:
+        return SUBCOMMANDS[argv[0]](argv[1:])
     parser = checks.CommandParser(
         prog="python -m course_lib.tools.plan",
         description=__doc__.split("\n\n")[0],
@@ -242,6 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+LAYOUT_COLUMNS = ("layout", "seq_len", "global_batch")
+"""The columns ``plan predict`` reads from its CSV (``model`` is optional)."""
+
+
 def predict_layouts(argv: list[str]) -> int:
     """``plan predict --layouts FILE --json OUT``: given layouts predicted, one JSON row each."""
     parser = checks.CommandParser(
@@ -258,7 +256,8 @@ def predict_layouts(argv: list[str]) -> int:
     try:
         cluster = cluster_named(args.cluster)
         rows = [
-            _predicted_row(row, number, args.model, cluster) for number, row in _layout_rows(args.layouts)
+            _predicted_row(row, number, args.model, cluster)
+            for number, row in checks.read_csv_rows(args.layouts, what="layouts", columns=LAYOUT_COLUMNS)
         ]
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -272,23 +271,6 @@ def predict_layouts(argv: list[str]) -> int:
         print(f"{row['layout']:<44} {shown}")
     print(f"{len(rows)} layouts predicted: {args.json}", file=sys.stderr)
     return 0
-
-
-def _layout_rows(path: Path):
-    """(line number, row) of a layouts CSV, its columns checked."""
-    import csv
-
-    try:
-        with open(path, newline="", encoding="utf-8") as file:
-            rows = list(csv.DictReader(file))
-    except (OSError, UnicodeDecodeError, csv.Error) as error:
-        raise UserError(f"cannot read the layouts {path}: {error}") from error
-    missing = [
-        column for column in ("layout", "seq_len", "global_batch") if not rows or column not in rows[0]
-    ]
-    if missing:
-        raise UserError(f"{path} has no {', '.join(missing)} column (or no rows): see plan predict --help")
-    return list(enumerate(rows, start=2))  # line 1 is the header
 
 
 def _predicted_row(row: dict, number: int, default_model: str | None, cluster: ClusterSpec) -> dict:
@@ -308,7 +290,7 @@ def _predicted_row(row: dict, number: int, default_model: str | None, cluster: C
         result["refused"] = prediction.problem
     if prediction.time:  # a layout that cannot be cut has no time
         result |= {
-            "memory_gib": prediction.memory["total"] / 2**30,
+            "memory_gib": prediction.memory["total"] / GIB,
             "tokens_per_s_per_gpu": prediction.tokens_per_s / layout.gpus,
             "step_s": prediction.time["total"],
             "mfu": prediction.mfu,
@@ -355,6 +337,10 @@ def check_published(argv: list[str]) -> int:
         )
         print(f"every row: {args.json}", file=sys.stderr)
     return 0
+
+
+SUBCOMMANDS = {"check-published": check_published, "predict": predict_layouts}
+"""What ``plan`` does besides ranking a job's layouts, named by its first argument."""
 
 
 def _validate(args) -> int:

@@ -29,15 +29,15 @@ summary.
 
 from __future__ import annotations
 
-import csv
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..checks import check_choice, read_csv_rows
 from ..errors import UserError
 from ..plan.cost_model import Prediction, predict
 from ..plan.layout import Layout
-from ..plan.specs import CLUSTERS, MODELS, ModelSpec
+from ..plan.specs import CLUSTERS, GIB, MODELS, ModelSpec
 
 PUBLISHED_RUNS = Path(__file__).with_name("published_gpu_runs.csv")
 """The published runs the planner is checked against, each with its source."""
@@ -55,8 +55,6 @@ A100_PEAK_FLOPS = 312e12
 
 WITHIN = 1.33
 """A prediction within this factor of the measurement either way counts as right."""
-
-GIB = 2**30
 
 
 @dataclass(frozen=True)
@@ -119,13 +117,12 @@ def measured_tokens_per_s_per_gpu(kind: str, value: float, model: ModelSpec, seq
         model: the run's shapes.
         seq_len: its tokens per sequence.
     """
+    check_choice("measured_kind", kind, MEASURED_KINDS)
     if kind == "tokens_per_s_per_gpu":
         return value
     if kind == "mfu_korthikanti":
         return value / 100 * A100_PEAK_FLOPS / _flops_per_token(kind, model, seq_len)
-    if kind in MEASURED_KINDS:
-        return value * 1e12 / _flops_per_token(kind, model, seq_len)
-    raise UserError(f"unknown measured_kind {kind!r}: choose one of {', '.join(MEASURED_KINDS)}")
+    return value * 1e12 / _flops_per_token(kind, model, seq_len)
 
 
 def _model(row: dict) -> ModelSpec:
@@ -160,16 +157,8 @@ def read_runs(*, path: Path = PUBLISHED_RUNS) -> list[PublishedRun]:
     Args:
         path: a CSV with the columns of ``COLUMNS`` (more are ignored).
     """
-    try:
-        with open(path, newline="", encoding="utf-8") as file:
-            rows = list(csv.DictReader(file))
-    except (OSError, UnicodeDecodeError, csv.Error) as error:
-        raise UserError(f"cannot read the published runs {path}: {error}") from error
-    missing = [column for column in COLUMNS if rows and column not in rows[0]]
-    if not rows or missing:
-        raise UserError(f"{path} has no runs" if not rows else f"{path} has no column {', '.join(missing)}")
     runs = []
-    for number, row in enumerate(rows, start=2):  # line 1 is the header
+    for number, row in read_csv_rows(path, what="published runs", columns=COLUMNS):
         try:
             runs.append(_run(row))
         except (ValueError, KeyError) as error:

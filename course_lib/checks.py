@@ -259,7 +259,7 @@ def check_choice(name: str, value: Any, choices: tuple | list) -> Any:
     """One of ``choices``, or one line naming them all: the one check of every choice the course offers.
 
     Args:
-        name: what is chosen, as the caller knows it (``"schedule"``, ``"--sharding"``).
+        name: what is chosen, as the caller knows it (``"schedule"``, ``"--sharding-strategy"``).
         value: the choice made.
         choices: the values allowed.
     """

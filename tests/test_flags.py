@@ -70,11 +70,20 @@ TRAIN_MISTAKES = [
         "--checkpoint-every must be a whole number, 0 or more, got -3",
     ),
     (
-        ["--strategy", "fsdp", "--impl", "course", "--sharding", "HYBRID_SHARD", "--hybrid-shard-size", "0"],
+        [
+            "--strategy",
+            "fsdp",
+            "--impl",
+            "course",
+            "--sharding-strategy",
+            "HYBRID_SHARD",
+            "--hybrid-shard-size",
+            "0",
+        ],
         "--hybrid-shard-size must be a whole number, from 1 to 1, got 0",
     ),
-    (["--zero-stage", "7"], "argument --zero-stage: invalid choice: 7"),
-    (["--recompute", "all"], "argument --recompute: invalid choice: 'all'"),
+    (["--strategy", "zero3"], "argument --strategy: invalid choice: 'zero3'"),
+    (["--recomputation", "all"], "argument --recomputation: invalid choice: 'all'"),
     (["--flight-recorder", "{file}"], "is a file, but a folder is expected"),
     (["--timeout", "-1"], "--timeout must be a finite number above 0 and at most 86400, got -1.0"),
     (["--timeout", "nan"], "--timeout must be a finite number above 0 and at most 86400, got nan"),
@@ -203,12 +212,21 @@ def course_fsdp_checkpoint(tmp_path_factory) -> Path:
 # (flags, launcher variables, the one line both runs print); {ckpt} is the course FSDP checkpoint.
 REFUSED_BEFORE_THE_RANKS_MEET = [
     (
-        ["--strategy", "fsdp", "--impl", "course", "--sharding", "HYBRID_SHARD", "--hybrid-shard-size", "3"],
+        [
+            "--strategy",
+            "fsdp",
+            "--impl",
+            "course",
+            "--sharding-strategy",
+            "HYBRID_SHARD",
+            "--hybrid-shard-size",
+            "3",
+        ],
         {"WORLD_SIZE": "4"},
         "HYBRID_SHARD needs a shard group size that divides the 4 ranks, got 3: pass --hybrid-shard-size",
     ),
     (
-        ["--strategy", "fsdp", "--impl", "course", "--sharding", "HYBRID_SHARD"],
+        ["--strategy", "fsdp", "--impl", "course", "--sharding-strategy", "HYBRID_SHARD"],
         {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "3"},
         "divides the 4 ranks, got 3 (the ranks of one node, 3, by default)",
     ),

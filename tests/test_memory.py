@@ -11,33 +11,33 @@ from course_lib.parallel import memory
 
 
 @pytest.mark.parametrize(
-    "stage, gigabytes", [("ddp", 120.0), ("zero1", 31.4), ("zero2", 16.6), ("zero3", 1.9)]
+    "sharding, gigabytes", [("ddp", 120.0), ("zero1", 31.4), ("zero2", 16.6), ("fsdp", 1.9)]
 )
-def test_zero_paper_table(stage, gigabytes):
+def test_zero_paper_table(sharding, gigabytes):
     """7.5B parameters on 64 GPUs with mixed-precision Adam (K = 12), as in the ZeRO paper's Figure 1."""
-    total = memory.model_state_bytes(7.5e9, 64, stage, **memory.MIXED_PRECISION_ADAM).total
+    total = memory.model_state_bytes(7.5e9, 64, sharding, **memory.MIXED_PRECISION_ADAM).total
     assert total / 1e9 == pytest.approx(gigabytes, abs=0.05)
 
 
 def test_traffic_model():
     assert memory.traffic_elements_per_rank(1000, 4, "ddp") == 2 * 3 / 4 * 1000
-    assert memory.traffic_elements_per_rank(1000, 4, "zero3") == 1.5 * memory.traffic_elements_per_rank(
+    assert memory.traffic_elements_per_rank(1000, 4, "fsdp") == 1.5 * memory.traffic_elements_per_rank(
         1000, 4, "zero1"
     )
-    with pytest.raises(UserError, match="unknown stage"):
+    with pytest.raises(UserError, match="unknown sharding 'zero4': choose one of ddp, zero1, zero2, fsdp"):
         memory.traffic_elements_per_rank(1000, 4, "zero4")
 
 
-def test_which_strategy_fits():
+def test_which_sharding_fits():
     # 7.5B parameters on 64 GPUs of 80 GB, 20% kept for activations:
     # DDP's 120 GB cannot fit, ZeRO-1's 31.4 GB can
-    fits = memory.strategies_that_fit(7.5e9, 80e9, 64)
-    assert fits == {"ddp": False, "zero1": True, "zero2": True, "zero3": True}
-    assert memory.strategies_that_fit(7.5e9, 16e9, 64) == {
+    fits = memory.shardings_that_fit(7.5e9, 80e9, 64)
+    assert fits == {"ddp": False, "zero1": True, "zero2": True, "fsdp": True}
+    assert memory.shardings_that_fit(7.5e9, 16e9, 64) == {
         "ddp": False,
         "zero1": False,
         "zero2": False,
-        "zero3": True,
+        "fsdp": True,
     }
 
 
@@ -68,10 +68,10 @@ def _fsdp_measured():
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_fsdp2_memory_per_rank_falls_as_zero3_says(world_size):
+def test_fsdp2_memory_per_rank_falls_as_fsdp_says(world_size):
     """FSDP2 shards every parameter on dim 0; padding makes a shard at most a few rows larger."""
     results = launch(_fsdp_measured, world_size)
-    model_bytes = memory.model_state_bytes(35_173, world_size, "zero3", **memory.FP32_ADAM)
+    model_bytes = memory.model_state_bytes(35_173, world_size, "fsdp", **memory.FP32_ADAM)
     total_params = sum(measured.params for measured, _ in results)
     assert total_params == 4 * 35_173  # the shards add up to the whole model, nothing held twice
     for measured, _ in results:

@@ -330,7 +330,7 @@ def test_refuses_a_corrupt_checkpoint(saved_checkpoint, tmp_path):
 )
 def test_recomputation_trains_like_one_process_under_every_wrapper(strategy, impl, policy, single_reference):
     reference, _ = single_reference
-    config = dataclasses.replace(BASE, strategy=strategy, impl=impl, recompute=policy)
+    config = dataclasses.replace(BASE, strategy=strategy, impl=impl, recomputation=policy)
     weights, history = run_training(config, 2)
     torch.testing.assert_close(weights, reference, **TOLERANCE)
 
@@ -338,30 +338,31 @@ def test_recomputation_trains_like_one_process_under_every_wrapper(strategy, imp
 # -- the course's sharded implementations in the harness --------------------------------------
 
 COURSE_SHARDED = {
-    "zero1": dict(zero_stage=1),
-    "zero2": dict(zero_stage=2),
-    "FULL_SHARD": {},
-    "SHARD_GRAD_OP": dict(sharding="SHARD_GRAD_OP", cpu_offload="full", recompute="full"),
+    "zero1": dict(strategy="zero1"),
+    "zero2": dict(strategy="zero2"),
+    "FULL_SHARD": dict(strategy="fsdp"),
+    "SHARD_GRAD_OP": dict(
+        strategy="fsdp", sharding_strategy="SHARD_GRAD_OP", cpu_offload="full", recomputation="full"
+    ),
 }
 
 
 @pytest.mark.parametrize("variant", COURSE_SHARDED)
 def test_course_sharded_implementations_train_like_one_process(variant, single_reference):
     reference, reference_history = single_reference
-    config = dataclasses.replace(BASE, strategy="fsdp", impl="course", **COURSE_SHARDED[variant])
+    config = dataclasses.replace(BASE, impl="course", **COURSE_SHARDED[variant])
     weights, history = run_training(config, 3)
     torch.testing.assert_close(weights, reference, **TOLERANCE)
-    assert history[-1]["sharding"] == {"zero1": "zero1", "zero2": "zero2"}.get(variant, variant)
+    assert history[-1]["strategy"] == config.strategy
+    assert history[-1]["sharding_strategy"] == (None if variant.startswith("zero") else variant)
     assert history[-1]["train_loss"] == pytest.approx(reference_history[-1]["train_loss"], rel=1e-5)
 
 
-@pytest.mark.parametrize("zero_stage", [2, 3])
+@pytest.mark.parametrize("strategy", ["zero2", "fsdp"])
 def test_course_sharded_checkpoint_from_two_ranks_resumes_on_four_and_refuses_another_layout(
-    tmp_path, zero_stage
+    tmp_path, strategy
 ):
-    course = dataclasses.replace(
-        BASE, strategy="fsdp", impl="course", clip_grad_norm=0.5, zero_stage=zero_stage
-    )
+    course = dataclasses.replace(BASE, strategy=strategy, impl="course", clip_grad_norm=0.5)
     straight, _ = run_training(dataclasses.replace(course, max_steps=8), 2)
     saved = dataclasses.replace(course, max_steps=4, checkpoint_dir=str(tmp_path))
     run_training(saved, 2)
@@ -371,10 +372,10 @@ def test_course_sharded_checkpoint_from_two_ranks_resumes_on_four_and_refuses_an
     torch.testing.assert_close(resumed, straight, **TOLERANCE)
     with pytest.raises(
         UserError,
-        match=r"resume with the --strategy, --impl, --zero-stage and model of the run "
-        rf"that wrote it \(its flags: --strategy fsdp --impl course --zero-stage {zero_stage}\)",
+        match=r"resume with the --strategy, --impl and model of the run "
+        rf"that wrote it \(its flags: --strategy {strategy} --impl course\)",
     ):
-        other_layout = dict(zero_stage=3) if zero_stage == 2 else dict(impl="torch")
+        other_layout = dict(strategy="fsdp") if strategy == "zero2" else dict(impl="torch")
         launch(_resume, 2, dataclasses.replace(saved, max_steps=9, resume="latest", **other_layout))
 
 
@@ -382,20 +383,25 @@ def test_course_sharded_checkpoint_from_two_ranks_resumes_on_four_and_refuses_an
     "changes, message",
     [
         (
-            dict(strategy="ddp", zero_stage=2),
-            "--zero-stage choose(s) among the course's sharded implementations: add --strategy fsdp --impl "
-            "course",
+            dict(strategy="ddp", sharding_strategy="SHARD_GRAD_OP"),
+            "--sharding-strategy configure(s) the course's FSDP: use --strategy fsdp --impl course",
         ),
-        (dict(strategy="fsdp", impl="torch", sharding="NO_SHARD"), "add --strategy fsdp --impl course"),
         (
-            dict(strategy="fsdp", impl="course", zero_stage=1, cpu_offload="params"),
-            "--cpu-offload configure FSDP (ZeRO stage 3), but --zero-stage is 1",
+            dict(strategy="fsdp", impl="torch", sharding_strategy="NO_SHARD"),
+            "use --strategy fsdp --impl course",
+        ),
+        (
+            dict(strategy="zero1", impl="course", cpu_offload="params"),
+            "--cpu-offload configure(s) the course's FSDP: use --strategy fsdp --impl course",
         ),
         (
             dict(strategy="fsdp", impl="course", hybrid_shard_size=2),
-            "--hybrid-shard-size needs --sharding HYBRID_SHARD",
+            "--hybrid-shard-size needs --sharding-strategy HYBRID_SHARD",
         ),
-        (dict(strategy="fsdp", impl="course", zero_stage=4), "--zero-stage must be 1"),
+        (
+            dict(strategy="zero2", impl="torch"),
+            "--strategy zero2 runs the course's ZeroDataParallel: add --impl course",
+        ),
         (
             dict(strategy="fsdp", impl="course", clip_grad_norm=0.0),
             "--clip-grad-norm must be a finite number above 0, got 0.0",
@@ -432,9 +438,9 @@ STEP_COLLECTIVES = {
     "torch FSDP2": ("fsdp", "torch", {}, lambda units, buckets: {}),
     "course DDP": ("ddp", "course", {}, lambda units, buckets: {"all_reduce": buckets}),
     "course ZeRO-2": (
-        "fsdp",
+        "zero2",
         "course",
-        dict(zero_stage=2),
+        {},
         lambda units, buckets: {"reduce_scatter": buckets, "all_gather": 1},  # one per gradient bucket
     ),
     "course FSDP": (

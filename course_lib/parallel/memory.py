@@ -11,14 +11,18 @@ That is 16Ψ bytes: 120 GB for a 7.5B-parameter model, before a single activatio
 parallelism (DDP) keeps all of it on *every* rank. ZeRO removes the redundancy stage by stage,
 each rank keeping 1/N of:
 
-==========  ==============================  ====================================
-stage       bytes per rank                  7.5B parameters, N = 64, K = 12
-==========  ==============================  ====================================
-DDP         (2 + 2 + K) Ψ                   120 GB
-ZeRO-1      (2 + 2) Ψ + K Ψ / N             31.4 GB  (optimizer states sharded)
-ZeRO-2      2 Ψ + (2 + K) Ψ / N             16.6 GB  (+ gradients)
-ZeRO-3      (2 + 2 + K) Ψ / N               1.9 GB   (+ parameters: FSDP)
-==========  ==============================  ====================================
+==========  =======  ============================  ====================================
+sharding    stage    bytes per rank                7.5B parameters, N = 64, K = 12
+==========  =======  ============================  ====================================
+``ddp``     DDP      (2 + 2 + K) Ψ                 120 GB
+``zero1``   ZeRO-1   (2 + 2) Ψ + K Ψ / N           31.4 GB  (optimizer states sharded)
+``zero2``   ZeRO-2   2 Ψ + (2 + K) Ψ / N           16.6 GB  (+ gradients)
+``fsdp``    ZeRO-3   (2 + 2 + K) Ψ / N             1.9 GB   (+ parameters)
+==========  =======  ============================  ====================================
+
+The first column is the course's one name for each (``SHARDINGS``): the same word in a
+``Layout``, the trainer's ``--strategy``, the planner and the labs. ZeRO-3 goes by its
+framework's name, FSDP, as in PyTorch and torchtitan.
 
 Traffic per step and rank, in parameter-sized messages: DDP all-reduces the gradients, about
 2Ψ elements (a reduce-scatter plus an all-gather); ZeRO-1 and ZeRO-2 move the same 2Ψ (a
@@ -49,10 +53,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..checks import check_choice
 
-STAGES = ("ddp", "zero1", "zero2", "zero3")
-SHARDING_STAGES = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "fsdp": "zero3"}
-"""The one translation between the names a layout shards by (``layout.SHARDINGS``; FSDP is the
-framework's name) and ZeRO's stages (the paper's): FSDP is ZeRO-3."""
+SHARDINGS = ("ddp", "zero1", "zero2", "fsdp")
+"""What the data axis shards, in order: nothing, the optimizer state, and the gradients, and the
+parameters (``fsdp`` is ZeRO stage 3). The course's one vocabulary for it (the table above)."""
 MIXED_PRECISION_ADAM = {"param_bytes": 2, "grad_bytes": 2, "optimizer_bytes": 12}
 FP32_ADAM = {"param_bytes": 4, "grad_bytes": 4, "optimizer_bytes": 8}  # two fp32 moments, no master copy
 
@@ -74,25 +77,25 @@ class ModelStateBytes:
 def model_state_bytes(
     num_params: float,
     world_size: int,
-    stage: str,
+    sharding: str,
     *,
     param_bytes: float = 2,
     grad_bytes: float = 2,
     optimizer_bytes: float = 12,
 ) -> ModelStateBytes:
-    """Bytes per rank for ``stage`` with Ψ = ``num_params``: the table above, for any element sizes.
+    """Bytes per rank for ``sharding`` with Ψ = ``num_params``: the table above, for any element sizes.
 
     Args:
         num_params: Ψ, the model's parameter count.
         world_size: N, the ranks the states are sharded over.
-        stage: ``"ddp"`` (nothing sharded), ``"zero1"`` (optimizer state), ``"zero2"`` (+ gradients)
-            or ``"zero3"`` (+ parameters: FSDP).
+        sharding: ``"ddp"`` (nothing sharded), ``"zero1"`` (optimizer state), ``"zero2"``
+            (+ gradients) or ``"fsdp"`` (+ parameters: ZeRO-3).
         param_bytes: bytes per parameter element (2 in bf16/fp16, 4 in fp32).
         grad_bytes: bytes per gradient element.
         optimizer_bytes: bytes of optimizer state per parameter, K (12 for mixed-precision Adam:
             fp32 master weights and two moments; 8 for fp32 Adam).
     """
-    check_choice("stage", stage, STAGES)
+    check_choice("sharding", sharding, SHARDINGS)
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     shard = 1 / world_size
@@ -100,8 +103,8 @@ def model_state_bytes(
         "ddp": (),
         "zero1": ("optimizer",),
         "zero2": ("optimizer", "grads"),
-        "zero3": ("optimizer", "grads", "params"),
-    }[stage]
+        "fsdp": ("optimizer", "grads", "params"),
+    }[sharding]
     return ModelStateBytes(
         params=num_params * param_bytes * (shard if "params" in sharded else 1),
         grads=num_params * grad_bytes * (shard if "grads" in sharded else 1),
@@ -109,16 +112,16 @@ def model_state_bytes(
     )
 
 
-def traffic_elements_per_rank(num_params: float, world_size: int, stage: str) -> float:
-    """Elements each rank sends per step with ring collectives: 2(N-1)/N Ψ, or 3(N-1)/N Ψ for ZeRO-3.
+def traffic_elements_per_rank(num_params: float, world_size: int, sharding: str) -> float:
+    """Elements each rank sends per step with ring collectives: 2(N-1)/N Ψ, or 3(N-1)/N Ψ for FSDP.
 
     Args:
         num_params: Ψ, the model's parameter count.
         world_size: N, the data-parallel ranks.
-        stage: ``"ddp"``, ``"zero1"``, ``"zero2"`` or ``"zero3"``.
+        sharding: ``"ddp"``, ``"zero1"``, ``"zero2"`` or ``"fsdp"``.
     """
-    check_choice("stage", stage, STAGES)
-    passes = 3 if stage == "zero3" else 2
+    check_choice("sharding", sharding, SHARDINGS)
+    passes = 3 if sharding == "fsdp" else 2
     return passes * (world_size - 1) / world_size * num_params
 
 
@@ -181,7 +184,7 @@ def measure_model_states(
     )
 
 
-def strategies_that_fit(
+def shardings_that_fit(
     num_params: float,
     gpu_memory_bytes: float,
     world_size: int,
@@ -189,7 +192,7 @@ def strategies_that_fit(
     reserve_fraction: float = 0.2,
     **bytes_per_element,
 ) -> dict[str, bool]:
-    """Which stages keep the model states inside ``gpu_memory_bytes``, leaving ``reserve_fraction``
+    """Which shardings keep the model states inside ``gpu_memory_bytes``, leaving ``reserve_fraction``
     of it for activations, temporary buffers and the framework itself.
 
     Args:
@@ -202,8 +205,8 @@ def strategies_that_fit(
     """
     budget = gpu_memory_bytes * (1 - reserve_fraction)
     return {
-        stage: model_state_bytes(num_params, world_size, stage, **bytes_per_element).total <= budget
-        for stage in STAGES
+        sharding: model_state_bytes(num_params, world_size, sharding, **bytes_per_element).total <= budget
+        for sharding in SHARDINGS
     }
 
 

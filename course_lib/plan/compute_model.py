@@ -27,7 +27,7 @@ class ComputeSeconds:
     pointwise_blocks: float  # the blocks' memory-bound operations
     pointwise_head: float  # the head's
     optimizer: float
-    recompute: float
+    recomputation: float
     bubble: float
     attention_flops: float  # the attention's score and value products, which a ring can hide under
 

@@ -139,7 +139,7 @@ def predict(
     axes = {
         "tensor": tensor_axis(step),
         "context": context_axis(step, work.attention_flops),
-        "data": data_axis(step, work.forward_and_backward + work.recompute),
+        "data": data_axis(step, work.forward_and_backward + work.recomputation),
         "pipeline": pipeline_axis(step),
         "expert": expert_axis(step),
     }
@@ -147,7 +147,7 @@ def predict(
         "compute": work.matmuls,
         "memory-bound operations": work.pointwise_blocks + work.pointwise_head,
         "optimizer step": work.optimizer,
-        "recomputation": work.recompute,
+        "recomputation": work.recomputation,
         "pipeline bubble": work.bubble,
         "tensor (exposed)": axes["tensor"][0],
         "context (exposed)": axes["context"][0],

@@ -46,8 +46,8 @@ from ..parallel import context, ddp, fsdp, memory, pipeline, recompute, sequence
 from ..parallel.context_chunks import SequenceLayout
 from ..parallel.mesh import AXES
 
-SHARDINGS = tuple(memory.SHARDING_STAGES)
-"""Data-parallel sharding, in the names of ``parallel.memory.SHARDING_STAGES`` (fsdp is ZeRO-3)."""
+SHARDINGS = memory.SHARDINGS
+"""What the data axis shards: ``parallel.memory.SHARDINGS`` (ddp, zero1, zero2, fsdp)."""
 SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
 """The pipeline schedules the planner lays out (of ``pipeline.SCHEDULES``)."""
 PRECISIONS = ("bf16", "fp32")
@@ -246,23 +246,27 @@ class Layout:
 # -- one verb per technique ---------------------------------------------------------------------
 
 
-def data_parallel_wrapper(model: nn.Module, *, sharding: str, group=None) -> nn.Module:
+def data_parallel_wrapper(
+    model: nn.Module, *, sharding: str, group=None, units: list[nn.Module] | None = None
+) -> nn.Module:
     """Wrap ``model`` so that the data axis averages its gradients, sharding what ``sharding`` says.
 
     Args:
         model: the module this rank trains (after every other verb).
-        group: the data-parallel process group.
         sharding: ``"ddp"`` (``parallel.ddp``), ``"zero1"``/``"zero2"`` (``parallel.zero``) or
-            ``"fsdp"`` (``parallel.fsdp``, one unit per block).
+            ``"fsdp"`` (``parallel.fsdp``).
+        group: the data-parallel process group (None: every rank).
+        units: FSDP's units, each gathered and freed whole (None: one per recomputation unit,
+            a transformer's blocks).
     """
     check_choice("sharding", sharding, SHARDINGS)
     if sharding == "ddp":
         return ddp.DataParallel(model, group=group)
     if sharding in ("zero1", "zero2"):
         return zero.ZeroDataParallel(model, stage=int(sharding[-1]), group=group)
-    return fsdp.FullyShardedDataParallel(
-        model, group=group, auto_wrap_policy=recompute.recomputation_units(model)
-    )
+    if units is None:
+        units = recompute.recomputation_units(model)
+    return fsdp.FullyShardedDataParallel(model, group=group, auto_wrap_policy=units)
 
 
 # #region compose

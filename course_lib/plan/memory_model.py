@@ -180,16 +180,15 @@ def head_activation_bytes(model: ModelSpec, layout: Layout, *, micro_batch: int,
 def memory_per_gpu(step: StepShape) -> tuple[dict[str, float], float]:
     """Bytes the fullest GPU holds, by part, and its model states alone.
 
-    Model states: the stage's parameters sharded by the ZeRO stage over data x context;
+    Model states: the stage's parameters sharded as ``layout.sharding`` says over data x context;
     activations at the worst moment of the schedule; FSDP's gathered layer and the next
     (prefetched); what the allocator and the libraries reserve.
     """
     model, layout = step.model, step.layout
     element = layout.element_bytes
-    stage = memory.SHARDING_STAGES[layout.sharding]
     per_param = memory.MIXED_PRECISION_ADAM if layout.precision == "bf16" else memory.FP32_ADAM
     states = memory.model_state_bytes(
-        stage_parameters(model, layout), layout.data * layout.context, stage, **per_param
+        stage_parameters(model, layout), layout.data * layout.context, layout.sharding, **per_param
     )
     block = block_activation_elements(model, layout, micro_batch=layout.micro_batch, seq_len=step.seq_len)
     head = head_activation_bytes(model, layout, micro_batch=layout.micro_batch, seq_len=step.seq_len)

@@ -106,21 +106,22 @@ def ring_all_reduce():
 
 
 def zero_memory():
-    """Bytes per GPU for 7.5B parameters on 64 GPUs, by stage (the ZeRO paper's example)."""
+    """Bytes per GPU for 7.5B parameters on 64 GPUs, by sharding (the ZeRO paper's example)."""
     figure = Figure(figsize=(6, 3.2))
     axis = figure.subplots()
     kinds = ("params", "grads", "optimizer")
-    bottoms = [0.0] * len(memory.STAGES)
+    bottoms = [0.0] * len(memory.SHARDINGS)
     for kind, colour in zip(kinds, ("#4c72b0", "#55a868", "#c44e52")):
         values = [
             getattr(memory.model_state_bytes(7.5e9, 64, s, **memory.MIXED_PRECISION_ADAM), kind) / 1e9
-            for s in memory.STAGES
+            for s in memory.SHARDINGS
         ]
-        axis.bar(memory.STAGES, values, bottom=bottoms, label=kind, color=colour)
+        axis.bar(memory.SHARDINGS, values, bottom=bottoms, label=kind, color=colour)
         bottoms = [b + v for b, v in zip(bottoms, values)]
     for index, total in enumerate(bottoms):
         axis.text(index, total + 2, f"{total:.1f} GB", ha="center", fontsize=8)
     axis.set_ylabel("GB per GPU")
+    axis.set_xlabel("sharding (fsdp is ZeRO stage 3)")
     axis.set_title("7.5B parameters, 64 GPUs, mixed-precision Adam")
     axis.legend()
     figure.tight_layout()

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--microbatches", type=positive, default=2)
     parser.add_argument("--schedule", choices=pp.SCHEDULES[:2], default="1f1b")
     parser.add_argument(
-        "--recompute",
+        "--recomputation",
         choices=POLICIES,
         default="none",
         help="what each block of the grid run keeps for backward (the one-process run keeps everything)",
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         tensor=args.tensor,
         timeout_s=1800,
         profile=str(args.profile) if args.profile else None,
-        recompute=args.recompute,
+        recomputation=args.recomputation,
         sequence_parallel=args.sequence_parallel,
         context_attention=args.context_attention,
         **options,

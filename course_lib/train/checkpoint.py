@@ -350,9 +350,11 @@ def check_compatible(meta: dict[str, Any], config: dict[str, Any], path: str | P
 
 def layout_kind(config: dict[str, Any]) -> str:
     """How a run's checkpoint names its tensors, from its flags alone: the start of ``_layout``."""
-    if (config.get("strategy"), config.get("impl")) != ("fsdp", "course"):
-        return "named parameters"
-    return "ZeroDataParallel" if config.get("zero_stage", 3) < 3 else "FullyShardedDataParallel"
+    if config.get("strategy") in ("zero1", "zero2"):
+        return "ZeroDataParallel"
+    if (config.get("strategy"), config.get("impl")) == ("fsdp", "course"):
+        return "FullyShardedDataParallel"
+    return "named parameters"
 
 
 def check_layout(meta: dict[str, Any], layout: str, path: str | Path) -> None:
@@ -361,9 +363,9 @@ def check_layout(meta: dict[str, Any], layout: str, path: str | Path) -> None:
     if not saved.startswith(layout):
         raise UserError(
             f"checkpoint {path} holds {saved}, but this run lays its model out as {layout}: resume with the "
-            f"--strategy, --impl, --zero-stage and model of the run that wrote it (its flags: --strategy "
-            f"{meta['config'].get('strategy')} --impl {meta['config'].get('impl')} --zero-stage "
-            f"{meta['config'].get('zero_stage', 3)}), or start afresh with a new --checkpoint-dir"
+            f"--strategy, --impl and model of the run that wrote it (its flags: --strategy "
+            f"{meta['config'].get('strategy')} --impl {meta['config'].get('impl')}), or start afresh with a "
+            "new --checkpoint-dir"
         )
 
 

@@ -65,9 +65,8 @@ class _DefaultsWhereTheyHelp(argparse.ArgumentDefaultsHelpFormatter):
 
 FLAG_GROUPS = {
     "what to train": ("strategy", "impl", "dataset", "data_dir", "model"),
-    "sharding (--strategy fsdp --impl course)": (
-        "zero_stage",
-        "sharding",
+    "the course's FSDP (--strategy fsdp --impl course)": (
+        "sharding_strategy",
         "hybrid_shard_size",
         "cpu_offload",
     ),
@@ -80,7 +79,7 @@ FLAG_GROUPS = {
         "clip_grad_norm",
         "seed",
         "precision",
-        "recompute",
+        "recomputation",
         "grad_accum",
         "eval_batch_size",
         "max_steps",

@@ -30,15 +30,15 @@ class TrainConfig:
     """Every knob of a run; the command-line flags map one to one onto these fields.
 
     Args:
-        strategy: ``"single"`` (one process), ``"ddp"`` or ``"fsdp"``.
+        strategy: ``"single"`` (one process), or what the ranks shard (``parallel.memory.SHARDINGS``):
+            ``"ddp"`` (nothing), ``"zero1"`` (optimizer state), ``"zero2"`` (and gradients) or
+            ``"fsdp"`` (and parameters); zero1 and zero2 with ``--impl course``.
         impl: ``"torch"`` (PyTorch's own DDP and FSDP2) or ``"course"`` (``course_lib.parallel``).
-        zero_stage: with ``--strategy fsdp --impl course``: 1 or 2 shard the optimizer state (and
-            the gradients) with ZeRO, 3 is FSDP.
-        sharding: the FSDP sharding strategy (stage 3, ``--impl course``): ``"FULL_SHARD"``,
-            ``"SHARD_GRAD_OP"``, ``"HYBRID_SHARD"`` or ``"NO_SHARD"``.
+        sharding_strategy: the course FSDP's, in PyTorch FSDP's names (``--strategy fsdp --impl
+            course``): ``"FULL_SHARD"``, ``"SHARD_GRAD_OP"``, ``"HYBRID_SHARD"`` or ``"NO_SHARD"``.
         hybrid_shard_size: ranks per shard group for HYBRID_SHARD (None: the ranks of a node).
         cpu_offload: the course FSDP's offload: ``"none"``, ``"params"`` or ``"full"``.
-        recompute: what each unit keeps for backward (``recompute.POLICIES``): ``"none"``
+        recomputation: what each unit keeps for backward (``recompute.POLICIES``): ``"none"``
             (everything), ``"full"`` (its input; the rest is recomputed) or ``"selective"``; with
             any strategy.
         dataset: ``"digits"``, ``"synthetic"`` or ``"cifar10"``.
@@ -73,11 +73,10 @@ class TrainConfig:
 
     strategy: str = "single"
     impl: str = "torch"
-    zero_stage: int = 3
-    sharding: str = "FULL_SHARD"
+    sharding_strategy: str = "FULL_SHARD"
     hybrid_shard_size: int | None = None
     cpu_offload: str = "none"
-    recompute: str = "none"
+    recomputation: str = "none"
     dataset: str = "digits"
     data_dir: str = "data"
     model: str = "digits_cnn"
@@ -110,10 +109,9 @@ class TrainConfig:
 CHOICES = {
     "strategy": strategies.STRATEGIES,
     "impl": strategies.IMPLEMENTATIONS,
-    "zero_stage": (1, 2, 3),
-    "sharding": SHARDING_STRATEGIES,
+    "sharding_strategy": SHARDING_STRATEGIES,
     "cpu_offload": OFFLOAD_MODES,
-    "recompute": recompute.POLICIES,
+    "recomputation": recompute.POLICIES,
     "dataset": data.DATASETS,
     "model": models.MODELS,
     "optimizer": OPTIMIZERS,
@@ -170,12 +168,11 @@ def validate_config(config: TrainConfig, world_size: int, ranks_per_node: int | 
     models.check_model_fits_data(config.model, config.dataset, data.INPUT_SHAPES[config.dataset])
     data.per_rank_batch_size(config.global_batch_size, world_size, grad_accum_steps=config.grad_accum)
     steps_per_epoch(config)
-    checks.check_choice("--recompute", config.recompute, recompute.POLICIES)
+    checks.check_choice("--recomputation", config.recomputation, recompute.POLICIES)
     checks.check_choice("precision", config.precision, PRECISIONS)
     checks.check_choice("optimizer", config.optimizer, OPTIMIZERS)
-    _check_sharding_flags(config)
-    hybrid = ("fsdp", "course", 3, "HYBRID_SHARD")
-    if (config.strategy, config.impl, config.zero_stage, config.sharding) == hybrid:
+    _check_fsdp_flags(config)
+    if (config.strategy, config.impl, config.sharding_strategy) == ("fsdp", "course", "HYBRID_SHARD"):
         hybrid_shard_group_size(config.hybrid_shard_size, world_size, ranks_per_node or world_size)
     if config.checkpoint_every and not config.checkpoint_dir:
         raise UserError("--checkpoint-every needs --checkpoint-dir (where to write the checkpoints)")
@@ -189,14 +186,14 @@ def validate_config(config: TrainConfig, world_size: int, ranks_per_node: int | 
     checks.check_int("--check-replicas", config.check_replicas, minimum=0)
     if config.check_replicas and config.strategy != "ddp":
         raise UserError(
-            "--check-replicas compares whole replicas: use it with --strategy ddp (FSDP and ZeRO shard the "
-            "weights, so the ranks hold different pieces by design)"
+            "--check-replicas compares whole replicas: use it with --strategy ddp (ZeRO and FSDP shard the "
+            "training state, so the ranks hold different pieces by design)"
         )
     if config.straggler_report:
         if config.strategy == "single" or config.impl != "course":
             raise UserError(
                 "--straggler-report times the collectives the course's own code makes: add --strategy ddp "
-                "(or fsdp) --impl course (PyTorch's DDP and FSDP call the transport directly)"
+                "(or zero1, zero2, fsdp) --impl course (PyTorch's DDP and FSDP call the transport directly)"
             )
         checks.check_file_to_write("--straggler-report", config.straggler_report)
     if config.resume not in (None, "latest"):
@@ -233,35 +230,20 @@ MAX_LOADER_WORKERS = 64
 """Data-loader processes per rank; more would spend the machine's memory on copies of the dataset."""
 
 
-SHARDING_FLAGS = ("zero_stage", "sharding", "hybrid_shard_size", "cpu_offload")
+FSDP_FLAGS = ("sharding_strategy", "hybrid_shard_size", "cpu_offload")
 
 
-def _check_sharding_flags(config: TrainConfig) -> None:
-    """The sharding flags choose among the course's own implementations: refuse them anywhere else."""
+def _check_fsdp_flags(config: TrainConfig) -> None:
+    """FSDP's own flags configure the course's FSDP: refuse them anywhere else."""
     defaults = TrainConfig()
-    changed = [name for name in SHARDING_FLAGS if getattr(config, name) != getattr(defaults, name)]
+    changed = [name for name in FSDP_FLAGS if getattr(config, name) != getattr(defaults, name)]
     if changed and (config.strategy, config.impl) != ("fsdp", "course"):
         flags = ", ".join("--" + name.replace("_", "-") for name in changed)
-        raise UserError(
-            f"{flags} choose(s) among the course's sharded implementations: add --strategy fsdp --impl course"
-        )
-
-    if config.zero_stage not in (1, 2, 3):
-        raise UserError(
-            "--zero-stage must be 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters: FSDP), got "
-            f"{config.zero_stage}"
-        )
-    checks.check_choice("--sharding", config.sharding, SHARDING_STRATEGIES)
+        raise UserError(f"{flags} configure(s) the course's FSDP: use --strategy fsdp --impl course")
+    checks.check_choice("--sharding-strategy", config.sharding_strategy, SHARDING_STRATEGIES)
     checks.check_choice("--cpu-offload", config.cpu_offload, OFFLOAD_MODES)
-    fsdp_only = [name for name in changed if name not in ("zero_stage",)]
-    if config.zero_stage != 3 and fsdp_only:
-        flags = ", ".join("--" + name.replace("_", "-") for name in fsdp_only)
-        raise UserError(
-            f"{flags} configure FSDP (ZeRO stage 3), but --zero-stage is {config.zero_stage}: drop them or "
-            "use --zero-stage 3"
-        )
-    if config.hybrid_shard_size is not None and config.sharding != "HYBRID_SHARD":
-        raise UserError("--hybrid-shard-size needs --sharding HYBRID_SHARD")
+    if config.hybrid_shard_size is not None and config.sharding_strategy != "HYBRID_SHARD":
+        raise UserError("--hybrid-shard-size needs --sharding-strategy HYBRID_SHARD")
 
 
 def autocast(device: torch.device, precision: str):

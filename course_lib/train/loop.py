@@ -121,28 +121,18 @@ class Trainer:
         # is the achieved FLOP/s, and over the GPUs' peak it is MFU (course_lib.plan.flops).
         self.flops_per_sample = flops.training_flops_per_sample(model, tuple(self.data.train[0][0].shape))
         # Recompute before wrapping: the wrappers' hooks then run around the recomputed forward.
-        recompute.apply_recomputation(model, policy=config.recompute)
-        course_sharded = (config.strategy, config.impl) == ("fsdp", "course")
-        # What is sharded, for the metrics: zero1, zero2, or the FSDP sharding strategy.
-        self.sharding_label = (
-            None
-            if config.strategy != "fsdp"
-            else (
-                f"zero{config.zero_stage}"
-                if course_sharded and config.zero_stage < 3
-                else config.sharding
-                if course_sharded
-                else "FULL_SHARD"
-            )
-        )
-        # The sharding flags are only ever set with --strategy fsdp --impl course (validate_config).
+        recompute.apply_recomputation(model, policy=config.recomputation)
+        # FSDP's sharding strategy, for the metrics (PyTorch's fully_shard always shards fully).
+        self.sharding_strategy = None
+        if config.strategy == "fsdp":
+            self.sharding_strategy = config.sharding_strategy if config.impl == "course" else "FULL_SHARD"
+        # FSDP's flags are only ever set with --strategy fsdp --impl course (validate_config).
         self.model = strategies.wrap_model(
             model,
             strategy=config.strategy,
             impl=config.impl,
             process=self.process,
-            zero_stage=config.zero_stage,
-            sharding=config.sharding,
+            sharding_strategy=config.sharding_strategy,
             hybrid_shard_size=config.hybrid_shard_size,
             cpu_offload=config.cpu_offload,
         )
@@ -422,7 +412,7 @@ class Trainer:
         config, position = self.config, self.position
         runtime.print0(
             f"training {config.model} on {config.dataset}: strategy {config.strategy} "
-            f"({config.impl}{', ' + self.sharding_label if self.sharding_label else ''}), "
+            f"({config.impl}{', ' + self.sharding_strategy if self.sharding_strategy else ''}), "
             f"{self.process.world_size} rank(s) on {self.process.device.type}/{self.process.backend}, "
             f"global batch {config.global_batch_size} = {self.process.world_size} x {config.grad_accum} "
             f"x {self.micro_batch}, "

@@ -151,7 +151,7 @@ def epoch_record(
         "epoch": epoch + 1,
         "strategy": trainer.config.strategy,
         "impl": trainer.config.impl,
-        "sharding": trainer.sharding_label,
+        "sharding_strategy": trainer.sharding_strategy,
         "world_size": trainer.process.world_size,
         "global_batch_size": trainer.config.global_batch_size,
         "micro_batch_size": trainer.micro_batch,

@@ -1,19 +1,23 @@
-"""Where the model lives: one process, replicated (DDP) or sharded (FSDP).
+"""Where the model lives: one process, replicated (DDP), or sharded (ZeRO, FSDP).
 
 ==========  =================================  ===============================================
 strategy    each rank holds                    communication per step (Ψ = parameters)
 ==========  =================================  ===============================================
 single      everything, one process            none
 ddp         a full replica + its gradients     all-reduce of the gradients: ~2Ψ values sent
+zero1       a replica, 1/N of optimizer state  reduce-scatter grads, all-gather params: ~2Ψ
+zero2       ... and 1/N of the gradients       the same ~2Ψ
 fsdp        1/N of parameters, grads, state    all-gather params (forward and backward) and
                                                reduce-scatter grads: ~3Ψ values sent
 ==========  =================================  ===============================================
 
-With ``--impl course``, fsdp also takes ``--zero-stage 1|2|3`` (what is sharded: optimizer state;
-+ gradients; + parameters) and, for stage 3, ``--sharding``, ``--cpu-offload`` and
-``--activation-checkpointing`` (see ``course_lib.parallel.zero`` and ``.fsdp``).
+The names after ``single`` are ``parallel.memory.SHARDINGS``, the words a ``Layout``, the
+planner and the labs use for the same thing. ``zero1`` and ``zero2`` are the course's own
+(``parallel.zero``: ``--impl course``). With ``--impl course``, fsdp also takes PyTorch FSDP's
+``--sharding-strategy`` (``FULL_SHARD``, ``SHARD_GRAD_OP``, ``HYBRID_SHARD``, ``NO_SHARD``),
+``--hybrid-shard-size`` and ``--cpu-offload`` (see ``course_lib.parallel.fsdp``).
 
-Each strategy has two implementations behind the same flags: ``torch`` (PyTorch's own
+``ddp`` and ``fsdp`` have two implementations behind the same flags: ``torch`` (PyTorch's own
 ``DistributedDataParallel`` and FSDP2 ``fully_shard``, the production path and the default)
 and ``course`` (the readable versions in ``course_lib.parallel``). The trainer only ever calls
 ``wrap_model`` and ``gradient_sync_skipped``, so both are held to the same numbers.
@@ -39,21 +43,29 @@ from ..errors import UserError
 from ..models import sharding_units
 from ..parallel.ddp import DataParallel
 from ..parallel.fsdp import FullyShardedDataParallel
+from ..parallel.memory import SHARDINGS
 from ..parallel.zero import ZeroDataParallel
 
-STRATEGIES = ("single", "ddp", "fsdp")
+STRATEGIES = ("single", *SHARDINGS)
 IMPLEMENTATIONS = ("torch", "course")
+COURSE_ONLY = ("zero1", "zero2")
+"""Strategies only the course implements here (PyTorch's nearest: ``ZeroRedundancyOptimizer``,
+FSDP's ``SHARD_GRAD_OP``)."""
 
 
 def check_strategy(strategy: str, impl: str, world_size: int) -> None:
     """Reject impossible combinations before any process waits for another."""
     check_choice("strategy", strategy, STRATEGIES)
-    if impl not in IMPLEMENTATIONS:
-        raise UserError(f"unknown implementation {impl!r}: choose torch or course")
+    check_choice("implementation", impl, IMPLEMENTATIONS)
     if strategy == "single" and world_size > 1:
         raise UserError(
-            f"strategy single runs one process, but {world_size} were started: use --strategy ddp or fsdp, "
-            "or run without torchrun/srun"
+            f"strategy single runs one process, but {world_size} were started: use --strategy "
+            f"{', '.join(SHARDINGS)}, or run without torchrun/srun"
+        )
+    if strategy in COURSE_ONLY and impl != "course":
+        raise UserError(
+            f"--strategy {strategy} runs the course's ZeroDataParallel: add --impl course (PyTorch's "
+            "nearest are ZeroRedundancyOptimizer and FSDP's SHARD_GRAD_OP)"
         )
 
 
@@ -63,8 +75,7 @@ def wrap_model(
     strategy: str,
     impl: str,
     process: ProcessInfo,
-    zero_stage: int = 3,
-    sharding: str = "FULL_SHARD",
+    sharding_strategy: str = "FULL_SHARD",
     hybrid_shard_size: int | None = None,
     cpu_offload: str = "none",
 ) -> nn.Module:
@@ -72,12 +83,12 @@ def wrap_model(
 
     Args:
         model: the model, on ``process.device``, the same on every rank.
-        strategy: ``single``, ``ddp`` or ``fsdp``.
+        strategy: one of ``STRATEGIES``: ``single``, or what the ranks shard (``ddp``, ``zero1``,
+            ``zero2``, ``fsdp``).
         impl: ``torch`` (PyTorch's DDP or FSDP2) or ``course`` (``course_lib.parallel``).
         process: this process's ``runtime.ProcessInfo`` (its device and world size).
-        zero_stage: ``fsdp`` with ``course`` only: 1 or 2 (``ZeroDataParallel``) or 3 (FSDP).
-        sharding: the course FSDP's sharding strategy (``FULL_SHARD``, ``SHARD_GRAD_OP``,
-            ``HYBRID_SHARD``, ``NO_SHARD``).
+        sharding_strategy: the course FSDP's (PyTorch FSDP's names: ``FULL_SHARD``,
+            ``SHARD_GRAD_OP``, ``HYBRID_SHARD``, ``NO_SHARD``).
         hybrid_shard_size: ranks per shard group under ``HYBRID_SHARD``.
         cpu_offload: the course FSDP's offload mode: ``none``, ``params`` or ``full``.
     """
@@ -91,13 +102,13 @@ def wrap_model(
 
         device_ids = [process.device.index] if process.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids)
-    if impl == "course" and zero_stage in (1, 2):
-        return ZeroDataParallel(model, stage=zero_stage)
+    if strategy in COURSE_ONLY:
+        return ZeroDataParallel(model, stage=int(strategy[-1]))
     if impl == "course":
         return FullyShardedDataParallel(
             model,
             auto_wrap_policy=sharding_units(model),
-            sharding_strategy=sharding,
+            sharding_strategy=sharding_strategy,
             hybrid_shard_size=hybrid_shard_size,
             cpu_offload=cpu_offload,
         )

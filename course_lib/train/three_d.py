@@ -128,7 +128,7 @@ def train_3d(
     n_heads: int = 4,
     n_layers: int = 4,
     seed: int = 0,
-    recompute: str = "none",
+    recomputation: str = "none",
     sequence_parallel: bool = False,
     context_attention: str = "ring",
     profile: str | None = None,
@@ -152,7 +152,7 @@ def train_3d(
         n_heads: attention heads per block (a multiple of T).
         n_layers: blocks (with the embedding and head, at least P pieces to cut).
         seed: the seed of the weights and of the batches, the same on every rank.
-        recompute: what each block keeps for backward: ``"none"``, ``"full"`` or ``"selective"``
+        recomputation: what each block keeps for backward: ``"none"``, ``"full"`` or ``"selective"``
             (``course_lib.parallel.recompute``).
         sequence_parallel: with T > 1, Megatron-LM's sequence parallelism: the norms run on
             1/T of the tokens, and the stages send each other 1/T of the activations.
@@ -168,8 +168,8 @@ def train_3d(
         context_attention=context_attention,
     )  # fmt: skip
     mesh = Mesh(data=data, pipeline=pipeline, context=context, tensor=tensor)
-    plan = local_layout(mesh, schedule=schedule, recomputation=recompute, sequence_parallel=sequence_parallel,
-                        context_attention=context_attention)  # fmt: skip
+    plan = local_layout(mesh, schedule=schedule, recomputation=recomputation,
+                        sequence_parallel=sequence_parallel, context_attention=context_attention)  # fmt: skip
     inputs, targets, vocabulary = zen_windows(seq_len=seq_len)
     torch.manual_seed(seed)
     model = models.TinyTransformer(len(vocabulary), d_model=d_model, n_heads=n_heads, n_layers=n_layers,

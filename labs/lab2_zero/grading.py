@@ -259,9 +259,9 @@ def _digits_cnn_parameters() -> int:
     return models.count_parameters(models.build_model("digits_cnn"))
 
 
-def _fp32_adam(stage: str, world: int):
+def _fp32_adam(sharding: str, world: int):
     return memory.model_state_bytes(
-        _digits_cnn_parameters(), world, stage, param_bytes=4, grad_bytes=4, optimizer_bytes=8
+        _digits_cnn_parameters(), world, sharding, param_bytes=4, grad_bytes=4, optimizer_bytes=8
     )
 
 

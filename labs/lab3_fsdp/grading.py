@@ -299,17 +299,17 @@ QUESTIONS = [
         "the flat vector padded to a multiple of 3, cut in 3 (one unit for the whole model)",
     ),
     Question(
-        "model_state_bytes_per_rank_zero3_on_3_ranks",
+        "model_state_bytes_per_rank_fsdp_on_3_ranks",
         lambda: (
             memory.model_state_bytes(
-                _digits_cnn_parameters(), 3, "zero3", param_bytes=4, grad_bytes=4, optimizer_bytes=8
+                _digits_cnn_parameters(), 3, "fsdp", param_bytes=4, grad_bytes=4, optimizer_bytes=8
             ).total
         ),
         "fp32 parameters, gradients and Adam's two moments, all sharded (course_lib/parallel/memory.py)",
     ),
     Question(
-        "elements_sent_per_rank_per_step_zero3_on_3_ranks",
-        lambda: memory.traffic_elements_per_rank(_digits_cnn_parameters(), 3, "zero3"),
+        "elements_sent_per_rank_per_step_fsdp_on_3_ranks",
+        lambda: memory.traffic_elements_per_rank(_digits_cnn_parameters(), 3, "fsdp"),
         "two all-gathers and a reduce-scatter, each (N-1)/N of the parameters",
     ),
 ]

@@ -154,7 +154,7 @@ def test_context_with_pipeline_stages_matches_one_process(short_single_losses):
 
 @pytest.mark.parametrize("policy", ["full", "selective"])
 def test_recomputation_under_pipeline_and_tensor_parallelism_matches_one_process(policy, short_single_losses):
-    losses = launch(train_3d, 4, data=1, pipeline=2, tensor=2, steps=6, recompute=policy)[0]
+    losses = launch(train_3d, 4, data=1, pipeline=2, tensor=2, steps=6, recomputation=policy)[0]
     assert losses == pytest.approx(short_single_losses, rel=1e-5)
 
 

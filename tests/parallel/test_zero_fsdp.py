@@ -215,27 +215,27 @@ def _clip_inf(kind: str, options: dict):
     return float(model.clip_grad_norm_(1e-3, norm_type=float("inf"))), float(expected)
 
 
-def _measure(stage: str):
+def _measure(sharding: str):
     """Model-state bytes held by this rank after two Adam steps, and bytes sent during the second."""
     torch.manual_seed(0)
     model = models.build_model("digits_cnn")
     inputs, targets = _global_batch(0)
-    return bench.measure_stage(model, stage, inputs, targets, units=models.sharding_units(model))
+    return bench.measure_sharding(model, sharding, inputs, targets, units=models.sharding_units(model))
 
 
-@pytest.mark.parametrize("stage", memory.STAGES)
-def test_memory_per_rank_falls_with_n_as_the_model_says_and_traffic_matches(stage):
+@pytest.mark.parametrize("sharding", memory.SHARDINGS)
+def test_memory_per_rank_falls_with_n_as_the_model_says_and_traffic_matches(sharding):
     measured_totals = []
     for world_size in (2, 4):
-        measured, sent = launch(_measure, world_size, stage)[0]
-        model = memory.model_state_bytes(PARAMS, world_size, stage, **memory.FP32_ADAM)
+        measured, sent = launch(_measure, world_size, sharding)[0]
+        model = memory.model_state_bytes(PARAMS, world_size, sharding, **memory.FP32_ADAM)
         assert measured.params == pytest.approx(model.params, rel=0.02)
         assert measured.grads == pytest.approx(model.grads, rel=0.02)
         assert measured.optimizer == pytest.approx(model.optimizer, rel=0.02)
-        theory = 4 * memory.traffic_elements_per_rank(PARAMS, world_size, stage)
+        theory = 4 * memory.traffic_elements_per_rank(PARAMS, world_size, sharding)
         assert sent == pytest.approx(theory, rel=0.001)  # padding adds a few elements
         measured_totals.append(measured.total)
-    if stage != "ddp":
+    if sharding != "ddp":
         assert measured_totals[1] < measured_totals[0]
 
 
@@ -435,12 +435,12 @@ def test_fsdp_benchmark_prints_the_promised_json():
 
 def test_memory_benchmark_matches_the_model_within_two_percent():
     result = run_bench("memory", "--width", "65", "--layers", "2", "--world-sizes", "2", "3")
-    assert [(row["world_size"], row["stage"]) for row in result["rows"]] == [
-        (n, stage) for n in (2, 3) for stage in memory.STAGES
+    assert [(row["world_size"], row["sharding"]) for row in result["rows"]] == [
+        (n, sharding) for n in (2, 3) for sharding in memory.SHARDINGS
     ]
     assert result["max_ratio_error"] < 0.02
     assert result["max_traffic_ratio_error"] < 0.01
-    for row in result["rows"]:  # DDP, ZeRO-1, ZeRO-2, FSDP: where each stage's step goes
+    for row in result["rows"]:  # ddp, zero1, zero2, fsdp: where each one's step goes
         assert_accounted(row, ["course"])
 
 

@@ -159,13 +159,13 @@ def test_a_snippet_that_no_longer_runs_fails_with_its_slide_and_line(tmp_path):
         # three
 
         ```python
-        memory.model_state_bytes(1e9, world_size=4, stage="zero4")
+        memory.model_state_bytes(1e9, world_size=4, sharding="zero4")
         ```
         """,
     )
     [problem] = slides.check_deck(deck)
     assert "09-broken.md, slide 3: the python block at line 20 failed: UserError" in problem
-    assert "unknown stage 'zero4'" in problem
+    assert "unknown sharding 'zero4'" in problem
     assert f'File "{deck}", line 20' in problem  # the traceback points into the deck itself
 
 

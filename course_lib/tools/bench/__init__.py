@@ -10,7 +10,7 @@ Each benchmark is a module of its own, whose docstring says what it compares:
 ======================  ===================================================================================
 ``ddp``                 ``ddp.py``: PyTorch's DDP against the course's in its three modes
 ``fsdp``                ``fsdp.py``: FSDP2 against the course's FSDP, prefetch on and off, every strategy
-``memory``              ``memory_states.py``: the bytes DDP and ZeRO-1/2/3 hold and send, against the model
+``memory``              ``memory_states.py``: what each sharding holds and sends, against the model
 ``pipeline``            ``pipeline.py``: every schedule's step, bubble and activations, against theory
 ``tp``                  ``tensor.py``: tensor-parallel MLP and attention against DTensor
 ``sp``, ``cp``, ``ep``  ``sequence.py``: sequence, context and expert parallelism
@@ -35,7 +35,7 @@ from .cli import available_memory_bytes, main, memory_needed
 from .common import MLP_BATCH, MLP_LAYERS, MLP_WIDTH, TIMED_STEPS, WARMUP_STEPS, mlp, training_step
 from .ddp import DDP_BUCKET_MB, ddp_benchmark
 from .fsdp import fsdp_benchmark
-from .memory_states import measure_stage, memory_benchmark, wrap_for_stage
+from .memory_states import measure_sharding, memory_benchmark
 from .pipeline import (
     PIPELINE_BUBBLE_BATCH,
     PIPELINE_BUBBLE_BLOCKS_PER_STAGE,
@@ -75,7 +75,7 @@ __all__ = [
     "ep_benchmark",
     "fsdp_benchmark",
     "main",
-    "measure_stage",
+    "measure_sharding",
     "memory_benchmark",
     "memory_needed",
     "mlp",
@@ -86,7 +86,6 @@ __all__ = [
     "stage_counts_with_a_core_each",
     "tp_benchmark",
     "training_step",
-    "wrap_for_stage",
     "zero_bubble_benchmark",
     "zero_bubble_stages",
 ]

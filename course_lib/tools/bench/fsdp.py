@@ -83,6 +83,6 @@ def fsdp_benchmark(
             "step_ms_by_sharding_strategy": {name: median_ms[name] for name in strategies},
             "hybrid_shard_size": hybrid_size,
             "full_shard_bytes_per_rank_measured": log.bytes_per_rank(),
-            "full_shard_bytes_per_rank_theory": 4 * memory.traffic_elements_per_rank(params, world, "zero3"),
+            "full_shard_bytes_per_rank_theory": 4 * memory.traffic_elements_per_rank(params, world, "fsdp"),
         }
     )

@@ -1,4 +1,4 @@
-"""``memory``: DDP, ZeRO-1, ZeRO-2 and ZeRO-3 (FSDP) at 2 and 4 ranks, with Adam in fp32: the
+"""``memory``: ddp, zero1, zero2 and fsdp (ZeRO-3) at 2 and 4 ranks, with Adam in fp32: the
 bytes of parameters, gradients and optimizer state a rank really holds after two steps, against
 ``memory.model_state_bytes``; and the bytes it sent during the second step, measured by
 ``CommLog``, against ``memory.traffic_elements_per_rank``."""
@@ -11,41 +11,31 @@ from torch import nn
 
 from ...distributed import comm, runtime
 from ...parallel import memory
-from ...parallel.ddp import DataParallel
-from ...parallel.fsdp import FullyShardedDataParallel
-from ...parallel.zero import ZeroDataParallel
+from ...plan.layout import data_parallel_wrapper
 from .common import anatomies, mlp, rank_batch, training_step
 
 
-def wrap_for_stage(model: nn.Module, stage: str, units: list[nn.Module] | None = None) -> nn.Module:
-    """The model as ``stage`` (ddp, zero1, zero2, zero3) trains it, with the course's implementations."""
-    if stage == "ddp":
-        return DataParallel(model)
-    if stage in ("zero1", "zero2"):
-        return ZeroDataParallel(model, stage=int(stage[-1]))
-    return FullyShardedDataParallel(model, auto_wrap_policy=units)
-
-
-def measure_stage(
+def measure_sharding(
     model: nn.Module,
-    stage: str,
+    sharding: str,
     inputs: torch.Tensor,
     targets: torch.Tensor,
     *,
     units: list[nn.Module] | None = None,
     loss=F.cross_entropy,
 ):
-    """Two Adam steps of ``model`` under ``stage``; returns (model-state bytes held, bytes sent in step 2).
+    """Two Adam steps of ``model`` under ``sharding``; returns (model-state bytes held, bytes sent in step 2).
 
     Args:
         model: the model, the same on every rank.
-        stage: ``"ddp"``, ``"zero1"``, ``"zero2"`` or ``"zero3"`` (the course's wrappers).
+        sharding: ``"ddp"``, ``"zero1"``, ``"zero2"`` or ``"fsdp"`` (``memory.SHARDINGS``; the
+            course's wrappers).
         inputs: this rank's batch.
         targets: its labels.
-        units: the FSDP units for ``"zero3"`` (None: the whole model is one unit).
+        units: the FSDP units for ``"fsdp"``.
         loss: ``loss(outputs, targets)``.
     """
-    model = wrap_for_stage(model, stage, units)
+    model = data_parallel_wrapper(model, sharding=sharding, units=units)
     optimizer = torch.optim.Adam(model.parameters())
     for _ in range(2):
         optimizer.zero_grad()
@@ -56,38 +46,40 @@ def measure_stage(
 
 
 def memory_benchmark(*, width: int, layers: int, batch: int, profile: str | None = None) -> list[dict] | None:
-    """Model-state bytes held and bytes sent by DDP and ZeRO-1/2/3, against the memory model,
-    and where each stage's step goes (its anatomy).
+    """Model-state bytes held and bytes sent by each of ``memory.SHARDINGS``, against the memory
+    model, and where each one's step goes (its anatomy).
 
     Args:
         width: the MLP's width (its layers are width x width).
         layers: its linear layers.
         batch: samples per rank per step.
-        profile: a folder for each stage's per-rank traces (None: none are written).
+        profile: a folder for each sharding's per-rank traces (None: none are written).
     """
     world = runtime.world_size()
     inputs, targets = rank_batch(batch, width)
     rows = []
-    for stage in memory.STAGES:
+    for sharding in memory.SHARDINGS:
         torch.manual_seed(0)
         model = mlp(width, layers)
         params = sum(p.numel() for p in model.parameters())
         units = [m for m in model if isinstance(m, nn.Linear)]
-        measured, sent = measure_stage(model, stage, inputs, targets, units=units, loss=F.mse_loss)
+        measured, sent = measure_sharding(model, sharding, inputs, targets, units=units, loss=F.mse_loss)
         torch.manual_seed(0)
         fresh = mlp(width, layers)
-        wrapped = wrap_for_stage(fresh, stage, [m for m in fresh if isinstance(m, nn.Linear)])
+        wrapped = data_parallel_wrapper(
+            fresh, sharding=sharding, units=[m for m in fresh if isinstance(m, nn.Linear)]
+        )
         where = anatomies(
             {"course": training_step(wrapped, inputs, targets)},
-            trace_dir=f"{profile}/{stage}_{world}_ranks" if profile else None,
+            trace_dir=f"{profile}/{sharding}_{world}_ranks" if profile else None,
         )
-        expected = memory.model_state_bytes(params, world, stage, **memory.FP32_ADAM)
-        traffic = 4 * memory.traffic_elements_per_rank(params, world, stage)
+        expected = memory.model_state_bytes(params, world, sharding, **memory.FP32_ADAM)
+        traffic = 4 * memory.traffic_elements_per_rank(params, world, sharding)
         rows.append(
             where
             | {
                 "world_size": world,
-                "stage": stage,
+                "sharding": sharding,
                 "params": params,
                 "measured_bytes": measured.total,
                 "model_bytes": expected.total,

@@ -5,7 +5,8 @@
 - **memory-bound work**: what the blocks keep for backward, written once and read twice by the
   norms, activation functions and adds, and the optimizer's bytes per updated parameter, at a
   memory bandwidth (the optimizer's may be measured apart);
-- **recomputation**: one more forward of what the policy drops;
+- **recomputation**: one more forward of what the policy drops (what "selective" drops is the
+  stack's: ``frameworks.SELECTIVE_POLICIES``);
 - **the bubble**: the pipeline's schedule simulated (``pipeline.simulate_timeline``).
 """
 
@@ -15,7 +16,7 @@ import functools
 from dataclasses import dataclass
 
 from ..parallel.pipeline import bubble_fraction, build_schedule, simulate_timeline
-from .memory_model import block_activation_elements, head_activation_bytes, stage_parameters
+from .memory_model import block_activation_elements, block_matmuls, head_activation_bytes, stage_parameters
 from .specs import OPTIMIZER_BYTES, StepShape
 
 
@@ -39,7 +40,7 @@ class ComputeSeconds:
 def compute_seconds(step: StepShape) -> ComputeSeconds:
     """The matmuls at the achieved rate, the memory-bound work at the memory's bandwidth, the
     recomputation, and the pipeline's bubble (the schedule simulated)."""
-    model, cluster, layout = step.model, step.cluster, step.layout
+    model, cluster, layout, framework = step.model, step.cluster, step.layout, step.framework
     t, p, c = layout.tensor, layout.pipeline, layout.context
     # The fullest GPU holds a stage's blocks and, on the last stage, the head.
     tokens = step.tokens_per_gpu_step
@@ -54,25 +55,40 @@ def compute_seconds(step: StepShape) -> ComputeSeconds:
     block_bytes = layout.element_bytes * block_activation_elements(
         model, unrecomputed, micro_batch=layout.micro_batch, seq_len=step.seq_len
     )
-    head = head_activation_bytes(model, layout, micro_batch=layout.micro_batch, seq_len=step.seq_len)
+    head = head_activation_bytes(
+        model,
+        layout,
+        micro_batch=layout.micro_batch,
+        seq_len=step.seq_len,
+        logit_bytes=framework.logit_bytes(layout.precision),
+    )
     pointwise_blocks = 3 * block_bytes * step.layers * step.microbatches / cluster.memory_bandwidth
     pointwise_head = 3 * head * step.microbatches / cluster.memory_bandwidth
-    updated = stage_parameters(model, layout) / (1 if layout.sharding == "ddp" else layout.data * c)
+    held = stage_parameters(model, layout, equal_blocks=framework.equal_stage_blocks)
+    updated = held / (1 if layout.sharding == "ddp" else layout.data * c)
     optimizer = (
         OPTIMIZER_BYTES[layout.precision]
         * updated
         / (cluster.optimizer_bandwidth or cluster.memory_bandwidth)
     )
+    ring = c > 1 and layout.context_attention == "ring"
+    selective = {
+        # the pointwise operations' forward again (and under context parallelism the ring's attention)
+        "course": pointwise_blocks / 3 + (attention_flops / 3 / cluster.achieved_flops if ring else 0.0),
+        # and the forward of every second matmul
+        "op_sac": pointwise_blocks / 3
+        + (
+            recomputed_matmul_share(model) * (block_flops - attention_flops) / 3
+            + (attention_flops / 3 if ring else 0.0)
+        )
+        / cluster.achieved_flops,
+        # the attention core's forward: its two products
+        "attention_core": attention_flops / 3 / cluster.achieved_flops,
+    }[framework.selective]
     recompute = {
         "none": 0.0,
         "full": (block_flops / cluster.achieved_flops + pointwise_blocks) / 3,  # one more forward
-        # the pointwise operations' forward again (and under context parallelism the ring's attention)
-        "selective": pointwise_blocks / 3
-        + (
-            attention_flops / 3 / cluster.achieved_flops
-            if c > 1 and layout.context_attention == "ring"
-            else 0.0
-        ),
+        "selective": selective,
     }[layout.recomputation]
     parts = ComputeSeconds(
         matmuls, pointwise_blocks, pointwise_head, optimizer, recompute, 0.0, attention_flops
@@ -83,6 +99,13 @@ def compute_seconds(step: StepShape) -> ComputeSeconds:
             layout.schedule, p, step.microbatches, layout.virtual_stages, backward_over_forward
         )
     return parts
+
+
+def recomputed_matmul_share(model) -> float:
+    """The share of a block's matmul FLOPs that torchtitan's op-level selective policy recomputes:
+    every second matmul in forward order (wk, wo and the gated MLP's second up-projection)."""
+    flops = [inputs * outputs * rows for inputs, outputs, rows, _ in block_matmuls(model)]
+    return sum(flops[1::2]) / sum(flops)
 
 
 @functools.cache

@@ -37,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .compute_model import compute_seconds
+from .frameworks import COURSE_PROFILE, Framework
 from .layout import Layout
 from .memory_model import memory_per_gpu
 from .network_model import context_axis, data_axis, expert_axis, pipeline_axis, tensor_axis
@@ -111,6 +112,7 @@ def predict(
     seq_len: int,
     global_batch: int,
     operations: int = 0,
+    framework: Framework = COURSE_PROFILE,
 ) -> Prediction:
     """Memory per GPU, traffic and step time of one training step of ``model`` laid out as ``layout``.
 
@@ -127,17 +129,19 @@ def predict(
             counted (an implementation's count, not a formula: ``plan_validation``'s
             ``OperationCounter``); they cost ``cluster.host_seconds_per_operation`` each. 0: no
             host term.
+        framework: what the training stack keeps and overlaps (``frameworks.FRAMEWORKS``; the
+            course's own by default).
     """
     result = Prediction(layout)
     problem = check(model, layout, gpus=layout.gpus, seq_len=seq_len, global_batch=global_batch)
     if problem:
         result.problem = problem
         return result
-    step = StepShape(model, cluster, layout, seq_len, global_batch)
+    step = StepShape(model, cluster, layout, seq_len, global_batch, framework)
     result.memory, model_states = memory_per_gpu(step)
     work = compute_seconds(step)
     axes = {
-        "tensor": tensor_axis(step),
+        "tensor": tensor_axis(step, work.matmuls + work.recomputation),
         "context": context_axis(step, work.attention_flops),
         "data": data_axis(step, work.forward_and_backward + work.recomputation),
         "pipeline": pipeline_axis(step),

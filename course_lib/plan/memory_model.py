@@ -41,16 +41,19 @@ def block_parameters_per_gpu(model: ModelSpec, layout: Layout) -> float:
     return split / t + replicated + experts / (t * layout.expert)
 
 
-def stage_parameters(model: ModelSpec, layout: Layout) -> float:
+def stage_parameters(model: ModelSpec, layout: Layout, *, equal_blocks: bool = False) -> float:
     """Parameters on the fullest GPU: its pipeline stages' entries, each cut as ``parallelize`` cuts it.
 
     The model is the list [embedding, L blocks, head] shared out evenly over P·v stages (earlier
-    stages take one more when it does not divide, as ``pipeline.split_model`` does); the embedding
-    and head are split over the tensor ranks only with ``loss_parallel``.
+    stages take one more when it does not divide, as ``pipeline.split_model`` does), or with
+    ``equal_blocks`` L/(P·v) blocks on every stage and the embedding and head added to the first
+    and last (Megatron-LM's cut); the embedding and head are split over the tensor ranks only
+    with ``loss_parallel``.
 
     Args:
         model: the shapes.
         layout: the degrees.
+        equal_blocks: Megatron-LM's cut (``Framework.equal_stage_blocks``).
     """
     rows = vocabulary_rows(model, layout)
     stages = layout.pipeline * layout.virtual_stages
@@ -60,16 +63,23 @@ def stage_parameters(model: ModelSpec, layout: Layout) -> float:
     projection = 0 if model.tied_embeddings and stages == 1 else rows * model.d_model
     head = model._norm_parameters() + projection + (rows if model.bias else 0)
     block = block_parameters_per_gpu(model, layout)
-    entries = [embedding, *([block] * model.layers), head]
-    base, extra = divmod(len(entries), stages)
-    sizes = [base + (1 if s < extra else 0) for s in range(stages)]
-    bounds = [sum(sizes[:s]) for s in range(stages + 1)]
-    per_stage = [sum(entries[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+    if equal_blocks:
+        per_stage = [math.ceil(model.layers / stages) * block] * stages
+        per_stage[0] += embedding
+        per_stage[-1] += head
+    else:
+        entries = [embedding, *([block] * model.layers), head]
+        base, extra = divmod(len(entries), stages)
+        sizes = [base + (1 if s < extra else 0) for s in range(stages)]
+        bounds = [sum(sizes[:s]) for s in range(stages + 1)]
+        per_stage = [sum(entries[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
     per_rank = [sum(per_stage[r :: layout.pipeline]) for r in range(layout.pipeline)]
     return max(per_rank)
 
 
-def block_activation_elements(model: ModelSpec, layout: Layout, *, micro_batch: int, seq_len: int) -> float:
+def block_activation_elements(
+    model: ModelSpec, layout: Layout, *, micro_batch: int, seq_len: int, selective: str = "course"
+) -> float:
     """Elements one Llama-style block keeps for backward per micro-batch on one GPU (bf16 elements).
 
     The course's ``activations.block_activation_elements`` term by term, for RMSNorm (input and
@@ -80,11 +90,17 @@ def block_activation_elements(model: ModelSpec, layout: Layout, *, micro_batch: 
     projections' inputs on s/T tokens). For the course's block in fp32 it is
     ``activations.block_activation_elements`` exactly (the tests hold the two equal).
 
+    Under ``"selective"`` recomputation, what is kept depends on the stack (``selective``): the
+    course's policy keeps the block's input, every matmul's and the attention's result;
+    torchtitan's op-level policy the same but for every second matmul (``_saved_matmuls``);
+    Megatron-LM's everything but the attention core (its output and log-sum-exp).
+
     Args:
         model: the shapes.
         layout: tensor, context degrees and recomputation.
         micro_batch: b, sequences per micro-batch.
         seq_len: s, tokens per sequence.
+        selective: ``frameworks.SELECTIVE_POLICIES``: what ``"selective"`` keeps.
     """
     t = layout.tensor
     sp = t if layout.sequence_parallel else 1  # what the norms and the projections' inputs are cut by
@@ -101,18 +117,44 @@ def block_activation_elements(model: ModelSpec, layout: Layout, *, micro_batch: 
         return block_input
     q_k_v = (heads_out + 2 * kv) / t
     attention = (heads_out + lse) / t  # the output and the log-sum-exp
-    if layout.recomputation == "selective":
-        # the ring's blocks are batched matmuls, recomputed; Ulysses' attention is the fused kernel, kept
-        ring_recomputed = layout.context > 1 and layout.context_attention == "ring"
+    # the ring's blocks are batched matmuls, recomputed; Ulysses' attention is the fused kernel, kept
+    ring_recomputed = layout.context > 1 and layout.context_attention == "ring"
+    kept_attention = 0 if ring_recomputed else attention
+    if layout.recomputation == "selective" and selective == "course":
         gate_up = 2 * mlp_hidden / t if model.gated_mlp else mlp_hidden / t
-        return block_input + q_k_v + (0 if ring_recomputed else attention) + gate_up + 2 * sbh
+        return block_input + q_k_v + kept_attention + gate_up + 2 * sbh
+    if layout.recomputation == "selective" and selective == "op_sac":
+        return block_input + kept_attention + _saved_matmuls(model, layout, tokens=tokens)
     norms = 2 * (sbh + model.norm_statistics * tokens) / sp
     projection_inputs = 2 * sbh / sp
     # the attention's output, reshaped from the ring's (or Ulysses' all-to-all's) layout: one copy
     ring_output_copy = heads_out / t if layout.context > 1 else 0
     mlp = (4 if model.gated_mlp else 2) * mlp_hidden / t
     router = tokens * model.experts if model.experts > 1 else 0
+    if layout.recomputation == "selective":  # Megatron-LM's: the attention core is recomputed
+        attention = 0.0
     return norms + projection_inputs + q_k_v + attention + ring_output_copy + mlp + router
+
+
+def block_matmuls(model: ModelSpec) -> list[tuple[float, float, float, bool]]:
+    """A block's matmuls in the order its forward runs them (wq, wk, wv, wo, then the MLP's up,
+    gate and down): (input features, output features, rows per token, row-parallel). Rows per
+    token: an MoE layer's MLP runs top-k rows a token; row-parallel: under tensor parallelism the
+    output is a full-width partial sum, not 1/T of the features."""
+    h, q, kv, f = model.d_model, model.attention_width, model.kv_heads * model.head_dim, model.ffn_hidden
+    k = model.top_k if model.experts > 1 else 1
+    up = [(h, f, k, False)] * (2 if model.gated_mlp else 1)
+    return [(h, q, 1, False), (h, kv, 1, False), (h, kv, 1, False), (q, h, 1, True), *up, (f, h, k, True)]
+
+
+def _saved_matmuls(model: ModelSpec, layout: Layout, *, tokens: float) -> float:
+    """Elements torchtitan's op-level selective policy keeps of a block's matmuls: the outputs of
+    the 1st, 3rd, 5th... matmul in forward order (every second one is recomputed), a column-parallel
+    one's split over T, a row-parallel one's whole (the partial sum before its reduction)."""
+    saved = block_matmuls(model)[::2]
+    return sum(
+        tokens * rows * out / (1 if row_parallel else layout.tensor) for _, out, rows, row_parallel in saved
+    )
 
 
 def _activations_per_gpu(
@@ -153,7 +195,9 @@ def _activations_per_gpu(
     return max(in_flight_first * first, in_flight_last * last)
 
 
-def head_activation_bytes(model: ModelSpec, layout: Layout, *, micro_batch: int, seq_len: int) -> float:
+def head_activation_bytes(
+    model: ModelSpec, layout: Layout, *, micro_batch: int, seq_len: int, logit_bytes: float = 4
+) -> float:
     """Bytes the final norm, the output projection and the loss keep per micro-batch on one GPU.
 
     The norm's input and statistics, the projection's input, the loss's fp32 log-softmax (one
@@ -166,6 +210,8 @@ def head_activation_bytes(model: ModelSpec, layout: Layout, *, micro_batch: int,
         layout: tensor and context degrees, ``loss_parallel``, precision.
         micro_batch: b, sequences per micro-batch.
         seq_len: s, tokens per sequence.
+        logit_bytes: bytes per logit alive at the loss (4: the fp32 log-softmax alone; a stack that
+            upcasts bf16 logits holds 2 + 4 + 4 there: ``Framework.logit_bytes``).
     """
     tokens = micro_batch * seq_len / layout.context
     sp = layout.tensor if layout.sequence_parallel else 1  # the final norm runs on s/T tokens
@@ -174,7 +220,7 @@ def head_activation_bytes(model: ModelSpec, layout: Layout, *, micro_batch: int,
         projected, rows, columns = tokens, tokens, vocabulary_rows(model, layout)
     else:  # this rank's tokens (s/T with sequence parallelism), the whole vocabulary
         projected, rows, columns = tokens / sp, tokens / sp, model.vocab
-    return norm + layout.element_bytes * projected * model.d_model + 4 * rows * columns
+    return norm + layout.element_bytes * projected * model.d_model + logit_bytes * rows * columns
 
 
 def memory_per_gpu(step: StepShape) -> tuple[dict[str, float], float]:
@@ -184,14 +230,17 @@ def memory_per_gpu(step: StepShape) -> tuple[dict[str, float], float]:
     activations at the worst moment of the schedule; FSDP's gathered layer and the next
     (prefetched); what the allocator and the libraries reserve.
     """
-    model, layout = step.model, step.layout
+    model, layout, framework = step.model, step.layout, step.framework
     element = layout.element_bytes
-    per_param = memory.MIXED_PRECISION_ADAM if layout.precision == "bf16" else memory.FP32_ADAM
     states = memory.model_state_bytes(
-        stage_parameters(model, layout), layout.data * layout.context, layout.sharding, **per_param
+        stage_parameters(model, layout, equal_blocks=framework.equal_stage_blocks),
+        layout.data * layout.context,
+        layout.sharding,
+        **framework.state_bytes(layout.precision),
     )
-    block = block_activation_elements(model, layout, micro_batch=layout.micro_batch, seq_len=step.seq_len)
-    head = head_activation_bytes(model, layout, micro_batch=layout.micro_batch, seq_len=step.seq_len)
+    shape = {"micro_batch": layout.micro_batch, "seq_len": step.seq_len}
+    block = block_activation_elements(model, layout, **shape, selective=framework.selective)
+    head = head_activation_bytes(model, layout, **shape, logit_bytes=framework.logit_bytes(layout.precision))
     activations = _activations_per_gpu(
         model, layout, block * element, head, step.tokens, step.microbatches, step.seq_len
     )

@@ -5,7 +5,10 @@ axis innermost, inside a node, the data axis across nodes once the inner axes fi
 (``mesh.AXES``). What is hidden under compute is not paid: DDP's and ZeRO's gradient
 reductions under the backward, FSDP's gathers under the forward and backward, ring attention's
 passes under the attention; tensor parallelism's all-reduces sit between the matmuls that need
-them and are paid whole; the pipeline pays its sends while it fills and drains.
+them and are paid whole; the pipeline pays its sends while it fills and drains. What a stack
+overlaps beyond that, or does not, is its profile's (``frameworks.Framework``): tensor
+parallelism cut into pieces beside the matmuls, ZeRO's parameter gather beside the next forward,
+gradient reductions after the backward rather than beside it.
 
 Paper: Narayanan et al. (arXiv:2104.04473) for the layout's axes and their traffic.
 """
@@ -67,9 +70,12 @@ def link_of(axis: str | tuple[str, ...], layout: Layout, cluster: ClusterSpec) -
 
 
 # #region axes
-def tensor_axis(step: StepShape) -> tuple[float, float]:
-    """Seconds and bytes per rank of the tensor group in one step: f and g around every block,
-    and the collectives beside the blocks. Nothing hides them: the next matmul needs each result."""
+def tensor_axis(step: StepShape, matmuls: float = 0.0) -> tuple[float, float]:
+    """Seconds exposed and bytes per rank of the tensor group in one step: f and g around every
+    block, and the collectives beside the blocks. Nothing hides them (the next matmul needs each
+    result) unless the stack cuts each collective and its matmul into T pieces
+    (``Framework.tensor_overlap``): then only the first piece waits, the rest runs beside
+    ``matmuls`` (the step's matmul seconds)."""
     layout = step.layout
     t = layout.tensor
     # All-reduce-sized passes per block: f and g, forward and backward (4); sequence parallelism's
@@ -94,6 +100,8 @@ def tensor_axis(step: StepShape) -> tuple[float, float]:
         )
         seconds += beside_seconds
         sent += beside_sent
+    if step.framework.tensor_overlap and t > 1:
+        seconds = seconds / t + max(0.0, seconds * (1 - 1 / t) - matmuls)
     return seconds, sent
 
 
@@ -191,10 +199,11 @@ def data_axis(step: StepShape, busy: float) -> tuple[float, float]:
     """Seconds exposed and bytes per rank of the data (and context) group's gradient reductions
     and parameter gathers. ``busy``: the step's compute, which hides them where the cluster
     overlaps (DDP's and ZeRO's reductions under the backward, FSDP's gathers under all of it)."""
-    layout, cluster = step.layout, step.cluster
+    layout, cluster, framework = step.layout, step.cluster, step.framework
     link, group = link_of(("data", "context"), layout, cluster), layout.data * layout.context
-    stage_params = stage_parameters(step.model, layout)
-    gradient_bytes, param_bytes = 4 * stage_params, layout.element_bytes * stage_params
+    stage_params = stage_parameters(step.model, layout, equal_blocks=framework.equal_stage_blocks)
+    gradient_bytes = framework.gradient_reduce_bytes(layout.precision) * stage_params
+    param_bytes = layout.element_bytes * stage_params
     reduce_op = "all_reduce" if layout.sharding == "ddp" else "reduce_scatter"
     gradient_time = collective_seconds(reduce_op, gradient_bytes, group, link)
     gathers = 0
@@ -203,12 +212,17 @@ def data_axis(step: StepShape, busy: float) -> tuple[float, float]:
     elif layout.sharding == "fsdp":  # forward and backward, every micro-batch without PP
         gathers = 2 * (step.microbatches if layout.pipeline == 1 else 1)
     gather_time = gathers * collective_seconds("all_gather", param_bytes, group, link)
-    hidden = busy * 2 / 3 if layout.sharding != "fsdp" else busy
-    if not cluster.overlaps_communication:
-        hidden = 0.0
-    seconds = max(0.0, gradient_time + (gather_time if layout.sharding == "fsdp" else 0) - hidden)
+    overlaps = cluster.overlaps_communication
+    if layout.sharding == "fsdp":  # FSDP gathers and reduces unit by unit, beside the compute
+        seconds = max(0.0, gradient_time + gather_time - (busy if overlaps else 0.0))
+    else:  # bucket by bucket beside the backward, or after it
+        seconds = max(
+            0.0, gradient_time - (busy * 2 / 3 if overlaps and framework.grad_reduce_overlap else 0.0)
+        )
     if layout.sharding in ("zero1", "zero2"):
-        seconds += gather_time  # after the optimizer step: nothing left to hide it under
+        # after the optimizer step: beside the next forward, or nothing left to hide it under
+        hidden = busy / 3 if overlaps and framework.param_gather_overlap else 0.0
+        seconds += max(0.0, gather_time - hidden)
     sent = ring_bytes(reduce_op, gradient_bytes, group) + gathers * ring_bytes(
         "all_gather", param_bytes, group
     )

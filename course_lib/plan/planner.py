@@ -11,6 +11,7 @@ import itertools
 
 from ..errors import UserError
 from .cost_model import Prediction, predict
+from .frameworks import COURSE_PROFILE, Framework
 from .layout import CONTEXT_ATTENTION, Layout
 from .specs import ClusterSpec, ModelSpec
 
@@ -78,6 +79,7 @@ def plan(
     global_batch: int,
     template: Layout | None = None,
     context_attention: tuple[str, ...] = CONTEXT_ATTENTION,
+    framework: Framework = COURSE_PROFILE,
 ) -> tuple[list[Prediction], list[Prediction]]:
     """Every candidate layout predicted: (those that fit, fastest first; those that do not).
 
@@ -89,6 +91,7 @@ def plan(
         global_batch: sequences per optimizer step.
         template: the choices every candidate shares (precision, sequence and loss parallelism).
         context_attention: the methods tried where the context degree is above 1 (ring, Ulysses).
+        framework: the training stack's profile (``frameworks.FRAMEWORKS``).
     """
     if gpus < 1:
         raise UserError(f"the job needs at least one GPU, got {gpus}")
@@ -96,7 +99,8 @@ def plan(
         model, cluster, gpus=gpus, template=template, context_attention=context_attention
     )
     predictions = [
-        predict(model, cluster, layout, seq_len=seq_len, global_batch=global_batch) for layout in candidates
+        predict(model, cluster, layout, seq_len=seq_len, global_batch=global_batch, framework=framework)
+        for layout in candidates
     ]
     fitting = sorted((p for p in predictions if p.fits), key=lambda p: (-p.tokens_per_s, p.memory["total"]))
     return fitting, [p for p in predictions if not p.fits]

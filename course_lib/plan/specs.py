@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from ..models import Block
+from .frameworks import COURSE_PROFILE, Framework
 from .layout import Layout
 
 
@@ -311,6 +312,7 @@ class StepShape:
         layout: the layout.
         seq_len: s, tokens per sequence.
         global_batch: sequences per optimizer step, over all replicas.
+        framework: what the training stack keeps and overlaps (``frameworks.FRAMEWORKS``).
     """
 
     model: ModelSpec
@@ -318,6 +320,7 @@ class StepShape:
     layout: Layout
     seq_len: int
     global_batch: int
+    framework: Framework = COURSE_PROFILE
 
     @property
     def microbatches(self) -> int:

@@ -33,6 +33,7 @@ from ..distributed.launch import check_process_count, launch
 from ..errors import UserError
 from ..plan import from_files
 from ..plan.cost_model import Prediction, predict
+from ..plan.frameworks import FRAMEWORKS, Framework
 from ..plan.layout import CONTEXT_ATTENTION, Layout
 from ..plan.planner import plan
 from ..plan.specs import CLUSTERS, GB, GIB, MODELS, ClusterSpec, ModelSpec
@@ -151,6 +152,12 @@ def main(argv: list[str] | None = None) -> int:
         "all-to-alls (their heads must divide by tensor x context), or both, ranked together",
     )
     parser.add_argument("--top", type=checks.int_at_least(1), default=10, help="layouts to show")
+    parser.add_argument(
+        "--framework",
+        choices=sorted(FRAMEWORKS),
+        default="course",
+        help="the training stack: what it keeps and overlaps (course_lib/plan/frameworks.py)",
+    )
     parser.add_argument("--json", type=checks.file_to_write, default=None, help="write every prediction here")
     parser.add_argument(
         "--validate",
@@ -202,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             cluster = cluster_named(args.cluster)
         fitting, rejected = plan(
             model, cluster, gpus=args.gpus, seq_len=args.seq_len, global_batch=global_batch,
-            template=template, context_attention=methods,
+            template=template, context_attention=methods, framework=FRAMEWORKS[args.framework],
         )  # fmt: skip
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -252,11 +259,18 @@ def predict_layouts(argv: list[str]) -> int:
     parser.add_argument("--json", type=checks.file_to_write, required=True, help="where the rows go")
     parser.add_argument("--model", help="the model of rows without a model column: a name or a config.json")
     parser.add_argument("--cluster", required=True, help="a built-in cluster's name, or a TOML or JSON file")
+    parser.add_argument(
+        "--framework",
+        choices=sorted(FRAMEWORKS),
+        default="course",
+        help="the training stack: what it keeps and overlaps (course_lib/plan/frameworks.py)",
+    )
     args = parser.parse_args(argv)
     try:
         cluster = cluster_named(args.cluster)
+        framework = FRAMEWORKS[args.framework]
         rows = [
-            _predicted_row(row, number, args.model, cluster)
+            _predicted_row(row, number, args.model, cluster, framework)
             for number, row in checks.read_csv_rows(args.layouts, what="layouts", columns=LAYOUT_COLUMNS)
         ]
     except UserError as error:
@@ -273,7 +287,9 @@ def predict_layouts(argv: list[str]) -> int:
     return 0
 
 
-def _predicted_row(row: dict, number: int, default_model: str | None, cluster: ClusterSpec) -> dict:
+def _predicted_row(
+    row: dict, number: int, default_model: str | None, cluster: ClusterSpec, framework: Framework
+) -> dict:
     """One layout of the CSV predicted, as a JSON row (``refused`` with the reason where it cannot run)."""
     name = row.get("model") or default_model
     if not name:
@@ -283,8 +299,11 @@ def _predicted_row(row: dict, number: int, default_model: str | None, cluster: C
     except ValueError as error:
         raise UserError(f"line {number}: seq_len and global_batch must be whole numbers ({error})") from error
     layout = Layout.from_name(row["layout"])
-    prediction = predict(model_named(name), cluster, layout, seq_len=seq_len, global_batch=global_batch)
+    prediction = predict(
+        model_named(name), cluster, layout, seq_len=seq_len, global_batch=global_batch, framework=framework
+    )
     result = {"layout": layout.name(), "model": name, "seq_len": seq_len, "global_batch": global_batch}
+    result["framework"] = framework.name
     result["fits"] = prediction.fits
     if prediction.problem:
         result["refused"] = prediction.problem
@@ -317,9 +336,15 @@ def check_published(argv: list[str]) -> int:
     parser.add_argument(
         "--json", type=checks.file_to_write, default=None, help="write every row and the summary here"
     )
+    parser.add_argument(
+        "--framework",
+        choices=sorted(FRAMEWORKS),
+        default=None,
+        help="predict every run with this stack's profile (default: each with its own stack's)",
+    )
     args = parser.parse_args(argv)
     try:
-        checked = published.check(published.read_runs(path=args.file))
+        checked = published.check(published.read_runs(path=args.file, framework=args.framework))
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

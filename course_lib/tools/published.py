@@ -15,6 +15,11 @@ Megatron-Core's 2024 weak-scaling table. Each states its speed in its own unit, 
 - ``mfu_korthikanti`` (Korthikanti et al., arXiv:2205.05198, section 6): MFU in percent of the
   A100's 312 TFLOP/s with 72·B·s·l·h²·(1 + s/6h + V/12lh) an iteration.
 
+Each run is predicted with its stack's profile (``frameworks``), read from its ``group`` and
+``extras``: torchtitan's (async TP where the row says so), Megatron-LM's as of 2021 and 2022
+(gradients all-reduced after the backward), Megatron-Core's of 2024 with its overlap flags on.
+``--framework NAME`` predicts every row with one profile instead, to see what the profiles change.
+
 A row is *expressible* when the CSV says the planner can state it (its ``assumed`` column says
 what was assumed, its ``expressible`` column why not) and the planner accepts its model, cluster
 and layout. For each expressible row, ``check`` predicts the layout (``cost_model.predict``) and
@@ -36,6 +41,7 @@ from pathlib import Path
 from ..checks import check_choice, read_csv_rows
 from ..errors import UserError
 from ..plan.cost_model import Prediction, predict
+from ..plan.frameworks import FRAMEWORKS, MEGATRON_PROFILE, TORCHTITAN_PROFILE, Framework
 from ..plan.layout import Layout
 from ..plan.specs import CLUSTERS, GIB, MODELS, ModelSpec
 
@@ -43,10 +49,10 @@ PUBLISHED_RUNS = Path(__file__).with_name("published_gpu_runs.csv")
 """The published runs the planner is checked against, each with its source."""
 
 COLUMNS = (
-    "id", "source", "planner_model", "layers", "d_model", "heads", "kv_heads", "ffn", "vocab", "arch",
-    "cluster", "gpus", "dp", "tp", "pp", "cp", "vp", "sharding", "micro_batch", "global_batch", "seq_len",
-    "precision", "recomputation", "sequence_parallel", "loss_parallel", "measured_kind", "measured_value",
-    "measured_memory_gib", "expressible", "assumed",
+    "id", "group", "source", "planner_model", "layers", "d_model", "heads", "kv_heads", "ffn", "vocab",
+    "arch", "cluster", "gpus", "dp", "tp", "pp", "cp", "vp", "sharding", "micro_batch", "global_batch",
+    "seq_len", "precision", "recomputation", "sequence_parallel", "loss_parallel", "measured_kind",
+    "measured_value", "measured_memory_gib", "expressible", "assumed", "extras",
 )  # fmt: skip
 """The columns ``read_runs`` reads; the file may have more (the hardware in words, the extras)."""
 
@@ -72,6 +78,7 @@ class PublishedRun:
         measured: the published tokens per second per GPU (converted: see the module docstring).
         measured_memory_gib: the published memory of the fullest GPU, GiB (None: not published).
         not_expressible: why the planner cannot state this run (None: it can).
+        framework: its stack's profile (``framework_of``).
     """
 
     id: str
@@ -84,6 +91,30 @@ class PublishedRun:
     measured: float
     measured_memory_gib: float | None
     not_expressible: str | None
+    framework: Framework
+
+
+MEGATRON_2021 = "NVIDIA/Megatron-LM@b83477a3e8b4525dfb870e84f13ef631a9091e51:megatron/training.py"
+"""Megatron-LM as Narayanan et al. ran it: ``train_step`` all-reduces the gradients after
+``forward_backward_func`` returns ("All-reduce if needed", the local DDP), not beside the backward."""
+
+
+def framework_of(group: str, extras: str) -> Framework:
+    """The profile of the stack that made a run, from its ``group`` and ``extras`` columns.
+
+    Args:
+        group: the run's group (``torchtitan-h100``, ``megatron2021-a100``, ``mcore2024-h100``...).
+        extras: what else the row says of the run (``async TP``, ``comm overlap``...).
+    """
+    extras = extras.lower()
+    if group.startswith("torchtitan"):
+        return TORCHTITAN_PROFILE.with_(tensor_overlap="async tp" in extras)
+    if group.startswith(("megatron2021", "korthikanti2022")):
+        return MEGATRON_PROFILE.with_(grad_reduce_overlap=False)
+    overlap = "comm overlap" in extras
+    return MEGATRON_PROFILE.with_(
+        tensor_overlap=overlap, param_gather_overlap=overlap, grad_reduce_overlap=overlap
+    )
 
 
 def _flops_per_token(kind: str, model: ModelSpec, seq_len: int) -> float:
@@ -151,22 +182,27 @@ def _layout(row: dict) -> Layout:
     )  # fmt: skip
 
 
-def read_runs(*, path: Path = PUBLISHED_RUNS) -> list[PublishedRun]:
+def read_runs(*, path: Path = PUBLISHED_RUNS, framework: str | None = None) -> list[PublishedRun]:
     """Every row of a published-runs CSV, read as the planner states it.
 
     Args:
         path: a CSV with the columns of ``COLUMNS`` (more are ignored).
+        framework: predict every row with this profile (``frameworks.FRAMEWORKS``); None: each
+            with its own stack's (``framework_of``).
     """
+    if framework is not None:
+        check_choice("framework", framework, tuple(FRAMEWORKS))
     runs = []
     for number, row in read_csv_rows(path, what="published runs", columns=COLUMNS):
         try:
-            runs.append(_run(row))
+            profile = FRAMEWORKS[framework] if framework else framework_of(row["group"], row["extras"])
+            runs.append(_run(row, profile))
         except (ValueError, KeyError) as error:
             raise UserError(f"{path}, line {number} ({row.get('id')}): cannot read {error}") from error
     return runs
 
 
-def _run(row: dict) -> PublishedRun:
+def _run(row: dict, framework: Framework) -> PublishedRun:
     model, layout, why = None, None, None
     if row["expressible"] != "yes":
         why = row["assumed"] or "the file says the planner cannot state it"
@@ -183,7 +219,7 @@ def _run(row: dict) -> PublishedRun:
     memory = float(row["measured_memory_gib"]) if row["measured_memory_gib"] else None
     return PublishedRun(
         row["id"], row["source"], model, row["cluster"], layout, seq_len, int(row["global_batch"]),
-        measured, memory, why,
+        measured, memory, why, framework,
     )  # fmt: skip
 
 
@@ -221,7 +257,12 @@ def check(runs: list[PublishedRun]) -> list[Checked]:
             checked.append(Checked(run, None))
             continue
         prediction = predict(
-            run.model, CLUSTERS[run.cluster], run.layout, seq_len=run.seq_len, global_batch=run.global_batch
+            run.model,
+            CLUSTERS[run.cluster],
+            run.layout,
+            seq_len=run.seq_len,
+            global_batch=run.global_batch,
+            framework=run.framework,
         )
         result = Checked(run, prediction)
         if prediction.time:  # refused layouts (a shape that does not split) have no time
@@ -303,6 +344,7 @@ def record(c: Checked) -> dict:
         "source": run.source,
         "not_expressible": run.not_expressible,
         "layout": run.layout.name() if run.layout else None,
+        "framework": run.framework.name,
         "measured_tokens_per_s_per_gpu": run.measured,
         "predicted_tokens_per_s_per_gpu": c.predicted if c.prediction else None,
         "ratio": c.ratio,

@@ -1,0 +1,221 @@
+"""What a training stack keeps and overlaps: the planner's framework profiles.
+
+Two stacks can run one layout and differ by a third in speed and memory, for choices that are
+not the layout: the bytes a parameter's gradient and master copy take, what "selective"
+recomputation keeps, which collectives run beside the matmuls, how the pipeline's stages are
+cut. A ``Framework`` names these choices, each with the file that makes it, and every formula of
+the cost model reads them (``StepShape.framework``):
+
+=================  ==========  ==================  ===============  =================================
+profile            bytes per   selective keeps     overlapped       stages
+                   parameter   (per block)
+=================  ==========  ==================  ===============  =================================
+``course``         2 + 2 + 12  matmul and          gradient         the list [embedding, blocks, head]
+                               attention results   reductions       cut evenly
+``torchtitan``     4 + 4 + 8   every 2nd matmul's  gradient         as course
+                   (FSDP2)     result (op-SAC)     reductions;
+                                                   TP if async TP
+``megatron``       2 + 4 + 12  all but the         gradients,       equal blocks; embedding and head
+                               attention core      parameter        at the ends
+                                                   gathers, TP
+                                                   (as flagged)
+``fp32-master``    2 + 4 + 4   as course           gradient         as course
+                   + 8                             reductions
+=================  ==========  ==================  ===============  =================================
+
+In ``bf16``; in ``fp32`` every stack keeps 4 + 4 + 8 and reduces 4 bytes a gradient. A variant is a
+profile with fields changed (``Framework.with_``): Megatron-LM of 2021 reduces its gradients after
+the backward, Megatron-Core of 2024 with ``--overlap-grad-reduce`` beside it.
+
+The cost: none; a profile changes which formula a term uses, never adds a fitted constant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..checks import check_choice
+
+SELECTIVE_POLICIES = ("course", "op_sac", "attention_core")
+"""What ``recomputation="selective"`` keeps, by stack: ``course`` (``parallel.recompute``: the
+block's input, its matmuls' and attention's results), ``op_sac`` (torchtitan: the results of
+every other matmul and of the attention), ``attention_core`` (Megatron-LM: everything but the
+attention core, recomputed)."""
+
+
+@dataclass(frozen=True)
+class Framework:
+    """One training stack's conventions, as the cost model reads them (bf16 training).
+
+    Args:
+        name: the profile's name (``FRAMEWORKS``).
+        param_bytes: bytes of each parameter as stored for forward and backward.
+        grad_bytes: bytes of each gradient as kept until the optimizer step.
+        master_bytes: bytes of an fp32 master copy kept beside the parameters (0: the stored
+            parameters are the master, as FSDP2's fp32 shards are).
+        moment_bytes: bytes of the optimizer's moments per parameter (Adam: two fp32).
+        master_sharded: the master copy is sharded with the optimizer's moments (ZeRO-1 and up);
+            False: every data-parallel rank keeps all of it, only the moments are sharded.
+        reduce_bytes: bytes per gradient element the data axis reduces.
+        loss_bytes_per_logit: bytes per logit alive at the loss (the logits, an fp32 copy, the
+            log-softmax kept for backward).
+        selective: what ``"selective"`` recomputation keeps, one of ``SELECTIVE_POLICIES``.
+        tensor_overlap: tensor parallelism's collectives run beside the matmuls they feed (async
+            TP, Megatron's ``--tp-comm-overlap``), cut into T pieces of which only the first waits.
+        param_gather_overlap: ZeRO-1/2's gather of the updated parameters runs beside the next
+            forward (Megatron's ``--overlap-param-gather``).
+        grad_reduce_overlap: the data axis reduces gradients beside the backward (DDP's buckets);
+            False: after it.
+        equal_stage_blocks: every pipeline stage holds L/(P·v) blocks, the embedding and head
+            added to the ends (Megatron-LM); False: the list [embedding, blocks, head] is cut
+            evenly (``pipeline.split_model``, torchtitan's default).
+        sources: where each convention is made, ``(field, "repository@commit:path (what)")``.
+    """
+
+    name: str
+    param_bytes: float = 2
+    grad_bytes: float = 2
+    master_bytes: float = 4
+    moment_bytes: float = 8
+    master_sharded: bool = True
+    reduce_bytes: float = 2
+    loss_bytes_per_logit: float = 4
+    selective: str = "course"
+    tensor_overlap: bool = False
+    param_gather_overlap: bool = False
+    grad_reduce_overlap: bool = True
+    equal_stage_blocks: bool = False
+    sources: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        check_choice("selective", self.selective, SELECTIVE_POLICIES)
+
+    def with_(self, **changes) -> Framework:
+        """This profile with some fields changed (a stack's flags)."""
+        return dataclasses.replace(self, **changes)
+
+    def state_bytes(self, precision: str) -> dict[str, float]:
+        """Bytes per parameter of parameters, gradients and optimizer state, as
+        ``memory.model_state_bytes`` takes them: a master copy that is not sharded with the
+        moments counts with the parameters (it is sharded only where they are).
+
+        Args:
+            precision: ``"bf16"`` (this profile's bytes) or ``"fp32"`` (4 + 4 + 8 for every stack).
+        """
+        if precision == "fp32":
+            return {"param_bytes": 4, "grad_bytes": 4, "optimizer_bytes": 8}
+        master_with_params = 0 if self.master_sharded else self.master_bytes
+        return {
+            "param_bytes": self.param_bytes + master_with_params,
+            "grad_bytes": self.grad_bytes,
+            "optimizer_bytes": self.moment_bytes + self.master_bytes - master_with_params,
+        }
+
+    def gradient_reduce_bytes(self, precision: str) -> float:
+        """Bytes per gradient element the data axis reduces, in ``precision``."""
+        return 4 if precision == "fp32" else self.reduce_bytes
+
+    def logit_bytes(self, precision: str) -> float:
+        """Bytes per logit alive at the loss, in ``precision`` (the course's 4 in fp32)."""
+        return 4 if precision == "fp32" else self.loss_bytes_per_logit
+
+
+TORCHTITAN = "pytorch/torchtitan@004b3148a92b565ef0ce7a7bcc61e0159c7ec930"
+TORCHTITAN_LOSS = "pytorch/torchtitan@f90c845c0ef9dbaf29d4d577e926c974e1630163:torchtitan/components/loss.py"
+MEGATRON = "NVIDIA/Megatron-LM@f2e5db402c44ae309aa6448bcb4ae87e8ae0f5f4"
+
+COURSE_PROFILE = Framework(
+    "course",
+    sources=(
+        ("bytes", "Rajbhandari et al., ZeRO (arXiv:1910.02054) section 3: 2 + 2 + 12 bytes a parameter"),
+        ("selective", "course_lib/parallel/recompute.py (the selective policy's saved operations)"),
+        ("stages", "course_lib/parallel/pipeline (split_model)"),
+    ),
+)
+
+TORCHTITAN_PROFILE = Framework(
+    "torchtitan",
+    param_bytes=4,
+    grad_bytes=4,
+    master_bytes=0,
+    reduce_bytes=4,
+    loss_bytes_per_logit=2 + 4 + 4,
+    selective="op_sac",
+    sources=(
+        (
+            "bytes",
+            f"{TORCHTITAN}:torchtitan/parallelisms/parallelize_llama.py (apply_fsdp: "
+            "MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32); the optimizer steps "
+            "the fp32 shards)",
+        ),
+        (
+            "selective",
+            f"{TORCHTITAN}:torchtitan/parallelisms/parallelize_llama.py (_apply_ac_to_transformer_block: "
+            "saves the outputs of mm, SDPA and reduce_scatter, 'except every second mm')",
+        ),
+        (
+            "loss",
+            f"{TORCHTITAN_LOSS} (cross_entropy(pred.flatten(0, 1).float(), ...): the bf16 logits, "
+            "their fp32 copy, the fp32 log-softmax)",
+        ),
+        (
+            "tensor_overlap",
+            f"{TORCHTITAN}:torchtitan/parallelisms/parallelize_llama.py (apply_tp, enable_async_tp: "
+            "inductor's micro-pipelined TP)",
+        ),
+    ),
+)
+
+MEGATRON_PROFILE = Framework(
+    "megatron",
+    grad_bytes=4,
+    reduce_bytes=4,
+    selective="attention_core",
+    equal_stage_blocks=True,
+    sources=(
+        (
+            "grad_bytes",
+            f"{MEGATRON}:megatron/training/arguments.py ('bfloat16 requires gradient accumulation and "
+            "all-reduce to be done in fp32'); docs/source/api-guide/distrib_optimizer.md (18 bytes a "
+            "parameter, 6 + 12/d with the distributed optimizer)",
+        ),
+        (
+            "selective",
+            "Korthikanti et al. (arXiv:2205.05198) section 4.2, recompute the attention core; "
+            f"{MEGATRON}:megatron/training/arguments.py (--recompute-granularity selective)",
+        ),
+        (
+            "overlap",
+            f"{MEGATRON}:megatron/training/arguments.py (--overlap-grad-reduce, --overlap-param-gather, "
+            "--tp-comm-overlap)",
+        ),
+        (
+            "stages",
+            f"{MEGATRON}:megatron/core/transformer/transformer_block.py (get_num_layers_to_build: L/P "
+            "blocks a stage)",
+        ),
+    ),
+)
+
+FP32_MASTER_PROFILE = Framework(
+    "fp32-master",
+    grad_bytes=4,
+    reduce_bytes=4,
+    master_sharded=False,
+    loss_bytes_per_logit=2 + 4 + 4,
+    sources=(
+        (
+            "bytes",
+            "an fp32 master copy and an fp32 gradient buffer for every parameter on every rank, "
+            "ZeRO-1 sharding only Adam's moments",
+        ),
+        ("loss", "the bf16 logits, their fp32 copy and the fp32 log-softmax, alive together at the loss"),
+    ),
+)
+
+FRAMEWORKS = {
+    profile.name: profile
+    for profile in (COURSE_PROFILE, TORCHTITAN_PROFILE, MEGATRON_PROFILE, FP32_MASTER_PROFILE)
+}
+"""The built-in profiles, by name (``--framework``)."""

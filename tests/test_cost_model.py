@@ -13,6 +13,7 @@ from course_lib.parallel.pipeline import bubble_overhead_theory
 from course_lib.plan import compute_model, memory_model, network_model, planner, scaling, specs
 from course_lib.plan import cost_model as cm
 from course_lib.plan.layout import Layout
+from course_lib.plan.specs import StepShape
 from course_lib.tools import plan as plan_tool
 
 LLAMA_8B, ALPS = specs.MODELS["llama3-8b"], specs.CLUSTERS["alps"]
@@ -85,12 +86,12 @@ def test_each_policy_keeps_less_and_pays_more():
         kept[policy], paid[policy] = prediction.memory["activations"], prediction.time["recomputation"]
     assert kept["full"] < kept["selective"] < kept["none"]
     assert paid["none"] == 0 < paid["selective"] < paid["full"]
-    plain = _predict(Layout(data=16, tensor=4))
-    blocks_compute = plain.time["compute"] * (
-        1 - 6 * LLAMA_8B.head_parameters() / LLAMA_8B.flops_per_token(4096)
+    work = compute_model.products(StepShape(LLAMA_8B, ALPS, Layout(data=16, tensor=4), 4096, 64))
+    # full: one more forward of the blocks (their matmuls and attention, and a third of their
+    # memory-bound work, which is what selective pays)
+    assert paid["selective"] == pytest.approx(
+        paid["full"] - work.block_forward - work.attention_forward, rel=1e-3
     )
-    # full: one more forward of the blocks (a third of their matmuls and of their memory-bound work)
-    assert paid["selective"] == pytest.approx(paid["full"] - blocks_compute / 3, rel=1e-3)
 
 
 def test_tensor_parallelism_splits_every_term_but_selectives_row_outputs():

@@ -95,7 +95,7 @@ def _alps_toml(tmp_path, drop: str = "") -> str:
     lines = [
         f"{name} = {json.dumps(getattr(alps, name))}"
         for name in ("name", "gpus_per_node", "gpu_memory_bytes", "reserved_bytes", "peak_flops",
-                     "achieved_flops", "memory_bandwidth", "source")
+                     "achieved_flops", "memory_bandwidth", "source", "gpu")
         if name != drop
     ]  # fmt: skip
     for link in ("inside_node", "between_nodes"):
@@ -114,6 +114,10 @@ def test_a_cluster_file_is_the_built_in_cluster_and_a_missing_field_is_named(tmp
     broken.write_text(_alps_toml(tmp_path).read_text().replace("\nbandwidth = ", "\nspeed = ", 1))
     with pytest.raises(UserError, match="inside_node needs bandwidth"):
         from_files.cluster_from_file(broken)
+    unknown = tmp_path / "unknown_gpu.toml"
+    unknown.write_text(_alps_toml(tmp_path).read_text().replace('gpu = "gh200"', 'gpu = "h300"'))
+    with pytest.raises(UserError, match="unknown gpu 'h300': choose one of h100-sxm, "):
+        from_files.cluster_from_file(unknown)
 
 
 def test_the_planner_takes_both_files_and_names_an_unknown_model(tmp_path, capsys):

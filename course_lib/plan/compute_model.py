@@ -16,6 +16,7 @@ import functools
 from dataclasses import dataclass
 
 from ..parallel.pipeline import bubble_fraction, build_schedule, simulate_timeline
+from . import kernels
 from .memory_model import block_activation_elements, block_matmuls, head_activation_bytes, stage_parameters
 from .specs import OPTIMIZER_BYTES, StepShape
 
@@ -38,67 +39,157 @@ class ComputeSeconds:
 
 
 def compute_seconds(step: StepShape) -> ComputeSeconds:
-    """The matmuls at the achieved rate, the memory-bound work at the memory's bandwidth, the
+    """The matmuls and attention (``products``), the memory-bound work (``memory_bound``), the
     recomputation, and the pipeline's bubble (the schedule simulated)."""
-    model, cluster, layout, framework = step.model, step.cluster, step.layout, step.framework
-    t, p, c = layout.tensor, layout.pipeline, layout.context
-    # The fullest GPU holds a stage's blocks and, on the last stage, the head.
-    tokens = step.tokens_per_gpu_step
-    head_flops = 6 * model.head_parameters() * tokens / (t if layout.loss_parallel else 1)
-    block_flops = (model.flops_per_token(step.seq_len) - 6 * model.head_parameters()) * tokens / (t * p)
-    matmuls = (block_flops + head_flops) / cluster.achieved_flops
-    attention_flops = 12 * model.layers * model.attention_width * step.seq_len * tokens / (t * p)
-    # Memory-bound work: what the blocks keep for backward is written once in forward and read
-    # twice in backward by the norms, activation functions and adds; the optimizer step moves
-    # each parameter it updates, its gradient and its two moments.
-    unrecomputed = layout.with_(recomputation="none")
-    block_bytes = layout.element_bytes * block_activation_elements(
-        model, unrecomputed, micro_batch=layout.micro_batch, seq_len=step.seq_len
-    )
-    head = head_activation_bytes(
-        model,
-        layout,
-        micro_batch=layout.micro_batch,
-        seq_len=step.seq_len,
-        logit_bytes=framework.logit_bytes(layout.precision),
-    )
-    pointwise_blocks = 3 * block_bytes * step.layers * step.microbatches / cluster.memory_bandwidth
-    pointwise_head = 3 * head * step.microbatches / cluster.memory_bandwidth
-    held = stage_parameters(model, layout, equal_blocks=framework.equal_stage_blocks)
-    updated = held / (1 if layout.sharding == "ddp" else layout.data * c)
-    optimizer = (
-        OPTIMIZER_BYTES[layout.precision]
-        * updated
-        / (cluster.optimizer_bandwidth or cluster.memory_bandwidth)
-    )
-    ring = c > 1 and layout.context_attention == "ring"
+    layout, framework = step.layout, step.framework
+    work = products(step)
+    pointwise_blocks, pointwise_head, optimizer = memory_bound(step)
+    ring = layout.context > 1 and layout.context_attention == "ring"
+    ring_attention = work.attention_forward if ring else 0.0
     selective = {
         # the pointwise operations' forward again (and under context parallelism the ring's attention)
-        "course": pointwise_blocks / 3 + (attention_flops / 3 / cluster.achieved_flops if ring else 0.0),
+        "course": pointwise_blocks / 3 + ring_attention,
         # and the forward of every second matmul
-        "op_sac": pointwise_blocks / 3
-        + (
-            recomputed_matmul_share(model) * (block_flops - attention_flops) / 3
-            + (attention_flops / 3 if ring else 0.0)
-        )
-        / cluster.achieved_flops,
+        "op_sac": pointwise_blocks / 3 + work.recomputed_matmuls + ring_attention,
         # the attention core's forward: its two products
-        "attention_core": attention_flops / 3 / cluster.achieved_flops,
+        "attention_core": work.attention_forward,
     }[framework.selective]
     recompute = {
         "none": 0.0,
-        "full": (block_flops / cluster.achieved_flops + pointwise_blocks) / 3,  # one more forward
+        "full": work.block_forward + work.attention_forward + pointwise_blocks / 3,  # one more forward
         "selective": selective,
     }[layout.recomputation]
     parts = ComputeSeconds(
-        matmuls, pointwise_blocks, pointwise_head, optimizer, recompute, 0.0, attention_flops
+        work.total, pointwise_blocks, pointwise_head, optimizer, recompute, 0.0, work.attention_flops
     )
-    if p > 1:  # the schedule itself, simulated: a backward twice a forward, three times if recomputed
+    if layout.pipeline > 1:  # the schedule simulated: a backward twice a forward, three times if recomputed
         backward_over_forward = 2.0 + (layout.recomputation == "full")
         parts.bubble = (parts.forward_and_backward + recompute) * bubble_overhead(
-            layout.schedule, p, step.microbatches, layout.virtual_stages, backward_over_forward
+            layout.schedule, layout.pipeline, step.microbatches, layout.virtual_stages, backward_over_forward
         )
     return parts
+
+
+@dataclass
+class Products:
+    """Seconds of the fullest GPU's matrix products in one step (``attention_flops``: FLOPs).
+
+    ``block_forward`` and ``block_backward`` are the blocks' matmuls (the backward computes two
+    products a matmul: the input's gradient and the weight's); ``recomputed_matmuls`` the forward
+    of every second one (what torchtitan's selective policy recomputes).
+    """
+
+    block_forward: float
+    block_backward: float
+    recomputed_matmuls: float
+    head: float
+    attention_forward: float
+    attention_backward: float
+    attention_flops: float  # forward and backward as the planner counts them (the whole square)
+
+    @property
+    def total(self) -> float:
+        return (
+            self.block_forward
+            + self.block_backward
+            + self.head
+            + self.attention_forward
+            + self.attention_backward
+        )
+
+
+def products(step: StepShape) -> Products:
+    """The step's products on the fullest GPU: at the cluster's one achieved rate, or where the
+    cluster names its GPU, each matmul by its shape and attention at its rate (``kernels``)."""
+    model, cluster, layout = step.model, step.cluster, step.layout
+    t, p = layout.tensor, layout.pipeline
+    tokens = step.tokens_per_gpu_step
+    head_flops = 6 * model.head_parameters() * tokens / (t if layout.loss_parallel else 1)
+    block_flops = (model.flops_per_token(step.seq_len) - 6 * model.head_parameters()) * tokens / (t * p)
+    attention_flops = 12 * model.layers * model.attention_width * step.seq_len * tokens / (t * p)
+    if not cluster.gpu:
+        rate = cluster.achieved_flops
+        forward = (block_flops - attention_flops) / 3 / rate
+        return Products(
+            forward, 2 * forward, recomputed_matmul_share(model) * forward, head_flops / rate,
+            attention_flops / 3 / rate, 2 * attention_flops / 3 / rate, attention_flops,
+        )  # fmt: skip
+    gpu = kernels.GPUS[cluster.gpu]
+    fit = kernels.kernel_fit(gpu.record)
+    blocks = step.layers * step.microbatches
+    passes = [_matmul_passes(gpu, shape) for shape in _block_products(model, layout, step.tokens)]
+    vocabulary = model.vocab / t if layout.loss_parallel else model.vocab
+    head = _matmul_passes(gpu, (step.tokens, vocabulary, model.d_model, 1))
+    causal_forward = attention_flops / 2 / 3  # a causal kernel computes half the square
+    return Products(
+        block_forward=blocks * sum(forward for forward, _ in passes),
+        block_backward=blocks * sum(backward for _, backward in passes),
+        recomputed_matmuls=blocks * sum(forward for forward, _ in passes[1::2]),
+        head=step.microbatches * sum(head),
+        attention_forward=causal_forward / (fit.attention_forward * gpu.peak_flops),
+        attention_backward=2 * causal_forward / (fit.attention_backward * gpu.peak_flops),
+        attention_flops=attention_flops,
+    )
+
+
+def _block_products(model, layout, tokens: float) -> list[tuple[float, float, float, float]]:
+    """(m, n, k, count) of each matmul of one block for one micro-batch of ``tokens`` on this GPU:
+    a column-parallel layer's outputs and a row-parallel layer's inputs split over T; an MoE
+    layer's MLP as its experts/E local experts, each fed top_k·E/experts of the tokens."""
+    t, shapes = layout.tensor, []
+    for inputs, outputs, rows, row_parallel in block_matmuls(model):
+        m, count = tokens, 1
+        if rows > 1:  # an expert's MLP
+            count = model.experts / layout.expert
+            m = tokens * rows * layout.expert / model.experts
+        n, k = (outputs, inputs / t) if row_parallel else (outputs / t, inputs)
+        shapes.append((m, n, k, count))
+    return shapes
+
+
+def _matmul_passes(gpu, shape) -> tuple[float, float]:
+    """Seconds of a layer's forward product and of its backward's two (input and weight gradients)."""
+    m, n, k, count = shape
+    forward = kernels.matmul_seconds(gpu, m, n, k)
+    backward = kernels.matmul_seconds(gpu, m, k, n) + kernels.matmul_seconds(gpu, k, n, m)
+    return count * forward, count * backward
+
+
+def memory_bound(step: StepShape) -> tuple[float, float, float]:
+    """Seconds of the memory-bound work: (the blocks', the head's, the optimizer step's).
+
+    What the blocks keep for backward is written once in forward and read twice in backward by
+    the norms, activation functions and adds; the head's too, its logits through the loss's
+    kernels; the optimizer step moves each parameter it updates, its gradient and its two
+    moments. At the cluster's bandwidths, or where the cluster names its GPU, at the fractions of
+    its datasheet bandwidth its record measured (eager or compiled, as the stack runs).
+    """
+    model, cluster, layout, framework = step.model, step.cluster, step.layout, step.framework
+    unrecomputed = layout.with_(recomputation="none")
+    shape = {"micro_batch": layout.micro_batch, "seq_len": step.seq_len}
+    block_bytes = layout.element_bytes * block_activation_elements(model, unrecomputed, **shape)
+    logit_bytes = framework.logit_bytes(layout.precision)
+    head = head_activation_bytes(model, layout, **shape, logit_bytes=logit_bytes)
+    held = stage_parameters(model, layout, equal_blocks=framework.equal_stage_blocks)
+    updated = held / (1 if layout.sharding == "ddp" else layout.data * layout.context)
+    optimizer_bytes = OPTIMIZER_BYTES[layout.precision] * updated
+    if not cluster.gpu:
+        blocks = 3 * block_bytes * step.layers * step.microbatches / cluster.memory_bandwidth
+        return (
+            blocks,
+            3 * head * step.microbatches / cluster.memory_bandwidth,
+            optimizer_bytes / (cluster.optimizer_bandwidth or cluster.memory_bandwidth),
+        )
+    gpu = kernels.GPUS[cluster.gpu]
+    fit = kernels.kernel_fit(gpu.record)
+    pointwise = gpu.memory_bandwidth * (fit.pointwise_compiled if framework.compiled else fit.pointwise_eager)
+    logits = step.tokens * (model.vocab / layout.tensor if layout.loss_parallel else model.vocab)
+    loss = 4 * logits / (fit.loss * gpu.memory_bandwidth)  # the record's fp32 logits, forward and backward
+    return (
+        3 * block_bytes * step.layers * step.microbatches / pointwise,
+        (3 * (head - logit_bytes * logits) / pointwise + loss) * step.microbatches,
+        optimizer_bytes / (fit.optimizer * gpu.memory_bandwidth),
+    )
 
 
 def recomputed_matmul_share(model) -> float:

@@ -67,6 +67,8 @@ class Framework:
             forward (Megatron's ``--overlap-param-gather``).
         grad_reduce_overlap: the data axis reduces gradients beside the backward (DDP's buckets);
             False: after it.
+        compiled: the blocks' memory-bound operations are fused (``torch.compile``, or a stack's
+            own fused kernels) rather than run one kernel each.
         equal_stage_blocks: every pipeline stage holds L/(P·v) blocks, the embedding and head
             added to the ends (Megatron-LM); False: the list [embedding, blocks, head] is cut
             evenly (``pipeline.split_model``, torchtitan's default).
@@ -86,6 +88,7 @@ class Framework:
     param_gather_overlap: bool = False
     grad_reduce_overlap: bool = True
     equal_stage_blocks: bool = False
+    compiled: bool = False
     sources: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
@@ -173,6 +176,7 @@ MEGATRON_PROFILE = Framework(
     reduce_bytes=4,
     selective="attention_core",
     equal_stage_blocks=True,
+    compiled=True,
     sources=(
         (
             "grad_bytes",
@@ -189,6 +193,11 @@ MEGATRON_PROFILE = Framework(
             "overlap",
             f"{MEGATRON}:megatron/training/arguments.py (--overlap-grad-reduce, --overlap-param-gather, "
             "--tp-comm-overlap)",
+        ),
+        (
+            "compiled",
+            f"{MEGATRON}:megatron/training/arguments.py (--bias-gelu-fusion, --masked-softmax-fusion, "
+            "--bias-dropout-fusion and the fused LayerNorm, on unless turned off)",
         ),
         (
             "stages",

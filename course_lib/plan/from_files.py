@@ -33,6 +33,7 @@ hidden_act                 gated_mlp: a SwiGLU (three matrices) for ``silu``, el
     achieved_flops = 692.6e12
     memory_bandwidth = 2.68e12
     source = "where each figure comes from"
+    gpu = "h100-sxm"   # optional: time each matmul by its shape (plan.kernels.GPUS)
     [inside_node]
     latency_s = 10e-6
     bandwidth = 436e9
@@ -50,8 +51,9 @@ import json
 import tomllib
 from pathlib import Path
 
-from ..checks import check_int, check_number
+from ..checks import check_choice, check_int, check_number
 from ..errors import UserError
+from .kernels import GPUS
 from .specs import ClusterSpec, Link, ModelSpec
 
 
@@ -149,6 +151,8 @@ def cluster_from_file(path: Path) -> ClusterSpec:
         values[name] = check_number(f"{path}: {name}", values[name], above=0)
     values["reserved_bytes"] = check_number(f"{path}: reserved_bytes", values["reserved_bytes"], minimum=0)
     values["gpus_per_node"] = _whole(values, "gpus_per_node", path)
+    if values.get("gpu"):
+        check_choice("gpu", values["gpu"], tuple(GPUS))
     if values["achieved_flops"] > values["peak_flops"]:
         raise UserError(f"{path}: achieved_flops is above peak_flops: the peak is the most a GPU does")
     return ClusterSpec(**values)

@@ -197,6 +197,9 @@ class ClusterSpec:
             dispatcher, autograd's bookkeeping) when that time is on the step's path: on a CPU,
             where the core that dispatches is the one that computes. A GPU's host queues
             kernels ahead of the device and the time hides behind large kernels: 0.
+        gpu: the kind of GPU (``kernels.GPUS``): its products are then timed by their shapes and
+            its memory-bound work at its record's rates (``kernels``), and ``achieved_flops`` and
+            ``memory_bandwidth`` serve only the overlap estimates; "": at those two rates.
     """
 
     name: str
@@ -212,6 +215,7 @@ class ClusterSpec:
     source: str = ""
     optimizer_bandwidth: float | None = None
     host_seconds_per_operation: float = 0.0
+    gpu: str = ""
 
 
 GB = 1e9
@@ -229,6 +233,7 @@ CLUSTERS = {
     for spec in (
         ClusterSpec(
             name="alps",
+            gpu="gh200",
             gpus_per_node=4,
             gpu_memory_bytes=96 * GB,
             reserved_bytes=6 * GB,
@@ -247,6 +252,7 @@ CLUSTERS = {
         ),
         ClusterSpec(
             name="h100-node",
+            gpu="h100-sxm",
             gpus_per_node=8,
             gpu_memory_bytes=80 * GB,
             reserved_bytes=6 * GB,
@@ -263,6 +269,7 @@ CLUSTERS = {
         ),
         ClusterSpec(
             name="h100-grand-teton",
+            gpu="h100-sxm-500w-hbm2e",
             gpus_per_node=8,
             gpu_memory_bytes=96 * GB,
             reserved_bytes=6 * GB,
@@ -282,6 +289,7 @@ CLUSTERS = {
         ),
         ClusterSpec(
             name="a100-dgx",
+            gpu="a100-sxm",
             gpus_per_node=8,
             gpu_memory_bytes=80 * GB,
             reserved_bytes=6 * GB,

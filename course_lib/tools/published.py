@@ -108,7 +108,7 @@ def framework_of(group: str, extras: str) -> Framework:
     """
     extras = extras.lower()
     if group.startswith("torchtitan"):
-        return TORCHTITAN_PROFILE.with_(tensor_overlap="async tp" in extras)
+        return TORCHTITAN_PROFILE.with_(tensor_overlap="async tp" in extras, compiled="compile" in extras)
     if group.startswith(("megatron2021", "korthikanti2022")):
         return MEGATRON_PROFILE.with_(grad_reduce_overlap=False)
     overlap = "comm overlap" in extras

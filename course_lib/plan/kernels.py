@@ -1,0 +1,213 @@
+"""How long one GPU takes for a step's kernels: each matmul by its shape, attention and the
+memory-bound work at the rates measured on that GPU.
+
+A flat fraction of the datasheet's peak ("70 % of 989 TFLOP/s") is right for large products and
+wrong for the rest. A GPU computes a matmul in tiles, one tile per multiprocessor at a time: a
+product whose tiles do not fill the last wave of multiprocessors pays for the whole wave, and
+every wave pays a fixed latency (loading its first operands, writing its results). So:
+
+    t(m, n, k) = waves · (2·Tm·Tn·k / (sustained · peak / SMs) + latency)
+    waves      = ceil(ceil(m / Tm) · ceil(n / Tn) / SMs)
+
+for an (m x k) by (k x n) product. The tile Tm x Tn, the sustained fraction and the latency are
+*fitted*, by least squares on relative error, to the products ``make gpu-record`` timed on the
+GPU (``slides/recorded/gpu/``; ``fit_record``). On the H100 record the fit is 256 x 128 tiles,
+0.79 of the peak and 6.9 µs a wave: 0.14 RMS error in log time over 360 products of the
+built-in models' blocks, where one flat 70 % gives 0.33 (its worst product is 3.8x off; the
+fit's, 1.65x). A small hidden size loses: Llama 3 8B's key/value projection split over 8 tensor
+ranks (2048 x 4096 x 768) runs at 28 % of the peak.
+
+Attention (causal flash attention) runs at the record's rate for its largest shape, forward and
+backward apart; memory-bound work streams its bytes at the memory's datasheet bandwidth times the
+fraction the record measured, eager or compiled (a fused norm and add: 1.5 TB/s eager, 2.5
+compiled on an H100), the optimizer's fused AdamW and the loss at theirs.
+
+A GPU without a record of its own uses the H100's fractions with its own peak, multiprocessors
+and bandwidth (an assumption its ``source`` names); ``plan calibrate`` fits them from measured
+runs instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import UserError
+
+GPU_RECORDS = Path(__file__).resolve().parent.parent.parent / "slides" / "recorded" / "gpu"
+"""Where ``make gpu-record`` writes what it measured on a GPU, one JSON file per kind of GPU."""
+
+TILES = ((128, 128), (128, 256), (256, 128))
+"""The tiles Hopper's and Ampere's bf16 GEMM kernels use; the fit keeps the one that explains the
+record best."""
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One kind of GPU, from its datasheet.
+
+    Args:
+        name: its name (``GPUS``).
+        peak_flops: dense bf16 FLOP/s (NVIDIA's datasheet; the sparse figure halved).
+        fp8_flops: dense fp8 FLOP/s (0: no fp8 tensor cores).
+        multiprocessors: streaming multiprocessors, the tiles that run at once.
+        memory_bandwidth: the memory's datasheet bytes/s.
+        record: the ``gpu-record`` file (without ``.json``) whose fitted fractions it uses.
+        source: where the figures come from, and what is assumed.
+    """
+
+    name: str
+    peak_flops: float
+    fp8_flops: float
+    multiprocessors: int
+    memory_bandwidth: float
+    record: str = "nvidia-h100-80gb-hbm3"
+    source: str = ""
+
+
+TB = 1e12
+ASSUMED = "the H100 record's fitted fractions (no record of this GPU): an assumption"
+
+GPUS = {
+    gpu.name: gpu
+    for gpu in (
+        GPU("h100-sxm", 989.4e12, 1978.9e12, 132, 3.35 * TB,
+            source="NVIDIA H100 SXM datasheet (700 W, 80 GB HBM3); fractions fitted to its own record"),
+        GPU("h100-sxm-500w-hbm2e", 989.4e12, 1978.9e12, 132, 2.4 * TB,
+            source="H100 SXM at a 500 W limit with 96 GB HBM2e (Grand Teton, as torchtitan's benchmarks "
+            f"state): the datasheet peak (the capped clock is unpublished); {ASSUMED}"),
+        GPU("gh200", 989.4e12, 1978.9e12, 132, 4.0 * TB,
+            source=f"NVIDIA GH200's H100 with 96 GB HBM3 at 4 TB/s (CSCS Alps); {ASSUMED}"),
+        GPU("h200", 989.4e12, 1978.9e12, 132, 4.8 * TB, source=f"NVIDIA H200 datasheet; {ASSUMED}"),
+        GPU("a100-sxm", 312e12, 0.0, 108, 2.039 * TB, source=f"NVIDIA A100 80GB SXM datasheet; {ASSUMED}"),
+        GPU("b200", 2250e12, 4500e12, 148, 8.0 * TB,
+            source=f"NVIDIA HGX B200 datasheet (1,000 W); {ASSUMED}"),
+    )
+}  # fmt: skip
+"""The GPUs the built-in clusters are made of."""
+
+RECORDED_ON = {"nvidia-h100-80gb-hbm3": "h100-sxm"}
+"""Each committed record, and the GPU of ``GPUS`` it was measured on."""
+
+
+@dataclass(frozen=True)
+class KernelFit:
+    """What a GPU's record says of its kernels, as fractions of its datasheet figures.
+
+    Args:
+        tile: (rows, columns) of a matmul's tile.
+        sustained: the fraction of the peak a full wave of tiles reaches (fitted).
+        wave_latency_s: seconds each wave pays beside its arithmetic (fitted).
+        attention_forward: causal flash attention's forward, a fraction of the peak (measured).
+        attention_backward: its backward (measured).
+        pointwise_eager: memory-bound operations run one kernel each, a fraction of the bandwidth.
+        pointwise_compiled: the same fused by ``torch.compile``.
+        optimizer: fused AdamW's step, a fraction of the bandwidth.
+        loss: the cross-entropy's forward and backward on fp32 logits, a fraction of the bandwidth.
+        rms_log_error: the fit's root-mean-square error in log time over the record's products.
+        flat_rms_log_error: the same for one flat 70 % of the peak, for comparison.
+        products: how many products the fit saw.
+    """
+
+    tile: tuple[int, int]
+    sustained: float
+    wave_latency_s: float
+    attention_forward: float
+    attention_backward: float
+    pointwise_eager: float
+    pointwise_compiled: float
+    optimizer: float
+    loss: float
+    rms_log_error: float
+    flat_rms_log_error: float
+    products: int
+
+
+def _waves(m: float, n: float, tile: tuple[int, int], multiprocessors: int) -> int:
+    return math.ceil(math.ceil(m / tile[0]) * math.ceil(n / tile[1]) / multiprocessors)
+
+
+def _fit_tile(products: list[dict], tile, peak: float, sms: int) -> tuple[float, float, float]:
+    """(sustained, latency, RMS log error) for one tile: t = waves·(W/sustained + latency) is linear
+    in 1/sustained and the latency; least squares on t_model/t_measured - 1."""
+    rows = []
+    for product in products:
+        m, k, n = product["shape"]
+        waves = _waves(m, n, tile, sms)
+        rows.append((waves * 2 * tile[0] * tile[1] * k * sms / peak, waves, product["seconds"]))
+    sxx = sum((w / t) ** 2 for w, _, t in rows)
+    sxy = sum((w / t) * (v / t) for w, v, t in rows)
+    syy = sum((v / t) ** 2 for _, v, t in rows)
+    sx, sy = sum(w / t for w, _, t in rows), sum(v / t for _, v, t in rows)
+    inverse, latency = (
+        (sx * syy - sy * sxy) / (sxx * syy - sxy**2),
+        (sy * sxx - sx * sxy) / (sxx * syy - sxy**2),
+    )
+    errors = [math.log((inverse * w + latency * v) / t) for w, v, t in rows]
+    return 1 / inverse, latency, math.sqrt(sum(e * e for e in errors) / len(errors))
+
+
+def fit_record(record: dict, gpu: GPU) -> KernelFit:
+    """The kernel model's fractions for ``gpu`` from a ``gpu-record`` file's measurements.
+
+    Args:
+        record: the record (``matmuls``, ``attention``, ``pointwise``), as ``gpu_record`` writes it.
+        gpu: the GPU it was measured on (its datasheet peak, multiprocessors and bandwidth).
+    """
+    products = [row for row in record["matmuls"] if row["precision"] == "bf16"]
+    if not products:
+        raise UserError("the GPU record has no bf16 matmuls: run make gpu-record again")
+    fits = {tile: _fit_tile(products, tile, gpu.peak_flops, gpu.multiprocessors) for tile in TILES}
+    tile = min(fits, key=lambda t: fits[t][2])
+    sustained, latency, error = fits[tile]
+    flat = [math.log(2 * math.prod(p["shape"]) / (0.7 * gpu.peak_flops) / p["seconds"]) for p in products]
+    attention = max(record["attention"], key=lambda row: row["forward_tflops"])
+    rates = {(row["operation"], row["mode"]): row["gbps"] * 1e9 for row in record["pointwise"]}
+    eager = [rates[(op, "eager")] for op in ("silu_mul", "norm_add")]
+    compiled = [rates[(op, "compiled")] for op in ("silu_mul", "norm_add")]
+    bandwidth = gpu.memory_bandwidth
+    return KernelFit(
+        tile=tile,
+        sustained=sustained,
+        wave_latency_s=latency,
+        attention_forward=attention["forward_tflops"] * 1e12 / gpu.peak_flops,
+        attention_backward=attention["backward_tflops"] * 1e12 / gpu.peak_flops,
+        pointwise_eager=sum(eager) / len(eager) / bandwidth,
+        pointwise_compiled=sum(compiled) / len(compiled) / bandwidth,
+        optimizer=rates[("adamw_step", "fused")] / bandwidth,
+        loss=rates[("cross_entropy_forward_backward", "eager")] / bandwidth,
+        rms_log_error=error,
+        flat_rms_log_error=math.sqrt(sum(e * e for e in flat) / len(flat)),
+        products=len(products),
+    )
+
+
+@functools.cache
+def kernel_fit(record: str) -> KernelFit:
+    """The fit of a committed record (``GPU_RECORDS/<record>.json``), for the GPU it names."""
+    path = GPU_RECORDS / f"{record}.json"
+    if not path.is_file():
+        raise UserError(
+            f"no GPU record {path}: run make gpu-record on that GPU, or name a cluster without it"
+        )
+    return fit_record(json.loads(path.read_text()), GPUS[RECORDED_ON[record]])
+
+
+def matmul_seconds(gpu: GPU, m: float, n: float, k: float) -> float:
+    """Seconds of one (m x k) by (k x n) bf16 product on ``gpu``: its waves of tiles.
+
+    Args:
+        gpu: the GPU.
+        m: rows of the result (tokens, for a layer's forward).
+        n: its columns.
+        k: the dimension summed over.
+    """
+    if m <= 0 or n <= 0 or k <= 0:
+        return 0.0
+    fit = kernel_fit(gpu.record)
+    waves = _waves(m, n, fit.tile, gpu.multiprocessors)
+    tile_seconds = 2 * fit.tile[0] * fit.tile[1] * k / (fit.sustained * gpu.peak_flops / gpu.multiprocessors)
+    return waves * (tile_seconds + fit.wave_latency_s)

@@ -31,7 +31,7 @@ from pathlib import Path
 from .. import checks
 from ..distributed.launch import check_process_count, launch
 from ..errors import UserError
-from ..plan import from_files
+from ..plan import calibration, from_files
 from ..plan.cost_model import Prediction, predict
 from ..plan.frameworks import FRAMEWORKS, Framework
 from ..plan.layout import CONTEXT_ATTENTION, Layout
@@ -160,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", type=checks.file_to_write, default=None, help="write every prediction here")
     parser.add_argument(
+        "--profile", type=checks.file_to_read, default=None, help="a calibration profile (plan calibrate)"
+    )
+    parser.add_argument(
         "--validate",
         action="store_true",
         help="calibrate on this machine, run small layouts on local processes, compare with the predictions",
@@ -211,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
             model, cluster, gpus=args.gpus, seq_len=args.seq_len, global_batch=global_batch,
             template=template, context_attention=methods, framework=FRAMEWORKS[args.framework],
         )  # fmt: skip
+        profile = _profile_for(args.profile, cluster, FRAMEWORKS[args.framework])
+        if profile is not None:
+            fitting, rejected = _calibrated(fitting + rejected, profile, cluster, global_batch)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -243,6 +249,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _calibrated(predictions, profile, cluster, global_batch):
+    """Predictions with a calibration profile applied, ranked again: (those that fit, the others)."""
+    calibrated = [
+        calibration.apply(p, profile, cluster, global_batch // (p.layout.data * p.layout.micro_batch))
+        for p in predictions
+    ]
+    fitting = sorted((p for p in calibrated if p.fits), key=lambda p: (-p.tokens_per_s, p.memory["total"]))
+    return fitting, [p for p in calibrated if not p.fits]
+
+
 LAYOUT_COLUMNS = ("layout", "seq_len", "global_batch")
 """The columns ``plan predict`` reads from its CSV (``model`` is optional)."""
 
@@ -265,12 +281,16 @@ def predict_layouts(argv: list[str]) -> int:
         default="course",
         help="the training stack: what it keeps and overlaps (course_lib/plan/frameworks.py)",
     )
+    parser.add_argument(
+        "--profile", type=checks.file_to_read, default=None, help="a calibration profile (plan calibrate)"
+    )
     args = parser.parse_args(argv)
     try:
         cluster = cluster_named(args.cluster)
         framework = FRAMEWORKS[args.framework]
+        profile = _profile_for(args.profile, cluster, framework)
         rows = [
-            _predicted_row(row, number, args.model, cluster, framework)
+            _predicted_row(row, number, args.model, cluster, framework, profile)
             for number, row in checks.read_csv_rows(args.layouts, what="layouts", columns=LAYOUT_COLUMNS)
         ]
     except UserError as error:
@@ -288,7 +308,12 @@ def predict_layouts(argv: list[str]) -> int:
 
 
 def _predicted_row(
-    row: dict, number: int, default_model: str | None, cluster: ClusterSpec, framework: Framework
+    row: dict,
+    number: int,
+    default_model: str | None,
+    cluster: ClusterSpec,
+    framework: Framework,
+    profile: calibration.CalibrationProfile | None = None,
 ) -> dict:
     """One layout of the CSV predicted, as a JSON row (``refused`` with the reason where it cannot run)."""
     name = row.get("model") or default_model
@@ -302,6 +327,9 @@ def _predicted_row(
     prediction = predict(
         model_named(name), cluster, layout, seq_len=seq_len, global_batch=global_batch, framework=framework
     )
+    if profile is not None:
+        microbatches = global_batch // (layout.data * layout.micro_batch)
+        prediction = calibration.apply(prediction, profile, cluster, microbatches)
     result = {"layout": layout.name(), "model": name, "seq_len": seq_len, "global_batch": global_batch}
     result["framework"] = framework.name
     result["fits"] = prediction.fits
@@ -364,7 +392,112 @@ def check_published(argv: list[str]) -> int:
     return 0
 
 
-SUBCOMMANDS = {"check-published": check_published, "predict": predict_layouts}
+def _profile_for(path, cluster: ClusterSpec, framework: Framework) -> calibration.CalibrationProfile | None:
+    """The calibration profile at ``path`` (None: none), refused if it was fitted elsewhere."""
+    if path is None:
+        return None
+    profile = calibration.CalibrationProfile.load(path)
+    if (profile.cluster, profile.framework) != (cluster.name, framework.name):
+        raise UserError(
+            f"{path} was calibrated on {profile.cluster} with {profile.framework}, not {cluster.name} with "
+            f"{framework.name}: pass --cluster {profile.cluster} --framework {profile.framework}, or "
+            "calibrate again"
+        )
+    return profile
+
+
+RUN_COLUMNS = ("layout", "seq_len", "global_batch", "tokens_per_s_per_gpu", "peak_memory_gib", "status")
+"""The columns ``plan calibrate`` reads from its CSV of measured runs (``model``, ``cluster`` optional)."""
+
+
+def calibrate_runs(argv: list[str]) -> int:
+    """``plan calibrate --runs FILE --out PROFILE``: the planner's free terms fitted to measured runs."""
+    parser = checks.CommandParser(
+        prog="python -m course_lib.tools.plan calibrate",
+        description="Fit the planner's free terms (the products' speed, each link class's, a cost per "
+        "pipelined micro-batch, one per step, the allocator's fragmentation) to runs measured on one "
+        "cluster, print each with its uncertainty and every run's residual, and write a profile that "
+        "plan and plan predict take with --profile.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--runs",
+        type=checks.file_to_read,
+        required=True,
+        help="a CSV: layout, seq_len, global_batch, tokens_per_s_per_gpu, peak_memory_gib (may be empty), "
+        "status (ok or oom), optional model and cluster",
+    )
+    parser.add_argument("--out", type=checks.file_to_write, required=True, help="the profile to write (JSON)")
+    parser.add_argument("--model", help="the model of rows without a model column: a name or a config.json")
+    parser.add_argument("--cluster", required=True, help="a built-in cluster's name, or a TOML or JSON file")
+    parser.add_argument(
+        "--framework", choices=sorted(FRAMEWORKS), default="course", help="the stack that ran them"
+    )
+    args = parser.parse_args(argv)
+    try:
+        cluster = cluster_named(args.cluster)
+        runs = [
+            _measured_run(row, number, args.model, cluster)
+            for number, row in checks.read_csv_rows(args.runs, what="measured runs", columns=RUN_COLUMNS)
+        ]
+        profile, rows = calibration.calibrate(runs, cluster, FRAMEWORKS[args.framework])
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    profile.save(args.out)
+    print(f"{profile.runs} runs on {cluster.name} ({profile.framework}); fitted terms, ± one standard error:")
+    for name in calibration.TERMS:
+        error = profile.uncertainty[name]
+        shown = (
+            f"{profile.terms[name]:.4g} ± {error:.2g}"
+            if error is not None
+            else "not fitted: no run exercises it"
+        )
+        print(f"  {name:<26} {shown}")
+    print(f"  {'memory_factor':<26} {profile.memory_factor:.3f} (measured peak over predicted)")
+    print(f"\n{'layout':<36} {'measured s':>10} {'predicted':>10} {'calibrated':>10} {'residual':>9}")
+    for row in rows:
+        if row.get("status") == "oom":
+            verdict = (
+                "predicted not to fit: consistent" if not row["predicted_to_fit"] else "predicted to fit"
+            )
+            print(f"{row['layout']:<36} out of memory; {verdict}")
+            continue
+        print(
+            f"{row['layout']:<36} {row['measured_step_s']:>10.3f} {row['predicted_step_s']:>10.3f} "
+            f"{row['calibrated_step_s']:>10.3f} {row['log_residual']:>+9.3f}"
+        )
+    print(f"RMS log residual {profile.rms_log_residual:.3f}; profile: {args.out}")
+    return 0
+
+
+def _measured_run(row: dict, number: int, default_model: str | None, cluster: ClusterSpec):
+    """One row of a calibration CSV as a ``calibration.MeasuredRun``."""
+    if row.get("cluster") and row["cluster"] != cluster.name:
+        raise UserError(
+            f"line {number}: a run on {row['cluster']!r}, not {cluster.name!r}: calibrate one cluster at a "
+            "time"
+        )
+    name = row.get("model") or default_model
+    if not name:
+        raise UserError(f"line {number}: no model column and no --model: name the model")
+    status = checks.check_choice(f"line {number}: status", row["status"], ("ok", "oom"))
+    try:
+        seq_len, global_batch = int(row["seq_len"]), int(row["global_batch"])
+        speed = float(row["tokens_per_s_per_gpu"]) if status == "ok" else None
+        memory = float(row["peak_memory_gib"]) if row["peak_memory_gib"] else None
+    except ValueError as error:
+        raise UserError(
+            f"line {number}: {error} (seq_len, global_batch: whole numbers; speeds: numbers)"
+        ) from error
+    if speed is not None:
+        checks.check_number(f"line {number}: tokens_per_s_per_gpu", speed, above=0)
+    return calibration.MeasuredRun(
+        model_named(name), Layout.from_name(row["layout"]), seq_len, global_batch, speed, memory, status
+    )
+
+
+SUBCOMMANDS = {"check-published": check_published, "predict": predict_layouts, "calibrate": calibrate_runs}
 """What ``plan`` does besides ranking a job's layouts, named by its first argument."""
 
 

@@ -377,12 +377,24 @@ def check_published(argv: list[str]) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     result = published.summary(checked)
+    held_out = published.leave_one_source_out(checked)
     print(published.table(checked))
     print(
         f"\n{result['expressible']} of {result['rows']} runs expressible; {result['within_1_33']:.0%} of "
         f"them predicted within {published.WITHIN}x, median predicted/measured {result['median_ratio']:.2f}; "
         f"{result['false_does_not_fit']} that ran predicted not to fit"
     )
+    print(
+        f"each publication calibrated on the others: {held_out['within_1_33']:.0%} within "
+        f"{published.WITHIN}x, median {held_out['median_ratio']:.2f}; "
+        + ", ".join(
+            f"{group} {fold['within_1_33']:.0%} (median {fold['median_ratio']:.2f})"
+            for group, fold in held_out["by_source"].items()
+        )
+    )
+    result["leave_one_source_out"] = {
+        key: held_out[key] for key in ("within_1_33", "median_ratio", "by_source")
+    }
     print(json.dumps(result))
     if args.json:
         args.json.write_text(

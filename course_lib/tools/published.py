@@ -40,6 +40,7 @@ from pathlib import Path
 
 from ..checks import check_choice, read_csv_rows
 from ..errors import UserError
+from ..plan import calibration
 from ..plan.cost_model import Prediction, predict
 from ..plan.frameworks import FRAMEWORKS, MEGATRON_PROFILE, TORCHTITAN_PROFILE, Framework
 from ..plan.layout import Layout
@@ -69,6 +70,7 @@ class PublishedRun:
 
     Args:
         id: the row's id.
+        group: the publication it belongs to (``torchtitan-h100``, ``megatron2021-a100``...).
         source: where it was published (a file at a commit, a table).
         model: its shapes.
         cluster: the name of its cluster in ``specs.CLUSTERS``.
@@ -82,6 +84,7 @@ class PublishedRun:
     """
 
     id: str
+    group: str
     source: str
     model: ModelSpec | None
     cluster: str
@@ -106,12 +109,15 @@ def framework_of(group: str, extras: str) -> Framework:
         group: the run's group (``torchtitan-h100``, ``megatron2021-a100``, ``mcore2024-h100``...).
         extras: what else the row says of the run (``async TP``, ``comm overlap``...).
     """
-    extras = extras.lower()
-    if group.startswith("torchtitan"):
-        return TORCHTITAN_PROFILE.with_(tensor_overlap="async tp" in extras, compiled="compile" in extras)
+    said = [piece.strip().lower() for piece in extras.replace("+", ";").split(";")]
+    if group.startswith("torchtitan"):  # "async TP", "torch.compile" as a row's own items ("unstated" is not)
+        return TORCHTITAN_PROFILE.with_(
+            tensor_overlap=any(piece.startswith("async tp") for piece in said),
+            compiled=any(piece.startswith("torch.compile") for piece in said),
+        )
     if group.startswith(("megatron2021", "korthikanti2022")):
         return MEGATRON_PROFILE.with_(grad_reduce_overlap=False)
-    overlap = "comm overlap" in extras
+    overlap = any("comm overlap" in piece for piece in said)
     return MEGATRON_PROFILE.with_(
         tensor_overlap=overlap, param_gather_overlap=overlap, grad_reduce_overlap=overlap
     )
@@ -218,8 +224,8 @@ def _run(row: dict, framework: Framework) -> PublishedRun:
     measured = measured_tokens_per_s_per_gpu(kind, value, model or _model(row), seq_len)
     memory = float(row["measured_memory_gib"]) if row["measured_memory_gib"] else None
     return PublishedRun(
-        row["id"], row["source"], model, row["cluster"], layout, seq_len, int(row["global_batch"]),
-        measured, memory, why, framework,
+        row["id"], row["group"], row["source"], model, row["cluster"], layout, seq_len,
+        int(row["global_batch"]), measured, memory, why, framework,
     )  # fmt: skip
 
 
@@ -300,6 +306,58 @@ def summary(checked: list[Checked]) -> dict:
         if memories
         else None,
     }
+
+
+def _step_seconds(run: PublishedRun) -> float:
+    """The measured step time of a run, from its tokens per second per GPU."""
+    return run.global_batch * run.seq_len / (run.measured * run.layout.gpus)
+
+
+def leave_one_source_out(checked: list[Checked]) -> dict:
+    """Each publication predicted with the calibration fitted on all the others.
+
+    For each group of runs (one publication: torchtitan's H100 benchmarks, Megatron-LM's 2021
+    paper...), ``calibration.fit`` fits the free terms to every other group's runs, and this group's
+    predictions are calibrated with them: how well a few runs elsewhere teach the planner a stack
+    it has not seen. Returns the summary's figures over every held-out prediction, and per group.
+
+    Args:
+        checked: ``check``'s rows (each run predicted with its stack's profile).
+    """
+    usable = [c for c in checked if c.prediction is not None and c.prediction.time]
+    ratios, by_group = {}, {}
+    for group in sorted({c.run.group for c in usable}):
+        train = [c for c in usable if c.run.group != group]
+        columns, fixed = zip(*(calibration.parts(c.prediction, CLUSTERS[c.run.cluster], _microbatches(c.run))
+                               for c in train))  # fmt: skip
+        terms, errors, _ = calibration.fit(list(columns), list(fixed), [_step_seconds(c.run) for c in train])
+        profile = calibration.CalibrationProfile("(published)", "(each run's)", terms, errors)
+        held = []
+        for c in usable:
+            if c.run.group == group:
+                after = calibration.apply(
+                    c.prediction, profile, CLUSTERS[c.run.cluster], _microbatches(c.run)
+                )
+                ratios[c.run.id] = after.tokens_per_s / c.run.layout.gpus / c.run.measured
+                held.append(ratios[c.run.id])
+        by_group[group] = {
+            "runs": len(held),
+            "within_1_33": sum(1 / WITHIN <= r <= WITHIN for r in held) / len(held),
+            "median_ratio": statistics.median(held),
+            "products": terms["products"],
+        }
+    values = list(ratios.values())
+    return {
+        "rows": len(values),
+        "within_1_33": sum(1 / WITHIN <= r <= WITHIN for r in values) / len(values) if values else 0,
+        "median_ratio": statistics.median(values) if values else None,
+        "by_source": by_group,
+        "ratios": ratios,
+    }
+
+
+def _microbatches(run: PublishedRun) -> int:
+    return run.global_batch // (run.layout.data * run.layout.micro_batch)
 
 
 def table(checked: list[Checked]) -> str:

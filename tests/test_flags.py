@@ -84,6 +84,7 @@ TRAIN_MISTAKES = [
     ),
     (["--strategy", "zero3"], "argument --strategy: invalid choice: 'zero3'"),
     (["--recomputation", "all"], "argument --recomputation: invalid choice: 'all'"),
+    (["--precision", "fp8"], "argument --precision: invalid choice: 'fp8'"),
     (["--flight-recorder", "{file}"], "is a file, but a folder is expected"),
     (["--timeout", "-1"], "--timeout must be a finite number above 0 and at most 86400, got -1.0"),
     (["--timeout", "nan"], "--timeout must be a finite number above 0 and at most 86400, got nan"),

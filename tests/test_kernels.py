@@ -4,6 +4,7 @@ compute when a cluster names its GPU."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -11,7 +12,7 @@ import random
 import pytest
 
 from course_lib.errors import UserError
-from course_lib.plan import compute_model, kernels
+from course_lib.plan import compute_model, kernels, memory_model
 from course_lib.plan.layout import Layout
 from course_lib.plan.specs import CLUSTERS, MODELS, StepShape
 
@@ -87,3 +88,30 @@ def test_a_cluster_that_names_its_gpu_times_each_product_by_its_shape():
         rates[tensor] = (flops - shaped.attention_flops) / (shaped.block_forward + shaped.block_backward)
     assert rates[1] / cluster.peak_flops == pytest.approx(0.69, abs=0.03)  # the record: 630-730 TFLOP/s
     assert rates[8] < 0.8 * rates[1]
+
+
+def test_fp8_runs_the_blocks_linear_layers_at_the_fp8_fit_and_needs_fp8_tensor_cores():
+    from course_lib.plan.cost_model import predict
+    from course_lib.plan.frameworks import TORCHTITAN_PROFILE
+    from course_lib.plan.network_model import data_axis
+
+    cluster, model = CLUSTERS["h100-node"], MODELS["llama3-8b"]
+    bf16 = StepShape(model, cluster, Layout(data=8), 8192, 8)
+    fp8 = StepShape(model, cluster, Layout(data=8, precision="fp8"), 8192, 8)
+    before, after = compute_model.products(bf16), compute_model.products(fp8)
+    assert after.head == before.head and after.attention_forward == before.attention_forward  # stay bf16
+    speedup = (before.block_forward + before.block_backward) / (after.block_forward + after.block_backward)
+    assert 1.5 < speedup < 2.0  # twice the peak, a lower sustained fraction (the record's fp8 products)
+    assert compute_model.memory_bound(fp8)[0] > compute_model.memory_bound(bf16)[0]  # the casts
+    refused = predict(
+        model, CLUSTERS["a100-dgx"], Layout(data=8, precision="fp8"), seq_len=8192, global_batch=8
+    )
+    assert refused.problem == "fp8 products need GPUs with fp8 tensor cores: a100-dgx has none"
+    assert Layout.from_name("d8 fsdp fp8").precision == "fp8"
+    gathered = StepShape(model, cluster, Layout(data=8, precision="fp8"), 8192, 8, TORCHTITAN_PROFILE)
+    in_fp8 = dataclasses.replace(gathered, framework=TORCHTITAN_PROFILE.with_(fp8_all_gather=True))
+    # FSDP's gathers in 1 byte an element instead of 2; the fp32 reduce-scatter unchanged
+    reduce_scatter = 4 * 7 / 8 * memory_model.stage_parameters(model, Layout(data=8))
+    assert data_axis(gathered, 0.0)[1] - reduce_scatter == pytest.approx(
+        2 * (data_axis(in_fp8, 0.0)[1] - reduce_scatter)
+    )

@@ -117,7 +117,8 @@ def products(step: StepShape) -> Products:
     gpu = kernels.GPUS[cluster.gpu]
     fit = kernels.kernel_fit(gpu.record)
     blocks = step.layers * step.microbatches
-    passes = [_matmul_passes(gpu, shape) for shape in _block_products(model, layout, step.tokens)]
+    linear = "fp8" if layout.precision == "fp8" else "bf16"  # the blocks' linear layers; the head stays bf16
+    passes = [_matmul_passes(gpu, shape, linear) for shape in _block_products(model, layout, step.tokens)]
     vocabulary = model.vocab / t if layout.loss_parallel else model.vocab
     head = _matmul_passes(gpu, (step.tokens, vocabulary, model.d_model, 1))
     causal_forward = attention_flops / 2 / 3  # a causal kernel computes half the square
@@ -147,11 +148,13 @@ def _block_products(model, layout, tokens: float) -> list[tuple[float, float, fl
     return shapes
 
 
-def _matmul_passes(gpu, shape) -> tuple[float, float]:
+def _matmul_passes(gpu, shape, precision: str = "bf16") -> tuple[float, float]:
     """Seconds of a layer's forward product and of its backward's two (input and weight gradients)."""
     m, n, k, count = shape
-    forward = kernels.matmul_seconds(gpu, m, n, k)
-    backward = kernels.matmul_seconds(gpu, m, k, n) + kernels.matmul_seconds(gpu, k, n, m)
+    forward = kernels.matmul_seconds(gpu, m, n, k, precision)
+    backward = kernels.matmul_seconds(gpu, m, k, n, precision) + kernels.matmul_seconds(
+        gpu, k, n, m, precision
+    )
     return count * forward, count * backward
 
 
@@ -185,6 +188,14 @@ def memory_bound(step: StepShape) -> tuple[float, float, float]:
     pointwise = gpu.memory_bandwidth * (fit.pointwise_compiled if framework.compiled else fit.pointwise_eager)
     logits = step.tokens * (model.vocab / layout.tensor if layout.loss_parallel else model.vocab)
     loss = 4 * logits / (fit.loss * gpu.memory_bandwidth)  # the record's fp32 logits, forward and backward
+    if (
+        layout.precision == "fp8"
+    ):  # each cast to fp8 reads its bf16 input twice (amax, cast) and writes 1 byte
+        shapes = _block_products(model, layout, step.tokens)
+        cast = sum(
+            count * (2 * m * k + 2 * k * n + m * n) for m, n, k, count in shapes
+        )  # fwd: x, W; bwd: dy, xT, WT
+        block_bytes += 5 * cast / 3  # written once, not the three passes below
     return (
         3 * block_bytes * step.layers * step.microbatches / pointwise,
         (3 * (head - logit_bytes * logits) / pointwise + loss) * step.microbatches,

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from . import kernels
 from .compute_model import compute_seconds
 from .frameworks import COURSE_PROFILE, Framework
 from .layout import Layout
@@ -136,6 +137,9 @@ def predict(
     problem = check(model, layout, gpus=layout.gpus, seq_len=seq_len, global_batch=global_batch)
     if problem:
         result.problem = problem
+        return result
+    if layout.precision == "fp8" and not (cluster.gpu and kernels.GPUS[cluster.gpu].fp8_flops):
+        result.problem = f"fp8 products need GPUs with fp8 tensor cores: {cluster.name} has none"
         return result
     step = StepShape(model, cluster, layout, seq_len, global_batch, framework)
     result.memory, model_states = memory_per_gpu(step)

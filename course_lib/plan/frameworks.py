@@ -69,6 +69,8 @@ class Framework:
             False: after it.
         compiled: the blocks' memory-bound operations are fused (``torch.compile``, or a stack's
             own fused kernels) rather than run one kernel each.
+        fp8_all_gather: under ``fp8``, FSDP gathers the parameters already cast to fp8 (1 byte an
+            element, torchtitan's ``enable_fsdp_float8_all_gather``), not in bf16.
         equal_stage_blocks: every pipeline stage holds L/(P·v) blocks, the embedding and head
             added to the ends (Megatron-LM); False: the list [embedding, blocks, head] is cut
             evenly (``pipeline.split_model``, torchtitan's default).
@@ -89,6 +91,7 @@ class Framework:
     grad_reduce_overlap: bool = True
     equal_stage_blocks: bool = False
     compiled: bool = False
+    fp8_all_gather: bool = False
     sources: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
@@ -118,6 +121,12 @@ class Framework:
     def gradient_reduce_bytes(self, precision: str) -> float:
         """Bytes per gradient element the data axis reduces, in ``precision``."""
         return 4 if precision == "fp32" else self.reduce_bytes
+
+    def gather_bytes(self, precision: str) -> float:
+        """Bytes per parameter element FSDP and ZeRO gather, in ``precision``."""
+        if precision == "fp32":
+            return 4
+        return 1 if precision == "fp8" and self.fp8_all_gather else 2
 
     def logit_bytes(self, precision: str) -> float:
         """Bytes per logit alive at the loss, in ``precision`` (the course's 4 in fp32)."""

@@ -150,20 +150,28 @@ def _fit_tile(products: list[dict], tile, peak: float, sms: int) -> tuple[float,
     return 1 / inverse, latency, math.sqrt(sum(e * e for e in errors) / len(errors))
 
 
-def fit_record(record: dict, gpu: GPU) -> KernelFit:
+RECORDED_PRECISIONS = {"bf16": "bf16", "fp8": "fp8-tensorwise"}
+"""The record's products each matmul precision is fitted to (fp8: tensorwise scaling, torchao's
+and Transformer Engine's default)."""
+
+
+def fit_record(record: dict, gpu: GPU, precision: str = "bf16") -> KernelFit:
     """The kernel model's fractions for ``gpu`` from a ``gpu-record`` file's measurements.
 
     Args:
         record: the record (``matmuls``, ``attention``, ``pointwise``), as ``gpu_record`` writes it.
         gpu: the GPU it was measured on (its datasheet peak, multiprocessors and bandwidth).
+        precision: the products to fit, ``"bf16"`` or ``"fp8"`` (against the fp8 peak).
     """
-    products = [row for row in record["matmuls"] if row["precision"] == "bf16"]
+    recorded = RECORDED_PRECISIONS[precision]
+    products = [row for row in record["matmuls"] if row["precision"] == recorded]
     if not products:
-        raise UserError("the GPU record has no bf16 matmuls: run make gpu-record again")
-    fits = {tile: _fit_tile(products, tile, gpu.peak_flops, gpu.multiprocessors) for tile in TILES}
+        raise UserError(f"the GPU record has no {recorded} matmuls: run make gpu-record again")
+    peak = _peak(gpu, precision)
+    fits = {tile: _fit_tile(products, tile, peak, gpu.multiprocessors) for tile in TILES}
     tile = min(fits, key=lambda t: fits[t][2])
     sustained, latency, error = fits[tile]
-    flat = [math.log(2 * math.prod(p["shape"]) / (0.7 * gpu.peak_flops) / p["seconds"]) for p in products]
+    flat = [math.log(2 * math.prod(p["shape"]) / (0.7 * peak) / p["seconds"]) for p in products]
     attention = max(record["attention"], key=lambda row: row["forward_tflops"])
     rates = {(row["operation"], row["mode"]): row["gbps"] * 1e9 for row in record["pointwise"]}
     eager = [rates[(op, "eager")] for op in ("silu_mul", "norm_add")]
@@ -186,28 +194,43 @@ def fit_record(record: dict, gpu: GPU) -> KernelFit:
 
 
 @functools.cache
-def kernel_fit(record: str) -> KernelFit:
-    """The fit of a committed record (``GPU_RECORDS/<record>.json``), for the GPU it names."""
+def kernel_fit(record: str, precision: str = "bf16") -> KernelFit:
+    """The fit of a committed record (``GPU_RECORDS/<record>.json``), for the GPU it names.
+
+    Args:
+        record: the record's name.
+        precision: its products' precision to fit, ``"bf16"`` or ``"fp8"``.
+    """
     path = GPU_RECORDS / f"{record}.json"
     if not path.is_file():
         raise UserError(
             f"no GPU record {path}: run make gpu-record on that GPU, or name a cluster without it"
         )
-    return fit_record(json.loads(path.read_text()), GPUS[RECORDED_ON[record]])
+    return fit_record(json.loads(path.read_text()), GPUS[RECORDED_ON[record]], precision)
 
 
-def matmul_seconds(gpu: GPU, m: float, n: float, k: float) -> float:
-    """Seconds of one (m x k) by (k x n) bf16 product on ``gpu``: its waves of tiles.
+def _peak(gpu: GPU, precision: str) -> float:
+    if precision != "fp8":
+        return gpu.peak_flops
+    if not gpu.fp8_flops:
+        raise UserError(f"the {gpu.name} has no fp8 tensor cores: plan it in bf16")
+    return gpu.fp8_flops
+
+
+def matmul_seconds(gpu: GPU, m: float, n: float, k: float, precision: str = "bf16") -> float:
+    """Seconds of one (m x k) by (k x n) product on ``gpu``: its waves of tiles.
 
     Args:
         gpu: the GPU.
         m: rows of the result (tokens, for a layer's forward).
         n: its columns.
         k: the dimension summed over.
+        precision: ``"bf16"``, or ``"fp8"`` (against the fp8 peak and the record's fp8 products).
     """
     if m <= 0 or n <= 0 or k <= 0:
         return 0.0
-    fit = kernel_fit(gpu.record)
+    fit = kernel_fit(gpu.record, precision)
     waves = _waves(m, n, fit.tile, gpu.multiprocessors)
-    tile_seconds = 2 * fit.tile[0] * fit.tile[1] * k / (fit.sustained * gpu.peak_flops / gpu.multiprocessors)
+    per_sm = fit.sustained * _peak(gpu, precision) / gpu.multiprocessors
+    tile_seconds = 2 * fit.tile[0] * fit.tile[1] * k / per_sm
     return waves * (tile_seconds + fit.wave_latency_s)

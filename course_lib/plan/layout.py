@@ -50,7 +50,10 @@ SHARDINGS = memory.SHARDINGS
 """What the data axis shards: ``parallel.memory.SHARDINGS`` (ddp, zero1, zero2, fsdp)."""
 SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
 """The pipeline schedules the planner lays out (of ``pipeline.SCHEDULES``)."""
-PRECISIONS = ("bf16", "fp32")
+PRECISIONS = ("bf16", "fp32", "fp8")
+"""``bf16``: mixed precision (bf16 products and activations, fp32 master weights); ``fp32``;
+``fp8``: as bf16, with the blocks' linear layers' products in fp8 with tensorwise scaling
+(torchao's Float8Linear, Transformer Engine): attention, the head and the activations stay bf16."""
 """What the matmuls compute in: bf16 autocast over fp32 weights, or fp32 throughout."""
 CONTEXT_ATTENTION = ("ring", "ulysses")
 LETTERS = {"d": "data", "p": "pipeline", "c": "context", "t": "tensor", "e": "expert"}
@@ -135,8 +138,8 @@ class Layout:
 
     @property
     def element_bytes(self) -> int:
-        """Bytes of one activation element: 2 in bf16, 4 in fp32."""
-        return 2 if self.precision == "bf16" else 4
+        """Bytes of one activation element: 4 in fp32, else 2 (fp8 keeps its activations in bf16)."""
+        return 4 if self.precision == "fp32" else 2
 
     @property
     def gpus(self) -> int:

@@ -244,7 +244,7 @@ def memory_per_gpu(step: StepShape) -> tuple[dict[str, float], float]:
     activations = _activations_per_gpu(
         model, layout, block * element, head, step.tokens, step.microbatches, step.seq_len
     )
-    layer_bytes = element * model.block_parameters() / layout.tensor
+    layer_bytes = framework.gather_bytes(layout.precision) * model.block_parameters() / layout.tensor
     gathered = 2 * layer_bytes if layout.sharding == "fsdp" else 0  # this layer and the prefetched next
     parts = {
         "parameters": states.params,

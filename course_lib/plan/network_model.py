@@ -203,7 +203,7 @@ def data_axis(step: StepShape, busy: float) -> tuple[float, float]:
     link, group = link_of(("data", "context"), layout, cluster), layout.data * layout.context
     stage_params = stage_parameters(step.model, layout, equal_blocks=framework.equal_stage_blocks)
     gradient_bytes = framework.gradient_reduce_bytes(layout.precision) * stage_params
-    param_bytes = layout.element_bytes * stage_params
+    param_bytes = framework.gather_bytes(layout.precision) * stage_params
     reduce_op = "all_reduce" if layout.sharding == "ddp" else "reduce_scatter"
     gradient_time = collective_seconds(reduce_op, gradient_bytes, group, link)
     gathers = 0

@@ -223,7 +223,7 @@ GIB = 2**30
 """A gibibyte: what PyTorch's memory readings and published memory figures count in."""
 
 
-OPTIMIZER_BYTES = {"fp32": 7 * 4, "bf16": 7 * 4 + 2}
+OPTIMIZER_BYTES = {"fp32": 7 * 4, "bf16": 7 * 4 + 2, "fp8": 7 * 4 + 2}
 """Bytes AdamW moves per parameter it updates: reads the weight, gradient and two moments, writes
 the weight and moments (fp32), and in mixed precision writes the bf16 copy forward uses."""
 

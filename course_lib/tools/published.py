@@ -43,7 +43,7 @@ from ..errors import UserError
 from ..plan import calibration
 from ..plan.cost_model import Prediction, predict
 from ..plan.frameworks import FRAMEWORKS, MEGATRON_PROFILE, TORCHTITAN_PROFILE, Framework
-from ..plan.layout import Layout
+from ..plan.layout import PRECISIONS, Layout
 from ..plan.specs import CLUSTERS, GIB, MODELS, ModelSpec
 
 PUBLISHED_RUNS = Path(__file__).with_name("published_gpu_runs.csv")
@@ -112,8 +112,9 @@ def framework_of(group: str, extras: str) -> Framework:
     said = [piece.strip().lower() for piece in extras.replace("+", ";").split(";")]
     if group.startswith("torchtitan"):  # "async TP", "torch.compile" as a row's own items ("unstated" is not)
         return TORCHTITAN_PROFILE.with_(
-            tensor_overlap=any(piece.startswith("async tp") for piece in said),
-            compiled=any(piece.startswith("torch.compile") for piece in said),
+            tensor_overlap=any(piece.startswith(("async tp", "asynctp")) for piece in said),
+            compiled=any(piece.startswith(("torch.compile", "compile")) for piece in said),
+            fp8_all_gather=any("float8 all-gather" in piece for piece in said),
         )
     if group.startswith(("megatron2021", "korthikanti2022")):
         return MEGATRON_PROFILE.with_(grad_reduce_overlap=False)
@@ -208,13 +209,24 @@ def read_runs(*, path: Path = PUBLISHED_RUNS, framework: str | None = None) -> l
     return runs
 
 
+def _unstated(row: dict) -> str | None:
+    """What the planner cannot state of a row, or None: the file's reasons (``assumed``, where
+    ``expressible`` is not yes) less those it states now (a precision it has: fp8)."""
+    if row["expressible"] == "yes":
+        return None
+    reasons = [reason.strip() for reason in (row["assumed"] or "").split(";") if reason.strip()]
+    if row["precision"] in PRECISIONS:
+        reasons = [reason for reason in reasons if not reason.lower().startswith("precision:")]
+    if not reasons and not row["assumed"]:
+        return "the file says the planner cannot state it"
+    return "; ".join(reasons) or None
+
+
 def _run(row: dict, framework: Framework) -> PublishedRun:
-    model, layout, why = None, None, None
-    if row["expressible"] != "yes":
-        why = row["assumed"] or "the file says the planner cannot state it"
-    elif row["cluster"] not in CLUSTERS:
+    model, layout, why = None, None, _unstated(row)
+    if not why and row["cluster"] not in CLUSTERS:
         why = f"no cluster {row['cluster']!r} in the planner"
-    else:
+    elif not why:
         try:
             model, layout = _model(row), _layout(row)
         except UserError as error:

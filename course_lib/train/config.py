@@ -19,10 +19,11 @@ from .. import checks, data, models
 from ..errors import UserError
 from ..parallel import recompute
 from ..parallel.fsdp_units import OFFLOAD_MODES, SHARDING_STRATEGIES, hybrid_shard_group_size
-from ..plan.layout import PRECISIONS
 from . import checkpoint, strategies
 
 OPTIMIZERS = ("adamw", "sgd")
+PRECISIONS = ("fp32", "bf16")
+"""The precisions the trainer runs (of ``plan.layout.PRECISIONS``: fp8 products are the planner's)."""
 
 
 @dataclass(kw_only=True)

@@ -327,10 +327,18 @@ def record() -> list[Path]:
     return [*RECORDED_FSDP.values(), RECORDED_PLAN_CHECK]
 
 
+def rooflines_figure():
+    """FSDP's data axis on three clusters: where compute hides the traffic (``plots.plot_rooflines``)."""
+    return plots.plot_rooflines(
+        specs.MODELS["llama3-8b"], [specs.CLUSTERS[n] for n in ("h100-node", "alps", "a100-dgx")]
+    )
+
+
 FIGURES: dict[str, Callable] = {
     "data_parallel": data_parallel,
     "ring_all_reduce": ring_all_reduce,
     "zero_memory": zero_memory,
+    "rooflines": rooflines_figure,
     "fsdp_timeline": fsdp_timeline,
     "fsdp_prefetch": fsdp_prefetch,
     "tensor_parallel": tensor_parallel,

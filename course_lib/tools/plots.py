@@ -18,6 +18,7 @@ from matplotlib.patches import Patch
 from ..errors import UserError
 from ..observe import anatomy
 from ..parallel.pipeline import bubble_fraction
+from ..plan import rooflines
 
 PNG_DPI = 120
 
@@ -663,5 +664,49 @@ def plot_stragglers(reports: list[dict], *, path: str | Path | None = None) -> F
         axis.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
         axis.grid(alpha=0.3)
     waited.legend(loc="best", fontsize=8)
+    figure.tight_layout()
+    return save(figure, path)
+
+
+def plot_rooflines(model, clusters: list, *, path=None) -> Figure:
+    """FSDP's data axis: compute per parameter grows with the tokens a GPU computes a step, its
+    traffic per parameter does not; they cross at ``rooflines``' threshold, one line per cluster.
+
+    Args:
+        model: the model (``specs.MODELS``), whose products set each GPU's FLOP/s.
+        clusters: the clusters (``specs.CLUSTERS``), each with its data axis over two nodes.
+        path: also save the figure here.
+    """
+    figure = Figure(figsize=(6.4, 3.6))
+    axis = figure.subplots()
+    tokens = [10 ** (2 + i / 20) for i in range(61)]  # 100 to 100,000
+    bytes_per_parameter = 2 * 2 + 2  # FSDP in bf16: two gathers and a reduce-scatter (the course's profile)
+    drawn = {}
+    colours = ("#4c72b0", "#c44e52", "#55a868", "#8172b2", "#ccb974")
+    for cluster, colour in zip(clusters, colours, strict=False):
+        limits = rooflines.rooflines(model, cluster, data_gpus=2 * cluster.gpus_per_node)
+        same_gpu = drawn.setdefault(round(limits.flops / 1e12), [])
+        if not same_gpu:  # clusters of one GPU compute on one line
+            label = " and ".join(
+                c.name
+                for c in clusters
+                if round(rooflines.achieved_flops(model, c) / 1e12) == round(limits.flops / 1e12)
+            )
+            axis.plot(tokens, [6 * t / limits.flops for t in tokens], color=colour, label=f"{label}: compute")
+        same_gpu.append(cluster.name)
+        traffic = 6 * limits.data_tokens_fsdp / limits.flops  # = bytes / bandwidth, where compute meets it
+        axis.axhline(traffic, color=colour, linestyle="--", label=f"{cluster.name}: FSDP traffic")
+        axis.plot([limits.data_tokens_fsdp], [traffic], "o", color=colour)
+        axis.annotate(f"{limits.data_tokens_fsdp:,.0f}", (limits.data_tokens_fsdp, traffic),
+                      textcoords="offset points", xytext=(4, 6), fontsize=8, color=colour)  # fmt: skip
+    axis.set_xscale("log")
+    axis.set_yscale("log")
+    axis.set_xlabel("tokens each GPU computes per step")
+    axis.set_ylabel("seconds per parameter per step")
+    axis.set_title(
+        f"{model.name}, FSDP over two nodes ({bytes_per_parameter} bytes a parameter): hidden past it",
+        fontsize=10,
+    )
+    axis.legend(fontsize=7, ncol=2)
     figure.tight_layout()
     return save(figure, path)

@@ -181,7 +181,8 @@ class ClusterSpec:
         reserved_bytes: what the job cannot use of it (CUDA context, NCCL buffers, allocator
             fragmentation): an assumption, named in every breakdown.
         peak_flops: the datasheet's dense bf16 FLOP/s of one GPU (for MFU).
-        achieved_flops: what large bf16 matmuls reach on it (for time).
+        achieved_flops: what large bf16 matmuls reach on it (for time where ``gpu`` is not named,
+            and for the overlap estimates).
         memory_bandwidth: bytes/s its memory-bound operations reach (norms, activation
             functions, the optimizer step).
         inside_node: the link between GPUs of one node.
@@ -245,9 +246,9 @@ CLUSTERS = {
             source=(
                 "CSCS Alps GH200 nodes (docs.cscs.ch/alps/hardware): 4 GH200 per node, 96 GB HBM3 each, "
                 "NVLink all-to-all (6 NVLink-4 links of 25 GB/s per peer and direction), one Slingshot-11 "
-                "NIC of 200 Gb/s per GPU; bf16 peak and 4 TB/s HBM3 from NVIDIA's datasheet; 70 % of the "
-                "peak and 80 % of the bandwidth achieved and the latencies are assumptions: measure yours "
-                "with bench allreduce and flops"
+                "NIC of 200 Gb/s per GPU; bf16 peak and 4 TB/s HBM3 from NVIDIA's datasheet; products and "
+                "memory-bound work timed by plan.kernels (an H100's record); the latencies are assumptions: "
+                "measure yours with bench allreduce, or fit them with plan calibrate"
             ),
         ),
         ClusterSpec(
@@ -263,8 +264,9 @@ CLUSTERS = {
             between_nodes=Link(20e-6, 50 * GB),
             source=(
                 "8 H100 SXM per node with NVSwitch (all-reduce bus bandwidth 436 GB/s measured in the "
-                "Ultra-Scale Playbook), one 400 Gb/s InfiniBand NIC per GPU; 3.35 TB/s HBM3; 70 % of the "
-                "bf16 peak and 80 % of the bandwidth achieved and the latencies are assumptions"
+                "Ultra-Scale Playbook), one 400 Gb/s InfiniBand NIC per GPU; 3.35 TB/s HBM3; products and "
+                "memory-bound work timed by plan.kernels (this GPU's own record); the latencies are "
+                "assumptions"
             ),
         ),
         ClusterSpec(
@@ -283,8 +285,8 @@ CLUSTERS = {
                 "(pytorch/torchtitan@31a17bf:benchmarks/llama3_h100_202412_torchtitan.md): 8 H100 SXM per "
                 "host on NVLink, 96 GB HBM2e at 2.4 TB/s, a 500 W power limit, 400 Gb/s RDMA per GPU; the "
                 "SXM datasheet's bf16 peak (the benchmark's own MFU denominator: the true peak at 500 W is "
-                "lower and unpublished); the NVLink figure of h100-node; 70 % of the peak and 80 % of the "
-                "bandwidth achieved and the latencies are assumptions"
+                "lower and unpublished); the NVLink figure of h100-node; products and memory-bound work "
+                "timed by plan.kernels (a 700 W H100's record); the latencies are assumptions"
             ),
         ),
         ClusterSpec(
@@ -302,8 +304,8 @@ CLUSTERS = {
                 "DGX A100 nodes as in Selene (Narayanan et al. 2021, section 5): 8 A100 80GB SXM per node, "
                 "2.039 TB/s HBM2e and 312 TFLOP/s bf16 (NVIDIA's datasheet), NVLink 3 at 300 GB/s per GPU "
                 "and direction through NVSwitch, one 200 Gb/s HDR InfiniBand NIC per GPU; 80 % of NVLink's "
-                "rate for NCCL's ring, 70 % of the peak and 80 % of the bandwidth achieved and the "
-                "latencies are assumptions"
+                "rate for NCCL's ring; products and memory-bound work timed by plan.kernels (an H100's "
+                "record's fractions); the latencies are assumptions"
             ),
         ),
     )

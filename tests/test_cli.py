@@ -316,4 +316,4 @@ def test_console_script_is_installed():
     shown = subprocess.run(
         [str(script), "--help"], capture_output=True, text=True, env=clean_env(), timeout=60
     )
-    assert shown.returncode == 0 and "--strategy {single,ddp,fsdp}" in shown.stdout
+    assert shown.returncode == 0 and "--strategy {single,ddp,zero1,zero2,fsdp}" in shown.stdout

@@ -304,3 +304,18 @@ def test_the_planners_bubble_is_the_simulated_schedules_and_equals_the_theory(
 
     simulated = compute_model.bubble_overhead(schedule, p, m, v, backward_over_forward)
     assert simulated == pytest.approx(pipeline.bubble_overhead_theory(p, m, virtual_stages=v))
+
+
+def test_recomputing_every_kth_block_keeps_and_pays_the_average():
+    layout = Layout(data=16, tensor=4, recomputation="full")
+    shape = {"micro_batch": 1, "seq_len": 4096}
+    none = memory_model.block_activation_elements(LLAMA_8B, layout.with_(recomputation="none"), **shape)
+    full = memory_model.block_activation_elements(LLAMA_8B, layout, **shape)
+    every = memory_model.block_activation_elements(LLAMA_8B, layout.with_(recompute_every=2), **shape)
+    assert every == pytest.approx((none + full) / 2)
+    paid = {k: _predict(layout.with_(recompute_every=k)).time["recomputation"] for k in (1, 2)}
+    assert paid[2] == pytest.approx(paid[1] / 2)
+    assert Layout.from_name("d16.t4 fsdp ac/2") == layout.with_(recompute_every=2)
+    assert layout.with_(recompute_every=2).name() == "d16.t4 fsdp ac/2"
+    with pytest.raises(UserError, match="Layout recompute_every must be a whole number, 1 or more, got 0"):
+        layout.with_(recompute_every=0)

@@ -138,6 +138,26 @@ def test_a_whole_transformer_keeps_the_formula_and_gets_the_same_gradients(polic
         torch.testing.assert_close(ours.grad, theirs.grad, rtol=0, atol=0, msg=name)
 
 
+def test_every_kth_block_is_recomputed_and_keeps_the_average_of_the_two_policies():
+    """torchtitan's "selective layer" checkpointing: the 2nd block of 3 recomputed, the others
+    keeping everything; what the forward keeps is that mix of the formula's two counts."""
+    dense, ids, targets = _transformer_and_batch()
+    model = recompute.apply_recomputation(copy.deepcopy(dense), policy="full", every=2)
+    units = recompute.recomputation_units(model)
+    assert [getattr(unit, "recomputation", "none") for unit in units] == ["none", "full", "none"]
+    kept = {}
+    for name, module in (("mixed", model), ("none", dense)):
+        with live_tensor_bytes() as live:
+            loss = models.lm_loss(module(ids), targets)
+            kept[name] = live.now
+        loss.backward()
+    shape = {"batch": BATCH, "seq": SEQ, "d_model": D_MODEL, "heads": HEADS}
+    one = {p: 4 * block_activation_elements(**shape, recomputation=p)["total"] for p in ("none", "full")}
+    assert kept["none"] - kept["mixed"] == one["none"] - one["full"]  # one block of three recomputed
+    for (name, ours), theirs in zip(model.named_parameters(), dense.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=0, atol=0, msg=name)
+
+
 def test_recomputation_works_on_a_cnn_by_its_sharding_units():
     torch.manual_seed(0)
     dense = models.build_model("cifar_cnn")

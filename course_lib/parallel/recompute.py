@@ -47,7 +47,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .. import models
-from ..checks import check_choice
+from ..checks import check_choice, check_int
 from ..errors import UserError
 
 POLICIES = ("none", "full", "selective")
@@ -119,15 +119,18 @@ def recompute_modules(
         module.recomputation = policy
 
 
-def apply_recomputation(model: nn.Module, *, policy: str) -> nn.Module:
-    """Recompute each of ``model``'s units (``recomputation_units``) under ``policy``; return the model.
+def apply_recomputation(model: nn.Module, *, policy: str, every: int = 1) -> nn.Module:
+    """Recompute ``model``'s units (``recomputation_units``) under ``policy``; return the model.
 
     Args:
         model: a ``TinyTransformer`` (or a stage of one, tensor-, sequence- or context-parallel), or
             one of the lab's CNNs.
         policy: ``"none"``, ``"full"`` or ``"selective"``.
+        every: recompute only every ``every``-th unit (the 2nd, 4th, ... for 2), the others keep
+            everything: torchtitan's "selective layer" checkpointing, a memory between the policies.
     """
-    recompute_modules(recomputation_units(model), policy=policy)
+    check_int("every", every, minimum=1)
+    recompute_modules(recomputation_units(model)[every - 1 :: every], policy=policy)
     return model
 
 

@@ -58,12 +58,12 @@ def compute_seconds(step: StepShape) -> ComputeSeconds:
         "none": 0.0,
         "full": work.block_forward + work.attention_forward + pointwise_blocks / 3,  # one more forward
         "selective": selective,
-    }[layout.recomputation]
+    }[layout.recomputation] / layout.recompute_every
     parts = ComputeSeconds(
         work.total, pointwise_blocks, pointwise_head, optimizer, recompute, 0.0, work.attention_flops
     )
     if layout.pipeline > 1:  # the schedule simulated: a backward twice a forward, three times if recomputed
-        backward_over_forward = 2.0 + (layout.recomputation == "full")
+        backward_over_forward = 2.0 + (layout.recomputation == "full") / layout.recompute_every
         parts.bubble = (parts.forward_and_backward + recompute) * bubble_overhead(
             layout.schedule, layout.pipeline, step.microbatches, layout.virtual_stages, backward_over_forward
         )

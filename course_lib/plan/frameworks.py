@@ -69,6 +69,9 @@ class Framework:
             False: after it.
         compiled: the blocks' memory-bound operations are fused (``torch.compile``, or a stack's
             own fused kernels) rather than run one kernel each.
+        gathered_under_pipeline: under pipeline parallelism FSDP keeps a stage's parameters
+            gathered for the whole step (one gather a step, not one a micro-batch), so the stage's
+            whole bf16 copy is held; False: two units at a time, as without a pipeline.
         fp8_all_gather: under ``fp8``, FSDP gathers the parameters already cast to fp8 (1 byte an
             element, torchtitan's ``enable_fsdp_float8_all_gather``), not in bf16.
         equal_stage_blocks: every pipeline stage holds L/(P·v) blocks, the embedding and head
@@ -91,6 +94,7 @@ class Framework:
     grad_reduce_overlap: bool = True
     equal_stage_blocks: bool = False
     compiled: bool = False
+    gathered_under_pipeline: bool = False
     fp8_all_gather: bool = False
     sources: tuple[tuple[str, str], ...] = ()
 
@@ -154,6 +158,7 @@ TORCHTITAN_PROFILE = Framework(
     reduce_bytes=4,
     loss_bytes_per_logit=2 + 4 + 4,
     selective="op_sac",
+    gathered_under_pipeline=True,
     sources=(
         (
             "bytes",
@@ -170,6 +175,11 @@ TORCHTITAN_PROFILE = Framework(
             "loss",
             f"{TORCHTITAN_LOSS} (cross_entropy(pred.flatten(0, 1).float(), ...): the bf16 logits, "
             "their fp32 copy, the fp32 log-softmax)",
+        ),
+        (
+            "gathered_under_pipeline",
+            f"{TORCHTITAN}:torchtitan/parallelisms/parallelize_llama.py (apply_fsdp: 'For PP, do not "
+            "reshard after forward to avoid per-microbatch all-gathers')",
         ),
         (
             "tensor_overlap",

@@ -74,6 +74,9 @@ class Layout:
         sharding: what the data axis shards: ``"ddp"`` (nothing), ``"zero1"`` (optimizer
             state), ``"zero2"`` (and gradients), ``"fsdp"`` (and parameters).
         recomputation: ``"none"``, ``"full"`` or ``"selective"`` (``recompute``).
+        recompute_every: apply ``recomputation`` to every k-th block only, the others keeping
+            everything (1: every block; torchtitan's "selective layer" checkpointing is full on
+            every 2nd).
         schedule: the pipeline schedule, ``"1f1b"``, ``"interleaved_1f1b"`` or ``"gpipe"``.
         virtual_stages: stages per pipeline rank (the interleaved schedule's v).
         micro_batch: sequences per micro-batch.
@@ -98,6 +101,7 @@ class Layout:
     expert: int = 1
     sharding: str = "fsdp"
     recomputation: str = "none"
+    recompute_every: int = 1
     schedule: str = "1f1b"
     virtual_stages: int = 1
     micro_batch: int = 1
@@ -107,7 +111,8 @@ class Layout:
     context_attention: str = "ring"
 
     def __post_init__(self):
-        for name in ("data", "pipeline", "context", "tensor", "expert", "virtual_stages", "micro_batch"):
+        whole = ("data", "pipeline", "context", "tensor", "expert", "virtual_stages", "micro_batch")
+        for name in (*whole, "recompute_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UserError(f"Layout {name} must be a whole number, 1 or more, got {value!r}")
@@ -161,7 +166,8 @@ class Layout:
         label = ".".join(parts) or "single"
         extras = [self.sharding]
         if self.recomputation != "none":
-            extras.append({"full": "ac", "selective": "sac"}[self.recomputation])
+            every = f"/{self.recompute_every}" if self.recompute_every > 1 else ""
+            extras.append({"full": "ac", "selective": "sac"}[self.recomputation] + every)
         if self.pipeline > 1:
             extras.append(self.schedule + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else ""))
         if self.micro_batch > 1:
@@ -179,7 +185,8 @@ class Layout:
             grid    single | AXIS N[.AXIS N]...      AXIS: d data, p pipeline, c context, t tensor,
                                                      e expert
             words   ddp | zero1 | zero2 | fsdp       the data axis's sharding (default fsdp)
-                    ac | sac                         full or selective recomputation (default none)
+                    ac | sac                         full or selective recomputation (default none);
+                    ac/2 | sac/2                     ... of every 2nd block only
                     1f1b | gpipe | interleaved_1f1bxV  the pipeline schedule, V stages a rank
                     mbN                              N sequences a micro-batch (default 1)
                     ring | ulysses                   the context axis's attention (default ring)
@@ -213,8 +220,9 @@ class Layout:
             micro_batch = re.fullmatch(r"mb([1-9]\d*)", word)
             if word in SHARDINGS:
                 give(word, sharding=word)
-            elif word in ("ac", "sac"):
-                give(word, recomputation="full" if word == "ac" else "selective")
+            elif recomputed := re.fullmatch(r"(s?ac)(?:/([1-9]\d*))?", word):
+                policy = "full" if recomputed[1] == "ac" else "selective"
+                give(word, recomputation=policy, recompute_every=int(recomputed[2] or 1))
             elif schedule:
                 give(word, schedule=schedule[1], virtual_stages=int(schedule[2] or 1))
             elif micro_batch:
@@ -332,7 +340,7 @@ def parallelize(
                 else context.apply_context_parallel
             )
             apply_context(stage, chunks=layout.sequence_layout(seq_len), group=mesh.group("context"))
-        recompute.apply_recomputation(stage, policy=layout.recomputation)
+        recompute.apply_recomputation(stage, policy=layout.recomputation, every=layout.recompute_every)
         if wraps_data_axis(layout, data_parallel=data_parallel):
             cut.stages[index] = data_parallel_wrapper(
                 stage, sharding=layout.sharding, group=mesh.group("data")

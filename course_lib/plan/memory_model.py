@@ -102,6 +102,16 @@ def block_activation_elements(
         seq_len: s, tokens per sequence.
         selective: ``frameworks.SELECTIVE_POLICIES``: what ``"selective"`` keeps.
     """
+    if layout.recomputation != "none" and layout.recompute_every > 1:  # on average over k blocks
+        every, shape = (
+            layout.recompute_every,
+            {"micro_batch": micro_batch, "seq_len": seq_len, "selective": selective},
+        )
+        plain = block_activation_elements(
+            model, layout.with_(recomputation="none", recompute_every=1), **shape
+        )
+        recomputed = block_activation_elements(model, layout.with_(recompute_every=1), **shape)
+        return ((every - 1) * plain + recomputed) / every
     t = layout.tensor
     sp = t if layout.sequence_parallel else 1  # what the norms and the projections' inputs are cut by
     tokens = micro_batch * seq_len / layout.context  # this GPU's tokens of the micro-batch
@@ -244,8 +254,12 @@ def memory_per_gpu(step: StepShape) -> tuple[dict[str, float], float]:
     activations = _activations_per_gpu(
         model, layout, block * element, head, step.tokens, step.microbatches, step.seq_len
     )
-    layer_bytes = framework.gather_bytes(layout.precision) * model.block_parameters() / layout.tensor
-    gathered = 2 * layer_bytes if layout.sharding == "fsdp" else 0  # this layer and the prefetched next
+    gather = framework.gather_bytes(layout.precision)
+    gathered = 0.0
+    if layout.sharding == "fsdp" and layout.pipeline > 1 and framework.gathered_under_pipeline:
+        gathered = gather * stage_parameters(model, layout, equal_blocks=framework.equal_stage_blocks)
+    elif layout.sharding == "fsdp":  # this layer and the prefetched next
+        gathered = 2 * gather * model.block_parameters() / layout.tensor
     parts = {
         "parameters": states.params,
         "gradients": states.grads,

@@ -83,7 +83,7 @@ def tensor_axis(step: StepShape, matmuls: float = 0.0) -> tuple[float, float]:
     # repeats the forward's g: both under "full", under "selective" the attention's, whose
     # result the second norm needs again (the MLP's goes nowhere in backward).
     passes = 4 + (1 if layout.sequence_parallel and t > 1 else 0)
-    passes += {"none": 0, "selective": 1, "full": 2}[layout.recomputation]
+    passes += {"none": 0, "selective": 1, "full": 2}[layout.recomputation] / layout.recompute_every
     link = link_of("tensor", layout, step.cluster)
     calls = passes * step.layers * step.microbatches
     seconds = calls * collective_seconds("all_reduce", step.activation_bytes, t, link)
@@ -178,7 +178,7 @@ def context_axis(step: StepShape, attention_flops: float) -> tuple[float, float]
         # under: attention waits for its heads.
         q_bytes = element * step.tokens * model.heads * model.head_dim / t
         calls = (("all_to_all", q_bytes * (1 + 2 * model.kv_heads / model.heads)), ("all_to_all", q_bytes))
-        exchanges = 2 + (layout.recomputation != "none")
+        exchanges = 2 + (layout.recomputation != "none") / layout.recompute_every
         each = sum(collective_seconds(op, size, c, link) for op, size in calls)
         return blocks * exchanges * each, blocks * exchanges * sum(
             ring_bytes(op, size, c) for op, size in calls
@@ -187,7 +187,7 @@ def context_axis(step: StepShape, attention_flops: float) -> tuple[float, float]
     # Forward passes on C-1 K/V chunks; backward the same C-1 again and C of their gradients.
     chunk_sends = 3 * c - 2 if c > 1 else 0
     if c > 1 and layout.recomputation != "none":
-        chunk_sends += c - 1  # the ring's forward again (recomputed under both policies)
+        chunk_sends += (c - 1) / layout.recompute_every  # the ring's forward again (both policies)
     ring = chunk_sends * (link.latency_s + kv_bytes / link.bandwidth)
     attention_compute = attention_flops / cluster.achieved_flops / blocks
     if not cluster.overlaps_communication:

@@ -34,13 +34,14 @@ summary.
 
 from __future__ import annotations
 
+import re
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..checks import check_choice, read_csv_rows
 from ..errors import UserError
-from ..plan import calibration
+from ..plan import calibration, cost_model
 from ..plan.cost_model import Prediction, predict
 from ..plan.frameworks import FRAMEWORKS, MEGATRON_PROFILE, TORCHTITAN_PROFILE, Framework
 from ..plan.layout import PRECISIONS, Layout
@@ -178,11 +179,22 @@ def _model(row: dict) -> ModelSpec:
     )  # fmt: skip
 
 
+EVERY_KTH_BLOCK = re.compile(r"recomputation: full on every (\d+)\w* block")
+"""A row's reason that its recomputation is full on every k-th block only (torchtitan's "selective
+layer" checkpointing), which ``Layout.recompute_every`` states."""
+
+
 def _layout(row: dict) -> Layout:
     pipeline, virtual = int(row["pp"]), int(row["vp"])
+    every = EVERY_KTH_BLOCK.search(row["assumed"] or "")
+    recomputation = (
+        {"recomputation": "full", "recompute_every": int(every[1])}
+        if every
+        else {"recomputation": row["recomputation"]}
+    )
     return Layout(
         data=int(row["dp"]), pipeline=pipeline, context=int(row["cp"]), tensor=int(row["tp"]),
-        sharding=row["sharding"], recomputation=row["recomputation"],
+        sharding=row["sharding"], **recomputation,
         schedule="interleaved_1f1b" if virtual > 1 else "1f1b", virtual_stages=virtual,
         micro_batch=int(row["micro_batch"]), precision=row["precision"],
         sequence_parallel=row["sequence_parallel"] == "1", loss_parallel=row["loss_parallel"] == "1",
@@ -209,21 +221,26 @@ def read_runs(*, path: Path = PUBLISHED_RUNS, framework: str | None = None) -> l
     return runs
 
 
-def _unstated(row: dict) -> str | None:
+def _unstated(row: dict, framework: Framework) -> str | None:
     """What the planner cannot state of a row, or None: the file's reasons (``assumed``, where
-    ``expressible`` is not yes) less those it states now (a precision it has: fp8)."""
+    ``expressible`` is not yes) less those it states now: a precision it has (fp8), full
+    recomputation of every k-th block, and FSDP's parameters kept gathered under a pipeline where
+    the run's stack does so."""
     if row["expressible"] == "yes":
         return None
     reasons = [reason.strip() for reason in (row["assumed"] or "").split(";") if reason.strip()]
     if row["precision"] in PRECISIONS:
         reasons = [reason for reason in reasons if not reason.lower().startswith("precision:")]
+    reasons = [reason for reason in reasons if not EVERY_KTH_BLOCK.search(reason)]  # Layout.recompute_every
+    if framework.gathered_under_pipeline:
+        reasons = [reason for reason in reasons if "reshard_after_forward=false" not in reason.lower()]
     if not reasons and not row["assumed"]:
         return "the file says the planner cannot state it"
     return "; ".join(reasons) or None
 
 
 def _run(row: dict, framework: Framework) -> PublishedRun:
-    model, layout, why = None, None, _unstated(row)
+    model, layout, why = None, None, _unstated(row, framework)
     if not why and row["cluster"] not in CLUSTERS:
         why = f"no cluster {row['cluster']!r} in the planner"
     elif not why:
@@ -231,6 +248,11 @@ def _run(row: dict, framework: Framework) -> PublishedRun:
             model, layout = _model(row), _layout(row)
         except UserError as error:
             why = str(error)
+    if layout is not None:  # a layout that cannot be cut as the row states its batch is not a run to check
+        problem = cost_model.check(model, layout, gpus=layout.gpus, seq_len=int(row["seq_len"]),
+                        global_batch=int(row["global_batch"]))  # fmt: skip
+        if problem:
+            model, layout, why = None, None, f"{problem} (as the row states its batch)"
     seq_len = int(row["seq_len"])
     kind, value = row["measured_kind"], float(row["measured_value"])
     measured = measured_tokens_per_s_per_gpu(kind, value, model or _model(row), seq_len)

@@ -47,6 +47,8 @@ def a_file(tmp_path) -> Path:
 QUICK = ["--epochs", "1", "--max-steps", "1", "--no-progress"]
 
 # (flags, what the one line must say); {file}, {folder} and {tmp} are filled in per test.
+HYBRID = ["--strategy", "fsdp", "--impl", "course", "--sharding-strategy", "HYBRID_SHARD"]
+
 TRAIN_MISTAKES = [
     (["--epochs", "0"], "--epochs must be a whole number, 1 or more, got 0"),
     (["--global-batch-size", "-4"], "--global-batch-size must be a whole number, 1 or more, got -4"),
@@ -70,16 +72,7 @@ TRAIN_MISTAKES = [
         "--checkpoint-every must be a whole number, 0 or more, got -3",
     ),
     (
-        [
-            "--strategy",
-            "fsdp",
-            "--impl",
-            "course",
-            "--sharding-strategy",
-            "HYBRID_SHARD",
-            "--hybrid-shard-size",
-            "0",
-        ],
+        [*HYBRID, "--hybrid-shard-size", "0"],
         "--hybrid-shard-size must be a whole number, from 1 to 1, got 0",
     ),
     (["--strategy", "zero3"], "argument --strategy: invalid choice: 'zero3'"),
@@ -213,21 +206,12 @@ def course_fsdp_checkpoint(tmp_path_factory) -> Path:
 # (flags, launcher variables, the one line both runs print); {ckpt} is the course FSDP checkpoint.
 REFUSED_BEFORE_THE_RANKS_MEET = [
     (
-        [
-            "--strategy",
-            "fsdp",
-            "--impl",
-            "course",
-            "--sharding-strategy",
-            "HYBRID_SHARD",
-            "--hybrid-shard-size",
-            "3",
-        ],
+        [*HYBRID, "--hybrid-shard-size", "3"],
         {"WORLD_SIZE": "4"},
         "HYBRID_SHARD needs a shard group size that divides the 4 ranks, got 3: pass --hybrid-shard-size",
     ),
     (
-        ["--strategy", "fsdp", "--impl", "course", "--sharding-strategy", "HYBRID_SHARD"],
+        HYBRID,
         {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "3"},
         "divides the 4 ranks, got 3 (the ranks of one node, 3, by default)",
     ),

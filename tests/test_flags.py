@@ -46,8 +46,9 @@ def a_file(tmp_path) -> Path:
 
 QUICK = ["--epochs", "1", "--max-steps", "1", "--no-progress"]
 
-# (flags, what the one line must say); {file}, {folder} and {tmp} are filled in per test.
 HYBRID = ["--strategy", "fsdp", "--impl", "course", "--sharding-strategy", "HYBRID_SHARD"]
+
+# (flags, what the one line must say); {file}, {folder} and {tmp} are filled in per test.
 
 TRAIN_MISTAKES = [
     (["--epochs", "0"], "--epochs must be a whole number, 1 or more, got 0"),

@@ -258,7 +258,7 @@ class Layout:
 
 
 def data_parallel_wrapper(
-    model: nn.Module, *, sharding: str, group=None, units: list[nn.Module] | None = None
+    model: nn.Module, *, sharding: str, group=None, units: list[nn.Module] | None = None, **fsdp_options
 ) -> nn.Module:
     """Wrap ``model`` so that the data axis averages its gradients, sharding what ``sharding`` says.
 
@@ -269,6 +269,8 @@ def data_parallel_wrapper(
         group: the data-parallel process group (None: every rank).
         units: FSDP's units, each gathered and freed whole (None: one per recomputation unit,
             a transformer's blocks).
+        fsdp_options: for ``"fsdp"``, the course FSDP's own options (``sharding_strategy``,
+            ``hybrid_shard_size``, ``cpu_offload``: ``parallel.fsdp``).
     """
     check_choice("sharding", sharding, SHARDINGS)
     if sharding == "ddp":
@@ -277,7 +279,7 @@ def data_parallel_wrapper(
         return zero.ZeroDataParallel(model, stage=int(sharding[-1]), group=group)
     if units is None:
         units = recompute.recomputation_units(model)
-    return fsdp.FullyShardedDataParallel(model, group=group, auto_wrap_policy=units)
+    return fsdp.FullyShardedDataParallel(model, group=group, auto_wrap_policy=units, **fsdp_options)
 
 
 # #region compose

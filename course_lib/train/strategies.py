@@ -19,7 +19,9 @@ planner and the labs use for the same thing. ``zero1`` and ``zero2`` are the cou
 
 ``ddp`` and ``fsdp`` have two implementations behind the same flags: ``torch`` (PyTorch's own
 ``DistributedDataParallel`` and FSDP2 ``fully_shard``, the production path and the default)
-and ``course`` (the readable versions in ``course_lib.parallel``). The trainer only ever calls
+and ``course`` (the readable versions in ``course_lib.parallel``, applied by the same verb that
+lays out a transformer's data axis, ``plan.layout.data_parallel_wrapper``: this CNN has no other
+axis). The trainer only ever calls
 ``wrap_model`` and ``gradient_sync_skipped``, so both are held to the same numbers.
 
 Gradient accumulation. With ``--grad-accum K`` a rank runs K micro-batches before one
@@ -42,9 +44,8 @@ from ..distributed.runtime import ProcessInfo
 from ..errors import UserError
 from ..models import sharding_units
 from ..parallel.ddp import DataParallel
-from ..parallel.fsdp import FullyShardedDataParallel
 from ..parallel.memory import SHARDINGS
-from ..parallel.zero import ZeroDataParallel
+from ..plan.layout import data_parallel_wrapper
 
 STRATEGIES = ("single", *SHARDINGS)
 IMPLEMENTATIONS = ("torch", "course")
@@ -95,23 +96,17 @@ def wrap_model(
     check_strategy(strategy, impl, process.world_size)
     if strategy == "single":
         return model
+    if impl == "course":  # the data axis's one verb, as layout.parallelize applies it to a transformer
+        options = {}
+        if strategy == "fsdp":
+            options = {"sharding_strategy": sharding_strategy, "hybrid_shard_size": hybrid_shard_size,
+                       "cpu_offload": cpu_offload}  # fmt: skip
+        return data_parallel_wrapper(model, sharding=strategy, units=sharding_units(model), **options)
     if strategy == "ddp":
-        if impl == "course":
-            return DataParallel(model)
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [process.device.index] if process.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids)
-    if strategy in COURSE_ONLY:
-        return ZeroDataParallel(model, stage=int(strategy[-1]))
-    if impl == "course":
-        return FullyShardedDataParallel(
-            model,
-            auto_wrap_policy=sharding_units(model),
-            sharding_strategy=sharding_strategy,
-            hybrid_shard_size=hybrid_shard_size,
-            cpu_offload=cpu_offload,
-        )
     from torch.distributed.fsdp import fully_shard
 
     # Shard each block first, then the root (which picks up the parameters left over).

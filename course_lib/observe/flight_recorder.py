@@ -63,6 +63,10 @@ DEFAULT_CAPACITY = 256
 PYTORCH_PREFIX = "nccl_trace_rank_"
 """PyTorch's dumps in the folder: this prefix and the rank (a pickle, read by ``tools.diagnose``)."""
 POLL_S = 0.2
+ANSWER_WAIT_S = 5.0
+"""How long a rank whose collective failed waits for the others' records before it goes on to
+fail: a launcher kills the rest once one exits, and a loaded machine can take seconds to run a
+watcher that polls every ``POLL_S``. It ends as soon as every rank has written."""
 
 
 @dataclass
@@ -149,6 +153,14 @@ class Recorder:
     def request_everyone(self, reason: str) -> None:
         """Ask every rank that records into this folder to dump (each one's watcher sees the file)."""
         request_dumps(self.folder, f"rank {self.rank}: {reason}")
+
+    def wait_for_answers(self, timeout_s: float = ANSWER_WAIT_S) -> None:
+        """Wait until every rank's record is in the folder, or ``timeout_s`` (a dead rank never writes)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if all((self.folder / f"rank-{rank}.json").exists() for rank in range(self.world_size)):
+                return
+            time.sleep(POLL_S / 4)
 
     def _watch(self) -> None:
         request = self.folder / REQUEST
@@ -273,6 +285,7 @@ def failed(error: BaseException) -> None:
     reason = f"a collective failed: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
     _recorder.dump(reason)
     _recorder.request_everyone(reason)
+    _recorder.wait_for_answers()
 
 
 _COMM_FILES = (

@@ -135,32 +135,33 @@ def _tensor_collectives_beside_the_blocks(
         layers: the blocks of the fullest pipeline stage.
         link: the tensor group's link.
     """
-    first, last = [], []  # the calls only the embedding's stage, or only the head's, makes
+    first, last = [], []  # (op, bytes, calls a step) only the embedding's stage, or only the head's, makes
     blocks = head = 0.0  # replicated parameters whose gradients are partial
+    m = microbatches
     if layout.sequence_parallel:
-        first += [("all_gather", activation_bytes)] * microbatches
+        first.append(("all_gather", activation_bytes, m))
         blocks = layers * model.replicated_block_parameters()
         head = model._norm_parameters() if layout.loss_parallel else model.head_parameters()
     if layout.loss_parallel:
-        first += [("all_reduce", activation_bytes)] * microbatches
+        first.append(("all_reduce", activation_bytes, m))
         if layout.sequence_parallel:
-            last += [("all_gather", activation_bytes), ("reduce_scatter", activation_bytes)] * microbatches
+            last += [("all_gather", activation_bytes, m), ("reduce_scatter", activation_bytes, m)]
         else:
-            last += [("all_reduce", activation_bytes)] * microbatches
-        last += [("all_reduce", 4 * tokens), ("all_reduce", 2 * 4 * tokens)] * microbatches
+            last.append(("all_reduce", activation_bytes, m))
+        last += [("all_reduce", 4 * tokens, m), ("all_reduce", 2 * 4 * tokens, m)]
 
     def cost(calls):
-        calls = [(op, size) for op, size in calls if size > 0]
+        calls = [(op, size, count) for op, size, count in calls if size > 0]
         return (
-            sum(collective_seconds(op, size, layout.tensor, link) for op, size in calls),
-            sum(ring_bytes(op, size, layout.tensor) for op, size in calls),
+            sum(count * collective_seconds(op, size, layout.tensor, link) for op, size, count in calls),
+            sum(count * ring_bytes(op, size, layout.tensor) for op, size, count in calls),
         )
 
     if layout.pipeline == 1:
-        return cost([*first, *last, ("all_reduce", 4 * (blocks + head))])
+        return cost([*first, *last, ("all_reduce", 4 * (blocks + head), 1)])
     return max(
-        cost([*first, ("all_reduce", 4 * blocks)]),
-        cost([*last, ("all_reduce", 4 * (blocks + head))]),
+        cost([*first, ("all_reduce", 4 * blocks, 1)]),
+        cost([*last, ("all_reduce", 4 * (blocks + head), 1)]),
         key=lambda seconds_and_bytes: seconds_and_bytes[1],
     )
 

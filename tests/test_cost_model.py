@@ -10,7 +10,7 @@ import pytest
 from course_lib.errors import UserError
 from course_lib.parallel import memory
 from course_lib.parallel.pipeline import bubble_overhead_theory
-from course_lib.plan import compute_model, memory_model, network_model, planner, scaling, specs
+from course_lib.plan import compute_model, kernels, memory_model, network_model, planner, scaling, specs
 from course_lib.plan import cost_model as cm
 from course_lib.plan.layout import Layout
 from course_lib.plan.specs import StepShape
@@ -319,3 +319,24 @@ def test_recomputing_every_kth_block_keeps_and_pays_the_average():
     assert layout.with_(recompute_every=2).name() == "d16.t4 fsdp ac/2"
     with pytest.raises(UserError, match="Layout recompute_every must be a whole number, 1 or more, got 0"):
         layout.with_(recompute_every=0)
+
+
+@pytest.mark.parametrize("loss_parallel", [True, False])
+def test_the_time_model_streams_the_logits_the_memory_model_keeps(loss_parallel):
+    """One count of the logits for both: with sequence parallelism and no loss parallelism a rank
+    holds s/T tokens' logits, and the loss's kernels stream those, not every token's."""
+    layout = Layout(tensor=8, sequence_parallel=True, loss_parallel=loss_parallel)
+    shape = {"micro_batch": 1, "seq_len": 8192}
+    kept = memory_model.head_activation_bytes(LLAMA_8B, layout, **shape, logit_bytes=4)
+    rest = memory_model.head_activation_bytes(LLAMA_8B, layout, **shape, logit_bytes=0)
+    logits = memory_model.logit_elements(LLAMA_8B, layout, **shape)
+    assert kept - rest == pytest.approx(4 * logits)
+    assert logits == pytest.approx(8192 * (16032 if loss_parallel else LLAMA_8B.vocab / 8))
+    step = StepShape(LLAMA_8B, specs.CLUSTERS["h100-node"], layout, 8192, 1)
+    fit = kernels.kernel_fit("nvidia-h100-80gb-hbm3")
+    gpu = kernels.GPUS["h100-sxm"]
+    head = compute_model.memory_bound(step)[1]
+    assert head == pytest.approx(
+        3 * rest / (fit.pointwise_eager * gpu.memory_bandwidth)
+        + 4 * logits / (fit.loss * gpu.memory_bandwidth)
+    )

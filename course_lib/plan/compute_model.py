@@ -17,7 +17,13 @@ from dataclasses import dataclass
 
 from ..parallel.pipeline import bubble_fraction, build_schedule, simulate_timeline
 from . import kernels
-from .memory_model import block_activation_elements, block_matmuls, head_activation_bytes, stage_parameters
+from .memory_model import (
+    block_activation_elements,
+    block_matmuls,
+    head_activation_bytes,
+    logit_elements,
+    stage_parameters,
+)
 from .specs import OPTIMIZER_BYTES, StepShape
 
 
@@ -171,12 +177,13 @@ def memory_bound(step: StepShape) -> tuple[float, float, float]:
     unrecomputed = layout.with_(recomputation="none")
     shape = {"micro_batch": layout.micro_batch, "seq_len": step.seq_len}
     block_bytes = layout.element_bytes * block_activation_elements(model, unrecomputed, **shape)
-    logit_bytes = framework.logit_bytes(layout.precision)
-    head = head_activation_bytes(model, layout, **shape, logit_bytes=logit_bytes)
     held = stage_parameters(model, layout, equal_blocks=framework.equal_stage_blocks)
     updated = held / (1 if layout.sharding == "ddp" else layout.data * layout.context)
     optimizer_bytes = OPTIMIZER_BYTES[layout.precision] * updated
     if not cluster.gpu:
+        head = head_activation_bytes(
+            model, layout, **shape, logit_bytes=framework.logit_bytes(layout.precision)
+        )
         blocks = 3 * block_bytes * step.layers * step.microbatches / cluster.memory_bandwidth
         return (
             blocks,
@@ -186,19 +193,19 @@ def memory_bound(step: StepShape) -> tuple[float, float, float]:
     gpu = kernels.GPUS[cluster.gpu]
     fit = kernels.kernel_fit(gpu.record)
     pointwise = gpu.memory_bandwidth * (fit.pointwise_compiled if framework.compiled else fit.pointwise_eager)
-    logits = step.tokens * (model.vocab / layout.tensor if layout.loss_parallel else model.vocab)
-    loss = 4 * logits / (fit.loss * gpu.memory_bandwidth)  # the record's fp32 logits, forward and backward
-    if (
-        layout.precision == "fp8"
-    ):  # each cast to fp8 reads its bf16 input twice (amax, cast) and writes 1 byte
+    # the head's norm and projection input as the blocks' work; its logits through the loss's kernels,
+    # at the record's rate for fp32 logits, forward and backward
+    head_rest = head_activation_bytes(model, layout, **shape, logit_bytes=0)
+    loss = 4 * logit_elements(model, layout, **shape) / (fit.loss * gpu.memory_bandwidth)
+    if layout.precision == "fp8":
+        # each cast to fp8 reads its bf16 input twice (amax, cast) and writes 1 byte: forward x and
+        # W, backward dy and the transposed x and W; written once, not the three passes below
         shapes = _block_products(model, layout, step.tokens)
-        cast = sum(
-            count * (2 * m * k + 2 * k * n + m * n) for m, n, k, count in shapes
-        )  # fwd: x, W; bwd: dy, xT, WT
-        block_bytes += 5 * cast / 3  # written once, not the three passes below
+        cast = sum(count * (2 * m * k + 2 * k * n + m * n) for m, n, k, count in shapes)
+        block_bytes += 5 * cast / 3
     return (
         3 * block_bytes * step.layers * step.microbatches / pointwise,
-        (3 * (head - logit_bytes * logits) / pointwise + loss) * step.microbatches,
+        (3 * head_rest / pointwise + loss) * step.microbatches,
         optimizer_bytes / (fit.optimizer * gpu.memory_bandwidth),
     )
 

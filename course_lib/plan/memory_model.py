@@ -226,11 +226,26 @@ def head_activation_bytes(
     tokens = micro_batch * seq_len / layout.context
     sp = layout.tensor if layout.sequence_parallel else 1  # the final norm runs on s/T tokens
     norm = layout.element_bytes * tokens / sp * model.d_model + 4 * model.norm_statistics * tokens / sp
-    if layout.loss_parallel:  # the norm's output gathered; every token's logits, 1/T of the vocabulary each
-        projected, rows, columns = tokens, tokens, vocabulary_rows(model, layout)
-    else:  # this rank's tokens (s/T with sequence parallelism), the whole vocabulary
-        projected, rows, columns = tokens / sp, tokens / sp, model.vocab
-    return norm + layout.element_bytes * projected * model.d_model + logit_bytes * rows * columns
+    # with loss_parallel the norm's output is gathered; else this rank's tokens (s/T with SP)
+    projected = tokens if layout.loss_parallel else tokens / sp
+    logits = logit_elements(model, layout, micro_batch=micro_batch, seq_len=seq_len)
+    return norm + layout.element_bytes * projected * model.d_model + logit_bytes * logits
+
+
+def logit_elements(model: ModelSpec, layout: Layout, *, micro_batch: int, seq_len: int) -> float:
+    """The logits one GPU computes per micro-batch: every token's, 1/T of the vocabulary each with
+    ``loss_parallel``, else this rank's tokens (s/T with sequence parallelism), the whole vocabulary.
+
+    Args:
+        model: the vocabulary.
+        layout: tensor and context degrees, ``sequence_parallel`` and ``loss_parallel``.
+        micro_batch: b, sequences per micro-batch.
+        seq_len: s, tokens per sequence.
+    """
+    tokens = micro_batch * seq_len / layout.context
+    if layout.loss_parallel:
+        return tokens * vocabulary_rows(model, layout)
+    return tokens / (layout.tensor if layout.sequence_parallel else 1) * model.vocab
 
 
 def memory_per_gpu(step: StepShape) -> tuple[dict[str, float], float]:

@@ -47,8 +47,7 @@ def _measured(*, noise: float, seed: int = 1) -> list[calibration.MeasuredRun]:
     rng, runs = random.Random(seed), []
     for layout in LAYOUTS:
         prediction = predict(MODEL, CLUSTER, layout, seq_len=8192, global_batch=64, framework=STACK)
-        microbatches = 64 // (layout.data * layout.micro_batch)
-        columns, fixed = calibration.parts(prediction, CLUSTER, microbatches)
+        columns, fixed = calibration.parts(prediction, CLUSTER)
         seconds = (fixed + sum(TRUTH[name] * c for name, c in zip(calibration.TERMS, columns))) * math.exp(
             rng.gauss(0, noise)
         )

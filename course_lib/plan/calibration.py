@@ -65,22 +65,26 @@ COMMUNICATION = {
 """Each exposed-communication part of a prediction, and the axis whose link it runs on."""
 
 
-def parts(prediction: Prediction, cluster: ClusterSpec, microbatches: int) -> tuple[list[float], float]:
+def _link_term(part: str, layout: Layout, cluster: ClusterSpec) -> str:
+    """The term that scales one exposed-communication part: its axis's link, inside or between nodes."""
+    inside = link_of(COMMUNICATION[part], layout, cluster) == cluster.inside_node
+    return "inside_node" if inside else "between_nodes"
+
+
+def parts(prediction: Prediction, cluster: ClusterSpec) -> tuple[list[float], float]:
     """A prediction's seconds in the columns of ``TERMS`` (the last two: micro-batches sent, and 1),
     and the seconds no term scales (the memory-bound work).
 
     Args:
         prediction: ``cost_model.predict``'s, uncalibrated.
         cluster: the cluster it was predicted on (whose links tell inside from between nodes).
-        microbatches: the micro-batches of its step.
     """
     time, layout = prediction.time, prediction.layout
     columns = dict.fromkeys(TERMS, 0.0)
     columns["products"] = time["compute"] + time["recomputation"] + time["pipeline bubble"]
-    for part, axis in COMMUNICATION.items():
-        inside = link_of(axis, layout, cluster) == cluster.inside_node
-        columns["inside_node" if inside else "between_nodes"] += time[part]
-    columns["pipeline_per_microbatch"] = float(microbatches) if layout.pipeline > 1 else 0.0
+    for part in COMMUNICATION:
+        columns[_link_term(part, layout, cluster)] += time[part]
+    columns["pipeline_per_microbatch"] = float(prediction.microbatches) if layout.pipeline > 1 else 0.0
     columns["step_overhead"] = 1.0
     fixed = time["memory-bound operations"] + time["optimizer step"] + time["host (dispatching operations)"]
     return [columns[name] for name in TERMS], fixed
@@ -169,9 +173,7 @@ def fit(
     return terms, errors, [float(r) for r in residual]
 
 
-def apply(
-    prediction: Prediction, profile: CalibrationProfile, cluster: ClusterSpec, microbatches: int
-) -> Prediction:
+def apply(prediction: Prediction, profile: CalibrationProfile, cluster: ClusterSpec) -> Prediction:
     """``prediction`` with the profile's terms: its time parts scaled and the fitted seconds added
     (named apart in the breakdown), its memory scaled by the fragmentation, throughput and MFU
     recomputed and the fit re-checked against the GPU's memory.
@@ -180,19 +182,17 @@ def apply(
         prediction: ``cost_model.predict``'s, uncalibrated.
         profile: ``calibrate``'s.
         cluster: the cluster both are for.
-        microbatches: the micro-batches of its step.
     """
     if not prediction.time:
         return prediction
     terms, time = profile.terms, dict(prediction.time)
     for part in ("compute", "recomputation", "pipeline bubble"):
         time[part] *= terms["products"]
-    for part, axis in COMMUNICATION.items():
-        inside = link_of(axis, prediction.layout, cluster) == cluster.inside_node
-        time[part] *= terms["inside_node" if inside else "between_nodes"]
+    for part in COMMUNICATION:
+        time[part] *= terms[_link_term(part, prediction.layout, cluster)]
     pipelined = prediction.layout.pipeline > 1
     time["pipeline per micro-batch (calibrated)"] = (
-        terms["pipeline_per_microbatch"] * microbatches * pipelined
+        terms["pipeline_per_microbatch"] * prediction.microbatches * pipelined
     )
     time["step overhead (calibrated)"] = terms["step_overhead"]
     time.pop("total")
@@ -229,10 +229,6 @@ class MeasuredRun:
     peak_memory_gib: float | None = None
     status: str = "ok"
 
-    @property
-    def microbatches(self) -> int:
-        return self.global_batch // (self.layout.data * self.layout.micro_batch)
-
 
 def calibrate(
     runs: list[MeasuredRun], cluster: ClusterSpec, framework: Framework
@@ -257,9 +253,7 @@ def calibrate(
         raise UserError(
             f"the run {run.layout.name()} cannot be predicted ({problem}): drop it or fix its layout"
         )
-    columns, fixed = zip(
-        *(parts(p, cluster, run.microbatches) for run, p in zip(ran, predictions, strict=True))
-    )
+    columns, fixed = zip(*(parts(p, cluster) for p in predictions))
     seconds = [run.global_batch * run.seq_len / (run.tokens_per_s_per_gpu * run.layout.gpus) for run in ran]
     terms, errors, residuals = fit(list(columns), list(fixed), seconds)
     memories = [
@@ -274,7 +268,7 @@ def calibrate(
     )  # fmt: skip
     rows = []
     for run, p, residual, measured in zip(ran, predictions, residuals, seconds, strict=True):
-        after = apply(p, profile, cluster, run.microbatches)
+        after = apply(p, profile, cluster)
         rows.append({
             "layout": run.layout.name(), "measured_step_s": measured, "predicted_step_s": p.time["total"],
             "calibrated_step_s": after.time["total"], "log_residual": residual,
@@ -283,6 +277,6 @@ def calibrate(
         if run.status == "oom":
             p = predict(run.model, cluster, run.layout, seq_len=run.seq_len, global_batch=run.global_batch,
                         framework=framework)  # fmt: skip
-            after = apply(p, profile, cluster, run.microbatches)
+            after = apply(p, profile, cluster)
             rows.append({"layout": run.layout.name(), "status": "oom", "predicted_to_fit": after.fits})
     return profile, rows

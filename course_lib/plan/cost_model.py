@@ -51,7 +51,8 @@ class Prediction:
 
     ``memory`` and ``time`` are breakdowns whose ``total`` is the sum of the other entries;
     ``traffic`` is the bytes one GPU sends per step, by axis. ``problem`` is the one reason the
-    layout cannot run (None: it can).
+    layout cannot run (None: it can). ``microbatches``: the micro-batches a replica runs a step
+    (0 where the layout was refused before any part was predicted).
     """
 
     layout: Layout
@@ -61,6 +62,7 @@ class Prediction:
     tokens_per_s: float = 0.0
     mfu: float = 0.0
     problem: str | None = None
+    microbatches: int = 0
 
     @property
     def fits(self) -> bool:
@@ -142,6 +144,7 @@ def predict(
         result.problem = f"fp8 products need GPUs with fp8 tensor cores: {cluster.name} has none"
         return result
     step = StepShape(model, cluster, layout, seq_len, global_batch, framework)
+    result.microbatches = step.microbatches
     result.memory, model_states = memory_per_gpu(step)
     work = compute_seconds(step)
     axes = {

@@ -10,6 +10,8 @@ from __future__ import annotations
 import itertools
 
 from ..errors import UserError
+from . import calibration
+from .calibration import CalibrationProfile
 from .cost_model import Prediction, predict
 from .frameworks import COURSE_PROFILE, Framework
 from .layout import CONTEXT_ATTENTION, Layout
@@ -80,6 +82,7 @@ def plan(
     template: Layout | None = None,
     context_attention: tuple[str, ...] = CONTEXT_ATTENTION,
     framework: Framework = COURSE_PROFILE,
+    profile: CalibrationProfile | None = None,
 ) -> tuple[list[Prediction], list[Prediction]]:
     """Every candidate layout predicted: (those that fit, fastest first; those that do not).
 
@@ -92,6 +95,8 @@ def plan(
         template: the choices every candidate shares (precision, sequence and loss parallelism).
         context_attention: the methods tried where the context degree is above 1 (ring, Ulysses).
         framework: the training stack's profile (``frameworks.FRAMEWORKS``).
+        profile: a calibration of this cluster and stack (``calibration.calibrate``), applied to
+            every prediction before they are ranked (None: none).
     """
     if gpus < 1:
         raise UserError(f"the job needs at least one GPU, got {gpus}")
@@ -102,5 +107,7 @@ def plan(
         predict(model, cluster, layout, seq_len=seq_len, global_batch=global_batch, framework=framework)
         for layout in candidates
     ]
+    if profile is not None:
+        predictions = [calibration.apply(p, profile, cluster) for p in predictions]
     fitting = sorted((p for p in predictions if p.fits), key=lambda p: (-p.tokens_per_s, p.memory["total"]))
     return fitting, [p for p in predictions if not p.fits]

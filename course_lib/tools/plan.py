@@ -213,10 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         fitting, rejected = plan(
             model, cluster, gpus=args.gpus, seq_len=args.seq_len, global_batch=global_batch,
             template=template, context_attention=methods, framework=FRAMEWORKS[args.framework],
+            profile=_profile_for(args.profile, cluster, FRAMEWORKS[args.framework]),
         )  # fmt: skip
-        profile = _profile_for(args.profile, cluster, FRAMEWORKS[args.framework])
-        if profile is not None:
-            fitting, rejected = _calibrated(fitting + rejected, profile, cluster, global_batch)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -247,16 +245,6 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(records, indent=1) + "\n")
         print(f"\nevery prediction: {args.json}", file=sys.stderr)
     return 0
-
-
-def _calibrated(predictions, profile, cluster, global_batch):
-    """Predictions with a calibration profile applied, ranked again: (those that fit, the others)."""
-    calibrated = [
-        calibration.apply(p, profile, cluster, global_batch // (p.layout.data * p.layout.micro_batch))
-        for p in predictions
-    ]
-    fitting = sorted((p for p in calibrated if p.fits), key=lambda p: (-p.tokens_per_s, p.memory["total"]))
-    return fitting, [p for p in calibrated if not p.fits]
 
 
 LAYOUT_COLUMNS = ("layout", "seq_len", "global_batch")
@@ -328,8 +316,7 @@ def _predicted_row(
         model_named(name), cluster, layout, seq_len=seq_len, global_batch=global_batch, framework=framework
     )
     if profile is not None:
-        microbatches = global_batch // (layout.data * layout.micro_batch)
-        prediction = calibration.apply(prediction, profile, cluster, microbatches)
+        prediction = calibration.apply(prediction, profile, cluster)
     result = {"layout": layout.name(), "model": name, "seq_len": seq_len, "global_batch": global_batch}
     result["framework"] = framework.name
     result["fits"] = prediction.fits

@@ -330,15 +330,22 @@ def summary(checked: list[Checked]) -> dict:
     return {
         "rows": len(checked),
         "expressible": len(expressible),
-        "within_1_33": sum(1 / WITHIN <= r <= WITHIN for r in ratios) / len(expressible)
-        if expressible
-        else 0,
-        "median_ratio": statistics.median(ratios) if ratios else None,
+        **_score(ratios, of=len(expressible)),
         "false_does_not_fit": sum(not c.prediction.fits for c in expressible),
         "memory_rows": len(memories),
         "memory_within_10pct": sum(abs(m - 1) <= 0.10 for m in memories) / len(memories)
         if memories
         else None,
+    }
+
+
+def _score(ratios: list[float], *, of: int | None = None) -> dict:
+    """``within_1_33``, the share of ``of`` rows (a row without a ratio counts as a miss; None:
+    the ratios) predicted within 1.33x either way, and ``median_ratio``."""
+    of = len(ratios) if of is None else of
+    return {
+        "within_1_33": sum(1 / WITHIN <= r <= WITHIN for r in ratios) / of if of else 0,
+        "median_ratio": statistics.median(ratios) if ratios else None,
     }
 
 
@@ -362,36 +369,23 @@ def leave_one_source_out(checked: list[Checked]) -> dict:
     ratios, by_group = {}, {}
     for group in sorted({c.run.group for c in usable}):
         train = [c for c in usable if c.run.group != group]
-        columns, fixed = zip(*(calibration.parts(c.prediction, CLUSTERS[c.run.cluster], _microbatches(c.run))
+        columns, fixed = zip(*(calibration.parts(c.prediction, CLUSTERS[c.run.cluster])
                                for c in train))  # fmt: skip
         terms, errors, _ = calibration.fit(list(columns), list(fixed), [_step_seconds(c.run) for c in train])
         profile = calibration.CalibrationProfile("(published)", "(each run's)", terms, errors)
         held = []
         for c in usable:
             if c.run.group == group:
-                after = calibration.apply(
-                    c.prediction, profile, CLUSTERS[c.run.cluster], _microbatches(c.run)
-                )
+                after = calibration.apply(c.prediction, profile, CLUSTERS[c.run.cluster])
                 ratios[c.run.id] = after.tokens_per_s / c.run.layout.gpus / c.run.measured
                 held.append(ratios[c.run.id])
-        by_group[group] = {
-            "runs": len(held),
-            "within_1_33": sum(1 / WITHIN <= r <= WITHIN for r in held) / len(held),
-            "median_ratio": statistics.median(held),
-            "products": terms["products"],
-        }
-    values = list(ratios.values())
+        by_group[group] = {"runs": len(held), **_score(held), "products": terms["products"]}
     return {
-        "rows": len(values),
-        "within_1_33": sum(1 / WITHIN <= r <= WITHIN for r in values) / len(values) if values else 0,
-        "median_ratio": statistics.median(values) if values else None,
+        "rows": len(ratios),
+        **_score(list(ratios.values())),
         "by_source": by_group,
         "ratios": ratios,
     }
-
-
-def _microbatches(run: PublishedRun) -> int:
-    return run.global_batch // (run.layout.data * run.layout.micro_batch)
 
 
 def table(checked: list[Checked]) -> str:

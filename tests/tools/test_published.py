@@ -134,19 +134,12 @@ def test_each_publication_is_predicted_with_the_terms_fitted_on_the_others():
     assert held_out["rows"] == len(usable) == sum(fold["runs"] for fold in held_out["by_source"].values())
     # one fold by hand: Megatron-LM 2021's runs, calibrated on every other publication's
     train = [c for c in usable if c.run.group != "megatron2021-a100"]
-    columns, fixed = zip(
-        *(
-            calibration.parts(c.prediction, CLUSTERS[c.run.cluster], published._microbatches(c.run))
-            for c in train
-        )
-    )
+    columns, fixed = zip(*(calibration.parts(c.prediction, CLUSTERS[c.run.cluster]) for c in train))
     terms, _, _ = calibration.fit(list(columns), list(fixed), [published._step_seconds(c.run) for c in train])
     assert held_out["by_source"]["megatron2021-a100"]["products"] == pytest.approx(terms["products"])
     run = next(c for c in usable if c.run.id == "m21-1t")
     profile = calibration.CalibrationProfile("x", "y", terms)
-    after = calibration.apply(
-        run.prediction, profile, CLUSTERS[run.run.cluster], published._microbatches(run.run)
-    )
+    after = calibration.apply(run.prediction, profile, CLUSTERS[run.run.cluster])
     assert held_out["ratios"]["m21-1t"] == pytest.approx(
         after.tokens_per_s / run.run.layout.gpus / run.run.measured
     )

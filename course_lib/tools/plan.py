@@ -152,16 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         "all-to-alls (their heads must divide by tensor x context), or both, ranked together",
     )
     parser.add_argument("--top", type=checks.int_at_least(1), default=10, help="layouts to show")
-    parser.add_argument(
-        "--framework",
-        choices=sorted(FRAMEWORKS),
-        default="course",
-        help="the training stack: what it keeps and overlaps (course_lib/plan/frameworks.py)",
-    )
     parser.add_argument("--json", type=checks.file_to_write, default=None, help="write every prediction here")
-    parser.add_argument(
-        "--profile", type=checks.file_to_read, default=None, help="a calibration profile (plan calibrate)"
-    )
+    _add_stack_arguments(parser)
     parser.add_argument(
         "--validate",
         action="store_true",
@@ -247,6 +239,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _add_stack_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--framework`` and ``--profile``: the stack the layouts run on, and its calibration."""
+    parser.add_argument(
+        "--framework",
+        choices=sorted(FRAMEWORKS),
+        default="course",
+        help="the training stack: what it keeps and overlaps (course_lib/plan/frameworks.py)",
+    )
+    parser.add_argument(
+        "--profile", type=checks.file_to_read, default=None, help="a calibration profile (plan calibrate)"
+    )
+
+
 LAYOUT_COLUMNS = ("layout", "seq_len", "global_batch")
 """The columns ``plan predict`` reads from its CSV (``model`` is optional)."""
 
@@ -263,15 +268,7 @@ def predict_layouts(argv: list[str]) -> int:
     parser.add_argument("--json", type=checks.file_to_write, required=True, help="where the rows go")
     parser.add_argument("--model", help="the model of rows without a model column: a name or a config.json")
     parser.add_argument("--cluster", required=True, help="a built-in cluster's name, or a TOML or JSON file")
-    parser.add_argument(
-        "--framework",
-        choices=sorted(FRAMEWORKS),
-        default="course",
-        help="the training stack: what it keeps and overlaps (course_lib/plan/frameworks.py)",
-    )
-    parser.add_argument(
-        "--profile", type=checks.file_to_read, default=None, help="a calibration profile (plan calibrate)"
-    )
+    _add_stack_arguments(parser)
     args = parser.parse_args(argv)
     try:
         cluster = cluster_named(args.cluster)

@@ -681,23 +681,23 @@ def plot_rooflines(model, clusters: list, *, path=None) -> Figure:
     axis = figure.subplots()
     tokens = [10 ** (2 + i / 20) for i in range(61)]  # 100 to 100,000
     bytes_per_parameter = 2 * 2 + 2  # FSDP in bf16: two gathers and a reduce-scatter (the course's profile)
-    drawn = {}
     colours = ("#4c72b0", "#c44e52", "#55a868", "#8172b2", "#ccb974")
-    for cluster, colour in zip(clusters, colours, strict=False):
-        limits = rooflines.rooflines(model, cluster, data_gpus=2 * cluster.gpus_per_node)
-        same_gpu = drawn.setdefault(round(limits.flops / 1e12), [])
-        if not same_gpu:  # clusters of one GPU compute on one line
-            label = " and ".join(
-                c.name
-                for c in clusters
-                if round(rooflines.achieved_flops(model, c) / 1e12) == round(limits.flops / 1e12)
-            )
-            axis.plot(tokens, [6 * t / limits.flops for t in tokens], color=colour, label=f"{label}: compute")
-        same_gpu.append(cluster.name)
-        traffic = 6 * limits.data_tokens_fsdp / limits.flops  # = bytes / bandwidth, where compute meets it
-        axis.axhline(traffic, color=colour, linestyle="--", label=f"{cluster.name}: FSDP traffic")
-        axis.plot([limits.data_tokens_fsdp], [traffic], "o", color=colour)
-        axis.annotate(f"{limits.data_tokens_fsdp:,.0f}", (limits.data_tokens_fsdp, traffic),
+    limits = {
+        cluster.name: rooflines.rooflines(model, cluster, data_gpus=2 * cluster.gpus_per_node)
+        for cluster in clusters
+    }
+    by_rate = {}  # clusters of one GPU compute on one line
+    for name, limit in limits.items():
+        by_rate.setdefault(round(limit.flops / 1e12), []).append(name)
+    for (name, limit), colour in zip(limits.items(), colours, strict=False):
+        same_gpu = by_rate[round(limit.flops / 1e12)]
+        if same_gpu[0] == name:
+            label = f"{' and '.join(same_gpu)}: compute"
+            axis.plot(tokens, [6 * t / limit.flops for t in tokens], color=colour, label=label)
+        traffic = 6 * limit.data_tokens_fsdp / limit.flops  # = bytes / bandwidth, where compute meets it
+        axis.axhline(traffic, color=colour, linestyle="--", label=f"{name}: FSDP traffic")
+        axis.plot([limit.data_tokens_fsdp], [traffic], "o", color=colour)
+        axis.annotate(f"{limit.data_tokens_fsdp:,.0f}", (limit.data_tokens_fsdp, traffic),
                       textcoords="offset points", xytext=(4, 6), fontsize=8, color=colour)  # fmt: skip
     axis.set_xscale("log")
     axis.set_yscale("log")

@@ -241,6 +241,7 @@ def _unstated(row: dict, framework: Framework) -> str | None:
 
 def _run(row: dict, framework: Framework) -> PublishedRun:
     model, layout, why = None, None, _unstated(row, framework)
+    seq_len, global_batch = int(row["seq_len"]), int(row["global_batch"])
     if not why and row["cluster"] not in CLUSTERS:
         why = f"no cluster {row['cluster']!r} in the planner"
     elif not why:
@@ -249,17 +250,17 @@ def _run(row: dict, framework: Framework) -> PublishedRun:
         except UserError as error:
             why = str(error)
     if layout is not None:  # a layout that cannot be cut as the row states its batch is not a run to check
-        problem = cost_model.check(model, layout, gpus=layout.gpus, seq_len=int(row["seq_len"]),
-                        global_batch=int(row["global_batch"]))  # fmt: skip
+        problem = cost_model.check(
+            model, layout, gpus=layout.gpus, seq_len=seq_len, global_batch=global_batch
+        )
         if problem:
             model, layout, why = None, None, f"{problem} (as the row states its batch)"
-    seq_len = int(row["seq_len"])
     kind, value = row["measured_kind"], float(row["measured_value"])
     measured = measured_tokens_per_s_per_gpu(kind, value, model or _model(row), seq_len)
     memory = float(row["measured_memory_gib"]) if row["measured_memory_gib"] else None
     return PublishedRun(
-        row["id"], row["group"], row["source"], model, row["cluster"], layout, seq_len,
-        int(row["global_batch"]), measured, memory, why, framework,
+        row["id"], row["group"], row["source"], model, row["cluster"], layout, seq_len, global_batch,
+        measured, memory, why, framework,
     )  # fmt: skip
 
 

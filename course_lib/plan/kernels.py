@@ -35,6 +35,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from ..errors import UserError
 
 GPU_RECORDS = Path(__file__).resolve().parent.parent.parent / "slides" / "recorded" / "gpu"
@@ -137,16 +139,13 @@ def _fit_tile(products: list[dict], tile, peak: float, sms: int) -> tuple[float,
     for product in products:
         m, k, n = product["shape"]
         waves = _waves(m, n, tile, sms)
-        rows.append((waves * 2 * tile[0] * tile[1] * k * sms / peak, waves, product["seconds"]))
-    sxx = sum((w / t) ** 2 for w, _, t in rows)
-    sxy = sum((w / t) * (v / t) for w, v, t in rows)
-    syy = sum((v / t) ** 2 for _, v, t in rows)
-    sx, sy = sum(w / t for w, _, t in rows), sum(v / t for _, v, t in rows)
+        t = product["seconds"]
+        rows.append((waves * 2 * tile[0] * tile[1] * k * sms / peak / t, waves / t))
+    x = torch.tensor(rows, dtype=torch.float64)
     inverse, latency = (
-        (sx * syy - sy * sxy) / (sxx * syy - sxy**2),
-        (sy * sxx - sx * sxy) / (sxx * syy - sxy**2),
+        torch.linalg.lstsq(x, torch.ones(len(rows), 1, dtype=torch.float64)).solution[:, 0].tolist()
     )
-    errors = [math.log((inverse * w + latency * v) / t) for w, v, t in rows]
+    errors = [math.log(inverse * w + latency * v) for w, v in rows]  # each row is already over its t
     return 1 / inverse, latency, math.sqrt(sum(e * e for e in errors) / len(errors))
 
 

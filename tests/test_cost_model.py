@@ -340,3 +340,24 @@ def test_the_time_model_streams_the_logits_the_memory_model_keeps(loss_parallel)
         3 * rest / (fit.pointwise_eager * gpu.memory_bandwidth)
         + 4 * logits / (fit.loss * gpu.memory_bandwidth)
     )
+
+
+@pytest.mark.parametrize("schedule, virtual", [("1f1b", 1), ("interleaved_1f1b", 2), ("gpipe", 1)])
+def test_the_last_stage_keeps_one_micro_batch_of_the_head_unless_gpipe_keeps_them_all(schedule, virtual):
+    """The head is the last stage's; in the 1F1B schedules each micro-batch's backward follows its
+    forward there, so one micro-batch's logits are alive however many blocks' inputs are."""
+    from course_lib.parallel.pipeline import peak_activations_theory
+
+    layout = Layout(data=1, pipeline=4, schedule=schedule, virtual_stages=virtual, sharding="zero1")
+    step = StepShape(LLAMA_8B, ALPS, layout, 4096, 8)
+    blocks, head, microbatches = 1000.0, 10**6, step.microbatches
+    last = memory_model._activations_per_gpu(LLAMA_8B, layout, blocks, head, step.tokens, microbatches, 4096)
+    in_flight = peak_activations_theory(schedule, 4, microbatches, 3, virtual_stages=virtual) / virtual
+    boundary = layout.element_bytes * step.tokens * LLAMA_8B.d_model
+    stage = 8 * blocks - boundary  # the last stage's 8 blocks, less the output it does not send
+    heads = microbatches if schedule == "gpipe" else 1
+    assert last == pytest.approx(max(
+        peak_activations_theory(schedule, 4, microbatches, 0, virtual_stages=virtual) / virtual
+        * (8 * blocks + boundary),
+        in_flight * stage + heads * (head + 8),
+    ))  # fmt: skip

@@ -80,6 +80,42 @@ def test_a_head_size_apart_from_the_width_is_counted_as_published(tmp_path):
     )
 
 
+GPT_OSS_120B = {
+    "hidden_act": "silu", "hidden_size": 2880, "intermediate_size": 2880, "head_dim": 64,
+    "num_attention_heads": 64, "num_key_value_heads": 8, "num_hidden_layers": 36, "vocab_size": 201088,
+    "num_local_experts": 128, "num_experts_per_tok": 4, "attention_bias": True, "rms_norm_eps": 1e-05,
+    "tie_word_embeddings": False, "sliding_window": 128,
+    "layer_types": ["sliding_attention", "full_attention"] * 18,
+}  # fmt: skip
+
+
+def test_sliding_window_layers_pay_for_their_window_only(tmp_path):
+    oss = from_files.model_from_config(_config(tmp_path, GPT_OSS_120B))
+    built_in = specs.MODELS["gpt-oss-120b"]
+    assert (oss.sliding_window, oss.sliding_layers) == (128, 18)
+    assert (built_in.sliding_window, built_in.sliding_layers) == (128, 18)
+    assert oss.flops_per_token(4096) == built_in.flops_per_token(4096)
+    # 18 full layers see the whole 4096-token square, 18 windowed ones a 2 x 128-token band of it
+    full = specs.ModelSpec(**{**oss.__dict__, "sliding_window": 0, "sliding_layers": 0})
+    assert full.flops_per_token(4096) - oss.flops_per_token(4096) == 12 * 4096 * 18 * (4096 - 256)
+    # a window as wide as the sequence changes nothing; Mistral's configs window every layer
+    assert oss.attended_span(200) == full.attended_span(200) == 36 * 200
+    mistral = from_files.model_from_config(_config(tmp_path, LLAMA3_8B | {"sliding_window": 4096}))
+    assert mistral.sliding_layers == 32
+    cluster, layout = specs.CLUSTERS["h100-node"], Layout(data=8, expert=8, sharding="zero1")
+    fast, slow = (
+        predict(m, cluster, layout, seq_len=16384, global_batch=8).tokens_per_s for m in (oss, full)
+    )
+    assert fast > slow
+
+
+def test_bad_windows_are_named(tmp_path):
+    with pytest.raises(UserError, match="one type for each of the 36 layers"):
+        from_files.model_from_config(_config(tmp_path, GPT_OSS_120B | {"layer_types": ["full_attention"]}))
+    with pytest.raises(UserError, match="set together with sliding_window"):
+        specs.ModelSpec("x", 4, 64, 4, 4, 128, 100, sliding_layers=2)
+
+
 @pytest.mark.parametrize(
     "dropped, message",
     [("vocab_size", "has no vocab_size"), ("num_hidden_layers", "has no num_hidden_layers")],
@@ -129,4 +165,4 @@ def test_the_planner_takes_both_files_and_names_an_unknown_model(tmp_path, capsy
     assert "8.03 B parameters" in shown.stdout and "layouts fit" in shown.stdout
     refused = plan("--model", "llama-3-8b", "--cluster", "alps")
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
-    assert "unknown --model 'llama-3-8b': choose one of llama3-70b, llama3-8b" in refused.stderr
+    assert "unknown --model 'llama-3-8b': choose one of gpt-oss-120b, llama3-70b, llama3-8b" in refused.stderr

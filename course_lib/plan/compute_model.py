@@ -112,7 +112,7 @@ def products(step: StepShape) -> Products:
     tokens = step.tokens_per_gpu_step
     head_flops = 6 * model.head_parameters() * tokens / (t if layout.loss_parallel else 1)
     block_flops = (model.flops_per_token(step.seq_len) - 6 * model.head_parameters()) * tokens / (t * p)
-    attention_flops = 12 * model.layers * model.attention_width * step.seq_len * tokens / (t * p)
+    attention_flops = 12 * model.attention_width * model.attended_span(step.seq_len) * tokens / (t * p)
     if not cluster.gpu:
         rate = cluster.achieved_flops
         forward = (block_flops - attention_flops) / 3 / rate

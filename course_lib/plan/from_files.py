@@ -21,6 +21,8 @@ num_experts_per_tok        top_k
 rms_norm_eps /             norm: RMSNorm where the config has ``rms_norm_eps``, else LayerNorm
 layer_norm_eps
 hidden_act                 gated_mlp: a SwiGLU (three matrices) for ``silu``, else two matrices
+sliding_window,            sliding_window, and sliding_layers: the layers ``layer_types`` calls
+layer_types                ``sliding_attention`` (absent: every layer, where a window is given)
 =========================  =====================================================================
 
 ``cluster_from_file`` reads a ``ClusterSpec``'s fields from TOML or JSON, its two links as tables::
@@ -119,7 +121,24 @@ def model_from_config(path: Path) -> ModelSpec:
         source=f"{path} ({config.get('model_type', 'a config.json')})",
         head_dim=head_dim,
         tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        **_sliding_window(config, path),
     )
+
+
+def _sliding_window(config: dict, path: Path) -> dict:
+    """``sliding_window`` and ``sliding_layers`` from a config: the window where one is set, over the
+    layers ``layer_types`` calls ``sliding_attention`` (Mistral's configs set a window for all)."""
+    window = config.get("sliding_window")
+    if not window:
+        return {}
+    window = _whole(config, "sliding_window", path)
+    types = config.get("layer_types")
+    layers = config.get("num_hidden_layers")
+    if types is None:
+        return {"sliding_window": window, "sliding_layers": layers}
+    if not isinstance(types, list) or len(types) != layers:
+        raise UserError(f"{path}: layer_types must list one type for each of the {layers} layers")
+    return {"sliding_window": window, "sliding_layers": types.count("sliding_attention")}
 
 
 def cluster_from_file(path: Path) -> ClusterSpec:

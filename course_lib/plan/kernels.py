@@ -78,9 +78,12 @@ GPUS = {
     for gpu in (
         GPU("h100-sxm", 989.4e12, 1978.9e12, 132, 3.35 * TB,
             source="NVIDIA H100 SXM datasheet (700 W, 80 GB HBM3); fractions fitted to its own record"),
-        GPU("h100-sxm-500w-hbm2e", 989.4e12, 1978.9e12, 132, 2.4 * TB,
+        GPU("h100-sxm-500w-hbm2e", 886e12, 1772e12, 132, 2.4 * TB,
             source="H100 SXM at a 500 W limit with 96 GB HBM2e (Grand Teton, as torchtitan's benchmarks "
-            f"state): the datasheet peak (the capped clock is unpublished); {ASSUMED}"),
+            "state). Its peak is unpublished: torchtitan's benchmark says it lies between the SXM's "
+            "(989 TFLOP/s at 700 W) and the NVL's (835 at 400 W); taken on the line between the two by "
+            "power (a capped clock falls about linearly with the watts, 835 + 154·100/300), an "
+            f"assumption; {ASSUMED}"),
         GPU("gh200", 989.4e12, 1978.9e12, 132, 4.0 * TB,
             source=f"NVIDIA GH200's H100 with 96 GB HBM3 at 4 TB/s (CSCS Alps); {ASSUMED}"),
         GPU("h200", 989.4e12, 1978.9e12, 132, 4.8 * TB, source=f"NVIDIA H200 datasheet; {ASSUMED}"),

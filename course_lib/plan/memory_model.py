@@ -198,11 +198,14 @@ def _activations_per_gpu(
     if p == 1:
         return positions + layers * block_bytes + head + loss
     first = positions + layers * block_bytes + boundary
-    last = layers * block_bytes - boundary + head + loss
+    last = layers * block_bytes - boundary
     # counted per virtual stage; a virtual stage holds 1/v of the rank's layers
     in_flight_first = peak_activations_theory(layout.schedule, p, microbatches, 0, virtual_stages=v) / v
     in_flight_last = peak_activations_theory(layout.schedule, p, microbatches, p - 1, virtual_stages=v) / v
-    return max(in_flight_first * first, in_flight_last * last)
+    # the head is the last stage's alone, whose backward follows each forward in the 1F1B schedules
+    # (interleaved too: the last rank's earlier virtual stages are what it holds in flight)
+    head_in_flight = microbatches if layout.schedule == "gpipe" else 1
+    return max(in_flight_first * first, in_flight_last * last + head_in_flight * (head + loss))
 
 
 def head_activation_bytes(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..errors import UserError
 from ..models import Block
 from .frameworks import COURSE_PROFILE, Framework
 from .layout import Layout
@@ -40,6 +41,10 @@ class ModelSpec:
             such as GPT-OSS, choose it apart, so that heads x head_dim differs from d_model).
         tied_embeddings: the output projection is the token embedding's matrix (one copy kept,
             still one more matmul computed).
+        sliding_window: keys a query of a sliding-window layer attends to (0: every layer attends
+            to the whole causal prefix).
+        sliding_layers: how many of the ``layers`` attend through that window (GPT-OSS and
+            Gemma alternate windowed and full layers); the rest attend to the whole prefix.
     """
 
     name: str
@@ -58,10 +63,17 @@ class ModelSpec:
     source: str = ""
     head_dim: int = 0
     tied_embeddings: bool = False
+    sliding_window: int = 0
+    sliding_layers: int = 0
 
     def __post_init__(self):
         if not self.head_dim:  # the usual choice, filled in so that every formula reads one field
             object.__setattr__(self, "head_dim", self.d_model // self.heads)
+        if self.sliding_layers > self.layers or (self.sliding_layers > 0) != (self.sliding_window > 0):
+            raise UserError(
+                f"{self.name}: sliding_layers ({self.sliding_layers}) must be at most the layers "
+                f"({self.layers}), and set together with sliding_window ({self.sliding_window})"
+            )
 
     @classmethod
     def of(cls, model, *, name: str = "course-transformer") -> ModelSpec:
@@ -78,6 +90,13 @@ class ModelSpec:
     def attention_width(self) -> int:
         """heads x head_dim: what q projects to and ``out`` projects from (d_model for most models)."""
         return self.heads * self.head_dim
+
+    def attended_span(self, seq_len: int) -> float:
+        """The keys of the whole square a token's attention pays for, summed over the layers: s for a
+        full layer (a causal kernel computes half of the s x s square, the usual count charges all of
+        it), 2w for a layer whose queries see w keys (their half-square), at most s."""
+        windowed = min(seq_len, 2 * self.sliding_window)
+        return (self.layers - self.sliding_layers) * seq_len + self.sliding_layers * windowed
 
     @property
     def norm_statistics(self) -> int:
@@ -136,11 +155,12 @@ class ModelSpec:
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 per active parameter a token is multiplied by (the blocks'
-        and the head's, the head once even when tied), plus attention's 12·L·(heads·head_dim)·s."""
+        and the head's, the head once even when tied), plus attention's 12·(heads·head_dim)·s per
+        layer (``attended_span``: a sliding window's layers pay for their window instead)."""
         multiplied = self.active_parameters() - self.embedding_parameters()
         if self.tied_embeddings:
             multiplied += self.vocab * self.d_model
-        return 6 * multiplied + 12 * self.layers * self.attention_width * seq_len
+        return 6 * multiplied + 12 * self.attention_width * self.attended_span(seq_len)
 
 
 MODELS = {
@@ -157,6 +177,15 @@ MODELS = {
         ModelSpec(
             "mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, experts=8, top_k=2,
             source="Mixtral 8x7B (Jiang et al., 2024, table 1; mistralai/Mixtral-8x7B-v0.1 config.json)",
+        ),
+        ModelSpec(
+            "gpt-oss-120b", 36, 2880, 64, 8, 2880, 201088, experts=128, top_k=4, bias=True, head_dim=64,
+            sliding_window=128, sliding_layers=18,
+            source=(
+                "GPT-OSS 120B (OpenAI, 2025, gpt-oss model card table 1; openai/gpt-oss-120b config.json): "
+                "64 heads of 64 (4096 wide, not d_model), every second layer a 128-token window; its "
+                "attention sinks (one learned logit per head) cost no FLOPs worth counting"
+            ),
         ),
     )
 }  # fmt: skip
@@ -284,9 +313,29 @@ CLUSTERS = {
                 "Meta's Grand Teton hosts as torchtitan's benchmarks describe them "
                 "(pytorch/torchtitan@31a17bf:benchmarks/llama3_h100_202412_torchtitan.md): 8 H100 SXM per "
                 "host on NVLink, 96 GB HBM2e at 2.4 TB/s, a 500 W power limit, 400 Gb/s RDMA per GPU; the "
-                "SXM datasheet's bf16 peak (the benchmark's own MFU denominator: the true peak at 500 W is "
-                "lower and unpublished); the NVLink figure of h100-node; products and memory-bound work "
-                "timed by plan.kernels (a 700 W H100's record); the latencies are assumptions"
+                "SXM datasheet's bf16 peak as MFU's denominator (the benchmark's own); the NVLink figure of "
+                "h100-node; products and memory-bound work timed by plan.kernels at the capped GPU's own "
+                "peak (kernels.GPUS, between the SXM's and the NVL's) with a 700 W H100's record's "
+                "fractions; the latencies are assumptions"
+            ),
+        ),
+        ClusterSpec(
+            name="h200-node",
+            gpu="h200",
+            gpus_per_node=8,
+            gpu_memory_bytes=141 * GB,
+            reserved_bytes=6 * GB,
+            peak_flops=989.4e12,
+            achieved_flops=0.7 * 989.4e12,
+            memory_bandwidth=0.8 * 4800 * GB,
+            inside_node=Link(10e-6, 436 * GB),
+            between_nodes=Link(20e-6, 50 * GB),
+            source=(
+                "8 H200 SXM per node (NVIDIA's H200 datasheet: 141 GB HBM3e at 4.8 TB/s, the H100's bf16 "
+                "peak, the same NVLink 4 and NVSwitch, so h100-node's measured bus bandwidth), one 400 Gb/s "
+                "NIC per GPU (as torchtitan's H200 benchmark describes its hosts: pytorch/torchtitan@bcdeaa3"
+                ":benchmarks/llama3_8b_h200_2025-06_torchtitan.md); products and memory-bound work timed by "
+                "plan.kernels (an H100's record's fractions); the latencies are assumptions"
             ),
         ),
         ClusterSpec(

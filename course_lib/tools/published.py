@@ -20,6 +20,12 @@ Each run is predicted with its stack's profile (``frameworks``), read from its `
 (gradients all-reduced after the backward), Megatron-Core's of 2024 with its overlap flags on.
 ``--framework NAME`` predicts every row with one profile instead, to see what the profiles change.
 
+A row is read as its stack ran it, each reading with its source: torchtitan's local batch cut into
+as many micro-batches as pipeline ranks (``TORCHTITAN_MICROBATCHES``), Megatron-Bridge's "DDP"
+with the distributed optimizer (``DISTRIBUTED_OPTIMIZER``), the expert degree from the row's
+``extras``, a model its name makes a built-in one (GPT-OSS's head size and sliding windows), and a
+cluster for a row that names only its GPU (``HARDWARE_CLUSTERS``).
+
 A row is *expressible* when the CSV says the planner can state it (its ``assumed`` column says
 what was assumed, its ``expressible`` column why not) and the planner accepts its model, cluster
 and layout. For each expressible row, ``check`` predicts the layout (``cost_model.predict``) and
@@ -51,10 +57,11 @@ PUBLISHED_RUNS = Path(__file__).with_name("published_gpu_runs.csv")
 """The published runs the planner is checked against, each with its source."""
 
 COLUMNS = (
-    "id", "group", "source", "planner_model", "layers", "d_model", "heads", "kv_heads", "ffn", "vocab",
-    "arch", "cluster", "gpus", "dp", "tp", "pp", "cp", "vp", "sharding", "micro_batch", "global_batch",
-    "seq_len", "precision", "recomputation", "sequence_parallel", "loss_parallel", "measured_kind",
-    "measured_value", "measured_memory_gib", "expressible", "assumed", "extras",
+    "id", "group", "source", "model", "planner_model", "hardware", "layers", "d_model", "heads",
+    "kv_heads", "ffn", "vocab", "arch", "cluster", "gpus", "dp", "tp", "pp", "cp", "vp", "sharding",
+    "micro_batch", "global_batch", "seq_len", "precision", "recomputation", "sequence_parallel",
+    "loss_parallel", "measured_kind", "measured_value", "measured_memory_gib", "expressible", "assumed",
+    "extras",
 )  # fmt: skip
 """The columns ``read_runs`` reads; the file may have more (the hardware in words, the extras)."""
 
@@ -103,6 +110,15 @@ MEGATRON_2021 = "NVIDIA/Megatron-LM@b83477a3e8b4525dfb870e84f13ef631a9091e51:meg
 ``forward_backward_func`` returns ("All-reduce if needed", the local DDP), not beside the backward."""
 
 
+DISTRIBUTED_OPTIMIZER = {
+    "mbridge": "NVIDIA-NeMo/Megatron-Bridge@07b4a5837b4a9d24e91520ce3930529bbeede6f9:"
+    "src/megatron/bridge/recipes/gpt_oss/gpt_oss.py",
+}
+"""Groups whose "FSDP = 0" (plain DDP as their tables say) runs Megatron's distributed optimizer, the
+Adam state sharded over the data ranks (ZeRO-1): the recipe's ``DistributedDataParallelConfig``
+sets ``use_distributed_optimizer=True``."""
+
+
 def framework_of(group: str, extras: str) -> Framework:
     """The profile of the stack that made a run, from its ``group`` and ``extras`` columns.
 
@@ -119,6 +135,8 @@ def framework_of(group: str, extras: str) -> Framework:
         )
     if group.startswith(("megatron2021", "korthikanti2022")):
         return MEGATRON_PROFILE.with_(grad_reduce_overlap=False)
+    if group.startswith(tuple(DISTRIBUTED_OPTIMIZER)):  # the recipe's DDP config overlaps both
+        return MEGATRON_PROFILE.with_(param_gather_overlap=True, grad_reduce_overlap=True)
     overlap = any("comm overlap" in piece for piece in said)
     return MEGATRON_PROFILE.with_(
         tensor_overlap=overlap, param_gather_overlap=overlap, grad_reduce_overlap=overlap
@@ -164,13 +182,23 @@ def measured_tokens_per_s_per_gpu(kind: str, value: float, model: ModelSpec, seq
     return value * 1e12 / _flops_per_token(kind, model, seq_len)
 
 
+def _built_in_model(row: dict) -> str | None:
+    """The built-in model a row names: its ``planner_model``, or its ``model`` in words where that
+    is a built-in's name ("GPT-OSS 120B" is ``gpt-oss-120b``)."""
+    if row["planner_model"]:
+        return row["planner_model"]
+    name = "-".join(row["model"].lower().split())
+    return name if name in MODELS else None
+
+
 def _model(row: dict) -> ModelSpec:
     """The row's shapes: a built-in model's by name, else from its columns (``arch`` gpt: LayerNorm,
     biases, a GELU MLP, learned positions and the output projection tied to the embedding, as
     Megatron-LM's GPT has them unless ``--untie-embeddings-and-output-weights``; llama: RMSNorm,
     SwiGLU)."""
-    if row["planner_model"]:
-        return MODELS[row["planner_model"]]
+    built_in = _built_in_model(row)
+    if built_in:
+        return MODELS[built_in]
     gpt = row["arch"] == "gpt"
     return ModelSpec(
         row["id"], int(row["layers"]), int(row["d_model"]), int(row["heads"]), int(row["kv_heads"]),
@@ -184,8 +212,37 @@ EVERY_KTH_BLOCK = re.compile(r"recomputation: full on every (\d+)\w* block")
 layer" checkpointing), which ``Layout.recompute_every`` states."""
 
 
+EXPERT_DEGREE = re.compile(r"\bEP (\d+)")
+"""A row's expert-parallel degree, which its ``extras`` state ("EP 8")."""
+
+TORCHTITAN_MICROBATCHES = (
+    "pytorch/torchtitan@680647378f15fba3437413b2ce25b6b3ce3c920a:torchtitan/parallelisms/pipelining_utils.py"
+)
+"""torchtitan's ``build_pipeline_schedule``: unless told (``pipeline_parallel_microbatches``), a
+rank's local batch is cut into as many micro-batches as there are pipeline ranks."""
+
+
+def _micro_batch(row: dict, pipeline: int) -> int:
+    """Sequences per micro-batch. torchtitan's rows state the local batch, which a pipeline cuts into
+    ``pipeline`` micro-batches (``TORCHTITAN_MICROBATCHES``); the other rows state the micro-batch."""
+    stated = int(row["micro_batch"])
+    if row["group"].startswith("torchtitan") and pipeline > 1:
+        if stated % pipeline:
+            raise ValueError(f"a local batch of {stated} that {pipeline} pipeline ranks cannot cut evenly")
+        return stated // pipeline
+    return stated
+
+
+def _sharding(row: dict) -> str:
+    """The row's sharding, read as its stack runs it (``DISTRIBUTED_OPTIMIZER``)."""
+    if row["sharding"] == "ddp" and row["group"].startswith(tuple(DISTRIBUTED_OPTIMIZER)):
+        return "zero1"
+    return row["sharding"]
+
+
 def _layout(row: dict) -> Layout:
     pipeline, virtual = int(row["pp"]), int(row["vp"])
+    expert = EXPERT_DEGREE.search(row["extras"] or "")
     every = EVERY_KTH_BLOCK.search(row["assumed"] or "")
     recomputation = (
         {"recomputation": "full", "recompute_every": int(every[1])}
@@ -194,9 +251,10 @@ def _layout(row: dict) -> Layout:
     )
     return Layout(
         data=int(row["dp"]), pipeline=pipeline, context=int(row["cp"]), tensor=int(row["tp"]),
-        sharding=row["sharding"], **recomputation,
+        sharding=_sharding(row), **recomputation,
         schedule="interleaved_1f1b" if virtual > 1 else "1f1b", virtual_stages=virtual,
-        micro_batch=int(row["micro_batch"]), precision=row["precision"],
+        micro_batch=_micro_batch(row, pipeline), precision=row["precision"],
+        expert=int(expert[1]) if expert else 1,
         sequence_parallel=row["sequence_parallel"] == "1", loss_parallel=row["loss_parallel"] == "1",
     )  # fmt: skip
 
@@ -221,11 +279,28 @@ def read_runs(*, path: Path = PUBLISHED_RUNS, framework: str | None = None) -> l
     return runs
 
 
+HARDWARE_CLUSTERS = (("H200", "h200-node"),)
+"""The built-in cluster of a row whose ``cluster`` is empty, by the GPU its ``hardware`` names."""
+
+MODEL_REASONS = ("model:", "alternating sliding-window", "attention sinks")
+"""Reasons a built-in model answers: its own head size, its sliding-window layers, and attention
+sinks (one learned logit per head: no FLOPs worth counting), each stated in its ``source``."""
+
+
+def _cluster(row: dict) -> str:
+    """The row's cluster: its ``cluster`` column, or the built-in one of its ``hardware``'s GPU."""
+    if row["cluster"]:
+        return row["cluster"]
+    words = row["hardware"].split()
+    return next((name for gpu, name in HARDWARE_CLUSTERS if gpu in words), "")
+
+
 def _unstated(row: dict, framework: Framework) -> str | None:
     """What the planner cannot state of a row, or None: the file's reasons (``assumed``, where
     ``expressible`` is not yes) less those it states now: a precision it has (fp8), full
-    recomputation of every k-th block, and FSDP's parameters kept gathered under a pipeline where
-    the run's stack does so."""
+    recomputation of every k-th block, FSDP's parameters kept gathered under a pipeline where
+    the run's stack does so, hardware a built-in cluster describes, and a model a built-in one
+    states (``MODEL_REASONS``)."""
     if row["expressible"] == "yes":
         return None
     reasons = [reason.strip() for reason in (row["assumed"] or "").split(";") if reason.strip()]
@@ -234,6 +309,10 @@ def _unstated(row: dict, framework: Framework) -> str | None:
     reasons = [reason for reason in reasons if not EVERY_KTH_BLOCK.search(reason)]  # Layout.recompute_every
     if framework.gathered_under_pipeline:
         reasons = [reason for reason in reasons if "reshard_after_forward=false" not in reason.lower()]
+    if _cluster(row) in CLUSTERS:
+        reasons = [reason for reason in reasons if not reason.lower().startswith("hardware:")]
+    if _built_in_model(row):
+        reasons = [reason for reason in reasons if not reason.lower().startswith(MODEL_REASONS)]
     if not reasons and not row["assumed"]:
         return "the file says the planner cannot state it"
     return "; ".join(reasons) or None
@@ -242,8 +321,9 @@ def _unstated(row: dict, framework: Framework) -> str | None:
 def _run(row: dict, framework: Framework) -> PublishedRun:
     model, layout, why = None, None, _unstated(row, framework)
     seq_len, global_batch = int(row["seq_len"]), int(row["global_batch"])
-    if not why and row["cluster"] not in CLUSTERS:
-        why = f"no cluster {row['cluster']!r} in the planner"
+    cluster = _cluster(row)
+    if not why and cluster not in CLUSTERS:
+        why = f"no cluster {cluster!r} in the planner"
     elif not why:
         try:
             model, layout = _model(row), _layout(row)
@@ -259,7 +339,7 @@ def _run(row: dict, framework: Framework) -> PublishedRun:
     measured = measured_tokens_per_s_per_gpu(kind, value, model or _model(row), seq_len)
     memory = float(row["measured_memory_gib"]) if row["measured_memory_gib"] else None
     return PublishedRun(
-        row["id"], row["group"], row["source"], model, row["cluster"], layout, seq_len, global_batch,
+        row["id"], row["group"], row["source"], model, cluster, layout, seq_len, global_batch,
         measured, memory, why, framework,
     )  # fmt: skip
 

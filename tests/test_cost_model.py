@@ -68,6 +68,36 @@ def test_a_group_spanning_nodes_leaves_each_node_through_its_members_nics():
     )
 
 
+def test_an_all_reduce_across_many_nodes_takes_the_tree_for_small_messages_and_the_ring_for_large():
+    net, node = specs.Link(20e-6, 50e9), specs.Link(10e-6, 436e9)
+    group, nodes = 1024, 128  # 8 GPUs a node
+    ring = lambda size: network_model.collective_seconds("all_reduce", size, group, net)  # noqa: E731
+    # NCCL's tree: a chain of 7 hops inside each node and 7 levels across 128 nodes, up and down
+    small, chosen = network_model.all_reduce_seconds(1e6, group, net, nodes=nodes, inside=node)
+    assert chosen == "tree" and small == pytest.approx(
+        2 * (7 * 10e-6 + 7 * 20e-6) + 2 * 1e6 / (network_model.TREE_BANDWIDTH * 50e9)
+    )
+    assert small < ring(1e6) / 10  # the ring's 2046 latencies dominate a megabyte
+    # 2046 latencies are 41 ms: the tree's 8 % less bandwidth costs more only past about 12 GB
+    large, chosen = network_model.all_reduce_seconds(1e11, group, net, nodes=nodes, inside=node)
+    assert chosen == "ring" and large == ring(1e11)
+    # the crossover: where the tree's saved latencies equal its bandwidth lost
+    saved = (2 * (group - 1) - 2 * (7 + 7)) * 20e-6 + 2 * 7 * (20e-6 - 10e-6)
+    lost_per_byte = 2 / (network_model.TREE_BANDWIDTH * 50e9) - 2 * (group - 1) / group / 50e9
+    crossover = saved / lost_per_byte
+    for size, algorithm in ((crossover * 0.9, "tree"), (crossover * 1.1, "ring")):
+        assert network_model.all_reduce_seconds(size, group, net, nodes=nodes, inside=node)[1] == algorithm
+    # inside one node NCCL keeps the ring
+    assert network_model.all_reduce_seconds(1e3, 8, node)[1] == "ring"
+
+
+def test_a_group_spans_the_nodes_its_members_fill():
+    assert network_model.nodes_of("data", Layout(data=4), ALPS) == 1
+    assert network_model.nodes_of("data", Layout(data=16), ALPS) == 4  # 4 a node
+    assert network_model.nodes_of("data", Layout(data=8, tensor=4), ALPS) == 8  # one a node
+    assert network_model.nodes_of("data", Layout(data=6, tensor=2), ALPS) == 3  # two a node
+
+
 def _predict(layout: Layout, **options):
     return cm.predict(LLAMA_8B, ALPS, layout, seq_len=options.get("seq_len", 4096), global_batch=64)
 

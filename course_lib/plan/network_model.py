@@ -42,6 +42,57 @@ def collective_seconds(op: str, message_bytes: float, group: int, link: Link) ->
     return ring_steps(op, group) * link.latency_s + ring_bytes(op, message_bytes, group) / link.bandwidth
 
 
+TREE_BANDWIDTH = 0.92
+"""The share of the ring's bus bandwidth NCCL's tuning model grants its tree all-reduce
+(``busBw * .92`` in NVIDIA/nccl's ``src/graph/tuning.cc``, ``ncclTopoTuneModel``)."""
+
+
+def all_reduce_seconds(
+    message_bytes: float, group: int, link: Link, *, nodes: int = 1, inside: Link | None = None
+) -> tuple[float, str]:
+    """An all-reduce's time and algorithm, as NCCL chooses between its ring and its tree by size.
+
+    The ring sends 2(N-1)/N of the message in 2(N-1) steps, each paying the link's latency. The
+    tree (NCCL's double binary tree, pipelined in chunks) reduces up a chain inside each node and a
+    tree across the nodes, then broadcasts back down: the latency of 2((N/nodes - 1) hops inside a
+    node + log2(nodes) across), and twice the message at ``TREE_BANDWIDTH`` of the bus bandwidth
+    (NCCL's ``tuning.cc`` counts both so). Many nodes and a small message: the tree; a large one:
+    the ring. Inside one node the tree is a chain, no faster than the ring, and NCCL keeps the ring.
+
+    Args:
+        message_bytes: the tensor's bytes.
+        group: N, the ranks.
+        link: the link between the nodes (or inside the node, for a group within one).
+        nodes: the nodes the group spans.
+        inside: the link inside a node, whose latency the tree's chains pay (None: ``link``).
+    """
+    ring = collective_seconds("all_reduce", message_bytes, group, link)
+    if nodes <= 1:
+        return ring, "ring"
+    inside = inside or link
+    hops = 2 * ((group // nodes - 1) * inside.latency_s + math.ceil(math.log2(nodes)) * link.latency_s)
+    tree = hops + 2 * message_bytes / (TREE_BANDWIDTH * link.bandwidth)
+    return (tree, "tree") if tree < ring else (ring, "ring")
+
+
+def _members_per_node(axis: str | tuple[str, ...], layout: Layout, cluster: ClusterSpec) -> tuple[int, int]:
+    """(the size of one group of the axis, its members on each node): all of them where the group
+    and the axes inside it fit one node."""
+    axes = (axis,) if isinstance(axis, str) else axis
+    innermost = max(AXES.index(name) for name in axes)
+    inside = math.prod(layout.degree(name) for name in AXES[innermost + 1 :])  # between ring neighbours
+    group = math.prod(layout.degree(name) for name in axes)
+    if inside * group <= cluster.gpus_per_node:
+        return group, group
+    return group, max(1, min(group, cluster.gpus_per_node // inside))
+
+
+def nodes_of(axis: str | tuple[str, ...], layout: Layout, cluster: ClusterSpec) -> int:
+    """How many nodes one group of an axis spans (1: it fits inside one)."""
+    group, members = _members_per_node(axis, layout, cluster)
+    return math.ceil(group / members)
+
+
 def link_of(axis: str | tuple[str, ...], layout: Layout, cluster: ClusterSpec) -> Link:
     """The link an axis's rings run on, as one GPU sees it (``axis``: one of ``AXES``, or adjacent
     ones whose ranks form one group, as FSDP's data x context).
@@ -56,13 +107,9 @@ def link_of(axis: str | tuple[str, ...], layout: Layout, cluster: ClusterSpec) -
     README, "within the theoretical ceiling of 100 GB/s per node"), and 180 GB/s across 4 H100
     nodes with 8 NICs of 25 GB/s (NVIDIA/nccl issue 1031): 0.93 and 0.90 of g NICs.
     """
-    axes = (axis,) if isinstance(axis, str) else axis
-    innermost = max(AXES.index(name) for name in axes)
-    inside = math.prod(layout.degree(name) for name in AXES[innermost + 1 :])  # between ring neighbours
-    group = math.prod(layout.degree(name) for name in axes)
-    if inside * group <= cluster.gpus_per_node:
+    group, members = _members_per_node(axis, layout, cluster)
+    if members == group:
         return cluster.inside_node
-    members = max(1, min(group, cluster.gpus_per_node // inside))
     if members == 1:
         return cluster.between_nodes
     network, node = cluster.between_nodes, cluster.inside_node
@@ -206,7 +253,13 @@ def data_axis(step: StepShape, busy: float) -> tuple[float, float]:
     gradient_bytes = framework.gradient_reduce_bytes(layout.precision) * stage_params
     param_bytes = framework.gather_bytes(layout.precision) * stage_params
     reduce_op = "all_reduce" if layout.sharding == "ddp" else "reduce_scatter"
-    gradient_time = collective_seconds(reduce_op, gradient_bytes, group, link)
+    if reduce_op == "all_reduce":  # NCCL's ring or tree, whichever its model says is faster
+        nodes = nodes_of(("data", "context"), layout, cluster)
+        gradient_time, _ = all_reduce_seconds(
+            gradient_bytes, group, link, nodes=nodes, inside=cluster.inside_node
+        )
+    else:
+        gradient_time = collective_seconds(reduce_op, gradient_bytes, group, link)
     gathers = 0
     if layout.sharding in ("zero1", "zero2"):
         gathers = 1  # the updated parameters, after the step

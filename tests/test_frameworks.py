@@ -108,6 +108,19 @@ def _step(framework: Framework, layout: Layout) -> StepShape:
     return StepShape(LLAMA_8B, CLUSTERS["h100-node"], layout, 8192, 64, framework)
 
 
+def test_megatrons_plain_1f1b_waits_on_every_micro_batchs_sends_its_interleaved_schedule_does_not():
+    plain = Layout(data=2, pipeline=4, sharding="zero1")  # 64 sequences, 32 micro-batches a replica
+    interleaved = plain.with_(schedule="interleaved_1f1b", virtual_stages=2)
+    link = network_model.link_of("pipeline", plain, CLUSTERS["h100-node"])
+    step = _step(MEGATRON_PROFILE, plain)
+    send = link.latency_s + step.activation_bytes / link.bandwidth
+    assert network_model.pipeline_axis(step)[0] == pytest.approx(2 * (3 + 32) * send)
+    for profile, layout in ((COURSE_PROFILE, plain), (MEGATRON_PROFILE, interleaved)):
+        assert network_model.pipeline_axis(_step(profile, layout))[0] == pytest.approx(2 * 3 * send)
+    same_bytes = network_model.pipeline_axis(_step(COURSE_PROFILE, plain))[1]
+    assert network_model.pipeline_axis(step)[1] == same_bytes
+
+
 def test_tensor_overlap_leaves_the_first_of_t_pieces_and_what_the_matmuls_cannot_cover():
     layout = Layout(data=8, tensor=8, sharding="ddp")
     whole, sent = network_model.tensor_axis(_step(COURSE_PROFILE, layout), 10.0)

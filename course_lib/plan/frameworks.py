@@ -16,8 +16,8 @@ profile            bytes per   selective keeps     overlapped       stages
                    (FSDP2)     result (op-SAC)     reductions;
                                                    TP if async TP
 ``megatron``       2 + 4 + 12  all but the         gradients,       equal blocks; embedding and head
-                               attention core      parameter        at the ends
-                                                   gathers, TP
+                               attention core      parameter        at the ends; plain 1F1B waits
+                                                   gathers, TP      on every micro-batch's sends
                                                    (as flagged)
 ``fp32-master``    2 + 4 + 4   as course           gradient         as course
                    + 8                             reductions
@@ -74,6 +74,9 @@ class Framework:
             whole bf16 copy is held; False: two units at a time, as without a pipeline.
         fp8_all_gather: under ``fp8``, FSDP gathers the parameters already cast to fp8 (1 byte an
             element, torchtitan's ``enable_fsdp_float8_all_gather``), not in bf16.
+        blocking_pipeline_sends: the pipeline schedules in which every micro-batch waits for its
+            sends and receives between stages (Megatron's 1F1B without interleaving cannot overlap
+            them); in the others only filling and draining the pipeline pays them.
         equal_stage_blocks: every pipeline stage holds L/(P·v) blocks, the embedding and head
             added to the ends (Megatron-LM); False: the list [embedding, blocks, head] is cut
             evenly (``pipeline.split_model``, torchtitan's default).
@@ -96,6 +99,7 @@ class Framework:
     compiled: bool = False
     gathered_under_pipeline: bool = False
     fp8_all_gather: bool = False
+    blocking_pipeline_sends: tuple[str, ...] = ()
     sources: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
@@ -196,6 +200,7 @@ MEGATRON_PROFILE = Framework(
     selective="attention_core",
     equal_stage_blocks=True,
     compiled=True,
+    blocking_pipeline_sends=("1f1b",),
     sources=(
         (
             "grad_bytes",
@@ -222,6 +227,12 @@ MEGATRON_PROFILE = Framework(
             "stages",
             f"{MEGATRON}:megatron/core/transformer/transformer_block.py (get_num_layers_to_build: L/P "
             "blocks a stage)",
+        ),
+        (
+            "blocking_pipeline_sends",
+            f"{MEGATRON}:megatron/core/pipeline_parallel/schedules.py (forward_backward_pipelining_"
+            "without_interleaving: 'Non-interleaved pipeline parallelism does not support overlapping "
+            "p2p communication'; the interleaved schedule overlaps them with overlap_p2p_comm)",
         ),
     ),
 )

@@ -285,7 +285,8 @@ def data_axis(step: StepShape, busy: float) -> tuple[float, float]:
 
 def pipeline_axis(step: StepShape) -> tuple[float, float]:
     """Seconds exposed and bytes per rank of the pipeline's sends: filling and draining pay them,
-    the steady state overlaps them."""
+    the steady state overlaps them, unless the stack's schedule waits on every micro-batch's
+    (``Framework.blocking_pipeline_sends``)."""
     layout = step.layout
     p = layout.pipeline
     if p == 1:
@@ -296,7 +297,8 @@ def pipeline_axis(step: StepShape) -> tuple[float, float]:
     message = step.activation_bytes / (layout.tensor if layout.sequence_parallel else 1)
     send = link.latency_s + message / link.bandwidth
     # a middle stage sends activations on and gradients back; the two ends send one of them
-    return 2 * (p - 1) * send, (1 if p == 2 else 2) * step.microbatches * message
+    waits = p - 1 + (step.microbatches if layout.schedule in step.framework.blocking_pipeline_sends else 0)
+    return 2 * waits * send, (1 if p == 2 else 2) * step.microbatches * message
 
 
 def expert_axis(step: StepShape) -> tuple[float, float]:

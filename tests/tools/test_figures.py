@@ -27,3 +27,20 @@ def test_the_ring_counts_end_with_every_chunk_complete_on_every_rank():
     assert len(frames) == 1 + 2 * 3
     assert frames[3] == [[1, 4, 3, 2], [2, 1, 4, 3], [3, 2, 1, 4], [4, 3, 2, 1]]  # rank r owns chunk r + 1
     assert frames[-1] == [[4] * 4] * 4
+
+
+def test_what_the_slides_say_of_the_recorded_measurements_is_what_was_recorded():
+    import json
+
+    prefetch, plain = (json.loads(path.read_text()) for path in figures.RECORDED_FSDP.values())
+    assert prefetch["hidden_communication_ms"] > plain["hidden_communication_ms"]
+    assert prefetch["exposed_communication_share"] < plain["exposed_communication_share"]
+    lecture_4 = " ".join((REPO / "slides" / "04-zero-fsdp.md").read_text().split())
+    assert "more of what is in flight (the lower lanes) runs while the rank computes" in lecture_4
+    checked = json.loads(figures.RECORDED_PLAN_CHECK.read_text())["step_time_within_1_33"]
+    within = checked.split(" layouts")[0]  # "13 of 14"
+    lecture_9 = " ".join((REPO / "slides" / "09-choosing-a-layout.md").read_text().split())
+    assert f"step time: within 1.33× on {within} layouts" in lecture_9
+    of, total = within.split(" of ")
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert f"step time was within a factor 1.33 on {of} of the {total} layouts" in readme

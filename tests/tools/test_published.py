@@ -167,3 +167,27 @@ def test_each_publication_is_predicted_with_the_terms_fitted_on_the_others():
     assert held_out["ratios"]["m21-1t"] == pytest.approx(
         after.tokens_per_s / run.run.layout.gpus / run.run.measured
     )
+
+
+def test_lecture_9_says_how_fast_torchtitans_500_w_h100s_ran_their_products():
+    """Notebook 14's arithmetic: the published step less what the planner predicts beside the
+    products, over the products' FLOPs, against the planner's own products time."""
+    from course_lib.plan import cost_model
+    from course_lib.plan.frameworks import FRAMEWORKS
+    from course_lib.plan.layout import Layout
+    from course_lib.plan.specs import CLUSTERS
+
+    llama, cluster = MODELS["llama3-8b"], CLUSTERS["h100-grand-teton"]
+    job = Layout(data=8, sharding="fsdp", recomputation="selective", micro_batch=2)
+    predicted = cost_model.predict(
+        llama, cluster, job, seq_len=8192, global_batch=16, framework=FRAMEWORKS["torchtitan"]
+    )
+    flops = llama.flops_per_token(8192) * 16 * 8192 / 8
+    published_step = 16 * 8192 / (8 * 5762)
+    rest = predicted.time["total"] - predicted.time["compute"]
+    implied = flops / (published_step - rest) / cluster.peak_flops
+    modelled = flops / predicted.time["compute"] / cluster.peak_flops
+    lecture = " ".join((ROOT / "slides" / "09-choosing-a-layout.md").read_text().split())
+    assert (
+        f"run their products at {implied:.0%} of the SXM's peak where the planner says {modelled:.0%}"
+    ).replace("%", " %") in lecture

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import math
 import os
 import sys
 import tempfile
+import types
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -78,6 +81,85 @@ def check_number(
     ):
         raise UserError(f"{_shown(flag)}must be {wanted}, got {value}")
     return float(value)
+
+
+def check_flag(name: str, value: Any) -> bool:
+    """True or False. A string is never read as one: ``"false"`` is truthy, and would turn a
+    feature on that its user meant to turn off."""
+    if not isinstance(value, bool):
+        raise UserError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def check_instance(name: str, value: Any, kind: type) -> Any:
+    """An instance of ``kind`` (a ``Layout`` where a layout is expected, not its name or a dict)."""
+    if not isinstance(value, kind):
+        raise UserError(f"{name} must be a {kind.__name__}, got {type(value).__name__} {value!r:.60}")
+    return value
+
+
+def _fits(value: Any, annotation: Any) -> bool:
+    """Whether ``value`` is of the type ``annotation`` names (bool is not a number; a float is finite)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(_fits(value, member) for member in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    origin = typing.get_origin(annotation) or annotation
+    return isinstance(value, origin) if isinstance(origin, type) else True
+
+
+def _kind(annotation: Any) -> str:
+    """What a value of the type ``annotation`` names is called in a message."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return " or ".join(_kind(member) for member in typing.get_args(annotation))
+    names = {type(None): "None", bool: "True or False", int: "a whole number", float: "a finite number"}
+    if annotation in names:
+        return names[annotation]
+    origin = typing.get_origin(annotation) or annotation
+    return f"a {origin.__name__}" if isinstance(origin, type) else str(annotation)
+
+
+def check_fields(
+    instance: Any, *, minimum: dict[str, float] | None = None, above: dict[str, float] | None = None
+) -> None:
+    """Every field of a dataclass held to its annotation and bounds, or one ``UserError`` naming
+    the class, the field, the value and a valid example: the one type check of every public
+    dataclass (``Layout``, ``ModelSpec``, ``ClusterSpec``...), rather than a copy per class.
+
+    Args:
+        instance: the dataclass just built (called from its ``__post_init__``).
+        minimum: fields that must be at least a value (``{"data": 1}``).
+        above: fields that must be more than a value (``{"bandwidth": 0}``).
+    """
+    cls = type(instance)
+    hints = typing.get_type_hints(cls)
+    minimum, above = minimum or {}, above or {}
+    for field in dataclasses.fields(instance):
+        value, annotation = getattr(instance, field.name), hints[field.name]
+        low, strictly = (above[field.name], True) if field.name in above else (minimum.get(field.name), False)
+        wrong_type = not _fits(value, annotation)
+        out_of_bounds = (
+            not wrong_type
+            and low is not None
+            and value is not None
+            and (value <= low if strictly else value < low)
+        )
+        if not (wrong_type or out_of_bounds):
+            continue
+        kind = _kind(annotation)
+        if low is not None:
+            kind += f", {'above' if strictly else 'at least'} {low:g}"
+        example = field.default if field.default is not dataclasses.MISSING else None
+        if example is None or not _fits(example, annotation):
+            example = {bool: True, str: field.name}.get(annotation, low + 1 if strictly else low)
+        shown = f" (e.g. {cls.__name__}(..., {field.name}={example!r}))" if example is not None else ""
+        raise UserError(f"{cls.__name__} {field.name} must be {kind}, got {value!r}{shown}")
 
 
 def _exists(path: Path) -> bool:

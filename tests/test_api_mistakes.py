@@ -8,6 +8,8 @@ list, or tensors that differ from rank to rank.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -198,3 +200,80 @@ def _uneven_exchange() -> list[float]:
 
 def test_uneven_pieces_that_are_meant_to_differ_still_pass_the_check():
     assert launch(_uneven_exchange, 2) == [[0.0, 1.0, 1.0, 1.0], [0.0, 0.0, 1.0]]
+
+
+def _door_attempts() -> dict:
+    """Values of the wrong type or sign given to what a student calls, each before any process."""
+    from course_lib.parallel import tensor as tp
+    from course_lib.parallel import vocab
+    from course_lib.plan import cost_model, planner, specs
+    from course_lib.plan.frameworks import TORCHTITAN_PROFILE
+    from course_lib.plan.layout import Layout, parallelize
+
+    llama, alps = specs.MODELS["llama3-8b"], specs.CLUSTERS["alps"]
+    predict = lambda **changes: cost_model.predict(  # noqa: E731
+        **{"model": llama, "cluster": alps, "layout": Layout(data=8), "seq_len": 8192, "global_batch": 8}
+        | changes
+    )
+    mlp = lambda: nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3))  # noqa: E731
+    return {
+        "Layout flag as a string": lambda: Layout(sequence_parallel="false"),
+        "Layout degree as a float": lambda: Layout(data=2.0),
+        "Layout degree zero": lambda: Layout(tensor=0),
+        "ModelSpec negative layers": lambda: specs.ModelSpec("m", -3, 64, 4, 4, 128, 100),
+        "ModelSpec top_k above experts": lambda: specs.ModelSpec(
+            "m", 2, 64, 4, 4, 128, 100, experts=2, top_k=3
+        ),
+        "Link bandwidth nan": lambda: specs.Link(1e-6, float("nan")),
+        "Cluster memory negative": lambda: dataclasses.replace(alps, gpu_memory_bytes=-1.0),
+        "Cluster unknown gpu": lambda: dataclasses.replace(alps, gpu="h300"),
+        "Framework negative bytes": lambda: TORCHTITAN_PROFILE.with_(grad_bytes=-2),
+        "Framework flag as a number": lambda: TORCHTITAN_PROFILE.with_(compiled=1),
+        "predict negative sequence": lambda: predict(seq_len=-8192),
+        "predict negative batch": lambda: predict(global_batch=-8),
+        "predict cluster by name": lambda: predict(cluster="alps"),
+        "plan gpus as text": lambda: planner.plan(llama, alps, gpus="8", seq_len=8192, global_batch=8),
+        "parallelize a dict layout": lambda: parallelize(_transformer(), None, {"data": 2}, seq_len=8),
+        "DDP flag as a string": lambda: DataParallel(mlp(), find_unused_parameters="yes"),
+        "FSDP flag as a string": lambda: FullyShardedDataParallel(mlp(), forward_prefetch="no"),
+        "column-parallel flag": lambda: tp.ColumnParallelLinear(4, 4, gather_output="true"),
+        "vocabulary flag": lambda: vocab.apply_vocabulary_parallel(_transformer(), sequence_parallel="on"),
+        "sequence flag": lambda: sp.apply_sequence_parallel(_transformer(), regather_in_backward=0),
+        "context chunks as a number": lambda: cp.apply_context_parallel(_transformer(), chunks=2),
+    }
+
+
+DOOR = {
+    "Layout flag as a string": "Layout sequence_parallel must be True or False, got 'false' "
+    "(e.g. Layout(..., sequence_parallel=True))",
+    "Layout degree as a float": "Layout data must be a whole number, at least 1, got 2.0",
+    "Layout degree zero": "Layout tensor must be a whole number, at least 1, got 0 "
+    "(e.g. Layout(..., tensor=1))",
+    "ModelSpec negative layers": "ModelSpec layers must be a whole number, at least 1, got -3",
+    "ModelSpec top_k above experts": "top_k (3) cannot exceed the experts (2)",
+    "Link bandwidth nan": "Link bandwidth must be a finite number, above 0, got nan",
+    "Cluster memory negative": "ClusterSpec gpu_memory_bytes must be a finite number, above 0, got -1.0",
+    "Cluster unknown gpu": "unknown ClusterSpec gpu 'h300': choose one of h100-sxm",
+    "Framework negative bytes": "Framework grad_bytes must be a finite number, at least 0, got -2",
+    "Framework flag as a number": "Framework compiled must be True or False, got 1",
+    "predict negative sequence": "predict's seq_len must be a whole number, 1 or more, got -8192",
+    "predict negative batch": "predict's global_batch must be a whole number, 1 or more, got -8",
+    "predict cluster by name": "predict's cluster must be a ClusterSpec, got str 'alps'",
+    "plan gpus as text": "plan's gpus must be a whole number, got '8'",
+    "parallelize a dict layout": "parallelize's layout must be a Layout, got dict",
+    "DDP flag as a string": "find_unused_parameters must be True or False, got 'yes'",
+    "FSDP flag as a string": "forward_prefetch must be True or False, got 'no'",
+    "column-parallel flag": "gather_output must be True or False, got 'true'",
+    "vocabulary flag": "sequence_parallel must be True or False, got 'on'",
+    "sequence flag": "regather_in_backward must be True or False, got 0",
+    "context chunks as a number": "chunks must be a SequenceLayout, got int 2",
+}
+
+
+@pytest.mark.parametrize("attempt", list(DOOR))
+def test_a_wrong_type_or_sign_is_refused_at_the_door_naming_the_argument(attempt):
+    """One checker (``checks.check_fields``, ``check_flag``, ``check_instance``) serves every public
+    dataclass and verb: a string is never read as a boolean, a negative size never reaches a formula."""
+    errors = user_errors({attempt: _door_attempts()[attempt]})
+    assert attempt in errors, f"{attempt} was accepted"
+    assert DOOR[attempt] in errors[attempt]

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checks import check_group, check_module, claim_module
+from ..checks import check_group, check_instance, check_module, claim_module
 from ..distributed import comm, runtime
 from ..errors import UserError
 from ..models import Embedding, SelfAttention
@@ -317,6 +317,7 @@ def split_model_tokens(
         group: the process group the tokens are split over (None: every rank).
     """
     check_module("model", model)
+    check_instance("chunks", layout, SequenceLayout)
     check_group("group", group)
     claim_module(model, "context parallelism")
     rank = runtime.rank(group=group)

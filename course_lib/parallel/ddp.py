@@ -60,6 +60,7 @@ from torch import nn
 from ..checks import (
     DATA_PARALLEL_WRAPPER,
     check_choice,
+    check_flag,
     check_group,
     check_module,
     check_number,
@@ -251,6 +252,8 @@ class DataParallel(GradientSyncSwitch, nn.Module):
         if bucket_mb is not None:
             check_number("bucket_mb (the size of one all-reduce message, in MB)", bucket_mb, above=0)
         check_choice("sync", sync, SYNC_MODES)
+        check_flag("broadcast_buffers", broadcast_buffers)
+        check_flag("find_unused_parameters", find_unused_parameters)
         check_group("group", group)
         claim_module(module, "DataParallel", family=DATA_PARALLEL_WRAPPER)
         self.module = module

@@ -70,7 +70,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..checks import DATA_PARALLEL_WRAPPER, check_group, check_module, claim_module
+from ..checks import DATA_PARALLEL_WRAPPER, check_flag, check_group, check_module, claim_module
 from ..errors import UserError
 from .ddp import EndOfBackward, start_as_replicas
 from .flat_param import FlatParameter, FlatShardedMixin, owned_parameters
@@ -138,6 +138,12 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
     ):
         super().__init__()
         check_module("module", module)
+        for name, flag in (
+            ("activation_checkpointing", activation_checkpointing),
+            ("forward_prefetch", forward_prefetch),
+            ("backward_prefetch", backward_prefetch),
+        ):
+            check_flag(name, flag)
         check_group("group", group)
         if not isinstance(mixed_precision, (MixedPrecision, type(None))):
             raise UserError(

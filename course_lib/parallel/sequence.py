@@ -44,7 +44,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..checks import SPLIT_LAYERS, check_group, check_module, claim_module
+from ..checks import SPLIT_LAYERS, check_flag, check_group, check_module, claim_module
 from ..distributed import comm, runtime
 from ..errors import UserError
 from ..models import Block, Embedding, LMHead, SelfAttention
@@ -294,6 +294,7 @@ def apply_sequence_parallel(model: nn.Module, *, group=None, regather_in_backwar
         regather_in_backward: Megatron-LM's variant (see ``sequence_parallel_block``).
     """
     check_module("model", model)
+    check_flag("regather_in_backward", regather_in_backward)
     check_group("group", group)
     parts = list(model) if isinstance(model, nn.Sequential) else []
     if not any(isinstance(part, Embedding | Block | LMHead) for part in parts):

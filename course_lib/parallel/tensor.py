@@ -43,7 +43,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..checks import SPLIT_LAYERS, check_group, check_int, check_module, check_not_converted, claim_module
+from ..checks import (
+    SPLIT_LAYERS,
+    check_flag,
+    check_group,
+    check_int,
+    check_module,
+    check_not_converted,
+    claim_module,
+)
 from ..distributed import comm, runtime
 from ..errors import UserError
 from ..models import Block
@@ -147,6 +155,8 @@ class ColumnParallelLinear(nn.Module):
         copy_input: bool = True,
     ):
         super().__init__()
+        for name, flag in (("bias", bias), ("gather_output", gather_output), ("copy_input", copy_input)):
+            check_flag(name, flag)
         self.group, self.gather_output, self.copy_input = group, gather_output, copy_input
         self.out_per_rank = _split_size(out_features, group, "output features")
         self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features))
@@ -194,6 +204,7 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True, group=None):
         super().__init__()
+        check_flag("bias", bias)
         self.group = group
         self.in_per_rank = _split_size(in_features, group, "input features")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank))

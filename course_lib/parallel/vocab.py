@@ -47,7 +47,7 @@ import math
 import torch
 from torch import nn
 
-from ..checks import check_group, check_int, check_module, claim_module
+from ..checks import check_flag, check_group, check_int, check_module, claim_module
 from ..distributed import comm, runtime
 from ..errors import UserError
 from ..models import Embedding, LMHead
@@ -153,6 +153,8 @@ class VocabParallelLinear(nn.Module):
         sequence_parallel: bool = False,
     ):
         super().__init__()
+        check_flag("bias", bias)
+        check_flag("sequence_parallel", sequence_parallel)
         check_group("group", group)
         self.vocab_size, self.group, self.sequence_parallel = vocab_size, group, sequence_parallel
         self.start, self.stop, per_rank = _my_range(vocab_size, group)
@@ -282,6 +284,7 @@ def apply_vocabulary_parallel(model: nn.Module, *, group=None, sequence_parallel
         sequence_parallel: the head's input holds this rank's tokens (``sequence.apply_sequence_parallel``).
     """
     check_module("model", model)
+    check_flag("sequence_parallel", sequence_parallel)
     check_group("group", group)
     parts = [m for m in model.modules() if isinstance(m, Embedding | LMHead)]
     if not parts:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..checks import check_instance, check_int
 from . import kernels
 from .compute_model import compute_seconds
 from .frameworks import COURSE_PROFILE, Framework
@@ -135,6 +136,14 @@ def predict(
         framework: what the training stack keeps and overlaps (``frameworks.FRAMEWORKS``; the
             course's own by default).
     """
+    for name, value, kind in (
+        ("model", model, ModelSpec), ("cluster", cluster, ClusterSpec), ("layout", layout, Layout),
+        ("framework", framework, Framework),
+    ):  # fmt: skip
+        check_instance(f"predict's {name}", value, kind)
+    check_int("predict's seq_len", seq_len, minimum=1)
+    check_int("predict's global_batch", global_batch, minimum=1)
+    check_int("predict's operations", operations, minimum=0)
     result = Prediction(layout)
     problem = check(model, layout, gpus=layout.gpus, seq_len=seq_len, global_batch=global_batch)
     if problem:

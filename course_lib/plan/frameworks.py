@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..checks import check_choice
+from ..checks import check_choice, check_fields
 
 SELECTIVE_POLICIES = ("course", "op_sac", "attention_core")
 """What ``recomputation="selective"`` keeps, by stack: ``course`` (``parallel.recompute``: the
@@ -103,6 +103,8 @@ class Framework:
     sources: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
+        byte_fields = ("param_bytes", "grad_bytes", "master_bytes", "moment_bytes", "reduce_bytes")
+        check_fields(self, minimum=dict.fromkeys((*byte_fields, "loss_bytes_per_logit"), 0))
         check_choice("selective", self.selective, SELECTIVE_POLICIES)
 
     def with_(self, **changes) -> Framework:

@@ -38,7 +38,7 @@ from typing import Any
 
 from torch import nn
 
-from ..checks import check_choice
+from ..checks import check_choice, check_fields, check_flag, check_instance, check_int
 from ..distributed import comm
 from ..errors import UserError
 from ..models import Block, Embedding, LMHead, TinyTransformer
@@ -112,10 +112,7 @@ class Layout:
 
     def __post_init__(self):
         whole = ("data", "pipeline", "context", "tensor", "expert", "virtual_stages", "micro_batch")
-        for name in (*whole, "recompute_every"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise UserError(f"Layout {name} must be a whole number, 1 or more, got {value!r}")
+        check_fields(self, minimum=dict.fromkeys((*whole, "recompute_every"), 1))
         if self.schedule in pipeline.SCHEDULES and self.schedule not in SCHEDULES:
             raise UserError(
                 f"the planner does not lay out {self.schedule!r} yet: its bubble and memory are taught "
@@ -303,6 +300,9 @@ def parallelize(
         data_parallel: wrap the stage for the data axis; False leaves the data axis to
             ``finish_gradients``, which averages every gradient after the step.
     """
+    check_instance("parallelize's layout", layout, Layout)
+    check_int("parallelize's seq_len", seq_len, minimum=1)
+    check_flag("parallelize's data_parallel", data_parallel)
     for axis in AXES:
         if mesh.degrees[axis] != layout.degree(axis):
             raise UserError(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 
-from ..errors import UserError
+from ..checks import check_instance, check_int
 from . import calibration
 from .calibration import CalibrationProfile
 from .cost_model import Prediction, predict
@@ -98,8 +98,11 @@ def plan(
         profile: a calibration of this cluster and stack (``calibration.calibrate``), applied to
             every prediction before they are ranked (None: none).
     """
-    if gpus < 1:
-        raise UserError(f"the job needs at least one GPU, got {gpus}")
+    check_instance("plan's model", model, ModelSpec)
+    check_instance("plan's cluster", cluster, ClusterSpec)
+    check_int("plan's gpus", gpus, minimum=1)
+    check_int("plan's seq_len", seq_len, minimum=1)
+    check_int("plan's global_batch", global_batch, minimum=1)
     candidates = candidate_layouts(
         model, cluster, gpus=gpus, template=template, context_attention=context_attention
     )

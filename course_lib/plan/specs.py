@@ -11,9 +11,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..checks import check_choice, check_fields
 from ..errors import UserError
 from ..models import Block
 from .frameworks import COURSE_PROFILE, Framework
+from .kernels import GPUS
 from .layout import Layout
 
 
@@ -67,6 +69,17 @@ class ModelSpec:
     sliding_layers: int = 0
 
     def __post_init__(self):
+        check_fields(
+            self,
+            minimum={
+                **dict.fromkeys(("layers", "d_model", "heads", "kv_heads", "ffn_hidden", "vocab"), 1),
+                **dict.fromkeys(("experts", "top_k"), 1),
+                **dict.fromkeys(("position_embeddings", "head_dim", "sliding_window", "sliding_layers"), 0),
+            },
+        )
+        check_choice("ModelSpec norm", self.norm, ("rms", "layer"))
+        if self.top_k > self.experts:
+            raise UserError(f"{self.name}: top_k ({self.top_k}) cannot exceed the experts ({self.experts})")
         if not self.head_dim:  # the usual choice, filled in so that every formula reads one field
             object.__setattr__(self, "head_dim", self.d_model // self.heads)
         if self.sliding_layers > self.layers or (self.sliding_layers > 0) != (self.sliding_window > 0):
@@ -198,6 +211,9 @@ class Link:
     latency_s: float
     bandwidth: float
 
+    def __post_init__(self):
+        check_fields(self, minimum={"latency_s": 0}, above={"bandwidth": 0})
+
 
 @dataclass(frozen=True)
 class ClusterSpec:
@@ -246,6 +262,22 @@ class ClusterSpec:
     optimizer_bandwidth: float | None = None
     host_seconds_per_operation: float = 0.0
     gpu: str = ""
+
+    def __post_init__(self):
+        positive = (
+            "gpu_memory_bytes",
+            "peak_flops",
+            "achieved_flops",
+            "memory_bandwidth",
+            "optimizer_bandwidth",
+        )
+        check_fields(
+            self,
+            minimum={"gpus_per_node": 1, "reserved_bytes": 0, "host_seconds_per_operation": 0},
+            above=dict.fromkeys(positive, 0),
+        )
+        if self.gpu:
+            check_choice("ClusterSpec gpu", self.gpu, tuple(GPUS))
 
 
 GB = 1e9

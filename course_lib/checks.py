@@ -317,8 +317,9 @@ def read_csv_rows(path: str | os.PathLike, *, what: str, columns: tuple[str, ...
 
 
 def exit_with(main: Callable[[], int | None]) -> None:
-    """Run a command's ``main`` and exit with its status. A reader that stops early (``| head``)
-    closes the pipe: the command then ends quietly, with status 1, rather than with a traceback.
+    """Run a command's ``main`` and exit with its status: a ``UserError`` it raises is one line and
+    status 2. A reader that stops early (``| head``) closes the pipe: the command then ends
+    quietly, with status 1, rather than with a traceback.
 
     Args:
         main: the command's main function, which returns its exit status.
@@ -328,6 +329,9 @@ def exit_with(main: Callable[[], int | None]) -> None:
             status = main()
         except SystemExit as stop:  # argparse exits from inside main (--help, a refused flag)
             status = stop.code
+        except UserError as error:  # a mistake a command did not catch itself: still one line
+            print(f"error: {error}", file=sys.stderr, flush=True)
+            status = EXIT_USER_ERROR
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's own flush at exit
     except BrokenPipeError:
         # Python's advice (the signal module's note on SIGPIPE): stdout to devnull, so that the

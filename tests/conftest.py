@@ -126,10 +126,15 @@ def call_main(main, argv: list[str], capsys) -> subprocess.CompletedProcess:
     """A command's ``main(argv)`` run in this process, its result as a subprocess's: the exit status
     (argparse's refusals exit: caught), stdout and stderr. A second of interpreter start-up less
     where the test is about the command's logic, not its process."""
+    from course_lib.errors import EXIT_USER_ERROR, UserError
+
     try:
         status = main(argv)
     except SystemExit as exit_:
         status = exit_.code
+    except UserError as error:  # as checks.exit_with ends a command
+        print(f"error: {error}", file=sys.stderr)
+        status = EXIT_USER_ERROR
     shown = capsys.readouterr()
     return subprocess.CompletedProcess(argv, status, shown.out, shown.err)
 

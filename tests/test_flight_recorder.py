@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from course_lib.distributed import comm
+from course_lib.distributed import comm, hooks, runtime
 from course_lib.distributed.launch import launch
 from course_lib.errors import UserError
 from course_lib.observe import faults, flight_recorder
@@ -133,8 +133,9 @@ def _record(rank: int, run_id: str = "run-a", **changes) -> dict:
         "world_size": 2,
         "host": "h",
         "pid": 1,
-        "reason": "finished",
-        "written_s": 0.0,
+        "reason": hooks.FINISHED,
+        "started_s": 0.0,
+        "written_s": 10.0,
         "where": [],
         "entries": [],
     } | changes
@@ -154,6 +155,58 @@ def test_a_truncated_record_is_refused(tmp_path, capsys):
     assert diagnose.main([str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "rank-0.json is not a complete flight record" in err
+
+
+def test_two_runs_under_one_id_are_told_apart_by_their_times(tmp_path, capsys):
+    """torchrun's default run id is "none" for every run: a later run's rank started after the
+    earlier run's record was written."""
+    (tmp_path / "rank-0.json").write_text(json.dumps(_record(0, "none", started_s=0.0, written_s=10.0)))
+    (tmp_path / "rank-1.json").write_text(json.dumps(_record(1, "none", started_s=500.0, written_s=600.0)))
+    assert diagnose.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "holds records of two runs: rank-1.json was started at" in err
+    assert "after rank-0.json was written at" in err
+
+
+def test_a_record_missing_a_field_names_it(tmp_path, capsys):
+    record = _record(0)
+    del record["started_s"]
+    (tmp_path / "rank-0.json").write_text(json.dumps(record))
+    assert diagnose.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0
+    assert "rank-0.json is not a complete flight record: it has no field 'started_s'" in err
+
+
+def test_a_failed_run_is_never_no_problem_found(tmp_path, capsys):
+    """Every rank completed the same collectives, but one stopped with an error: that is the cause."""
+    (tmp_path / "rank-0.json").write_text(json.dumps(_record(0)))
+    failed = _record(1, reason="stopped by an error: ValueError: the loss is nan")
+    (tmp_path / "rank-1.json").write_text(json.dumps(failed))
+    assert diagnose.main([str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "no problem found" not in out
+    assert out.startswith("no collective went wrong; rank 1 stopped by an error: ValueError: the loss is nan")
+    # any reason but a program that returned, or a dump asked of a live run, is a failure
+    (tmp_path / "rank-1.json").write_text(json.dumps(_record(1, reason="rank 0: the ranks hang")))
+    assert diagnose.main([str(tmp_path)]) == 1
+    assert capsys.readouterr().out.startswith(
+        "no collective went wrong, but rank 1's run did not finish (rank 0: the ranks hang)"
+    )
+    (tmp_path / "rank-1.json").write_text(json.dumps(_record(1)))
+    assert diagnose.main([str(tmp_path)]) == 0
+    assert capsys.readouterr().out.startswith("no problem found")
+
+
+def _run_id() -> str:
+    import os
+
+    return os.environ[runtime.RUN_VARIABLE]
+
+
+def test_every_launch_is_a_run_of_its_own():
+    first, second = launch(_run_id, 2), launch(_run_id, 2)
+    assert first[0] == first[1] and second[0] == second[1] and first[0] != second[0]
 
 
 def test_a_bad_fault_says_the_format():

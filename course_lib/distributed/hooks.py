@@ -101,6 +101,10 @@ def started(*, rank: int, world_size: int) -> None:
         hook.started(rank=rank, world_size=world_size)
 
 
+FINISHED = "finished: the program ended here"
+"""The reason a rank gives ``ending`` when its program returned: any other reason is a failure."""
+
+
 def ending(reason: str) -> None:
     for hook in process_hooks:
         hook.ending(reason)

@@ -83,6 +83,7 @@ def _child(
     backend: str,
     timeout_s: float,
     check_collectives: bool,
+    run_id: str,
 ) -> None:
     import torch
 
@@ -95,7 +96,7 @@ def _child(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
-    os.environ.setdefault(runtime.RUN_VARIABLE, f"launch-{os.getppid()}-{port}")
+    os.environ[runtime.RUN_VARIABLE] = run_id
     os.environ[hooks.CHECK_COLLECTIVES] = "1" if check_collectives else "0"
     exit_code = 0
     try:
@@ -106,7 +107,7 @@ def _child(
         runtime.barrier()
         result = fn(*args, **kwargs)
         # before the launcher, which has every result, stops the processes still shutting down
-        hooks.ending("finished: the program ended here")
+        hooks.ending(hooks.FINISHED)
         try:
             _send(connection, ("ok", result))
         except Exception as error:  # the result could not be pickled
@@ -225,6 +226,9 @@ def launch(
 
     context = multiprocessing.get_context("fork")
     port = free_port()
+    # each launch a run of its own, unless the caller names one: records a later launch writes
+    # into the same flight-recorder folder are told apart
+    run_id = os.environ.get(runtime.RUN_VARIABLE) or f"launch-{os.getpid()}-{port}-{time.time_ns()}"
     processes, pending = [], {}  # pending: the receiving end of each rank's pipe -> its rank
     for rank in range(nprocs):
         receive_end, send_end = context.Pipe(duplex=False)
@@ -232,7 +236,7 @@ def launch(
         process = context.Process(
             target=_child,
             name=f"rank{rank}",
-            args=(*child_args, collective_timeout_s or timeout_s, check_collectives),
+            args=(*child_args, collective_timeout_s or timeout_s, check_collectives, run_id),
         )
         process.start()
         send_end.close()  # only the child writes; closing our copy lets us see EOF if it dies

@@ -228,7 +228,7 @@ def shutdown(*, leave_group: bool = True) -> None:
     """
     global _process
     # A rank that ends while others wait says so: its record shows the last collective it made.
-    hooks.ending("finished: the program ended here")
+    hooks.ending(hooks.FINISHED)
     hooks.stopped()
     gc.collect()
     import torch.distributed as dist

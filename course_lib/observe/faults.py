@@ -100,6 +100,25 @@ def parse(text: str) -> Fault:
     return Fault(parts[0], rank, at)
 
 
+def check_environment(world_size: int) -> Fault | None:
+    """``COURSE_FAULT`` read and held to the job before any process starts or meets: malformed, or
+    naming a rank the job does not have, it is one line, not a fault that silently never fires.
+
+    Args:
+        world_size: the ranks of the job.
+    """
+    text = os.environ.get(VARIABLE, "")
+    if not text:
+        return None
+    fault = parse(text)
+    if fault.rank >= world_size:
+        raise UserError(
+            f"{VARIABLE}={text!r} names rank {fault.rank}, but the job has {world_size} rank"
+            f"{'s' if world_size > 1 else ''} (0 to {world_size - 1}): name one of them, or all"
+        )
+    return fault
+
+
 _fault: Fault | None = None
 _read = False
 _fired: set[str] = set()
@@ -274,6 +293,7 @@ class FaultAtCollectives(hooks.CollectiveHook):
 class FaultPerProcess(hooks.ProcessHook):
     def started(self, *, rank: int, world_size: int) -> None:
         reset()  # a forked process reads COURSE_FAULT afresh, with its own rank
+        check_environment(world_size)  # every rank refuses it alike, before the process group
 
 
 hooks.register(FaultAtCollectives())

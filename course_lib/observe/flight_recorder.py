@@ -101,6 +101,7 @@ class Recorder:
 
     def __init__(self, folder: Path, *, capacity: int, rank: int, world_size: int, run_id: str):
         self.folder, self.rank, self.world_size, self.run_id = Path(folder), rank, world_size, run_id
+        self.started_s = time.time()  # a later run's ranks start after this run's records are written
         self.entries: collections.deque[Entry] = collections.deque(maxlen=capacity)
         self.dumped: str | None = None  # the reason of the dump this rank wrote, if any
         self.replicas = None  # a function giving this rank's parameter fingerprints (watch_replicas)
@@ -138,6 +139,7 @@ class Recorder:
                 "host": socket.gethostname(),
                 "pid": os.getpid(),
                 "reason": reason,
+                "started_s": self.started_s,
                 "written_s": time.time(),
                 "where": _main_thread_stack(),
                 "entries": [asdict(e) | {"state": e.state} for e in self.entries],

@@ -263,6 +263,7 @@ class DataParallel(GradientSyncSwitch, nn.Module):
         self.overlap = sync == "overlapped" and not find_unused_parameters
         self._sync_this_backward = True
         self._end_of_backward = EndOfBackward(self._finish_backward)
+        self._fired: set[int] = set()  # parameters whose gradient hook ran in this backward
         start_as_replicas(module, group=group)
 
         params = [p for p in module.parameters() if p.requires_grad]
@@ -303,6 +304,8 @@ class DataParallel(GradientSyncSwitch, nn.Module):
                 "and the backward of a micro-step inside the same `with model.no_sync():` block"
             )
         self._end_of_backward.request()
+        if self._sync_this_backward:
+            self._fired.add(id(param))
         if not (self._sync_this_backward and self.overlap):
             return
         bucket, view = self._slot[id(param)]
@@ -359,9 +362,12 @@ class DataParallel(GradientSyncSwitch, nn.Module):
                 bucket.ready.clear()
                 bucket.work = None
             self._next_to_launch = 0
+            self._fired.clear()
 
     def _unused(self) -> list[nn.Parameter]:
-        return [p for bucket in self.buckets for p in bucket.params if p.grad is None]
+        """Parameters whose gradient hook did not run in this backward: a branch the forward skipped
+        (their ``.grad`` may still hold the zeros ``zero_grad(set_to_none=False)`` kept)."""
+        return [p for bucket in self.buckets for p in bucket.params if id(p) not in self._fired]
 
     def _check_all_used(self) -> None:
         unused = {id(p) for p in self._unused()}
@@ -378,12 +384,16 @@ class DataParallel(GradientSyncSwitch, nn.Module):
             self._check_all_used()
             return None
         params = [p for bucket in self.buckets for p in bucket.params]
-        used = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=params[0].device)
+        fired = [id(p) in self._fired for p in params]
+        used = torch.tensor(fired, dtype=torch.int32, device=params[0].device)
         comm.all_reduce(used, op="max", group=self.group)
+        had_none = set()
         for param in params:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-        return {id(p): bool(flag) for p, flag in zip(params, used.tolist())}
+                had_none.add(id(param))
+        # used on some rank, or holding a gradient already (kept zeros, earlier micro-steps): reduced
+        return {id(p): bool(flag) or id(p) not in had_none for p, flag in zip(params, used.tolist())}
 
 
 # #endregion data-parallel

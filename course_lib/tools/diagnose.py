@@ -14,9 +14,14 @@ cause found is printed on one line, then the evidence:
   was instead (the collective it waited in, or its main thread's stack);
 - the last collective every rank completed.
 
-Exit status 0 with "no problem found" when every rank completed the same collectives; 1 when a
-cause is named; 2 when the folder cannot be read (no records, records of different runs, a
-truncated record), with one line that says which.
+- a rank that stopped with an error although every rank completed the same collectives: the
+  cause is in that rank's own work.
+
+Exit status 0 with "no problem found" only when every rank finished (or was asked for its record
+while it ran) and completed the same collectives; 1 when a cause is named; 2 when the folder
+cannot be read (no records; records of different runs, by their run id or because one rank
+started after another's record was written; a truncated record or one missing a field), with one
+line that says which.
 """
 
 from __future__ import annotations
@@ -25,11 +30,13 @@ import argparse
 import json
 import pickle
 import sys
+import time
 from collections import defaultdict
 from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 
 from .. import checks
+from ..distributed.hooks import FINISHED
 from ..errors import UserError
 from ..observe.flight_recorder import FORMAT, PYTORCH_PREFIX
 
@@ -46,6 +53,8 @@ class RankRecord:
     entries: list[dict]
     source: str  # the file it came from
     replicas: dict | None = None  # {parameter: fingerprint}, for a data-parallel replica
+    started_s: float | None = None  # when its recorder started (None: PyTorch's dump)
+    written_s: float | None = None  # when it wrote the record
 
 
 @dataclass
@@ -95,7 +104,30 @@ def load(folder: str | Path) -> dict[int, RankRecord]:
             f"{folder} holds records of different runs ({', '.join(sorted(runs))}): give one run's folder, "
             "or empty it before the next run"
         )
+    _check_one_run(folder, records)
     return records
+
+
+def _clock(seconds: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds))
+
+
+def _check_one_run(folder: Path, records: dict[int, RankRecord]) -> None:
+    """Refuse records of two runs under one run id (torchrun's default id is "none"): the ranks of
+    one run all start before any of them writes its final record, so a record whose rank started
+    after another record was written is a later run's."""
+    timed = [r for r in records.values() if r.started_s is not None and r.written_s is not None]
+    if not timed:
+        return
+    first_written = min(timed, key=lambda r: r.written_s)
+    last_started = max(timed, key=lambda r: r.started_s)
+    if last_started.started_s > first_written.written_s:
+        raise UserError(
+            f"{folder} holds records of two runs: {last_started.source} was started at "
+            f"{_clock(last_started.started_s)}, after {first_written.source} was written at "
+            f"{_clock(first_written.written_s)}: give each run a folder of its own, or empty it before "
+            "the next run"
+        )
 
 
 def _read_course_record(path: Path) -> RankRecord:
@@ -117,8 +149,15 @@ def _read_course_record(path: Path) -> RankRecord:
             ],
             source=path.name,
             replicas=data.get("replicas"),
+            started_s=float(data["started_s"]),
+            written_s=float(data["written_s"]),
         )
-    except (KeyError, TypeError, ValueError) as error:
+    except KeyError as error:
+        raise UserError(
+            f"{path} is not a complete flight record: it has no field {error.args[0]!r} (written by another "
+            "version of the course, or edited): record the run again"
+        ) from None
+    except (TypeError, ValueError) as error:
         raise UserError(f"{path} is not a complete flight record: {error!r} is missing or wrong") from None
 
 
@@ -282,11 +321,26 @@ def diagnose(records: dict[int, RankRecord]) -> Diagnosis:
             evidence=[f"rank {rank} waited in {text}" for rank, text in stuck.items()]
             + _last_common(by_group),
         )
+    failed = {rank: r.reason for rank, r in sorted(records.items()) if _failed(r.reason)}
+    if failed:
+        rank, reason = next(iter(failed.items()))
+        return Diagnosis(
+            f"no collective went wrong, but rank {rank}'s run did not finish ({reason}): read its log's "
+            "last lines",
+            evidence=[f"rank {r} wrote its record because: {why}" for r, why in failed.items()]
+            + _last_common(by_group),
+        )
     return Diagnosis(
         "no problem found: every rank completed the same collectives",
         evidence=_last_common(by_group),
         problem=False,
     )
+
+
+def _failed(reason: str) -> bool:
+    """Whether a record's reason says its run failed: anything but a program that returned
+    (``hooks.FINISHED``) or a dump asked of a live run (SIGUSR2); PyTorch's dumps say nothing."""
+    return reason not in (FINISHED, "SIGUSR2", "PyTorch's dump")
 
 
 def _replicas_differ(records: dict[int, RankRecord]) -> list[str]:

@@ -27,25 +27,33 @@ them.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 
 from .. import checks
-from ..errors import EXIT_CRASH, EXIT_DIVERGED, EXIT_REQUEUE, EXIT_USER_ERROR, STATUS_FOLDER
+from ..distributed.runtime import RUN_VARIABLE
+from ..errors import EXIT_CRASH, EXIT_DIVERGED, EXIT_REQUEUE, EXIT_USER_ERROR, STATUS_FOLDER, UserError
+from ..observe import faults
 
 FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 SHUTDOWN_TIMEOUT_S = "90"
 
 
-def verdict(statuses: dict[int, int], workers: int) -> tuple[int, str | None]:
+def verdict(statuses: dict[int, int], workers: int, *, all_exited_0: bool = False) -> tuple[int, str | None]:
     """The run's status from its ranks' statuses, and one line to print when it is not 0.
 
     Args:
         statuses: the exit status each rank reported, by global rank.
         workers: how many ranks this launcher started (a rank that did not report was killed).
+        all_exited_0: torchrun saw every worker exit with status 0: a script of the user's own,
+            which reports nothing, succeeded.
     """
+    if all_exited_0 and set(statuses.values()) <= {0}:
+        return 0, None
     codes = set(statuses.values())
     # A refused input or a divergence is the run's own verdict, its line printed by rank 0; ranks
     # that did not report were stopped by torchrun, which ends every rank once one has exited.
@@ -79,18 +87,60 @@ def _defaults(argv: list[str]) -> list[str]:
     return extra + argv
 
 
+def _parse(argv: list[str]):
+    """torchrun's own flags, a mistake among them in one line (argparse would print its usage)."""
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = "torchrun"
+
+    def one_line(message: str):
+        raise UserError(f"{message} (see torchrun --help)")
+
+    parser.error = one_line
+    return parser.parse_args(argv)
+
+
+def _check_program(args) -> None:
+    """The module or script the workers run exists, before any worker starts to find it missing."""
+    if args.no_python:
+        return
+    if args.module:
+        try:
+            found = importlib.util.find_spec(args.training_script)
+        except (ImportError, ValueError):
+            found = None
+        if found is None:
+            raise UserError(
+                f"no module named {args.training_script!r}: check its spelling (e.g. -m course_lib.train)"
+            )
+    else:
+        checks.check_file_to_read("the training script", args.training_script)
+
+
+def _world_size(args, workers: int) -> int:
+    """The job's ranks: this node's workers times the most nodes torchrun may join (``--nnodes``)."""
+    nodes = str(args.nnodes).split(":")[-1]
+    return workers * int(nodes) if nodes.isdigit() else workers
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import determine_local_world_size, parse_args, run
+    from torch.distributed.run import determine_local_world_size, run
 
-    args = parse_args(_defaults(sys.argv[1:] if argv is None else argv))
+    args = _parse(_defaults(sys.argv[1:] if argv is None else argv))
+    _check_program(args)
     workers = determine_local_world_size(args.nproc_per_node)
+    faults.check_environment(_world_size(args, workers))
+    if _world_size(args, workers) == workers:  # one node: this run's own id for its flight records
+        os.environ.setdefault(RUN_VARIABLE, f"torchrun-{uuid.uuid4().hex[:12]}")
     with tempfile.TemporaryDirectory(prefix="course-torchrun-") as folder:
         os.environ[STATUS_FOLDER] = folder  # the workers inherit it (errors.report_exit_status)
-        stopped_by = None
+        stopped_by, all_exited_0 = None, False
         try:
             run(args)
+            all_exited_0 = True  # torchrun raises for any worker that did not exit 0
         except SignalException as stop:  # torchrun passed it on and waited for the workers to stop
             stopped_by = stop.sigval
         except ChildFailedError:
@@ -98,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         statuses = {}
         for report in Path(folder).glob("rank-*"):
             statuses[int(report.name.removeprefix("rank-"))] = int(report.read_text())
-    status, line = verdict(statuses, workers)
+    status, line = verdict(statuses, workers, all_exited_0=all_exited_0)
     if line:
         cause = f"stopped by {stopped_by.name}: " if stopped_by is not None else ""
         print(f"torchrun: {cause}{line}", file=sys.stderr, flush=True)

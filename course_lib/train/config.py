@@ -17,6 +17,7 @@ import torch
 
 from .. import checks, data, models
 from ..errors import UserError
+from ..observe import faults
 from ..parallel import recompute
 from ..parallel.fsdp_units import OFFLOAD_MODES, SHARDING_STRATEGIES, hybrid_shard_group_size
 from . import checkpoint, strategies
@@ -148,6 +149,7 @@ def validate_config(config: TrainConfig, world_size: int, ranks_per_node: int | 
         world_size: the processes it runs on.
         ranks_per_node: the processes of one node (None: all of them).
     """
+    faults.check_environment(world_size)  # a fault for a rank the run lacks would never fire
     checks.check_int("--epochs", config.epochs, minimum=1)
     checks.check_int("--global-batch-size", config.global_batch_size, minimum=1)
     checks.check_int("--grad-accum", config.grad_accum, minimum=1)

@@ -204,6 +204,65 @@ def test_unused_parameters_need_the_flag_and_then_match_torch():
     assert ours[1] is None and theirs[1] is None  # unused on every rank: no gradient at all
 
 
+class _SometimesSkipped(nn.Module):
+    """A branch used in every second step only: its parameters get no gradient in the others."""
+
+    def __init__(self):
+        super().__init__()
+        self.always, self.sometimes = nn.Linear(4, 3), nn.Linear(4, 3)
+
+    def forward(self, x, step: int):
+        out = self.always(x)
+        return out + self.sometimes(x) if step % 2 == 0 else out
+
+
+def _batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(5, 4, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _skipped_branch_training(kind: str, find_unused: bool, steps: int = 4):
+    """SGD with the gradients kept between steps (``zero_grad(set_to_none=False)``), as many
+    training loops do: the skipped branch's gradients are zeros, not None."""
+    torch.manual_seed(0)
+    model = _SometimesSkipped()
+    wrapper = DataParallel if kind == "course" else DistributedDataParallel
+    ddp = wrapper(model, find_unused_parameters=find_unused)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=False)
+        try:
+            ddp(_batch(step, runtime.rank()), step).sum().backward()
+        except UserError as error:
+            return str(error)
+        optimizer.step()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _one_process_reference(world: int = 2, steps: int = 4) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = _SometimesSkipped()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=False)
+        (sum(model(_batch(step, rank), step).sum() for rank in range(world)) / world).backward()
+        optimizer.step()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def test_a_branch_skipped_in_some_steps_trains_as_pytorchs_ddp_and_one_process():
+    """Kept zero gradients used to hide the skipped branch from the check, and the bucket that
+    never filled ended in ``'NoneType' object has no attribute 'wait'``."""
+    message = launch(_skipped_branch_training, 2, "course", False)[0]
+    assert "['sometimes.weight', 'sometimes.bias'] received no gradient" in message
+    assert "pass find_unused_parameters=True" in message
+    ours = launch(_skipped_branch_training, 2, "course", True)[0]
+    theirs = launch(_skipped_branch_training, 2, "torch", True)[0]
+    reference = _one_process_reference()
+    for name in reference:
+        torch.testing.assert_close(ours[name], theirs[name])
+        torch.testing.assert_close(ours[name], reference[name])
+
+
 def _misuses():
     errors = {}
     model = models.build_model("digits_cnn")

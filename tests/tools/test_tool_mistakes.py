@@ -207,3 +207,64 @@ def test_a_reader_that_stops_early_ends_the_command_quietly(command, status):
     stderr = process.stderr.read()
     assert process.wait(timeout=120) == status
     assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
+
+
+@pytest.mark.parametrize(
+    "argv, fault, message",
+    [
+        (
+            ["--standalone", "--nproc-per-node", "2", "-m", "course_lib.trian"],
+            "",
+            "no module named 'course_lib.trian'",
+        ),
+        (["--standalone", "--nproc-per-node", "2", "missing_script.py"], "", "missing_script.py"),
+        (["--nproc-per-node"], "", "argument --nproc-per-node/--nproc_per_node: expected one argument"),
+        (
+            ["--standalone", "--nproc-per-node", "2", "-m", "course_lib.train"],
+            "kill:5:3",
+            "COURSE_FAULT='kill:5:3' names rank 5, but the job has 2 ranks (0 to 1)",
+        ),
+        (
+            ["--standalone", "--nproc-per-node", "2", "-m", "course_lib.train"],
+            "kill:one:3",
+            "write KIND:RANK:AT",
+        ),
+    ],
+    ids=[
+        "module typo",
+        "missing script",
+        "torchrun's own flag",
+        "fault outside the world",
+        "malformed fault",
+    ],
+)
+def test_the_torchrun_wrapper_refuses_before_any_worker_starts(argv, fault, message, monkeypatch, capsys):
+    from course_lib.observe import faults
+    from course_lib.tools import torchrun
+
+    from conftest import call_main
+
+    monkeypatch.setenv(faults.VARIABLE, fault)
+    shown = call_main(torchrun.main, argv, capsys)
+    assert shown.returncode == 2 and message in shown.stderr
+    assert shown.stderr.count("\n") == 1 and "Traceback" not in shown.stderr
+
+
+def test_the_torchrun_wrapper_runs_a_script_of_ones_own_that_reports_nothing(tmp_path):
+    script = tmp_path / "mine.py"
+    script.write_text("print('my own work done')\n")
+    shown = subprocess.run(
+        [sys.executable, "-m", "course_lib.tools.torchrun", "--standalone", "--nproc-per-node", "2",
+         str(script)],
+        cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.count("my own work done") == 2 and "without reporting" not in shown.stderr
+
+
+def test_a_fault_for_a_rank_the_run_lacks_is_refused_by_the_dry_run(tmp_path):
+    shown = subprocess.run(
+        [sys.executable, "-m", "course_lib.train", "--dry-run"],
+        cwd=REPO, env=clean_env(COURSE_FAULT="kill:3:2"), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert shown.returncode == 2 and "names rank 3, but the job has 1 rank" in shown.stderr

@@ -22,9 +22,13 @@ def test_the_products_hold_the_blocks_weights_once_split_by_the_tensor_degree(na
     spec = MODELS[name]
     whole = gpu_record.block_products(spec, tokens=8192, tensor=1)
     attention = sum(row["k"] * row["n"] for row in whole if row["matmul"] in ("qkv", "attention_out"))
-    assert attention == spec.attention_parameters() - 2 * spec.d_model  # all but the two norms
+    # the weights: all but the two norms and, where the model has them, the biases
+    q, kv, matrices = spec.attention_width, spec.kv_heads * spec.head_dim, 3 if spec.gated_mlp else 2
+    attention_biases = q + spec.d_model + 2 * kv if spec.bias else 0
+    assert attention == spec.attention_parameters() - 2 * spec.d_model - attention_biases
     mlp = [row for row in whole if row["matmul"] in ("mlp_in", "mlp_out")]
-    assert sum(row["k"] * row["n"] for row in mlp) == spec.expert_parameters()
+    mlp_biases = (matrices - 1) * spec.ffn_hidden + spec.d_model if spec.bias else 0
+    assert sum(row["k"] * row["n"] for row in mlp) == spec.expert_parameters() - mlp_biases
     assert {row["m"] for row in mlp} == {8192 * spec.top_k // spec.experts if spec.experts > 1 else 8192}
     for whole_row, split_row in zip(
         whole, gpu_record.block_products(spec, tokens=8192, tensor=8), strict=True

@@ -20,10 +20,15 @@ message. Then each ``Question`` of the lab's README is checked from the student'
 ``answers.toml``, against the value the course's own models compute. ``--submissions DIR`` grades
 every ``name.py`` in a folder (with ``name.toml``), for instructors.
 
-Each submission is graded in a process of its own, and passes only if that process reaches the
-end of the suite and says so: a file that exits while it is imported (``sys.exit``,
-``os._exit``), kills its grader, or never finishes importing fails with the reason, instead of
-ending the check with status 0 or leaving it waiting.
+Each submission is graded in a process of its own (the *judge*), and passes only if that process
+reaches the end of the suite and says so. The judge never imports the student's file: its code
+runs only in processes forked for it (``sandbox``: the ranks a property launches, and a sandbox
+for each value the judge asks of it), which may not read the labs' solutions, touch the
+verdict, or start programs, and whose answers come back as data; the judge compares them with
+what it computes itself, on inputs drawn afresh for every grading (``GRADING_SEED``). A file
+that exits while it is imported (``sys.exit``, ``os._exit``), never finishes importing, writes
+the verdict, patches the grader, imports the solution or replays recorded outputs fails with
+the reason.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import importlib.util
 import json
 import os
 import queue
+import random
 import re
 import signal
 import subprocess
@@ -50,6 +56,7 @@ from .. import checks
 from ..distributed.launch import launch
 from ..errors import UserError
 from ..observe import collective_check  # noqa: F401  (installed: a student's one-sided call gets one line)
+from . import sandbox
 
 LINE_LENGTH = 110  # pyproject.toml's [tool.ruff] line-length: exercises are formatted like the code
 LABS_DIR = Path(__file__).resolve().parent.parent.parent / "labs"
@@ -111,6 +118,16 @@ def generate(names: list[str] | None = None) -> list[Path]:
 
 
 # -- grading suites ---------------------------------------------------------------------------------
+
+GRADING_SEED = 0
+"""Drawn afresh by every grading (``run_suite``): suites mix it into their inputs, so that outputs
+recorded from another run (a solution's, a classmate's) answer other questions."""
+
+
+def case_seed(base: int) -> int:
+    """A seed for one of a suite's inputs: ``base`` mixed with this grading's ``GRADING_SEED``."""
+    return (base * 1_000_003 + GRADING_SEED) % 2**31
+
 
 LAB_TIMEOUT_S = 60
 """How long the ranks of one property may take (COURSE_LAB_TIMEOUT_S overrides it): a student's
@@ -217,8 +234,8 @@ def on_ranks(world_size: int, fn: Callable, *args: Any) -> list:
         fn: the function every rank runs (a module-level function of the grading suite).
         args: its arguments (the student's module among them: forked processes inherit it).
     """
-    try:
-        return launch(fn, world_size, *args, timeout_s=lab_timeout_s())
+    try:  # what the ranks send back is read as data only (sandbox.safe_loads)
+        return launch(fn, world_size, *args, timeout_s=lab_timeout_s(), read_result=sandbox.safe_loads)
     except TimeoutError:
         raise CollectiveHung(
             f"on {world_size} ranks nothing finished within {lab_timeout_s():g} s: some rank is waiting in a "
@@ -227,12 +244,25 @@ def on_ranks(world_size: int, fn: Callable, *args: Any) -> list:
         ) from None
 
 
+def in_sandbox(fn: Callable, *args: Any) -> Any:
+    """``fn(*args)`` in a process forked for it, where the submission (``lab``, among ``args``) may
+    run; what it returns comes back as data (``sandbox``). For what the judge cannot ask of a
+    function's result from afar: identity, autograd through the student's code.
+
+    Args:
+        fn: a module-level function of the grading suite.
+        args: its arguments.
+    """
+    return sandbox.in_sandbox(fn, *args, timeout_s=lab_timeout_s())
+
+
 def _property_outcome(prop: Property, student: ModuleType, path: Path) -> str | None:
     """None when the property holds, else the one line that says what is wrong."""
     try:
         prop.check(student)
-    except SystemExit as stop:
-        return f"your code called sys.exit({stop.code!r}) while it was checked: return or raise instead"
+    except (SystemExit, sandbox.CalledExit) as stop:
+        how = stop if isinstance(stop, sandbox.CalledExit) else f"sys.exit({stop.code!r})"
+        return f"your code called {how} while it was checked: return or raise instead"
     except NotImplementedError as error:
         return f"not finished yet: {_first_todo(error, path)}"
     except AssertionError as error:
@@ -254,37 +284,52 @@ def _property_outcome(prop: Property, student: ModuleType, path: Path) -> str | 
     return None
 
 
-class ImportHung(Exception):
-    """The student's file did not finish importing in time."""
+def _loads(lab: sandbox.Submission) -> None:
+    lab.module()  # in a sandbox: what the file does when it is imported happens there
 
 
-def _load_in_time(path: Path, seconds: float) -> ModuleType:
-    """``load(path)``, stopped after ``seconds`` (code at a file's top level runs when it is imported)."""
-
-    def stop(_signal, _frame):
-        raise ImportHung(
-            f"importing {path.name} did not finish within {seconds:g} s: code at the top level of a file "
+def _load_problem(student: sandbox.Submission, seconds: float) -> str | None:
+    """None when the student's file imports cleanly in a sandbox, else the one line that says why not
+    (code at a file's top level runs when it is imported)."""
+    name = student.path.name
+    try:
+        sandbox.in_sandbox(_loads, student, timeout_s=seconds)
+    except sandbox.SandboxTimeout:
+        return (
+            f"importing {name} did not finish within {seconds:g} s: code at the top level of a file "
             'runs when it is imported; put it in a function, or under if __name__ == "__main__":'
         )
+    except sandbox.CalledExit as stop:
+        return (
+            f"{name} called {stop} while it was imported: a lab file only defines things; put code "
+            'that runs in a function, or under if __name__ == "__main__":'
+        )
+    except sandbox.SandboxDied as error:
+        return f"{name} ended its process while it was imported ({error}): a lab file only defines things"
+    except Exception as error:  # noqa: BLE001 (the student's mistake is reported, never raised)
+        first = str(error).splitlines()[0] if str(error) else ""
+        return f"{name} does not load: {type(error).__name__}: {first}"
+    return None
 
-    previous = signal.signal(signal.SIGALRM, stop)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        return load(path)
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
-
-def run_suite(name: str, path: Path, answers: Path | None = None, *, emit=None) -> tuple[bool, list[str]]:
+def run_suite(
+    name: str, path: Path, answers: Path | None = None, *, emit=None, verdicts: tuple[Path, ...] = ()
+) -> tuple[bool, list[str]]:
     """Every property of lab ``name`` on the student's file, then its questions: (all passed, the report).
+
+    This process is the judge: it never imports the student's file, which runs only in the
+    processes it forks (``sandbox``), and it compares what they send back.
 
     Args:
         name: the lab.
         path: the student's Python file.
         answers: the student's answers (None: ``answers.toml`` beside the file, or the lab's).
         emit: called with each line of the report as soon as it is known (for progress).
+        verdicts: files the student's code may not touch (the verdict this grading writes).
     """
+    global GRADING_SEED
+    # inputs a recording cannot have seen (COURSE_GRADING_SEED: the same inputs again, to reproduce one)
+    GRADING_SEED = int(os.environ.get("COURSE_GRADING_SEED") or random.SystemRandom().randrange(1, 2**31))
     grading = load(LABS_DIR / name / "grading.py")
     lines, first_hint = [], None
 
@@ -293,19 +338,10 @@ def run_suite(name: str, path: Path, answers: Path | None = None, *, emit=None) 
         if emit is not None:
             emit(line)
 
-    try:
-        student = _load_in_time(path, lab_timeout_s())
-    except SystemExit as stop:
-        report(
-            f"FAIL  {path.name} called sys.exit({stop.code!r}) while it was imported: a lab file only "
-            'defines things; put code that runs in a function, or under if __name__ == "__main__":'
-        )
-        return False, lines
-    except ImportHung as error:
-        report(f"FAIL  {error}")
-        return False, lines
-    except Exception as error:  # noqa: BLE001
-        report(f"FAIL  {path.name} does not load: {type(error).__name__}: {error}")
+    student = sandbox.Submission(path, load=load, timeout_s=lab_timeout_s(), verdicts=verdicts)
+    problem = _load_problem(student, lab_timeout_s())
+    if problem:
+        report(f"FAIL  {problem}")
         return False, lines
     for prop in grading.PROPERTIES:
         started = time.perf_counter()
@@ -352,7 +388,9 @@ def grading_silence_limit_s() -> float:
 def _grade_in_child(name: str, path: Path, answers: Path | None, verdict: Path) -> int:
     """The child's side: run the suite, print each line at once, and only at the very end write
     the verdict file, so that a run that ended early is told from one that finished."""
-    passed, lines = run_suite(name, path, answers, emit=lambda line: print(line, flush=True))
+    passed, lines = run_suite(
+        name, path, answers, emit=lambda line: print(line, flush=True), verdicts=(verdict,)
+    )
     finished = verdict.with_suffix(".partial")
     finished.write_text(json.dumps({"passed": passed, "summary": lines[-1]}))
     os.replace(finished, verdict)

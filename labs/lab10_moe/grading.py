@@ -15,7 +15,7 @@ import torch
 
 from course_lib.distributed import comm, runtime
 from course_lib.parallel import expert as ep
-from course_lib.tools.labs import Property, Question, on_ranks
+from course_lib.tools.labs import Property, Question, in_sandbox, on_ranks
 
 WORLD_SIZES = (2, 4)
 D_MODEL, HIDDEN, EXPERTS, TOKENS = 6, 10, 4, 9  # 9 tokens a rank: capacities 3 (k=1) and 5 (k=2) at 1.25
@@ -26,38 +26,54 @@ def _scores(seed: int, tokens: int = 23) -> torch.Tensor:
     return torch.randn(tokens, EXPERTS, generator=torch.Generator().manual_seed(seed)) * 2
 
 
+def _your_routing(lab, logits: torch.Tensor, top_k: int, factor: float) -> dict[str, torch.Tensor]:
+    """Your ``route``'s fields (its result is of your own class: only its tensors travel)."""
+    routing = lab.route(logits, top_k=top_k, capacity_factor=factor)
+    return {field: getattr(routing, field).detach() for field in ("token", "expert", "kept", "gate")}
+
+
+def _your_gate_gradient(lab, logits: torch.Tensor) -> torch.Tensor | None:
+    logits = logits.clone().requires_grad_()
+    lab.route(logits, top_k=2, capacity_factor=1.0).gate.sum().backward()
+    return logits.grad
+
+
 def check_route(lab) -> None:
     for seed, (top_k, factor) in enumerate(CASES):
         logits = _scores(seed)
-        yours, course = (
-            lab.route(logits, top_k=top_k, capacity_factor=factor),
-            ep.route(logits, top_k=top_k, capacity_factor=factor),
-        )
+        yours = in_sandbox(_your_routing, lab, logits, top_k, factor)
+        course = ep.route(logits, top_k=top_k, capacity_factor=factor)
         where = f"top-{top_k}, capacity factor {factor:g}"
         for field in ("token", "expert", "kept"):
-            got, wanted = getattr(yours, field), getattr(course, field)
+            got, wanted = yours[field], getattr(course, field)
             assert torch.equal(got, wanted), (
                 f"{where}: your {field} starts {got[:8].tolist()}, the course's {wanted[:8].tolist()}"
             )
-        assert torch.allclose(yours.gate, course.gate, atol=1e-6), (
+        assert torch.allclose(yours["gate"], course.gate, atol=1e-6), (
             f"{where}: your gates differ from the course's"
         )
-    logits = _scores(9).requires_grad_()
-    lab.route(logits, top_k=2, capacity_factor=1.0).gate.sum().backward()
-    assert logits.grad is not None and logits.grad.abs().sum() > 0, "the gates must stay differentiable"
+    gradient = in_sandbox(_your_gate_gradient, lab, _scores(9))
+    assert gradient is not None and gradient.abs().sum() > 0, "the gates must stay differentiable"
+
+
+def _your_balancing_loss(lab, logits: torch.Tensor, expert: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """Your loss's value and its gradient with respect to the logits."""
+    logits = logits.clone().requires_grad_()
+    loss = lab.load_balancing_loss(logits, expert)
+    (gradient,) = torch.autograd.grad(loss, logits)
+    return loss.item(), gradient
 
 
 def check_balancing_loss(lab) -> None:
     for seed, (top_k, factor) in enumerate(CASES):
         logits = _scores(seed).requires_grad_()
         course = ep.route(logits, top_k=top_k, capacity_factor=factor)
-        yours = lab.load_balancing_loss(logits, course.expert)
-        got_value, wanted_value = yours.item(), course.aux_loss.item()
+        got_value, got = in_sandbox(_your_balancing_loss, lab, logits.detach(), course.expert)
+        wanted_value = course.aux_loss.item()
         assert abs(got_value - wanted_value) < 1e-5, (
             f"top-{top_k}: your loss is {got_value:.5f}, E x Σ f_e P_e is {wanted_value:.5f}"
         )
         (wanted,) = torch.autograd.grad(course.aux_loss, logits)
-        (got,) = torch.autograd.grad(yours, logits)
         assert torch.allclose(got, wanted, atol=1e-6), "your loss's gradient differs: only P_e carries one"
     uniform = torch.zeros(8, EXPERTS)
     balanced = torch.arange(8) % EXPERTS

@@ -14,7 +14,7 @@ from torch import nn
 from course_lib import models
 from course_lib.distributed import comm, runtime
 from course_lib.parallel.ddp import make_buckets
-from course_lib.tools.labs import Property, Question, on_ranks
+from course_lib.tools.labs import Property, Question, in_sandbox, on_ranks
 
 WORLD_SIZES = (2, 3, 4)
 GLOBAL_BATCH = 60  # divides by 2, 3 and 4: every rank's mean loss weighs the same
@@ -134,12 +134,22 @@ def check_starts_equal(lab) -> None:
         )
 
 
-def check_buckets(lab) -> None:
+def _buckets_by_index(bucketing, bucket_mb) -> list[list[int]]:
+    """How a bucketing groups the lab model's parameters, by their index (an identity, which only the
+    process that made the parameters can tell)."""
     params = [p for p in _model(seed=0).parameters() if p.requires_grad]
+    index = {id(p): i for i, p in enumerate(params)}
+    return [[index[id(p)] for p in bucket] for bucket in bucketing(params, bucket_mb)]
+
+
+def _your_buckets(lab, bucket_mb) -> list[list[int]]:
+    return _buckets_by_index(lab.bucket_parameters, bucket_mb)
+
+
+def check_buckets(lab) -> None:
     for bucket_mb in BUCKET_SIZES_MB:
-        index = {id(p): i for i, p in enumerate(params)}
-        got = [[index[id(p)] for p in bucket] for bucket in lab.bucket_parameters(params, bucket_mb)]
-        wanted = [[index[id(p)] for p in bucket] for bucket in make_buckets(params, bucket_mb)]
+        got = in_sandbox(_your_buckets, lab, bucket_mb)
+        wanted = _buckets_by_index(make_buckets, bucket_mb)
         assert got == wanted, (
             f"bucket_parameters(params, {bucket_mb}) grouped the parameters (by index) as {got}, not {wanted}"
         )

@@ -180,13 +180,13 @@ SUBMISSIONS_THAT_NEVER_FINISH = {
     "sys.exit": ("import sys\nsys.exit(0)", "attempt.py called sys.exit(0) while it was imported"),
     "os._exit": (
         "import os\nos._exit(0)",
-        "the grading did not reach its end, so nothing is passed: the process ended with status 0 while it "
-        "was imported",
+        "attempt.py ended its process while it was imported (the process ended with status 0 without "
+        "answering)",
     ),
     "endless import": ("while True:\n    pass", "importing attempt.py did not finish within 2 s"),
-    "endless, deaf to the alarm": (
+    "endless, deaf to the alarm": (  # the sandbox is killed, whatever signals it blocks
         "import signal\nsignal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})\nwhile True:\n    pass",
-        "nothing happened for 23 s (an endless loop?), so it was stopped",
+        "importing attempt.py did not finish within 2 s",
     ),
 }
 
@@ -306,3 +306,132 @@ def test_lab10_a_combine_that_forgets_the_gates_and_counts_sent_twice_are_each_n
         tmp_path,
     )
     assert "the routing says" in _outcome("lab10_moe", "check_traffic", chatty)
+
+
+# -- a grader that cannot be fooled: four attacks on lab 6, each graded as failing --------------------
+
+LAB6 = labs.LABS_DIR / "lab6_scaling"
+LAB6_FUNCTIONS = (
+    "speedup_and_efficiency",
+    "karp_flatt_metric",
+    "communication_seconds",
+    "fit_compute_and_fixed",
+)
+
+ATTACKS = {
+    "writes its own verdict": """
+import json, os, sys
+for arg in sys.argv:
+    if arg.endswith("verdict.json"):
+        for attempt in (lambda: open(arg, "w"), lambda: open(arg + ".tmp", "w")):
+            try:
+                with attempt() as file:
+                    json.dump({"passed": True, "summary": "lab6_scaling: 7 of 7 hold"}, file)
+            except PermissionError:
+                pass
+        try:
+            os.replace(arg + ".tmp", arg)
+        except (PermissionError, FileNotFoundError):
+            pass
+""",
+    "monkeypatches the grading module": """
+import sys
+import course_lib.tools.labs as graders
+graders.run_suite = lambda *args, **kwargs: (True, ["lab6_scaling: 7 of 7 properties and answers hold"])
+graders._property_outcome = lambda *args, **kwargs: None
+for module in list(sys.modules.values()):
+    if getattr(module, "PROPERTIES", None):
+        module.PROPERTIES = []
+""",
+    "imports the solution": """
+import importlib.util
+import course_lib.tools.labs as graders
+_spec = importlib.util.spec_from_file_location("answer", graders.LABS_DIR / "lab6_scaling" / "solution.py")
+_answer = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_answer)
+speedup_and_efficiency, karp_flatt_metric = _answer.speedup_and_efficiency, _answer.karp_flatt_metric
+communication_seconds, fit_compute_and_fixed = _answer.communication_seconds, _answer.fit_compute_and_fixed
+""",
+}
+
+
+@pytest.mark.parametrize("attack", ATTACKS)
+def test_an_exercise_that_attacks_the_grader_is_graded_as_failing(attack, tmp_path):
+    """The submission runs only in processes apart from the judge: what it writes, patches or
+    imports there changes nothing the judge computes."""
+    path = tmp_path / "attempt.py"
+    path.write_text((LAB6 / "exercise.py").read_text() + ATTACKS[attack])
+    (tmp_path / "answers.toml").write_text((LAB6 / "solution_answers.toml").read_text())
+    graded = _check_command("lab6_scaling", "--file", str(path))
+    assert graded.returncode == 1, graded.stdout
+    assert "7 of 7" not in graded.stdout and "PASS  speedup" not in graded.stdout
+    if attack == "imports the solution":
+        assert "may not read the lab's solution (solution.py)" in graded.stdout
+
+
+RECORDING = """
+import functools
+
+def _recorded(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        result = fn(*args, **kwargs)
+        with open(RECORD_TO, "a") as file:
+            file.write(repr([fn.__name__, repr((args, sorted(kwargs.items()))), result]) + "\\n")
+        return result
+    return wrapper
+
+for _name in {functions}:
+    globals()[_name] = _recorded(globals()[_name])
+"""
+
+REPLAY = """
+import ast
+_PLAYED = {{}}
+for _line in open({record!r}).read().splitlines():
+    _name, _args, _result = ast.literal_eval(_line)
+    _PLAYED[(_name, _args)] = _result
+
+def _replay(name):
+    def function(*args, **kwargs):
+        return _PLAYED[(name, repr((args, sorted(kwargs.items()))))]
+    return function
+
+for _name in {functions}:
+    globals()[_name] = _replay(_name)
+"""
+
+
+def test_outputs_recorded_from_another_grading_answer_nothing(tmp_path):
+    """A submission that replays the solution's outputs passes only a grading with the very inputs it
+    recorded; every grading draws its own (``labs.GRADING_SEED``)."""
+    record = tmp_path / "recorded.txt"
+    recorder = tmp_path / "recorder.py"
+    recorder.write_text(
+        (LAB6 / "solution.py").read_text() + f"\nRECORD_TO = {str(record)!r}\n"
+        + RECORDING.format(functions=LAB6_FUNCTIONS)
+    )  # fmt: skip
+    (tmp_path / "answers.toml").write_text((LAB6 / "solution_answers.toml").read_text())
+    assert (
+        _check_command("lab6_scaling", "--file", str(recorder), COURSE_GRADING_SEED="12345").returncode == 0
+    )
+    replay = tmp_path / "replay.py"
+    replay.write_text(REPLAY.format(record=str(record), functions=LAB6_FUNCTIONS))
+    same_inputs = _check_command("lab6_scaling", "--file", str(replay), COURSE_GRADING_SEED="12345")
+    assert same_inputs.returncode == 0, same_inputs.stdout  # the attack is real where inputs repeat
+    graded = _check_command("lab6_scaling", "--file", str(replay))
+    assert graded.returncode == 1, graded.stdout
+    assert "KeyError" in graded.stdout  # asked what it never recorded
+
+
+def test_the_judge_never_imports_the_submission(tmp_path):
+    from course_lib.tools import sandbox
+
+    marker = tmp_path / "imported-in.txt"
+    path = tmp_path / "attempt.py"
+    path.write_text(f"import os\nopen({str(marker)!r}, 'a').write(str(os.getpid()) + '\\n')\nVALUE = 7\n")
+    submission = sandbox.Submission(path, load=labs.load, timeout_s=30)
+    assert submission.VALUE == 7  # fetched from a sandbox
+    assert str(os.getpid()) not in marker.read_text().split()
+    with pytest.raises(RuntimeError, match="the judge never loads the submission"):
+        submission.module()

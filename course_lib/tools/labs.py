@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import queue
 import random
@@ -135,7 +136,18 @@ collective that some rank never calls would otherwise wait forever."""
 
 
 def lab_timeout_s() -> float:
-    return float(os.environ.get("COURSE_LAB_TIMEOUT_S", LAB_TIMEOUT_S))
+    """``COURSE_LAB_TIMEOUT_S`` (seconds, above 0, at most a day), or ``LAB_TIMEOUT_S``; one line where
+    the variable is not such a number."""
+    text = os.environ.get("COURSE_LAB_TIMEOUT_S", "")
+    if not text:
+        return LAB_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 86_400:  # NaN too
+        raise UserError(f"COURSE_LAB_TIMEOUT_S={text!r}: give seconds, a number above 0 and at most 86400")
+    return value
 
 
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
@@ -516,6 +528,7 @@ def main(argv: list[str] | None = None) -> int:
         name, path, verdict, *answers = argv[1:]
         return _grade_in_child(name, Path(path), Path(answers[0]) if answers else None, Path(verdict))
     args = parser.parse_args(argv)
+    lab_timeout_s()  # a bad COURSE_LAB_TIMEOUT_S is refused before any grading starts
     if args.command == "generate":
         for path in generate():
             print(f"wrote {path.relative_to(LABS_DIR.parent)}")
@@ -548,4 +561,4 @@ if __name__ == "__main__":
     # (run as __main__), so that both see the same classes (CollectiveHung, Property).
     from course_lib.tools import labs
 
-    sys.exit(labs.main())
+    checks.exit_with(labs.main)

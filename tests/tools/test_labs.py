@@ -435,3 +435,13 @@ def test_the_judge_never_imports_the_submission(tmp_path):
     assert str(os.getpid()) not in marker.read_text().split()
     with pytest.raises(RuntimeError, match="the judge never loads the submission"):
         submission.module()
+
+
+@pytest.mark.parametrize("value", ["abc", "-3", "nan", "0"])
+def test_a_bad_lab_timeout_is_refused_in_one_line(value, monkeypatch, capsys):
+    from conftest import call_main
+
+    monkeypatch.setenv("COURSE_LAB_TIMEOUT_S", value)
+    shown = call_main(labs.main, ["check", "lab6_scaling"], capsys)
+    assert shown.returncode == 2 and shown.stderr.count("\n") == 1
+    assert f"COURSE_LAB_TIMEOUT_S={value!r}: give seconds" in shown.stderr

@@ -176,17 +176,32 @@ def _nearest_existing(path: Path) -> Path:
     return path
 
 
+def _given(flag: str | None, path: str | os.PathLike) -> Path:
+    """A path that is not empty ("" would mean the current folder, never what was meant)."""
+    if not str(path).strip():
+        raise UserError(f"{_shown(flag)}is empty: name a path")
+    return Path(path)
+
+
 def check_folder_to_read(flag: str | None, path: str | os.PathLike) -> Path:
     """A path that, if it exists, is a folder (whether it must exist is the caller's business)."""
-    path = Path(path)
+    path = _given(flag, path)
     if _exists(path) and not path.is_dir():
         raise UserError(f"{_shown(flag)}{path} is a file, but a folder is expected: name a folder instead")
     return path
 
 
+def check_existing_folder(flag: str | None, path: str | os.PathLike) -> Path:
+    """A folder that exists."""
+    path = check_folder_to_read(flag, path)
+    if not path.is_dir():
+        raise UserError(f"{_shown(flag)}{path} does not exist: check the path")
+    return path
+
+
 def check_file_to_read(flag: str | None, path: str | os.PathLike) -> Path:
     """A file that exists."""
-    path = Path(path)
+    path = _given(flag, path)
     if _exists(path) and path.is_dir():
         raise UserError(f"{_shown(flag)}{path} is a folder, but a file is expected: name the file inside it")
     if not _exists(path) or not path.is_file():
@@ -253,10 +268,38 @@ def check_folder_to_write(flag: str | None, path: str | os.PathLike) -> Path:
 
 def check_file_to_write(flag: str | None, path: str | os.PathLike) -> Path:
     """A file this process can create or append to (its folder is created when it is written)."""
-    path = Path(path)
+    path = _given(flag, path)
     if _exists(path) and path.is_dir():
         raise UserError(f"{_shown(flag)}{path} is a folder, but a file is expected: name a file inside it")
     _check_can_write_in(flag, path, "a file", folder=path.parent)
+    return path
+
+
+def check_suffix(flag: str | None, path: str | os.PathLike, suffixes: tuple[str, ...], what: str) -> Path:
+    """A file name ending as its writer writes it (``.png`` for a picture, ``.json`` for data)."""
+    path = Path(path)
+    if path.suffix.lower() not in suffixes:
+        raise UserError(
+            f"{_shown(flag)}{path} must end in {' or '.join(suffixes)}: the name says what {what} it holds"
+        )
+    return path
+
+
+def check_image_to_write(flag: str | None, path: str | os.PathLike) -> Path:
+    """A picture's file to write, of a kind matplotlib writes (its suffix names it: .png, .pdf, .svg...)."""
+    from matplotlib.backend_bases import FigureCanvasBase  # a list of formats: no backend is chosen
+
+    kinds = tuple(f".{kind}" for kind in FigureCanvasBase.get_supported_filetypes())
+    return check_file_to_write(flag, check_suffix(flag, path, kinds, "kind of picture"))
+
+
+def check_not_binary(flag: str | None, path: str | os.PathLike, what: str) -> Path:
+    """A file to read whose first bytes are text, not a picture or an archive given by mistake."""
+    path = check_file_to_read(flag, path)
+    with open(path, "rb") as file:
+        head = file.read(512)
+    if b"\0" in head or head.startswith((b"\x89PNG", b"%PDF", b"PK\x03\x04", b"\xff\xd8\xff")):
+        raise UserError(f"{_shown(flag)}{path} is not {what}: its first bytes are binary (a picture?)")
     return path
 
 
@@ -293,6 +336,28 @@ folder_to_write = argument_type(check_folder_to_write)
 folder_to_read = argument_type(check_folder_to_read)
 file_to_write = argument_type(check_file_to_write)
 file_to_read = argument_type(check_file_to_read)
+existing_folder = argument_type(check_existing_folder)
+image_to_write = argument_type(check_image_to_write)
+
+
+def named_file(suffixes: tuple[str, ...], what: str, *, to_write: bool) -> Callable[[str], Path]:
+    """argparse type: a file whose name ends in one of ``suffixes`` (``what`` it holds), to write, or
+    to read (then its first bytes must be text)."""
+
+    def check(flag: str | None, path: str | os.PathLike) -> Path:
+        path = check_suffix(flag, path, suffixes, what)
+        return check_file_to_write(flag, path) if to_write else check_not_binary(flag, path, what)
+
+    return argument_type(check)
+
+
+json_to_write = named_file((".json",), "data", to_write=True)
+json_to_read = named_file((".json",), "data", to_write=False)
+
+
+def text_to_read(what: str) -> Callable[[str], Path]:
+    """argparse type: a text file to read (``what`` it should hold, for the message)."""
+    return argument_type(check_not_binary, what=what)
 
 
 def read_csv_rows(path: str | os.PathLike, *, what: str, columns: tuple[str, ...]) -> list[tuple[int, dict]]:

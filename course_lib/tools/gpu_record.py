@@ -41,6 +41,8 @@ from ..plan.specs import MODELS, ModelSpec
 REPO = Path(__file__).resolve().parents[2]
 RECORDED = REPO / "slides" / "recorded" / "gpu"
 TOKENS = (2048, 8192)
+TESTS_TIMEOUT_MAX_S = 480
+"""The most the gpu-marked tests may take: ``make gpu-record`` has 8 minutes of a lent GPU in all."""
 """Tokens of one micro-batch (M of every product): a 2,048-token and an 8,192-token sequence."""
 TENSOR_DEGREES = (1, 2, 4, 8)
 """Tensor-parallel degrees whose split products are measured (N or K divided by the degree)."""
@@ -513,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-tests", action="store_true", help="record the rates only")
     parser.add_argument(
         "--tests-timeout",
-        type=checks.number_above(0),
+        type=checks.argument_type(checks.check_number, float, above=0, maximum=TESTS_TIMEOUT_MAX_S),
         default=300.0,
         help="seconds the gpu-marked tests may take",
     )

@@ -38,6 +38,7 @@ from pathlib import Path
 
 from .. import checks
 from ..distributed import environment, runtime
+from ..distributed.runtime import MAX_TIMEOUT_S
 from ..errors import EXIT_CRASH, EXIT_USER_ERROR, RendezvousFailed, UserError
 
 PLUGIN_SOURCES = ("uenv", "container", "none")
@@ -311,7 +312,10 @@ def main(argv: list[str] | None = None) -> int:
         "preflight", help="every rank: one all-reduce, its sum and NCCL's network checked"
     )
     flight.add_argument(
-        "--timeout-s", type=checks.number_above(0), default=120, help="how long a rank may wait"
+        "--timeout-s",
+        type=checks.argument_type(checks.check_number, float, above=0, maximum=MAX_TIMEOUT_S),
+        default=120,
+        help="how long a rank may wait",
     )
     args = parser.parse_args(argv)
     try:

@@ -506,19 +506,19 @@ def main(argv: list[str] | None = None) -> int:
     checker.add_argument("lab", help=f"one of: {', '.join(lab_names())}")
     checker.add_argument(
         "--file",
-        type=checks.file_to_read,
+        type=checks.named_file((".py",), "Python code", to_write=False),
         default=None,
         help="the file to check (default: the lab's exercise.py)",
     )
     checker.add_argument(
         "--answers",
-        type=checks.file_to_read,
+        type=checks.named_file((".toml",), "answers", to_write=False),
         default=None,
         help="your answers to the README's questions (default: answers.toml beside the file, or the lab's)",
     )
     checker.add_argument(
         "--submissions",
-        type=checks.folder_to_read,
+        type=checks.existing_folder,
         default=None,
         help="instructors: check every .py file in this folder, one report each",
     )

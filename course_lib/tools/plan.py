@@ -57,7 +57,10 @@ def token_count(text: str) -> int:
     match = re.fullmatch(r"\s*(\d+)\s*([KkMmGg]?)\s*", text)
     if not match:
         raise argparse.ArgumentTypeError(f"{text!r} is not a token count: write e.g. 4M, 512K or 1048576")
-    return int(match.group(1)) * SUFFIXES[match.group(2).upper()]
+    tokens = int(match.group(1)) * SUFFIXES[match.group(2).upper()]
+    if tokens < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a step trains on 1 token or more")
+    return tokens
 
 
 def _gb(value: float) -> str:
@@ -152,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         "all-to-alls (their heads must divide by tensor x context), or both, ranked together",
     )
     parser.add_argument("--top", type=checks.int_at_least(1), default=10, help="layouts to show")
-    parser.add_argument("--json", type=checks.file_to_write, default=None, help="write every prediction here")
+    parser.add_argument("--json", type=checks.json_to_write, default=None, help="write every prediction here")
     _add_stack_arguments(parser)
     parser.add_argument(
         "--validate",
@@ -248,7 +251,7 @@ def _add_stack_arguments(parser: argparse.ArgumentParser) -> None:
         help="the training stack: what it keeps and overlaps (course_lib/plan/frameworks.py)",
     )
     parser.add_argument(
-        "--profile", type=checks.file_to_read, default=None, help="a calibration profile (plan calibrate)"
+        "--profile", type=checks.json_to_read, default=None, help="a calibration profile (plan calibrate)"
     )
 
 
@@ -265,7 +268,7 @@ def predict_layouts(argv: list[str]) -> int:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--layouts", type=checks.file_to_read, required=True, help="the CSV of layouts")
-    parser.add_argument("--json", type=checks.file_to_write, required=True, help="where the rows go")
+    parser.add_argument("--json", type=checks.json_to_write, required=True, help="where the rows go")
     parser.add_argument("--model", help="the model of rows without a model column: a name or a config.json")
     parser.add_argument("--cluster", required=True, help="a built-in cluster's name, or a TOML or JSON file")
     _add_stack_arguments(parser)
@@ -346,7 +349,7 @@ def check_published(argv: list[str]) -> int:
         help="a CSV of published runs, with the columns of course_lib/tools/published_gpu_runs.csv",
     )
     parser.add_argument(
-        "--json", type=checks.file_to_write, default=None, help="write every row and the summary here"
+        "--json", type=checks.json_to_write, default=None, help="write every row and the summary here"
     )
     parser.add_argument(
         "--framework",

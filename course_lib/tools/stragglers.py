@@ -5,7 +5,6 @@ python -m course_lib.tools.stragglers REPORT.jsonl [--plot stragglers.png]
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -37,18 +36,25 @@ def read_report(path: str | Path) -> list[StepReport]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = checks.CommandParser(
         prog="python -m course_lib.tools.stragglers",
         description="Name the slowest rank of a run from its --straggler-report, and draw every step.",
     )
-    parser.add_argument("report", help="the JSON-lines file --straggler-report wrote")
-    parser.add_argument("--plot", default=None, help="draw each rank's lateness and wait per step as a PNG")
+    parser.add_argument(
+        "report",
+        type=checks.text_to_read("a straggler report"),
+        help="the JSON-lines file --straggler-report wrote",
+    )
+    parser.add_argument(
+        "--plot",
+        type=checks.image_to_write,
+        default=None,
+        help="draw each rank's lateness and wait per step (.png)",
+    )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = parser.parse_args(argv)
     try:
         steps = read_report(args.report)
-        if args.plot:
-            checks.check_file_to_write("--plot", args.plot)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         "and 1/T of the activations sent between stages",
     )
     parser.add_argument(
-        "--plot", type=checks.file_to_write, default=None, help="save the two loss curves to this PNG"
+        "--plot", type=checks.image_to_write, default=None, help="save the two loss curves to this PNG"
     )
     parser.add_argument(
         "--profile",

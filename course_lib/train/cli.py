@@ -215,7 +215,7 @@ def run(
         checks.check_number("--timeout", timeout_s, above=0, maximum=runtime.MAX_TIMEOUT_S)
         environment.choose_backend(backend, _cuda_available())
         validate_config(config, env.world_size, env.local_world_size)
-        if flight_recorder_dir:
+        if flight_recorder_dir is not None:
             checks.check_folder_to_write("--flight-recorder", flight_recorder_dir)
         if dry_run:
             if checks.launched_rank() == "0":

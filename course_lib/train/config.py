@@ -24,6 +24,8 @@ from . import checkpoint, strategies
 
 OPTIMIZERS = ("adamw", "sgd")
 PRECISIONS = ("fp32", "bf16")
+JSON_LINES = (".jsonl", ".json")
+"""What the names of the files that get one JSON line per epoch or step end in."""
 """The precisions the trainer runs (of ``plan.layout.PRECISIONS``: fp8 products are the planner's)."""
 
 
@@ -156,6 +158,12 @@ def validate_config(config: TrainConfig, world_size: int, ranks_per_node: int | 
     checks.check_int("eval_batch_size", config.eval_batch_size, minimum=1)
     checks.check_number("--lr", config.lr, above=0, maximum=MAX_LEARNING_RATE)
     checks.check_number("--weight-decay", config.weight_decay, minimum=0)
+    if config.lr * config.weight_decay > 1:  # AdamW and SGD scale every weight by 1 - lr x weight decay
+        raise UserError(
+            f"--weight-decay {config.weight_decay:g} with --lr {config.lr:g} takes more than the whole "
+            f"weight each step (lr x weight decay = {config.lr * config.weight_decay:g} > 1): choose at "
+            f"most {1 / config.lr:g}"
+        )
     if config.clip_grad_norm is not None:
         checks.check_number("--clip-grad-norm", config.clip_grad_norm, above=0)
     checks.check_int("--seed", config.seed, minimum=0, maximum=MAX_SEED)
@@ -179,11 +187,14 @@ def validate_config(config: TrainConfig, world_size: int, ranks_per_node: int | 
         hybrid_shard_group_size(config.hybrid_shard_size, world_size, ranks_per_node or world_size)
     if config.checkpoint_every and not config.checkpoint_dir:
         raise UserError("--checkpoint-every needs --checkpoint-dir (where to write the checkpoints)")
-    if config.checkpoint_dir:
+    # "" is a path given and mistyped, not the absence of one: each is checked when given at all
+    if config.checkpoint_dir is not None:
         checks.check_folder_to_write("--checkpoint-dir", config.checkpoint_dir)
-    if config.metrics:
-        checks.check_file_to_write("--metrics", config.metrics)
-    if config.profile:
+    if config.metrics is not None:
+        checks.check_file_to_write(
+            "--metrics", checks.check_suffix("--metrics", config.metrics, JSON_LINES, "data")
+        )
+    if config.profile is not None:
         checks.check_folder_to_write("--profile", config.profile)
     checks.check_int("--profile-steps", config.profile_steps, minimum=1)
     checks.check_int("--check-replicas", config.check_replicas, minimum=0)
@@ -192,7 +203,8 @@ def validate_config(config: TrainConfig, world_size: int, ranks_per_node: int | 
             "--check-replicas compares whole replicas: use it with --strategy ddp (ZeRO and FSDP shard the "
             "training state, so the ranks hold different pieces by design)"
         )
-    if config.straggler_report:
+    if config.straggler_report is not None:
+        checks.check_suffix("--straggler-report", config.straggler_report, JSON_LINES, "data")
         if config.strategy == "single" or config.impl != "course":
             raise UserError(
                 "--straggler-report times the collectives the course's own code makes: add --strategy ddp "

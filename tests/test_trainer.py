@@ -303,6 +303,17 @@ def test_refuses_an_incompatible_config(saved_checkpoint):
         launch(_resume, 2, config)
 
 
+def test_the_folder_of_the_checkpoints_given_as_one_names_resume_latest(tmp_path):
+    (tmp_path / "step-00000005").mkdir()
+    (tmp_path / "step-00000010").mkdir()
+    with pytest.raises(
+        UserError,
+        match=r"holds checkpoints \(step-00000005 ... step-00000010\), it is not one: "
+        r"pass --resume latest",
+    ):
+        checkpoint.read_meta(tmp_path)
+
+
 def test_refuses_a_corrupt_checkpoint(saved_checkpoint, tmp_path):
     import shutil
 

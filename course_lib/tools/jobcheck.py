@@ -183,7 +183,14 @@ def plugin_problem(*, source: str, nccl_net: str, library_path: str, edf: str) -
     path = Path(edf)
     if not path.is_file():
         return f"COURSE_EDF={edf} does not exist: give the path of an EDF .toml file", ""
-    if not EDF_HOOK.search(path.read_text()):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        return (
+            f"COURSE_EDF={edf} is not UTF-8 text (byte {error.object[error.start]:#04x} at position "
+            f"{error.start}): an EDF file is TOML, saved as UTF-8"
+        ), ""
+    if not EDF_HOOK.search(text):
         return (
             f'{edf} does not enable the plugin hook: add com.hooks.aws_ofi_nccl.enabled = "true" under '
             "[annotations] (see slurm/clusters/alps-container.toml)"

@@ -317,6 +317,12 @@ def read_meta(path: str | Path) -> dict[str, Any]:
         raise UserError(
             f"checkpoint {path} does not exist: pass a step-XXXXXXXX directory or --resume latest"
         )
+    held = sorted(child.name for child in path.iterdir() if CHECKPOINT_NAME.match(child.name))
+    if held and not (path / META_FILE).exists():  # the folder of the checkpoints, not one of them
+        raise UserError(
+            f"{path} holds checkpoints ({held[0]} ... {held[-1]}), it is not one: pass --resume latest "
+            f"with --checkpoint-dir {path}, or --resume {path / held[-1]}"
+        )
     for needed in (META_FILE, DCP_INDEX):
         if not (path / needed).is_file():
             raise UserError(

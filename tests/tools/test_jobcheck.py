@@ -66,6 +66,8 @@ def test_the_plugin_is_found_on_a_uenvs_library_path_or_named_by_the_container_h
     assert "does not exist" in jobcheck.plugin_problem(edf=str(tmp_path / "nothing.toml"), **options)[0]
     edf.write_text('image = "x"\n')
     assert "does not enable the plugin hook" in jobcheck.plugin_problem(edf=str(edf), **options)[0]
+    edf.write_bytes('image = "café"\n'.encode("latin-1"))
+    assert "is not UTF-8 text (byte 0xe9" in jobcheck.plugin_problem(edf=str(edf), **options)[0]
     # the course's own example enables it
     example = REPO / "slurm" / "clusters" / "alps-container.toml"
     assert jobcheck.plugin_problem(edf=str(example), **options)[0] is None

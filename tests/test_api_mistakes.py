@@ -17,6 +17,7 @@ from torch import nn
 from course_lib import models
 from course_lib.distributed import comm, runtime
 from course_lib.distributed.launch import launch
+from course_lib.errors import UserError
 from course_lib.parallel import context as cp
 from course_lib.parallel import context_chunks
 from course_lib.parallel import expert as ep
@@ -277,3 +278,16 @@ def test_a_wrong_type_or_sign_is_refused_at_the_door_naming_the_argument(attempt
     errors = user_errors({attempt: _door_attempts()[attempt]})
     assert attempt in errors, f"{attempt} was accepted"
     assert DOOR[attempt] in errors[attempt]
+
+
+def _only_rank_0_reduces():
+    if runtime.rank() == 0:
+        comm.all_reduce(torch.ones(3))
+    return runtime.rank()
+
+
+def test_a_collective_one_rank_never_makes_is_named_without_the_collective_check():
+    """Under torchrun no check runs before each collective (``launch`` makes one): gloo then only
+    says "Connection closed by peer"; the course says what it means."""
+    with pytest.raises(UserError, match="a rank waited in a collective that another rank never made"):
+        launch(_only_rank_0_reduces, 2, check_collectives=False, timeout_s=60)

@@ -25,6 +25,20 @@ calls_on: dict[object, int] = {}  # collectives made so far on each process grou
 
 POINT_TO_POINT = ("send", "recv", "isend", "irecv", "send_recv")
 
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
+"""What gloo says when the rank at the other end of a collective has already exited."""
+
+
+def explained(error: Exception, call: Call) -> Exception:
+    """The transport's error, or where it only says that a peer went away, what that means."""
+    if isinstance(error, UserError) or not any(sign in str(error) for sign in PEER_GONE):
+        return error
+    return UserError(
+        f"rank {runtime.rank()} waited in {call.op}: a rank waited in a collective that another rank never "
+        "made (that rank had already finished, or crashed first: read its output); every rank must make the "
+        "same collectives, in the same order"
+    )
+
 
 class SkippedWork:
     """The handle of a call an instrument skipped (a fault on purpose): nothing to wait for."""
@@ -50,7 +64,10 @@ class LoggedWork:
             except Exception as error:
                 for hook in hooks.collective_hooks:
                     hook.failed(self._call, error)
-                raise
+                clear = explained(error, self._call)
+                if clear is error:
+                    raise
+                raise clear from error
             if self._after is not None:
                 self._after()
             self._call.record.seconds = time.perf_counter() - self._started
@@ -162,5 +179,8 @@ def issue(
     except Exception as error:
         for hook in hooks.collective_hooks:
             hook.failed(described, error)
-        raise
+        clear = explained(error, described)
+        if clear is error:
+            raise
+        raise clear from error
     return LoggedWork(work, described, started, after)

@@ -54,6 +54,7 @@ from types import ModuleType
 from typing import Any
 
 from .. import checks
+from ..distributed.calls import PEER_GONE
 from ..distributed.launch import launch
 from ..errors import UserError
 from ..observe import collective_check  # noqa: F401  (installed: a student's one-sided call gets one line)
@@ -148,10 +149,6 @@ def lab_timeout_s() -> float:
     if not 0 < value <= 86_400:  # NaN too
         raise UserError(f"COURSE_LAB_TIMEOUT_S={text!r}: give seconds, a number above 0 and at most 86400")
     return value
-
-
-PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
-"""What gloo says when the rank at the other end of a collective has already exited."""
 
 
 @dataclass(frozen=True)

@@ -153,7 +153,9 @@ def check_fields(
         if not (wrong_type or out_of_bounds):
             continue
         kind = _kind(annotation)
-        if low is not None:
+        if low is not None and annotation is int:  # the words of check_int
+            kind += f", {low:g} or more"
+        elif low is not None:
             kind += f", {'above' if strictly else 'at least'} {low:g}"
         example = field.default if field.default is not dataclasses.MISSING else None
         if example is None or not _fits(example, annotation):
@@ -279,18 +281,9 @@ def check_suffix(flag: str | None, path: str | os.PathLike, suffixes: tuple[str,
     """A file name ending as its writer writes it (``.png`` for a picture, ``.json`` for data)."""
     path = Path(path)
     if path.suffix.lower() not in suffixes:
-        raise UserError(
-            f"{_shown(flag)}{path} must end in {' or '.join(suffixes)}: the name says what {what} it holds"
-        )
+        named = " or ".join(suffixes[:4]) + (" ..." if len(suffixes) > 4 else "")
+        raise UserError(f"{_shown(flag)}{path} must end in {named}: the name says what {what} it holds")
     return path
-
-
-def check_image_to_write(flag: str | None, path: str | os.PathLike) -> Path:
-    """A picture's file to write, of a kind matplotlib writes (its suffix names it: .png, .pdf, .svg...)."""
-    from matplotlib.backend_bases import FigureCanvasBase  # a list of formats: no backend is chosen
-
-    kinds = tuple(f".{kind}" for kind in FigureCanvasBase.get_supported_filetypes())
-    return check_file_to_write(flag, check_suffix(flag, path, kinds, "kind of picture"))
 
 
 def check_not_binary(flag: str | None, path: str | os.PathLike, what: str) -> Path:
@@ -337,7 +330,6 @@ folder_to_read = argument_type(check_folder_to_read)
 file_to_write = argument_type(check_file_to_write)
 file_to_read = argument_type(check_file_to_read)
 existing_folder = argument_type(check_existing_folder)
-image_to_write = argument_type(check_image_to_write)
 
 
 def named_file(suffixes: tuple[str, ...], what: str, *, to_write: bool) -> Callable[[str], Path]:
@@ -345,8 +337,8 @@ def named_file(suffixes: tuple[str, ...], what: str, *, to_write: bool) -> Calla
     to read (then its first bytes must be text)."""
 
     def check(flag: str | None, path: str | os.PathLike) -> Path:
-        path = check_suffix(flag, path, suffixes, what)
-        return check_file_to_write(flag, path) if to_write else check_not_binary(flag, path, what)
+        path = check_file_to_write(flag, path) if to_write else check_not_binary(flag, path, what)
+        return check_suffix(flag, path, suffixes, what)
 
     return argument_type(check)
 

@@ -247,10 +247,10 @@ def _door_attempts() -> dict:
 DOOR = {
     "Layout flag as a string": "Layout sequence_parallel must be True or False, got 'false' "
     "(e.g. Layout(..., sequence_parallel=True))",
-    "Layout degree as a float": "Layout data must be a whole number, at least 1, got 2.0",
-    "Layout degree zero": "Layout tensor must be a whole number, at least 1, got 0 "
+    "Layout degree as a float": "Layout data must be a whole number, 1 or more, got 2.0",
+    "Layout degree zero": "Layout tensor must be a whole number, 1 or more, got 0 "
     "(e.g. Layout(..., tensor=1))",
-    "ModelSpec negative layers": "ModelSpec layers must be a whole number, at least 1, got -3",
+    "ModelSpec negative layers": "ModelSpec layers must be a whole number, 1 or more, got -3",
     "ModelSpec top_k above experts": "top_k (3) cannot exceed the experts (2)",
     "Link bandwidth nan": "Link bandwidth must be a finite number, above 0, got nan",
     "Cluster memory negative": "ClusterSpec gpu_memory_bytes must be a finite number, above 0, got -1.0",

@@ -13,6 +13,7 @@ import contextlib
 import importlib
 import io
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -130,28 +131,37 @@ def outcomes(tmp_path_factory) -> dict[tuple[str, str, str, str], str]:
 
 
 SECOND_LOOK = {
-    "train": lambda option, value: ["--dry-run", option, value],  # validate_config: before any rank meets
-    "plan": lambda option, value: (
+    "train": lambda words, option, value: ["--dry-run", option, value],  # validate_config: before ranks meet
+    "plan": lambda words, option, value: (
         [option, value, "--gpus", "8"]
         + (["--cluster", "alps"] if option == "--model" else ["--model", "llama3-8b"])
     ),
+    "bench": lambda words, option, value: [*words, option, value],  # its sizes against the memory
 }
 """Commands that check some options after parsing, before any work: run them with the value (the
-trainer's dry run; the planner's names or files of models and clusters)."""
+trainer's dry run; the planner's names or files of models and clusters; the benchmarks' sizes),
+stopped where the work would start (``WORK_STARTS``)."""
+
+WORK_STARTS = {"bench": "course_lib.tools.bench.cli._run_benchmark"}
+"""Where a command's checks end and its work begins: replaced by a function that returns 0."""
 
 
 def _second_looks(seen: dict, folder: Path) -> dict:
     for key, outcome in list(seen.items()):
-        name, _, option, hostile = key
+        name, words, option, hostile = key
         if outcome != "accepted" or name not in SECOND_LOOK:
             continue
         if name == "plan" and option not in ("--model", "--cluster"):
             continue
         errors = io.StringIO()
         main = importlib.import_module(COMMANDS[name]).main
-        with contextlib.redirect_stderr(errors), contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(contextlib.redirect_stderr(errors))
+            stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
+            if name in WORK_STARTS:
+                stack.enter_context(mock.patch(WORK_STARTS[name], lambda *args: 0))
             try:
-                status = main(SECOND_LOOK[name](option, _value(hostile, folder)))
+                status = main(SECOND_LOOK[name](words.split(), option, _value(hostile, folder)))
             except SystemExit as stop:
                 status = stop.code
         said = errors.getvalue().strip()

@@ -127,7 +127,11 @@ recorded from another run (a solution's, a classmate's) answer other questions."
 
 
 def case_seed(base: int) -> int:
-    """A seed for one of a suite's inputs: ``base`` mixed with this grading's ``GRADING_SEED``."""
+    """A seed for one of a suite's inputs: ``base`` mixed with this grading's ``GRADING_SEED``.
+
+    Args:
+        base: the input's own number in the suite (any whole number; each input its own).
+    """
     return (base * 1_000_003 + GRADING_SEED) % 2**31
 
 

@@ -15,12 +15,26 @@ from matplotlib import ticker
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from .. import checks
 from ..errors import UserError
 from ..observe import anatomy
 from ..parallel.pipeline import bubble_fraction
 from ..plan import rooflines
 
 PNG_DPI = 120
+
+
+def check_image_to_write(flag: str | None, path) -> Path:
+    """A picture's file to write, of a kind matplotlib writes (its suffix names it: .png, .pdf, .svg...)."""
+    from matplotlib.backend_bases import FigureCanvasBase  # a list of formats: no backend is chosen
+
+    kinds = tuple(f".{kind}" for kind in ("png", "pdf", "svg", *FigureCanvasBase.get_supported_filetypes()))
+    path = checks.check_file_to_write(flag, path)
+    return checks.check_suffix(flag, path, tuple(dict.fromkeys(kinds)), "kind of picture")
+
+
+image_to_write = checks.argument_type(check_image_to_write)
+"""argparse type: a picture's file to write (``check_image_to_write``)."""
 
 
 def save(

@@ -12,7 +12,7 @@ from pathlib import Path
 from .. import checks
 from ..errors import UserError
 from ..observe.stragglers import StepReport, describe, summary
-from .plots import plot_stragglers
+from .plots import image_to_write, plot_stragglers
 
 
 def read_report(path: str | Path) -> list[StepReport]:
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--plot",
-        type=checks.image_to_write,
+        type=image_to_write,
         default=None,
         help="draw each rank's lateness and wait per step (.png)",
     )

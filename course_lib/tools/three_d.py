@@ -20,7 +20,7 @@ from ..parallel.mesh import describe_grid
 from ..parallel.recompute import POLICIES
 from ..plan.layout import CONTEXT_ATTENTION
 from ..train.three_d import check_run, train_3d
-from .plots import plot_loss_curves
+from .plots import image_to_write, plot_loss_curves
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         "and 1/T of the activations sent between stages",
     )
     parser.add_argument(
-        "--plot", type=checks.image_to_write, default=None, help="save the two loss curves to this PNG"
+        "--plot", type=image_to_write, default=None, help="save the two loss curves to this PNG"
     )
     parser.add_argument(
         "--profile",

@@ -191,9 +191,8 @@ def validate_config(config: TrainConfig, world_size: int, ranks_per_node: int | 
     if config.checkpoint_dir is not None:
         checks.check_folder_to_write("--checkpoint-dir", config.checkpoint_dir)
     if config.metrics is not None:
-        checks.check_file_to_write(
-            "--metrics", checks.check_suffix("--metrics", config.metrics, JSON_LINES, "data")
-        )
+        checks.check_file_to_write("--metrics", config.metrics)
+        checks.check_suffix("--metrics", config.metrics, JSON_LINES, "data")
     if config.profile is not None:
         checks.check_folder_to_write("--profile", config.profile)
     checks.check_int("--profile-steps", config.profile_steps, minimum=1)
@@ -204,13 +203,13 @@ def validate_config(config: TrainConfig, world_size: int, ranks_per_node: int | 
             "training state, so the ranks hold different pieces by design)"
         )
     if config.straggler_report is not None:
-        checks.check_suffix("--straggler-report", config.straggler_report, JSON_LINES, "data")
         if config.strategy == "single" or config.impl != "course":
             raise UserError(
                 "--straggler-report times the collectives the course's own code makes: add --strategy ddp "
                 "(or zero1, zero2, fsdp) --impl course (PyTorch's DDP and FSDP call the transport directly)"
             )
         checks.check_file_to_write("--straggler-report", config.straggler_report)
+        checks.check_suffix("--straggler-report", config.straggler_report, JSON_LINES, "data")
     if config.resume not in (None, "latest"):
         checks.check_folder_to_read("--resume", config.resume)
     resume_path = resolve_resume_path(config)

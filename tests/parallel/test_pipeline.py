@@ -240,9 +240,8 @@ def pipeline_bench() -> dict:
     of 130 kB (compute-bound), in half the time."""
     from conftest import run_bench
 
-    return run_bench(
-        *"pipeline --stages 2 --d-model 16 --seq 8 --batch 8 --steps 3 --warmup 1 --bubble-hidden 4096".split()
-    )
+    sizes = "--stages 2 --d-model 16 --seq 8 --batch 8 --steps 3 --warmup 1 --bubble-hidden 4096"
+    return run_bench("pipeline", *sizes.split())
 
 
 def test_pipeline_benchmark_prints_the_promised_json(pipeline_bench):

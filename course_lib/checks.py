@@ -347,11 +347,6 @@ json_to_write = named_file((".json",), "data", to_write=True)
 json_to_read = named_file((".json",), "data", to_write=False)
 
 
-def text_to_read(what: str) -> Callable[[str], Path]:
-    """argparse type: a text file to read (``what`` it should hold, for the message)."""
-    return argument_type(check_not_binary, what=what)
-
-
 def read_csv_rows(path: str | os.PathLike, *, what: str, columns: tuple[str, ...]) -> list[tuple[int, dict]]:
     """The rows of a CSV a user gave, each with its line number, once the file reads and has ``columns``.
 

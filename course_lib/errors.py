@@ -50,6 +50,11 @@ class UserError(Exception):
     """A mistake in the input (flag, environment, data, checkpoint) that the message tells how to fix."""
 
 
+class PeerLeft(UserError):
+    """A rank waited in a collective for a rank that had already ended (the transport only says that
+    the connection closed): another rank never made the collective, or crashed first."""
+
+
 class Diverged(Exception):
     """Training produced a non-finite loss or gradient; every rank stopped at the same step."""
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..errors import UserError
+from ..errors import PeerLeft, UserError
 from . import hooks, runtime
 from .ledger import CommRecord, active_logs, ring_bytes
 
@@ -25,18 +25,15 @@ calls_on: dict[object, int] = {}  # collectives made so far on each process grou
 
 POINT_TO_POINT = ("send", "recv", "isend", "irecv", "send_recv")
 
-PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
-"""What gloo says when the rank at the other end of a collective has already exited."""
-
 
 def explained(error: Exception, call: Call) -> Exception:
     """The transport's error, or where it only says that a peer went away, what that means."""
-    if isinstance(error, UserError) or not any(sign in str(error) for sign in PEER_GONE):
+    if isinstance(error, UserError) or not any(sign in str(error) for sign in runtime.PEER_GONE):
         return error
-    return UserError(
-        f"rank {runtime.rank()} waited in {call.op}: a rank waited in a collective that another rank never "
-        "made (that rank had already finished, or crashed first: read its output); every rank must make the "
-        "same collectives, in the same order"
+    return PeerLeft(
+        f"a rank waited in a collective that another rank never made (rank {runtime.rank()} waited in "
+        f"{call.op}; the other had already finished, or crashed first: read its output): every rank must "
+        "make the same collectives, in the same order"
     )
 
 

@@ -29,7 +29,7 @@ import sys
 from dataclasses import dataclass
 
 from ..checks import check_int, check_number
-from ..errors import RendezvousFailed, UserError
+from ..errors import PeerLeft, RendezvousFailed, UserError
 from . import hooks
 from .environment import (
     DistEnvironment,
@@ -238,22 +238,19 @@ def shutdown(*, leave_group: bool = True) -> None:
     _process = None
 
 
+PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+"""What the transport says when the rank at the other end has already exited."""
+
+
 def is_peer_failure(error: BaseException) -> bool:
     """True for the error a rank sees when *another* rank died or stopped answering."""
     import torch.distributed as dist
 
-    if isinstance(error, dist.DistError):
+    if isinstance(error, (dist.DistError, PeerLeft)):
         return True
     text = str(error)
     return isinstance(error, RuntimeError) and any(
-        marker in text
-        for marker in (
-            "Connection reset by peer",
-            "Connection closed by peer",
-            "Broken pipe",
-            "Timed out",
-            "timed out",
-        )
+        marker in text for marker in (*PEER_GONE, "Timed out", "timed out")
     )
 
 

@@ -54,8 +54,8 @@ from types import ModuleType
 from typing import Any
 
 from .. import checks
-from ..distributed.calls import PEER_GONE
 from ..distributed.launch import launch
+from ..distributed.runtime import PEER_GONE
 from ..errors import UserError
 from ..observe import collective_check  # noqa: F401  (installed: a student's one-sided call gets one line)
 from . import sandbox

@@ -21,7 +21,7 @@ def read_report(path: str | Path) -> list[StepReport]:
     Args:
         path: the JSON-lines file the trainer wrote.
     """
-    path = checks.check_file_to_read("REPORT", path)
+    path = checks.check_not_binary("REPORT", path, "a straggler report")
     steps = []
     for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
         if not line.strip():
@@ -40,11 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m course_lib.tools.stragglers",
         description="Name the slowest rank of a run from its --straggler-report, and draw every step.",
     )
-    parser.add_argument(
-        "report",
-        type=checks.text_to_read("a straggler report"),
-        help="the JSON-lines file --straggler-report wrote",
-    )
+    parser.add_argument("report", help="the JSON-lines file --straggler-report wrote")
     parser.add_argument(
         "--plot",
         type=image_to_write,

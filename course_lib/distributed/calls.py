@@ -26,15 +26,18 @@ calls_on: dict[object, int] = {}  # collectives made so far on each process grou
 POINT_TO_POINT = ("send", "recv", "isend", "irecv", "send_recv")
 
 
-def explained(error: Exception, call: Call) -> Exception:
-    """The transport's error, or where it only says that a peer went away, what that means."""
+def report_failure(call: Call, error: Exception) -> None:
+    """Tell the instruments that ``call`` failed; where the transport only says that a peer went
+    away, raise what that means instead (the caller re-raises ``error`` otherwise)."""
+    for hook in hooks.collective_hooks:
+        hook.failed(call, error)
     if isinstance(error, UserError) or not any(sign in str(error) for sign in runtime.PEER_GONE):
-        return error
-    return PeerLeft(
+        return
+    raise PeerLeft(
         f"a rank waited in a collective that another rank never made (rank {runtime.rank()} waited in "
         f"{call.op}; the other had already finished, or crashed first: read its output): every rank must "
         "make the same collectives, in the same order"
-    )
+    ) from error
 
 
 class SkippedWork:
@@ -59,12 +62,8 @@ class LoggedWork:
             try:
                 self._work.wait()
             except Exception as error:
-                for hook in hooks.collective_hooks:
-                    hook.failed(self._call, error)
-                clear = explained(error, self._call)
-                if clear is error:
-                    raise
-                raise clear from error
+                report_failure(self._call, error)
+                raise
             if self._after is not None:
                 self._after()
             self._call.record.seconds = time.perf_counter() - self._started
@@ -174,10 +173,6 @@ def issue(
                 hook.completed(described)
             return None
     except Exception as error:
-        for hook in hooks.collective_hooks:
-            hook.failed(described, error)
-        clear = explained(error, described)
-        if clear is error:
-            raise
-        raise clear from error
+        report_failure(described, error)
+        raise
     return LoggedWork(work, described, started, after)

@@ -269,7 +269,7 @@ def in_sandbox(fn: Callable, *args: Any) -> Any:
     return sandbox.in_sandbox(fn, *args, timeout_s=lab_timeout_s())
 
 
-def _property_outcome(prop: Property, student: ModuleType, path: Path) -> str | None:
+def _property_outcome(prop: Property, student: sandbox.Submission, path: Path) -> str | None:
     """None when the property holds, else the one line that says what is wrong."""
     try:
         prop.check(student)

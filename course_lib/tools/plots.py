@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from matplotlib import ticker
+from matplotlib.backend_bases import FigureCanvasBase  # a list of formats: no backend is chosen
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
@@ -24,17 +25,13 @@ from ..plan import rooflines
 PNG_DPI = 120
 
 
-def check_image_to_write(flag: str | None, path) -> Path:
-    """A picture's file to write, of a kind matplotlib writes (its suffix names it: .png, .pdf, .svg...)."""
-    from matplotlib.backend_bases import FigureCanvasBase  # a list of formats: no backend is chosen
+IMAGE_SUFFIXES = tuple(
+    dict.fromkeys(f".{kind}" for kind in ("png", "pdf", "svg", *FigureCanvasBase.get_supported_filetypes()))
+)
+"""The kinds of picture matplotlib writes, by the suffix that names them (.png first)."""
 
-    kinds = tuple(f".{kind}" for kind in ("png", "pdf", "svg", *FigureCanvasBase.get_supported_filetypes()))
-    path = checks.check_file_to_write(flag, path)
-    return checks.check_suffix(flag, path, tuple(dict.fromkeys(kinds)), "kind of picture")
-
-
-image_to_write = checks.argument_type(check_image_to_write)
-"""argparse type: a picture's file to write (``check_image_to_write``)."""
+image_to_write = checks.named_file(IMAGE_SUFFIXES, "kind of picture", to_write=True)
+"""argparse type: a picture's file to write, of a kind matplotlib writes."""
 
 
 def save(

@@ -16,7 +16,7 @@ from torch import nn
 from course_lib import models
 from course_lib.distributed import comm, runtime
 from course_lib.parallel import memory
-from course_lib.tools.labs import Property, Question, on_ranks
+from course_lib.tools.labs import Property, Question, case_seed, on_ranks
 
 WORLD_SIZES = (2, 3, 4)
 GLOBAL_BATCH, STEPS = 60, 3
@@ -36,7 +36,7 @@ class TiedBlock(nn.Module):
 
 
 def _units() -> list[nn.Module]:
-    torch.manual_seed(0)
+    torch.manual_seed(case_seed(0))  # this grading's own weights: a recording of another cannot match
     return [nn.Sequential(nn.Linear(7, 23), nn.Tanh()), TiedBlock(), nn.Linear(23, 5)]
 
 
@@ -44,49 +44,49 @@ def _flat(unit: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in unit.parameters() if p.requires_grad])
 
 
-def _batch(step: int, *, mine: bool):
-    generator = torch.Generator().manual_seed(1000 + step)
+def _piece(flat: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Piece ``rank`` of ``flat`` padded with zeros to ``world`` equal pieces."""
+    size = math.ceil(flat.numel() / world)
+    return torch.cat([flat, torch.zeros(size * world - flat.numel())])[rank * size : (rank + 1) * size]
+
+
+def _batch(step: int, *, mine: bool, rank: int = 0, world: int = 1):
+    generator = torch.Generator().manual_seed(case_seed(1000 + step))
     inputs = torch.randn(GLOBAL_BATCH, 7, generator=generator)
     targets = torch.randint(0, 5, (GLOBAL_BATCH,), generator=generator)
     if not mine:
         return inputs, targets
-    share = GLOBAL_BATCH // runtime.world_size()
-    part = slice(runtime.rank() * share, (runtime.rank() + 1) * share)
+    share = GLOBAL_BATCH // world
+    part = slice(rank * share, (rank + 1) * share)
     return inputs[part], targets[part]
+
+
+def _my_batch(step: int):
+    return _batch(step, mine=True, rank=runtime.rank(), world=runtime.world_size())
 
 
 def _sharded(lab) -> nn.Sequential:
     return nn.Sequential(*[lab.ShardedUnit(unit) for unit in _units()])
 
 
-# -- what each rank runs ------------------------------------------------------------------------------
+# -- what each rank runs: your code, and what it gives back (the judge compares) ------------------------
 
 
-def _layout(lab):
+def _layout(lab) -> list[dict]:
     model = _sharded(lab)
-    rank, world = runtime.rank(), runtime.world_size()
-    problems = []
-    for index, (unit, reference) in enumerate(zip(model, _units())):
-        flat = _flat(reference)
-        size = math.ceil(flat.numel() / world)
-        padded = torch.cat([flat, torch.zeros(size * world - flat.numel())])
-        if unit.shard.shape != (size,) or not torch.equal(
-            unit.shard.detach(), padded[rank * size : (rank + 1) * size]
-        ):
-            problems.append(
-                f"unit {index}: rank {rank}'s shard is not piece {rank} of the padded flat parameters"
-            )
-        elif not torch.equal(unit.gather_full(unit.shard), flat):
-            problems.append(f"unit {index}: gather_full did not give back the full flat parameters")
-        kept = [name for name, p in unit.module.named_parameters() if p.numel() and p.requires_grad]
-        if kept:
-            problems.append(f"unit {index}: the module still holds its trainable parameters {kept}")
-    return problems
+    return [
+        {
+            "shard": unit.shard.detach(),
+            "gathered": unit.gather_full(unit.shard).detach(),
+            "kept": [name for name, p in unit.module.named_parameters() if p.numel() and p.requires_grad],
+        }
+        for unit in model
+    ]
 
 
 def _forward_and_backward(lab):
     model = _sharded(lab)
-    inputs, targets = _batch(0, mine=True)
+    inputs, targets = _my_batch(0)
     saved_sizes = []
     shards = {unit.shard.data_ptr() for unit in model}
 
@@ -98,40 +98,29 @@ def _forward_and_backward(lab):
     with comm.CommLog() as log:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             output = model(inputs)
-        full_sizes = {unit.numel for unit in model}
-        kept_whole = any(size in full_sizes for size in saved_sizes) or any(
-            torch.is_tensor(value) and value.numel() in full_sizes
-            for unit in model
-            for value in vars(unit).values()
-        )
+        stored_sizes = [
+            value.numel() for unit in model for value in vars(unit).values() if torch.is_tensor(value)
+        ]
         forward_gathers = log.count("all_gather")
         F.cross_entropy(output, targets).backward()
-    reference = nn.Sequential(*_units())
-    F.cross_entropy(reference(*_batch(0, mine=False)[:1]), _batch(0, mine=False)[1]).backward()
-    rank, world = runtime.rank(), runtime.world_size()
-    gradient_errors = []
-    for unit, whole in zip(model, reference):
-        flat = torch.cat([p.grad.reshape(-1) for p in whole.parameters() if p.requires_grad])
-        size = math.ceil(flat.numel() / world)
-        padded = torch.cat([flat, torch.zeros(size * world - flat.numel())])
-        gradient_errors.append((unit.shard.grad - padded[rank * size : (rank + 1) * size]).abs().max().item())
-    with torch.no_grad():
-        reference_output = nn.Sequential(*_units())(inputs)
-    traffic = {
-        op: (log.count(op), log.bytes_per_rank(op)) for op in ("all_gather", "reduce_scatter", "all_reduce")
-    }
     return {
-        "output_error": (output.detach() - reference_output).abs().max().item(),
-        "kept_whole": kept_whole,
+        "output": output.detach(),
+        "saved_sizes": saved_sizes,
+        "stored_sizes": stored_sizes,
         "forward_gathers": forward_gathers,
-        "gradient_errors": gradient_errors,
-        "traffic": traffic,
-        "padded_bytes": sum(4 * unit.shard_size * world for unit in model),
+        "shard_gradients": [unit.shard.grad for unit in model],
+        "shard_sizes": [unit.shard_size for unit in model],
+        "traffic": {
+            op: (log.count(op), log.bytes_per_rank(op))
+            for op in ("all_gather", "reduce_scatter", "all_reduce")
+        },
     }
 
 
-def _train(lab, optimizer_name: str, kind: str):
-    if kind == "yours":
+def _train(lab, optimizer_name: str):
+    """STEPS steps under your ShardedUnit (``lab``), or under PyTorch's FSDP2 on the same units where
+    ``lab`` is None (a launch of the reference never loads your file): the full trained weights."""
+    if lab is not None:
         model = _sharded(lab)
         params = [unit.shard for unit in model]
     else:  # PyTorch's FSDP2 on the same units
@@ -143,7 +132,7 @@ def _train(lab, optimizer_name: str, kind: str):
         fully_shard(model)
         params = [p for p in model.parameters() if p.requires_grad]
     _fit(model, params, optimizer_name, mine=True)
-    if kind == "yours":
+    if lab is not None:
         return torch.cat([unit.gather_full(unit.shard) for unit in model])
     return torch.cat([p.full_tensor().reshape(-1) for p in model.parameters() if p.requires_grad])
 
@@ -157,7 +146,7 @@ def _fit(model: nn.Module, params: list, optimizer_name: str, *, mine: bool) -> 
     )
     for step in range(STEPS):
         optimizer.zero_grad()
-        inputs, targets = _batch(step, mine=mine)
+        inputs, targets = _my_batch(step) if mine else _batch(step, mine=False)
         F.cross_entropy(model(inputs), targets).backward()
         optimizer.step()
 
@@ -168,13 +157,25 @@ def _one_process(optimizer_name: str) -> torch.Tensor:
     return torch.cat([_flat(unit) for unit in model])
 
 
-# -- the properties -----------------------------------------------------------------------------------
+# -- the properties: computed here, in the judge, from what the ranks sent ---------------------------------
 
 
 def check_layout(lab) -> None:
+    flats = [_flat(unit) for unit in _units()]
     for world in WORLD_SIZES:
-        for problems in on_ranks(world, _layout, lab):
-            assert not problems, f"on {world} ranks, {problems[0]}"
+        for rank, units in enumerate(on_ranks(world, _layout, lab)):
+            for index, (got, flat) in enumerate(zip(units, flats)):
+                piece = _piece(flat, rank, world)
+                assert got["shard"].shape == piece.shape and torch.equal(got["shard"], piece), (
+                    f"on {world} ranks, unit {index}: rank {rank}'s shard is not piece {rank} of the padded flat "
+                    "parameters"
+                )
+                assert got["gathered"].shape == flat.shape and torch.equal(got["gathered"], flat), (
+                    f"on {world} ranks, unit {index}: gather_full did not give back the full flat parameters"
+                )
+                assert not got["kept"], (
+                    f"on {world} ranks, unit {index}: the module still holds its trainable parameters {got['kept']}"
+                )
 
 
 def _step_results(lab):
@@ -182,17 +183,23 @@ def _step_results(lab):
 
 
 def check_forward(lab) -> None:
+    whole = nn.Sequential(*_units())
     for world, ranks in _step_results(lab).items():
         for rank, result in enumerate(ranks):
-            assert result["output_error"] < 1e-6, (
-                f"on {world} ranks, rank {rank}'s output differs from the whole model's by {result['output_error']:.2e}"
+            with torch.no_grad():
+                wanted = whole(_batch(0, mine=True, rank=rank, world=world)[0])
+            error = (result["output"] - wanted).abs().max().item()
+            assert result["output"].shape == wanted.shape and error < 1e-6, (
+                f"on {world} ranks, rank {rank}'s output differs from the whole model's by {error:.2e}"
             )
 
 
 def check_nothing_whole_is_kept(lab) -> None:
+    full_sizes = {_flat(unit).numel() for unit in _units()}
     for world, ranks in _step_results(lab).items():
         result = ranks[0]
-        assert not result["kept_whole"], (
+        kept_whole = full_sizes & {*result["saved_sizes"], *result["stored_sizes"]}
+        assert not kept_whole, (
             f"on {world} ranks, a tensor the size of a unit's full parameters was kept after forward (saved for "
             "backward, or stored on the unit): only the shard may outlive the unit's computation"
         )
@@ -202,18 +209,31 @@ def check_nothing_whole_is_kept(lab) -> None:
 
 
 def check_gradients(lab) -> None:
+    whole = nn.Sequential(*_units())
+    inputs, targets = _batch(0, mine=False)
+    F.cross_entropy(whole(inputs), targets).backward()
+    gradients = [
+        torch.cat([p.grad.reshape(-1) for p in unit.parameters() if p.requires_grad]) for unit in whole
+    ]
     for world, ranks in _step_results(lab).items():
         for rank, result in enumerate(ranks):
-            worst = max(result["gradient_errors"])
-            assert worst < 1e-6, (
-                f"on {world} ranks, rank {rank}'s shard gradient differs from its piece of the whole batch's "
-                f"average gradient by {worst:.2e}"
-            )
+            for got, gradient in zip(result["shard_gradients"], gradients):
+                wanted = _piece(gradient, rank, world)
+                assert got is not None and got.shape == wanted.shape, (
+                    f"on {world} ranks, rank {rank}'s shard has no gradient of its shape {tuple(wanted.shape)}"
+                )
+                error = (got - wanted).abs().max().item()
+                assert error < 1e-6, (
+                    f"on {world} ranks, rank {rank}'s shard gradient differs from its piece of the whole batch's "
+                    f"average gradient by {error:.2e}"
+                )
 
 
 def check_traffic(lab) -> None:
+    numels = [_flat(unit).numel() for unit in _units()]
     for world, ranks in _step_results(lab).items():
-        traffic, padded = ranks[0]["traffic"], ranks[0]["padded_bytes"]
+        traffic = ranks[0]["traffic"]
+        padded = sum(4 * math.ceil(numel / world) * world for numel in numels)
         assert traffic["all_reduce"][0] == 0, (
             "FSDP needs no all-reduce: a reduce-scatter gives each rank its piece"
         )
@@ -232,14 +252,14 @@ def check_trains_like_one_process_and_fsdp2(lab) -> None:
     for optimizer_name in ("AdamW", "SGD with momentum"):
         reference = _one_process(optimizer_name)
         for world in WORLD_SIZES:
-            weights = on_ranks(world, _train, lab, optimizer_name, "yours")[0]
+            weights = on_ranks(world, _train, lab, optimizer_name)[0]
             error = (weights - reference).abs().max().item()
             assert error < 1e-5, (
                 f"after {STEPS} steps of {optimizer_name} on {world} ranks your weights differ from one "
                 f"process's by {error:.2e}"
             )
-    theirs = on_ranks(2, _train, lab, "AdamW", "torch")[0]
-    yours = on_ranks(2, _train, lab, "AdamW", "yours")[0]
+    theirs = on_ranks(2, _train, None, "AdamW")[0]
+    yours = on_ranks(2, _train, lab, "AdamW")[0]
     assert (yours - theirs).abs().max().item() < 1e-5, (
         "your weights differ from FSDP2's (fully_shard) after 3 steps"
     )

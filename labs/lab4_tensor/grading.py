@@ -12,19 +12,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib.distributed import comm, runtime
-from course_lib.tools.labs import Property, Question, on_ranks
+from course_lib.tools.labs import Property, Question, case_seed, on_ranks
 
 WORLD_SIZES = (2, 3, 4)
 IN, HIDDEN, OUT, BATCH, STEPS = 7, 36, 5, 12, 3
 
 
 def _dense() -> tuple[nn.Linear, nn.Linear]:
-    torch.manual_seed(0)
+    torch.manual_seed(case_seed(0))  # this grading's own weights: a recording of another cannot match
     return nn.Linear(IN, HIDDEN), nn.Linear(HIDDEN, OUT)
 
 
 def _inputs(step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(1000 + step)
+    generator = torch.Generator().manual_seed(case_seed(1000 + step))
     return torch.randn(BATCH, IN, generator=generator), torch.randint(0, OUT, (BATCH,), generator=generator)
 
 
@@ -32,44 +32,45 @@ def _dense_mlp(fc1, fc2, x):
     return fc2(F.gelu(fc1(x)))
 
 
-def _rows() -> slice:
-    per = HIDDEN // runtime.world_size()
-    return slice(runtime.rank() * per, (runtime.rank() + 1) * per)
+def _rows(rank: int, world: int) -> slice:
+    per = HIDDEN // world
+    return slice(rank * per, (rank + 1) * per)
 
 
-# -- what each rank runs ------------------------------------------------------------------------------
+def _difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
 
 
-def _f_and_g(lab):
-    rank, world = runtime.rank(), runtime.world_size()
+# -- what each rank runs: your code, and what it gives back (the judge compares) ------------------------
+
+
+def _f_and_g(lab) -> dict[str, torch.Tensor]:
+    rank = runtime.rank()
     x = torch.arange(6.0).reshape(2, 3).requires_grad_()
     y = lab.CopyToParallel.apply(x)
     (y * (rank + 1)).sum().backward()
-    f = (
-        torch.equal(y.detach(), x.detach()),
-        torch.equal(x.grad, torch.full_like(x, world * (world + 1) / 2)),
-    )
     partial = (torch.ones(2, 3) * (rank + 1)).requires_grad_()
     total = lab.ReduceFromParallel.apply(partial)
     (total * (rank + 1)).sum().backward()
-    g = (
-        torch.equal(total.detach(), torch.full((2, 3), world * (world + 1) / 2)),
-        torch.equal(partial.grad, torch.full((2, 3), float(rank + 1))),
-        torch.equal(partial.detach(), torch.ones(2, 3) * (rank + 1)),  # the input was not overwritten
-    )
-    return f, g
+    return {
+        "f_output": y.detach(),
+        "f_gradient": x.grad,
+        "g_output": total.detach(),
+        "g_gradient": partial.grad,
+        "g_input_after": partial.detach(),
+    }
 
 
-def _layers(lab):
+def _layers(lab) -> dict[str, torch.Tensor]:
     fc1, fc2 = _dense()
     x = _inputs()[0]
     column, row = lab.ColumnParallelLinear(fc1), lab.RowParallelLinear(fc2)
-    hidden = fc1(x).detach()
+    hidden = fc1(x).detach()[:, _rows(runtime.rank(), runtime.world_size())]
     return {
-        "column_weight": torch.equal(column.weight.detach(), fc1.weight.detach()[_rows()]),
-        "column_output": (column(x).detach() - hidden[:, _rows()]).abs().max().item(),
-        "row_weight": torch.equal(row.weight.detach(), fc2.weight.detach()[:, _rows()]),
-        "row_output": (row(hidden[:, _rows()]).detach() - fc2(hidden).detach()).abs().max().item(),
+        "column_weight": column.weight.detach(),
+        "column_output": column(x).detach(),
+        "row_weight": row.weight.detach(),
+        "row_output": row(hidden).detach(),
     }
 
 
@@ -77,89 +78,147 @@ def _mlp_step(lab):
     fc1, fc2 = _dense()
     mlp = lab.ParallelMLP(fc1, fc2)
     x, targets = _inputs()
-    x_dense, x_parallel = x.clone().requires_grad_(), x.clone().requires_grad_()
-    F.cross_entropy(_dense_mlp(fc1, fc2, x_dense), targets).backward()
+    x = x.clone().requires_grad_()
     with comm.CommLog() as log:
-        output = mlp(x_parallel)
+        output = mlp(x)
         forward_calls = log.count("all_reduce")
         F.cross_entropy(output, targets).backward()
-    rows = _rows()
-    errors = {
-        "output": (output.detach() - _dense_mlp(fc1, fc2, x).detach()).abs().max().item(),
-        "input gradient": (x_parallel.grad - x_dense.grad).abs().max().item(),
-        "fc1.weight gradient": (mlp.fc1.weight.grad - fc1.weight.grad[rows]).abs().max().item(),
-        "fc2.weight gradient": (mlp.fc2.weight.grad - fc2.weight.grad[:, rows]).abs().max().item(),
-        "fc2.bias gradient": (mlp.fc2.bias.grad - fc2.bias.grad).abs().max().item(),
+    values = {
+        "output": output.detach(),
+        "input gradient": x.grad,
+        "fc1.weight gradient": mlp.fc1.weight.grad,
+        "fc2.weight gradient": mlp.fc2.weight.grad,
+        "fc2.bias gradient": mlp.fc2.bias.grad,
     }
-    return errors, forward_calls, log.count("all_reduce"), log.bytes_per_rank("all_reduce")
+    return values, forward_calls, log.count("all_reduce"), log.bytes_per_rank("all_reduce")
 
 
-def _train(lab, optimizer_name: str, kind: str):
+def _dense_step() -> dict[str, torch.Tensor]:
+    """The dense MLP's output and gradients on the same batch, in the judge."""
     fc1, fc2 = _dense()
-    if kind == "yours":
+    x, targets = _inputs()
+    x = x.clone().requires_grad_()
+    output = _dense_mlp(fc1, fc2, x)
+    F.cross_entropy(output, targets).backward()
+    return {
+        "output": output.detach(),
+        "input gradient": x.grad,
+        "fc1.weight gradient": fc1.weight.grad,
+        "fc2.weight gradient": fc2.weight.grad,
+        "fc2.bias gradient": fc2.bias.grad,
+    }
+
+
+def _optimizer(params, optimizer_name: str):
+    if optimizer_name == "AdamW":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _train(lab, optimizer_name: str):
+    """STEPS steps under your ParallelMLP (``lab``), or under DTensor's ColwiseParallel and
+    RowwiseParallel where ``lab`` is None (a launch of the reference never loads your file)."""
+    fc1, fc2 = _dense()
+    if lab is not None:
         model = lab.ParallelMLP(fc1, fc2)
-    elif kind == "dtensor":
+    else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         model = nn.Sequential(fc1, nn.GELU(), fc2)
         mesh = init_device_mesh("cpu", (runtime.world_size(),))
         parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    else:
-        model = nn.Sequential(fc1, nn.GELU(), fc2)
-    optimizer = (
-        torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-        if optimizer_name == "AdamW"
-        else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    )
+    optimizer = _optimizer(model.parameters(), optimizer_name)
     for step in range(STEPS):
         optimizer.zero_grad()
         x, targets = _inputs(step)
         F.cross_entropy(model(x), targets).backward()
         optimizer.step()
-    if kind == "yours":
+    if lab is not None:
         return model.fc1.weight.detach().clone(), model.fc2.weight.detach().clone()
-    if kind == "dtensor":
-        return model[0].weight.to_local().detach().clone(), model[2].weight.to_local().detach().clone()
-    return model[0].weight.detach()[_rows()].clone(), model[2].weight.detach()[:, _rows()].clone()
+    return model[0].weight.to_local().detach().clone(), model[2].weight.to_local().detach().clone()
 
 
-# -- the properties -----------------------------------------------------------------------------------
+def _train_dense(optimizer_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dense MLP after STEPS steps, in the judge: both whole weights."""
+    fc1, fc2 = _dense()
+    model = nn.Sequential(fc1, nn.GELU(), fc2)
+    optimizer = _optimizer(model.parameters(), optimizer_name)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        x, targets = _inputs(step)
+        F.cross_entropy(model(x), targets).backward()
+        optimizer.step()
+    return fc1.weight.detach(), fc2.weight.detach()
+
+
+def _train_both(lab) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Both optimizers under your ParallelMLP, in one run of the ranks."""
+    return {optimizer_name: _train(lab, optimizer_name) for optimizer_name in ("AdamW", "SGD with momentum")}
+
+
+# -- the properties: computed here, in the judge, from what the ranks sent ---------------------------------
 
 
 def check_f_and_g(lab) -> None:
     for world in WORLD_SIZES:
-        for rank, (f, g) in enumerate(on_ranks(world, _f_and_g, lab)):
-            assert f[0], f"on {world} ranks, f changed its input in forward (it is the identity there)"
-            assert f[1], (
+        summed = torch.full((2, 3), world * (world + 1) / 2)
+        for rank, got in enumerate(on_ranks(world, _f_and_g, lab)):
+            x = torch.arange(6.0).reshape(2, 3)
+            assert torch.equal(got["f_output"], x), (
+                f"on {world} ranks, f changed its input in forward (it is the identity there)"
+            )
+            assert got["f_gradient"] is not None and torch.equal(got["f_gradient"], summed), (
                 f"on {world} ranks, rank {rank}'s gradient through f is not the sum of the ranks' gradients"
             )
-            assert g[2], f"on {world} ranks, g overwrote its input: all-reduce a copy"
-            assert g[0], f"on {world} ranks, g's output is not the sum of the ranks' inputs"
-            assert g[1], f"on {world} ranks, rank {rank}'s gradient through g is not the gradient it received"
+            assert torch.equal(got["g_input_after"], torch.full((2, 3), float(rank + 1))), (
+                f"on {world} ranks, g overwrote its input: all-reduce a copy"
+            )
+            assert torch.equal(got["g_output"], summed), (
+                f"on {world} ranks, g's output is not the sum of the ranks' inputs"
+            )
+            assert got["g_gradient"] is not None and torch.equal(
+                got["g_gradient"], torch.full((2, 3), float(rank + 1))
+            ), f"on {world} ranks, rank {rank}'s gradient through g is not the gradient it received"
 
 
 def check_split_layers(lab) -> None:
+    fc1, fc2 = _dense()
+    x = _inputs()[0]
+    with torch.no_grad():
+        hidden = fc1(x)
+        output = fc2(hidden)
     for world in WORLD_SIZES:
-        for rank, result in enumerate(on_ranks(world, _layers, lab)):
-            assert result["column_weight"], (
+        for rank, got in enumerate(on_ranks(world, _layers, lab)):
+            rows = _rows(rank, world)
+            assert torch.equal(got["column_weight"], fc1.weight.detach()[rows]), (
                 f"on {world} ranks, rank {rank}'s column layer does not hold rows {rank} of fc1"
             )
-            assert result["column_output"] < 1e-6, (
+            assert _difference(got["column_output"], hidden[:, rows]) < 1e-6, (
                 f"on {world} ranks, rank {rank}'s column layer output is not its slice of the dense output"
             )
-            assert result["row_weight"], (
+            assert torch.equal(got["row_weight"], fc2.weight.detach()[:, rows]), (
                 f"on {world} ranks, rank {rank}'s row layer does not hold columns {rank} of fc2"
             )
-            assert result["row_output"] < 1e-6, (
-                f"on {world} ranks, the row layer's output differs from the dense layer's by {result['row_output']:.2e}"
+            error = _difference(got["row_output"], output)
+            assert error < 1e-6, (
+                f"on {world} ranks, the row layer's output differs from the dense layer's by {error:.2e}"
             )
 
 
 def check_mlp_forward_and_backward(lab) -> None:
+    dense = _dense_step()
     for world in WORLD_SIZES:
-        for rank, (errors, _, _, _) in enumerate(on_ranks(world, _mlp_step, lab)):
-            for what, error in errors.items():
+        for rank, (got, _, _, _) in enumerate(on_ranks(world, _mlp_step, lab)):
+            rows = _rows(rank, world)
+            wanted = dict(dense)
+            wanted["fc1.weight gradient"] = dense["fc1.weight gradient"][rows]
+            wanted["fc2.weight gradient"] = dense["fc2.weight gradient"][:, rows]
+            for what, value in wanted.items():
+                assert got[what] is not None and got[what].shape == value.shape, (
+                    f"on {world} ranks, rank {rank} has no {what} of shape {tuple(value.shape)}"
+                )
+                error = _difference(got[what], value)
                 assert error < 1e-5, (
                     f"on {world} ranks, rank {rank}'s {what} differs from the dense MLP's by {error:.2e}"
                 )
@@ -178,26 +237,27 @@ def check_mlp_traffic(lab) -> None:
         assert sent == wanted, f"on {world} ranks a step sent {sent:.0f} bytes per rank, not {wanted:.0f}"
 
 
-def _train_against_dense(lab) -> dict[str, float]:
-    """Both optimizers, yours against the dense MLP, in one run of the ranks: the largest difference."""
-    differences = {}
-    for optimizer_name in ("AdamW", "SGD with momentum"):
-        yours, dense = _train(lab, optimizer_name, "yours"), _train(lab, optimizer_name, "dense")
-        differences[optimizer_name] = max((a - b).abs().max().item() for a, b in zip(yours, dense))
-    return differences
+def _slices_differ(yours, whole, rank: int, world: int) -> float:
+    rows = _rows(rank, world)
+    wanted = (whole[0][rows], whole[1][:, rows])
+    if any(a.shape != b.shape for a, b in zip(yours, wanted)):
+        return float("inf")
+    return max(_difference(a, b) for a, b in zip(yours, wanted))
 
 
 def check_trains_like_dense_and_dtensor(lab) -> None:
+    dense = {name: _train_dense(name) for name in ("AdamW", "SGD with momentum")}
     for world in WORLD_SIZES:
-        for rank, differences in enumerate(on_ranks(world, _train_against_dense, lab)):
-            for optimizer_name, error in differences.items():
+        for rank, trained in enumerate(on_ranks(world, _train_both, lab)):
+            for optimizer_name, yours in trained.items():
+                error = _slices_differ(yours, dense[optimizer_name], rank, world)
                 assert error < 1e-5, (
                     f"after {STEPS} steps of {optimizer_name} on {world} ranks, rank {rank}'s slices differ from "
                     f"the dense MLP's by {error:.2e}"
                 )
-    yours = on_ranks(2, _train, lab, "AdamW", "yours")[0]
-    theirs = on_ranks(2, _train, lab, "AdamW", "dtensor")[0]
-    error = max((a - b).abs().max().item() for a, b in zip(yours, theirs))
+    yours = on_ranks(2, _train, lab, "AdamW")[0]
+    theirs = on_ranks(2, _train, None, "AdamW")[0]
+    error = max(_difference(a, b) for a, b in zip(yours, theirs))
     assert error < 1e-5, f"your slices differ from DTensor's ColwiseParallel/RowwiseParallel by {error:.2e}"
 
 

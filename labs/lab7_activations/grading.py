@@ -8,6 +8,8 @@ and shapes that divide by nothing in particular.
 
 from __future__ import annotations
 
+import random
+
 import torch
 
 from course_lib import models
@@ -17,9 +19,17 @@ from course_lib.parallel import sequence as sp
 from course_lib.parallel import tensor as tp
 from course_lib.parallel.memory import live_tensor_bytes
 from course_lib.plan import activations
-from course_lib.tools.labs import Property, Question, on_ranks
+from course_lib.tools.labs import Property, Question, case_seed, on_ranks
 
-SHAPES = ((5, 12, 24, 6), (3, 7, 20, 5), (2, 24, 36, 6))  # batch, seq, d_model, heads
+_DRAW = random.Random(case_seed(7))  # this grading's own shapes: a recording of another's answers lacks them
+_HEADS = _DRAW.randint(2, 6)
+SHAPES = (
+    (5, 12, 24, 6),
+    (3, 7, 20, 5),
+    (2, 24, 36, 6),
+    (_DRAW.randint(1, 6), _DRAW.randint(2, 24), _HEADS * _DRAW.randint(2, 6), _HEADS),
+)  # batch, seq, d_model, heads
+SPLIT_BATCH = _DRAW.randint(1, 6)  # with 12 tokens and 6 heads, which split 2 and 3 ways
 
 
 def _kept(batch: int, seq: int, d_model: int, heads: int, sequence_parallel: bool, policy: str) -> int:
@@ -64,7 +74,7 @@ def check_one_process(lab) -> None:
 
 
 def check_tensor_and_sequence_parallel(lab) -> None:
-    batch, seq, d_model, heads = 5, 12, 24, 6  # 12 tokens and 6 heads split 2 and 3 ways
+    batch, seq, d_model, heads = SPLIT_BATCH, 12, 24, 6
     for degree in (2, 3):
         for sequence_parallel in (False, True):
             one = lab.one_process_terms(batch=batch, seq=seq, d_model=d_model, heads=heads)
@@ -80,7 +90,7 @@ def check_tensor_and_sequence_parallel(lab) -> None:
 
 
 def check_recomputation(lab) -> None:
-    batch, seq, d_model, heads = 5, 12, 24, 6
+    batch, seq, d_model, heads = SPLIT_BATCH, 12, 24, 6
     for degree, sequence_parallel in ((1, False), (2, False), (2, True), (3, True)):
         cases = [(batch, seq, d_model, heads, sequence_parallel, policy) for policy in recompute.POLICIES]
         said = [
@@ -101,7 +111,7 @@ def check_recomputation(lab) -> None:
 
 PROPERTIES = [
     Property(
-        "one process: the terms add up to what a block keeps, at three shapes",
+        "one process: the terms add up to what a block keeps, at four shapes (one drawn for this grading)",
         check_one_process,
         "List the operations of Block.forward in order (norm, q/k/v, attention, out, add, norm, fc1, GELU, fc2, "
         "add) and, for each, the tensors its backward reads; count a tensor once however many read it.",

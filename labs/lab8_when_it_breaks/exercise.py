@@ -20,7 +20,7 @@ from course_lib.distributed import comm, runtime
 THRESHOLD = 20.0
 """The loss above which ``train_and_report`` prints the mean loss."""
 SEED = 0
-"""The run's seed: the weights' and the data order's."""
+"""The run's seed: the weights' and the data order's (the grader sets its own for each grading)."""
 TRUE_WEIGHTS = torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
 
 

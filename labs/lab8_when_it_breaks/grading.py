@@ -20,25 +20,39 @@ from torch.utils.data import DistributedSampler, TensorDataset
 from course_lib.distributed.launch import launch
 from course_lib.observe import flight_recorder
 from course_lib.tools import diagnose
-from course_lib.tools.labs import Property, Question, load, on_ranks
+from course_lib.tools.labs import Property, Question, case_seed, load, on_ranks
 
 BROKEN = Path(__file__).resolve().parent / "broken.py"
 
 
-def _run(world_size: int, function):
-    """Rank 0's result of ``function`` on ``world_size`` ranks, and the diagnosis of their records."""
+def _seed() -> int:
+    """The run's seed for this grading (your scripts' ``SEED``): the weights and the order it gives
+    are this grading's own, so a recording of another grading's results cannot match."""
+    return case_seed(8)
+
+
+def _seeded(lab, name: str) -> list[float]:
+    """On a rank: your script ``name``, run with this grading's seed as its ``SEED``."""
+    module = lab.module()
+    module.SEED = _seed()
+    return getattr(module, name)()
+
+
+def _run(world_size: int, lab, name: str):
+    """Every rank's result of your script ``name`` on ``world_size`` ranks, and the diagnosis of their
+    records."""
     folder = tempfile.mkdtemp(prefix="lab8-records-")
     os.environ[flight_recorder.FOLDER_VARIABLE] = folder
     try:
-        results = on_ranks(world_size, function)
+        results = on_ranks(world_size, _seeded, lab, name)
     finally:
         del os.environ[flight_recorder.FOLDER_VARIABLE]
     return results, diagnose.diagnose(diagnose.load(folder))
 
 
-def _check_like_one_process(function, reference, what: str) -> None:
+def _check_like_one_process(lab, what: str, reference) -> None:
     for world_size in (2, 3):
-        results, found = _run(world_size, function)
+        results, found = _run(world_size, lab, what)
         expected = reference(world_size)
         for rank, weights in enumerate(results):
             assert torch.allclose(torch.tensor(weights), torch.tensor(expected), atol=1e-5), (
@@ -61,33 +75,33 @@ def _one_process(model: nn.Module, lr: float, losses) -> list[float]:
 def check_report(lab) -> None:
     def reference(world_size):
         x, y = lab.regression_rows(world_size)
-        torch.manual_seed(lab.SEED)
+        torch.manual_seed(_seed())
         model = nn.Linear(4, 1)
         return _one_process(model, 0.02, lambda m: ([nn.functional.mse_loss(m(x), y)] for _ in range(4)))
 
-    _check_like_one_process(lab.train_and_report, reference, "train_and_report")
+    _check_like_one_process(lab, "train_and_report", reference)
 
 
 def check_classifier(lab) -> None:
     def reference(world_size):
         x, labels = lab.labelled_rows(world_size)
-        torch.manual_seed(lab.SEED)
+        torch.manual_seed(_seed())
         model = nn.Linear(4, int(labels.max()) + 1)
         return _one_process(
             model, 0.1, lambda m: ([nn.functional.cross_entropy(m(x), labels)] for _ in range(4))
         )
 
-    _check_like_one_process(lab.train_classifier, reference, "train_classifier")
+    _check_like_one_process(lab, "train_classifier", reference)
 
 
 def check_epochs(lab) -> None:
     def reference(world_size, epochs=3, batch=2):
         dataset = TensorDataset(*lab.regression_rows(world_size))
         samplers = [
-            DistributedSampler(dataset, world_size, rank, shuffle=True, seed=lab.SEED)
+            DistributedSampler(dataset, world_size, rank, shuffle=True, seed=_seed())
             for rank in range(world_size)
         ]
-        torch.manual_seed(lab.SEED)
+        torch.manual_seed(_seed())
         model = nn.Linear(4, 1)
 
         def losses(m):
@@ -106,7 +120,7 @@ def check_epochs(lab) -> None:
 
         return _one_process(model, 0.02, losses)
 
-    _check_like_one_process(lab.train_epochs, reference, "train_epochs")
+    _check_like_one_process(lab, "train_epochs", reference)
 
 
 PROPERTIES = [
@@ -126,7 +140,8 @@ PROPERTIES = [
         "train_epochs: on 2 and 3 ranks, trains like one process, and every epoch passes check_epoch_order",
         check_epochs,
         "DistributedSampler cuts one permutation N ways: every rank must draw the same permutation (the "
-        "same seed), and a new one each epoch (the sampler must be told the epoch).",
+        "run's seed, SEED, which the grader sets for each grading), and a new one each epoch (the "
+        "sampler must be told the epoch).",
     ),
 ]
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from course_lib.observe import flight_recorder
 from course_lib.tools import labs
 
 from conftest import REPO, clean_env
@@ -44,22 +45,134 @@ def _check_command(name: str, *args: str, **env: str) -> subprocess.CompletedPro
     )
 
 
+# What a submission that attacks its grader adds to an unfinished exercise, each attack guarded so
+# that the file still loads: it writes the verdict, patches the grading code, and becomes the
+# lab's solution. Where any of them worked, the exercise would pass.
+ATTACKING_TAIL = """
+import importlib.util as _util
+import json as _json
+import os as _os
+import sys as _sys
+
+for _arg in _sys.argv:
+    if _arg.endswith("verdict.json"):
+        for _target in (_arg, _arg[: -len(".json")] + ".partial"):
+            try:
+                with open(_target, "w") as _file:
+                    _json.dump({{"passed": True, "summary": "every property holds"}}, _file)
+                if _target != _arg:
+                    _os.replace(_target, _arg)
+            except OSError:
+                pass
+
+import course_lib.tools.labs as _graders
+
+_graders.run_suite = lambda *args, **kwargs: (True, ["every property holds"])
+_graders._property_outcome = lambda *args, **kwargs: None
+for _module in list(_sys.modules.values()):
+    if getattr(_module, "PROPERTIES", None):
+        _module.PROPERTIES = []
+
+try:
+    _spec = _util.spec_from_file_location("_answer", _graders.LABS_DIR / {name!r} / "solution.py")
+    _answer = _util.module_from_spec(_spec)
+    _spec.loader.exec_module(_answer)
+    globals().update({{key: value for key, value in vars(_answer).items() if not key.startswith("__")}})
+except PermissionError:
+    pass
+"""
+
+
+class Recorder:
+    """What the processes that ran a submission answered the judge, property by property: recorded
+    from one grading, or played back to another, as a submission replaying its outputs would (the
+    processes the grader starts for its own references, which never load the file, run as ever)."""
+
+    def __init__(self, monkeypatch):
+        self.answers: dict[str, list] = {}
+        self.playing = False
+        self._property = "loading"
+        launch, in_sandbox, outcome = labs.launch, labs.sandbox.in_sandbox, labs._property_outcome
+
+        def property_outcome(prop, *args):
+            self._property = prop.name
+            self.answers.setdefault(prop.name, []) if not self.playing else None
+            self._position = 0
+            return outcome(prop, *args)
+
+        monkeypatch.setattr(labs, "_property_outcome", property_outcome)
+        monkeypatch.setattr(labs, "launch", self._wrap(launch))
+        monkeypatch.setattr(labs.sandbox, "in_sandbox", self._wrap(in_sandbox))
+
+    def _wrap(self, call):
+        def answered(*args, **kwargs):
+            runs_the_submission = any(
+                isinstance(arg, (labs.sandbox.Submission, labs.sandbox.RemoteFunction))
+                for arg in (*args, *kwargs.values())
+            )
+            if self._property == "loading" or not runs_the_submission:  # the grader's own processes
+                return call(*args, **kwargs)
+            # what the ranks leave in the folder the grader names (lab 8's flight records) is replayed too
+            folder = os.environ.get(flight_recorder.FOLDER_VARIABLE)
+            if self.playing:
+                recorded = self.answers.get(self._property, [])
+                if self._position >= len(recorded):
+                    raise RuntimeError("asked what was never recorded")
+                self._position += 1
+                result, files = recorded[self._position - 1]
+                for file_name, content in files.items():
+                    (Path(folder) / file_name).write_bytes(content)
+                return result
+            result = call(*args, **kwargs)
+            files = {path.name: path.read_bytes() for path in Path(folder).iterdir()} if folder else {}
+            self.answers[self._property].append((result, files))
+            return result
+
+        return answered
+
+    def grade(self, name: str, seed: int, *, playing: bool) -> tuple[bool, list[str]]:
+        self.playing, self._property = playing, "loading"
+        os.environ["COURSE_GRADING_SEED"] = str(seed)
+        try:
+            return labs.run_suite(
+                name,
+                labs.LABS_DIR / name / "solution.py",
+                labs.LABS_DIR / name / "solution_answers.toml",
+            )
+        finally:
+            del os.environ["COURSE_GRADING_SEED"]
+
+
 @pytest.mark.parametrize("name", SUITE_LABS)
-def test_the_suite_passes_on_the_solution_and_fails_helpfully_on_the_untouched_exercise(name):
+def test_the_suite_passes_on_the_solution_and_its_recorded_answers_pass_no_other_grading(name, monkeypatch):
+    """Every property compares, in the judge, what the ranks and sandboxes sent with what it computes
+    itself on inputs drawn for this grading: the solution's answers, recorded and played back,
+    pass the grading they came from and fail any other."""
     grading = labs.load(labs.LABS_DIR / name / "grading.py")
     total = len(grading.PROPERTIES) + len(grading.QUESTIONS)
-    solved = _check_command(
-        name, "--file", f"labs/{name}/solution.py", "--answers", f"labs/{name}/solution_answers.toml"
-    )
-    assert solved.returncode == 0, solved.stdout + solved.stderr
-    assert solved.stdout.splitlines()[-1] == f"{name}: {total} of {total} properties and answers hold"
-    assert solved.stdout.count("PASS  ") == total
+    recorder = Recorder(monkeypatch)
+    passed, lines = recorder.grade(name, 1234, playing=False)
+    assert passed, "\n".join(lines)
+    assert lines[-1] == f"{name}: {total} of {total} properties and answers hold"
+    assert sum(line.startswith("PASS  ") for line in lines) == total
 
-    untouched = _check_command(name)
+    replayed, lines = recorder.grade(name, 1234, playing=True)
+    assert replayed, "\n".join(lines)  # the replay is faithful: the same inputs, the same verdict
+    replayed, lines = recorder.grade(name, 4321, playing=True)
+    assert not replayed, f"{name}'s grading passes on answers recorded from another:\n" + "\n".join(lines)
+
+
+@pytest.mark.parametrize("name", SUITE_LABS)
+def test_the_untouched_exercise_fails_helpfully_even_when_it_attacks_the_grader(name, tmp_path):
+    grading = labs.load(labs.LABS_DIR / name / "grading.py")
+    total = len(grading.PROPERTIES) + len(grading.QUESTIONS)
+    attempt = tmp_path / "exercise.py"  # answers.toml: the lab's, which holds no answer
+    attempt.write_text((labs.LABS_DIR / name / "exercise.py").read_text() + ATTACKING_TAIL.format(name=name))
+    untouched = _check_command(name, "--file", str(attempt))
     assert untouched.returncode == 1
     lines = untouched.stdout.splitlines()
     first = grading.PROPERTIES[0]
-    assert lines[0].startswith(f"FAIL  {first.name} (") and "not finished yet: TODO: " in lines[0]
+    assert lines[0].startswith(f"FAIL  {first.name} (") and "not finished yet: TODO: " in lines[0], lines[0]
     assert "(exercise.py, line " in lines[0]
     assert lines[-1] == f"{name}: 0 of {total} properties and answers hold; hint: {first.hint}"
     assert "not answered yet" in untouched.stdout  # the committed answers.toml holds no answer
@@ -308,7 +421,7 @@ def test_lab10_a_combine_that_forgets_the_gates_and_counts_sent_twice_are_each_n
     assert "the routing says" in _outcome("lab10_moe", "check_traffic", chatty)
 
 
-# -- a grader that cannot be fooled: four attacks on lab 6, each graded as failing --------------------
+# -- a grader that cannot be fooled: attacks on lab 6, each failing with its reason -------------------------
 
 LAB6 = labs.LABS_DIR / "lab6_scaling"
 LAB6_FUNCTIONS = (
@@ -318,55 +431,45 @@ LAB6_FUNCTIONS = (
     "fit_compute_and_fixed",
 )
 
+# every lab meets the three attacks together, guarded (ATTACKING_TAIL, above); here each is shown unguarded,
+# as a student would write it, with the line the grading then prints
+
 ATTACKS = {
-    "writes its own verdict": """
-import json, os, sys
+    "writes its own verdict": (
+        """
+import json, sys
 for arg in sys.argv:
     if arg.endswith("verdict.json"):
-        for attempt in (lambda: open(arg, "w"), lambda: open(arg + ".tmp", "w")):
-            try:
-                with attempt() as file:
-                    json.dump({"passed": True, "summary": "lab6_scaling: 7 of 7 hold"}, file)
-            except PermissionError:
-                pass
-        try:
-            os.replace(arg + ".tmp", arg)
-        except (PermissionError, FileNotFoundError):
-            pass
+        with open(arg, "w") as file:
+            json.dump({"passed": True, "summary": "lab6_scaling: 7 of 7 hold"}, file)
 """,
-    "monkeypatches the grading module": """
-import sys
-import course_lib.tools.labs as graders
-graders.run_suite = lambda *args, **kwargs: (True, ["lab6_scaling: 7 of 7 properties and answers hold"])
-graders._property_outcome = lambda *args, **kwargs: None
-for module in list(sys.modules.values()):
-    if getattr(module, "PROPERTIES", None):
-        module.PROPERTIES = []
-""",
-    "imports the solution": """
+        "does not load: PermissionError: a graded submission may not touch the grader's verdict",
+    ),
+    "imports the solution": (
+        """
 import importlib.util
 import course_lib.tools.labs as graders
 _spec = importlib.util.spec_from_file_location("answer", graders.LABS_DIR / "lab6_scaling" / "solution.py")
 _answer = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_answer)
 speedup_and_efficiency, karp_flatt_metric = _answer.speedup_and_efficiency, _answer.karp_flatt_metric
-communication_seconds, fit_compute_and_fixed = _answer.communication_seconds, _answer.fit_compute_and_fixed
 """,
+        "does not load: PermissionError: a graded submission may not read the lab's solution (solution.py)",
+    ),
 }
 
 
 @pytest.mark.parametrize("attack", ATTACKS)
-def test_an_exercise_that_attacks_the_grader_is_graded_as_failing(attack, tmp_path):
-    """The submission runs only in processes apart from the judge: what it writes, patches or
-    imports there changes nothing the judge computes."""
+def test_an_exercise_that_attacks_the_grader_fails_with_the_reason(attack, tmp_path):
+    """The submission runs only in processes apart from the judge: what it writes or imports there
+    is refused, and the grading says so."""
+    tail, reason = ATTACKS[attack]
     path = tmp_path / "attempt.py"
-    path.write_text((LAB6 / "exercise.py").read_text() + ATTACKS[attack])
+    path.write_text((LAB6 / "exercise.py").read_text() + tail)
     (tmp_path / "answers.toml").write_text((LAB6 / "solution_answers.toml").read_text())
     graded = _check_command("lab6_scaling", "--file", str(path))
     assert graded.returncode == 1, graded.stdout
-    assert "7 of 7" not in graded.stdout and "PASS  speedup" not in graded.stdout
-    if attack == "imports the solution":
-        assert "may not read the lab's solution (solution.py)" in graded.stdout
+    assert reason in graded.stdout, graded.stdout
 
 
 RECORDING = """

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -231,6 +233,57 @@ def _uneven_batch():
     except UserError as error:
         return str(error)
     return "no error"
+
+
+def _cut_badly(layers: str, schedule: str):
+    """One step of two stages of a model whose cut is wrong for its pipeline."""
+    torch.manual_seed(0)
+    model = {
+        "wider": torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)),  # 8 wide, not 4
+        "tuple": torch.nn.Sequential(torch.nn.LSTM(4, 4, batch_first=True), torch.nn.Linear(4, 2)),
+    }[layers]
+    executor = pp.apply_pipeline_parallel(model, schedule=schedule).executor(
+        microbatches=2, loss_fn=torch.nn.functional.cross_entropy, boundary_shape=(3, 4)
+    )
+    executor.step(torch.randn(6, 4), torch.randint(0, 2, (6,)))
+
+
+@pytest.mark.parametrize(
+    "layers, schedule, message",
+    [
+        ("wider", "1f1b", "stage 0's output is (3, 8) of torch.float32, but the next stage receives into "
+         "boundary_shape=(3, 4)"),
+        ("tuple", "1f1b", "stage 0 returned a tuple, not a tensor"),
+        ("tuple", "zb_h1", "every layer with weights must return one tensor: LSTM returns a tuple"),
+    ],
+)  # fmt: skip
+def test_a_cut_whose_message_the_next_stage_cannot_receive_is_refused_in_one_line(layers, schedule, message):
+    """Sent, a message of another size would abort the receiving process inside gloo (status -6)."""
+    with pytest.raises(UserError) as raised:
+        launch(_cut_badly, 2, layers, schedule, timeout_s=60)
+    assert message in str(raised.value)
+
+
+def _parameter_free_first_stage(schedule: str):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(4, 2))  # stages [ReLU], [Linear]
+    whole = copy.deepcopy(model)
+    inputs, targets = torch.randn(6, 4), torch.randint(0, 2, (6,))
+    pipeline = pp.apply_pipeline_parallel(model, schedule=schedule)
+    loss_fn = torch.nn.functional.cross_entropy
+    pipeline.executor(microbatches=3, loss_fn=loss_fn, boundary_shape=(2, 4)).step(inputs, targets)
+    torch.nn.functional.cross_entropy(whole(inputs), targets).backward()
+    wanted = list(whole[runtime.rank()].parameters())
+    pairs = zip(pipeline.parameters(), wanted, strict=True)
+    return max(((p.grad - w.grad).abs().max().item() for p, w in pairs), default=0.0)  # rank 0 holds none
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_a_first_stage_without_weights_trains_like_one_process(schedule):
+    """A first stage without weights (a ReLU) on an input without a gradient has nothing to
+    differentiate: its backward is skipped, not an autograd error, and the next stage's gradients
+    are one process's."""
+    assert max(launch(_parameter_free_first_stage, 2, schedule)) < 1e-6
 
 
 @pytest.fixture(scope="module")

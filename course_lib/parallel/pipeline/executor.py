@@ -408,6 +408,8 @@ class PipelineExecutor:
             y = self.stages[s](x)
         if s == last_stage:  # each micro-batch counts 1/m: the batch mean
             y = self.loss_fn(y, run.targets[i]) / self.microbatches
+        else:
+            self._check_boundary(s, y)
         if run.live is not None:  # what this forward left alive: kept for its backward, and its output
             run.kept[(s, i)] = run.live.now - alive_before
             run.kept_bytes += run.kept[(s, i)]
@@ -428,7 +430,11 @@ class PipelineExecutor:
         run.held_bytes -= sum(t.numel() * t.element_size() for t in (x, y))
         run.kept_bytes -= run.kept.pop((s, i), 0)
         gradient = None if s == self.num_stages - 1 else run.inbox.pop(("B", s, i))  # from the next stage
-        if record is not None:  # B alone: the input's gradient now, the weights' at its W
+        if not y.requires_grad:  # nothing to differentiate: a first stage without weights (a ReLU, a reshape)
+            input_grad = torch.zeros_like(x) if s > 0 else None
+            if record is not None:
+                run.waiting[(s, i)] = record  # its W has nothing to do
+        elif record is not None:  # B alone: the input's gradient now, the weights' at its W
             input_grad = self.splitter.backward_input(record, y, gradient, x)
             run.waiting[(s, i)] = record
         else:  # the whole backward; on the last stage y is the loss, where backward starts
@@ -442,6 +448,22 @@ class PipelineExecutor:
         self.splitter.backward_weights(run.waiting.pop((action.stage, action.microbatch)))
 
     # #endregion run-a-schedule
+
+    def _check_boundary(self, stage: int, output) -> None:
+        """A stage's output is sent into a buffer of ``boundary_shape`` and ``dtype`` the next stage
+        posted: a message of another size would abort the receiving process inside the transport."""
+        if not isinstance(output, torch.Tensor):
+            raise UserError(
+                f"stage {stage} returned a {type(output).__name__}, not a tensor: a pipeline sends one "
+                "tensor between stages; cut the model after a layer that returns one tensor"
+            )
+        if tuple(output.shape) != self.boundary_shape or output.dtype != self.dtype:
+            raise UserError(
+                f"stage {stage}'s output is {tuple(output.shape)} of {output.dtype}, but the next stage "
+                f"receives into boundary_shape={self.boundary_shape} of {self.dtype}: cut the model where "
+                "every boundary carries one shape (between blocks of the same width), or pass the "
+                "boundary's real shape"
+            )
 
     def _deliver(self, key: tuple, tensor: torch.Tensor, inbox: dict, outbox: dict) -> None:
         """Hand a tensor to the stage that needs it: directly if it lives on this rank, else via a send."""

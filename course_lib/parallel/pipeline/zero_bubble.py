@@ -333,6 +333,12 @@ class BackwardSplitter:
         if self._recording is None:
             return None
         originals, self._pending = self._pending, []
+        if not isinstance(output, torch.Tensor):
+            raise UserError(
+                f"to split the backward into B and W, every layer with weights must return one tensor: "
+                f"{type(layer).__name__} returns a {type(output).__name__}; wrap it in a module that "
+                "returns the tensor the next layer reads, or use a schedule without W (1f1b)"
+            )
         copies = [a for a in args if isinstance(a, torch.Tensor)]
         call = LayerRecord(layer=layer, output=get_gradient_edge(output), inputs=copies)
         self._recording.layers.append(call)

@@ -165,8 +165,8 @@ def test_the_step_and_memory_are_the_sums_of_their_parts_and_mfu_follows():
         (Layout(data=2, pipeline=64), "32 layers cannot fill 64 stages"),
         (Layout(data=16, context=8), "a sequence of 4100 does not cut into 16 zig-zag chunks"),
         (
-            Layout(data=8, tensor=2, context=8, context_attention="ulysses"),
-            "8 key/value heads do not split over tensor x context = 16 (Ulysses splits the heads)",
+            Layout(tensor=8, context=8, context_attention="ulysses"),
+            "4 attention heads do not divide by the Ulysses degree 8 (a tensor rank's share",
         ),
         (Layout(data=16, context=8, context_attention="ulysses"), "a sequence of 4100 does not cut into 8"),
         (Layout(data=128), "a global batch of 64 sequences does not split into 128 replicas"),

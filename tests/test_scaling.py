@@ -167,3 +167,33 @@ def test_a_study_takes_every_speedup_against_its_one_process_baseline(tmp_path):
     )
     written = study.read_csv(study.write_csv(rows, tmp_path / "scaling.csv"))
     assert {row["baseline"] for row in written} == {"single-1 (one process, no wrapper)"}
+
+
+def test_the_study_figure_draws_the_baseline_as_one_point_and_each_strategy_from_its_own_runs():
+    """A strategy's line starts at its own one-process run, not at the baseline's: no vertical
+    drop at N = 1; the baseline is one labelled point on every panel."""
+    from course_lib.tools import plots
+
+    def row(strategy, world_size, seconds):
+        return {
+            "strategy": strategy, "world_size": world_size, "time_per_epoch_s": seconds,
+            "speedup": 1.0 / seconds, "efficiency": 1.0 / seconds / world_size,
+        }  # fmt: skip
+
+    rows = [
+        row("single", 1, 1.0),
+        row("fsdp", 1, 2.5),
+        row("fsdp", 2, 1.6),
+        row("ddp", 1, 1.05),
+        row("ddp", 2, 0.8),
+    ]
+    figure = plots.draw_study(rows, panels=("time_per_epoch_s", "speedup"))
+    time_axis, speedup_axis = figure.axes
+    lines = {line.get_label(): line for line in speedup_axis.get_lines()}
+    assert list(lines["FSDP"].get_xdata()) == [1, 2] and list(lines["FSDP"].get_ydata()) == [0.4, 1 / 1.6]
+    baseline = lines["one process, no wrapper (the baseline)"]
+    assert list(baseline.get_xdata()) == [1] and baseline.get_linestyle() == "None"
+    ideal = {line.get_label(): line for line in time_axis.get_lines()}["ideal 1/N"]
+    assert list(ideal.get_ydata()) == [1.0, 0.5]  # from the baseline
+    minor = time_axis.yaxis.get_minor_formatter()
+    assert [minor(value, 0) for value in (0.2, 0.3, 0.5, 0.7, 2.0)] == ["0.2", "", "0.5", "", "2"]

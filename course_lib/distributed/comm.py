@@ -68,7 +68,7 @@ REDUCE_OPS = {
     "max": dist.ReduceOp.MAX,
     "product": dist.ReduceOp.PRODUCT,
 }
-"""Plus "mean", done as a sum divided by N (gloo has no AVG for integers, and the division is the lesson)."""
+"""Plus "mean", done as a sum divided by N (gloo has no AVG for any dtype, and the division is the lesson)."""
 
 
 def _reduce_op(op: str):

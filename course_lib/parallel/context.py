@@ -232,7 +232,7 @@ def ring_attention(
     return _RingAttention.apply(q, k, v, layout, causal, group)
 
 
-def check_attention_inputs(q, k, v, *, layout, group=None) -> None:
+def check_attention_inputs(q, k, v, *, layout, group=None, grouped_kv: bool = False) -> None:
     """Refuse, before any message, a layout for another group size or q, k, v not of this rank's tokens.
 
     Args:
@@ -241,6 +241,7 @@ def check_attention_inputs(q, k, v, *, layout, group=None) -> None:
         v: this rank's values.
         layout: who holds which positions (its ``degree`` must be the group's size).
         group: the process group the tokens are split over (None: every rank).
+        grouped_kv: k and v may have fewer heads than q (grouped-query attention).
     """
     check_group("group", group)
     size, rank = runtime.world_size(group=group), runtime.rank(group=group)
@@ -248,10 +249,19 @@ def check_attention_inputs(q, k, v, *, layout, group=None) -> None:
         raise UserError(
             f"the layout is for {layout.degree} ranks but the group has {size}: build it with degree={size}"
         )
-    if not (q.shape == k.shape == v.shape) or q.dim() < 3 or q.shape[-2] != layout.tokens(rank):
+    same = q.shape == k.shape == v.shape
+    if grouped_kv:  # every dimension but the heads
+        same = (
+            k.shape == v.shape
+            and q.dim() == k.dim()
+            and q.shape[:-3] + q.shape[-2:] == k.shape[:-3] + k.shape[-2:]
+        )
+    if not same or q.dim() < 3 or q.shape[-2] != layout.tokens(rank):
+        heads = " (k and v may have fewer heads)" if grouped_kv else ""
         raise UserError(
-            f"q, k and v must each be (batch, heads, {layout.tokens(rank)} tokens, head_dim) on rank {rank}, "
-            f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}: take the tokens with layout.local()"
+            f"q, k and v must each be (batch, heads, {layout.tokens(rank)} tokens, head_dim) on rank {rank}"
+            f"{heads}, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}: take the tokens with "
+            "layout.local()"
         )
 
 

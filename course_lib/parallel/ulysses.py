@@ -21,8 +21,13 @@ That *falls* as U grows: with S and U grown together (one GPU per 1/U of the seq
 per rank stay constant, where ring attention's stay (3U-2)/U x 2 x S/U x H x d and Megatron's
 sequence parallelism's grow with S. The paper's count: 4Nh/P per link against Megatron-SP's 4Nh.
 
-**Limits.** The degree U cannot exceed the number of heads, and must divide it (the heads are
-dealt out whole); with grouped-query attention, the key/value heads. The all-to-all is a
+**Limits.** The degree U cannot exceed the number of *query* heads, and must divide it (the heads
+are dealt out whole). Grouped-query attention (H_kv key/value heads, each read by H/H_kv query
+heads) does not lower that limit: where U divides H_kv each rank receives H_kv/U key/value heads,
+and where U exceeds H_kv each key/value head is copied U/H_kv times before the all-to-all, so that
+every rank receives the one its query heads read (``kv_copies``; the copies' gradients add up in
+backward). The price is bytes: the all-to-all then carries U key/value heads where the model has
+H_kv (DeepSpeed-Ulysses' GQA scheme; verl and InternEvo do the same). The all-to-all is a
 collective over all U ranks, which wants a fast all-to-all network (one node's NVLink), while
 ring attention talks only to neighbours and hides behind compute. Every rank computes the whole
 sequence's attention for its heads, so a causal mask costs every rank the same: no zig-zag needed.
@@ -60,16 +65,48 @@ from .context_chunks import SequenceLayout, ring_bytes_per_rank
 HEADS_DIM, SEQUENCE_DIM = -3, -2  # q, k, v are (..., heads, tokens, head_dim)
 
 
-def check_heads(heads: int, degree: int) -> None:
-    """Refuse, before any process waits, heads that do not deal out whole over ``degree`` ranks."""
+def check_heads(heads: int, degree: int, *, kv_heads: int | None = None) -> None:
+    """Refuse, before any process waits, heads that do not deal out whole over ``degree`` ranks.
+
+    Args:
+        heads: the query heads (H).
+        degree: the Ulysses degree (U).
+        kv_heads: the key/value heads (H_kv; None: as many as the query heads).
+    """
     check_int("attention heads", heads, minimum=1)
     check_int("Ulysses degree", degree, minimum=1)
+    kv_heads = heads if kv_heads is None else kv_heads
+    check_int("key/value heads", kv_heads, minimum=1)
     if heads % degree:
         fits = [d for d in range(1, heads + 1) if heads % d == 0]
         raise UserError(
             f"{heads} attention heads do not divide by the Ulysses degree {degree}: each rank computes whole "
             f"heads, so use a degree among {fits}, or put the remaining ranks on a ring (usp_attention)"
         )
+    if heads % kv_heads:
+        raise UserError(
+            f"{heads} query heads do not share {kv_heads} key/value heads evenly: grouped-query attention "
+            "needs the query heads to be a multiple of the key/value heads"
+        )
+    if (kv_heads % degree) if degree <= kv_heads else (degree % kv_heads):
+        raise UserError(
+            f"{kv_heads} key/value heads and a Ulysses degree of {degree}: the degree must divide them, or "
+            "be a multiple of them (each key/value head is then copied to degree / key/value heads ranks)"
+        )
+
+
+def kv_copies(heads: int, kv_heads: int, degree: int) -> int:
+    """How many copies of each key/value head the first all-to-all sends: 1 where the degree divides
+    the key/value heads, U / H_kv where it exceeds them (each rank then receives the one key/value
+    head its H/U query heads read).
+
+    Args:
+        heads: the query heads (H).
+        kv_heads: the key/value heads (H_kv).
+        degree: the Ulysses degree (U).
+    """
+    check_heads(heads, degree, kv_heads=kv_heads)
+    return max(1, degree // kv_heads)
 
 
 # #region all-to-all
@@ -167,38 +204,48 @@ def ulysses_attention(
 ) -> torch.Tensor:
     """Attention of this rank's tokens over the whole sequence, by two all-to-alls around local attention.
 
-    Equal, on every rank's tokens, to ``scaled_dot_product_attention`` on the whole sequence.
+    Equal, on every rank's tokens, to ``scaled_dot_product_attention`` on the whole sequence (with
+    grouped-query attention: each key/value head repeated for the query heads that read it).
 
     Args:
         q: this rank's queries, (batch, heads, local tokens, head_dim), contiguous chunks.
-        k: this rank's keys, the same shape.
-        v: this rank's values, the same shape.
+        k: this rank's keys, (batch, key/value heads, local tokens, head_dim): as many heads as q,
+            or fewer (grouped-query attention; see ``check_heads`` for the degrees that deal out).
+        v: this rank's values, the shape of k.
         layout: which positions each rank holds: contiguous chunks (``zigzag=False``; its degree
             is the group's size).
         causal: each query sees only the keys at or before its position.
         group: the Ulysses process group (None: every rank).
     """
-    check_attention_inputs(q, k, v, layout=layout, group=group)
+    check_attention_inputs(q, k, v, layout=layout, group=group, grouped_kv=True)
     size = runtime.world_size(group=group)
     if layout.zigzag:
         raise UserError(
             "Ulysses gathers the sequence in rank order, so it needs contiguous chunks: build the layout "
             "with zigzag=False (every rank computes the whole sequence for its heads, so it is balanced)"
         )
-    check_heads(q.shape[HEADS_DIM], size)
+    copies = kv_copies(q.shape[HEADS_DIM], k.shape[HEADS_DIM], size)
     tokens = [layout.tokens(r) for r in range(size)]
-    if size == 1:
-        return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    # one all-to-all for q, k and v together: the same bytes as three, a third of the latency
-    whole = heads_to_sequence(torch.stack([q, k, v]), tokens=tokens, group=group)
-    out = nn.functional.scaled_dot_product_attention(*whole, is_causal=causal)
-    return sequence_to_heads(out, tokens=tokens, group=group)
+    if copies > 1:  # more ranks than key/value heads: each rank gets a copy of the one its queries read
+        k, v = (t.repeat_interleave(copies, dim=HEADS_DIM) for t in (k, v))  # backward adds the copies up
+    if size > 1 and k.shape == q.shape:
+        # one all-to-all for q, k and v together: the same bytes as three, a third of the latency
+        q, k, v = heads_to_sequence(torch.stack([q, k, v]), tokens=tokens, group=group)
+    elif size > 1:  # grouped-query attention: q in one all-to-all, k and v (fewer heads) in another
+        q = heads_to_sequence(q, tokens=tokens, group=group)
+        k, v = heads_to_sequence(torch.stack([k, v]), tokens=tokens, group=group)
+    group_size = q.shape[HEADS_DIM] // k.shape[HEADS_DIM]  # query heads per key/value head, here
+    k, v = (t.repeat_interleave(group_size, dim=HEADS_DIM) for t in (k, v))
+    out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return out if size == 1 else sequence_to_heads(out, tokens=tokens, group=group)
 
 
 # #endregion ulysses
 
 
-def ulysses_bytes_per_rank(layout: SequenceLayout, rank: int, *, bytes_per_token: int) -> int:
+def ulysses_bytes_per_rank(
+    layout: SequenceLayout, rank: int, *, bytes_per_token: int, kv_bytes_per_token: int | None = None
+) -> int:
     """What rank ``rank`` sends in one Ulysses attention, forward and backward (the theory).
 
     Forward, q, k and v leave for the other ranks' heads: (U-1)/U of the rank's s_r tokens, three
@@ -211,12 +258,16 @@ def ulysses_bytes_per_rank(layout: SequenceLayout, rank: int, *, bytes_per_token
         rank: the rank that sends.
         bytes_per_token: one token's q (or k, or v) over every head: batch x heads x head_dim x
             element size.
+        kv_bytes_per_token: one token's k (or v) over the key/value heads the all-to-all carries,
+            where grouped-query attention makes it differ from q's: max(H_kv, U) heads (None: as q).
     """
     size = layout.degree
+    kv = bytes_per_token if kv_bytes_per_token is None else kv_bytes_per_token
     mine, others = layout.tokens(rank), layout.seq_len - layout.tokens(rank)
-    per_way = 3 * mine * (size - 1) + others  # forward: q, k, v out, then the output back (in H/U units)
-    back = mine * (size - 1) + 3 * others  # backward: the output's gradient out, q, k, v's back
-    return bytes_per_token * (per_way + back) // size
+    # forward: q, k, v out and the output back; backward: the output's gradient out, q, k, v's back.
+    # What leaves for the others is (U-1)/U of this rank's tokens; what comes back, 1/U of theirs.
+    qkv, out = bytes_per_token + 2 * kv, bytes_per_token
+    return ((qkv + out) * mine * (size - 1) + (out + qkv) * others) // size
 
 
 class UlyssesAttention(nn.Module):
@@ -407,6 +458,7 @@ def attention_time_model(
     latency_s: float = 0.0,
     batch: int = 1,
     element_bytes: int = 2,
+    all_to_all_bytes_per_s: float | None = None,
 ) -> dict[str, float]:
     """Predicted seconds of one causal attention layer, forward and backward, per rank: ring or Ulysses.
 
@@ -421,14 +473,17 @@ def attention_time_model(
 
     Args:
         seq: S, the sequence.
-        heads: H (Ulysses needs C <= H; with grouped-query attention, the key/value heads).
+        heads: H (Ulysses needs C <= H, the query heads).
         head_dim: d.
         degree: C, the ranks sharing the sequence.
         flops_per_s: the attention kernel's achieved rate per rank.
-        link_bytes_per_s: what one rank's link carries.
+        link_bytes_per_s: what one rank's link to one peer carries (the ring's neighbour).
         latency_s: the start-up time of one message (alpha).
         batch: sequences.
         element_bytes: 2 in bf16.
+        all_to_all_bytes_per_s: what one rank's all-to-all carries, over its links to every peer
+            at once: on a fully connected node (NVLink all-to-all), C - 1 links; None: one link,
+            as between nodes where each GPU has one NIC.
     """
     for name, value in (("heads", heads), ("head_dim", head_dim), ("degree", degree), ("batch", batch)):
         check_int(name, value, minimum=1)
@@ -448,7 +503,9 @@ def attention_time_model(
     layout = SequenceLayout(seq, degree, zigzag=False)
     per_token = batch * heads * head_dim * element_bytes
     exchanged = ulysses_bytes_per_rank(layout, 0, bytes_per_token=per_token)
-    ulysses = forward + backward + 4 * latency_s + exchanged / link_bytes_per_s
+    all_to_all = link_bytes_per_s if all_to_all_bytes_per_s is None else all_to_all_bytes_per_s
+    check_number("all_to_all_bytes_per_s", all_to_all, above=0)
+    ulysses = forward + backward + 4 * latency_s + exchanged / all_to_all
     if degree == 1:
         ring = ulysses = forward + backward
     return {"compute_s": forward + backward, "ring_s": ring, "ulysses_s": ulysses}

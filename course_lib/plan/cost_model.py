@@ -37,6 +37,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..checks import check_instance, check_int
+from ..errors import UserError
+from ..parallel.ulysses import check_heads
 from . import kernels
 from .compute_model import compute_seconds
 from .frameworks import COURSE_PROFILE, Framework
@@ -81,11 +83,16 @@ def check(model: ModelSpec, layout: Layout, *, gpus: int, seq_len: int, global_b
     if model.layers < layout.pipeline * layout.virtual_stages:
         return f"{model.layers} layers cannot fill {layout.pipeline * layout.virtual_stages} stages"
     ulysses = layout.context > 1 and layout.context_attention == "ulysses"
-    if ulysses and model.kv_heads % (layout.tensor * layout.context):
-        return (
-            f"{model.kv_heads} key/value heads do not split over tensor x context = "
-            f"{layout.tensor * layout.context} (Ulysses splits the heads)"
-        )
+    if ulysses:  # the heads each tensor rank holds, dealt out over the context ranks (query heads whole)
+        try:
+            check_heads(
+                model.heads // layout.tensor, layout.context, kv_heads=model.kv_heads // layout.tensor
+            )
+        except UserError as error:
+            rule = str(error).split(":")[0]  # the rule, without the advice meant for a hand-built layout
+            return rule + (
+                f" (a tensor rank's share, at tensor degree {layout.tensor})" if layout.tensor > 1 else ""
+            )
     if ulysses and seq_len % layout.context:
         return f"a sequence of {seq_len} does not cut into {layout.context} chunks"
     if layout.context > 1 and not ulysses and seq_len % (2 * layout.context):

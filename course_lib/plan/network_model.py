@@ -223,9 +223,14 @@ def context_axis(step: StepShape, attention_flops: float) -> tuple[float, float]
     if c > 1 and layout.context_attention == "ulysses":
         # Ulysses: q, k and v in one all-to-all to the head split, the output in one back; backward
         # the same two again, and recomputation (either policy) the forward's. Nothing to hide them
-        # under: attention waits for its heads.
+        # under: attention waits for its heads. With more context ranks than key/value heads, each
+        # key/value head travels in context / kv_heads copies (parallel.ulysses.kv_copies).
         q_bytes = element * step.tokens * model.heads * model.head_dim / t
-        calls = (("all_to_all", q_bytes * (1 + 2 * model.kv_heads / model.heads)), ("all_to_all", q_bytes))
+        kv_heads_sent = max(model.kv_heads / t, c)
+        calls = (
+            ("all_to_all", q_bytes * (1 + 2 * kv_heads_sent / (model.heads / t))),
+            ("all_to_all", q_bytes),
+        )
         exchanges = 2 + (layout.recomputation != "none") / layout.recompute_every
         each = sum(collective_seconds(op, size, c, link) for op, size in calls)
         return blocks * exchanges * each, blocks * exchanges * sum(

@@ -222,12 +222,23 @@ def ring_attention():
 
 
 def sequence_methods():
-    """Ring against Ulysses on 8 GPUs, predicted (``ulysses.attention_time_model``), over compute alone."""
+    """Ring against Ulysses on 4 GH200s, predicted (``ulysses.attention_time_model``), over compute
+    alone: inside an Alps node (the all-to-all on all three peers' NVLinks at once) and across four
+    nodes (one NIC a GPU), as notebook 12 draws it."""
     seq_lens = [2**n for n in range(12, 20)]
-    gpus = dict(heads=32, head_dim=128, degree=8, flops_per_s=400e12, latency_s=20e-6)
+    gpus = dict(heads=32, head_dim=128, degree=4, flops_per_s=400e12, latency_s=20e-6)
+    links = {  # (one peer's link: the ring's neighbour, every peer at once: the all-to-all), bytes/s
+        "inside an Alps node: NVLink 150 GB/s to each of 3 peers": (150e9, 3 * 150e9),
+        "across 4 nodes: one 25 GB/s NIC a GPU": (25e9, 25e9),
+    }
     curves = {}
-    for title, link in (("inside a node: 150 GB/s a GPU", 150e9), ("across nodes: 25 GB/s a GPU", 25e9)):
-        predicted = [ulysses.attention_time_model(seq=s, link_bytes_per_s=link, **gpus) for s in seq_lens]
+    for title, (link, all_to_all) in links.items():
+        predicted = [
+            ulysses.attention_time_model(
+                seq=s, link_bytes_per_s=link, all_to_all_bytes_per_s=all_to_all, **gpus
+            )
+            for s in seq_lens
+        ]
         curves[title] = {
             "compute alone": [p["compute_s"] for p in predicted],
             "ring (zig-zag)": [p["ring_s"] for p in predicted],

@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from . import prose
+
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 DRAWING_MODULES = ("plt", "plots", "figures")
 SANITIZE_CONFIG = NOTEBOOKS / "nbval_sanitize.cfg"
@@ -208,13 +210,15 @@ def main(argv: list[str] | None = None) -> int:
         "names", nargs="*", help="notebooks to run (default: all), e.g. 07_pipeline_schedules"
     )
     commands.add_parser(
-        "check", help="check the committed outputs: images where cells draw, no machine paths"
+        "check",
+        help="check the committed outputs: images where cells draw, no machine paths, no number in the "
+        "prose that the code beside it does not hold (tools/prose.py)",
     )
     args = parser.parse_args(argv)
     paths = notebook_paths(getattr(args, "names", None))
     if args.command == "run":
         run(paths)
-    found = [problem for path in paths for problem in problems(path)]
+    found = [problem for path in paths for problem in [*problems(path), *prose.problems(path)]]
     for problem in found:
         print(problem, file=sys.stderr)
     return 1 if found else 0

@@ -8,6 +8,7 @@ as a PNG only when given a ``path``. Nothing here chooses a backend: a ``Figure`
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -141,10 +142,12 @@ def draw_study(
     panel_size: tuple[float, float] = (4.4, 4.0),
 ) -> Figure:
     """The study as a matplotlib figure: one panel per metric of ``panels`` against the number of
-    processes (log scale), one line per strategy, and the ideal where there is one (time 1/N,
-    speedup N, efficiency 1).
+    processes (log scale), one line per strategy from its own runs, and the ideal where there is
+    one (time 1/N, speedup N, efficiency 1).
 
-    A one-process ``single`` row, as the lab has, is where every strategy's line starts.
+    A one-process ``single`` row, as the lab has, is the baseline every speedup is taken against:
+    it is drawn as one labelled point (a star), not as the start of every line, so that a
+    strategy's own one-process run (its wrapper's cost) shows where it is.
     """
     columns = min(len(panels), STUDY_COLUMNS)  # wrapped into rows: five panels in a row are unreadable
     rows_of_panels = -(-len(panels) // columns)
@@ -154,24 +157,27 @@ def draw_study(
         unused.set_visible(False)
     axes = dict(zip(panels, grid))
     sizes = sorted({row["world_size"] for row in rows})
-    baseline = [row for row in rows if row["strategy"] == "single"]
-    ideal_starts = set()  # lines that start from the same point share one ideal line
-    for strategy in sorted({row["strategy"] for row in rows} - {"single"}) or ["single"]:
-        mine = baseline + [row for row in rows if row["strategy"] == strategy and row not in baseline]
-        mine.sort(key=lambda row: row["world_size"])
+    baseline = sorted((row for row in rows if row["strategy"] == "single"), key=lambda row: row["world_size"])
+    for strategy in sorted({row["strategy"] for row in rows} - {"single"}):
+        mine = sorted((row for row in rows if row["strategy"] == strategy), key=lambda row: row["world_size"])
         ranks = [row["world_size"] for row in mine]
         for key, axis in axes.items():
             (line,) = axis.plot(ranks, [row[key] for row in mine], "o-", label=strategy.upper())
-        first = mine[0]
-        start = (first["world_size"], first["time_per_epoch_s"])
-        if "time_per_epoch_s" in axes and start not in ideal_starts:
-            ideal_starts.add(start)
+        if "time_per_epoch_s" in axes and not baseline:  # without a baseline, each line its own ideal
+            first = mine[0]
             ideal = [first["time_per_epoch_s"] * first["world_size"] / n for n in sizes]
-            if baseline:  # every line starts at the baseline: one ideal for all
-                axes["time_per_epoch_s"].plot(sizes, ideal, "--", color="black", lw=1, label="ideal 1/N")
-            else:  # an ideal per strategy, in the strategy's colour
-                label = f"ideal 1/N ({strategy.upper()})"
-                axes["time_per_epoch_s"].plot(sizes, ideal, ":", color=line.get_color(), lw=1.5, label=label)
+            label = f"ideal 1/N ({strategy.upper()})"
+            axes["time_per_epoch_s"].plot(sizes, ideal, ":", color=line.get_color(), lw=1.5, label=label)
+    if baseline:
+        for key, axis in axes.items():
+            axis.plot(
+                [row["world_size"] for row in baseline], [row[key] for row in baseline], "*", color="black",
+                markersize=13, label="one process, no wrapper (the baseline)", zorder=3,
+            )  # fmt: skip
+        if "time_per_epoch_s" in axes:
+            first = baseline[0]
+            ideal = [first["time_per_epoch_s"] * first["world_size"] / n for n in sizes]
+            axes["time_per_epoch_s"].plot(sizes, ideal, "--", color="black", lw=1, label="ideal 1/N")
     if "speedup" in axes:
         axes["speedup"].plot(sizes, sizes, "k--", lw=1, label="ideal")
     if "efficiency" in axes:
@@ -187,9 +193,18 @@ def draw_study(
     if "time_per_epoch_s" in axes:
         time_axis = axes["time_per_epoch_s"]
         time_axis.set_yscale("log")
-        for set_formatter in (time_axis.yaxis.set_major_formatter, time_axis.yaxis.set_minor_formatter):
-            set_formatter(ticker.FormatStrFormatter("%g"))  # 3, 4 rather than 3 x 10^0
+        time_axis.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))  # 1, 10 rather than 10^0
+        time_axis.yaxis.set_minor_formatter(ticker.FuncFormatter(_two_and_five))
     return figure
+
+
+def _two_and_five(value: float, _position) -> str:
+    """A log axis's minor label only at 2 and 5 times a power of ten: every minor tick labelled
+    crowds into unreadable digits."""
+    if value <= 0:
+        return ""
+    mantissa = value / 10 ** math.floor(math.log10(value))
+    return f"{value:g}" if round(mantissa, 6) in (2, 5) else ""
 
 
 def plot_study(

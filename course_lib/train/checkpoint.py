@@ -32,7 +32,8 @@ that already holds checkpoints, and a run resumed from an older checkpoint refus
 holds a newer one (``check_folder_for_run``).
 
 Cost: a save writes the model and optimizer state once in total (not once per rank), i.e. about
-16 bytes per parameter with Adam (fp32 weights + two moments), and pauses training meanwhile.
+12 bytes per parameter with Adam (fp32 weights + two moments: 4 + 4 + 4; gradients are not saved),
+and pauses training meanwhile.
 """
 
 from __future__ import annotations

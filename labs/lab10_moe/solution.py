@@ -42,7 +42,7 @@ class Routing:
 def route(logits: torch.Tensor, *, top_k: int, capacity_factor: float) -> Routing:
     """Top-k routing of (tokens, E) router scores, with a capacity per expert."""
     tokens, num_experts = logits.shape
-    # BEGIN SOLUTION: the gates are the softmax probabilities of each token's top_k experts (torch.topk), renormalised to sum to 1 when top_k > 1. Lay the assignments out choice-major (transpose before flattening). An assignment's place in its expert's queue is how many earlier assignments chose the same expert: a cumulative sum of one-hot rows does it in one line; it is kept if that place is below expert_capacity
+    # BEGIN SOLUTION: the gates come from the router's softmax over the experts a token chose (they sum to 1 over its choices); the queues fill choice-major: every token's first choice before any second one, in token order. Pitfall: a token's place in a queue counts only the assignments before it, and the gates must stay differentiable
     probabilities = logits.softmax(dim=-1)
     gates, experts = probabilities.topk(top_k, dim=-1)
     if top_k > 1:
@@ -115,7 +115,7 @@ class ExpertParallelMoE(nn.Module):
         routing = self.routing = route(logits, top_k=self.top_k, capacity_factor=self.capacity_factor)
         self.aux_loss = load_balancing_loss(logits, routing.expert)
         size = runtime.world_size()
-        # BEGIN SOLUTION: 1. sort the kept assignments by expert (a stable argsort), hence by owning rank, and count the rows per expert. 2. exchange those counts with comm.all_to_all_single (an (E,) tensor: each rank gets, from every source, the counts for its own experts). 3. dispatch the rows (AllToAll, rows per destination rank = sum of its experts' counts). 4. each local expert runs on its rows from every source (they arrive by source, then by expert). 5. combine: send the results back (AllToAll with the counts swapped), weight each by its gate and add it to its token (index_add). Pitfall: a dropped assignment is not sent at all
+        # BEGIN SOLUTION: each rank must learn how many rows it will receive before it can receive them, then the rows travel to the ranks that own their experts and come back the same way, to be weighted by their gates and added to their tokens. Pitfall: a dropped assignment is not sent at all, and rows arrive grouped by the rank that sent them
         kept = routing.kept.nonzero().squeeze(-1)
         order = kept[routing.expert[kept].argsort(stable=True)]
         per_expert = torch.bincount(routing.expert[order], minlength=self.num_experts)

@@ -69,9 +69,9 @@ class ShardedUnit(nn.Module):
 
     def reduce_gradient(self, full_gradient: torch.Tensor) -> torch.Tensor:
         """The average over the ranks of this rank's piece of the full flat gradient."""
-        # TODO: pad the gradient like the parameters, then reduce_scatter_tensor with op="mean" into one piece: each rank receives the average of its own piece only
+        # TODO: each rank needs only the average of its own piece of the full gradient: one collective gives exactly that. Pitfall: the gradient must be cut where the parameters were cut, padding included
         raise NotImplementedError(
-            'TODO: pad the gradient like the parameters, then reduce_scatter_tensor with op="mean" into one piece: each rank receives the average of its own piece only'
+            "TODO: each rank needs only the average of its own piece of the full gradient: one collective gives exactly that. Pitfall: the gradient must be cut where the parameters were cut, padding included"
         )
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
@@ -90,7 +90,7 @@ class GatheredUnit(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        # TODO: gather the parameters again into a leaf that requires grad; recompute the forward with torch.enable_grad() on inputs detached into leaves; torch.autograd.grad gives the gradients of the full vector and of the inputs that need one; return the reduced shard gradient, None for the unit, then one gradient per input
+        # TODO: forward kept no full parameters, so backward must gather them again, and run the unit again with autograd on to get its gradients (this lab pairs FSDP with activation checkpointing, for simplicity: real FSDP keeps the activations and only regathers). Return one gradient per input of forward. Pitfall: the inputs must become leaves of the new graph, or their gradients are lost
         raise NotImplementedError(
-            "TODO: gather the parameters again into a leaf that requires grad; recompute the forward with torch.enable_grad() on inputs detached into leaves; torch.autograd.grad gives the gradients of the full vector and of the inputs that need one; return the reduced shard gradient, None for the unit, then one gradient per input"
+            "TODO: forward kept no full parameters, so backward must gather them again, and run the unit again with autograd on to get its gradients (this lab pairs FSDP with activation checkpointing, for simplicity: real FSDP keeps the activations and only regathers). Return one gradient per input of forward. Pitfall: the inputs must become leaves of the new graph, or their gradients are lost"
         )

@@ -77,7 +77,7 @@ class ShardedUnit(nn.Module):
 
     def reduce_gradient(self, full_gradient: torch.Tensor) -> torch.Tensor:
         """The average over the ranks of this rank's piece of the full flat gradient."""
-        # BEGIN SOLUTION: pad the gradient like the parameters, then reduce_scatter_tensor with op="mean" into one piece: each rank receives the average of its own piece only
+        # BEGIN SOLUTION: each rank needs only the average of its own piece of the full gradient: one collective gives exactly that. Pitfall: the gradient must be cut where the parameters were cut, padding included
         padded = torch.zeros(self.shard_size * self.world_size, dtype=full_gradient.dtype)
         padded[: self.numel] = full_gradient
         mine = torch.empty(self.shard_size, dtype=full_gradient.dtype)
@@ -104,7 +104,7 @@ class GatheredUnit(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        # BEGIN SOLUTION: gather the parameters again into a leaf that requires grad; recompute the forward with torch.enable_grad() on inputs detached into leaves; torch.autograd.grad gives the gradients of the full vector and of the inputs that need one; return the reduced shard gradient, None for the unit, then one gradient per input
+        # BEGIN SOLUTION: forward kept no full parameters, so backward must gather them again, and run the unit again with autograd on to get its gradients (this lab pairs FSDP with activation checkpointing, for simplicity: real FSDP keeps the activations and only regathers). Return one gradient per input of forward. Pitfall: the inputs must become leaves of the new graph, or their gradients are lost
         shard, *inputs = ctx.saved_tensors
         unit = ctx.unit
         full = unit.gather_full(shard).requires_grad_()

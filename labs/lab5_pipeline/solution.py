@@ -76,7 +76,7 @@ def schedule_1f1b(pipeline_size: int, microbatches: int) -> dict[int, list[Actio
 
 def compute_order_zb_h1(rank: int, pipeline_size: int, microbatches: int) -> list[Action]:
     """Rank ``rank``'s F, B and W actions in ZB-H1's order: 1F1B's, each backward split into B and W."""
-    # BEGIN SOLUTION: start from your 1F1B order; a B now computes only the input's gradient, and its W (same stage, same micro-batch) comes after it. Rank r puts off its first r W's: keep the micro-batches whose B ran in a queue, and after each B run the W of the oldest one only once the queue holds more than r; run the W's still queued at the very end
+    # BEGIN SOLUTION: start from your 1F1B order; a B now computes only the input's gradient, and its W (same stage, same micro-batch) may come any time after it: rank r puts off W's to fill the idle slots that 1F1B leaves it. Pitfall: every W must run before the step ends, and a W never comes before its B
     actions, put_off = [], []
     for action in compute_order_1f1b(rank, pipeline_size, microbatches):
         actions.append(action)

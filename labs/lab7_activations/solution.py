@@ -22,7 +22,7 @@ def one_process_terms(*, batch: int, seq: int, d_model: int, heads: int) -> dict
     """Elements one ``models.Block`` keeps on one process, by term: ``norms``, ``projection_inputs``
     (the input that q, k, v share and fc1's input), ``attention`` (q, k, v, output, log-sum-exp),
     ``mlp`` (fc1's output and GELU's output; the MLP is 4·d_model wide)."""
-    # BEGIN SOLUTION: walk the block's forward (models.Block, SelfAttention, MLP) and list what each operation's backward reads. With sbh = seq·batch·d_model and sb = seq·batch: each layer norm keeps its input and two values per token; q, k and v read one shared input and so does fc1; the fused attention kernel keeps q, k, v, its output (which the out projection also reads) and one log-sum-exp per head and token; fc1's output feeds GELU and GELU's output feeds fc2, each 4·sbh. Pitfall: a tensor two operations read is kept once
+    # BEGIN SOLUTION: walk the block's forward (models.Block, SelfAttention, MLP) and, for each operation, ask what its backward must read; where you are unsure, measure one operation with memory.saved_tensor_bytes. Write each term with sbh = seq·batch·d_model and sb = seq·batch. Pitfall: a tensor two operations read is kept once
     sbh, sb = seq * batch * d_model, seq * batch
     return {
         "norms": 2 * (sbh + 2 * sb),
@@ -52,7 +52,7 @@ def recomputed_total(
     results of the block's matmuls and attention kernel: q, k, v, the attention output and
     log-sum-exp, fc1's output, and the outputs of ``out`` and fc2, which are partial sums of the
     whole seq·batch·d_model before the tensor group adds them up)."""
-    # BEGIN SOLUTION: "none" is the sum of tensor_parallel_terms; under "full" a checkpoint keeps the region's input and nothing else; under "selective" list what the policy caches: the input, q, k, v (3·sbh/T), the attention output and log-sum-exp ((sbh + heads·sb)/T), fc1's output (4·sbh/T) and two row-parallel results of sbh each, which no degree divides. Pitfall: the input of a sequence-parallel block is already cut to seq/T tokens
+    # BEGIN SOLUTION: "none" is the sum of tensor_parallel_terms; under "full" a checkpoint keeps only its region's input; under "selective", read what the policy caches in course_lib/parallel/recompute.py and count it as you counted one process. Pitfall: the input of a sequence-parallel block is already cut to seq/T tokens
     sbh, sb = seq * batch * d_model, seq * batch
     block_input = sbh / degree if sequence_parallel else sbh
     if policy == "full":

@@ -97,7 +97,7 @@ def ring_attention(q, k, v, *, seq_len: int, causal: bool = True, zigzag: bool =
     mine = positions(layout(seq_len, size, rank))
     following, preceding = (rank + 1) % size, (rank - 1) % size
     held = torch.stack([k, v])  # one message carries both
-    # BEGIN SOLUTION: for each of the size steps: the chunk you hold at step s belongs to rank (rank - s) % size. Unless it is the last step, post its send to the next rank together with the receive of the next chunk (comm.send_recv: the buffer must have the tokens of rank (rank - s - 1) % size) and keep the handle; compute your block with attend_block (it may be None) and merge it; then wait on the handle and hold what arrived. Pitfall: a rank that sends, waits, and only then receives can wait forever for a neighbour doing the same
+    # BEGIN SOLUTION: at each step you compute attention against the chunk you hold while the next one travels to you; after size steps every rank has seen every chunk once. Pitfall: a rank that sends, waits, and only then receives can wait forever for a neighbour doing the same; and the chunk you hold is not yours: attend_block needs its owner's positions
     out = lse = None
     for step in range(size):
         owner = (rank - step) % size

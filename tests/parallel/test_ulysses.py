@@ -208,6 +208,58 @@ def test_heads_that_do_not_divide_are_refused_on_every_rank_before_any_message()
         assert "does not cut into 3 Ulysses pieces" in errors["grid"]
 
 
+def _grouped_query_against_one_process(kv_heads: int, seq: int):
+    """Ulysses with fewer key/value heads than query heads, against PyTorch's own grouped-query
+    attention on one process (``enable_gqa``): output, the three gradients, and the bytes sent."""
+    rank, size = runtime.rank(), runtime.world_size()
+    layout = context_chunks.SequenceLayout(seq, size, zigzag=False)
+    generator = torch.Generator().manual_seed(0)
+    q, weights = (torch.randn(BATCH, HEADS, seq, HEAD_DIM, generator=generator) for _ in range(2))
+    k, v = (torch.randn(BATCH, kv_heads, seq, HEAD_DIM, generator=generator) for _ in range(2))
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = torch.nn.functional.scaled_dot_product_attention(*whole, is_causal=True, enable_gqa=True)
+    (expected * weights).sum().backward()
+    local = lambda t: layout.local(t, rank, dim=2)  # noqa: E731
+    mine = [local(t).clone().requires_grad_() for t in (q, k, v)]
+    with comm.CommLog() as log:
+        out = ulysses.ulysses_attention(*mine, layout=layout, causal=True)
+        (out * local(weights)).sum().backward()
+    pairs = [
+        (a.detach(), local(b).detach())
+        for a, b in zip([out, *(t.grad for t in mine)], [expected, *(t.grad for t in whole)])
+    ]
+    return pairs, log.bytes_per_rank()
+
+
+@pytest.mark.parametrize(
+    "degree, kv_heads", [(3, 6), (2, 1), (4, 2), (4, 1)]
+)  # divides the key/value heads; then more ranks than key/value heads: each copied 2, 2, 4 times
+def test_grouped_query_attention_goes_past_the_key_value_heads_by_copying_them(degree, kv_heads):
+    """The limit is the query heads: with more ranks than key/value heads each is copied to the ranks
+    whose queries read it, and the copies' gradients add up; the bytes count the copies."""
+    layout = context_chunks.SequenceLayout(SEQ, degree, zigzag=False)
+    per_token = BATCH * HEADS * HEAD_DIM * 4
+    kv_per_token = BATCH * max(kv_heads, degree) * HEAD_DIM * 4  # the heads the all-to-all carries
+    _assert_equal(
+        launch(_grouped_query_against_one_process, degree, kv_heads, SEQ),
+        lambda rank: ulysses.ulysses_bytes_per_rank(
+            layout, rank, bytes_per_token=per_token, kv_bytes_per_token=kv_per_token
+        ),
+    )
+
+
+def test_key_value_heads_that_cannot_deal_out_are_refused_naming_the_degrees_that_can():
+    assert ulysses.kv_copies(32, 8, 32) == 4 and ulysses.kv_copies(32, 8, 4) == 1
+    with pytest.raises(
+        UserError, match="6 key/value heads and a Ulysses degree of 4: the degree must divide"
+    ):
+        ulysses.check_heads(12, 4, kv_heads=6)
+    with pytest.raises(UserError, match="3 key/value heads and a Ulysses degree of 4"):
+        ulysses.check_heads(12, 4, kv_heads=3)
+    with pytest.raises(UserError, match="12 query heads do not share 5 key/value heads evenly"):
+        ulysses.check_heads(12, 2, kv_heads=5)
+
+
 def test_the_attention_benchmark_compares_the_four_methods_with_their_theory():
     from conftest import assert_accounted, run_bench
 
@@ -239,6 +291,15 @@ def test_the_time_model_hides_the_rings_messages_only_when_a_block_outlasts_a_ch
         assert long["ring_s"] < long["ulysses_s"]
     short = ulysses.attention_time_model(seq=8192, link_bytes_per_s=slow, **h100)
     assert short["ulysses_s"] < short["ring_s"]  # short: the chunks outlast the blocks, and add up
+    # an all-to-all on a fully connected node uses every peer's link at once: three times one link's rate
+    node = dict(h100, degree=4)
+    one_link = ulysses.attention_time_model(seq=8192, link_bytes_per_s=fast, **node)
+    three = ulysses.attention_time_model(
+        seq=8192, link_bytes_per_s=fast, all_to_all_bytes_per_s=3 * fast, **node
+    )
+    moved = one_link["ulysses_s"] - one_link["compute_s"] - 4 * 20e-6
+    assert three["ulysses_s"] - three["compute_s"] - 4 * 20e-6 == pytest.approx(moved / 3)
+    assert three["ring_s"] == one_link["ring_s"]  # the ring talks to one neighbour only
     one = ulysses.attention_time_model(seq=4096, link_bytes_per_s=fast, **(h100 | {"degree": 1}))
     assert one["ring_s"] == one["ulysses_s"] == one["compute_s"]
     with pytest.raises(UserError, match="link_bytes_per_s must be a finite number above 0, got 0"):

@@ -76,3 +76,36 @@ def test_profile_naming_a_file_is_refused_in_one_line(tmp_path):
     assert shown.returncode == 2
     [line] = shown.stderr.strip().splitlines()
     assert "argument --profile" in line and "is a file, but a folder is expected" in line
+
+
+def _sweep_through_a_transport_that_corrupts():
+    """The all-reduce benchmark with gloo's all-reduce corrupting one element of every fifth call on
+    rank 0, as LL128 did between some GH200 nodes now and then."""
+    import torch.distributed as dist
+
+    from course_lib.tools.bench import allreduce
+
+    calls = {"n": 0}
+    real = dist.all_reduce
+
+    def corrupting(tensor, *args, **kwargs):
+        result = real(tensor, *args, **kwargs)
+        calls["n"] += 1
+        if dist.get_rank() == 0 and calls["n"] % 5 == 0 and tensor.numel() > 1:
+            tensor.view(-1)[0] += 1.0
+        return result
+
+    dist.all_reduce = corrupting
+    try:
+        return allreduce.allreduce_benchmark(sizes=[64, 4096], iterations=3, warmup=1)
+    finally:
+        dist.all_reduce = real
+
+
+def test_the_network_check_counts_wrong_values_not_only_speed():
+    from course_lib.distributed.launch import launch
+
+    result = launch(_sweep_through_a_transport_that_corrupts, 2)[0]
+    assert result["all_correct"] is False
+    assert sum(row["wrong"] for row in result["rows"]) > 0
+    assert all(row["correct"] == (row["wrong"] == 0) for row in result["rows"])

@@ -518,6 +518,12 @@ def _run_allreduce(args: argparse.Namespace) -> int:
     if args.plot is not None:
         plot_allreduce(result, path=args.plot, expected_gbps=args.expect_gbps)
     if not result["all_correct"]:
-        print("error: some all-reduce gave a wrong sum: the network corrupts data", file=sys.stderr)
+        wrong = {row["bytes"]: row["wrong"] for row in result["rows"] if row["wrong"]}
+        print(
+            f"error: all-reduces gave wrong sums ({sum(wrong.values())} wrong elements, at sizes "
+            f"{sorted(wrong)} bytes): the transport corrupts data; on Alps, check NCCL_PROTO=^LL128 and "
+            "try COURSE_NCCL_NO_EAGER=1",
+            file=sys.stderr,
+        )
         return 1
     return 0 if healthy else 1

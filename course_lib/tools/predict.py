@@ -1,0 +1,134 @@
+"""Predict, then run: a number the student commits to before a measurement, checked after it.
+
+Reading that an output "matches the formula" teaches less than writing the number first. So every
+notebook has at least one cell where the student writes a prediction, as text with its unit,
+*before* the cell that measures it::
+
+    prediction = "1.5 MiB"  # your number: the bytes each rank sends
+
+and, after the measurement, one line that compares them as the labs compare answers (a relative
+tolerance, and on a miss a hint that names the idea, not the number)::
+
+    predict.check("bytes each rank sends", prediction, measured, unit="B", hint="...")
+
+The committed notebooks hold the worked answer, so that they run green; a student overwrites it.
+
+A prediction is text, so that it can carry its unit: ``"1.5 MiB"``, ``"2 ms"``, ``"40 %"``,
+``"0.4"``. A word that is not a number, or a unit the quantity is not measured in, is named in one
+line, and nothing is compared.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+UNITS: dict[str, dict[str, float]] = {
+    "B": {
+        "B": 1, "bytes": 1, "kB": 1e3, "KB": 1e3, "KiB": 2**10, "MB": 1e6, "MiB": 2**20,
+        "GB": 1e9, "GiB": 2**30, "TB": 1e12, "TiB": 2**40,
+    },
+    "s": {"s": 1, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9, "min": 60},
+    "B/s": {"B/s": 1, "MB/s": 1e6, "GB/s": 1e9, "MiB/s": 2**20, "GiB/s": 2**30},
+    "": {"": 1, "%": 0.01, "x": 1},
+}  # fmt: skip
+"""The quantities a prediction may be about (by their base unit, the one ``check`` is given), and the
+units each may be written in, with their size in the base unit (``""``: a count, a ratio or a
+fraction, which may be written as a percentage)."""
+
+NUMBER = re.compile(r"^\s*(?P<number>[-+]?(?:\d[\d_,]*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*(?P<unit>\S*)\s*$")
+
+
+class PredictionError(ValueError):
+    """A prediction that is not a number in a unit its quantity takes."""
+
+
+def parse(text: str | float, *, unit: str = "") -> float:
+    """A prediction's value in the base ``unit``.
+
+    Args:
+        text: what the student wrote: ``"1.5 MiB"``, ``"40 %"``, ``3``.
+        unit: the base unit of the quantity, one of ``UNITS``.
+    """
+    if unit not in UNITS:
+        raise ValueError(f"unknown unit {unit!r}: use one of {sorted(UNITS)}")
+    taken = ", ".join(repr(name) for name in UNITS[unit] if name) or "none"
+    if isinstance(text, bool) or not isinstance(text, (str, int, float)):
+        raise PredictionError(
+            f"a prediction is a number with its unit, e.g. '1.5 {unit or 'x'}', not a {type(text).__name__}"
+        )
+    if isinstance(text, (int, float)):
+        value = float(text)
+    else:
+        found = NUMBER.match(text)
+        if not found:
+            raise PredictionError(
+                f"{text!r} is not a number: write it with its unit, e.g. '1.5 {next(iter(UNITS[unit]))}'"
+            )
+        written = found["unit"]  # none: the base unit (bytes, seconds)
+        if written and written not in UNITS[unit]:
+            raise PredictionError(
+                f"{text!r}: {written!r} is not a unit of this quantity; it takes {taken}"
+                + f" (or a plain number{f', in {unit}' if unit else ''})"
+            )
+        value = float(found["number"].replace("_", "").replace(",", "")) * UNITS[unit].get(written, 1)
+    if not math.isfinite(value):
+        raise PredictionError(f"{text!r} is not a finite number")
+    return value
+
+
+def shown(value: float, unit: str) -> str:
+    """A value in the base ``unit``, in the unit that reads best (1.5 MiB, 2.3 ms, 0.43)."""
+    if unit == "B":
+        for name, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+            if abs(value) >= size:
+                return f"{value / size:.3g} {name}"
+        return f"{value:.3g} B"
+    if unit == "s":
+        for name, size in (("s", 1), ("ms", 1e-3), ("us", 1e-6)):
+            if abs(value) >= size:
+                return f"{value / size:.3g} {name}"
+        return f"{value / 1e-9:.3g} ns"
+    if unit == "B/s":
+        return f"{value / 1e9:.3g} GB/s"
+    return f"{value:.3g}"
+
+
+def check(
+    what: str,
+    prediction: str | float,
+    measured: float,
+    *,
+    unit: str = "",
+    rel_tol: float = 0.1,
+    hint: str = "",
+) -> bool:
+    """Compare the student's prediction with the measurement, in one printed line; True on a hit.
+
+    Args:
+        what: the quantity, as the line names it ("bytes each rank sends").
+        prediction: what the student wrote before the measurement ("1.5 MiB").
+        measured: the measurement, in the base ``unit``.
+        unit: the base unit: ``"B"``, ``"s"``, ``"B/s"``, or ``""`` for a count, ratio or fraction.
+        rel_tol: how close counts as right, relative to the measurement.
+        hint: shown on a miss: the idea that gives the number.
+    """
+    try:
+        value = parse(prediction, unit=unit)
+    except PredictionError as error:
+        print(f"prediction of the {what}: {error}")
+        return False
+    if math.isclose(value, measured, rel_tol=rel_tol, abs_tol=1e-12):
+        said = f"you said {shown(value, unit)}, measured {shown(measured, unit)}"
+        print(f"HIT   {what}: {said} (within {rel_tol:.0%})")
+        return True
+    if value and measured and value * measured > 0:
+        factor = max(value / measured, measured / value)
+        how = f"{factor:.2g}x too {'high' if abs(value) > abs(measured) else 'low'}"
+    else:
+        how = "off"
+    print(
+        f"MISS  {what}: you said {shown(value, unit)}, measured {shown(measured, unit)} ({how})"
+        + (f"; hint: {hint}" if hint else "")
+    )
+    return False

@@ -1,0 +1,128 @@
+"""No number in a notebook's prose that the output beside it can contradict (``tools/prose.py``), and
+the predict-then-run cells every notebook has (``tools/predict.py``)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from course_lib.tools import notebooks, predict, prose
+
+NOTEBOOKS = notebooks.notebook_paths()
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[path.stem for path in NOTEBOOKS])
+def test_every_quantity_a_notebook_states_is_held_by_the_code_beside_it(notebook):
+    assert prose.problems(notebook) == []
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[path.stem for path in NOTEBOOKS])
+def test_every_notebook_asks_for_a_prediction_and_checks_it(notebook):
+    cells = json.loads(notebook.read_text())["cells"]
+    code = ["".join(cell["source"]) for cell in cells if cell["cell_type"] == "code"]
+    asking = [index for index, source in enumerate(code) if "prediction = " in source]
+    checking = [index for index, source in enumerate(code) if "predict.check(" in source]
+    assert asking and checking and asking[0] < checking[0], f"{notebook.name}: no prediction, then its check"
+    for cell in cells:
+        if cell["cell_type"] == "code" and "predict.check(" in "".join(cell["source"]):
+            shown = "".join(notebooks.output_text(output) for output in cell.get("outputs", []))
+            lines = shown.splitlines()
+            assert any(line.startswith(("HIT", "MISS")) for line in lines), shown  # the worked answer ran
+
+
+def _markdown(text: str, **metadata) -> dict:
+    return {"cell_type": "markdown", "metadata": metadata, "source": text}
+
+
+def _code(source: str, printed: str = "") -> dict:
+    outputs = [{"output_type": "stream", "name": "stdout", "text": printed}] if printed else []
+    return {"cell_type": "code", "metadata": {}, "execution_count": 1, "source": source, "outputs": outputs}
+
+
+def test_a_planted_contradiction_in_a_committed_notebook_is_found(tmp_path):
+    """Notebook 10's straggler text, with the number of another run written into it."""
+    source = next(path for path in NOTEBOOKS if path.stem == "10_when_it_breaks")
+    notebook = json.loads(source.read_text())
+    cells = notebook["cells"]
+    index = next(i for i, cell in enumerate(cells) if "rank 1 arrives" in "".join(cell["source"]))
+    cells[index]["source"] = ["On the left, rank 1 arrives 61.9 ms a step after the others."]
+    planted = tmp_path / source.name
+    planted.write_text(json.dumps(notebook))
+    found = prose.problems(planted)
+    assert len(found) == 1 and f"cell {index + 1} states '61.9 ms'" in found[0], found
+    assert "guard it with an assert" in found[0] and "from-sources" in found[0]
+
+
+@pytest.mark.parametrize(
+    ("cells", "held"),
+    [
+        # printed by the code beside it, where nbval compares it: as written, or to more digits
+        ([_code("print(size)", "16.8 MB of gradients"), _markdown("The gradients are 16.8 MB.")], True),
+        ([_code("print(size)", "16.84 MB"), _markdown("The gradients are 16.8 MB.")], True),
+        ([_code("print(size)", "16.8 MB"), _markdown("The gradients are 16.9 MB.")], False),
+        # a timing printed in a cell whose output nbval ignores holds nothing: it changes every run
+        ([_code("# NBVAL_IGNORE_OUTPUT\nprint(lag)", "61.9 ms"), _markdown("Rank 1 lags 61.9 ms.")], False),
+        # the bound of an assertion, or a setting, in the code before or after
+        ([_markdown("The first step takes over 100 ms."), _code("assert first_ms > 100")], True),
+        ([_markdown("Buckets of 4 MB."), _code("x = 1"), _code("bucket_mb = 4")], False),  # only the nearest
+        # theory, papers and datasheets: a cell tagged from-sources
+        ([_markdown("A link of 25 GB/s.", tags=["from-sources"])], True),
+        ([_markdown("A link of 25 GB/s.")], False),
+        # not quantities: code, formulas, a product, a count without a unit
+        ([_markdown("Call `sleep(0.02 s)`, see $2 \\times 3 s$, a 2 x 2 mesh, 64 GPUs.")], True),
+        ([_markdown("It ran 1.3x faster.")], False),
+        ([_markdown("It ran 1.3x faster."), _code("assert ratio > 1.3")], True),
+    ],
+)
+def test_what_holds_a_quantity(cells, held):
+    assert (prose.unguarded(cells) == []) is held, prose.unguarded(cells)
+
+
+# -- predictions -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "unit", "value"),
+    [
+        ("1.5 MiB", "B", 1.5 * 2**20),
+        ("140.7 kB", "B", 140_700),
+        ("2240", "B", 2240),
+        ("60 ms", "s", 0.06),
+        ("0.27", "", 0.27),
+        ("40 %", "", 0.4),
+        ("35,173", "", 35_173),
+        (6, "", 6.0),
+    ],
+)
+def test_a_prediction_is_read_with_its_unit(text, unit, value):
+    assert math.isclose(predict.parse(text, unit=unit), value)
+
+
+@pytest.mark.parametrize(
+    ("text", "unit", "message"),
+    [
+        ("abc", "B", "'abc' is not a number: write it with its unit, e.g. '1.5 B'"),
+        ("3 kg", "B", "'kg' is not a unit of this quantity; it takes 'B', 'bytes', 'kB'"),
+        ("60 MB", "s", "'MB' is not a unit of this quantity; it takes 's', 'ms'"),
+        ("nan", "", "is not a number"),
+        ("1e999", "", "is not a finite number"),
+        (True, "", "not a bool"),
+        (None, "B", "not a NoneType"),
+    ],
+)
+def test_a_prediction_that_is_not_a_number_in_its_unit_is_named_in_one_line(text, unit, message, capsys):
+    assert predict.check("the bytes", text, 100.0, unit=unit) is False
+    shown = capsys.readouterr().out
+    assert shown.count("\n") == 1 and message in shown, shown
+
+
+def test_a_hit_and_a_miss_say_so_and_a_miss_gives_the_hint(capsys):
+    assert predict.check("bytes each rank sends", "1.5 MiB", 1.5 * 2**20, unit="B")
+    assert predict.check("bytes each rank sends", "3 MiB", 1.5 * 2**20, unit="B", hint="2(N-1)/N") is False
+    hit, miss = capsys.readouterr().out.splitlines()
+    assert hit == "HIT   bytes each rank sends: you said 1.5 MiB, measured 1.5 MiB (within 10%)"
+    assert miss == (
+        "MISS  bytes each rank sends: you said 3 MiB, measured 1.5 MiB (2x too high); hint: 2(N-1)/N"
+    )

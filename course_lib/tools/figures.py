@@ -94,13 +94,17 @@ def ring_all_reduce():
         axis.imshow(frame, vmin=1, vmax=n, cmap="Blues")
         for r in range(n):
             for c in range(n):
-                axis.text(c, r, frame[r][c], ha="center", va="center", fontsize=8)
+                # white on the dark cells (a chunk that holds every rank's values), black on the light
+                colour = "white" if frame[r][c] > (n + 1) / 2 else "black"
+                axis.text(c, r, frame[r][c], ha="center", va="center", fontsize=8, color=colour)
         phase = "start" if step == 0 else ("reduce-scatter" if step < n else "all-gather")
         axis.set_title(f"{phase} {step if step else ''}".strip(), fontsize=8)
-        axis.set_xticks([])
-        axis.set_yticks([])
+        axis.set_xticks(range(n))
+        axis.set_yticks(range(n))
+        axis.tick_params(labelsize=7, length=0)
         axis.set_xlabel("chunk", fontsize=7)
-        axis.set_ylabel("rank", fontsize=7)
+        if step == 0:
+            axis.set_ylabel("rank", fontsize=7)
     figure.tight_layout()
     return figure
 
@@ -129,34 +133,42 @@ def zero_memory():
 
 
 def fsdp_timeline(units: int = 4):
-    """When each unit's parameters are gathered and freed, forward then backward (FULL_SHARD)."""
+    """When each unit's parameters are gathered and freed, forward then backward (FULL_SHARD), with
+    prefetch: the next unit's all-gather travels while this unit computes, and each reduce-scatter
+    while the next unit's backward computes. A schematic: a unit's forward takes 1, its backward 2,
+    a collective 0.3."""
     figure = Figure(figsize=(7.5, 2.6))
     axis = figure.subplots()
-    t = 0.0
-    for phase, order in (("forward", range(units)), ("backward", reversed(range(units)))):
-        for unit in order:
-            axis.barh(unit, 0.3, left=t, color="#c44e52")  # all-gather
-            axis.barh(
-                unit,
-                1.0 if phase == "forward" else 2.0,
-                left=t + 0.3,
-                color="#4c72b0" if phase == "forward" else "#55a868",
-            )
-            t += 1.3 if phase == "forward" else 2.3
-            if phase == "backward":
-                axis.barh(unit, 0.3, left=t, color="#8172b2")  # reduce-scatter
-                t += 0.3
+    gather, forward, backward = 0.3, 1.0, 2.0
+    colours = {
+        "all-gather": "#c44e52",
+        "forward": "#4c72b0",
+        "backward": "#55a868",
+        "reduce-scatter": "#8172b2",
+    }
+    compute_free = 0.0  # when the compute stream is next free
+    gathered = gather  # unit 0's gather, waited for at the start
+    axis.barh(0, gather, left=0.0, color=colours["all-gather"])
+    for phase, order, length in (
+        ("forward", list(range(units)), forward),
+        ("backward", list(reversed(range(units))), backward),
+    ):
+        for position, unit in enumerate(order):
+            start = max(compute_free, gathered)
+            axis.barh(unit, length, left=start, color=colours[phase])
+            # the last unit of forward stays whole: its backward comes next (FSDP2 keeps the root's)
+            following = order[position + 1] if position + 1 < len(order) else None
+            if following is not None:  # prefetch: the next unit's gather starts as this one computes
+                axis.barh(following, gather, left=start, color=colours["all-gather"], alpha=0.9)
+                gathered = start + gather
+            if phase == "backward":  # the gradient leaves while the next unit's backward computes
+                axis.barh(unit, gather, left=start + length, color=colours["reduce-scatter"])
+            compute_free = start + length
     axis.set_yticks(range(units), [f"unit {u}" for u in range(units)])
     axis.invert_yaxis()
-    axis.set_xlabel("time")
-    handles = [Rectangle((0, 0), 1, 1, color=c) for c in ("#c44e52", "#4c72b0", "#55a868", "#8172b2")]
-    axis.legend(
-        handles,
-        ["all-gather", "forward", "backward", "reduce-scatter"],
-        ncol=4,
-        fontsize=7,
-        loc="lower right",
-    )
+    axis.set_xlabel("time (schematic: a unit's forward = 1)")
+    handles = [Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
+    axis.legend(handles, list(colours), ncol=4, fontsize=7, loc="lower center", bbox_to_anchor=(0.5, 1.0))
     figure.tight_layout()
     return figure
 

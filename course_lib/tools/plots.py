@@ -179,9 +179,9 @@ def draw_study(
             ideal = [first["time_per_epoch_s"] * first["world_size"] / n for n in sizes]
             axes["time_per_epoch_s"].plot(sizes, ideal, "--", color="black", lw=1, label="ideal 1/N")
     if "speedup" in axes:
-        axes["speedup"].plot(sizes, sizes, "k--", lw=1, label="ideal")
+        axes["speedup"].plot(sizes, sizes, "k-.", lw=1, label="ideal speedup N")
     if "efficiency" in axes:
-        axes["efficiency"].axhline(1.0, color="k", ls="--", lw=1, label="ideal")
+        axes["efficiency"].axhline(1.0, color="k", ls=":", lw=1, label="ideal efficiency 1")
     for key, axis in axes.items():
         axis.set_xscale("log", base=2)
         axis.set_xticks(sizes)
@@ -189,7 +189,12 @@ def draw_study(
         axis.set_xlabel("processes (GPUs)")
         axis.set_title(STUDY_PANELS[key], fontsize="large")
         axis.grid(True, alpha=0.3)
-        axis.legend(fontsize="medium")
+    # one legend for every panel, under them: inside a panel it would cover the lines it names
+    named = {}
+    for axis in axes.values():
+        for handle, label in zip(*axis.get_legend_handles_labels()):
+            named.setdefault(label, handle)
+    figure.legend(list(named.values()), list(named), loc="outside lower center", ncol=min(len(named), 4))
     if "time_per_epoch_s" in axes:
         time_axis = axes["time_per_epoch_s"]
         time_axis.set_yscale("log")
@@ -344,8 +349,13 @@ def plot_ring_attention(schedules: dict[str, list[list[dict]]], seq_len: int, *,
                     picture[query.start : query.end, key.start : key.end] = 0.85
             axis = panels[row][rank]
             axis.imshow(picture, interpolation="nearest")
-            axis.set_xticks([])
-            axis.set_yticks([])
+            ticks = [0, seq_len // 2, seq_len - 1]
+            axis.set_xticks(ticks)
+            axis.set_yticks(ticks)
+            axis.tick_params(labelsize=7)
+            axis.set_xlabel("key position", fontsize=8)
+            if rank == 0:
+                axis.set_ylabel("query position", fontsize=8)
             axis.set_title(f"{title}: rank {rank}\n{work} scores computed", fontsize=8)
     handles = [Patch(color=colours(step), label=f"step {step}") for step in range(degree)]
     figure.legend(handles=handles, loc="lower center", ncol=degree, fontsize="small", frameon=False)

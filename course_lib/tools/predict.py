@@ -91,6 +91,8 @@ def shown(value: float, unit: str) -> str:
         return f"{value / 1e-9:.3g} ns"
     if unit == "B/s":
         return f"{value / 1e9:.3g} GB/s"
+    if value == int(value) and abs(value) < 1e15:  # a count: every digit
+        return f"{value:,.0f}"
     return f"{value:.3g}"
 
 
@@ -118,17 +120,30 @@ def check(
     except PredictionError as error:
         print(f"prediction of the {what}: {error}")
         return False
+    written, got = _as_written(prediction, value, unit), _in_units_of(prediction, measured, unit)
+    said = f"you said {written}, measured {got}"
     if math.isclose(value, measured, rel_tol=rel_tol, abs_tol=1e-12):
-        said = f"you said {shown(value, unit)}, measured {shown(measured, unit)}"
-        print(f"HIT   {what}: {said} (within {rel_tol:.0%})")
+        print(f"HIT   {what}: {said} ({f'within {rel_tol:.0%}' if rel_tol else 'exactly'})")
         return True
     if value and measured and value * measured > 0:
         factor = max(value / measured, measured / value)
         how = f"{factor:.2g}x too {'high' if abs(value) > abs(measured) else 'low'}"
     else:
         how = "off"
-    print(
-        f"MISS  {what}: you said {shown(value, unit)}, measured {shown(measured, unit)} ({how})"
-        + (f"; hint: {hint}" if hint else "")
-    )
+    print(f"MISS  {what}: {said} ({how})" + (f"; hint: {hint}" if hint else ""))
     return False
+
+
+def _as_written(prediction, value: float, unit: str) -> str:
+    """The prediction as the student wrote it (its own unit), or shown in the best unit."""
+    return prediction.strip() if isinstance(prediction, str) else shown(value, unit)
+
+
+def _in_units_of(prediction, measured: float, unit: str) -> str:
+    """The measurement in the unit the prediction was written in, so that the two read side by side."""
+    found = NUMBER.match(prediction) if isinstance(prediction, str) else None
+    written = found["unit"] if found else ""
+    if written and written in UNITS[unit]:
+        value = measured / UNITS[unit][written]
+        return f"{value:.0f} {written}" if value == int(value) else f"{value:.4g} {written}"
+    return shown(measured, unit)

@@ -7,6 +7,8 @@ the references are one process on the whole batch and PyTorch's ``DistributedDat
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -218,6 +220,59 @@ def check_trains_like_torch_ddp(lab) -> None:
             )
 
 
+TIMED_WIDTH, TIMED_LAYERS, TIMED_BATCH = 512, 4, 32  # an MLP whose step computes for milliseconds
+TIMED_STEPS, TIMED_WARMUP = 10, 3
+SLOWER_THAN_TORCH = 2.0
+"""How many times PyTorch's DDP step yours may take: a generous bound on two shared cores, which only
+an all-reduce that blocks backward, or one too many, reaches."""
+
+
+def _timed_steps(lab) -> dict[str, float]:
+    """Median ms of a training step of one MLP under your HandDDP (buckets of 25 MB), the course's DDP
+    and PyTorch's, the three interleaved in one run (a busy moment slows all three alike)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from course_lib.parallel.ddp import DataParallel
+    from course_lib.tools.timing import interleaved_medians
+
+    torch.manual_seed(case_seed(7))
+    reference = nn.Sequential(
+        *[layer for _ in range(TIMED_LAYERS) for layer in (nn.Linear(TIMED_WIDTH, TIMED_WIDTH), nn.Tanh())]
+    )
+    generator = torch.Generator().manual_seed(case_seed(8) + runtime.rank())
+    inputs, targets = (torch.randn(TIMED_BATCH, TIMED_WIDTH, generator=generator) for _ in range(2))
+
+    def stepper(wrap, finish):
+        model = copy.deepcopy(reference)
+        wrapped = wrap(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+        def step():
+            optimizer.zero_grad(set_to_none=True)
+            F.mse_loss(wrapped(inputs), targets).backward()
+            finish(wrapped)
+            optimizer.step()
+
+        return step
+
+    steps = {
+        "yours": stepper(lambda m: lab.HandDDP(m, bucket_mb=25), lambda w: w.finish_gradient_sync()),
+        "the course's": stepper(lambda m: DataParallel(m, bucket_mb=25), lambda w: None),
+        "PyTorch's": stepper(lambda m: DistributedDataParallel(m, bucket_cap_mb=25), lambda w: None),
+    }
+    return interleaved_medians(steps, TIMED_STEPS, TIMED_WARMUP)
+
+
+def check_timed_beside_the_course_and_torch(lab) -> None:
+    milliseconds = on_ranks(2, _timed_steps, lab)[0]
+    shown = ", ".join(f"{name} {ms:.1f} ms" for name, ms in milliseconds.items())
+    print(f"      timed on 2 ranks (median step of {TIMED_STEPS} interleaved): {shown}", flush=True)
+    ratio = milliseconds["yours"] / milliseconds["PyTorch's"]
+    assert ratio < SLOWER_THAN_TORCH, (
+        f"your step takes {ratio:.1f} times PyTorch's DDP's ({shown}): more than {SLOWER_THAN_TORCH:g} times"
+    )
+
+
 PROPERTIES = [
     Property(
         "every replica starts from rank 0's parameters and buffers",
@@ -265,6 +320,12 @@ PROPERTIES = [
         check_trains_like_torch_ddp,
         "If one step's gradients are right, training only goes wrong through state kept between steps: "
         "clear what is pending after each finish_gradient_sync.",
+    ),
+    Property(
+        "timed: your step beside the course's DDP and PyTorch's, in one run (the line above it)",
+        check_timed_beside_the_course_and_torch,
+        "Compare your step with the others': what does your hook do that theirs do not? An all-reduce "
+        "waited for inside backward stalls it; a bucket launched twice sends its bytes twice.",
     ),
 ]
 

@@ -127,6 +127,10 @@ if __name__ == "__main__":
     model = explain(measured)
     table = speedup_and_efficiency(model["seconds"])
     karp_flatt = karp_flatt_metric({n: s for n, (s, _) in table.items()}) if 1 in table else {}
+    print(
+        f"speedup and efficiency against {args.strategy}-1, this strategy's own one-process run (the study's "
+        "table takes them against single-1, one process without a wrapper)"
+    )
     for n, seconds in sorted(model["seconds"].items()):
         line = f"N = {n:>2}: {seconds:8.3f} s/epoch, T_comm {model['communication'][n]:7.3f} s"
         if n in table:

@@ -387,6 +387,15 @@ def _outcome(name: str, check: str, path: Path) -> str | None:
     return labs._property_outcome(prop, labs.load(path), path)
 
 
+def test_lab1s_timed_property_fails_a_step_far_slower_than_pytorchs(tmp_path):
+    """A synchronization that stalls every step (here a sleep where a blocking wait would be) makes
+    the step several times PyTorch's: the timed property names the ratio."""
+    waiting = "        for handle, packed in self.pending:\n            handle.wait()"
+    slow = _mutant("lab1_ddp", waiting, "        __import__('time').sleep(0.1)\n" + waiting, tmp_path)
+    outcome = _outcome("lab1_ddp", "check_timed_beside_the_course_and_torch", slow)
+    assert outcome is not None and "times PyTorch's DDP's" in outcome, outcome
+
+
 def test_lab9_a_merge_that_leaves_log_space_and_a_ring_one_rank_never_feeds_are_each_named(tmp_path):
     overflowing = _mutant(
         "lab9_ring_attention",

@@ -109,10 +109,17 @@ def _dense_step() -> dict[str, torch.Tensor]:
     }
 
 
-def _optimizer(params, optimizer_name: str):
+def _fit(model: nn.Module, optimizer_name: str) -> None:
+    """STEPS steps of the named optimizer on the same batches, whatever the model's layout."""
     if optimizer_name == "AdamW":
-        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        x, targets = _inputs(step)
+        F.cross_entropy(model(x), targets).backward()
+        optimizer.step()
 
 
 def _train(lab, optimizer_name: str):
@@ -128,12 +135,7 @@ def _train(lab, optimizer_name: str):
         model = nn.Sequential(fc1, nn.GELU(), fc2)
         mesh = init_device_mesh("cpu", (runtime.world_size(),))
         parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    optimizer = _optimizer(model.parameters(), optimizer_name)
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        x, targets = _inputs(step)
-        F.cross_entropy(model(x), targets).backward()
-        optimizer.step()
+    _fit(model, optimizer_name)
     if lab is not None:
         return model.fc1.weight.detach().clone(), model.fc2.weight.detach().clone()
     return model[0].weight.to_local().detach().clone(), model[2].weight.to_local().detach().clone()
@@ -142,13 +144,7 @@ def _train(lab, optimizer_name: str):
 def _train_dense(optimizer_name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The dense MLP after STEPS steps, in the judge: both whole weights."""
     fc1, fc2 = _dense()
-    model = nn.Sequential(fc1, nn.GELU(), fc2)
-    optimizer = _optimizer(model.parameters(), optimizer_name)
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        x, targets = _inputs(step)
-        F.cross_entropy(model(x), targets).backward()
-        optimizer.step()
+    _fit(nn.Sequential(fc1, nn.GELU(), fc2), optimizer_name)
     return fc1.weight.detach(), fc2.weight.detach()
 
 

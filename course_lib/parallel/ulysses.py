@@ -235,7 +235,8 @@ def ulysses_attention(
         q = heads_to_sequence(q, tokens=tokens, group=group)
         k, v = heads_to_sequence(torch.stack([k, v]), tokens=tokens, group=group)
     group_size = q.shape[HEADS_DIM] // k.shape[HEADS_DIM]  # query heads per key/value head, here
-    k, v = (t.repeat_interleave(group_size, dim=HEADS_DIM) for t in (k, v))
+    if group_size > 1:  # (a copy of each would be kept for backward: only where the heads differ)
+        k, v = (t.repeat_interleave(group_size, dim=HEADS_DIM) for t in (k, v))
     out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
     return out if size == 1 else sequence_to_heads(out, tokens=tokens, group=group)
 

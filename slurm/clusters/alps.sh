@@ -15,6 +15,12 @@
 #              https://docs.cscs.ch/clusters/daint/): the profile exports none, so as not to undo them;
 #   uenv       nothing sets them: the profile exports those of CSCS's NCCL page,
 #              https://docs.cscs.ch/software/communication/nccl/ , each with the page's reason.
+# Two of them are correctness settings before speed ones. NCCL_PROTO=^LL128: LL128 (default since
+# NCCL 2.27) has silently corrupted data between GH200 nodes on Slingshot ("occasional #wrong
+# transfers", NVIDIA/nccl#2001; the fix proposed in NVIDIA/nccl#2053 disables it on that path), and
+# CSCS's page adds it "typically performs worse on Slingshot". The zero FI_CXI_RDZV_* thresholds
+# (COURSE_NCCL_NO_EAGER=1): CSCS's workaround for hangs, and HPE's for a data corruption through
+# GDRCopy (HewlettPackard/shs-ccl-docs#21). network_check.sbatch counts wrong values, as nccl-tests do.
 COURSE_NEEDS_ACCOUNT=1
 COURSE_NEEDS_GPUS=1
 COURSE_LINK_GBPS=${COURSE_LINK_GBPS:-25}  # one Slingshot NIC per GPU: 200 Gb/s
@@ -27,21 +33,15 @@ if [ "$COURSE_NCCL_PLUGIN_FROM" = uenv ]; then
   export NCCL_NET="AWS Libfabric"        # the plugin, or fail at start-up: never fall back to TCP
   export NCCL_NET_GDR_LEVEL=PHB          # GPUDirect RDMA when GPU and NIC share a NUMA node
   export NCCL_CROSS_NIC=1                # as the page's list gives it (the hook now sets 0)
-  # LL128 (default since NCCL 2.27) is turned off first for correctness: on GH200 with Slingshot it
-  # has silently corrupted data between nodes ("occasional #wrong transfers", NVIDIA/nccl#2001; the
-  # fix proposed in NVIDIA/nccl#2053 disables it on the NIC-to-GPU path); CSCS's page adds that it
-  # "typically performs worse on Slingshot". network_check.sbatch counts wrong values, as nccl-tests do.
-  export NCCL_PROTO=^LL128
+  export NCCL_PROTO=^LL128               # correctness first: LL128 corrupted data here (see the top)
   export FI_CXI_DEFAULT_CQ_SIZE=131072   # the FI_ values: "the best performance on the Alps
   export FI_CXI_DEFAULT_TX_SIZE=16384    #   network across a wide range of applications"
   export FI_CXI_DISABLE_HOST_REGISTER=1
   export FI_CXI_RX_MATCH_MODE=software
   export FI_MR_CACHE_MONITOR=userfaultfd
   export NCCL_NCHANNELS_PER_NET_PEER=4   # faster send/recv (pipelines) without hurting collectives
-  # If NCCL hangs or its watchdog times out ("still under investigation"), or network_check finds
-  # wrong values, the page's workaround disables Slingshot's eager messages: COURSE_NCCL_NO_EAGER=1
-  # sbatch ... (the hook sets these). HPE gives the same zero thresholds as the workaround for a
-  # data corruption through GDRCopy (HewlettPackard/shs-ccl-docs#21): a correctness setting too.
+  # If NCCL hangs or its watchdog times out, or network_check finds wrong values, the workaround
+  # disables Slingshot's eager messages: COURSE_NCCL_NO_EAGER=1 sbatch ... (the hook sets these)
   if [ "${COURSE_NCCL_NO_EAGER:-0}" = 1 ]; then
     export FI_CXI_RDZV_GET_MIN=0 FI_CXI_RDZV_THRESHOLD=0 FI_CXI_RDZV_EAGER_SIZE=0
   fi

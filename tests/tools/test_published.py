@@ -189,6 +189,5 @@ def test_lecture_9_says_how_fast_torchtitans_500_w_h100s_ran_their_products():
     modelled = flops / predicted.time["compute"] / cluster.peak_flops
     lecture = " ".join((ROOT / "slides" / "09-choosing-a-layout.md").read_text().split())
     assert (
-        f"the residual leaves its products {implied:.0%} of the SXM peak (a residual, not a measurement); "
-        f"the planner runs them at {modelled:.0%}"
+        f"500 W H100s: a residual {implied:.0%} of the SXM peak, the planner says {modelled:.0%}"
     ).replace("%", " %") in lecture

@@ -319,18 +319,19 @@ def test_a_step_report_from_known_arrivals():
 
 
 def test_the_training_command_reports_a_slow_rank_and_the_tool_plots_it(tmp_path):
-    """2 ranks of the course's DDP, rank 1 sleeping 30 ms before each collective: every step's line
-    names it, the run's last line says what it cost, and the tool draws the report."""
+    """2 ranks of the course's DDP, rank 1 sleeping 80 ms before each collective: the steps' lines
+    name it, the run's last line says what it cost, and the tool draws the report. (A busy machine
+    can hold rank 0 up longer than that now and then: most steps, not every one.)"""
     from conftest import run_ranks, run_tool
 
     report, picture = tmp_path / "stragglers.jsonl", tmp_path / "stragglers.png"
     argv = ["--epochs", "1", "--max-steps", "5", "--no-progress", "--strategy", "ddp", "--impl", "course"]
     outcomes = run_ranks(
-        [*argv, "--straggler-report", str(report)], nprocs=2, env={faults.VARIABLE: "slow:1:0.03"}
+        [*argv, "--straggler-report", str(report)], nprocs=2, env={faults.VARIABLE: "slow:1:0.08"}
     )
     assert [o.returncode for o in outcomes] == [0, 0], outcomes[0].stderr + outcomes[1].stderr
     lines = [json.loads(line) for line in report.read_text().splitlines()]
-    assert len(lines) == 5 and all(line["slowest_rank"] == 1 for line in lines), lines
+    assert len(lines) == 5 and sum(line["slowest_rank"] == 1 for line in lines) >= 4, lines
     # last at (nearly) every collective: on a busy machine rank 0 can now and then be held up longer
     found = re.search(r"stragglers: rank 1 arrived last at (\d+)% of the collectives", outcomes[0].stdout)
     assert found and int(found.group(1)) >= 60, outcomes[0].stdout[-600:]

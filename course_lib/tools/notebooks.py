@@ -25,13 +25,12 @@ import time
 from pathlib import Path
 
 from . import prose
+from .prose import IGNORE_OUTPUT, output_text
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 DRAWING_MODULES = ("plt", "plots", "figures")
 SANITIZE_CONFIG = NOTEBOOKS / "nbval_sanitize.cfg"
 """Regular expressions (nbval's format) for outputs that depend on the machine, removed before comparing."""
-IGNORE_OUTPUT = "# NBVAL_IGNORE_OUTPUT"
-"""A cell with this line must run without error; its output is not compared."""
 # Outputs compared as nbval compares them: text of every kind, not pictures (their bytes differ
 # from one matplotlib build to another; that a picture is there is checked separately).
 NOT_COMPARED = ("image/png", "image/jpeg", "application/vnd.jupyter.widget-view+json")
@@ -73,14 +72,6 @@ def draws(source: str) -> bool:
         ):
             return True
     return False
-
-
-def output_text(output: dict) -> str:
-    """Everything an output shows as text: streams, results, errors."""
-    parts = [output.get("text", "")]
-    parts += [value for key, value in output.get("data", {}).items() if key.startswith("text/")]
-    parts += output.get("traceback", [])
-    return "".join("".join(part) if isinstance(part, list) else part for part in parts)
 
 
 def problems(path: Path) -> list[str]:

@@ -32,6 +32,7 @@ from pathlib import Path
 SOURCES_TAG = "from-sources"
 """The cell tag of a markdown cell whose numbers come from theory, papers or datasheets."""
 IGNORE_OUTPUT = "# NBVAL_IGNORE_OUTPUT"
+"""A cell with this line must run without error; its output is not compared (nbval's marker)."""
 
 UNIT = (
     r"(?:[kKMGT]i?B/s|[kKMGT]?b/s|samples/s|tokens/s|tok/s|steps/s|[TGP]FLOP/s|"
@@ -74,11 +75,11 @@ def _cell_text(cell: dict) -> str:
     return "".join(source) if isinstance(source, list) else source
 
 
-def _outputs_text(cell: dict) -> str:
-    parts = []
-    for output in cell.get("outputs", []):
-        parts.append(output.get("text", ""))
-        parts += [value for key, value in output.get("data", {}).items() if key.startswith("text/")]
+def output_text(output: dict) -> str:
+    """Everything an output shows as text: streams, results, errors."""
+    parts = [output.get("text", "")]
+    parts += [value for key, value in output.get("data", {}).items() if key.startswith("text/")]
+    parts += output.get("traceback", [])
     return "".join("".join(part) if isinstance(part, list) else part for part in parts)
 
 
@@ -94,7 +95,7 @@ def _holders(cells: list[dict], index: int) -> set[float]:
         source = _cell_text(cell)
         held |= _numbers(source)
         if IGNORE_OUTPUT not in (line.strip() for line in source.splitlines()):
-            held |= _numbers(_outputs_text(cell))
+            held |= _numbers("".join(output_text(output) for output in cell.get("outputs", [])))
     return held
 
 

@@ -228,7 +228,8 @@ LONGER = dict(
     COURSE_DATASET="synthetic",
     COURSE_MODEL="cifar_cnn",
     COURSE_EPOCHS="2",
-    COURSE_EXTRA_ARGS="--checkpoint-every 8",
+    # 40 steps: past the end of the first epoch (32 steps), so a resumed run crosses an epoch
+    COURSE_EXTRA_ARGS="--checkpoint-every 8 --max-steps 40",
 )
 
 
@@ -236,11 +237,13 @@ def test_a_stop_signal_reaches_every_worker_which_checkpoint_requeue_and_end_ide
     """USR1 to the batch shell (what --signal=B:USR1@120 sends before the time limit), under srun
     tasks and under torchrun (which forwards it: --signals-to-handle): both runs requeue, resume,
     and end bit for bit where an uninterrupted run ends. The three jobs run side by side."""
+    # Placed so that all three fit at once (each node has 4 GPUs): the uninterrupted run on n2, the
+    # srun run on n1, and the torchrun run (two nodes, one worker each: 2 ranks, as above) on two
+    # GPUs of each node. Otherwise the torchrun job waits for both others to end.
     runs = {
-        "straight": ("ddp_1node", {}, TWO_TASKS),
-        "srun": ("ddp_1node", {}, TWO_TASKS),
-        # two nodes, one worker each: 2 ranks, as above
-        "torchrun": ("torchrun_per_node", {"COURSE_PROCS_PER_NODE": "1"}, ()),
+        "straight": ("ddp_1node", {}, (*TWO_TASKS, "--nodelist=n2")),
+        "srun": ("ddp_1node", {}, (*TWO_TASKS, "--nodelist=n1")),
+        "torchrun": ("torchrun_per_node", {"COURSE_PROCS_PER_NODE": "1"}, ("--gpus-per-node=2",)),
     }
     jobs = {}
     for name, (script, settings, options) in runs.items():

@@ -103,6 +103,8 @@ SLIDES_DECKS := $(notdir $(sort $(wildcard slides/[0-9]*.md)))
 SLIDES_OUT ?= $(CURDIR)/slides/dist
 CHROMIUM ?= $(shell command -v chromium || command -v chromium-browser || command -v google-chrome)
 SLIDEV := node_modules/.bin/slidev
+# the PNG pages' width in pixels (the tests draw them smaller: they look for ink, not detail)
+SLIDES_PNG_WIDTH ?= 1960
 
 slides-setup:
 	@command -v npm >/dev/null && node -e 'process.exit(Number(process.versions.node.split(".")[0]) >= 20 ? 0 : 1)' \
@@ -133,7 +135,7 @@ slides-build:
 	for deck in $(SLIDES_DECKS); do \
 	  name=$${deck%.md}; \
 	  mkdir -p "$(SLIDES_OUT)/png/$$name"; \
-	  pdftoppm -png -scale-to-x 1960 -scale-to-y -1 "$(SLIDES_OUT)/pdf/$$name.pdf" "$(SLIDES_OUT)/png/$$name/page"; \
+	  pdftoppm -png -scale-to-x $(SLIDES_PNG_WIDTH) -scale-to-y -1 "$(SLIDES_OUT)/pdf/$$name.pdf" "$(SLIDES_OUT)/png/$$name/page"; \
 	  for page in "$(SLIDES_OUT)/png/$$name"/page-*.png; do \
 	    number=$${page##*-}; number=$${number%.png}; mv "$$page" "$(SLIDES_OUT)/png/$$name/$$((10#$$number)).png"; \
 	  done; \

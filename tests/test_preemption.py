@@ -33,6 +33,8 @@ TRAINING = [
     "64",
     "--checkpoint-every",
     "8",
+    "--max-steps",  # past the first epoch's 32 steps: a resumed run crosses an epoch's end
+    "40",
     "--resume",
     "latest",
     "--no-progress",

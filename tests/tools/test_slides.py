@@ -279,7 +279,15 @@ def built(tmp_path_factory):
     assert setup.returncode == 0, setup.stdout + setup.stderr
     out = tmp_path_factory.mktemp("slides")
     build = subprocess.run(
-        [*_offline_prefix(), "make", "--no-print-directory", "slides-build", f"SLIDES_OUT={out}"],
+        # pages drawn 640 pixels wide: enough to see ink and figures, in a fraction of the time
+        [
+            *_offline_prefix(),
+            "make",
+            "--no-print-directory",
+            "slides-build",
+            f"SLIDES_OUT={out}",
+            "SLIDES_PNG_WIDTH=640",
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,

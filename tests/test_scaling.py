@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy
 import pytest
 
 from course_lib.errors import UserError
@@ -94,6 +95,42 @@ def test_the_fit_refuses_what_it_cannot_fit():
         scaling.fit_ring_all_reduce(1, message_bytes=[8, 16], seconds=[1, 2])
     with pytest.raises(ValueError, match="two different sizes"):
         scaling.fit_ring_all_reduce(2, message_bytes=[8, 8], seconds=[1, 2])
+
+
+def _epoch_seconds(sizes, *, compute, scale, fixed, noise=None):
+    """Times made from T_compute/N + k T_comm(N) + T_fixed, T_comm a ring on a 20 us, 10 GB/s link."""
+    communication = {
+        n: 50
+        * scaling.ring_all_reduce_seconds(n, message_bytes=4e6, latency_s=20e-6, bandwidth_bytes_per_s=1e10)
+        for n in sizes
+    }
+    seconds = {n: compute / n + scale * communication[n] + fixed for n in sizes}
+    return {n: t * (noise(n) if noise else 1) for n, t in seconds.items()}, communication
+
+
+def test_the_communication_scale_is_the_term_a_negative_compute_time_misses():
+    """Runs whose all-reduces cost 4.7 times the prediction: trusting the prediction gives a negative
+    T_compute; fitting the scale too gives back all three terms, exactly from three runs."""
+    seconds, communication = _epoch_seconds((1, 2, 3), compute=0.03, scale=4.7, fixed=0.05)
+    compute, fixed = scaling.fit_strong_scaling(seconds, communication)
+    assert compute < 0
+    assert scaling.fit_strong_scaling_with_scale(seconds, communication) == pytest.approx((0.03, 4.7, 0.05))
+    # with more runs than terms, and noise, it is the least-squares fit: numpy's, from its own equations
+    sizes = (1, 2, 3, 4, 8)
+    seconds, communication = _epoch_seconds(
+        sizes, compute=40.0, scale=0.6, fixed=1.5, noise=lambda n: 1.03 if n % 2 else 0.98
+    )
+    rows = numpy.array([[1 / n, communication[n], 1.0] for n in sizes])
+    wanted = numpy.linalg.lstsq(rows, numpy.array([seconds[n] for n in sizes]), rcond=None)[0]
+    assert scaling.fit_strong_scaling_with_scale(seconds, communication) == pytest.approx(list(wanted))
+
+
+def test_the_scaled_fit_refuses_too_few_runs_and_a_communication_it_cannot_tell_apart():
+    seconds, communication = _epoch_seconds((1, 2), compute=1.0, scale=1.0, fixed=0.1)
+    with pytest.raises(ValueError, match=r"three numbers of processes at least, got \[1, 2\]"):
+        scaling.fit_strong_scaling_with_scale(seconds, communication)
+    with pytest.raises(ValueError, match="cannot be told apart"):
+        scaling.fit_strong_scaling_with_scale({1: 1.0, 2: 0.6, 4: 0.4}, {1: 0.1, 2: 0.1, 4: 0.1})
 
 
 def _steps(compute, exposed, idle, host, unexplained):

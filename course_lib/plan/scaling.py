@@ -33,6 +33,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..errors import UserError
 from ..observe.anatomy import PARTS
 
@@ -289,6 +291,39 @@ def fit_strong_scaling(seconds: dict[int, float], communication_s: dict[int, flo
             f"fitting T(N) needs runs at two numbers of processes at least, got {sorted(seconds)}"
         )
     return _least_squares_line([1 / n for n in seconds], [seconds[n] - communication_s[n] for n in seconds])
+
+
+def fit_strong_scaling_with_scale(
+    seconds: dict[int, float], communication_s: dict[int, float]
+) -> tuple[float, float, float]:
+    """T_compute, the communication's scale k and T_fixed of T(N) = T_compute/N + k T_comm(N) + T_fixed.
+
+    ``fit_strong_scaling`` trusts the predicted T_comm(N) as it is (k = 1). The all-reduce inside
+    training is not the micro-benchmark's: DDP hides part of it under the backward (k < 1), and on
+    shared cores it waits for the cores the compute holds, or the trainer adds collectives of its
+    own (k > 1). When trusting the prediction gives a negative T_compute, that missing term is what
+    the runs say; fitting k beside the other two terms measures it. Three unknowns need runs at
+    three numbers of processes; with more, the fit is the least-squares one.
+
+    Args:
+        seconds: N -> the measured time (of a step or an epoch) on N processes; at least three N.
+        communication_s: N -> T_comm(N) as the alpha-beta model predicts it, for every N of ``seconds``.
+    """
+    if len(seconds) < 3:
+        raise ValueError(
+            f"fitting T_compute, the communication's scale and T_fixed needs runs at three numbers of "
+            f"processes at least, got {sorted(seconds)}"
+        )
+    sizes = sorted(seconds)
+    columns = torch.tensor([[1 / n, communication_s[n], 1.0] for n in sizes], dtype=torch.float64)
+    times = torch.tensor([[seconds[n]] for n in sizes], dtype=torch.float64)
+    if torch.linalg.matrix_rank(columns) < 3:  # e.g. a T_comm(N) that does not change with N
+        raise ValueError(
+            f"the predicted communication {[communication_s[n] for n in sizes]} at N = {sizes} cannot be "
+            "told apart from the compute and fixed terms: run more numbers of processes"
+        )
+    compute, scale, fixed = torch.linalg.lstsq(columns, times).solution.flatten().tolist()
+    return compute, scale, fixed
 
 
 def step_budget(serial: dict[str, float], parallel: dict[str, float], *, processes: int) -> dict[str, float]:

@@ -175,6 +175,11 @@ class Property:
     optional: bool = False
 
 
+class Refused(Exception):
+    """A question's right value cannot be taken from these measurements as they are: the message says
+    why (too few runs, a term that cannot be negative) and what to measure instead."""
+
+
 @dataclass(frozen=True)
 class Question:
     """A numeric question of a lab's README, answered in the lab's ``answers.toml``.
@@ -222,6 +227,9 @@ def check_answers(questions: list[Question], path: Path) -> list[str]:
             continue
         try:
             right = question.answer(given) if question.from_answers else question.answer()
+        except Refused as refusal:
+            lines.append(f"FAIL  question {question.key}: {refusal}")
+            continue
         except (KeyError, TypeError, ValueError, ZeroDivisionError) as error:
             lines.append(
                 f"FAIL  question {question.key}: your measurements in {path.name} cannot give it "

@@ -1,8 +1,8 @@
 """Exercise: lab 6: a strong-scaling study, explained with a model fitted to your own runs.
 
-After running the study (locally: ``python -m course_lib.tools.study submit --local --gpus 1 2
---dataset digits --model digits_cnn``; on the cluster: ``... submit --gpus 1 2 4 8 16 --wait``, then
-``collect``) and measuring the network (``python -m course_lib.tools.bench allreduce >
+After running the study (locally: ``python -m course_lib.tools.study submit --local --gpus 1 2 3
+--dataset digits --model digits_cnn --global-batch-size 96``; on the cluster: ``... submit --gpus 1 2
+4 8 16 --wait``, then ``collect``) and measuring the network (``python -m course_lib.tools.bench allreduce >
 results/allreduce.json``; on the cluster, ``slurm/network_check.sbatch``), fill in the functions
 marked TODO in exercise.py, check them (the grading suite checks them on tables made from the model,
 and your answers against your own measurements):
@@ -17,6 +17,8 @@ then run them on your results; the last lines it prints are your ``[measured]`` 
 from __future__ import annotations
 
 import sys
+
+import torch
 
 
 def speedup_and_efficiency(seconds: dict[int, float]) -> dict[int, tuple[float, float]]:
@@ -54,6 +56,22 @@ def fit_compute_and_fixed(seconds: dict[int, float], communication: dict[int, fl
     # TODO: once T_comm(N) is predicted, what is left of each measured time is a straight line in 1/N, whose slope and intercept are the two unknowns; fit it by least squares over every N (with two runs it goes through both)
     raise NotImplementedError(
         "TODO: once T_comm(N) is predicted, what is left of each measured time is a straight line in 1/N, whose slope and intercept are the two unknowns; fit it by least squares over every N (with two runs it goes through both)"
+    )
+
+
+def fit_with_communication_scale(
+    seconds: dict[int, float], communication: dict[int, float]
+) -> tuple[float, float, float]:
+    """(T_compute, k, T_fixed) of T(N) = T_compute/N + k T_comm(N) + T_fixed, fitted to ``seconds``.
+
+    k is the missing term when trusting the predicted T_comm gives a negative T_compute: how many
+    of the micro-benchmark's all-reduces one all-reduce inside training costs. Needs three N.
+    """
+    if len(seconds) < 3:
+        raise ValueError(f"three unknowns need runs at three numbers of processes, got {sorted(seconds)}")
+    # TODO: three unknowns, linear in each: one row [1/N, T_comm(N), 1] per run and the measured time on the right; the least-squares solution of that system (torch.linalg.lstsq, in float64) is the three terms
+    raise NotImplementedError(
+        "TODO: three unknowns, linear in each: one row [1/N, T_comm(N), 1] per run and the measured time on the right; the least-squares solution of that system (torch.linalg.lstsq, in float64) is the three terms"
     )
 
 
@@ -103,14 +121,23 @@ def explain(measured: dict) -> dict:
         all_reduces=measured["all_reduces_per_epoch"],
     )
     communication = {n: communication_seconds(n, **link) for n in (*seconds, 8)}
-    compute, fixed = fit_compute_and_fixed(seconds, {n: communication[n] for n in seconds})
-    return {
+    measured_communication = {n: communication[n] for n in seconds}
+    compute, fixed = fit_compute_and_fixed(seconds, measured_communication)
+    model = {
         "seconds": seconds,
         "communication": communication,
-        "fitted_compute_s": compute,
-        "fitted_fixed_s": fixed,
-        "predicted_seconds_at_8": compute / 8 + communication[8] + fixed,
+        "plain_compute_s": compute,
+        "plain_fixed_s": fixed,
     }
+    if len(seconds) >= 3:
+        compute, scale, fixed = fit_with_communication_scale(seconds, measured_communication)
+        model |= {
+            "fitted_compute_s": compute,
+            "communication_scale": scale,
+            "fitted_fixed_s": fixed,
+            "predicted_seconds_at_8": compute / 8 + scale * communication[8] + fixed,
+        }
+    return model
 
 
 if __name__ == "__main__":
@@ -138,9 +165,20 @@ if __name__ == "__main__":
             line += f", Karp-Flatt {karp_flatt[n]:.3f}"
         print(line)
     print(
-        f"fit: T_compute {model['fitted_compute_s']:.3f} s, T_fixed {model['fitted_fixed_s']:.3f} s; "
-        f"predicted at N = 8: {model['predicted_seconds_at_8']:.3f} s/epoch"
+        f"fit with T_comm as predicted: T_compute {model['plain_compute_s']:.3f} s, "
+        f"T_fixed {model['plain_fixed_s']:.3f} s"
+        + (" (a negative compute time: the model lacks a term)" if model["plain_compute_s"] < 0 else "")
     )
+    if "communication_scale" in model:
+        print(
+            f"fit with the communication's scale: T_compute {model['fitted_compute_s']:.3f} s, "
+            f"k {model['communication_scale']:.2f}, T_fixed {model['fitted_fixed_s']:.3f} s; "
+            f"predicted at N = 8: {model['predicted_seconds_at_8']:.3f} s/epoch"
+        )
+    else:
+        print(
+            "the communication's scale needs runs at three numbers of processes: run the study with --gpus 1 2 3 (a global batch they divide)"
+        )
     print("\n# paste into answers.toml, after your answers:\n[measured]")
     for key, value in measured.items():
         if isinstance(value, dict):

@@ -2,10 +2,12 @@
 
 Your functions on tables made from the model with known terms (so the right answer is known):
 speedup, efficiency and Karp-Flatt against ``course_lib.plan.scaling``, the communication term against
-the alpha-beta model, and the fit, which must give back the terms the table was made from. Then
+the alpha-beta model, and both fits, which must give back the terms the table was made from. Then
 your answers against *your own* measurements: the ``[measured]`` block of your answers.toml (your
 study's seconds per epoch, your network's alpha and beta) is fitted again with the course's
-``scaling.fit_strong_scaling``, and your fitted terms and prediction must agree with it.
+``scaling.fit_strong_scaling`` and ``fit_strong_scaling_with_scale``, and your fitted terms and
+prediction must agree with them. Fewer than three sizes, or a negative compute time even with the
+communication's scale, is refused with what to measure instead.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import math
 import random
 
 from course_lib.plan import scaling
-from course_lib.tools.labs import Property, Question, case_seed
+from course_lib.tools.labs import Property, Question, Refused, case_seed
 
 _DRAW = random.Random(case_seed(6))  # this grading's own numbers: a recording of another cannot answer
 _SCALE = _DRAW.uniform(0.5, 2.0)
@@ -36,6 +38,8 @@ LINK = dict(
 """A ResNet-18's fp32 gradients, 98 steps an epoch, a link of about 20 us and 12 GB/s."""
 COMPUTE_S, FIXED_S = 40.0 * _SCALE, 1.5 * _DRAW.uniform(0.5, 2.0)
 """The terms the fit must give back."""
+COMMUNICATION_SCALE = _DRAW.uniform(0.3, 5.0)
+"""The communication's scale the three-term fit must give back: below 1 where DDP hides some of it."""
 
 
 def check_speedup_and_efficiency(lab) -> None:
@@ -104,6 +108,26 @@ def check_fit(lab) -> None:
     )
 
 
+def check_fit_with_scale(lab) -> None:
+    compute, scale, fixed = COMPUTE_S, COMMUNICATION_SCALE, FIXED_S
+    for sizes in ((1, 2, 3), (1, 2, 4, 8, 16), (2, 4, 8)):
+        communication = {n: _model_communication(n) for n in sizes}
+        seconds = {n: compute / n + scale * communication[n] + fixed for n in sizes}
+        got = lab.fit_with_communication_scale(seconds, communication)
+        assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(got, (compute, scale, fixed))), (
+            f"runs at N = {sizes} made with T_compute {compute:.4g} s, k {scale:.4g} and T_fixed {fixed:.4g} s: "
+            f"you give {got}"
+        )
+    sizes = (1, 2, 3, 4, 8, 16)  # measured times are noisy: the fit is the least-squares one
+    communication = {n: _model_communication(n) for n in sizes}
+    seconds = {n: (compute / n + scale * communication[n] + fixed) * (1.04 if n % 4 else 0.97) for n in sizes}
+    got = lab.fit_with_communication_scale(seconds, communication)
+    wanted = scaling.fit_strong_scaling_with_scale(seconds, communication)
+    assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(got, wanted)), (
+        f"noisy runs: you give {got}, the least-squares fit is {wanted}"
+    )
+
+
 PROPERTIES = [
     Property(
         "speedup T(1)/T(N) and efficiency speedup/N, for every N of the table",
@@ -129,11 +153,17 @@ PROPERTIES = [
         "Subtract the predicted communication from each time: what is left is T_compute x (1/N) + T_fixed, "
         "a straight line in x = 1/N. Its least-squares slope and intercept are the two terms.",
     ),
+    Property(
+        "with the communication's scale k fitted too, the fit gives back all three terms, and least squares",
+        check_fit_with_scale,
+        "The model stays linear in its three unknowns; one equation per run. Solve them together in float64 "
+        "(with three runs exactly, with more in the least-squares sense).",
+    ),
 ]
 
 
-def _fitted(answers: dict) -> tuple[float, float, float]:
-    """The course's fit of the student's own measurements: (T_compute, T_fixed, predicted T(8))."""
+def _fitted(answers: dict) -> dict[str, float]:
+    """The course's fits of the student's own measurements: with T_comm as predicted, and with its scale."""
     measured = answers["measured"]
     seconds = {int(n): float(t) for n, t in measured["seconds_per_epoch"].items()}
 
@@ -145,29 +175,62 @@ def _fitted(answers: dict) -> tuple[float, float, float]:
             bandwidth_bytes_per_s=measured["beta_gbps"] * 1e9,
         )
 
-    compute, fixed = scaling.fit_strong_scaling(seconds, {n: communication(n) for n in seconds})
-    return compute, fixed, compute / 8 + communication(8) + fixed
+    predicted = {n: communication(n) for n in seconds}
+    plain, _ = scaling.fit_strong_scaling(seconds, predicted)
+    if len(seconds) < 3:
+        raise Refused(
+            f"your [measured] block has runs at N = {sorted(seconds)}: three terms need three numbers of "
+            "processes; run the study with --gpus 1 2 3 (or more) and paste the block again"
+        )
+    compute, scale, fixed = scaling.fit_strong_scaling_with_scale(seconds, predicted)
+    if compute <= 0:
+        raise Refused(
+            f"your runs give T_compute = {compute:.3g} s even with the communication's scale: no compute "
+            "time is negative, so this model still lacks a term your runs pay (more processes than cores? "
+            "a step that waits for data?); measure where the step goes (--profile) before you fit"
+        )
+    return {
+        "plain_fit_compute_s": plain,
+        "fitted_compute_s": compute,
+        "communication_scale": scale,
+        "fitted_fixed_s": fixed,
+        "predicted_seconds_at_8": compute / 8 + scale * communication(8) + fixed,
+    }
 
 
 QUESTIONS = [
     Question(
+        "plain_fit_compute_s",
+        lambda answers: _fitted(answers)["plain_fit_compute_s"],
+        "the slope of T(N) - T_comm(N) against 1/N, with T_comm as predicted: negative if the model lacks a term",
+        rel_tol=1e-2,
+        from_answers=True,
+    ),
+    Question(
         "fitted_compute_s",
-        lambda answers: _fitted(answers)[0],
-        "the slope of T(N) - T_comm(N) against 1/N, over the seconds of your [measured] block",
+        lambda answers: _fitted(answers)["fitted_compute_s"],
+        "T_compute of the three-term fit of your [measured] block",
+        rel_tol=1e-2,
+        from_answers=True,
+    ),
+    Question(
+        "communication_scale",
+        lambda answers: _fitted(answers)["communication_scale"],
+        "k of the same fit: how many of the micro-benchmark's all-reduces one inside training costs",
         rel_tol=1e-2,
         from_answers=True,
     ),
     Question(
         "fitted_fixed_s",
-        lambda answers: _fitted(answers)[1],
-        "the intercept of the same line: what no number of processes removes",
+        lambda answers: _fitted(answers)["fitted_fixed_s"],
+        "the fit's T_fixed: what no number of processes removes",
         rel_tol=1e-2,
         from_answers=True,
     ),
     Question(
         "predicted_seconds_at_8",
-        lambda answers: _fitted(answers)[2],
-        "T_compute/8 + T_comm(8) + T_fixed, with your fitted terms and your network's alpha and beta",
+        lambda answers: _fitted(answers)["predicted_seconds_at_8"],
+        "T_compute/8 + k T_comm(8) + T_fixed, with your three fitted terms and your network's alpha and beta",
         rel_tol=1e-2,
         from_answers=True,
     ),

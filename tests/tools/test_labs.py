@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -289,7 +290,7 @@ def test_instructors_grade_a_folder_of_submissions(tmp_path):
     graded = _check_command("lab6_scaling", "--submissions", str(tmp_path))
     assert graded.returncode == 1  # not everyone passed
     ada, bob = graded.stdout.split("== bob.py")
-    assert ada.startswith("== ada.py") and "lab6_scaling: 7 of 7 properties and answers hold" in ada
+    assert ada.startswith("== ada.py") and "lab6_scaling: 10 of 10 properties and answers hold" in ada
     assert "not finished yet: TODO: " in bob and "bob.toml does not exist" in bob
 
 
@@ -335,6 +336,36 @@ def test_a_submission_that_never_finishes_its_checks_fails_with_the_reason(case,
 def test_the_same_file_without_the_tail_passes(tmp_path):
     graded = _check_command("lab6_scaling", "--file", str(_with_tail("", tmp_path)))
     assert graded.returncode == 0, graded.stdout
+
+
+def _lab6_answers_with_seconds(seconds: str) -> bytes:
+    """The instructors' key with another ``seconds_per_epoch`` line in its [measured] block."""
+    text = (labs.LABS_DIR / "lab6_scaling" / "solution_answers.toml").read_text()
+    return re.sub(r"(?m)^seconds_per_epoch = .*$", f"seconds_per_epoch = {seconds}", text).encode()
+
+
+def test_lab6_refuses_too_few_sizes_and_a_negative_compute_time_saying_what_to_measure(tmp_path):
+    """Two runs cannot give three terms; runs whose time grows faster than any communication scale
+    explains give a negative compute time even with it: both are refused, naming what to do."""
+    two = _with_tail("", tmp_path, answers=_lab6_answers_with_seconds('{"1" = 0.09, "2" = 0.14}'))
+    graded = _check_command("lab6_scaling", "--file", str(two))
+    assert graded.returncode == 1 and "Traceback" not in graded.stdout + graded.stderr
+    assert (
+        "FAIL  question fitted_compute_s: your [measured] block has runs at N = [1, 2]: three terms need "
+        "three numbers of processes; run the study with --gpus 1 2 3"
+    ) in graded.stdout, graded.stdout
+    # the times of 2 and 3 processes far above what one process takes, 3 hardly above 2
+    steep = _with_tail(
+        "", tmp_path, answers=_lab6_answers_with_seconds('{"1" = 0.05, "2" = 0.5, "3" = 0.52}')
+    )
+    graded = _check_command("lab6_scaling", "--file", str(steep))
+    assert graded.returncode == 1
+    assert re.search(
+        r"FAIL  question fitted_compute_s: your runs give T_compute = -[\d.]+ s even with the "
+        r"communication's scale: no compute time is negative, so this model still lacks a term",
+        graded.stdout,
+    ), graded.stdout
+    assert "PASS  question plain_fit_compute_s" not in graded.stdout  # the key's answer, not these runs'
 
 
 def test_answers_that_are_not_utf8_fail_in_one_line(tmp_path):
@@ -466,7 +497,7 @@ import json, sys
 for arg in sys.argv:
     if arg.endswith("verdict.json"):
         with open(arg, "w") as file:
-            json.dump({"passed": True, "summary": "lab6_scaling: 7 of 7 hold"}, file)
+            json.dump({"passed": True, "summary": "lab6_scaling: 10 of 10 hold"}, file)
 """,
         "does not load: PermissionError: a graded submission may not touch the grader's verdict",
     ),

@@ -48,6 +48,7 @@ from ..checks import SPLIT_LAYERS, check_flag, check_group, check_module, claim_
 from ..distributed import comm, runtime
 from ..errors import UserError
 from ..models import Block, Embedding, LMHead, SelfAttention
+from .collective_matmul import OverlappedAttention, OverlappedColumnLinear, OverlappedRowLinear
 from .tensor import ColumnParallelLinear, RowParallelLinear, _split_size
 
 SEQUENCE_DIM = 1  # activations are (batch, sequence, features)
@@ -238,7 +239,9 @@ def _gather_input(group):
     return lambda module, args: (gather_sequence(args[0], group=group), *args[1:])
 
 
-def sequence_parallel_block(block: nn.Module, *, group=None, regather_in_backward: bool = False) -> nn.Module:
+def sequence_parallel_block(
+    block: nn.Module, *, group=None, regather_in_backward: bool = False, overlap: bool = False
+) -> nn.Module:
     """Convert one dense ``models.Block`` in place: tensor parallel inside, sequence parallel around.
 
     Args:
@@ -248,11 +251,28 @@ def sequence_parallel_block(block: nn.Module, *, group=None, regather_in_backwar
             all-gather them again in backward (Megatron-LM's variant: 2·sbh·(T-1)/T elements less
             per rank, one more all-gather per region). Off: autograd keeps the gathered input
             whole, as DTensor's ``SequenceParallel`` plan does.
+        overlap: collective matmul (``collective_matmul``): each all-gather and reduce-scatter cut
+            into its ring steps, each step's chunk multiplied while the next one travels. The
+            gathered input is kept whole, as without ``regather_in_backward``.
     """
+    if overlap and regather_in_backward:
+        raise UserError(
+            "overlap keeps the gathered tokens that its ring assembles anyway; regather_in_backward is "
+            "the plain version's option: choose one of the two"
+        )
     attention, mlp = block.attention, block.mlp
     claim_module(attention, "sequence parallelism", family=SPLIT_LAYERS)
     claim_module(mlp, "sequence parallelism", family=SPLIT_LAYERS)
     _split_size(attention.out.out_features // attention.head_dim, group, "attention heads")
+    if overlap:
+        for name in ("q", "k", "v"):
+            dense = getattr(attention, name)
+            setattr(attention, name, ColumnParallelLinear.from_dense(dense, group=group, copy_input=False))
+        attention.out = OverlappedRowLinear.from_dense(attention.out, group=group)
+        block.attention = OverlappedAttention(attention, group=group)
+        mlp.fc1 = OverlappedColumnLinear.from_dense(mlp.fc1, group=group, copy_input=False)
+        mlp.fc2 = OverlappedRowLinear.from_dense(mlp.fc2, group=group)
+        return block
     column = ShardSavingColumnLinear if regather_in_backward else ColumnParallelLinear
     for name in ("q", "k", "v"):
         dense = getattr(attention, name)
@@ -278,7 +298,9 @@ def check_sequence_split(seq_len: int, degree: int) -> None:
         )
 
 
-def apply_sequence_parallel(model: nn.Module, *, group=None, regather_in_backward: bool = False) -> nn.Module:
+def apply_sequence_parallel(
+    model: nn.Module, *, group=None, regather_in_backward: bool = False, overlap: bool = False
+) -> nn.Module:
     """Make a dense ``models.TinyTransformer``, or a pipeline stage of one, tensor and sequence parallel.
 
     The embedding still runs whole on every rank (its input is the token ids) and its output is
@@ -292,9 +314,12 @@ def apply_sequence_parallel(model: nn.Module, *, group=None, regather_in_backwar
         model: a dense ``models.TinyTransformer``, or an ``nn.Sequential`` stage of one.
         group: the tensor-parallel process group (None: every rank).
         regather_in_backward: Megatron-LM's variant (see ``sequence_parallel_block``).
+        overlap: collective matmul, the communication hidden under the matmuls (see
+            ``sequence_parallel_block``).
     """
     check_module("model", model)
     check_flag("regather_in_backward", regather_in_backward)
+    check_flag("overlap", overlap)
     check_group("group", group)
     parts = list(model) if isinstance(model, nn.Sequential) else []
     if not any(isinstance(part, Embedding | Block | LMHead) for part in parts):
@@ -304,7 +329,9 @@ def apply_sequence_parallel(model: nn.Module, *, group=None, regather_in_backwar
         )
     for block in parts:
         if isinstance(block, Block):
-            sequence_parallel_block(block, group=group, regather_in_backward=regather_in_backward)
+            sequence_parallel_block(
+                block, group=group, regather_in_backward=regather_in_backward, overlap=overlap
+            )
     if isinstance(parts[0], Embedding):
         parts[0].register_forward_hook(lambda module, args, output: split_sequence(output, group=group))
     return model

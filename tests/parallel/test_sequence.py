@@ -271,7 +271,10 @@ def test_sp_benchmark_prints_the_promised_json():
             result[f"block_activation_bytes_{variant}"] == result[f"block_activation_bytes_{variant}_theory"]
         )
     assert result["block_activation_bytes_regathered"] < result["block_activation_bytes_kept"]
-    assert_accounted(result, ["course", "torch"])
+    assert_accounted(result, ["course", "torch", "overlapped"])
+    assert result["overlapped_step_ms"] > 0 and result["overlapped_over_plain"] > 0
+    assert result["overlapped"]["communication_ms"] > 0  # the ring steps, timed like any collective
+    assert result["bytes_per_rank_overlapped"] == result["bytes_per_rank_measured"]
     assert result["bytes_per_rank_measured"] == result["bytes_per_rank_tensor_parallel"]
     assert result["bytes_per_rank_measured"] == result["bytes_per_rank_theory"]
     assert result["norm_activation_bytes_measured"] == result["norm_activation_bytes_theory"]

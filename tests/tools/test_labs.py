@@ -477,6 +477,36 @@ def test_lab10_a_combine_that_forgets_the_gates_and_counts_sent_twice_are_each_n
     assert "the routing says" in _outcome("lab10_moe", "check_traffic", chatty)
 
 
+def test_lab11_a_ring_that_waits_before_it_multiplies_and_a_wrong_slot_are_each_named(tmp_path):
+    """A loop that waits for each exchange before its matmul computes the right numbers and sends the
+    right bytes, but hides nothing: only the overlap property fails. Chunks filed as if they went the
+    wrong way round the ring give a sequence out of order."""
+    overlapped = (
+        "            exchange = comm.send_recv(here, right, arriving, left, group=group)\n"
+        "        chunks[owner], products[owner] = here, here @ matrix\n"
+        "        if step < size - 1:\n"
+        "            exchange.wait()\n"
+    )
+    waits_first = (
+        "            exchange = comm.send_recv(here, right, arriving, left, group=group)\n"
+        "            exchange.wait()\n"
+        "        chunks[owner], products[owner] = here, here @ matrix\n"
+        "        if step < size - 1:\n"
+    )
+    serial = _mutant("lab11_collective_matmul", overlapped, waits_first, tmp_path)
+    for check in ("check_all_gather_matmul", "check_matmul_reduce_scatter", "check_messages"):
+        assert _outcome("lab11_collective_matmul", check, serial) is None, check
+    hidden = _outcome("lab11_collective_matmul", "check_overlap", serial)
+    assert hidden.startswith(
+        "all_gather_matmul on 2 ranks: an exchange was waited on with no matmul since"
+    ), hidden
+    misplaced = _mutant(
+        "lab11_collective_matmul", "owner = (rank - step) % size", "owner = (rank + step) % size", tmp_path
+    )
+    outcome = _outcome("lab11_collective_matmul", "check_all_gather_matmul", misplaced)
+    assert outcome is not None and "differs from one process's" in outcome, outcome
+
+
 # -- a grader that cannot be fooled: attacks on lab 6, each failing with its reason -------------------------
 
 LAB6 = labs.LABS_DIR / "lab6_scaling"

@@ -5,7 +5,8 @@ and reports the bytes moved and the activation memory it measured beside the the
 
 ``sp``: one transformer block, the course's sequence parallelism against DTensor's
 ``SequenceParallel`` plan (ratio of step times, same run), Megatron-LM's variant (the gathered
-input regathered in backward) and plain tensor parallelism beside them; the bytes each rank sent
+input regathered in backward), collective matmul (``overlap``: its anatomy beside the plain
+version's, its bytes beside theirs) and plain tensor parallelism beside them; the bytes each rank sent
 against tensor parallelism's and against theory (8 x (T-1)/T x the activation, forward and
 backward); the norms' saved activations against 1/T of one process's; the whole block's saved
 activations, both variants, against ``activations.block_activation_elements``.
@@ -110,6 +111,7 @@ def sp_benchmark(
     theirs = parallelize_module(copy.deepcopy(dense), init_device_mesh("cpu", (degree,)), plan)
     ours = sp.sequence_parallel_block(copy.deepcopy(dense))
     regathering = sp.sequence_parallel_block(copy.deepcopy(dense), regather_in_backward=True)
+    overlapped = sp.sequence_parallel_block(copy.deepcopy(dense), overlap=True)
     tensor_only = tp.apply_tensor_parallel(copy.deepcopy(dense))
     whole = torch.randn(batch, seq, d_model, generator=torch.Generator().manual_seed(1))
     mine = whole.chunk(degree, dim=1)[rank].contiguous()
@@ -121,13 +123,25 @@ def sp_benchmark(
     variants = {
         "course_sp": _forward_backward(ours, mine),
         "course_sp_regathered": _forward_backward(regathering, mine),
+        "course_sp_overlapped": _forward_backward(overlapped, mine),
         "torch_sp": dtensor_step,
         "course_tp": _forward_backward(tensor_only, whole),
     }
     median_ms = interleaved_medians(variants, steps, warmup)
-    where = anatomies({"course": variants["course_sp"], "torch": variants["torch_sp"]}, trace_dir=profile)
+    where = anatomies(
+        {
+            "course": variants["course_sp"],
+            "torch": variants["torch_sp"],
+            "overlapped": variants["course_sp_overlapped"],
+        },
+        trace_dir=profile,
+    )
     traffic = {}
-    for name, block, block_input in (("sp", ours, mine), ("tp", tensor_only, whole)):
+    for name, block, block_input in (
+        ("sp", ours, mine),
+        ("overlapped", overlapped, mine),
+        ("tp", tensor_only, whole),
+    ):
         with comm.CommLog() as log:
             _forward_backward(block, block_input)()
         traffic[name] = log.bytes_per_rank()
@@ -157,6 +171,10 @@ def sp_benchmark(
         "tensor_parallel_step_ms": median_ms["course_tp"],
         "regathered_step_ms": median_ms["course_sp_regathered"],
         "regathered_over_kept": median_ms["course_sp_regathered"] / median_ms["course_sp"],
+        # collective matmul: the same block, each collective cut into T - 1 ring steps under the matmuls
+        "overlapped_step_ms": median_ms["course_sp_overlapped"],
+        "overlapped_over_plain": median_ms["course_sp_overlapped"] / median_ms["course_sp"],
+        "bytes_per_rank_overlapped": traffic["overlapped"],
         "block_activation_bytes_kept": block_bytes["kept"],
         "block_activation_bytes_kept_theory": 4 * block_activation_elements(**shape)["total"],
         "block_activation_bytes_regathered": block_bytes["regathered"],

@@ -1,0 +1,67 @@
+"""Exercise: lab 11: collective matmul, the ring loop that hides tensor parallelism's communication.
+
+Sequence parallelism all-gathers the tokens before a column-parallel layer and reduce-scatters the
+partial sums after a row-parallel one. Plain, the matmul waits for the whole collective. Cut into
+its T ring steps, each step's matmul runs on the chunk at hand while the next chunk travels:
+
+- ``all_gather_matmul``: at step i you hold the tokens of rank (rank - i) mod T. Post the exchange
+  (send them to the right, receive the next chunk from the left) *before* you multiply them, then
+  wait. After T steps you hold every chunk and every chunk's product.
+- ``matmul_reduce_scatter``: at step i compute your partial sum for chunk (rank - 1 - i) mod T
+  while the running sum from the left travels; wait for it, add it, and pass the sum on. At the
+  last step the chunk is your own, summed over every rank.
+
+Check your work (every property, at 2, 3 and 4 processes):
+
+    python -m course_lib.tools.labs check lab11_collective_matmul
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from course_lib.distributed import comm, runtime
+
+SEQUENCE_DIM = 1  # activations are (batch, sequence, features)
+
+
+def neighbours(group=None) -> tuple[int, int, int, int]:
+    """(T, this rank's place in the group, the global rank on its right, the one on its left)."""
+    size, rank = runtime.world_size(group=group), runtime.rank(group=group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
+    return size, rank, ranks[(rank + 1) % size], ranks[(rank - 1) % size]
+
+
+def all_gather_matmul(
+    shard: torch.Tensor, matrix: torch.Tensor, *, group=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the gathered sequence, the gathered sequence @ ``matrix``), each chunk multiplied as it arrives.
+
+    Args:
+        shard: (batch, S/T, k), this rank's tokens.
+        matrix: (k, n), this rank's slice of a column-parallel layer's weight, transposed.
+        group: the tensor-parallel process group (None: every rank).
+    """
+    size, rank, right, left = neighbours(group)
+    # TODO: one list slot per rank's chunk; at step i you hold the chunk of rank (rank - i) % T; except at the last step, post comm.send_recv (send what you hold to the right, receive into a new buffer from the left) before you multiply, and wait on it only after; the concatenation along the sequence is the gathered input
+    raise NotImplementedError(
+        "TODO: one list slot per rank's chunk; at step i you hold the chunk of rank (rank - i) % T; except at the last step, post comm.send_recv (send what you hold to the right, receive into a new buffer from the left) before you multiply, and wait on it only after; the concatenation along the sequence is the gathered input"
+    )
+
+
+def matmul_reduce_scatter(x: torch.Tensor, matrix: torch.Tensor, *, group=None) -> torch.Tensor:
+    """This rank's tokens of the sum over the group of ``x @ matrix``, each chunk summed on its way round.
+
+    Args:
+        x: (batch, S, k), the whole sequence (S a multiple of T): this rank's input of a row-parallel
+            layer.
+        matrix: (k, n), this rank's slice of that layer's weight, transposed.
+        group: the tensor-parallel process group (None: every rank).
+    """
+    size, rank, right, left = neighbours(group)
+    pieces = x.chunk(size, dim=SEQUENCE_DIM)
+    # TODO: at step i compute the partial sum of chunk (rank - 1 - i) % T first; then wait for the running sum that was travelling meanwhile (none at step 0) and add it; at the last step that chunk is yours: return it; otherwise pass the sum to the right with comm.send_recv, receiving the next running sum from the left
+    raise NotImplementedError(
+        "TODO: at step i compute the partial sum of chunk (rank - 1 - i) % T first; then wait for the running sum that was travelling meanwhile (none at step 0) and add it; at the last step that chunk is yours: return it; otherwise pass the sum to the right with comm.send_recv, receiving the next running sum from the left"
+    )

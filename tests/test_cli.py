@@ -245,9 +245,9 @@ def test_no_abort_at_exit_over_repeated_runs(strategy, quick_args):
     so the test guards the whole exit path, however the trap is provoked.
     """
     failures = []
-    # three pairs at once (six exits, twelve with the other strategy): each pair is mostly
-    # interpreter start-up and waiting, so they share the cores
-    pairs = [start_ranks([*quick_args, "--strategy", strategy], nprocs=2) for _ in range(3)]
+    # two pairs at once (four exits, eight with the other strategy; every other multi-process test
+    # checks its exits too): each pair is mostly interpreter start-up and waiting, so they share the cores
+    pairs = [start_ranks([*quick_args, "--strategy", strategy], nprocs=2) for _ in range(2)]
     for attempt, pair in enumerate(pairs):
         for outcome in finish(pair, timeout=300):
             if outcome.returncode != 0 or "terminate called" in outcome.stderr:

@@ -269,9 +269,9 @@ PROPERTIES = [
     Property(
         "each rank keeps one padded piece of each unit's parameters, and gathers give them back",
         check_layout,
-        "Flatten the unit's trainable parameters, pad them with zeros to N equal pieces, keep a copy of "
-        "yours as an nn.Parameter. The module must stop holding the full tensors (give them empty data), "
-        "or nothing is saved. all_gather_into_tensor wants an output N pieces long; remove the padding.",
+        "Each rank keeps one N-th of the unit's parameters and nothing more. The pitfalls: a module "
+        "that still holds its full tensors saves no memory at all, and the collectives want N pieces "
+        "of one length.",
     ),
     Property(
         "forward with gathered parameters equals the whole model's (2, 3, 4 ranks)",
@@ -288,9 +288,9 @@ PROPERTIES = [
     Property(
         "each rank's shard gradient is its piece of the whole batch's average gradient",
         check_gradients,
-        "In backward, gather again and recompute the unit with autograd on (torch.enable_grad, inputs "
-        "detached into leaves); torch.autograd.grad gives the full vector's gradient; a reduce-scatter "
-        "with op='mean' of the padded gradient hands you the average of your piece.",
+        "Backward needs the full parameters, which forward let go: get them back the way forward did."
+        " What a rank keeps of the gradient is the average over the ranks of its own piece, which one"
+        " collective gives directly; mind the padding.",
     ),
     Property(
         "a step sends 3(N-1)/N of the padded parameters: two all-gathers and a reduce-scatter per unit",

@@ -161,9 +161,9 @@ PROPERTIES = [
     Property(
         "each rank's forwards and backwards come in 1F1B's order",
         check_compute_order,
-        "Rank r first runs one forward for each stage after it (its micro-batches must reach the last "
-        "stage before any backward can come back), never more than m; then one forward, one backward of "
-        "its oldest micro-batch, until no forward is left; then the remaining backwards.",
+        "A backward can start only once its micro-batch has reached the last stage; 1F1B runs just "
+        "enough forwards to get there, then alternates, so that as few micro-batches as possible are "
+        "alive. The pitfall: with fewer micro-batches than stages, m caps the warm-up.",
     ),
     Property(
         "the schedule is complete, causal and deadlock-free (check_schedule)",
@@ -192,9 +192,9 @@ PROPERTIES = [
     Property(
         "optional: ZB-H1's order is valid and idles (p - 1)(T_F + T_B - T_W)",
         check_zb_h1_order_and_bubble,
-        "ZB-H1 is your 1F1B with every B followed by a W of the same stage, except that rank r keeps its "
-        "first r W's waiting and runs them at the end. A W needs no message: with_messages passes it "
-        "through untouched.",
+        "A W needs no message, so it can run wherever its rank would otherwise idle; ZB-H1 moves some"
+        " W's of 1F1B into the idle time without keeping more micro-batches alive than 1F1B. The "
+        "pitfall: a W must still follow its own B.",
         optional=True,
     ),
     Property(

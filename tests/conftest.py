@@ -206,6 +206,20 @@ def pytest_collection_modifyitems(config, items):
     )
 
 
+def tiny_transformer(*, seq: int, d_model: int, heads: int, layers: int = 2):
+    """A seeded TinyTransformer over the zen windows of ``seq`` characters: (model, inputs, targets)."""
+    import torch
+
+    from course_lib import data, models
+
+    torch.manual_seed(0)
+    inputs, targets, vocabulary = data.zen_windows(seq_len=seq)
+    model = models.TinyTransformer(
+        len(vocabulary), d_model=d_model, n_heads=heads, n_layers=layers, max_seq_len=seq
+    )
+    return model, inputs, targets
+
+
 def assert_accounted(anatomies: dict, variants) -> None:
     """Each variant's anatomy (a benchmark's JSON) adds up and leaves at most 10 % of the step unexplained."""
     shares = (

@@ -44,12 +44,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from ..distributed import comm, runtime
 from ..errors import UserError
-from ..models import SelfAttention
-from .tensor import ColumnParallelLinear, RowParallelLinear
+from .tensor import RowParallelLinear
 
 SEQUENCE_DIM = 1  # activations are (batch, sequence, features)
 
@@ -170,7 +168,8 @@ class _ProjectReduceScatter(torch.autograd.Function):
 
 
 def all_gather_project(shard: torch.Tensor, layers, *, group=None) -> tuple[torch.Tensor, ...]:
-    """``layer(all_gather(shard))`` for each column-parallel layer, overlapped: one gather feeds them all.
+    """``layer(all_gather(shard))`` for each column-parallel layer, overlapped: one gather feeds them all
+    (``sequence.OverlappedColumnLinear`` and ``sequence.ShardReadingAttention`` call it).
 
     Args:
         shard: (batch, S/T, features), this rank's tokens.
@@ -179,13 +178,6 @@ def all_gather_project(shard: torch.Tensor, layers, *, group=None) -> tuple[torc
     """
     params = [tensor for layer in layers for tensor in (layer.weight, layer.bias)]
     return _AllGatherProject.apply(shard, group, *params)
-
-
-class OverlappedColumnLinear(ColumnParallelLinear):
-    """A column-parallel layer that reads this rank's tokens and gathers the rest under its matmul."""
-
-    def forward(self, shard: torch.Tensor) -> torch.Tensor:
-        return all_gather_project(shard, (self,), group=self.group)[0]
 
 
 class OverlappedRowLinear(RowParallelLinear):
@@ -198,24 +190,6 @@ class OverlappedRowLinear(RowParallelLinear):
     def forward(self, x_slice: torch.Tensor) -> torch.Tensor:
         y = _ProjectReduceScatter.apply(x_slice, self.weight, self.group)
         return y + self.bias if self.bias is not None else y
-
-
-class OverlappedAttention(SelfAttention):
-    """``SelfAttention`` reading this rank's tokens: one overlapped gather feeds q, k and v.
-
-    Args:
-        attention: the attention whose layers (already tensor parallel) it takes over.
-        group: the tensor-parallel process group (None: every rank).
-    """
-
-    def __init__(self, attention: SelfAttention, *, group=None):
-        nn.Module.__init__(self)  # not SelfAttention's: the layers exist, cut, in ``attention``
-        self.head_dim, self.group = attention.head_dim, group
-        self.q, self.k, self.v = attention.q, attention.k, attention.v
-        self.out, self.attend = attention.out, attention.attend
-
-    def project(self, shard: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return all_gather_project(shard, (self.q, self.k, self.v), group=self.group)
 
 
 def chunk_compute_to_transfer(

@@ -48,7 +48,7 @@ from ..checks import SPLIT_LAYERS, check_flag, check_group, check_module, claim_
 from ..distributed import comm, runtime
 from ..errors import UserError
 from ..models import Block, Embedding, LMHead, SelfAttention
-from .collective_matmul import OverlappedAttention, OverlappedColumnLinear, OverlappedRowLinear
+from .collective_matmul import OverlappedRowLinear, all_gather_project
 from .tensor import ColumnParallelLinear, RowParallelLinear, _split_size
 
 SEQUENCE_DIM = 1  # activations are (batch, sequence, features)
@@ -202,34 +202,43 @@ def gather_then_project(shard: torch.Tensor, layers, *, group=None) -> tuple[tor
     return _GatherThenProject.apply(shard, group, *params)
 
 
-class ShardSavingColumnLinear(ColumnParallelLinear):
-    """A column-parallel layer that reads this rank's tokens and keeps only them for backward."""
+class ShardReadingColumnLinear(ColumnParallelLinear):
+    """A column-parallel layer that reads this rank's tokens; ``gather_and_project`` brings the others."""
+
+    gather_and_project = staticmethod(gather_then_project)
 
     def forward(self, shard: torch.Tensor) -> torch.Tensor:
-        return gather_then_project(shard, (self,), group=self.group)[0]
+        return self.gather_and_project(shard, (self,), group=self.group)[0]
 
 
-class ShardSavingAttention(SelfAttention):
-    """``SelfAttention`` reading this rank's tokens: one all-gather feeds q, k and v; only the shard is kept.
+class ShardSavingColumnLinear(ShardReadingColumnLinear):
+    """Megatron-LM's variant: it keeps only this rank's tokens for backward and gathers them again."""
+
+
+class OverlappedColumnLinear(ShardReadingColumnLinear):
+    """Collective matmul: it multiplies each chunk of tokens while the next one travels."""
+
+    gather_and_project = staticmethod(all_gather_project)
+
+
+class ShardReadingAttention(SelfAttention):
+    """``SelfAttention`` reading this rank's tokens: one gather feeds q, k and v.
 
     Args:
         attention: the attention whose layers (already tensor parallel) it takes over.
         group: the tensor-parallel process group (None: every rank).
+        gather_and_project: ``gather_then_project`` (only the shard kept for backward) or
+            ``collective_matmul.all_gather_project`` (the gather under the matmuls).
     """
 
-    def __init__(self, attention: SelfAttention, *, group=None):
+    def __init__(self, attention: SelfAttention, *, group=None, gather_and_project=gather_then_project):
         nn.Module.__init__(self)  # not SelfAttention's: the layers exist, cut, in ``attention``
-        self.head_dim, self.group = attention.head_dim, group
-        self.q, self.k, self.v, self.out, self.attend = (
-            attention.q,
-            attention.k,
-            attention.v,
-            attention.out,
-            attention.attend,
-        )
+        self.head_dim, self.group, self.gather_and_project = attention.head_dim, group, gather_and_project
+        self.q, self.k, self.v = attention.q, attention.k, attention.v
+        self.out, self.attend = attention.out, attention.attend
 
     def project(self, shard: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return gather_then_project(shard, (self.q, self.k, self.v), group=self.group)
+        return self.gather_and_project(shard, (self.q, self.k, self.v), group=self.group)
 
 
 # #endregion keep-the-shard
@@ -269,7 +278,7 @@ def sequence_parallel_block(
             dense = getattr(attention, name)
             setattr(attention, name, ColumnParallelLinear.from_dense(dense, group=group, copy_input=False))
         attention.out = OverlappedRowLinear.from_dense(attention.out, group=group)
-        block.attention = OverlappedAttention(attention, group=group)
+        block.attention = ShardReadingAttention(attention, group=group, gather_and_project=all_gather_project)
         mlp.fc1 = OverlappedColumnLinear.from_dense(mlp.fc1, group=group, copy_input=False)
         mlp.fc2 = OverlappedRowLinear.from_dense(mlp.fc2, group=group)
         return block
@@ -281,7 +290,7 @@ def sequence_parallel_block(
     mlp.fc1 = column.from_dense(mlp.fc1, group=group, copy_input=False)
     mlp.fc2 = SequenceParallelRowLinear.from_dense(mlp.fc2, group=group)
     if regather_in_backward:  # the gather happens inside the layers, which keep the shard
-        block.attention = ShardSavingAttention(attention, group=group)
+        block.attention = ShardReadingAttention(attention, group=group)
     else:  # the gather happens before the layers, and autograd keeps what it gathered
         attention.register_forward_pre_hook(_gather_input(group))
         mlp.register_forward_pre_hook(_gather_input(group))

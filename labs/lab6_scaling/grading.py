@@ -199,39 +199,23 @@ def _fitted(answers: dict) -> dict[str, float]:
 
 
 QUESTIONS = [
-    Question(
-        "plain_fit_compute_s",
-        lambda answers: _fitted(answers)["plain_fit_compute_s"],
-        "the slope of T(N) - T_comm(N) against 1/N, with T_comm as predicted: negative if the model lacks a term",
-        rel_tol=1e-2,
-        from_answers=True,
-    ),
-    Question(
-        "fitted_compute_s",
-        lambda answers: _fitted(answers)["fitted_compute_s"],
-        "T_compute of the three-term fit of your [measured] block",
-        rel_tol=1e-2,
-        from_answers=True,
-    ),
-    Question(
-        "communication_scale",
-        lambda answers: _fitted(answers)["communication_scale"],
-        "k of the same fit: how many of the micro-benchmark's all-reduces one inside training costs",
-        rel_tol=1e-2,
-        from_answers=True,
-    ),
-    Question(
-        "fitted_fixed_s",
-        lambda answers: _fitted(answers)["fitted_fixed_s"],
-        "the fit's T_fixed: what no number of processes removes",
-        rel_tol=1e-2,
-        from_answers=True,
-    ),
-    Question(
-        "predicted_seconds_at_8",
-        lambda answers: _fitted(answers)["predicted_seconds_at_8"],
-        "T_compute/8 + k T_comm(8) + T_fixed, with your three fitted terms and your network's alpha and beta",
-        rel_tol=1e-2,
-        from_answers=True,
-    ),
+    Question(key, lambda answers, key=key: _fitted(answers)[key], how, rel_tol=1e-2, from_answers=True)
+    for key, how in (
+        (
+            "plain_fit_compute_s",
+            "the slope of T(N) - T_comm(N) against 1/N, with T_comm as predicted: negative if the model "
+            "lacks a term",
+        ),
+        ("fitted_compute_s", "T_compute of the three-term fit of your [measured] block"),
+        (
+            "communication_scale",
+            "k of the same fit: how many of the micro-benchmark's all-reduces one inside training costs",
+        ),
+        ("fitted_fixed_s", "the fit's T_fixed: what no number of processes removes"),
+        (
+            "predicted_seconds_at_8",
+            "T_compute/8 + k T_comm(8) + T_fixed, with your three fitted terms and your network's alpha "
+            "and beta",
+        ),
+    )
 ]

@@ -20,24 +20,21 @@ from torch.distributed._symmetric_memory import (
     _fused_matmul_reduce_scatter_fallback,
 )
 
-from course_lib import data, models
+from course_lib import models
 from course_lib.distributed import comm, runtime
 from course_lib.distributed.launch import launch
 from course_lib.errors import UserError
 from course_lib.parallel import collective_matmul as cm
 from course_lib.parallel import sequence as sp
 
+from conftest import tiny_transformer
+
 SEQ, D_MODEL, HEADS, BATCH = 12, 48, 12, 3
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 
 
 def _transformer():
-    torch.manual_seed(0)
-    inputs, targets, vocabulary = data.zen_windows(seq_len=SEQ)
-    model = models.TinyTransformer(
-        len(vocabulary), d_model=D_MODEL, n_heads=HEADS, n_layers=2, max_seq_len=SEQ
-    )
-    return model, inputs, targets
+    return tiny_transformer(seq=SEQ, d_model=D_MODEL, heads=HEADS)
 
 
 def _against_pytorchs_reference() -> dict[str, float]:

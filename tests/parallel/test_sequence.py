@@ -15,24 +15,21 @@ import copy
 import pytest
 import torch
 
-from course_lib import data, models
+from course_lib import models
 from course_lib.distributed import comm, runtime
 from course_lib.distributed.launch import launch
 from course_lib.parallel import sequence as sp
 from course_lib.parallel import tensor as tp
 from course_lib.parallel.memory import saved_tensor_bytes
 
+from conftest import tiny_transformer
+
 SEQ, D_MODEL, HEADS, BATCH = 12, 24, 6, 5
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 
 
 def _transformer():
-    torch.manual_seed(0)
-    inputs, targets, vocabulary = data.zen_windows(seq_len=SEQ)
-    model = models.TinyTransformer(
-        len(vocabulary), d_model=D_MODEL, n_heads=HEADS, n_layers=2, max_seq_len=SEQ
-    )
-    return model, inputs, targets
+    return tiny_transformer(seq=SEQ, d_model=D_MODEL, heads=HEADS)
 
 
 def _train_against_one_process(steps: int, regather_in_backward: bool = False):

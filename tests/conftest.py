@@ -206,13 +206,14 @@ def pytest_collection_modifyitems(config, items):
     )
 
 
-def tiny_transformer(*, seq: int, d_model: int, heads: int, layers: int = 2):
-    """A seeded TinyTransformer over the zen windows of ``seq`` characters: (model, inputs, targets)."""
+def tiny_transformer(*, seq: int, d_model: int, heads: int, layers: int = 2, seed: int = 0):
+    """A TinyTransformer (weights drawn from ``seed``) over the zen windows of ``seq`` characters:
+    (model, inputs, targets)."""
     import torch
 
     from course_lib import data, models
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     inputs, targets, vocabulary = data.zen_windows(seq_len=seq)
     model = models.TinyTransformer(
         len(vocabulary), d_model=d_model, n_heads=heads, n_layers=layers, max_seq_len=seq

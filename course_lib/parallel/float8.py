@@ -1,0 +1,185 @@
+"""Float8 training: the linear layers' matmuls in 8-bit floats, each tensor scaled into their range.
+
+A float8 number has 8 bits: e4m3 (4 bits of exponent, 3 of mantissa: up to 448, about 2 significant
+digits) or e5m2 (up to 57,344, one digit and a half). A GPU's tensor cores multiply them at twice
+the bf16 rate (H100: 1,979 against 989 dense TFLOP/s), and a float8 tensor is half the bytes.
+But the range is narrow. So every tensor is *scaled* first: divided by amax / 448, its largest
+magnitude lands on the format's largest value, and the scale goes along with the 8-bit data.
+``torch._scaled_mm(a8, b8, scale_a, scale_b)`` multiplies the two and multiplies the scales back
+in, accumulating in higher precision.
+
+Two recipes, as torchao's float8 training has them:
+
+- **tensorwise**: one scale per tensor. The forward's input and weight are e4m3. The backward's
+  output gradient is e5m2, because gradients need range more than digits.
+- **rowwise**: one scale per row of the left operand and per column of the right one, along the
+  dimension the matmul sums over, all e4m3. One outlier token then costs precision only to its own
+  row, not to the whole tensor.
+
+Each scale comes from the tensor at hand (*dynamic* scaling, torchao's default). The older
+*delayed* scaling took it from a history of past amaxes, one step stale; torchao dropped it.
+
+What stays in high precision: the master weights and the optimizer (the casts are made afresh from
+them each step); the tensors kept for backward (this lesson keeps them whole, torchao can keep the
+float8 casts); the norms, the softmax, the residual stream; the output head (its vocabulary-wide
+logits are sensitive, and torchtitan leaves it out); every matmul's accumulation.
+
+Cost: three casts per matmul (amax, divide, round), which are memory-bound. They pay only where the
+matmul is large: torchao's tables show a speedup from about 4,096 x 4,096 on an H100. On this CPU,
+``_scaled_mm`` runs but is not faster: the lesson is the numbers, not the speed.
+
+Papers and twins: Micikevicius et al., "FP8 Formats for Deep Learning", 2022 (the two formats);
+NVIDIA Transformer Engine (the recipes); torchao's ``Float8Linear`` / ``convert_to_float8_training``
+(PyTorch's own, CUDA-only: not installed here).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..checks import check_choice, check_module
+from ..errors import UserError
+
+RECIPES = ("tensorwise", "rowwise")
+FORWARD_DTYPE = torch.float8_e4m3fn
+GRADIENT_DTYPE = {"tensorwise": torch.float8_e5m2, "rowwise": torch.float8_e4m3fn}
+TILE = 16  # the scaled matmul takes dimensions that are multiples of 16 (the tensor cores' tile)
+
+
+# #region scale-and-multiply
+def to_float8(
+    x: torch.Tensor, dtype: torch.dtype, *, dim: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``x`` scaled into ``dtype``'s range and rounded to it, the scale to multiply back).
+
+    Args:
+        x: the tensor, any floating dtype.
+        dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+        dim: None for one scale for the whole tensor; else the dimension each scale's amax runs
+            over (kept, of size 1), one scale per slice across it.
+    """
+    amax = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)
+    scale = (amax.float() / torch.finfo(dtype).max).clamp(min=torch.finfo(torch.float32).tiny)
+    return (x.float() / scale).to(dtype), scale
+
+
+def scaled_matmul(
+    a: torch.Tensor, b: torch.Tensor, *, recipe: str, a_dtype: torch.dtype, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``a @ b`` with both operands in float8: ``a`` (m, k) in ``a_dtype``, ``b`` (k, n) in e4m3.
+
+    Args:
+        a: the left operand (activations, or an output gradient).
+        b: the right operand.
+        recipe: ``"tensorwise"`` (one scale each) or ``"rowwise"`` (a scale per row of ``a`` and
+            per column of ``b``, their amax over k).
+        a_dtype: the left operand's float8 format.
+        out_dtype: the result's dtype (the accumulation is in higher precision).
+    """
+    rowwise = recipe == "rowwise"
+    a8, scale_a = to_float8(a, a_dtype, dim=1 if rowwise else None)  # (m, 1): over k, per row
+    b8, scale_b = to_float8(b, FORWARD_DTYPE, dim=0 if rowwise else None)  # (1, n): over k, per column
+    # the right operand column-major, as the scaled matmul wants it
+    return torch._scaled_mm(
+        a8, b8.t().contiguous().t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype
+    )
+
+
+# #endregion scale-and-multiply
+
+
+class _Float8Matmul(torch.autograd.Function):
+    """y = x W^T in float8; backward: both gradients in float8, the output gradient in the recipe's format."""
+
+    @staticmethod
+    def forward(ctx, x, weight, recipe):
+        ctx.save_for_backward(x, weight)  # whole: torchao may keep the float8 casts instead
+        ctx.recipe = recipe
+        return scaled_matmul(x, weight.t(), recipe=recipe, a_dtype=FORWARD_DTYPE, out_dtype=x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        kind = GRADIENT_DTYPE[ctx.recipe]
+        grad_x = scaled_matmul(grad, weight, recipe=ctx.recipe, a_dtype=kind, out_dtype=grad.dtype)
+        grad_weight = scaled_matmul(grad.t(), x, recipe=ctx.recipe, a_dtype=kind, out_dtype=weight.dtype)
+        return grad_x, grad_weight, None
+
+
+def _check_rowwise_runs(device: torch.device) -> None:
+    """Refuse, in one line, a rowwise recipe where this PyTorch's scaled matmul lacks it."""
+    try:
+        ones = torch.ones(TILE, TILE, device=device)
+        scaled_matmul(ones, ones, recipe="rowwise", a_dtype=FORWARD_DTYPE, out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError) as error:
+        raise UserError(
+            f"this PyTorch ({torch.__version__}) cannot scale float8 matmuls by row on {device.type} "
+            f"({str(error).splitlines()[0]}): use recipe='tensorwise', or a PyTorch that has it"
+        ) from None
+
+
+class Float8Linear(nn.Linear):
+    """``nn.Linear`` whose matmuls (forward and both of backward) run in float8; weights stay as they are.
+
+    Args:
+        in_features: the input's width, a multiple of 16.
+        out_features: the output's width, a multiple of 16.
+        bias: learn a bias (added in the layer's own dtype, after the matmul).
+        recipe: ``"tensorwise"`` or ``"rowwise"`` (see the module's docstring).
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = True, recipe: str = "tensorwise"):
+        check_choice("recipe", recipe, RECIPES)
+        for name, width in (("in_features", in_features), ("out_features", out_features)):
+            if width % TILE:
+                raise UserError(
+                    f"float8 needs {name} a multiple of {TILE} (the scaled matmul's tile), got {width}: "
+                    "pad the layer, or leave it in high precision (convert_to_float8 skips it)"
+                )
+        super().__init__(in_features, out_features, bias=bias)
+        self.recipe = recipe
+        if recipe == "rowwise":
+            _check_rowwise_runs(self.weight.device)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, recipe: str = "tensorwise") -> Float8Linear:
+        """The same layer, its weights shared, its matmuls in float8."""
+        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, recipe=recipe)
+        layer.weight, layer.bias = linear.weight, linear.bias
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        y = _Float8Matmul.apply(rows, self.weight.to(x.dtype), self.recipe).reshape(*x.shape[:-1], -1)
+        return y + self.bias.to(y.dtype) if self.bias is not None else y
+
+
+def convert_to_float8(
+    model: nn.Module, *, recipe: str = "tensorwise", skip: tuple[str, ...] = ()
+) -> list[str]:
+    """Swap every ``nn.Linear`` whose widths are multiples of 16 for a ``Float8Linear``, in place.
+
+    Returns the names of the layers converted. Layers named in ``skip`` (the output head, as
+    torchtitan does) and layers the scaled matmul cannot take stay in high precision.
+
+    Args:
+        model: any module.
+        recipe: ``"tensorwise"`` or ``"rowwise"``.
+        skip: names (as ``named_modules`` gives them) of layers to leave as they are.
+    """
+    check_module("model", model)
+    check_choice("recipe", recipe, RECIPES)
+    converted = []
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
+            fits = (
+                child.in_features % TILE == 0 and child.out_features % TILE == 0
+                if type(child) is nn.Linear
+                else False
+            )
+            if fits and full not in skip:
+                setattr(module, child_name, Float8Linear.from_linear(child, recipe=recipe))
+                converted.append(full)
+    return converted

@@ -1,0 +1,107 @@
+"""Float8 training: scales that fit each tensor into the format, matmuls close to high precision, and a
+training run whose loss stays closer to bf16's than two bf16 seeds stay to each other."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from course_lib import models
+from course_lib.errors import UserError
+from course_lib.parallel import float8
+
+from conftest import tiny_transformer
+
+
+def _relative_error(ours: torch.Tensor, exact: torch.Tensor) -> float:
+    return ((ours.float() - exact.float()).norm() / exact.float().norm()).item()
+
+
+def test_a_scale_puts_the_largest_magnitude_on_the_formats_largest_value():
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(0)) * 1e-3  # far below e4m3's range
+    data, scale = float8.to_float8(x, torch.float8_e4m3fn)
+    assert data.float().abs().max().item() == torch.finfo(torch.float8_e4m3fn).max == 448
+    # 3 bits of mantissa: each element within half a step, 2^-4 of its magnitude, once scaled back
+    back = data.float() * scale
+    assert ((back - x).abs() <= x.abs() * 2**-4 + 1e-12).all()
+    rows, row_scales = float8.to_float8(x, torch.float8_e5m2, dim=1)
+    assert row_scales.shape == (64, 1) and rows.dtype == torch.float8_e5m2
+
+
+def test_rowwise_scales_keep_an_outlier_row_from_costing_the_others_their_digits():
+    generator = torch.Generator().manual_seed(1)
+    a, b = torch.randn(32, 64, generator=generator), torch.randn(64, 48, generator=generator)
+    # one token 100,000 times larger than the rest: scaled with it, the others fall below e4m3's
+    # smallest normal number (2^-6) and lose their digits (at 1,000 times, both recipes still hold)
+    a[0] *= 1e5
+    errors = {}
+    for recipe in float8.RECIPES:
+        product = float8.scaled_matmul(
+            a, b, recipe=recipe, a_dtype=torch.float8_e4m3fn, out_dtype=torch.float32
+        )
+        errors[recipe] = _relative_error(product[1:], a[1:] @ b)
+    assert errors["rowwise"] < 0.1 < errors["tensorwise"], errors
+
+
+@pytest.mark.parametrize("recipe", float8.RECIPES)
+def test_a_float8_layer_computes_what_the_linear_layer_does_to_a_few_percent_forward_and_backward(recipe):
+    torch.manual_seed(0)
+    dense = nn.Linear(64, 48)
+    layer = float8.Float8Linear.from_linear(dense, recipe=recipe)
+    x = torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    exact_x = x.detach().clone().requires_grad_()
+    ours, exact = layer(x), nn.functional.linear(exact_x, dense.weight.detach().requires_grad_(), dense.bias)
+    assert _relative_error(ours, exact) < 0.1
+    grad = torch.randn_like(exact)
+    ours.backward(grad)
+    weight = dense.weight.detach().clone().requires_grad_()
+    nn.functional.linear(exact_x, weight, dense.bias.detach()).backward(grad)
+    assert _relative_error(x.grad, exact_x.grad) < 0.1  # e5m2 gradients (tensorwise): about 6 %
+    assert _relative_error(layer.weight.grad, weight.grad) < 0.1
+
+
+def _losses(recipe: str | None, seed: int, steps: int = 60) -> list[float]:
+    # another seed's weights give the noise that a comparison of two runs has to beat
+    model, inputs, targets = tiny_transformer(seq=32, d_model=64, heads=4, seed=seed)
+    converted = float8.convert_to_float8(model, recipe=recipe) if recipe else []
+    assert not recipe or len(converted) == 12  # every block's q, k, v, out, fc1, fc2; not the head
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    generator, losses = torch.Generator().manual_seed(1), []
+    for _ in range(steps):
+        batch = torch.randint(0, len(inputs), (16,), generator=generator)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = models.lm_loss(model(inputs[batch]), targets[batch])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_float8_training_stays_closer_to_bf16_than_two_bf16_seeds_do():
+    def final(losses):
+        return sum(losses[-10:]) / 10
+
+    bf16, other_seed = final(_losses(None, 0)), final(_losses(None, 1))
+    noise = abs(bf16 - other_seed)
+    for recipe in float8.RECIPES:
+        assert abs(final(_losses(recipe, 0)) - bf16) < noise, (recipe, bf16, other_seed)
+
+
+def test_what_the_scaled_matmul_cannot_take_is_refused_in_one_line(monkeypatch):
+    with pytest.raises(UserError, match="float8 needs in_features a multiple of 16 .* got 20: pad the layer"):
+        float8.Float8Linear(20, 32)
+    with pytest.raises(UserError, match="recipe"):
+        float8.Float8Linear(32, 32, recipe="blockwise")
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 20), nn.Linear(20, 32))
+    assert float8.convert_to_float8(model, skip=("0",)) == []  # 0 skipped, 1 and 2 not multiples of 16
+
+    def no_rowwise(*args, **kwargs):
+        raise RuntimeError("Invalid scaling configuration")
+
+    monkeypatch.setattr(torch, "_scaled_mm", no_rowwise)
+    with pytest.raises(
+        UserError, match="cannot scale float8 matmuls by row on cpu .*: use recipe='tensorwise'"
+    ):
+        float8.Float8Linear(32, 32, recipe="rowwise")

@@ -28,6 +28,7 @@ from torch import nn
 from ..distributed import comm, runtime
 from ..errors import UserError
 from .ddp import GradientSyncSwitch
+from .float8 import to_float8
 
 Place = tuple[str, nn.Module, str]
 """Where a parameter sits: (its name in the model, the module holding it, that module's attribute)."""
@@ -117,6 +118,10 @@ class FlatParameter:
         compute_device: where ``full`` lives and forward runs (default: the parameters' device).
         param_dtype: the dtype of ``full``, gathered and computed in (default: the parameters').
         reduce_dtype: the dtype gradients are reduced in (default: ``param_dtype``).
+        gather_dtype: ``torch.float8_e4m3fn`` to send the parameters as float8 (one byte an element):
+            every rank scales its shard by the unit's amax over all ranks (one all-reduce of one
+            number), so the gathered vector is exactly the float8 cast of the whole one; each rank
+            rebuilds ``param_dtype`` from it. None: they travel in ``param_dtype``.
         shard_device: where the fp32 shard and its optimizer state live (``cpu`` to offload).
         shard_is_view: make the shard a view of ``full`` (ZeRO-1/2) instead of its own copy.
     """
@@ -131,6 +136,7 @@ class FlatParameter:
         compute_device: torch.device | None = None,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
+        gather_dtype: torch.dtype | None = None,
         shard_device: torch.device | None = None,
         shard_is_view: bool = False,
     ):
@@ -146,6 +152,7 @@ class FlatParameter:
         self.compute_device = compute_device or owned[0].param.device
         self.param_dtype = param_dtype or dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
+        self.gather_dtype = gather_dtype
         shard_device = shard_device or self.compute_device
 
         self.total = sum(o.param.numel() for o in owned)
@@ -205,7 +212,10 @@ class FlatParameter:
         if self._gathering is None and not self.is_gathered:
             self.start_gather()
         if self._gathering is not None:
-            self._gathering[0].wait()
+            work, _, rebuild = self._gathering
+            work.wait()
+            if rebuild is not None:
+                rebuild()
             self._gathering = None
             self.is_gathered = True
 
@@ -223,12 +233,14 @@ class FlatParameter:
         storage.resize_(self.padded * self.full.element_size())
         with torch.no_grad():
             local = self.shard.detach().to(self.compute_device, self.param_dtype, non_blocking=True)
-            if self.group_size == 1:
+            if self.gather_dtype is not None:
+                self._start_float8_gather(local)
+            elif self.group_size == 1:
                 self.full.copy_(local)
                 self.is_gathered = True
             else:  # ``local`` must live until the all-gather is done
                 work = comm.all_gather_into_tensor(self.full, local, group=self.shard_group, async_op=True)
-                self._gathering = (work, local)
+                self._gathering = (work, local, None)
 
     def free(self) -> None:
         """Release the full parameters' memory; the views keep their shapes, their storage is empty."""
@@ -287,6 +299,26 @@ class FlatParameter:
             self.shard.grad += grad
 
     # #endregion flat-parameter
+
+    def _start_float8_gather(self, local: torch.Tensor) -> None:
+        """The all-gather in float8: one scale for the whole unit, then one byte an element."""
+        amax = local.abs().amax().float().reshape(1)
+        if self.group_size > 1:  # the unit's amax over every rank: every shard scaled alike
+            comm.all_reduce(amax, op="max", group=self.shard_group)
+        data, scale = to_float8(local, self.gather_dtype, amax=amax)
+        packed = data.view(torch.uint8)  # the collectives move bytes: float8 is one an element
+        gathered = torch.empty(self.padded, dtype=torch.uint8, device=self.compute_device)
+
+        def rebuild() -> None:
+            self.full.copy_(gathered.view(self.gather_dtype).float() * scale)
+
+        if self.group_size == 1:
+            gathered.copy_(packed)
+            rebuild()
+            self.is_gathered = True
+            return
+        work = comm.all_gather_into_tensor(gathered, packed, group=self.shard_group, async_op=True)
+        self._gathering = (work, packed, rebuild)
 
     # -- state --------------------------------------------------------------------------------
     def full_fp32(self) -> torch.Tensor:

@@ -24,6 +24,11 @@ them each step); the tensors kept for backward (this lesson keeps them whole, to
 float8 casts); the norms, the softmax, the residual stream; the output head (its vocabulary-wide
 logits are sensitive, and torchtitan leaves it out); every matmul's accumulation.
 
+Communication: FSDP can gather the parameters as float8 (``fsdp_units.MixedPrecision(gather_dtype=
+torch.float8_e4m3fn)``): one byte an element, half of bf16's. Every rank scales its shard by the
+unit's amax over all ranks (one all-reduce of one number first), so the gathered bytes are exactly
+the float8 cast of the whole unit, whatever the number of ranks.
+
 Cost: three casts per matmul (amax, divide, round), which are memory-bound. They pay only where the
 matmul is large: torchao's tables show a speedup from about 4,096 x 4,096 on an H100. On this CPU,
 ``_scaled_mm`` runs but is not faster: the lesson is the numbers, not the speed.
@@ -49,7 +54,7 @@ TILE = 16  # the scaled matmul takes dimensions that are multiples of 16 (the te
 
 # #region scale-and-multiply
 def to_float8(
-    x: torch.Tensor, dtype: torch.dtype, *, dim: int | None = None
+    x: torch.Tensor, dtype: torch.dtype, *, dim: int | None = None, amax: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(``x`` scaled into ``dtype``'s range and rounded to it, the scale to multiply back).
 
@@ -58,8 +63,11 @@ def to_float8(
         dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
         dim: None for one scale for the whole tensor; else the dimension each scale's amax runs
             over (kept, of size 1), one scale per slice across it.
+        amax: the largest magnitude to scale by, if not ``x``'s own (a shard scaled like the
+            whole tensor it belongs to, as FSDP's float8 all-gather does).
     """
-    amax = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)
+    if amax is None:
+        amax = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)
     scale = (amax.float() / torch.finfo(dtype).max).clamp(min=torch.finfo(torch.float32).tiny)
     return (x.float() / scale).to(dtype), scale
 

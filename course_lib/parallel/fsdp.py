@@ -237,6 +237,7 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
                 compute_device=compute_device,
                 param_dtype=self.mixed_precision.param_dtype,
                 reduce_dtype=self.mixed_precision.reduce_dtype,
+                gather_dtype=self.mixed_precision.gather_dtype,
                 shard_device=shard_device,
             )
             units.insert(0, Unit(unit_module, prefix, flat, reshard_after_forward=reshard_after_forward))

@@ -51,11 +51,15 @@ class MixedPrecision:
         param_dtype: the dtype parameters are gathered and computed in (None: their own, fp32).
         reduce_dtype: the dtype gradients are reduced in (None: ``param_dtype``).
         buffer_dtype: the dtype of buffers such as running statistics (None: unchanged).
+        gather_dtype: the dtype the parameters travel in, if narrower than ``param_dtype``:
+            ``torch.float8_e4m3fn`` sends one byte an element, scaled by the unit's amax over every
+            rank (``flat_param.FlatParameter``), and each rank rebuilds ``param_dtype`` from it.
     """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     buffer_dtype: torch.dtype | None = None
+    gather_dtype: torch.dtype | None = None
 
 
 @dataclass
@@ -163,6 +167,11 @@ def check_options(sharding_strategy: str, cpu_offload: str, mixed_precision: Mix
             raise UserError(
                 f"MixedPrecision({role}={dtype!r}): use a floating-point torch dtype such as torch.bfloat16"
             )
+    if mixed_precision.gather_dtype not in (None, torch.float8_e4m3fn):
+        raise UserError(
+            f"MixedPrecision(gather_dtype={mixed_precision.gather_dtype!r}): the parameters travel in "
+            "param_dtype (None) or as float8 (torch.float8_e4m3fn)"
+        )
 
 
 @dataclass

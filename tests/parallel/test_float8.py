@@ -8,8 +8,12 @@ import torch
 from torch import nn
 
 from course_lib import models
+from course_lib.distributed import comm
+from course_lib.distributed.launch import launch
 from course_lib.errors import UserError
 from course_lib.parallel import float8
+from course_lib.parallel.fsdp import FullyShardedDataParallel
+from course_lib.parallel.fsdp_units import MixedPrecision, check_options
 
 from conftest import tiny_transformer
 
@@ -97,6 +101,9 @@ def test_what_the_scaled_matmul_cannot_take_is_refused_in_one_line(monkeypatch):
     model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 20), nn.Linear(20, 32))
     assert float8.convert_to_float8(model, skip=("0",)) == []  # 0 skipped, 1 and 2 not multiples of 16
 
+    with pytest.raises(UserError, match="the parameters travel in param_dtype .* or as float8"):
+        check_options("FULL_SHARD", "none", MixedPrecision(gather_dtype=torch.int8))  # FSDP's door check
+
     def no_rowwise(*args, **kwargs):
         raise RuntimeError("Invalid scaling configuration")
 
@@ -105,3 +112,40 @@ def test_what_the_scaled_matmul_cannot_take_is_refused_in_one_line(monkeypatch):
         UserError, match="cannot scale float8 matmuls by row on cpu .*: use recipe='tensorwise'"
     ):
         float8.Float8Linear(32, 32, recipe="rowwise")
+
+
+def _fsdp_gathers() -> dict:
+    """One forward and backward of FSDP with bf16 parameters gathered as bf16, then as float8: the
+    bytes each rank gathered, the loss, and every unit's weights as the ranks rebuilt them."""
+    result = {}
+    for name, gather in (("bf16", None), ("float8", torch.float8_e4m3fn)):
+        model, inputs, targets = tiny_transformer(seq=16, d_model=32, heads=4)
+        policy = MixedPrecision(param_dtype=torch.bfloat16, gather_dtype=gather)
+        wrapped = FullyShardedDataParallel(
+            model, auto_wrap_policy=models.sharding_units(model), mixed_precision=policy
+        )
+        with comm.CommLog() as log:
+            loss = models.lm_loss(wrapped(inputs[:6]), targets[:6])
+            loss.backward()
+        weights = []
+        for unit in wrapped.units:
+            unit.flat.gather()
+            weights.append(unit.flat.full[: unit.flat.total].float().clone())
+        result[name] = {"loss": loss.item(), "gathered": log.bytes_per_rank("all_gather"), "weights": weights}
+    return result
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fsdps_float8_all_gather_halves_the_bytes_and_rebuilds_what_one_process_casts(world):
+    """One scale per unit, its amax over every rank: the gathered float8 vector is the cast of the
+    whole unit, so every rank computes with exactly what one process would (parameter counts that
+    divide by neither 2 nor 3)."""
+    one = launch(_fsdp_gathers, 1)[0]
+    for result in launch(_fsdp_gathers, world):
+        assert result["float8"]["gathered"] * 2 == result["bf16"]["gathered"] > 0  # a byte, not two
+        for ours, alone in zip(result["float8"]["weights"], one["float8"]["weights"], strict=True):
+            assert torch.equal(ours, alone)
+        assert result["float8"]["loss"] == pytest.approx(one["float8"]["loss"], rel=1e-6)
+        for cast, plain in zip(result["float8"]["weights"], result["bf16"]["weights"], strict=True):
+            assert _relative_error(cast, plain) < 0.05  # e4m3's 3 bits of mantissa
+    assert sum(w.numel() for w in one["bf16"]["weights"]) % 6  # divides by neither degree

@@ -225,12 +225,10 @@ class FlatParameter:
 
     # #region gather-free
     def start_gather(self) -> None:
-        """Start rebuilding the full parameters; ``wait_gather()`` before computing with them (while
-        the all-gather runs, this rank can compute with another unit: that is FSDP's prefetch)."""
+        """Start the all-gather; ``wait_gather()`` before use (meanwhile other units compute: prefetch)."""
         if self.is_gathered or self._gathering is not None:
             return
-        storage = self.full.untyped_storage()
-        storage.resize_(self.padded * self.full.element_size())
+        self.full.untyped_storage().resize_(self.padded * self.full.element_size())
         with torch.no_grad():
             local = self.shard.detach().to(self.compute_device, self.param_dtype, non_blocking=True)
             if self.gather_dtype is not None:

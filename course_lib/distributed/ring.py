@@ -15,7 +15,6 @@ workstations", JPDC 2009.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from . import runtime
 from .p2p import isend, recv
@@ -68,8 +67,7 @@ def ring_all_reduce(tensor: torch.Tensor, *, group=None) -> torch.Tensor:
     n, rank = runtime.world_size(group=group), runtime.rank(group=group)
     if n == 1:
         return tensor
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(n))
-    right, left = ranks[(rank + 1) % n], ranks[(rank - 1) % n]
+    right, left = runtime.ring_neighbours(group=group)
     work = tensor.contiguous().view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
     chunks = list(torch.tensor_split(work, n))
 

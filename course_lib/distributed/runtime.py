@@ -277,6 +277,21 @@ def world_size(*, group=None) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
+def ring_neighbours(*, group=None) -> tuple[int, int]:
+    """(the global rank after this one in ``group``'s order, the one before it): a ring's neighbours.
+
+    Point-to-point messages name their peer by its global rank, whatever group they go through.
+
+    Args:
+        group: a process group, or None for every rank.
+    """
+    import torch.distributed as dist
+
+    size, me = world_size(group=group), rank(group=group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
+    return ranks[(me + 1) % size], ranks[(me - 1) % size]
+
+
 def is_main(*, group=None) -> bool:
     """True on the first rank of ``group`` (rank 0 of the world by default): the one that prints and saves.
 

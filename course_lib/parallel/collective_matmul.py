@@ -43,20 +43,15 @@ gloo; the tests hold this file equal to them.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ..distributed import comm, runtime
 from ..errors import UserError
-from .tensor import RowParallelLinear
-
-SEQUENCE_DIM = 1  # activations are (batch, sequence, features)
+from .tensor import SEQUENCE_DIM, RowParallelLinear, check_sequence_split
 
 
 def _neighbours(group) -> tuple[int, int, int, int]:
     """(T, this rank's place in the group, the global rank on its right, the one on its left)."""
-    size, rank = runtime.world_size(group=group), runtime.rank(group=group)
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
-    return size, rank, ranks[(rank + 1) % size], ranks[(rank - 1) % size]
+    return runtime.world_size(group=group), runtime.rank(group=group), *runtime.ring_neighbours(group=group)
 
 
 # #region ring-steps
@@ -99,12 +94,7 @@ def matmul_reduce_scatter(pairs: list[tuple[torch.Tensor, torch.Tensor]], *, gro
         group: the tensor-parallel process group (None: every rank).
     """
     size, rank, right, left = _neighbours(group)
-    tokens = pairs[0][0].shape[SEQUENCE_DIM]
-    if tokens % size:
-        raise UserError(
-            f"a sequence of {tokens} tokens does not split over tensor/sequence-parallel degree {size}: "
-            f"use a sequence length that is a multiple of {size}"
-        )
+    check_sequence_split(pairs[0][0].shape[SEQUENCE_DIM], size)
     pieces = [x.chunk(size, dim=SEQUENCE_DIM) for x, _ in pairs]
     travelling = exchange = None
     for step in range(size):

@@ -49,7 +49,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..checks import check_group, check_instance, check_module, claim_module
@@ -111,12 +110,7 @@ class _Ring:
     def __init__(self, layout: SequenceLayout, group):
         self.layout, self.group = layout, group
         self.rank, self.size = runtime.rank(group=group), runtime.world_size(group=group)
-
-        def global_rank(i):
-            return dist.get_global_rank(group, i) if group is not None else i
-
-        self.next = global_rank((self.rank + 1) % self.size)
-        self.previous = global_rank((self.rank - 1) % self.size)
+        self.next, self.previous = runtime.ring_neighbours(group=group)
 
     def owner_at(self, step: int) -> int:
         return (self.rank - step) % self.size

@@ -182,11 +182,7 @@ def convert_to_float8(
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             full = f"{name}.{child_name}" if name else child_name
-            fits = (
-                child.in_features % TILE == 0 and child.out_features % TILE == 0
-                if type(child) is nn.Linear
-                else False
-            )
+            fits = type(child) is nn.Linear and child.in_features % TILE == child.out_features % TILE == 0
             if fits and full not in skip:
                 setattr(module, child_name, Float8Linear.from_linear(child, recipe=recipe))
                 converted.append(full)

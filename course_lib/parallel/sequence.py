@@ -49,9 +49,7 @@ from ..distributed import comm, runtime
 from ..errors import UserError
 from ..models import Block, Embedding, LMHead, SelfAttention
 from .collective_matmul import OverlappedRowLinear, all_gather_project
-from .tensor import ColumnParallelLinear, RowParallelLinear, _split_size
-
-SEQUENCE_DIM = 1  # activations are (batch, sequence, features)
+from .tensor import SEQUENCE_DIM, ColumnParallelLinear, RowParallelLinear, _split_size, check_sequence_split
 
 
 def _start_all_gather_sequence(x: torch.Tensor, group, *, async_op: bool = True):
@@ -295,16 +293,6 @@ def sequence_parallel_block(
         attention.register_forward_pre_hook(_gather_input(group))
         mlp.register_forward_pre_hook(_gather_input(group))
     return block
-
-
-def check_sequence_split(seq_len: int, degree: int) -> None:
-    """Refuse, before any process waits, a sequence that does not cut into ``degree`` equal pieces."""
-    if seq_len % degree:
-        fits = [d for d in range(1, seq_len + 1) if seq_len % d == 0 and d <= 16]
-        raise UserError(
-            f"a sequence of {seq_len} tokens does not split over tensor/sequence-parallel degree {degree}: "
-            f"use a degree among {fits} or a sequence length that is a multiple of {degree}"
-        )
 
 
 def apply_sequence_parallel(

@@ -322,3 +322,16 @@ def check_tensor_parallel_degree(d_model: int, n_heads: int, mlp_hidden: int, de
                 f"tensor-parallel degree {degree} does not divide the {what} ({total}): use a degree that "
                 f"divides {n_heads} heads and {d_model} features"
             )
+
+
+SEQUENCE_DIM = 1  # activations are (batch, sequence, features): sequence parallelism cuts this one
+
+
+def check_sequence_split(seq_len: int, degree: int) -> None:
+    """Refuse, before any process waits, a sequence that does not cut into ``degree`` equal pieces."""
+    if seq_len % degree:
+        fits = [d for d in range(1, seq_len + 1) if seq_len % d == 0 and d <= 16]
+        raise UserError(
+            f"a sequence of {seq_len} tokens does not split over tensor/sequence-parallel degree {degree}: "
+            f"use a degree among {fits} or a sequence length that is a multiple of {degree}"
+        )

@@ -19,7 +19,6 @@ Check your work (every property, at 2, 3 and 4 processes):
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from course_lib.distributed import comm, runtime
 
@@ -28,9 +27,7 @@ SEQUENCE_DIM = 1  # activations are (batch, sequence, features)
 
 def neighbours(group=None) -> tuple[int, int, int, int]:
     """(T, this rank's place in the group, the global rank on its right, the one on its left)."""
-    size, rank = runtime.world_size(group=group), runtime.rank(group=group)
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
-    return size, rank, ranks[(rank + 1) % size], ranks[(rank - 1) % size]
+    return runtime.world_size(group=group), runtime.rank(group=group), *runtime.ring_neighbours(group=group)
 
 
 def all_gather_matmul(

@@ -115,6 +115,22 @@ class Timer:
         return statistics.median(seconds)
 
 
+_RANDOM_POOL: dict[str, torch.Tensor] = {}
+
+
+def _random_operand(rows: int, columns: int, *, device) -> torch.Tensor:
+    """A (rows, columns) view of random numbers drawn once per device and reused (never written to).
+
+    A product's time does not depend on the values; drawing a model's weight matrices anew for
+    each shape and pass took most of a CPU recording (tens of millions of normal samples each).
+    """
+    key, wanted = str(device), rows * columns
+    pool = _RANDOM_POOL.get(key)
+    if pool is None or pool.numel() < wanted:
+        pool = _RANDOM_POOL[key] = torch.randn(wanted, device=device)
+    return pool[:wanted].view(rows, columns)
+
+
 def matmul_function(rows: int, inner: int, columns: int, precision: str, which: str, device) -> Callable:
     """One product at ``precision``: ``bf16``, or ``fp8-tensorwise``/``fp8-rowwise`` through
     ``torch._scaled_mm``, cast as torchao's recipes cast: e4m3 activations and weights; the
@@ -124,8 +140,8 @@ def matmul_function(rows: int, inner: int, columns: int, precision: str, which: 
     The left operand is row-major and the right column-major: the layout of ``x @ W.t()`` for an
     ``nn.Linear`` weight, and the one the scaled product requires.
     """
-    left = torch.randn(rows, inner, device=device)
-    right = torch.randn(columns, inner, device=device).t()
+    left = _random_operand(rows, inner, device=device)
+    right = _random_operand(columns, inner, device=device).t()
     if precision == "bf16":
         left, right = left.bfloat16(), right.bfloat16()
         return lambda: torch.mm(left, right)

@@ -14,7 +14,8 @@ Two recipes, as torchao's float8 training has them:
   output gradient is e5m2, because gradients need range more than digits.
 - **rowwise**: one scale per row of the left operand and per column of the right one, along the
   dimension the matmul sums over, all e4m3. One outlier token then costs precision only to its own
-  row, not to the whole tensor.
+  row, not to the whole tensor. Each scale is rounded down to a power of two, so that applying it
+  is exact and the cast is the only rounding.
 
 Each scale comes from the tensor at hand (*dynamic* scaling, torchao's default). The older
 *delayed* scaling took it from a history of past amaxes, one step stale; torchao dropped it.
@@ -34,8 +35,9 @@ matmul is large: torchao's tables show a speedup from about 4,096 x 4,096 on an 
 ``_scaled_mm`` runs but is not faster: the lesson is the numbers, not the speed.
 
 Papers and twins: Micikevicius et al., "FP8 Formats for Deep Learning", 2022 (the two formats);
-NVIDIA Transformer Engine (the recipes); torchao's ``Float8Linear`` / ``convert_to_float8_training``
-(PyTorch's own, CUDA-only: not installed here).
+NVIDIA Transformer Engine (the recipes); torchao's ``Float8Linear`` / ``convert_to_float8_training``,
+PyTorch's own, which this file matches bit for bit in bf16 (tests/parallel/test_float8.py; it runs
+on a CPU too, where its speed means nothing).
 """
 
 from __future__ import annotations
@@ -50,11 +52,17 @@ RECIPES = ("tensorwise", "rowwise")
 FORWARD_DTYPE = torch.float8_e4m3fn
 GRADIENT_DTYPE = {"tensorwise": torch.float8_e5m2, "rowwise": torch.float8_e4m3fn}
 TILE = 16  # the scaled matmul takes dimensions that are multiples of 16 (the tensor cores' tile)
+AMAX_FLOOR = 1e-12  # torchao's: the smallest amax a scale is computed from
 
 
 # #region scale-and-multiply
 def to_float8(
-    x: torch.Tensor, dtype: torch.dtype, *, dim: int | None = None, amax: torch.Tensor | None = None
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    dim: int | None = None,
+    amax: torch.Tensor | None = None,
+    power_of_two: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(``x`` scaled into ``dtype``'s range and rounded to it, the scale to multiply back).
 
@@ -65,15 +73,28 @@ def to_float8(
             over (kept, of size 1), one scale per slice across it.
         amax: the largest magnitude to scale by, if not ``x``'s own (a shard scaled like the
             whole tensor it belongs to, as FSDP's float8 all-gather does).
+        power_of_two: round the scale down to a power of two (the rowwise recipe's choice):
+            multiplying by one is exact, so the cast is the only rounding.
     """
     if amax is None:
         amax = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)
-    scale = (amax.float() / torch.finfo(dtype).max).clamp(min=torch.finfo(torch.float32).tiny)
-    return (x.float() / scale).to(dtype), scale
+    # the format's largest value over amax, computed as torchao computes it (in float64, then
+    # float32) so that both cast every element alike; an all-zero tensor gets a finite scale
+    scale = (torch.finfo(dtype).max / amax.double().clamp(min=AMAX_FLOOR)).float()
+    if power_of_two:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    largest = torch.finfo(dtype).max
+    return (x.float() * scale).clamp(-largest, largest).to(dtype), scale.reciprocal()
 
 
 def scaled_matmul(
-    a: torch.Tensor, b: torch.Tensor, *, recipe: str, a_dtype: torch.dtype, out_dtype: torch.dtype
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    recipe: str,
+    a_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    fast_accumulation: bool = False,
 ) -> torch.Tensor:
     """``a @ b`` with both operands in float8: ``a`` (m, k) in ``a_dtype``, ``b`` (k, n) in e4m3.
 
@@ -81,16 +102,23 @@ def scaled_matmul(
         a: the left operand (activations, or an output gradient).
         b: the right operand.
         recipe: ``"tensorwise"`` (one scale each) or ``"rowwise"`` (a scale per row of ``a`` and
-            per column of ``b``, their amax over k).
+            per column of ``b``, their amax over k, each a power of two).
         a_dtype: the left operand's float8 format.
         out_dtype: the result's dtype (the accumulation is in higher precision).
+        fast_accumulation: let the GPU's tensor cores accumulate in lower precision (the recipes
+            allow it in the forward product only; a CPU ignores it).
     """
     rowwise = recipe == "rowwise"
-    a8, scale_a = to_float8(a, a_dtype, dim=1 if rowwise else None)  # (m, 1): over k, per row
-    b8, scale_b = to_float8(b, FORWARD_DTYPE, dim=0 if rowwise else None)  # (1, n): over k, per column
+    a8, scale_a = to_float8(a, a_dtype, dim=1 if rowwise else None, power_of_two=rowwise)  # (m, 1)
+    b8, scale_b = to_float8(b, FORWARD_DTYPE, dim=0 if rowwise else None, power_of_two=rowwise)  # (1, n)
     # the right operand column-major, as the scaled matmul wants it
     return torch._scaled_mm(
-        a8, b8.t().contiguous().t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype
+        a8,
+        b8.t().contiguous().t(),
+        scale_a=scale_a,
+        scale_b=scale_b,
+        out_dtype=out_dtype,
+        use_fast_accum=fast_accumulation,
     )
 
 
@@ -104,7 +132,9 @@ class _Float8Matmul(torch.autograd.Function):
     def forward(ctx, x, weight, recipe):
         ctx.save_for_backward(x, weight)  # whole: torchao may keep the float8 casts instead
         ctx.recipe = recipe
-        return scaled_matmul(x, weight.t(), recipe=recipe, a_dtype=FORWARD_DTYPE, out_dtype=x.dtype)
+        return scaled_matmul(
+            x, weight.t(), recipe=recipe, a_dtype=FORWARD_DTYPE, out_dtype=x.dtype, fast_accumulation=True
+        )
 
     @staticmethod
     def backward(ctx, grad):
@@ -158,8 +188,11 @@ class Float8Linear(nn.Linear):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_autocast_enabled(x.device.type):  # as nn.Linear would: the input in autocast's dtype
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         rows = x.reshape(-1, x.shape[-1])
-        y = _Float8Matmul.apply(rows, self.weight.to(x.dtype), self.recipe).reshape(*x.shape[:-1], -1)
+        # the weight goes to float8 from its own precision: one rounding, not two through bf16
+        y = _Float8Matmul.apply(rows, self.weight, self.recipe).reshape(*x.shape[:-1], -1)
         return y + self.bias.to(y.dtype) if self.bias is not None else y
 
 

@@ -3,6 +3,8 @@ training run whose loss stays closer to bf16's than two bf16 seeds stay to each 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -63,6 +65,69 @@ def test_a_float8_layer_computes_what_the_linear_layer_does_to_a_few_percent_for
     nn.functional.linear(exact_x, weight, dense.bias.detach()).backward(grad)
     assert _relative_error(x.grad, exact_x.grad) < 0.1  # e5m2 gradients (tensorwise): about 6 %
     assert _relative_error(layer.weight.grad, weight.grad) < 0.1
+
+
+def _torchao_twin(module: nn.Module, recipe: str, names: list[str]) -> None:
+    """torchao's float8 training applied to ``module`` in place, on the layers named."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    convert_to_float8_training(module, config=config, module_filter_fn=lambda _, name: name in names)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("recipe", float8.RECIPES)
+def test_a_float8_layer_is_torchaos_float8_linear_bit_for_bit(recipe, dtype):
+    """The same casts (scale = 448 / amax, in float64 then float32; rowwise scales a power of two),
+    the same three scaled matmuls. In float32, torchao's rowwise product returns bf16 and is cast
+    back (a workaround for torch._scaled_mm), so there the two agree to bf16's rounding only."""
+    torch.manual_seed(0)
+    dense = nn.Linear(64, 48).to(dtype)
+    ours = float8.Float8Linear.from_linear(copy.deepcopy(dense), recipe=recipe)
+    theirs = nn.Sequential(copy.deepcopy(dense))
+    _torchao_twin(theirs, recipe, ["0"])
+    x = torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(2)).to(dtype)
+    mine, their_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out, their_out = ours(mine), theirs(their_x)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    their_out.backward(grad)
+    pairs = [(out, their_out), (mine.grad, their_x.grad), (ours.weight.grad, theirs[0].weight.grad)]
+    for ours_tensor, their_tensor in pairs:
+        if recipe == "rowwise" and dtype == torch.float32:
+            assert _relative_error(ours_tensor, their_tensor) < 2**-8
+        else:
+            assert torch.equal(ours_tensor, their_tensor)
+
+
+def test_float8_training_is_torchaos_step_for_step():
+    """A bf16 transformer trained 4 steps with the course's float8 layers and with torchao's: the
+    same losses and the same weights, bit for bit, under both recipes (the output head stays bf16)."""
+    for recipe in float8.RECIPES:
+        runs = {}
+        for name in ("course", "torchao"):
+            model, inputs, targets = tiny_transformer(seq=16, d_model=32, heads=4)
+            model = model.bfloat16()
+            if name == "course":
+                # the head's projection left out by name, as torchtitan leaves it (here its 45-word
+                # vocabulary is no multiple of 16 either)
+                converted = float8.convert_to_float8(model, recipe=recipe, skip=(f"{len(model) - 1}.proj",))
+            else:
+                _torchao_twin(model, recipe, converted)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            losses = []
+            for step in range(4):
+                loss = models.lm_loss(
+                    model(inputs[8 * step : 8 * step + 8]), targets[8 * step : 8 * step + 8]
+                )
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                losses.append(loss.item())
+            runs[name] = (losses, model.state_dict())
+        assert len(converted) == 12 and runs["course"][0] == runs["torchao"][0], (recipe, runs)
+        for key, tensor in runs["course"][1].items():
+            assert torch.equal(tensor, runs["torchao"][1][key]), (recipe, key)
 
 
 def _losses(recipe: str | None, seed: int, steps: int = 60) -> list[float]:

@@ -124,6 +124,10 @@ class Call:
     notes: dict = field(default_factory=dict)  # what a hook keeps between issued and completed
 
 
+# A compiled block runs this eagerly, between two graphs (a graph break): its counters, records and
+# hooks are Python state that a graph cannot hold. Traced instead, every call would change a counter
+# the graph depends on and force a recompilation, until torch.compile gave up on the frame.
+@torch.compiler.disable
 def issue(
     op: str,
     tensor_bytes: int,

@@ -12,8 +12,9 @@ independent of depth: the blocks are identical, so the first block's graph serve
 It also leaves the parallelism's collectives outside or at the edges of the graphs. Where the
 tracer meets code it cannot put in a graph, it *breaks* the graph: it runs that code eagerly and
 starts a new graph after it. The course's tensor parallelism calls its collectives through
-``comm``, which logs and checks each call in Python. So under it a block compiles as several graphs
-with a break at each collective, and the matmuls between them are still compiled and fused.
+``comm``, which logs and checks each call in Python, and marks that Python ``torch.compiler.disable``
+(traced, its counters would force a recompilation at every call). So under it a block compiles as
+several graphs with a break at each collective, and the matmuls between them are still compiled.
 PyTorch's own DTensor and functional collectives are traceable, and compile into one graph.
 ``graph_breaks`` lists where they land and why (``torch._dynamo.explain``). ``TORCH_LOGS=graph_breaks``
 prints the same while a run goes.

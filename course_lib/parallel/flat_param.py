@@ -296,6 +296,21 @@ class FlatParameter:
         else:
             self.shard.grad += grad
 
+    def shard_gradient_pieces(self, places: set[tuple[int, str]]) -> list[torch.Tensor]:
+        """Views of this rank's shard gradient where it holds the parameters at ``places`` (each
+        ``(id(module), attribute)``): every rank of another axis with the same model structure
+        holds the same elements there, so that axis can reduce them in place."""
+        if self.shard.grad is None:
+            return []
+        start, end = self.index * self.shard_numel, (self.index + 1) * self.shard_numel
+        pieces = []
+        for slot in self.slots:
+            if any((id(module), attribute) in places for _, module, attribute in slot.places):
+                low, high = max(slot.offset, start), min(slot.offset + slot.numel, end)
+                if low < high:
+                    pieces.append(self.shard.grad[low - start : high - start])
+        return pieces
+
     # #endregion flat-parameter
 
     def _start_float8_gather(self, local: torch.Tensor) -> None:

@@ -334,29 +334,43 @@ def apply_sequence_parallel(
     return model
 
 
-def sequence_parallel_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The replicated parameters that see only this rank's tokens: their gradients are partial sums."""
-    found = []
+def _sequence_parallel_places(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(module, attribute) of each replicated parameter that sees only this rank's tokens."""
+    places = []
     for module in model.modules():
         if isinstance(module, Block):
-            found += [*module.norm1.parameters(), *module.norm2.parameters()]
-            rows = (module.attention.out, module.mlp.fc2)
-            found += [layer.bias for layer in rows if layer.bias is not None]
+            places += [(norm, name) for norm in (module.norm1, module.norm2) for name in ("weight", "bias")]
+            places += [(layer, "bias") for layer in (module.attention.out, module.mlp.fc2)]
         elif isinstance(module, LMHead):
-            found += list(module.norm.parameters())
+            places += [(module.norm, name) for name in ("weight", "bias")]
             if isinstance(module.proj, nn.Linear):  # replicated; split by vocabulary it sees every token
-                found += list(module.proj.parameters())
-    return found
+                places += [(module.proj, name) for name in ("weight", "bias")]
+    return places
+
+
+def sequence_parallel_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The replicated parameters that see only this rank's tokens: their gradients are partial sums."""
+    found = (getattr(module, name, None) for module, name in _sequence_parallel_places(model))
+    return [param for param in found if isinstance(param, nn.Parameter)]
 
 
 def all_reduce_sequence_parallel_gradients(model: nn.Module, *, group=None) -> None:
     """After backward: add the partial gradients of the token-by-token parameters over the group.
 
+    Under ZeRO or FSDP over another axis (a wrapper with ``flat_params``) the gradients are no
+    longer on the parameters but in this rank's shard of each flat vector: the same elements of
+    it on every rank of the group, which are added there. Adding over the tensor ranks and
+    averaging over the data ranks are both linear, so their order does not matter.
+
     Args:
-        model: the model ``apply_sequence_parallel`` converted.
+        model: the model ``apply_sequence_parallel`` converted, or a ZeRO/FSDP wrapper of it.
         group: the tensor-parallel process group (None: every rank).
     """
-    partial = [param.grad for param in sequence_parallel_parameters(model) if param.grad is not None]
+    if hasattr(model, "flat_params"):
+        places = {(id(module), name) for module, name in _sequence_parallel_places(model)}
+        partial = [piece for flat in model.flat_params for piece in flat.shard_gradient_pieces(places)]
+    else:
+        partial = [param.grad for param in sequence_parallel_parameters(model) if param.grad is not None]
     comm.all_reduce_coalesced(partial, op="sum", group=group)  # small and many: one call
 
 

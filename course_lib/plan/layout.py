@@ -281,7 +281,13 @@ def data_parallel_wrapper(
 
 # #region compose
 def parallelize(
-    model: nn.Module, mesh, layout: Layout, *, seq_len: int, data_parallel: bool = True
+    model: nn.Module,
+    mesh,
+    layout: Layout,
+    *,
+    seq_len: int,
+    data_parallel: bool = True,
+    tensor_overlap: bool = False,
 ) -> ParallelModel:
     """A dense ``TinyTransformer`` laid out as ``layout`` on ``mesh``: what a training step calls.
 
@@ -299,10 +305,19 @@ def parallelize(
         seq_len: tokens per sequence (context parallelism cuts it).
         data_parallel: wrap the stage for the data axis; False leaves the data axis to
             ``finish_gradients``, which averages every gradient after the step.
+        tensor_overlap: with sequence parallelism, run each all-gather and reduce-scatter of the
+            tensor axis as collective matmul (``parallel.collective_matmul``): in ring steps under
+            the matmuls, as PyTorch's async TP does (the planner's ``Framework.tensor_overlap``).
     """
     check_instance("parallelize's layout", layout, Layout)
     check_int("parallelize's seq_len", seq_len, minimum=1)
     check_flag("parallelize's data_parallel", data_parallel)
+    check_flag("parallelize's tensor_overlap", tensor_overlap)
+    if tensor_overlap and not (layout.tensor > 1 and layout.sequence_parallel):
+        raise UserError(
+            "tensor_overlap overlaps sequence parallelism's all-gathers and reduce-scatters with the "
+            "matmuls: it needs a tensor degree above 1 and sequence_parallel=True"
+        )
     for axis in AXES:
         if mesh.degrees[axis] != layout.degree(axis):
             raise UserError(
@@ -328,8 +343,11 @@ def parallelize(
     tensor_group, sp = mesh.group("tensor"), layout.sequence_parallel
     for index, stage in cut.stages.items():
         if layout.tensor > 1 and any(isinstance(m, Block) for m in stage.modules()):
-            if sp:  # Megatron-LM's sequence parallelism, the input's shard regathered in backward
-                sequence.apply_sequence_parallel(stage, group=tensor_group, regather_in_backward=True)
+            if sp:  # Megatron-LM's sequence parallelism: the input's shard regathered in backward,
+                # or, overlapped, the gathered input kept (its ring assembles it anyway)
+                sequence.apply_sequence_parallel(
+                    stage, group=tensor_group, regather_in_backward=not tensor_overlap, overlap=tensor_overlap
+                )
             else:
                 tensor.apply_tensor_parallel(stage, group=tensor_group)
         holds_vocabulary = any(isinstance(m, Embedding | LMHead) for m in stage.modules())

@@ -1,5 +1,6 @@
 """Compiled blocks: equal to eager on one process, under the course's tensor parallelism and FSDP, and
-under DTensor; graph breaks where the course's collectives are, none in a plain block.
+under DTensor and FSDP2 (``bench compile``); graph breaks where the course's collectives are, none in
+a plain block.
 
 The tests compile with ``aot_eager`` (TorchDynamo and AOTAutograd, PyTorch's own operators): what
 tracing does to the results and where graphs break. Inductor's generated code takes about 20 s to
@@ -7,6 +8,8 @@ compile even one small block on this CPU.
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -18,7 +21,7 @@ from course_lib.parallel import compiled
 from course_lib.parallel import tensor as tp
 from course_lib.parallel.fsdp import FullyShardedDataParallel
 
-from conftest import tiny_transformer
+from conftest import call_main, run_bench, tiny_transformer
 
 
 def _losses(kind: str, steps: int = 3) -> dict:
@@ -60,29 +63,39 @@ def test_compiled_blocks_train_as_eager_does(kind, world):
             assert result["breaks"] == {"graphs": 1, "breaks": 0, "reasons": []}
 
 
-def _dtensor_block() -> dict:
-    """One block under DTensor's tensor parallelism: its graphs, and compiled against eager."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+def test_the_compile_benchmark_compiles_under_each_parallelism_and_equals_eager(tmp_path):
+    """``bench compile`` with aot_eager: DTensor's and FSDP2's blocks compile into one graph (their
+    collectives are traceable, or outside the block), the course's tensor parallelism breaks the
+    graph at each of its Python-logged collectives, and every compiled loss is the eager one."""
+    output = tmp_path / "compile.json"
+    sizes = "--d-model 32 --heads 4 --seq 16 --batch 2 --layers 2 --steps 2 --warmup 1"
+    result = run_bench("compile", "--compiler", "aot_eager", *sizes.split(), "--output", str(output))
+    assert json.loads(output.read_text()) == result
+    for variant in ("one_process", "course_tp", "dtensor_tp", "fsdp2"):
+        row = result[variant]
+        assert row["max_loss_difference"] == 0, (variant, row)
+        assert row["first_compiled_step_s"] > 0 and row["eager_step_ms"] > 0 and row["compiled_step_ms"] > 0
+        if variant == "course_tp":
+            assert row["graph_breaks_per_block"] == row["graphs_per_block"] - 1 >= 2, row
+            assert row["break_reasons"] == ["Skip calling `torch.compiler.disable()`d function"]
+        else:
+            assert (row["graphs_per_block"], row["graph_breaks_per_block"]) == (1, 0), (variant, row)
+        saved_ms = row["eager_step_ms"] - row["compiled_step_ms"]
+        repay = row["steps_to_repay_compile"]
+        assert repay == (
+            pytest.approx(1000 * row["first_compiled_step_s"] / saved_ms) if saved_ms > 0 else None
+        )
 
-    torch.manual_seed(0)
-    plan = {f"attention.{name}": ColwiseParallel() for name in ("q", "k", "v")}
-    plan |= {"attention.out": RowwiseParallel(), "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
-    block = parallelize_module(models.Block(32, 4), init_device_mesh("cpu", (2,)), plan)
-    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(3))
-    eager = block(x)
-    breaks = compiled.graph_breaks(block, x)
-    torch._dynamo.reset()
-    block.compile(backend="aot_eager")
-    return {"breaks": breaks, "difference": (block(x) - eager).abs().max().item()}
 
+def test_the_compile_benchmark_refuses_what_it_cannot_compile_in_one_line(monkeypatch, capsys):
+    from course_lib.tools import bench
 
-def test_pytorchs_own_tensor_parallelism_compiles_into_one_graph():
-    """DTensor's collectives are traceable (functional collectives): no break, where the course's
-    Python-logged ones break the block at each collective."""
-    for result in launch(_dtensor_block, 2):
-        assert result["breaks"] == {"graphs": 1, "breaks": 0, "reasons": []}
-        assert result["difference"] == 0
+    shown = call_main(bench.main, ["compile", "--heads", "3"], capsys)
+    assert shown.returncode == 2 and "argument --heads: must be a multiple of --world-size 2" in shown.stderr
+    monkeypatch.setattr(compiled.shutil, "which", lambda name: None)
+    shown = call_main(bench.main, ["compile"], capsys)
+    assert shown.returncode == 2 and len(shown.stderr.strip().splitlines()) == 1
+    assert "Inductor backend needs a C++ compiler on a CPU" in shown.stderr
 
 
 def test_inductor_without_a_compiler_and_a_wrong_backend_are_refused_in_one_line(monkeypatch):

@@ -14,6 +14,7 @@ from ... import checks
 from ...distributed import environment, runtime
 from ...distributed.launch import launch, max_processes
 from ...errors import EXIT_USER_ERROR, UserError
+from ...parallel import compiled
 from ..plots import image_to_write, plot_allreduce
 from . import sequence
 from .allreduce import (
@@ -24,6 +25,7 @@ from .allreduce import (
     network_verdict,
 )
 from .common import MLP_BATCH, MLP_LAYERS, MLP_WIDTH, TIMED_STEPS, WARMUP_STEPS
+from .compiled import compile_benchmark
 from .ddp import DDP_BUCKET_MB, ddp_benchmark
 from .fsdp import fsdp_benchmark
 from .memory_states import memory_benchmark
@@ -109,6 +111,11 @@ def _add_benchmarks(sub) -> dict[str, argparse.ArgumentParser]:
         help="memory saved and time paid by each recomputation policy (none, full, selective)",
         formatter_class=formatter,
     )
+    compiling = sub.add_parser(
+        "compile",
+        help="compiled blocks against eager: compile time, step time, graph breaks, under each parallelism",
+        formatter_class=formatter,
+    )
     reduce = sub.add_parser(
         "allreduce",
         help="all-reduce time, algorithm and bus bandwidth per message size, and the alpha-beta fit",
@@ -125,12 +132,13 @@ def _add_benchmarks(sub) -> dict[str, argparse.ArgumentParser]:
         attention=attention,
         experts=experts,
         recomputation=recomputation,
+        compiling=compiling,
         reduce=reduce,
     )
 
 
 def _add_options(
-    *, ddp, fsdp, mem, pipe, tensor, sequence, context, attention, experts, recomputation, reduce
+    *, ddp, fsdp, mem, pipe, tensor, sequence, context, attention, experts, recomputation, compiling, reduce
 ) -> None:
     """Each benchmark's sizes and counts, with their defaults."""
     for command in (
@@ -154,6 +162,32 @@ def _add_options(
     _add_allreduce_options(reduce)
     _add_data_parallel_options(ddp=ddp, fsdp=fsdp, mem=mem)
     _add_model_parallel_options(pipe, tensor, sequence, context, attention, experts, recomputation)
+    _add_compile_options(compiling)
+
+
+def _add_compile_options(compiling) -> None:
+    """The stack of blocks compiled, its ranks, and the compiler's backend."""
+    positive = checks.int_at_least(1)
+    compiling.add_argument(
+        "--world-size", type=checks.int_at_least(2, max_processes()), default=2, help="the parallel degree"
+    )
+    compiling.add_argument("--d-model", type=positive, default=256)
+    compiling.add_argument("--heads", type=positive, default=4, help="a multiple of --world-size")
+    compiling.add_argument("--seq", type=positive, default=128)
+    compiling.add_argument("--batch", type=positive, default=8, help="sequences per step, on every rank")
+    compiling.add_argument("--layers", type=positive, default=2, help="blocks, each compiled on its own")
+    compiling.add_argument("--steps", type=positive, default=10, help="timed steps per variant")
+    compiling.add_argument("--warmup", type=checks.int_at_least(0), default=2)
+    compiling.add_argument(
+        "--output", type=checks.json_to_write, default=None, help="also write the JSON here"
+    )
+    compiling.add_argument(
+        "--compiler",
+        choices=compiled.BACKENDS,
+        default="inductor",
+        help="torch.compile's backend. inductor: fused generated code (on a CPU, it needs a C++ "
+        "compiler); aot_eager: traced, PyTorch's own operators",
+    )
 
 
 def _add_allreduce_options(reduce) -> None:
@@ -314,6 +348,15 @@ def _check_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
             f"argument --experts: must be a multiple of --world-size {args.world_size} and at least --top-k "
             f"{args.top_k}, got {args.experts}"
         )
+    if args.benchmark == "compile":
+        if args.heads % args.world_size:
+            parser.error(
+                f"argument --heads: must be a multiple of --world-size {args.world_size}, got {args.heads}"
+            )
+        if args.d_model % args.heads:
+            parser.error(
+                f"argument --d-model: must be a multiple of --heads {args.heads}, got {args.d_model}"
+            )
     if args.benchmark == "recompute" and args.d_model % 4:
         parser.error(f"argument --d-model: must be a multiple of the 4 heads, got {args.d_model}")
     if args.benchmark == "allreduce":
@@ -363,6 +406,11 @@ def memory_needed(args: argparse.Namespace) -> tuple[float, int]:
         )
         processes = max(args.stages) if args.benchmark == "pipeline" else args.world_size
         return PROCESS_BASE_BYTES + per_process, processes
+    if args.benchmark == "compile":  # two copies of the stack per variant, a step's activations each
+        params = args.layers * 12 * args.d_model**2
+        activations = 2 * word * args.layers * 20 * args.batch * args.seq * args.d_model
+        scores = 2 * word * args.batch * args.heads * args.seq**2 * args.layers
+        return PROCESS_BASE_BYTES + 2 * 4 * word * params + activations + scores, args.world_size
     if args.benchmark == "recompute":  # three models, and every activation of a step kept
         params = args.layers * 12 * args.d_model**2 + 200 * args.d_model
         activations = 3 * word * args.layers * 20 * args.batch * args.seq * args.d_model
@@ -452,6 +500,10 @@ def _run_benchmark(args: argparse.Namespace) -> int:
             ),
         }[args.benchmark]
         result = on(args.world_size, benchmark, given(*flags, *timing))
+    elif args.benchmark == "compile":
+        compiled.check_compiler(args.compiler)  # refused here, before any process starts
+        options = given("d_model", "heads", "seq", "batch", "layers", *timing, "compiler")
+        result = _on_local_processes("compile", args.world_size, compile_benchmark, options)
     elif args.benchmark == "recompute":
         result = on(args.world_size, recompute_benchmark, given("d_model", "layers", "seq", "batch", *timing))
     elif args.benchmark == "memory":
@@ -469,6 +521,9 @@ def _run_benchmark(args: argparse.Namespace) -> int:
         result = on(args.world_size, fsdp_benchmark, given(*mlp, *timing))
     text = json.dumps(result, indent=2)
     print(text)
+    if getattr(args, "output", None) is not None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(text + "\n")
     if profile:
         args.profile.mkdir(parents=True, exist_ok=True)
         (args.profile / "anatomy.json").write_text(text + "\n")

@@ -68,9 +68,10 @@ def all_gather_matmul(
     size, rank, right, left = _neighbours(group)
     chunks, products = [None] * size, [[None] * size for _ in matrices]
     here = shard.contiguous()
+    # #region gather-ring
     for step in range(size):
         owner = (rank - step) % size  # whose tokens ``here`` holds
-        if step < size - 1:  # pass them on, and receive the next chunk, while we compute
+        if step < size - 1:  # pass them on, receive the next, while we compute
             arriving = torch.empty_like(here)
             exchange = comm.send_recv(here, right, arriving, left, group=group)
         chunks[owner] = here
@@ -79,6 +80,7 @@ def all_gather_matmul(
         if step < size - 1:
             exchange.wait()
             here = arriving
+    # #endregion gather-ring
     return torch.cat(chunks, dim=SEQUENCE_DIM), [torch.cat(p, dim=SEQUENCE_DIM) for p in products]
 
 

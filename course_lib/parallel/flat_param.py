@@ -296,6 +296,8 @@ class FlatParameter:
         else:
             self.shard.grad += grad
 
+    # #endregion flat-parameter
+
     def shard_gradient_pieces(self, places: set[tuple[int, str]]) -> list[torch.Tensor]:
         """Views of this rank's shard gradient where it holds the parameters at ``places`` (each
         ``(id(module), attribute)``): every rank of another axis with the same model structure
@@ -310,8 +312,6 @@ class FlatParameter:
                 if low < high:
                     pieces.append(self.shard.grad[low - start : high - start])
         return pieces
-
-    # #endregion flat-parameter
 
     def _start_float8_gather(self, local: torch.Tensor) -> None:
         """The all-gather in float8: one scale for the whole unit, then one byte an element."""

@@ -28,7 +28,7 @@ from ..parallel import context_chunks, expert, memory, mesh, pipeline, ulysses
 from ..parallel.fsdp import FullyShardedDataParallel
 from ..plan import cost_model, specs
 from ..plan.layout import Layout
-from . import plots
+from . import bench, plots
 from .bench import MLP_BATCH, MLP_LAYERS, MLP_WIDTH, mlp, training_step
 from .plan_validation import validate
 from .study import read_csv
@@ -41,6 +41,8 @@ RECORDED_FSDP = {
     "no prefetch": RECORDED / "fsdp_no_prefetch.json",
 }
 RECORDED_PLAN_CHECK = RECORDED / "plan_validation.json"
+RECORDED_COMPILE = RECORDED / "compile_cpu.json"  # python -m course_lib.tools.bench compile --output ...
+RECORDED_FLOAT8 = RECORDED / "float8_losses.json"  # python -m course_lib.tools.bench float8 --output ...
 
 
 def _box(axis, x, y, w, h, text, colour="#dde6f3", size=9):
@@ -347,7 +349,32 @@ def record() -> list[Path]:
     for kind, path in RECORDED_FSDP.items():
         recorded[kind].save(path)
     RECORDED_PLAN_CHECK.write_text(json.dumps(validate(launch), indent=1) + "\n")
-    return [*RECORDED_FSDP.values(), RECORDED_PLAN_CHECK]
+    for path, benchmark in ((RECORDED_COMPILE, "compile"), (RECORDED_FLOAT8, "float8")):
+        bench.main([benchmark, "--output", str(path)])  # the defaults: what the figures name
+    return [*RECORDED_FSDP.values(), RECORDED_PLAN_CHECK, RECORDED_COMPILE, RECORDED_FLOAT8]
+
+
+def overlap_ratio():
+    """Collective matmul: when a chunk's matmul outlasts its transfer, on an H100 node and on Alps."""
+    h100, alps = specs.CLUSTERS["h100-node"], specs.CLUSTERS["alps"]
+    links = {
+        "H100 node, NVLink": (h100.achieved_flops, h100.inside_node.bandwidth),
+        "Alps node, NVLink": (alps.achieved_flops, alps.inside_node.bandwidth),
+        "H100, across nodes (one NIC)": (h100.achieved_flops, h100.between_nodes.bandwidth),
+    }
+    llama = specs.MODELS["llama3-70b"]
+    marked = {"70B fc1, T=8": llama.ffn_hidden // 8, "70B out proj., T=8": llama.d_model // 8}
+    return plots.plot_overlap_ratio(links, marked)
+
+
+def float8_losses():
+    """``bench float8`` as recorded: bf16 from two seeds and both float8 recipes, step by step."""
+    return plots.plot_loss_curves(json.loads(RECORDED_FLOAT8.read_text())["curves"])
+
+
+def compile_cost():
+    """``bench compile`` as recorded: compile seconds beside the step eager and compiled."""
+    return plots.plot_compile_cost(json.loads(RECORDED_COMPILE.read_text()))
 
 
 def rooflines_figure():
@@ -377,6 +404,9 @@ FIGURES: dict[str, Callable] = {
     "expert_load": expert_load,
     "layout_memory": layout_memory,
     "prediction_check": prediction_check,
+    "overlap_ratio": overlap_ratio,
+    "float8_losses": float8_losses,
+    "compile_cost": compile_cost,
 }
 
 

@@ -20,6 +20,7 @@ from matplotlib.patches import Patch
 from .. import checks
 from ..errors import UserError
 from ..observe import anatomy
+from ..parallel.collective_matmul import chunk_compute_to_transfer
 from ..parallel.pipeline import bubble_fraction
 from ..plan import rooflines
 
@@ -744,5 +745,107 @@ def plot_rooflines(model, clusters: list, *, path=None) -> Figure:
         fontsize=10,
     )
     axis.legend(fontsize=7, ncol=2)
+    figure.tight_layout()
+    return save(figure, path)
+
+
+# -- what production stacks do now ------------------------------------------------------------------
+
+
+def plot_overlap_ratio(links: dict[str, tuple[float, float]], marked: dict[str, int], *, path=None) -> Figure:
+    """Collective matmul: how much longer a chunk's matmul takes than its transfer, against the
+    width of a rank's slice (``collective_matmul.chunk_compute_to_transfer``), one line per link.
+    Above 1 the transfer hides under the matmul.
+
+    Args:
+        links: a label -> (the matmul's FLOP/s, the link's bytes/s one way) for each line.
+        marked: a label -> a slice width, marked on every line (a model's matmuls at some degree).
+        path: also save the figure here.
+    """
+    figure = Figure(figsize=(6.4, 3.6))
+    axis = figure.subplots()
+    widths = [2 ** (6 + i / 8) for i in range(8 * 10 + 1)]  # 64 to 65,536 features
+    colours = ("#4c72b0", "#c44e52", "#55a868", "#8172b2")
+    for (label, (flops, link)), colour in zip(links.items(), colours, strict=False):
+        ratio = [
+            chunk_compute_to_transfer(features_per_rank=w, flops_per_s=flops, bytes_per_s=link)
+            for w in widths
+        ]
+        axis.plot(widths, ratio, color=colour, label=label)
+        for width in marked.values():
+            value = chunk_compute_to_transfer(features_per_rank=width, flops_per_s=flops, bytes_per_s=link)
+            axis.plot([width], [value], "o", color=colour)
+    for name, width in marked.items():
+        axis.axvline(width, color="0.6", linewidth=0.8, linestyle=":")
+        axis.annotate(name, (width, 80), rotation=90, fontsize=7, color="0.35", va="top",
+                      textcoords="offset points", xytext=(3, 0))  # fmt: skip
+    axis.axhline(1, color="black", linewidth=1)
+    axis.annotate(
+        "hidden above this line", (widths[0], 1), textcoords="offset points", xytext=(2, 4), fontsize=8
+    )
+    axis.set_xscale("log", base=2)
+    axis.set_yscale("log")
+    axis.set_ylim(0.01, 100)
+    axis.set_xlabel("features of a rank's slice (out / T or in / T)")
+    axis.set_ylabel("chunk's matmul time / its transfer time")
+    axis.set_title("collective matmul, bf16: when a ring step's transfer hides", fontsize=10)
+    axis.legend(fontsize=8, loc="lower right")
+    figure.tight_layout()
+    return save(figure, path)
+
+
+COMPILE_VARIANTS = {
+    "one_process": "one process",
+    "course_tp": "course's TP",
+    "dtensor_tp": "DTensor's TP",
+    "fsdp2": "FSDP2",
+}
+"""``bench compile``'s variants, as the figures name them."""
+
+
+def plot_compile_cost(result: dict, *, path=None) -> Figure:
+    """``bench compile``'s result: what compiling cost (seconds before the first step) beside what
+    it pays (the step eager and compiled), per variant, with the graphs each block became.
+
+    Args:
+        result: the JSON ``python -m course_lib.tools.bench compile`` printed.
+        path: also save the figure here.
+    """
+    figure = Figure(figsize=(8.4, 3.4))
+    cost, steps = figure.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.4]})
+    names = [name for name in COMPILE_VARIANTS if name in result]
+    places = list(range(len(names)))
+    cost.bar(places, [result[name]["first_compiled_step_s"] for name in names], color="#8172b2")
+    cost.set_xticks(places, [COMPILE_VARIANTS[name] for name in names], fontsize=7, rotation=20)
+    cost.set_ylabel("seconds before the first step")
+    cost.set_title("compile time (Inductor's caches off)", fontsize=10)
+    width = 0.38
+    steps.bar([p - width / 2 for p in places], [result[name]["eager_step_ms"] for name in names], width,
+              color="#4c72b0", label="eager")  # fmt: skip
+    steps.bar([p + width / 2 for p in places], [result[name]["compiled_step_ms"] for name in names], width,
+              color="#55a868", label="compiled")  # fmt: skip
+    tallest = 0.0
+    for place, name in zip(places, names, strict=True):
+        top = max(result[name]["eager_step_ms"], result[name]["compiled_step_ms"])
+        tallest = max(tallest, top)
+        ratio = result[name]["compiled_over_eager"]
+        steps.annotate(f"{ratio:.2f}x", (place, top), textcoords="offset points", xytext=(0, 3), ha="center",
+                       fontsize=8)  # fmt: skip
+    steps.set_ylim(0, tallest * 1.35)
+    graphs = [result[name]["graphs_per_block"] for name in names]
+    labels = [
+        f"{COMPILE_VARIANTS[name]}\n{n} graph{'s' if n > 1 else ''}"
+        for name, n in zip(names, graphs, strict=True)
+    ]
+    steps.set_xticks(places, labels, fontsize=7)
+    steps.set_ylabel("ms per step (forward + backward)")
+    steps.set_title("a step, timed in turns: compiled / eager (graphs a block)", fontsize=10)
+    steps.legend(fontsize=8, loc="upper left", ncol=2)
+    shape = result["shape"]
+    figure.suptitle(
+        f"{shape['layers']} blocks, width {shape['d_model']}, {shape['seq']} tokens x {shape['batch']}, "
+        f"{result['compiler']} on {result['world_size']} CPU processes",
+        fontsize=10,
+    )
     figure.tight_layout()
     return save(figure, path)

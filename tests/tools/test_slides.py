@@ -36,6 +36,7 @@ LECTURES = [
     "lab",
     "sequence-context-experts",
     "choosing-a-layout",
+    "overlap-float8-compile",
 ]
 
 

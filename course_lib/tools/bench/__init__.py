@@ -14,11 +14,15 @@ Each benchmark is a module of its own, whose docstring says what it compares:
 ``pipeline``            ``pipeline.py``: every schedule's step, bubble and activations, against theory
 ``tp``                  ``tensor.py``: tensor-parallel MLP and attention against DTensor
 ``sp``, ``cp``, ``ep``  ``sequence.py``: sequence, context and expert parallelism
+``recompute``           ``recompute.py``: memory saved and time paid by each recomputation policy
+``compile``             ``compiled.py``: compiled blocks against eager, under each parallelism
+``float8``              ``float8.py``: float8 training against bf16 and the noise between two bf16 seeds
 ``allreduce``           ``allreduce.py``: the network itself, as ``nccl-tests`` measures it
 ======================  ===================================================================================
 
-Every benchmark but ``allreduce`` also reports the step anatomy (``course_lib.observe.anatomy``) of each
-variant it times, under the variant's name, and writes their traces with ``--profile DIR``.
+Every benchmark but ``allreduce``, ``compile`` and ``float8`` also reports the step anatomy
+(``course_lib.observe.anatomy``) of each variant it times, under the variant's name, and writes
+their traces with ``--profile DIR``.
 
 What the benchmarks share is in ``common``, the command in ``cli``. The names below are the ones
 the tests, notebooks and slides use.
@@ -33,7 +37,9 @@ from .allreduce import (
 )
 from .cli import available_memory_bytes, main, memory_needed
 from .common import MLP_BATCH, MLP_LAYERS, MLP_WIDTH, TIMED_STEPS, WARMUP_STEPS, mlp, training_step
+from .compiled import compile_benchmark
 from .ddp import DDP_BUCKET_MB, ddp_benchmark
+from .float8 import float8_training_benchmark
 from .fsdp import fsdp_benchmark
 from .memory_states import measure_sharding, memory_benchmark
 from .pipeline import (
@@ -69,10 +75,12 @@ __all__ = [
     "allreduce_benchmark",
     "allreduce_sizes",
     "available_memory_bytes",
+    "compile_benchmark",
     "cp_benchmark",
     "ddp_benchmark",
     "dtensor_sequence_parallel_plan",
     "ep_benchmark",
+    "float8_training_benchmark",
     "fsdp_benchmark",
     "main",
     "measure_sharding",

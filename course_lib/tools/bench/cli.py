@@ -27,6 +27,7 @@ from .allreduce import (
 from .common import MLP_BATCH, MLP_LAYERS, MLP_WIDTH, TIMED_STEPS, WARMUP_STEPS
 from .compiled import compile_benchmark
 from .ddp import DDP_BUCKET_MB, ddp_benchmark
+from .float8 import LAST_STEPS, float8_training_benchmark
 from .fsdp import fsdp_benchmark
 from .memory_states import memory_benchmark
 from .pipeline import (
@@ -116,6 +117,11 @@ def _add_benchmarks(sub) -> dict[str, argparse.ArgumentParser]:
         help="compiled blocks against eager: compile time, step time, graph breaks, under each parallelism",
         formatter_class=formatter,
     )
+    low_precision = sub.add_parser(
+        "float8",
+        help="a transformer trained in bf16 from two seeds and with each float8 recipe: losses and noise",
+        formatter_class=formatter,
+    )
     reduce = sub.add_parser(
         "allreduce",
         help="all-reduce time, algorithm and bus bandwidth per message size, and the alpha-beta fit",
@@ -133,12 +139,26 @@ def _add_benchmarks(sub) -> dict[str, argparse.ArgumentParser]:
         experts=experts,
         recomputation=recomputation,
         compiling=compiling,
+        low_precision=low_precision,
         reduce=reduce,
     )
 
 
 def _add_options(
-    *, ddp, fsdp, mem, pipe, tensor, sequence, context, attention, experts, recomputation, compiling, reduce
+    *,
+    ddp,
+    fsdp,
+    mem,
+    pipe,
+    tensor,
+    sequence,
+    context,
+    attention,
+    experts,
+    recomputation,
+    compiling,
+    low_precision,
+    reduce,
 ) -> None:
     """Each benchmark's sizes and counts, with their defaults."""
     for command in (
@@ -163,6 +183,27 @@ def _add_options(
     _add_data_parallel_options(ddp=ddp, fsdp=fsdp, mem=mem)
     _add_model_parallel_options(pipe, tensor, sequence, context, attention, experts, recomputation)
     _add_compile_options(compiling)
+    _add_float8_options(low_precision)
+
+
+def _add_float8_options(low_precision) -> None:
+    """The four runs' length, model and batch (one process, one thread)."""
+    positive = checks.int_at_least(1)
+    low_precision.add_argument(
+        "--steps",
+        type=checks.int_at_least(LAST_STEPS),
+        default=60,
+        help=f"optimizer steps per run (the final loss is the mean of the last {LAST_STEPS})",
+    )
+    low_precision.add_argument(
+        "--d-model", type=positive, default=64, help="a multiple of 16 (float8's tile)"
+    )
+    low_precision.add_argument("--seq", type=positive, default=32)
+    low_precision.add_argument("--batch", type=positive, default=16)
+    low_precision.add_argument("--lr", type=checks.number_above(0), default=3e-3)
+    low_precision.add_argument(
+        "--output", type=checks.json_to_write, default=None, help="also write the JSON here"
+    )
 
 
 def _add_compile_options(compiling) -> None:
@@ -357,6 +398,11 @@ def _check_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
             parser.error(
                 f"argument --d-model: must be a multiple of --heads {args.heads}, got {args.d_model}"
             )
+    if args.benchmark == "float8" and args.d_model % 16:
+        parser.error(
+            f"argument --d-model: must be a multiple of 16 (the scaled matmul's tile, so that every "
+            f"block's layers convert to float8), got {args.d_model}"
+        )
     if args.benchmark == "recompute" and args.d_model % 4:
         parser.error(f"argument --d-model: must be a multiple of the 4 heads, got {args.d_model}")
     if args.benchmark == "allreduce":
@@ -406,6 +452,12 @@ def memory_needed(args: argparse.Namespace) -> tuple[float, int]:
         )
         processes = max(args.stages) if args.benchmark == "pipeline" else args.world_size
         return PROCESS_BASE_BYTES + per_process, processes
+    if args.benchmark == "float8":  # one small transformer at a time, with AdamW and its activations
+        params = 2 * 12 * args.d_model**2 + 200 * args.d_model
+        activations = (
+            2 * word * 20 * args.batch * args.seq * args.d_model + word * args.batch * 4 * args.seq**2
+        )
+        return PROCESS_BASE_BYTES + 4 * word * params + activations, 1
     if args.benchmark == "compile":  # two copies of the stack per variant, a step's activations each
         params = args.layers * 12 * args.d_model**2
         activations = 2 * word * args.layers * 20 * args.batch * args.seq * args.d_model
@@ -504,6 +556,9 @@ def _run_benchmark(args: argparse.Namespace) -> int:
         compiled.check_compiler(args.compiler)  # refused here, before any process starts
         options = given("d_model", "heads", "seq", "batch", "layers", *timing, "compiler")
         result = _on_local_processes("compile", args.world_size, compile_benchmark, options)
+    elif args.benchmark == "float8":
+        options = given("steps", "d_model", "seq", "batch", "lr")
+        result = _on_local_processes("float8", 1, float8_training_benchmark, options)
     elif args.benchmark == "recompute":
         result = on(args.world_size, recompute_benchmark, given("d_model", "layers", "seq", "batch", *timing))
     elif args.benchmark == "memory":

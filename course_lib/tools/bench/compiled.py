@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import time
+import warnings
 
 import torch
 from torch import nn
@@ -94,7 +95,8 @@ def compile_benchmark(
     compiled.check_compiler(compiler)
     # Inductor keeps generated code on disk and reuses it; without its caches every variant's first
     # step pays the whole compile, as on a fresh machine (with them, fsdp2 reuses one_process's graphs)
-    with torch._inductor.config.patch(force_disable_caches=True):
+    with torch._inductor.config.patch(force_disable_caches=True), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="dynamo_pgo force disabled")  # what we asked for
         return _benchmark_variants(
             d_model=d_model, heads=heads, seq=seq, batch=batch, layers=layers, steps=steps, warmup=warmup,
             compiler=compiler,

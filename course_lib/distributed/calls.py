@@ -156,7 +156,7 @@ def issue(
         calls_on[group] = sequence + 1
     size = runtime.world_size(group=group)
     sent = ring_bytes(op, tensor_bytes, size) if sent_bytes is None else sent_bytes
-    record = CommRecord(op, tensor_bytes, sent, size, sequence=sequence, issued_s=time.time())
+    record = CommRecord(op, tensor_bytes, sent, size, sequence=sequence, issued_s=time.time(), peer=peer)
     if active_logs or hooks.collective_hooks:
         record.group_ranks = (
             tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(size))

@@ -56,6 +56,7 @@ class CommRecord:
     group_ranks: tuple[int, ...] = ()  # the global ranks of the group
     sequence: int = 0  # this collective's number on its group, from 0, the same on every rank (-1: p2p)
     issued_s: float = 0.0  # when this rank called it (time.time(): one clock for the ranks of a machine)
+    peer: int | None = None  # a send's or receive's other rank (global), None for a collective
 
 
 # #region bytes-per-rank

@@ -1,0 +1,75 @@
+"""Hierarchical and tree all-reduce: equal to all_reduce at 4 and 6 ranks laid out as 2 or 3 nodes,
+and the bytes each rank sends inside a node and across nodes equal to the formulas."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from course_lib.distributed import comm, hierarchical, runtime
+from course_lib.distributed.launch import launch
+from course_lib.distributed.ledger import CommLog
+from course_lib.distributed.ring import ring_all_reduce
+from course_lib.errors import UserError
+
+UNEVEN, EVEN = 61, 60  # elements: 61 divides by no world size; 60 by every one, for the byte formulas
+
+
+def _three_ways(gpus_per_node: int) -> dict:
+    groups = hierarchical.node_groups(gpus_per_node=gpus_per_node)
+    algorithms = {
+        "hierarchical": lambda t: hierarchical.hierarchical_all_reduce(t, groups=groups),
+        "tree": hierarchical.tree_all_reduce,
+        "flat ring": ring_all_reduce,
+    }
+    result = {}
+    for numel in (UNEVEN, EVEN):
+        mine = torch.randn(numel, generator=torch.Generator().manual_seed(runtime.rank()))
+        expected = mine.clone()
+        comm.all_reduce(expected)
+        for name, algorithm in algorithms.items():
+            summed = mine.clone()
+            with CommLog() as log:
+                algorithm(summed)
+            result[name, numel] = {
+                "difference": (summed - expected).abs().max().item(),
+                "sent": hierarchical.bytes_by_link_class(log, gpus_per_node=gpus_per_node),
+            }
+    return result
+
+
+@pytest.mark.parametrize("world, gpus_per_node", [(4, 2), (6, 3), (6, 2)])
+def test_the_hierarchy_and_the_tree_sum_as_all_reduce_and_send_what_the_formulas_say(world, gpus_per_node):
+    nodes = world // gpus_per_node
+    results = launch(_three_ways, world, gpus_per_node)
+    for rank, result in enumerate(results):
+        for (name, numel), row in result.items():
+            assert row["difference"] < 1e-5, (name, numel, rank)  # another order of the same sums
+        element = 4
+        assert result["hierarchical", EVEN]["sent"] == pytest.approx(
+            hierarchical.hierarchical_bytes(EVEN * element, gpus_per_node=gpus_per_node, nodes=nodes)
+        )
+        assert result["flat ring", EVEN]["sent"] == pytest.approx(
+            hierarchical.flat_ring_bytes(
+                EVEN * element, rank=rank, gpus_per_node=gpus_per_node, world_size=world
+            )
+        )
+        halves = tuple(len(half) * element for half in torch.tensor_split(torch.empty(UNEVEN), 2))
+        assert result["tree", UNEVEN]["sent"] == pytest.approx(
+            hierarchical.tree_bytes(halves, rank=rank, gpus_per_node=gpus_per_node, world_size=world)
+        )
+    # the most any one NIC carries: the flat ring's boundary rank against the hierarchy's, G times or more
+    busiest = {
+        name: max(result[name, EVEN]["sent"]["across nodes"] for result in results)
+        for name in ("flat ring", "hierarchical")
+    }
+    assert busiest["flat ring"] >= gpus_per_node * busiest["hierarchical"] > 0
+
+
+def test_a_node_size_that_does_not_divide_the_world_is_refused_in_one_line():
+    with pytest.raises(
+        UserError, match="6 ranks do not make whole nodes of 4: choose a node size that divides 6"
+    ):
+        hierarchical.check_node_size(6, 4)
+    with pytest.raises(UserError, match="gpus_per_node must be a whole number"):
+        hierarchical.check_node_size(6, 0)

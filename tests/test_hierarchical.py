@@ -73,3 +73,28 @@ def test_a_node_size_that_does_not_divide_the_world_is_refused_in_one_line():
         hierarchical.check_node_size(6, 4)
     with pytest.raises(UserError, match="gpus_per_node must be a whole number"):
         hierarchical.check_node_size(6, 0)
+
+
+def test_the_network_model_prices_the_three_as_their_steps_and_bytes_say():
+    from course_lib.plan import network_model as nm
+    from course_lib.plan.specs import CLUSTERS
+
+    alps = CLUSTERS["alps"]
+    g, k, inside, across = alps.gpus_per_node, 16, alps.inside_node, alps.between_nodes
+    big, small = 1e10, 1e3
+    ring = nm.flat_ring_seconds(big, world=g * k, across=across)
+    hierarchy = nm.hierarchical_seconds(big, gpus_per_node=g, nodes=k, inside=inside, across=across)
+    # large: bandwidth-bound; across nodes the hierarchy moves 1/G of the bytes a NIC, plus its NVLink part
+    n = g * k
+    assert ring == pytest.approx(2 * (n - 1) * across.latency_s + 2 * (n - 1) / n * big / across.bandwidth)
+    in_node = 2 * (g - 1) * inside.latency_s + 2 * (g - 1) / g * big / inside.bandwidth
+    cross = 2 * (k - 1) * across.latency_s + 2 * (k - 1) / k * big / g / across.bandwidth
+    assert hierarchy == pytest.approx(in_node + cross)
+    # small: latency-bound; 2(N-1) ring steps against the tree's 8 log2 N messages
+    assert nm.tree_seconds(small, world=g * k, across=across) < nm.flat_ring_seconds(
+        small, world=g * k, across=across
+    )
+    assert nm.tree_seconds(big, world=g * k, across=across) > ring
+    assert nm.hierarchical_seconds(
+        big, gpus_per_node=g, nodes=1, inside=inside, across=across
+    ) == pytest.approx(in_node, rel=1e-3)  # one node: nothing crosses

@@ -75,6 +75,60 @@ def all_reduce_seconds(
     return (tree, "tree") if tree < ring else (ring, "ring")
 
 
+# The three all-reduces of ``distributed.hierarchical`` across K nodes of G GPUs, priced per link
+# class with the same alpha-beta collectives. ``link_of`` already gives a group with g members on a
+# node g NICs: that is the hierarchy's bandwidth, which NCCL reaches with a ring (channel) per NIC.
+
+
+def flat_ring_seconds(message_bytes: float, *, world: int, across: Link) -> float:
+    """One ring over all N ranks: 2(N-1) steps, each as slow as the node boundary it may cross,
+    whose one NIC carries the ring's whole 2(N-1)/N of the message.
+
+    Args:
+        message_bytes: S.
+        world: N, the ranks.
+        across: one NIC between two nodes.
+    """
+    return collective_seconds("all_reduce", message_bytes, world, across)
+
+
+def hierarchical_seconds(
+    message_bytes: float, *, gpus_per_node: int, nodes: int, inside: Link, across: Link
+) -> float:
+    """Reduce-scatter inside the node, all-reduce of S/G across the nodes (G rings at once, a NIC
+    each), all-gather inside the node.
+
+    Args:
+        message_bytes: S.
+        gpus_per_node: G.
+        nodes: K.
+        inside: the link inside a node.
+        across: one NIC between two nodes.
+    """
+    g = gpus_per_node
+    in_node = collective_seconds("reduce_scatter", message_bytes, g, inside) + collective_seconds(
+        "all_gather", message_bytes, g, inside
+    )
+    return in_node + collective_seconds("all_reduce", message_bytes / g, nodes, across)
+
+
+def tree_seconds(message_bytes: float, *, world: int, across: Link) -> float:
+    """The double binary tree as ``hierarchical.tree_all_reduce`` builds it (unpipelined, the two
+    trees one after the other): per tree, floor(log2 N) levels up and down, a parent taking its two
+    children's halves one after the other, every level at the slowest link's pace.
+
+    Args:
+        message_bytes: S.
+        world: N.
+        across: the slowest link a level may cross.
+    """
+    if world <= 1:
+        return 0.0
+    levels = math.floor(math.log2(world))
+    per_message = across.latency_s + message_bytes / 2 / across.bandwidth
+    return 2 * 2 * levels * 2 * per_message  # two trees, up and down, two children a level
+
+
 def _members_per_node(axis: str | tuple[str, ...], layout: Layout, cluster: ClusterSpec) -> tuple[int, int]:
     """(the size of one group of the axis, its members on each node): all of them where the group
     and the axes inside it fit one node."""

@@ -367,6 +367,11 @@ def overlap_ratio():
     return plots.plot_overlap_ratio(links, marked)
 
 
+def allreduce_algorithms():
+    """A flat ring, the hierarchy and the tree across 16 nodes of Alps and of an 8-H100 cluster."""
+    return plots.plot_allreduce_algorithms([specs.CLUSTERS["alps"], specs.CLUSTERS["h100-node"]], nodes=16)
+
+
 def float8_losses():
     """``bench float8`` as recorded: bf16 from two seeds and both float8 recipes, step by step."""
     return plots.plot_loss_curves(json.loads(RECORDED_FLOAT8.read_text())["curves"])
@@ -404,6 +409,7 @@ FIGURES: dict[str, Callable] = {
     "expert_load": expert_load,
     "layout_memory": layout_memory,
     "prediction_check": prediction_check,
+    "allreduce_algorithms": allreduce_algorithms,
     "overlap_ratio": overlap_ratio,
     "float8_losses": float8_losses,
     "compile_cost": compile_cost,

@@ -849,3 +849,45 @@ def plot_compile_cost(result: dict, *, path=None) -> Figure:
     )
     figure.tight_layout()
     return save(figure, path)
+
+
+def plot_allreduce_algorithms(clusters: list, *, nodes: int, path=None) -> Figure:
+    """A flat ring, the hierarchy and the double binary tree across ``nodes`` nodes of each cluster:
+    the all-reduce's time against the message's size (``network_model``'s prices per link class).
+
+    Args:
+        clusters: the clusters (``specs.CLUSTERS``), one panel each.
+        nodes: K, the nodes the all-reduce spans.
+        path: also save the figure here.
+    """
+    from ..plan import network_model
+
+    figure = Figure(figsize=(8.4, 3.4))
+    axes = figure.subplots(1, len(clusters), sharey=True, squeeze=False)[0]
+    sizes = [10 ** (3 + i / 8) for i in range(8 * 7 + 1)]  # 1 kB to 10 GB
+    for axis, cluster in zip(axes, clusters, strict=True):
+        g, inside, across = cluster.gpus_per_node, cluster.inside_node, cluster.between_nodes
+        world = g * nodes
+        lines = {
+            "flat ring (one NIC a node)": [
+                network_model.flat_ring_seconds(s, world=world, across=across) for s in sizes
+            ],
+            "hierarchical (every NIC)": [
+                network_model.hierarchical_seconds(
+                    s, gpus_per_node=g, nodes=nodes, inside=inside, across=across
+                )
+                for s in sizes
+            ],
+            "double binary tree": [network_model.tree_seconds(s, world=world, across=across) for s in sizes],
+        }
+        for (label, seconds), style in zip(lines.items(), ("-", "-", "--"), strict=True):
+            axis.plot(sizes, [1e3 * t for t in seconds], style, label=label)
+        axis.set_xscale("log")
+        axis.set_yscale("log")
+        axis.set_xlabel("message (bytes)")
+        axis.set_title(f"{cluster.name}: {nodes} nodes of {g} GPUs ({world})", fontsize=10)
+        axis.grid(alpha=0.3)
+    axes[0].set_ylabel("all-reduce time (ms)")
+    axes[0].legend(fontsize=8)
+    figure.tight_layout()
+    return save(figure, path)

@@ -73,6 +73,19 @@ TRAIN_MISTAKES = [
         "--checkpoint-every must be a whole number, 0 or more, got -3",
     ),
     (
+        ["--checkpoint-every", "auto", "--checkpoint-dir", "{tmp}/ck"],
+        "--checkpoint-every auto needs --mtbf-hours (the job's mean time between failures",
+    ),
+    (
+        ["--checkpoint-every", "auto", "--mtbf-hours", "0", "--checkpoint-dir", "{tmp}/ck"],
+        "--mtbf-hours must be a finite number above 0, got 0.0",
+    ),
+    (
+        ["--checkpoint-every", "soon"],
+        "argument --checkpoint-every: a whole number of steps or auto, got 'soon'",
+    ),
+    (["--mtbf-hours", "5"], "--mtbf-hours is used by --checkpoint-every auto only"),
+    (
         [*HYBRID, "--hybrid-shard-size", "0"],
         "--hybrid-shard-size must be a whole number, from 1 to 1, got 0",
     ),

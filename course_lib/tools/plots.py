@@ -22,7 +22,7 @@ from ..errors import UserError
 from ..observe import anatomy
 from ..parallel.collective_matmul import chunk_compute_to_transfer
 from ..parallel.pipeline import bubble_fraction
-from ..plan import rooflines
+from ..plan import network_model, rooflines
 
 PNG_DPI = 120
 
@@ -860,8 +860,6 @@ def plot_allreduce_algorithms(clusters: list, *, nodes: int, path=None) -> Figur
         nodes: K, the nodes the all-reduce spans.
         path: also save the figure here.
     """
-    from ..plan import network_model
-
     figure = Figure(figsize=(8.4, 3.4))
     axes = figure.subplots(1, len(clusters), sharey=True, squeeze=False)[0]
     sizes = [10 ** (3 + i / 8) for i in range(8 * 7 + 1)]  # 1 kB to 10 GB

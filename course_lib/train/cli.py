@@ -88,6 +88,7 @@ FLAG_GROUPS = {
     "checkpoints and metrics": (
         "checkpoint_dir",
         "checkpoint_every",
+        "mtbf_hours",
         "resume",
         "metrics",
         "profile",
@@ -99,8 +100,26 @@ FLAG_GROUPS = {
 }
 """Where each of ``TrainConfig``'s fields shows in ``--help``; every field has its flag."""
 
-METAVARS = {"check_replicas": "N", "checkpoint_every": "N", "straggler_report": "FILE", "metrics": "FILE"}
-TYPES = {"int": int, "int | None": int, "float": float, "float | None": float}
+METAVARS = {
+    "check_replicas": "N",
+    "checkpoint_every": "N|auto",
+    "mtbf_hours": "HOURS",
+    "straggler_report": "FILE",
+    "metrics": "FILE",
+}
+
+
+def _steps_or_auto(text: str) -> int | str:
+    """argparse type of ``--checkpoint-every``: a whole number of steps, or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a whole number of steps or auto, got {text!r}") from None
+
+
+TYPES = {"int": int, "int | None": int, "float": float, "float | None": float, "int | str": _steps_or_auto}
 
 
 def field_docs(cls: type) -> dict[str, str]:

@@ -59,7 +59,11 @@ class TrainConfig:
         grad_accum: micro-batches each rank accumulates before a step.
         eval_batch_size: samples per forward when validating.
         checkpoint_dir: where checkpoints are written (None: none are).
-        checkpoint_every: also save every N steps (0: only at the end of each epoch).
+        checkpoint_every: also save every N steps (0: only at the end of each epoch), or ``auto``:
+            at Daly's interval (``checkpoint_interval``), from a first save after
+            ``AUTO_FIRST_SAVE_STEP`` steps that measures what a save and a step cost, and ``mtbf_hours``.
+        mtbf_hours: the job's mean time between failures in hours, for ``--checkpoint-every auto``
+            (one GPU's, about 50,700 hours on Llama 3's run, over the job's GPUs).
         resume: ``"latest"`` (the newest in ``checkpoint_dir``) or a checkpoint folder.
         metrics: a JSON-lines file that gets one line per epoch.
         max_steps: stop after this many optimizer steps in total (None: run every epoch).
@@ -95,7 +99,8 @@ class TrainConfig:
     grad_accum: int = 1
     eval_batch_size: int = 256
     checkpoint_dir: str | None = None
-    checkpoint_every: int = 0
+    checkpoint_every: int | str = 0
+    mtbf_hours: float | None = None
     resume: str | None = None
     metrics: str | None = None
     max_steps: int | None = None
@@ -136,6 +141,31 @@ def resolve_resume_path(config: TrainConfig) -> Path | None:
     return Path(config.resume)
 
 
+AUTO_FIRST_SAVE_STEP = 3
+"""With ``--checkpoint-every auto``, the step after which a first save measures what saving costs."""
+
+
+def _check_checkpoint_interval(config: TrainConfig) -> None:
+    """``--checkpoint-every`` is N >= 0, or ``auto`` with ``--mtbf-hours`` above 0 (and only then)."""
+    if config.checkpoint_every == "auto":
+        if config.mtbf_hours is None:
+            raise UserError(
+                "--checkpoint-every auto needs --mtbf-hours (the job's mean time between failures, e.g. "
+                "50700 / the job's GPUs at Llama 3's failure rate)"
+            )
+        checks.check_number("--mtbf-hours", config.mtbf_hours, above=0)
+        return
+    if isinstance(config.checkpoint_every, str):
+        raise UserError(
+            f"--checkpoint-every must be a whole number of steps or auto, got {config.checkpoint_every!r}"
+        )
+    checks.check_int("--checkpoint-every", config.checkpoint_every, minimum=0)
+    if config.mtbf_hours is not None:
+        raise UserError(
+            "--mtbf-hours is used by --checkpoint-every auto only: add it, or leave --mtbf-hours out"
+        )
+
+
 def validate_config(config: TrainConfig, world_size: int, ranks_per_node: int | None = None) -> None:
     """Every check that needs no other process: run it on every rank before they meet.
 
@@ -170,7 +200,7 @@ def validate_config(config: TrainConfig, world_size: int, ranks_per_node: int | 
     if config.max_steps is not None:
         checks.check_int("--max-steps", config.max_steps, minimum=1)
     checks.check_int("--workers", config.workers, minimum=0, maximum=MAX_LOADER_WORKERS)
-    checks.check_int("--checkpoint-every", config.checkpoint_every, minimum=0)
+    _check_checkpoint_interval(config)
     if config.hybrid_shard_size is not None:
         checks.check_int("--hybrid-shard-size", config.hybrid_shard_size, minimum=1, maximum=world_size)
     strategies.check_strategy(config.strategy, config.impl, world_size)

@@ -35,8 +35,15 @@ from ..errors import Diverged
 from ..observe import anatomy, faults, flight_recorder, profiling, replicas, stragglers
 from ..parallel import recompute
 from ..plan import flops
-from . import checkpoint, strategies
-from .config import TrainConfig, autocast, resolve_resume_path, steps_per_epoch, validate_config
+from . import checkpoint, checkpoint_interval, strategies
+from .config import (
+    AUTO_FIRST_SAVE_STEP,
+    TrainConfig,
+    autocast,
+    resolve_resume_path,
+    steps_per_epoch,
+    validate_config,
+)
 from .metrics import (
     EMPTY_EPOCH_SUMS,
     append_metrics,
@@ -98,6 +105,8 @@ class Trainer:
         self.process = runtime.process_info()
         validate_config(config, self.process.world_size, self.process.local_world_size)
         self._stragglers = stragglers.StragglerMeter() if config.straggler_report else None
+        self._auto_every: int | None = None  # --checkpoint-every auto: steps between saves, once measured
+        self._auto_from = 0  # the step of the save that measured it
         self.micro_batch = data.per_rank_batch_size(
             config.global_batch_size, self.process.world_size, grad_accum_steps=config.grad_accum
         )
@@ -307,6 +316,33 @@ class Trainer:
         if self.config.checkpoint_dir:
             checkpoint.save(self.config.checkpoint_dir, self.model, self.optimizer, self.position)
 
+    def _checkpoint_due(self, global_step: int, sums: dict) -> bool:
+        """Whether to save after this step: every N steps, or (``auto``) once to measure, then at
+        Daly's interval. A measuring save is made here, and answers False."""
+        every = self.config.checkpoint_every
+        if every != "auto":
+            return bool(every) and global_step % every == 0
+        if self._auto_every is None:
+            if sums["steps"] < AUTO_FIRST_SAVE_STEP:
+                return False
+            started = time.perf_counter()
+            self._save()
+            # every rank must agree: the slowest rank's save and step set the interval
+            save_s = reduce_max(time.perf_counter() - started, self.process.device)
+            step_s = reduce_max(sums["seconds"] / sums["steps"], self.process.device)
+            self._auto_every = checkpoint_interval.steps_between_saves(save_s, self.config.mtbf_hours, step_s)
+            self._auto_from = global_step
+            if self.process.is_main:
+                interval = checkpoint_interval.daly_interval_s(save_s, 3600 * self.config.mtbf_hours)
+                mtbf = self.config.mtbf_hours
+                tqdm.write(
+                    f"checkpoint interval: every {self._auto_every} steps (Daly: {interval:.3g} s for a save "
+                    f"of {save_s:.3g} s and an MTBF of {mtbf:g} h, at {step_s:.3g} s a step)",
+                    file=sys.stdout,
+                )
+            return False
+        return (global_step - self._auto_from) % self._auto_every == 0
+
     def _stop_for_requeue(self) -> None:
         """A stop signal arrived: checkpoint this step (if there is somewhere to) and leave."""
         if self.config.checkpoint_dir:
@@ -376,11 +412,7 @@ class Trainer:
             position.step_in_epoch, position.global_step = step + 1, position.global_step + 1
             bar.update(1)
             bar.set_postfix(loss=f"{step_loss / step_samples:.4f}", refresh=False)
-            if (
-                config.checkpoint_every
-                and position.global_step % config.checkpoint_every == 0
-                and step + 1 < last_step
-            ):
+            if step + 1 < last_step and self._checkpoint_due(position.global_step, sums):
                 self._save()
             if stop:
                 bar.close()

@@ -88,6 +88,7 @@ FLAG_GROUPS = {
     "checkpoints and metrics": (
         "checkpoint_dir",
         "checkpoint_every",
+        "checkpoint_mode",
         "mtbf_hours",
         "resume",
         "metrics",

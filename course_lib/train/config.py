@@ -62,6 +62,8 @@ class TrainConfig:
         checkpoint_every: also save every N steps (0: only at the end of each epoch), or ``auto``:
             at Daly's interval (``checkpoint_interval``), from a first save after
             ``AUTO_FIRST_SAVE_STEP`` steps that measures what a save and a step cost, and ``mtbf_hours``.
+        checkpoint_mode: ``blocking`` (training waits while a checkpoint is written) or ``async``
+            (the state is copied to host memory and written in the background, ``checkpoint.AsyncSaves``).
         mtbf_hours: the job's mean time between failures in hours, for ``--checkpoint-every auto``
             (one GPU's, about 50,700 hours on Llama 3's run, over the job's GPUs).
         resume: ``"latest"`` (the newest in ``checkpoint_dir``) or a checkpoint folder.
@@ -101,6 +103,7 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int | str = 0
     mtbf_hours: float | None = None
+    checkpoint_mode: str = "blocking"
     resume: str | None = None
     metrics: str | None = None
     max_steps: int | None = None
@@ -115,6 +118,9 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
+CHECKPOINT_MODES = ("blocking", "async")
+"""How a checkpoint is written: the training waiting, or in the background (``checkpoint.AsyncSaves``)."""
+
 CHOICES = {
     "strategy": strategies.STRATEGIES,
     "impl": strategies.IMPLEMENTATIONS,
@@ -125,6 +131,7 @@ CHOICES = {
     "model": models.MODELS,
     "optimizer": OPTIMIZERS,
     "precision": PRECISIONS,
+    "checkpoint_mode": CHECKPOINT_MODES,
 }
 """The fields that take one of a few values, and those values, each defined by the module that owns
 it; the command line offers exactly these (``cli.build_parser``)."""

@@ -106,6 +106,8 @@ class Trainer:
         validate_config(config, self.process.world_size, self.process.local_world_size)
         self._stragglers = stragglers.StragglerMeter() if config.straggler_report else None
         self._auto_every: int | None = None  # --checkpoint-every auto: steps between saves, once measured
+        asynchronous = config.checkpoint_mode == "async" and config.checkpoint_dir
+        self._async_saves = checkpoint.AsyncSaves() if asynchronous else None
         self._auto_from = 0  # the step of the save that measured it
         self.micro_batch = data.per_rank_batch_size(
             config.global_batch_size, self.process.world_size, grad_accum_steps=config.grad_accum
@@ -313,8 +315,17 @@ class Trainer:
         )
 
     def _save(self) -> None:
-        if self.config.checkpoint_dir:
+        if not self.config.checkpoint_dir:
+            return
+        if self._async_saves is not None:  # copied now, written while the next steps run
+            self._async_saves.start(self.config.checkpoint_dir, self.model, self.optimizer, self.position)
+        else:
             checkpoint.save(self.config.checkpoint_dir, self.model, self.optimizer, self.position)
+
+    def _finish_saves(self) -> None:
+        """Wait for a checkpoint still being written in the background, and put it in place."""
+        if self._async_saves is not None:
+            self._async_saves.finish()
 
     def _checkpoint_due(self, global_step: int, sums: dict) -> bool:
         """Whether to save after this step: every N steps, or (``auto``) once to measure, then at
@@ -347,6 +358,7 @@ class Trainer:
         """A stop signal arrived: checkpoint this step (if there is somewhere to) and leave."""
         if self.config.checkpoint_dir:
             self._save()
+            self._finish_saves()  # whole on disk before this process exits
             where = (
                 f"checkpoint written to {self.config.checkpoint_dir}; rerun with --resume latest to continue"
             )
@@ -414,6 +426,8 @@ class Trainer:
             bar.set_postfix(loss=f"{step_loss / step_samples:.4f}", refresh=False)
             if step + 1 < last_step and self._checkpoint_due(position.global_step, sums):
                 self._save()
+            elif self._async_saves is not None:
+                self._async_saves.poll()  # rank 0: a finished background write, renamed into place
             if stop:
                 bar.close()
                 self._stop_for_requeue()
@@ -468,6 +482,7 @@ class Trainer:
             self._save()
             if self._steps_left() <= 0:
                 break
+        self._finish_saves()
         self._finish_profile()  # a run shorter than the steps asked for: what was recorded
         if self._stragglers is not None and self.process.is_main:
             report = config.straggler_report

@@ -15,12 +15,13 @@ Each benchmark is a module of its own, whose docstring says what it compares:
 ``tp``                  ``tensor.py``: tensor-parallel MLP and attention against DTensor
 ``sp``, ``cp``, ``ep``  ``sequence.py``: sequence, context and expert parallelism
 ``recompute``           ``recompute.py``: memory saved and time paid by each recomputation policy
+``checkpoint``          ``checkpointing.py``: a blocking save against an asynchronous one
 ``compile``             ``compiled.py``: compiled blocks against eager, under each parallelism
 ``float8``              ``float8.py``: float8 training against bf16 and the noise between two bf16 seeds
 ``allreduce``           ``allreduce.py``: the network itself, as ``nccl-tests`` measures it
 ======================  ===================================================================================
 
-Every benchmark but ``allreduce``, ``compile`` and ``float8`` also reports the step anatomy
+Every benchmark but ``allreduce``, ``checkpoint``, ``compile`` and ``float8`` reports the step anatomy
 (``course_lib.observe.anatomy``) of each variant it times, under the variant's name, and writes
 their traces with ``--profile DIR``.
 
@@ -35,6 +36,7 @@ from .allreduce import (
     allreduce_sizes,
     network_verdict,
 )
+from .checkpointing import checkpoint_benchmark
 from .cli import available_memory_bytes, main, memory_needed
 from .common import MLP_BATCH, MLP_LAYERS, MLP_WIDTH, TIMED_STEPS, WARMUP_STEPS, mlp, training_step
 from .compiled import compile_benchmark
@@ -75,6 +77,7 @@ __all__ = [
     "allreduce_benchmark",
     "allreduce_sizes",
     "available_memory_bytes",
+    "checkpoint_benchmark",
     "compile_benchmark",
     "cp_benchmark",
     "ddp_benchmark",

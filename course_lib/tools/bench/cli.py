@@ -24,6 +24,7 @@ from .allreduce import (
     allreduce_sizes,
     network_verdict,
 )
+from .checkpointing import checkpoint_benchmark
 from .common import MLP_BATCH, MLP_LAYERS, MLP_WIDTH, TIMED_STEPS, WARMUP_STEPS
 from .compiled import compile_benchmark
 from .ddp import DDP_BUCKET_MB, ddp_benchmark
@@ -122,6 +123,11 @@ def _add_benchmarks(sub) -> dict[str, argparse.ArgumentParser]:
         help="a transformer trained in bf16 from two seeds and with each float8 recipe: losses and noise",
         formatter_class=formatter,
     )
+    saving = sub.add_parser(
+        "checkpoint",
+        help="what a checkpoint costs the training: a blocking save against an asynchronous one",
+        formatter_class=formatter,
+    )
     reduce = sub.add_parser(
         "allreduce",
         help="all-reduce time, algorithm and bus bandwidth per message size, and the alpha-beta fit",
@@ -140,6 +146,7 @@ def _add_benchmarks(sub) -> dict[str, argparse.ArgumentParser]:
         recomputation=recomputation,
         compiling=compiling,
         low_precision=low_precision,
+        saving=saving,
         reduce=reduce,
     )
 
@@ -158,6 +165,7 @@ def _add_options(
     recomputation,
     compiling,
     low_precision,
+    saving,
     reduce,
 ) -> None:
     """Each benchmark's sizes and counts, with their defaults."""
@@ -184,6 +192,18 @@ def _add_options(
     _add_model_parallel_options(pipe, tensor, sequence, context, attention, experts, recomputation)
     _add_compile_options(compiling)
     _add_float8_options(low_precision)
+    _add_checkpoint_options(saving)
+
+
+def _add_checkpoint_options(saving) -> None:
+    """The model saved, its ranks, and how many saves of each kind."""
+    positive = checks.int_at_least(1)
+    saving.add_argument("--world-size", type=checks.int_at_least(1, max_processes()), default=2)
+    saving.add_argument("--width", type=positive, default=1024)
+    saving.add_argument("--layers", type=positive, default=8)
+    saving.add_argument("--batch", type=positive, default=64, help="samples per rank per step")
+    saving.add_argument("--steps", type=positive, default=10, help="timed steps without a save")
+    saving.add_argument("--saves", type=positive, default=3, help="saves of each kind")
 
 
 def _add_float8_options(low_precision) -> None:
@@ -452,6 +472,12 @@ def memory_needed(args: argparse.Namespace) -> tuple[float, int]:
         )
         processes = max(args.stages) if args.benchmark == "pipeline" else args.world_size
         return PROCESS_BASE_BYTES + per_process, processes
+    if args.benchmark == "checkpoint":  # weights, grads, AdamW's moments, a staged copy, the activations
+        params = args.layers * args.width * (args.width + 1)
+        return (
+            PROCESS_BASE_BYTES + 5 * 4 * params + 3 * word * args.batch * args.width * args.layers,
+            args.world_size,
+        )
     if args.benchmark == "float8":  # one small transformer at a time, with AdamW and its activations
         params = 2 * 12 * args.d_model**2 + 200 * args.d_model
         activations = (
@@ -556,6 +582,9 @@ def _run_benchmark(args: argparse.Namespace) -> int:
         compiled.check_compiler(args.compiler)  # refused here, before any process starts
         options = given("d_model", "heads", "seq", "batch", "layers", *timing, "compiler")
         result = _on_local_processes("compile", args.world_size, compile_benchmark, options)
+    elif args.benchmark == "checkpoint":
+        options = given("width", "layers", "batch", "steps", "saves")
+        result = _on_local_processes("checkpoint", args.world_size, checkpoint_benchmark, options)
     elif args.benchmark == "float8":
         options = given("steps", "d_model", "seq", "batch", "lr")
         result = _on_local_processes("float8", 1, float8_training_benchmark, options)

@@ -21,6 +21,7 @@ from course_lib.distributed.launch import launch
 from course_lib.observe import flight_recorder
 from course_lib.tools import diagnose
 from course_lib.tools.labs import Property, Question, case_seed, load, on_ranks
+from course_lib.train import checkpoint_interval
 
 BROKEN = Path(__file__).resolve().parent / "broken.py"
 
@@ -192,5 +193,12 @@ QUESTIONS = [
         "epochs_samples_drawn_twice_in_epoch_0",
         _samples_drawn_twice,
         "run broken.py epochs: the error names how many samples two ranks both drew",
+    ),
+    Question(
+        "checkpoint_minutes_2048_gpus",
+        lambda: checkpoint_interval.interval_table(30.0, [2048])[0]["interval_minutes"],
+        "the job's MTBF is one GPU's (Llama 3's run: GPUs x days x 24 / interruptions) over 2,048; "
+        "then Daly's interval for a save of 30 s (checkpoint_interval.daly_interval_s), in minutes",
+        rel_tol=0.02,
     ),
 ]

@@ -17,13 +17,14 @@ Each benchmark is a module of its own, whose docstring says what it compares:
 ``recompute``           ``recompute.py``: memory saved and time paid by each recomputation policy
 ``checkpoint``          ``checkpointing.py``: a blocking save against an asynchronous one
 ``compile``             ``compiled.py``: compiled blocks against eager, under each parallelism
+``hierarchy``           ``hierarchy.py``: a flat ring, the hierarchy and the tree across "nodes"
 ``float8``              ``float8.py``: float8 training against bf16 and the noise between two bf16 seeds
 ``allreduce``           ``allreduce.py``: the network itself, as ``nccl-tests`` measures it
 ======================  ===================================================================================
 
-Every benchmark but ``allreduce``, ``checkpoint``, ``compile`` and ``float8`` reports the step anatomy
-(``course_lib.observe.anatomy``) of each variant it times, under the variant's name, and writes
-their traces with ``--profile DIR``.
+The benchmarks of a training step (not ``allreduce``, ``hierarchy``, ``checkpoint``, ``compile``,
+``float8``) report the step anatomy (``course_lib.observe.anatomy``) of each variant they time,
+under the variant's name, and write their traces with ``--profile DIR``.
 
 What the benchmarks share is in ``common``, the command in ``cli``. The names below are the ones
 the tests, notebooks and slides use.
@@ -43,6 +44,7 @@ from .compiled import compile_benchmark
 from .ddp import DDP_BUCKET_MB, ddp_benchmark
 from .float8 import float8_training_benchmark
 from .fsdp import fsdp_benchmark
+from .hierarchy import hierarchy_benchmark
 from .memory_states import measure_sharding, memory_benchmark
 from .pipeline import (
     PIPELINE_BUBBLE_BATCH,
@@ -85,6 +87,7 @@ __all__ = [
     "ep_benchmark",
     "float8_training_benchmark",
     "fsdp_benchmark",
+    "hierarchy_benchmark",
     "main",
     "measure_sharding",
     "memory_benchmark",

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable
 
 from ... import checks
-from ...distributed import environment, runtime
+from ...distributed import environment, hierarchical, runtime
 from ...distributed.launch import launch, max_processes
 from ...errors import EXIT_USER_ERROR, UserError
 from ...parallel import compiled
@@ -30,6 +30,7 @@ from .compiled import compile_benchmark
 from .ddp import DDP_BUCKET_MB, ddp_benchmark
 from .float8 import LAST_STEPS, float8_training_benchmark
 from .fsdp import fsdp_benchmark
+from .hierarchy import hierarchy_benchmark
 from .memory_states import memory_benchmark
 from .pipeline import (
     PIPELINE_BUBBLE_BATCH,
@@ -128,6 +129,11 @@ def _add_benchmarks(sub) -> dict[str, argparse.ArgumentParser]:
         help="what a checkpoint costs the training: a blocking save against an asynchronous one",
         formatter_class=formatter,
     )
+    nodes = sub.add_parser(
+        "hierarchy",
+        help="a flat ring, the hierarchy and the tree all-reduce, timed, with bytes per link class",
+        formatter_class=formatter,
+    )
     reduce = sub.add_parser(
         "allreduce",
         help="all-reduce time, algorithm and bus bandwidth per message size, and the alpha-beta fit",
@@ -147,6 +153,7 @@ def _add_benchmarks(sub) -> dict[str, argparse.ArgumentParser]:
         compiling=compiling,
         low_precision=low_precision,
         saving=saving,
+        nodes=nodes,
         reduce=reduce,
     )
 
@@ -166,6 +173,7 @@ def _add_options(
     compiling,
     low_precision,
     saving,
+    nodes,
     reduce,
 ) -> None:
     """Each benchmark's sizes and counts, with their defaults."""
@@ -193,6 +201,21 @@ def _add_options(
     _add_compile_options(compiling)
     _add_float8_options(low_precision)
     _add_checkpoint_options(saving)
+    _add_hierarchy_options(nodes)
+
+
+def _add_hierarchy_options(nodes) -> None:
+    """The nodes' size, the message, the repeats (and the ranks, when no launcher started them)."""
+    positive = checks.int_at_least(1)
+    nodes.add_argument(
+        "--world-size",
+        type=checks.int_at_least(2, max_processes()),
+        default=4,
+        help="local processes (under srun or torchrun, the launcher's processes are the ranks)",
+    )
+    nodes.add_argument("--gpus-per-node", type=positive, default=2, help="consecutive ranks a node holds")
+    nodes.add_argument("--mb", type=checks.number_above(0), default=4.0, help="the message, in MB")
+    nodes.add_argument("--repeats", type=positive, default=3, help="timed runs of each algorithm")
 
 
 def _add_checkpoint_options(saving) -> None:
@@ -472,6 +495,8 @@ def memory_needed(args: argparse.Namespace) -> tuple[float, int]:
         )
         processes = max(args.stages) if args.benchmark == "pipeline" else args.world_size
         return PROCESS_BASE_BYTES + per_process, processes
+    if args.benchmark == "hierarchy":  # the message, its padded copy, the pieces and gloo's buffers
+        return PROCESS_BASE_BYTES + 8 * args.mb * 1e6, args.world_size
     if args.benchmark == "checkpoint":  # weights, grads, AdamW's moments, a staged copy, the activations
         params = args.layers * args.width * (args.width + 1)
         return (
@@ -582,6 +607,8 @@ def _run_benchmark(args: argparse.Namespace) -> int:
         compiled.check_compiler(args.compiler)  # refused here, before any process starts
         options = given("d_model", "heads", "seq", "batch", "layers", *timing, "compiler")
         result = _on_local_processes("compile", args.world_size, compile_benchmark, options)
+    elif args.benchmark == "hierarchy":
+        return _run_hierarchy(args)
     elif args.benchmark == "checkpoint":
         options = given("width", "layers", "batch", "steps", "saves")
         result = _on_local_processes("checkpoint", args.world_size, checkpoint_benchmark, options)
@@ -619,6 +646,23 @@ def _on_local_processes(name: str, world: int, benchmark: Callable, options: dic
     """Rank 0's result of ``benchmark`` run on ``world`` local processes."""
     print(f"benchmarking {name} on {world} processes...", file=sys.stderr, flush=True)
     return launch(benchmark, world, timeout_s=1800, check_collectives=False, **options)[0]
+
+
+def _run_hierarchy(args: argparse.Namespace) -> int:
+    """The three all-reduces on this launcher's ranks (srun, torchrun), or on local processes."""
+    options = dict(gpus_per_node=args.gpus_per_node, message_bytes=int(args.mb * 1e6), repeats=args.repeats)
+    launched = environment.resolve_environment().world_size
+    hierarchical.check_node_size(launched if launched > 1 else args.world_size, args.gpus_per_node)
+    if launched > 1:
+        runtime.init()
+        result = hierarchy_benchmark(**options)
+        runtime.shutdown()
+        if result is None:
+            return 0
+    else:
+        result = _on_local_processes("hierarchy", args.world_size, hierarchy_benchmark, options)
+    print(json.dumps(result, indent=2))
+    return 0
 
 
 def _run_allreduce(args: argparse.Namespace) -> int:

@@ -243,7 +243,12 @@ def _add_float8_options(low_precision) -> None:
     )
     low_precision.add_argument("--seq", type=positive, default=32)
     low_precision.add_argument("--batch", type=positive, default=16)
-    low_precision.add_argument("--lr", type=checks.number_above(0), default=3e-3)
+    low_precision.add_argument(
+        "--lr",
+        type=checks.argument_type(checks.check_number, float, above=0, maximum=1.0),
+        default=3e-3,
+        help="AdamW's learning rate (at most 1)",
+    )
     low_precision.add_argument(
         "--output", type=checks.json_to_write, default=None, help="also write the JSON here"
     )

@@ -25,7 +25,7 @@ from course_lib.plan.specs import Link
 from conftest import REPO, clean_env
 
 GPUS_PER_NODE, NODES = 2, 2
-RATE_MBIT = 400  # each "NIC": 50 MB/s, far below what two processes of one namespace reach over loopback
+RATE_MBIT = 200  # each "NIC": 25 MB/s, far below what two processes of one namespace reach over loopback
 MESSAGE_MB = 8
 
 
@@ -83,7 +83,7 @@ def two_nodes():
 
 def _rank(space: str, env: dict) -> subprocess.Popen:
     """One rank of ``bench hierarchy``, started inside the namespace ``space``."""
-    options = ["--gpus-per-node", str(GPUS_PER_NODE), "--mb", str(MESSAGE_MB), "--repeats", "3"]
+    options = ["--gpus-per-node", str(GPUS_PER_NODE), "--mb", str(MESSAGE_MB), "--repeats", "2"]
     command = [
         "ip",
         "netns",

@@ -75,121 +75,50 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USER_ERROR
 
 
+BENCHMARKS = (  # (the subcommand, the name its options are added under, its --help line)
+    ("ddp", "ddp", "course DDP (3 modes) against torch DDP"),
+    ("fsdp", "fsdp", "course FSDP (4 sharding strategies) against FSDP2"),
+    ("memory", "mem", "measured memory and traffic of DDP, ZeRO-1/2/3 against the model"),
+    ("pipeline", "pipe", "course pipeline schedules against torch.distributed.pipelining"),
+    ("tp", "tensor", "course tensor parallelism against DTensor parallelize_module"),
+    ("sp", "sequence", "course sequence parallelism against DTensor's SequenceParallel"),
+    ("cp", "context", "ring attention: contiguous against zig-zag, bytes and memory"),
+    ("attention", "attention",
+     "ring, zig-zag ring, Ulysses and the USP hybrid side by side: time, bytes, memory"),
+    ("ep", "experts", "a mixture-of-experts layer spread over the ranks (all-to-all)"),
+    ("recompute", "recomputation",
+     "memory saved and time paid by each recomputation policy (none, full, selective)"),
+    ("compile", "compiling",
+     "compiled blocks against eager: compile time, step time, graph breaks, under each parallelism"),
+    ("float8", "low_precision",
+     "a transformer trained in bf16 from two seeds and with each float8 recipe: losses and noise"),
+    ("checkpoint", "saving",
+     "what a checkpoint costs the training: a blocking save against an asynchronous one"),
+    ("hierarchy", "nodes",
+     "a flat ring, the hierarchy and the tree all-reduce, timed, with bytes per link class"),
+    ("allreduce", "reduce",
+     "all-reduce time, algorithm and bus bandwidth per message size, and the alpha-beta fit"),
+)  # fmt: skip
+
+
 def _add_benchmarks(sub) -> dict[str, argparse.ArgumentParser]:
     """One subcommand per benchmark, by the name its options are added under."""
     formatter = argparse.ArgumentDefaultsHelpFormatter
-    ddp = sub.add_parser("ddp", help="course DDP (3 modes) against torch DDP", formatter_class=formatter)
-    fsdp = sub.add_parser(
-        "fsdp", help="course FSDP (4 sharding strategies) against FSDP2", formatter_class=formatter
-    )
-    mem = sub.add_parser(
-        "memory",
-        help="measured memory and traffic of DDP, ZeRO-1/2/3 against the model",
-        formatter_class=formatter,
-    )
-    pipe = sub.add_parser(
-        "pipeline",
-        help="course pipeline schedules against torch.distributed.pipelining",
-        formatter_class=formatter,
-    )
-    tensor = sub.add_parser(
-        "tp", help="course tensor parallelism against DTensor parallelize_module", formatter_class=formatter
-    )
-    sequence = sub.add_parser(
-        "sp", help="course sequence parallelism against DTensor's SequenceParallel", formatter_class=formatter
-    )
-    context = sub.add_parser(
-        "cp", help="ring attention: contiguous against zig-zag, bytes and memory", formatter_class=formatter
-    )
-    attention = sub.add_parser(
-        "attention",
-        help="ring, zig-zag ring, Ulysses and the USP hybrid side by side: time, bytes, memory",
-        formatter_class=formatter,
-    )
-    experts = sub.add_parser(
-        "ep", help="a mixture-of-experts layer spread over the ranks (all-to-all)", formatter_class=formatter
-    )
-    recomputation = sub.add_parser(
-        "recompute",
-        help="memory saved and time paid by each recomputation policy (none, full, selective)",
-        formatter_class=formatter,
-    )
-    compiling = sub.add_parser(
-        "compile",
-        help="compiled blocks against eager: compile time, step time, graph breaks, under each parallelism",
-        formatter_class=formatter,
-    )
-    low_precision = sub.add_parser(
-        "float8",
-        help="a transformer trained in bf16 from two seeds and with each float8 recipe: losses and noise",
-        formatter_class=formatter,
-    )
-    saving = sub.add_parser(
-        "checkpoint",
-        help="what a checkpoint costs the training: a blocking save against an asynchronous one",
-        formatter_class=formatter,
-    )
-    nodes = sub.add_parser(
-        "hierarchy",
-        help="a flat ring, the hierarchy and the tree all-reduce, timed, with bytes per link class",
-        formatter_class=formatter,
-    )
-    reduce = sub.add_parser(
-        "allreduce",
-        help="all-reduce time, algorithm and bus bandwidth per message size, and the alpha-beta fit",
-        formatter_class=formatter,
-    )
-    return dict(
-        ddp=ddp,
-        fsdp=fsdp,
-        mem=mem,
-        pipe=pipe,
-        tensor=tensor,
-        sequence=sequence,
-        context=context,
-        attention=attention,
-        experts=experts,
-        recomputation=recomputation,
-        compiling=compiling,
-        low_precision=low_precision,
-        saving=saving,
-        nodes=nodes,
-        reduce=reduce,
-    )
+    return {key: sub.add_parser(name, help=line, formatter_class=formatter) for name, key, line in BENCHMARKS}
 
 
-def _add_options(
-    *,
-    ddp,
-    fsdp,
-    mem,
-    pipe,
-    tensor,
-    sequence,
-    context,
-    attention,
-    experts,
-    recomputation,
-    compiling,
-    low_precision,
-    saving,
-    nodes,
-    reduce,
-) -> None:
+STEP_BENCHMARKS = (
+    "ddp", "fsdp", "mem", "pipe", "tensor", "sequence", "context", "attention", "experts", "recomputation",
+)  # fmt: skip
+"""The benchmarks of a training step: each records its variants' anatomies (``--profile``)."""
+
+
+def _add_options(*, ddp, fsdp, mem, pipe, tensor, sequence, context, attention, experts, recomputation,
+                 compiling, low_precision, saving, nodes, reduce) -> None:  # fmt: skip
     """Each benchmark's sizes and counts, with their defaults."""
-    for command in (
-        ddp,
-        fsdp,
-        mem,
-        pipe,
-        tensor,
-        sequence,
-        context,
-        attention,
-        experts,
-        recomputation,
-    ):  # a step to record: all but allreduce
-        command.add_argument(
+    given = locals()
+    for name in STEP_BENCHMARKS:
+        given[name].add_argument(
             "--profile",
             type=checks.folder_to_write,
             default=None,
@@ -204,15 +133,20 @@ def _add_options(
     _add_hierarchy_options(nodes)
 
 
+def _add_launched_world_size(command, *, default: int) -> None:
+    """``--world-size`` of a benchmark that also runs on a launcher's ranks (srun, torchrun)."""
+    command.add_argument(
+        "--world-size",
+        type=checks.int_at_least(2, max_processes()),
+        default=default,
+        help="local processes (under srun or torchrun, the launcher's processes are the ranks)",
+    )
+
+
 def _add_hierarchy_options(nodes) -> None:
     """The nodes' size, the message, the repeats (and the ranks, when no launcher started them)."""
     positive = checks.int_at_least(1)
-    nodes.add_argument(
-        "--world-size",
-        type=checks.int_at_least(2, max_processes()),
-        default=4,
-        help="local processes (under srun or torchrun, the launcher's processes are the ranks)",
-    )
+    _add_launched_world_size(nodes, default=4)
     nodes.add_argument("--gpus-per-node", type=positive, default=2, help="consecutive ranks a node holds")
     nodes.add_argument("--mb", type=checks.number_above(0), default=4.0, help="the message, in MB")
     nodes.add_argument("--repeats", type=positive, default=3, help="timed runs of each algorithm")
@@ -282,12 +216,7 @@ def _add_compile_options(compiling) -> None:
 def _add_allreduce_options(reduce) -> None:
     """The network's sweep: message sizes, repetitions, where to write, what speed to expect."""
     positive = checks.int_at_least(1)
-    reduce.add_argument(
-        "--world-size",
-        type=checks.int_at_least(2, max_processes()),
-        default=2,
-        help="local processes (under srun or torchrun, the launcher's processes are the ranks)",
-    )
+    _add_launched_world_size(reduce, default=2)
     reduce.add_argument(
         "--min-bytes", type=positive, default=ALLREDUCE_MIN_BYTES, help="the smallest message"
     )
@@ -658,16 +587,24 @@ def _run_hierarchy(args: argparse.Namespace) -> int:
     options = dict(gpus_per_node=args.gpus_per_node, message_bytes=int(args.mb * 1e6), repeats=args.repeats)
     launched = environment.resolve_environment().world_size
     hierarchical.check_node_size(launched if launched > 1 else args.world_size, args.gpus_per_node)
-    if launched > 1:
-        runtime.init()
-        result = hierarchy_benchmark(**options)
-        runtime.shutdown()
-        if result is None:
-            return 0
-    else:
-        result = _on_local_processes("hierarchy", args.world_size, hierarchy_benchmark, options)
-    print(json.dumps(result, indent=2))
+    result = _on_launched_or_local_ranks("hierarchy", args.world_size, hierarchy_benchmark, options)
+    if result is not None:  # rank 0 speaks
+        print(json.dumps(result, indent=2))
     return 0
+
+
+def _on_launched_or_local_ranks(
+    name: str, world: int, benchmark: Callable, options: dict, *, initialised: bool = False
+):
+    """Rank 0's result of ``benchmark`` on the ranks a launcher started (srun, torchrun: None on the
+    other ranks), or, started alone, on ``world`` local processes."""
+    if environment.resolve_environment().world_size > 1:
+        if not initialised:
+            runtime.init()
+        result = benchmark(**options)
+        runtime.shutdown()
+        return result
+    return _on_local_processes(name, world, benchmark, options)
 
 
 def _run_allreduce(args: argparse.Namespace) -> int:
@@ -684,13 +621,11 @@ def _run_allreduce(args: argparse.Namespace) -> int:
         iterations=args.iterations,
         warmup=args.warmup,
     )
-    if launched:
-        result = allreduce_benchmark(**options)
-        runtime.shutdown()
-        if result is None:
-            return 0
-    else:
-        result = _on_local_processes("allreduce", args.world_size, allreduce_benchmark, options)
+    result = _on_launched_or_local_ranks(
+        "allreduce", args.world_size, allreduce_benchmark, options, initialised=launched
+    )
+    if result is None:  # not rank 0 of a launched sweep
+        return 0
     healthy = True
     if args.expect_gbps is not None:
         healthy, line = network_verdict(

@@ -296,6 +296,8 @@ _COMM_FILES = (
     os.path.join("course_lib", "distributed", "calls.py"),
     os.path.join("course_lib", "distributed", "hooks.py"),
     os.path.join("course_lib", "observe", "flight_recorder.py"),
+    # calls.issue runs through torch.compiler.disable's wrapper: a frame of torch's, not the caller's
+    os.path.join("torch", "_dynamo", "eval_frame.py"),
 )
 _PLUMBING = (
     *_COMM_FILES,

@@ -18,7 +18,6 @@ from course_lib import models
 from course_lib.distributed.launch import launch
 from course_lib.errors import UserError
 from course_lib.parallel import compiled
-from course_lib.parallel import tensor as tp
 from course_lib.parallel.fsdp import FullyShardedDataParallel
 
 from conftest import call_main, run_bench, tiny_transformer
@@ -30,9 +29,7 @@ def _losses(kind: str, steps: int = 3) -> dict:
     for compile_them in (False, True):
         torch._dynamo.reset()
         model, inputs, targets = tiny_transformer(seq=16, d_model=32, heads=4)
-        if kind == "tensor":
-            tp.apply_tensor_parallel(model)
-        elif kind == "fsdp":
+        if kind == "fsdp":
             model = FullyShardedDataParallel(model, auto_wrap_policy=models.sharding_units(model))
         if compile_them:
             blocks = [m for m in model.modules() if isinstance(m, models.Block)]
@@ -52,14 +49,14 @@ def _losses(kind: str, steps: int = 3) -> dict:
     return result
 
 
-@pytest.mark.parametrize("kind, world", [("one process", 1), ("tensor", 2), ("fsdp", 2)])
+# The course's tensor parallelism compiled is held against eager by bench compile's test below
+# (forward and backward, bit for bit); here, training steps with the optimizer.
+@pytest.mark.parametrize("kind, world", [("one process", 1), ("fsdp", 2)])
 def test_compiled_blocks_train_as_eager_does(kind, world):
     for result in launch(_losses, world, kind):
         assert result["compiled_blocks"] == 2
         assert result["compiled"] == pytest.approx(result["eager"], rel=1e-6)
-        if kind == "tensor":  # the course's collectives run in Python: a break at each
-            assert result["breaks"]["breaks"] >= 2, result["breaks"]
-        elif kind == "one process":
+        if kind == "one process":
             assert result["breaks"] == {"graphs": 1, "breaks": 0, "reasons": []}
 
 
@@ -68,7 +65,7 @@ def test_the_compile_benchmark_compiles_under_each_parallelism_and_equals_eager(
     collectives are traceable, or outside the block), the course's tensor parallelism breaks the
     graph at each of its Python-logged collectives, and every compiled loss is the eager one."""
     output = tmp_path / "compile.json"
-    sizes = "--d-model 32 --heads 4 --seq 16 --batch 2 --layers 2 --steps 2 --warmup 1"
+    sizes = "--d-model 32 --heads 4 --seq 16 --batch 2 --layers 1 --steps 2 --warmup 1"
     result = run_bench("compile", "--compiler", "aot_eager", *sizes.split(), "--output", str(output))
     assert json.loads(output.read_text()) == result
     for variant in ("one_process", "course_tp", "dtensor_tp", "fsdp2"):

@@ -33,9 +33,12 @@ try {
   })
   for (let slide = 1; slide <= Number(slideCount); slide++) {
     await page.goto(`${deckUrl}#/${slide}`, { waitUntil: 'networkidle' })
-    await page.waitForTimeout(200)
     // the page's frame is attached before its layout is rendered (later still on a loaded machine)
     await page.waitForSelector(`.slidev-page-${slide} .slidev-layout`, { state: 'attached' })
+    // then its images settle (loaded or failed: both are complete) and two frames are drawn
+    await page.waitForFunction(
+      (n) => [...document.querySelectorAll(`.slidev-page-${n} img`)].every((image) => image.complete), slide)
+    await page.evaluate(() => new Promise((done) => requestAnimationFrame(() => requestAnimationFrame(done))))
     const images = await page.$$eval(`.slidev-page-${slide} img`, (found) =>
       found.map((image) => ({ src: image.getAttribute('src'), loaded: image.complete && image.naturalWidth > 0 })))
     for (const { src, loaded } of images) (loaded ? loadedImages : brokenImages).push({ slide, src })

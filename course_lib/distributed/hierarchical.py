@@ -117,7 +117,9 @@ def _tree_links(position: int, n: int) -> tuple[int | None, list[int]]:
 
 
 def tree_position(rank: int, n: int, tree: int) -> int:
-    """Where ``rank`` sits in tree 0 (rank order) or tree 1 (the mirror: position n - 1 - rank)."""
+    """Where ``rank`` sits in tree 0 (rank order) or tree 1 (the mirror: position n - 1 - rank).
+
+    The mirror is its own inverse: the same call turns a position back into its rank."""
     return rank if tree == 0 else n - 1 - rank
 
 
@@ -135,17 +137,19 @@ def tree_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     n, rank = runtime.world_size(), runtime.rank()
     flat = tensor.reshape(-1).clone()
     for tree, half in enumerate(torch.tensor_split(flat, 2)):
-        to_rank = (lambda p: p) if tree == 0 else (lambda p: n - 1 - p)  # position -> rank
+        # positions -> ranks (the mirror is its own inverse)
         parent, children = _tree_links(tree_position(rank, n, tree), n)
+        parent = None if parent is None else tree_position(parent, n, tree)
+        children = [tree_position(child, n, tree) for child in children]
         for child in children:  # up: the children's partial sums
             incoming = torch.empty_like(half)
-            recv(incoming, to_rank(child), tag=tree)
+            recv(incoming, child, tag=tree)
             half += incoming
         if parent is not None:
-            send(half, to_rank(parent), tag=tree)
-            recv(half, to_rank(parent), tag=tree)  # down: the whole sum
+            send(half, parent, tag=tree)
+            recv(half, parent, tag=tree)  # down: the whole sum
         for child in children:
-            send(half, to_rank(child), tag=tree)
+            send(half, child, tag=tree)
     tensor.copy_(flat.view_as(tensor))
     return tensor
 
@@ -221,9 +225,8 @@ def tree_bytes(halves_bytes: tuple[float, float], *, rank: int, gpus_per_node: i
     """
     n, sent = world_size, dict.fromkeys(LINK_CLASSES, 0.0)
     for tree, half in enumerate(halves_bytes):
-        to_rank = (lambda p: p) if tree == 0 else (lambda p: n - 1 - p)
         parent, children = _tree_links(tree_position(rank, n, tree), n)
         for peer in [parent] * (parent is not None) + children:
-            crosses = to_rank(peer) // gpus_per_node != rank // gpus_per_node
+            crosses = tree_position(peer, n, tree) // gpus_per_node != rank // gpus_per_node
             sent["across nodes" if crosses else "inside node"] += half
     return sent

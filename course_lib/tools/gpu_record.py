@@ -14,7 +14,7 @@ for a product, 4·s²·d per head for causal attention's forward (half of the sq
 for its backward; bytes are those the operation must move at least once.
 
 Usage: ``make gpu-record`` (2.7 minutes on an H100, its tests included), or ``python -m
-course_lib.tools.gpu_record --out DIR``. On a CPU, ``--device cpu`` records the same fields at
+course_lib.tools.gpu_record --out DIR``. On a CPU, ``--device cpu`` records the same fields in fp32 at
 small sizes, to check the command itself.
 """
 
@@ -84,6 +84,11 @@ def _dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+def _precision(device: torch.device) -> str:
+    """The name of ``_dtype(device)`` among the products' precisions."""
+    return "bf16" if device.type == "cuda" else "fp32"
+
+
 class Timer:
     """Median seconds of a function on one device: CUDA events on a GPU, the wall clock on a CPU.
 
@@ -132,7 +137,8 @@ def _random_operand(rows: int, columns: int, *, device) -> torch.Tensor:
 
 
 def matmul_function(rows: int, inner: int, columns: int, precision: str, which: str, device) -> Callable:
-    """One product at ``precision``: ``bf16``, or ``fp8-tensorwise``/``fp8-rowwise`` through
+    """One product at ``precision``: ``bf16``, ``fp32`` (the CPU check's: a CPU without bf16 units
+    multiplies bf16 a hundred times slower), or ``fp8-tensorwise``/``fp8-rowwise`` through
     ``torch._scaled_mm``, cast as torchao's recipes cast: e4m3 activations and weights; the
     gradient e5m2 under tensorwise scales and e4m3 under rowwise ones; fast accumulation in the
     forward product only.
@@ -142,8 +148,10 @@ def matmul_function(rows: int, inner: int, columns: int, precision: str, which: 
     """
     left = _random_operand(rows, inner, device=device)
     right = _random_operand(columns, inner, device=device).t()
-    if precision == "bf16":
-        left, right = left.bfloat16(), right.bfloat16()
+    if precision in ("bf16", "fp32"):
+        left, right = (
+            (left.bfloat16(), right.bfloat16()) if precision == "bf16" else (left.float(), right.float())
+        )
         return lambda: torch.mm(left, right)
     gradient = which != "forward" and precision == "fp8-tensorwise"
     left_dtype = torch.float8_e5m2 if gradient else torch.float8_e4m3fn
@@ -308,9 +316,9 @@ def record_blocks(
             peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
             flops = _block_flops(spec, tokens)
             rows.append(
-                {"model": spec.name, "tokens": tokens, "mode": mode, "seconds": seconds,
-                 "first_call_s": first_s, "flops": flops, "tflops": flops / seconds / 1e12,
-                 "peak_memory_bytes": peak}
+                {"model": spec.name, "tokens": tokens, "precision": _precision(device), "mode": mode,
+                 "seconds": seconds, "first_call_s": first_s, "flops": flops,
+                 "tflops": flops / seconds / 1e12, "peak_memory_bytes": peak}
             )  # fmt: skip
         del block, variants, x, grad
         report(f"a block of {spec.name} timed")
@@ -542,7 +550,9 @@ def main(argv: list[str] | None = None) -> int:
     on_gpu = args.device == "cuda"
     device = torch.device(args.device, 0) if on_gpu else torch.device("cpu")
     models = [MODELS[name] for name in args.models]
-    timer = Timer(device, warmup=3 if on_gpu else 1, repeats=10 if on_gpu else 2)
+    timer = Timer(
+        device, warmup=3 if on_gpu else 1, repeats=10 if on_gpu else 1
+    )  # a CPU run checks the command
     begin = time.perf_counter()
 
     def report(line: str) -> None:
@@ -555,7 +565,8 @@ def main(argv: list[str] | None = None) -> int:
         tokens = args.tokens or (TOKENS if on_gpu else (64,))
         compile_too = on_gpu and not args.no_compile
         shared = dict(timer=timer, device=device, report=report)
-        precisions = ["bf16", "fp8-tensorwise", "fp8-rowwise"] if on_gpu else ["bf16"]
+        # on a CPU, what its other parts compute in: the check of the command, not of bf16
+        precisions = [_precision(device), "fp8-tensorwise", "fp8-rowwise"] if on_gpu else [_precision(device)]
         tensors = TENSOR_DEGREES if on_gpu else (1,)
         record["matmuls"] = record_matmuls(
             models, tokens=tokens, tensors=tensors, precisions=precisions, **shared
@@ -624,7 +635,7 @@ def _block_against_parts(record: dict, block: dict) -> dict:
         row["seconds"]
         for row in record.get("matmuls", [])
         if (row["model"], row["tokens"], row["tensor"], row["precision"])
-        == (block["model"], block["tokens"], 1, "bf16")
+        == (block["model"], block["tokens"], 1, block.get("precision", "bf16"))  # older records: bf16
         and row["matmul"] != "head"
     )
     attention = sum(

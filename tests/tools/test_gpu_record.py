@@ -47,7 +47,7 @@ def cpu_record(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_record")
     done = subprocess.run(
         [sys.executable, "-m", "course_lib.tools.gpu_record", "--device", "cpu", "--models", "llama3-8b",
-         "--tokens", "32", "--no-tests", "--out", str(out)],
+         "--tokens", "16", "--no-tests", "--out", str(out)],
         cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]

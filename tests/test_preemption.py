@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from course_lib.errors import EXIT_CRASH, EXIT_DIVERGED, EXIT_REQUEUE, EXIT_USER_ERROR
+from course_lib.observe import faults
 from course_lib.tools.torchrun import verdict
 
 from conftest import REPO, clean_env, latest_weights
@@ -24,21 +25,26 @@ TRAINING = [
     "--strategy",
     "ddp",
     "--dataset",
-    "synthetic",
+    "digits",
     "--model",
-    "cifar_cnn",
+    "digits_cnn",
     "--epochs",
     "2",
     "--global-batch-size",
     "64",
     "--checkpoint-every",
-    "8",
-    "--max-steps",  # past the first epoch's 32 steps: a resumed run crosses an epoch's end
-    "40",
+    "6",
+    "--max-steps",  # past the first epoch's 22 steps: a resumed run crosses an epoch's end
+    "30",
     "--resume",
     "latest",
     "--no-progress",
 ]
+FIRST_CHECKPOINT = "step-00000006"
+PACED = {faults.VARIABLE: "slow:1:0.1"}
+"""Rank 1 sleeps 0.1 s before each collective (DDP's bucket all-reduces pace every rank): the run
+lasts seconds after its first checkpoint, time to signal it mid-run, at a fraction of the cores
+a CIFAR-sized model would take."""
 TORCHRUN = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2"]
 
 
@@ -62,7 +68,7 @@ def _start(checkpoint_dir: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
         [*TORCHRUN, *extra, *TRAINING, "--checkpoint-dir", str(checkpoint_dir)],
         cwd=REPO,
-        env=clean_env(),
+        env=clean_env(**PACED),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -81,7 +87,7 @@ def uninterrupted(tmp_path_factory):
 @pytest.mark.slow
 def test_a_stop_signal_checkpoints_exits_3_and_the_rerun_ends_identical(tmp_path, uninterrupted):
     process = _start(tmp_path)
-    _wait_for(lambda: (tmp_path / "step-00000008").is_dir(), what="the first checkpoint")
+    _wait_for(lambda: (tmp_path / FIRST_CHECKPOINT).is_dir(), what="the first checkpoint")
     workers = _children(process.pid)
     for worker in workers:  # as `scancel --signal=USR1` does: every training process hears it
         os.kill(worker, signal.SIGUSR1)
@@ -90,7 +96,7 @@ def test_a_stop_signal_checkpoints_exits_3_and_the_rerun_ends_identical(tmp_path
     # "requeue me"
     assert process.returncode != 0 and re.search(rf"exitcode\s*:\s*{EXIT_REQUEUE}\b", output), output
     stopped_at, _ = latest_weights(tmp_path)
-    assert stopped_at not in ("step-00000008", uninterrupted[0])  # a checkpoint of the step it stopped at
+    assert stopped_at not in (FIRST_CHECKPOINT, uninterrupted[0])  # a checkpoint of the step it stopped at
 
     rerun = _start(tmp_path)
     output, _ = rerun.communicate(timeout=300)
@@ -105,7 +111,7 @@ def test_a_stop_signal_checkpoints_exits_3_and_the_rerun_ends_identical(tmp_path
 @pytest.mark.slow
 def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint(tmp_path, uninterrupted):
     process = _start(tmp_path, "--max-restarts", "1")
-    _wait_for(lambda: (tmp_path / "step-00000008").is_dir(), what="the first checkpoint")
+    _wait_for(lambda: (tmp_path / FIRST_CHECKPOINT).is_dir(), what="the first checkpoint")
     os.kill(_children(process.pid)[-1], signal.SIGKILL)  # one rank dies without warning
     output, _ = process.communicate(timeout=300)
     assert process.returncode == 0, output
@@ -139,18 +145,30 @@ def _terminate_everything(process: subprocess.Popen) -> None:
 
 @pytest.mark.slow
 def test_sigterm_to_a_single_process_and_its_data_loaders_stops_cleanly(tmp_path):
-    command = [sys.executable, *TRAINING, "--strategy", "single", *LOADERS, "--checkpoint-dir", str(tmp_path)]
+    # one process makes no collective, so nothing paces it: ten epochs keep it running seconds past
+    # its first checkpoint (it is stopped long before their end)
+    longer = ["--epochs", "10", "--max-steps", "220"]
+    command = [
+        sys.executable,
+        *TRAINING,
+        *longer,
+        "--strategy",
+        "single",
+        *LOADERS,
+        "--checkpoint-dir",
+        str(tmp_path),
+    ]
     process = subprocess.Popen(
         command, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    _wait_for(lambda: (tmp_path / "step-00000008").is_dir(), what="the first checkpoint")
+    _wait_for(lambda: (tmp_path / FIRST_CHECKPOINT).is_dir(), what="the first checkpoint")
     assert len(_descendants(process.pid)) >= 2  # the loaders are running
     _terminate_everything(process)
     output, _ = process.communicate(timeout=120)
     assert process.returncode == EXIT_REQUEUE, output
     assert "stopped by SIGTERM after step" in output and "Traceback" not in output, output
     stopped_at, _ = latest_weights(tmp_path)
-    assert stopped_at != "step-00000008"  # the step it stopped at was checkpointed
+    assert stopped_at != FIRST_CHECKPOINT  # the step it stopped at was checkpointed
 
 
 @pytest.mark.slow
@@ -158,12 +176,12 @@ def test_sigterm_to_every_process_under_torchrun_stops_cleanly_with_status_3(tmp
     process = subprocess.Popen(
         [*COURSE_TORCHRUN, *TRAINING, *LOADERS, "--checkpoint-dir", str(tmp_path)],
         cwd=REPO,
-        env=clean_env(),
+        env=clean_env(**PACED),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
-    _wait_for(lambda: (tmp_path / "step-00000008").is_dir(), what="the first checkpoint")
+    _wait_for(lambda: (tmp_path / FIRST_CHECKPOINT).is_dir(), what="the first checkpoint")
     _terminate_everything(process)
     output, _ = process.communicate(timeout=120)
     assert process.returncode == EXIT_REQUEUE, output

@@ -225,11 +225,12 @@ def test_mistakes_fail_at_once_with_a_clear_message(quick_jobs, name, message):
 # so with two ranks the resumed run must match the uninterrupted one bit for bit.
 TWO_TASKS = ("--ntasks-per-node=2",)
 LONGER = dict(
-    COURSE_DATASET="synthetic",
-    COURSE_MODEL="cifar_cnn",
     COURSE_EPOCHS="2",
-    # 40 steps: past the end of the first epoch (32 steps), so a resumed run crosses an epoch
-    COURSE_EXTRA_ARGS="--checkpoint-every 8 --max-steps 40",
+    # 30 steps: past the end of the first epoch (22 steps), so a resumed run crosses an epoch
+    COURSE_EXTRA_ARGS="--checkpoint-every 6 --max-steps 30",
+    # rank 1 sleeps 0.1 s before each collective, which paces both ranks: the run lasts seconds
+    # after its first checkpoint, time for the signal to land mid-run
+    COURSE_FAULT="slow:1:0.1",
 )
 
 
@@ -259,7 +260,7 @@ def test_a_stop_signal_reaches_every_worker_which_checkpoint_requeue_and_end_ide
     deadline = time.monotonic() + 300
     while signalled != {"srun", "torchrun"}:
         for name in {"srun", "torchrun"} - signalled:
-            if (tmp_path / name / "ckpt" / "run" / "step-00000008").is_dir():
+            if (tmp_path / name / "ckpt" / "run" / "step-00000006").is_dir():
                 subprocess.run(["scancel", "--batch", "--signal=USR1", jobs[name]], check=True)
                 signalled.add(name)
             else:

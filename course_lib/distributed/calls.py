@@ -9,6 +9,7 @@ for an asynchronous call, until its handle's ``wait()`` returned.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -124,10 +125,25 @@ class Call:
     notes: dict = field(default_factory=dict)  # what a hook keeps between issued and completed
 
 
+def _left_to_python(function: Callable) -> Callable:
+    """``torch.compiler.disable(function)``, made at the first call rather than at import: the
+    decorator imports ``torch._dynamo`` (two seconds of CPU), which a process that never makes a
+    call (the planner, a command refusing a flag) need not pay for."""
+    disabled: list[Callable] = []
+
+    @functools.wraps(function)
+    def at_first_call(*args, **kwargs):
+        if not disabled:
+            disabled.append(torch.compiler.disable(function))
+        return disabled[0](*args, **kwargs)
+
+    return at_first_call
+
+
 # A compiled block runs this eagerly, between two graphs (a graph break): its counters, records and
 # hooks are Python state that a graph cannot hold. Traced instead, every call would change a counter
 # the graph depends on and force a recompilation, until torch.compile gave up on the frame.
-@torch.compiler.disable
+@_left_to_python
 def issue(
     op: str,
     tensor_bytes: int,

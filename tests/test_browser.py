@@ -202,7 +202,7 @@ def test_the_notebook_runs_in_jupyterlab_and_shows_its_pictures(notebook, jupyte
                 break
             if all(cell["prompt"][1:2].isdigit() for cell in cells):
                 break
-            page.wait_for_timeout(1000)
+            page.wait_for_timeout(400)
         took = time.monotonic() - started
         page.wait_for_timeout(500)  # the last image decoded and laid out
         cells = page.evaluate(READ_CELLS)

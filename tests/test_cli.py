@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import REPO, clean_env, finish, run_ranks, start_ranks
+from conftest import REPO, call_main, clean_env, finish, run_ranks, start_ranks
 
 EXIT_USER_ERROR = 2
 
@@ -54,9 +54,16 @@ def test_unknown_strategy_is_reported_once(quick_args):
     assert_user_error(run_ranks([*quick_args, "--strategy", "zero9"], nprocs=2), "invalid choice: 'zero9'")
 
 
-def test_unknown_dataset_and_model(quick_args):
-    assert_user_error(run_ranks([*quick_args, "--dataset", "mnist"]), "invalid choice: 'mnist'")
-    assert_user_error(run_ranks([*quick_args, "--model", "vgg"]), "invalid choice: 'vgg'")
+def test_unknown_dataset_and_model(quick_args, capsys):
+    from course_lib.train.cli import main
+
+    # refused while parsing, before any rank starts: in this process (the sweep in test_cli_sweep.py
+    # refuses every option's senseless values the same way)
+    for option, value in (("--dataset", "mnist"), ("--model", "vgg")):
+        refused = call_main(main, [*quick_args, option, value], capsys)
+        assert refused.returncode == EXIT_USER_ERROR, refused.stderr
+        assert refused.stderr.count(f"invalid choice: '{value}'") == 1, refused.stderr
+    # refused once the two are known together, by a rank: a real process
     assert_user_error(
         run_ranks([*quick_args, "--dataset", "synthetic"]),
         "model digits_cnn expects 1x8x8 images but dataset synthetic has 3x32x32",

@@ -79,14 +79,18 @@ def pass_shape(m: int, k: int, n: int, which: str) -> tuple[int, int, int]:
     return {"forward": (m, k, n), "input_grad": (m, n, k), "weight_grad": (k, m, n)}[which]
 
 
-def _dtype(device: torch.device) -> torch.dtype:
-    """What the recorded work computes in: bf16 on a GPU, as training does; fp32 on a CPU check."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+HIGH_PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32}
+"""The precisions a product runs in without scales, by name: what the records call them."""
 
 
 def _precision(device: torch.device) -> str:
-    """The name of ``_dtype(device)`` among the products' precisions."""
+    """What the recorded work computes in: bf16 on a GPU, as training does; fp32 on a CPU check."""
     return "bf16" if device.type == "cuda" else "fp32"
+
+
+def _dtype(device: torch.device) -> torch.dtype:
+    """``_precision(device)`` as a dtype."""
+    return HIGH_PRECISIONS[_precision(device)]
 
 
 class Timer:
@@ -148,10 +152,8 @@ def matmul_function(rows: int, inner: int, columns: int, precision: str, which: 
     """
     left = _random_operand(rows, inner, device=device)
     right = _random_operand(columns, inner, device=device).t()
-    if precision in ("bf16", "fp32"):
-        left, right = (
-            (left.bfloat16(), right.bfloat16()) if precision == "bf16" else (left.float(), right.float())
-        )
+    if precision in HIGH_PRECISIONS:
+        left, right = left.to(HIGH_PRECISIONS[precision]), right.to(HIGH_PRECISIONS[precision])
         return lambda: torch.mm(left, right)
     gradient = which != "forward" and precision == "fp8-tensorwise"
     left_dtype = torch.float8_e5m2 if gradient else torch.float8_e4m3fn
@@ -550,9 +552,8 @@ def main(argv: list[str] | None = None) -> int:
     on_gpu = args.device == "cuda"
     device = torch.device(args.device, 0) if on_gpu else torch.device("cpu")
     models = [MODELS[name] for name in args.models]
-    timer = Timer(
-        device, warmup=3 if on_gpu else 1, repeats=10 if on_gpu else 1
-    )  # a CPU run checks the command
+    # a CPU run checks the command: one timing a product
+    timer = Timer(device, warmup=3 if on_gpu else 1, repeats=10 if on_gpu else 1)
     begin = time.perf_counter()
 
     def report(line: str) -> None:

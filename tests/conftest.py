@@ -57,10 +57,19 @@ def clean_env(**extra: str) -> dict[str, str]:
 def start_ranks(
     args: list[str], nprocs: int, env: dict[str, str] | None = None, module: str = "course_lib.train"
 ) -> list[subprocess.Popen]:
-    """Start ``python -m module args`` as ranks 0..nprocs-1 with the variables torchrun would set."""
-    from course_lib.distributed.launch import free_port
+    """Start ``python -m module args`` as ranks 0..nprocs-1 with the variables torchrun would set.
 
-    port = str(free_port())
+    As torchrun's agent does, this process listens at MASTER_PORT with the rendezvous store before
+    any rank starts (held by the processes returned): a port only chosen here, for rank 0 to bind
+    seconds later, could be taken by another test's process in between."""
+    from course_lib.distributed import runtime
+    from course_lib.distributed.launch import hosted_store, rendezvous_socket
+
+    store, port = None, 0
+    if nprocs > 1:
+        listening = rendezvous_socket()
+        port = listening.getsockname()[1]
+        store = hosted_store(listening)  # served now: subprocesses fork and exec at once, no lock held
     processes = []
     for rank in range(nprocs):
         rank_env = clean_env(**(env or {}))
@@ -71,8 +80,9 @@ def start_ranks(
                 WORLD_SIZE=str(nprocs),
                 LOCAL_WORLD_SIZE=str(nprocs),
                 MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=port,
+                MASTER_PORT=str(port),
                 OMP_NUM_THREADS="1",
+                **{runtime.STORE_HOSTED_VARIABLE: "1"},
             )
         processes.append(
             subprocess.Popen(
@@ -84,6 +94,7 @@ def start_ranks(
                 text=True,
             )
         )
+        processes[-1].rendezvous_store = store  # served until finish(): see there
     return processes
 
 
@@ -97,6 +108,9 @@ def finish(processes: list[subprocess.Popen], timeout: float = 120) -> list[Rank
                 other.kill()
             raise AssertionError(f"rank {rank} did not finish within {timeout} s") from None
         outcomes.append(RankOutcome(rank, process.returncode, stdout, stderr))
+    for process in processes:
+        # the store's thread ends with it: a later launch() in this process forks without it
+        process.rendezvous_store = None
     return outcomes
 
 
@@ -190,6 +204,42 @@ LONGEST_FIRST = ("test_slides.py", "test_slurm.py", "test_cli.py", "test_preempt
 workers (``--dist loadfile``: a file per worker) finish at about the same time. (Longest first
 throughout, which puts the browser's notebooks beside the labs' suites, measured 130 s faster, but
 three timing-sensitive tests failed in that run; this order has passed run after run.)"""
+
+
+BUSY_LOOP = "import os, sys; os.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True: pass"
+"""A process that keeps one core busy: what another job on a shared machine does to the tests."""
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--busy-cores",
+        type=int,
+        default=0,
+        metavar="N",
+        help="keep cores 0..N-1 busy with a Python loop pinned to each, for the whole run: which timing "
+        "assertions survive a loaded machine (make test-under-load)",
+    )
+
+
+def pytest_configure(config):
+    """With --busy-cores N, the controller (not each xdist worker) starts the busy loops."""
+    cores = config.getoption("--busy-cores")
+    if cores and not hasattr(config, "workerinput"):
+        available = sorted(os.sched_getaffinity(0))
+        config.busy_loops = [
+            subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(core)]) for core in available[:cores]
+        ]
+
+
+def pytest_unconfigure(config):
+    for loop in getattr(config, "busy_loops", []):
+        loop.kill()
+        loop.wait()
+
+
+def pytest_report_header(config):
+    cores = config.getoption("--busy-cores")
+    return f"busy loops: {cores} core(s) kept busy beside the tests" if cores else None
 
 
 def pytest_collection_modifyitems(config, items):

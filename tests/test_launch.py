@@ -26,6 +26,27 @@ def test_results_come_back_in_rank_order(nprocs):
     assert results == [(rank, expected_sum, 1) for rank in range(nprocs)]
 
 
+def _master_port_is_taken() -> bool:
+    """Whether this rank could bind MASTER_PORT (it must not: the launcher listens there)."""
+    import socket
+
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", int(os.environ["MASTER_PORT"])))
+        except OSError:
+            return True
+    return False
+
+
+def test_the_launcher_holds_the_rendezvous_port_from_before_the_first_rank_starts():
+    """No rank binds MASTER_PORT after the launcher chose it (another process could take it in between,
+    and a rank would fail with "already in use"): the launcher listens there before forking, and
+    serves the store once every rank is forked (a store thread running during a fork can deadlock
+    the child on a lock the C library held)."""
+    for _ in range(20):  # rounds of rendezvous on fresh ports: none may hang or lose its port
+        assert launch(_master_port_is_taken, 4) == [True] * 4
+
+
 def _fails_on_rank_two():
     if runtime.rank() == 2:
         raise ValueError("bad value on rank two")

@@ -18,8 +18,11 @@ How it works, and why:
   a parent that already used OpenMP threads hangs in its first multi-threaded op; one thread
   avoids that, and N processes on N cores should not each start N threads anyway.
 - Each child gets the same environment variables torchrun would set (RANK, WORLD_SIZE,
-  MASTER_ADDR=127.0.0.1, a free MASTER_PORT) and calls ``runtime.init()``, so the function runs
-  through exactly the code path of a real job.
+  MASTER_ADDR=127.0.0.1, MASTER_PORT) and calls ``runtime.init()``, so the function runs
+  through exactly the code path of a real job. As torchrun's agent does, the launcher itself
+  listens at MASTER_PORT before any child starts and serves the rendezvous store there
+  (``hosted_store``): a port only chosen here and bound later by rank 0 could be taken by
+  another process in between.
 - Results and exceptions come back through one pipe per child. When a rank fails, the others
   are stopped at once and its exception is raised here with the child's traceback attached;
   an error that only says "another rank died" is never shown in place of the real cause.
@@ -66,6 +69,42 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def rendezvous_socket() -> socket.socket:
+    """A TCP socket listening on a free loopback port (``getsockname()[1]``): where ranks will meet.
+
+    Listening from the start, the port cannot be taken by another process before the store serves
+    it (``hosted_store``); a rank that connects early waits in the socket's backlog.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    return sock
+
+
+def hosted_store(listening: socket.socket, timeout_s: float = runtime.DEFAULT_TIMEOUT_S):
+    """The rendezvous store, served on ``listening`` (a ``rendezvous_socket``, which it takes over).
+
+    The ranks a launcher starts with ``runtime.STORE_HOSTED_VARIABLE=1`` and MASTER_PORT set to
+    that socket's port all connect to it as clients. Keep the store until they have finished.
+    Serving starts a thread: a launcher that forks its ranks forks them *before* (a child forked
+    while that thread held a lock of the C library would wait on it forever).
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    port = listening.getsockname()[1]
+    return dist.TCPStore(
+        "127.0.0.1",
+        port,
+        None,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        master_listen_fd=listening.detach(),  # the store closes it when it is deleted
+    )
+
+
 def _send(connection, message) -> None:
     # Plain pickle copies tensors by value. The pipe's own pickler (once torch.multiprocessing is
     # imported) would pass them as shared-memory handles that die with this process.
@@ -96,6 +135,7 @@ def _child(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
+    os.environ[runtime.STORE_HOSTED_VARIABLE] = "1"  # the parent listens there: hosted_store
     os.environ[runtime.RUN_VARIABLE] = run_id
     os.environ[hooks.CHECK_COLLECTIVES] = "1" if check_collectives else "0"
     exit_code = 0
@@ -228,7 +268,9 @@ def launch(
     import torch._dynamo  # noqa: F401 (once here, not in every child: see the module docstring)
 
     context = multiprocessing.get_context("fork")
-    port = free_port()
+    # listening before any child starts; served once every child is forked (hosted_store)
+    listening = rendezvous_socket()
+    port = listening.getsockname()[1]
     # each launch a run of its own, unless the caller names one: records a later launch writes
     # into the same flight-recorder folder are told apart
     run_id = os.environ.get(runtime.RUN_VARIABLE) or f"launch-{os.getpid()}-{port}-{time.time_ns()}"
@@ -245,12 +287,14 @@ def launch(
         send_end.close()  # only the child writes; closing our copy lets us see EOF if it dies
         processes.append(process)
         pending[receive_end] = rank
+    store = hosted_store(listening, collective_timeout_s or timeout_s)  # held until every child ended
     try:
         results, failures = _collect(processes, pending, timeout_s, read_result)
     finally:
         _stop(processes)
         for receive_end in pending:
             receive_end.close()
+        del store
     if failures:
         _raise_failure(failures)
     return [results[rank] for rank in range(nprocs)]

@@ -42,6 +42,12 @@ from .environment import (
 RUN_VARIABLE = "COURSE_RUN_ID"
 """A name every rank of one run shares (the launcher sets it; instruments write it into their records)."""
 
+STORE_HOSTED_VARIABLE = "COURSE_STORE_HOSTED"
+"""Set to 1 by a launcher that already listens at MASTER_ADDR:MASTER_PORT with the rendezvous store
+(this course's ``launch``, as torchrun's agent does): every rank, rank 0 too, connects to it. A
+launcher that only *chose* a free port and left rank 0 to bind it later could lose that port to
+any other process in between (measured: once in a suite of a thousand launches on two cores)."""
+
 
 DEFAULT_TIMEOUT_S = 300
 """How long a collective waits for a missing rank before failing (instead of hanging forever)."""
@@ -75,13 +81,17 @@ def _rendezvous_store(env: DistEnvironment, timeout: datetime.timedelta):
     """The key-value store where the ranks meet: each writes its address, reads everyone else's.
 
     Rank 0 hosts it at MASTER_ADDR:MASTER_PORT, except under torchrun, whose agent already hosts
-    one there. A torchrun restart (``--max-restarts``) meets in that *same* agent store, where the
-    dead attempt's addresses are still written: a prefix per attempt (TORCHELASTIC_RESTART_COUNT)
-    keeps the new ranks from connecting to processes that no longer exist.
+    one there, and under this course's ``launch``, which hosts it in the parent
+    (``STORE_HOSTED_VARIABLE``). A torchrun restart (``--max-restarts``) meets in that *same*
+    agent store, where the dead attempt's addresses are still written: a prefix per attempt
+    (TORCHELASTIC_RESTART_COUNT) keeps the new ranks from connecting to processes that no longer exist.
     """
     import torch.distributed as dist
 
-    agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    agent_hosts_it = (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        or os.environ.get(STORE_HOSTED_VARIABLE) == "1"
+    )
     hosts = env.rank == 0 and not agent_hosts_it
     if not hosts and not agent_hosts_it:
         _wait_until_listening(env, timeout)

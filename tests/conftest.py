@@ -199,11 +199,23 @@ def latest_weights(checkpoint_dir: Path) -> tuple[str, dict]:
     return latest.name, checkpoint_weights(latest)
 
 
-LONGEST_FIRST = ("test_slides.py", "test_slurm.py", "test_cli.py", "test_preemption.py")
-"""Files whose shared fixtures or runs take minutes: started first, so that ``make test``'s two
-workers (``--dist loadfile``: a file per worker) finish at about the same time. (Longest first
-throughout, which puts the browser's notebooks beside the labs' suites, measured 130 s faster, but
-three timing-sensitive tests failed in that run; this order has passed run after run.)"""
+LONGEST_FIRST = (
+    "test_browser.py",  # worker-seconds in a full run on 2 cores with AVX-512: 215
+    "test_browser_second_half.py",  # 210
+    "test_labs.py",  # 207
+    "test_slurm.py",  # 193
+    "test_cli.py",  # 146
+    "test_slides.py",  # 134
+    "test_pipeline.py",  # 81
+    "test_preemption.py",  # 67
+    "test_flags.py",  # 53
+    "test_training_faults.py",  # 52
+    "test_flight_recorder.py",  # 43
+)
+"""The files that take longest, started first (the others follow in collection order, each under 40 s):
+``make test``'s two workers take a file each (``--dist loadfile``) in this order
+(``--no-loadscope-reorder``: xdist would otherwise start the files with the most tests first), so
+that neither is left with a long file when the other has finished."""
 
 
 BUSY_LOOP = "import os, sys; os.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True: pass"
@@ -271,8 +283,15 @@ def tiny_transformer(*, seq: int, d_model: int, heads: int, layers: int = 2, see
     return model, inputs, targets
 
 
+def unexplained_beyond_load_share(anatomy: dict) -> float:
+    """Of a step (an anatomy's summary, as a benchmark prints it), the unexplained share that the time
+    its ranks waited for a core (another process holding it: the machine's load) does not account for."""
+    return max(0.0, anatomy["unexplained_ms"] - anatomy["waited_for_core_ms"]) / anatomy["step_ms"]
+
+
 def assert_accounted(anatomies: dict, variants) -> None:
-    """Each variant's anatomy (a benchmark's JSON) adds up and leaves at most 10 % of the step unexplained."""
+    """Each variant's anatomy (a benchmark's JSON) adds up and leaves at most 10 % of the step unexplained
+    beyond the time the machine's load took (``anatomy.Budget.unexplained_beyond_load_ms``)."""
     shares = (
         "compute_share",
         "exposed_communication_share",
@@ -283,7 +302,7 @@ def assert_accounted(anatomies: dict, variants) -> None:
     for variant in variants:
         anatomy = anatomies[variant]
         assert abs(sum(anatomy[share] for share in shares) - 1) < 1e-9, variant
-        assert anatomy["unexplained_share"] <= 0.10, (variant, anatomy["unexplained_share"])
+        assert unexplained_beyond_load_share(anatomy) <= 0.10, (variant, anatomy)
 
 
 def user_errors(attempts: dict) -> dict[str, str]:

@@ -79,6 +79,7 @@ def test_a_kill_during_the_background_write_resumes_from_the_previous_checkpoint
         assert torch.equal(weights[key], tensor), key  # resumed from step 8: the same run
 
 
+@pytest.mark.timing
 def test_the_checkpoint_benchmark_times_both_kinds_of_save_beside_the_steps():
     from conftest import run_bench
 

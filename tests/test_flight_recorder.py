@@ -288,6 +288,7 @@ def _slow_steps(steps: int = 4) -> dict | None:
     return {"summary": stragglers.summary(meter.reports), "text": stragglers.describe(meter.reports)}
 
 
+@pytest.mark.timing
 def test_a_slow_rank_is_named_with_what_it_cost_the_others(monkeypatch):
     """Rank 1 sleeps 40 ms before each of its 3 collectives a step: it arrives last at every one,
     about 120 ms a step after the first, and the two others lose that much each, every step."""
@@ -318,6 +319,7 @@ def test_a_step_report_from_known_arrivals():
     assert report.waited_s == pytest.approx([0.5, 0.6, 0.1])
 
 
+@pytest.mark.timing
 def test_the_training_command_reports_a_slow_rank_and_the_tool_plots_it(tmp_path):
     """2 ranks of the course's DDP, rank 1 sleeping 80 ms before each collective: the steps' lines
     name it, the run's last line says what it cost, and the tool draws the report. (A busy machine

@@ -194,6 +194,7 @@ def test_bad_policies_are_refused_with_the_fix():
     assert "unknown recomputation 'all'" in errors["formula"]
 
 
+@pytest.mark.timing
 def test_the_benchmark_measures_each_policy_against_the_planners_formula():
     from conftest import run_bench
 

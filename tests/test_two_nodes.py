@@ -100,6 +100,7 @@ def _rank(space: str, env: dict) -> subprocess.Popen:
     )
 
 
+@pytest.mark.timing
 def test_the_hierarchy_beats_the_flat_ring_between_two_nodes_as_the_model_predicts(two_nodes):
     spaces, address, interface = two_nodes
     port, world = str(free_port()), NODES * GPUS_PER_NODE

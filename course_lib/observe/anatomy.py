@@ -18,6 +18,13 @@ unexplained            none of the above: time the record does not account for. 
                        never hidden, and small when the phases cover the step
 =====================  ================================================================================
 
+Beside the parts, each step records how long the training thread was ready to run but waited for
+a core (``waited_for_core_ms``: Linux counts it per thread, ``/proc/thread-self/schedstat``). That
+is the machine's load, not the program: on a shared machine, another process holding the core.
+It is not a part (it falls inside the others: an operator that waited lasted longer), but where
+it falls outside every phase and operator it shows up as unexplained, so ``unexplained_ms``
+beyond it is what the record truly misses (``Budget.unexplained_beyond_load_ms``).
+
 Communication *hidden* behind computation (a bucket's all-reduce while backward goes on, FSDP's
 prefetched all-gather) costs nothing in this budget: that is what overlap buys, and the budget
 measures it (``hidden_communication_ms``).
@@ -138,6 +145,7 @@ class StepTimeline:
     collectives: list[Collective]
     phases: list[tuple[str, float, float]]
     host_busy: Intervals  # the training thread inside a phase or a non-compute operator
+    waited_for_core_ms: float = 0.0  # ready to run, waiting for a core another process held
 
 
 PARTS = ("compute", "exposed_communication", "idle", "host_overhead", "unexplained")
@@ -157,6 +165,12 @@ class Budget:
     unexplained_ms: float
     communication_ms: float  # every collective's time in flight, hidden or not
     hidden_communication_ms: float  # of which the rank was computing meanwhile
+    waited_for_core_ms: float = 0.0  # the machine's load: inside the parts, not one of them
+
+    @property
+    def unexplained_beyond_load_ms(self) -> float:
+        """The unexplained time the machine's load cannot account for: what the record misses."""
+        return max(0.0, self.unexplained_ms - self.waited_for_core_ms)
 
     def shares(self) -> dict[str, float]:
         """Each part as a fraction of the step."""
@@ -230,6 +244,7 @@ def budget(timelines: list[list[StepTimeline]], rank: int, step: int) -> Budget:
         unexplained_ms=length(cut["unexplained"]),
         communication_ms=length(cut["communication"]),
         hidden_communication_ms=length(intersect(cut["communication"], cut["compute"])),
+        waited_for_core_ms=timelines[rank][step].waited_for_core_ms,
     )
 
 

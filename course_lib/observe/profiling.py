@@ -75,6 +75,7 @@ class Recorder:
         self.cuda = torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         self._calls_per_step: list[list[comm.CommRecord]] = []
+        self._waited_ms: list[float] = []  # per step: the training thread waiting for a core
         self._log = comm.CommLog()
         self._unchecked = (
             collective_check.unchecked()
@@ -95,11 +96,13 @@ class Recorder:
         if self.cuda:
             torch.cuda.synchronize()
         before = len(self._log.records)
+        waited_before = waited_for_core_ns()
         with record_function(STEP_MARK):
             yield
             if self.cuda:
                 torch.cuda.synchronize()
         self._calls_per_step.append(self._log.records[before:])
+        self._waited_ms.append((waited_for_core_ns() - waited_before) / 1e6)
 
     def _stop(self) -> None:
         if self._running:
@@ -120,6 +123,8 @@ class Recorder:
             self.trace_dir.mkdir(parents=True, exist_ok=True)
             self._profiler.export_chrome_trace(str(self.trace_dir / f"rank{runtime.rank()}.json"))
         mine = _timelines(self._profiler.events(), self._calls_per_step, self.cuda)
+        for timeline, waited_ms in zip(mine, self._waited_ms, strict=False):
+            timeline.waited_for_core_ms = waited_ms
         everyone = [mine]
         if runtime.world_size() > 1:
             everyone = [None] * runtime.world_size()
@@ -213,6 +218,19 @@ def record_steps(
     finally:
         recorder._stop()
     return recorder.finish(warmup_steps=warmup)
+
+
+def waited_for_core_ns() -> int:
+    """How long this thread has been ready to run but waiting for a core, in ns, since it started.
+
+    Linux keeps it per thread (the second number of ``/proc/thread-self/schedstat``: time on a
+    run queue); where it does not (macOS, a kernel without schedstats), 0: no load is subtracted.
+    """
+    try:
+        with open("/proc/thread-self/schedstat") as counters:
+            return int(counters.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
 
 
 def _is_communication(name: str) -> bool:
@@ -338,6 +356,7 @@ def load(path: str | Path) -> Anatomy:
                 ],
                 phases=[tuple(phase) for phase in step["phases"]],
                 host_busy=[tuple(span) for span in step["host_busy"]],
+                waited_for_core_ms=step.get("waited_for_core_ms", 0.0),  # absent before it was recorded
             )
             for step in steps
         ]

@@ -232,6 +232,7 @@ def test_conversion_keeps_the_dense_weights():
     assert all(torch.equal(after[key], before[key]) for key in before)
 
 
+@pytest.mark.timing
 def test_cp_benchmark_prints_the_promised_json():
     from conftest import assert_accounted, run_bench
 

@@ -318,6 +318,7 @@ def test_harness_course_impl_gives_the_same_metrics_as_torch(tmp_path, quick_arg
     assert metrics["course"]["val_acc"] == metrics["torch"]["val_acc"]
 
 
+@pytest.mark.timing
 def test_benchmark_command_prints_the_promised_json():
     result = run_bench(
         "ddp", "--width", "64", "--layers", "3", "--steps", "2", "--warmup", "1", "--world-size", "3"

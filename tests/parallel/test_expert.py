@@ -172,6 +172,7 @@ def test_bad_arguments_are_refused_on_every_rank_before_any_message():
         assert "top_k" in errors["top_k"]
 
 
+@pytest.mark.timing
 def test_ep_benchmark_prints_the_promised_json():
     from conftest import assert_accounted, run_bench
 

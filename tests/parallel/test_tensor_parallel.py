@@ -156,6 +156,7 @@ def test_mlp_and_attention_cost_one_all_reduce_forward_and_one_backward(degree):
         assert message_bytes == {BATCH * SEQ * D_MODEL * 4}  # the activation, never the 4x wider hidden layer
 
 
+@pytest.mark.timing
 def test_tp_benchmark_prints_the_promised_json():
     from conftest import assert_accounted, run_bench
 

@@ -200,13 +200,15 @@ def latest_weights(checkpoint_dir: Path) -> tuple[str, dict]:
 
 
 LONGEST_FIRST = (
-    "test_browser.py",  # worker-seconds in a full run on 2 cores with AVX-512: 215
-    "test_browser_second_half.py",  # 210
-    "test_labs.py",  # 207
-    "test_slurm.py",  # 193
+    "test_slurm.py",  # worker-seconds in a full run on 2 cores with AVX-512: 193
+    "test_browser_part2.py",  # 188 (notebooks 05-10)
     "test_cli.py",  # 146
+    "test_labs.py",  # 140 (207 before the grader's attacks moved out)
     "test_slides.py",  # 134
+    "test_browser_part3.py",  # 125 (notebooks 11-15)
+    "test_browser.py",  # 108 (notebooks 00-04)
     "test_pipeline.py",  # 81
+    "test_lab_grader_attacks.py",  # 70
     "test_preemption.py",  # 67
     "test_flags.py",  # 53
     "test_training_faults.py",  # 52

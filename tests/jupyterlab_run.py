@@ -1,7 +1,7 @@
 """The notebooks as a student meets them: a real JupyterLab, driven in a real Chromium.
 
-(The machinery of ``test_browser.py`` and ``test_browser_second_half.py``: each runs half of the
-notebooks, so that ``make test``'s two workers, a file each, share them.)
+(The machinery of ``test_browser.py``, ``test_browser_part2.py`` and ``test_browser_part3.py``:
+each runs a third of the notebooks, so that ``make test``'s two workers, a file each, share them.)
 
 JupyterLab runs headless on this machine's loopback with a token, over a copy of ``notebooks/``
 (so that JupyterLab's autosave never writes into the committed notebooks). For each notebook,
@@ -184,8 +184,14 @@ READ_CELLS = """() => [...document.querySelectorAll('.jp-Notebook .jp-Cell.jp-Co
 }))"""
 
 
-HALF = (len(NOTEBOOKS) + 1) // 2
-"""The first HALF notebooks run in ``test_browser.py``, the others in ``test_browser_second_half.py``."""
+PARTS = 3
+"""The notebooks run in this many test files, in order: a third of their 7 minutes each, here."""
+
+
+def part(number: int) -> list[Path]:
+    """The notebooks of test file ``number`` (1 to PARTS): consecutive, as many in each as can be."""
+    bounds = [round(i * len(NOTEBOOKS) / PARTS) for i in range(PARTS + 1)]
+    return NOTEBOOKS[bounds[number - 1] : bounds[number]]
 
 
 def run_and_check(notebook: Path, jupyterlab, browser) -> None:

@@ -1,7 +1,7 @@
 """The notebooks as a student meets them: a real JupyterLab, driven in a real Chromium.
 
-(The machinery of ``test_browser.py``, ``test_browser_part2.py`` and ``test_browser_part3.py``:
-each runs a third of the notebooks, so that ``make test``'s two workers, a file each, share them.)
+(The machinery of ``test_browser.py`` and ``test_browser_part2.py`` to ``_part4.py``: each runs a
+part of the notebooks, so that ``make test``'s two workers, a file each, share them.)
 
 JupyterLab runs headless on this machine's loopback with a token, over a copy of ``notebooks/``
 (so that JupyterLab's autosave never writes into the committed notebooks). For each notebook,
@@ -184,14 +184,16 @@ READ_CELLS = """() => [...document.querySelectorAll('.jp-Notebook .jp-Cell.jp-Co
 }))"""
 
 
-PARTS = 3
-"""The notebooks run in this many test files, in order: a third of their 7 minutes each, here."""
+PART_STARTS = ("00", "05", "08", "12")
+"""The notebooks run in four test files, each from the notebook numbered here to the next one: about
+two minutes each on 2 cores (notebook 05, the scaling study, takes one and a half alone)."""
 
 
 def part(number: int) -> list[Path]:
-    """The notebooks of test file ``number`` (1 to PARTS): consecutive, as many in each as can be."""
-    bounds = [round(i * len(NOTEBOOKS) / PARTS) for i in range(PARTS + 1)]
-    return NOTEBOOKS[bounds[number - 1] : bounds[number]]
+    """The notebooks of test file ``number`` (1 to 4), in order."""
+    first = PART_STARTS[number - 1]
+    after = PART_STARTS[number] if number < len(PART_STARTS) else None
+    return [path for path in NOTEBOOKS if path.stem[:2] >= first and (after is None or path.stem[:2] < after)]
 
 
 def run_and_check(notebook: Path, jupyterlab, browser) -> None:

@@ -1,4 +1,4 @@
-"""The notebooks in a real JupyterLab, driven in a real Chromium: part 2 of 3.
+"""The notebooks in a real JupyterLab, driven in a real Chromium: part 2 of 4.
 
 How, and what is checked: ``jupyterlab_run.py``. The other parts run in the other
 ``test_browser*.py`` files, so that ``make test``'s two workers (a file each) share them.

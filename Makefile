@@ -95,7 +95,7 @@ test-under-load: setup
 
 # Everything but the multi-minute parts (notebooks, the browser, Slurm, slides): the inner loop while editing.
 test-fast: setup
-	$(PY) -m pytest -m "not slow and not notebooks and not slurm and not slides and not browser" $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow and not notebooks and not slurm and not slides and not browser" $(PYTEST_ARGS)
 
 clean-results:
 	rm -rf results checkpoints

@@ -7,6 +7,7 @@ How, and what is checked: ``jupyterlab_run.py``. The other parts run in the othe
 from __future__ import annotations
 
 import pytest
+
 from jupyterlab_run import browser, jupyterlab, part, run_and_check  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.browser

@@ -12,6 +12,8 @@ import pytest
 
 from conftest import REPO, call_main, clean_env, finish, run_ranks, start_ranks
 
+pytestmark = pytest.mark.slow  # the command line in fresh processes, a few ranks each: seconds each
+
 EXIT_USER_ERROR = 2
 
 

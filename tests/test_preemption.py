@@ -19,6 +19,8 @@ from course_lib.tools.torchrun import verdict
 
 from conftest import REPO, clean_env, latest_weights
 
+pytestmark = pytest.mark.slow  # runs trained, stopped by a signal and resumed: seconds each
+
 TRAINING = [
     "-m",
     "course_lib.train",

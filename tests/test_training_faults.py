@@ -9,6 +9,8 @@ from course_lib.observe import faults
 
 from conftest import run_ranks
 
+pytestmark = pytest.mark.slow  # each fault stops a real multi-process run: seconds each
+
 BASE = ["--epochs", "2", "--max-steps", "30", "--no-progress", "--strategy", "ddp", "--timeout", "20"]
 
 CASES = [

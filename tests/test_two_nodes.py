@@ -24,6 +24,8 @@ from course_lib.plan.specs import Link
 
 from conftest import REPO, clean_env
 
+pytestmark = pytest.mark.slow  # two network namespaces joined by shaped links, and runs across them
+
 GPUS_PER_NODE, NODES = 2, 2
 RATE_MBIT = 200  # each "NIC": 25 MB/s, far below what two processes of one namespace reach over loopback
 MESSAGE_MB = 8

@@ -298,6 +298,7 @@ def pipeline_bench() -> dict:
     return run_bench("pipeline", *sizes.split())
 
 
+@pytest.mark.slow
 @pytest.mark.timing
 def test_pipeline_benchmark_prints_the_promised_json(pipeline_bench):
     from conftest import assert_accounted
@@ -316,6 +317,7 @@ def test_pipeline_benchmark_prints_the_promised_json(pipeline_bench):
         assert row["ratio"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.timing
 def test_where_stages_compute_far_longer_than_a_message_the_measured_bubble_is_the_theory(pipeline_bench):
     """The benchmark's compute-bound rows: equal stages of wide MLP blocks, kilobyte messages.
@@ -410,6 +412,7 @@ def test_the_micro_batches_in_flight_hold_what_the_formula_says(p):
     assert checked == len(CASES) * p
 
 
+@pytest.mark.slow
 @pytest.mark.timing
 def test_the_zero_bubble_rows_run_beside_1f1b_and_pytorch(pipeline_bench):
     """``bench pipeline``'s zero-bubble rows: the same gradients as PyTorch's schedules, less idle than

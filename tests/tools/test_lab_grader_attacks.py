@@ -5,9 +5,12 @@ each attack, written as a student would, fails with its reason (apart from ``tes
 from __future__ import annotations
 
 import pytest
-from test_labs import LAB6, SUITE_LABS, _check_command
 
 from course_lib.tools import labs
+
+from test_labs import LAB6, SUITE_LABS, _check_command
+
+pytestmark = pytest.mark.slow  # every grading runs the lab's suite in sandboxed processes: seconds each
 
 # What a submission that attacks its grader adds to an unfinished exercise, each attack guarded so
 # that the file still loads: it writes the verdict, patches the grading code, and becomes the

@@ -16,6 +16,8 @@ from course_lib.tools import labs
 
 from conftest import REPO, clean_env
 
+pytestmark = pytest.mark.slow  # every grading runs the lab's suite in sandboxed processes: seconds each
+
 SUITE_LABS = labs.lab_names()  # every lab has a grading suite (grading.py) and questions (answers.toml)
 
 

@@ -176,6 +176,7 @@ def test_the_sweep_reaches_every_command_and_its_options():
     assert sum(1 for parser in parsers.values() for _ in _options(parser)) >= 150
 
 
+@pytest.mark.slow  # every command's every option, in fresh processes
 def test_every_option_refuses_a_senseless_value_in_one_line(outcomes):
     wordy = sorted({key[0] for key, outcome in outcomes.items() if outcome.startswith("not one line")})
     assert wordy == [], f"these commands refuse in more than one line (use checks.CommandParser): {wordy}"

@@ -17,6 +17,8 @@ import pytest
 
 from conftest import REPO, clean_env
 
+pytestmark = pytest.mark.slow  # two clones set up as a newcomer would, and their tools run
+
 SETUP_FILES = ("Makefile", "pyproject.toml", "constraints.txt", "README.md")
 WHERE = "import course_lib, pathlib; print(pathlib.Path(course_lib.__file__).resolve().parent.parent)"
 

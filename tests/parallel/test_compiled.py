@@ -60,6 +60,7 @@ def test_compiled_blocks_train_as_eager_does(kind, world):
             assert result["breaks"] == {"graphs": 1, "breaks": 0, "reasons": []}
 
 
+@pytest.mark.slow  # four compilations
 def test_the_compile_benchmark_compiles_under_each_parallelism_and_equals_eager(tmp_path):
     """``bench compile`` with aot_eager: DTensor's and FSDP2's blocks compile into one graph (their
     collectives are traceable, or outside the block), the course's tensor parallelism breaks the

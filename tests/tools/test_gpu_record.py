@@ -54,6 +54,7 @@ def cpu_record(tmp_path_factory):
     return json.loads((out / "cpu.json").read_text()), json.loads(done.stdout)
 
 
+@pytest.mark.slow  # the whole record on a CPU: tens of seconds
 def test_the_command_records_every_part_on_a_cpu(cpu_record):
     record, summary = cpu_record
     assert record["device"]["device"] == "cpu"

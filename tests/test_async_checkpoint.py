@@ -64,6 +64,7 @@ def test_asynchronous_saves_write_the_checkpoints_a_blocking_save_writes(tmp_pat
         assert torch.equal(weights[key], tensor), key
 
 
+@pytest.mark.slow
 def test_a_kill_during_the_background_write_resumes_from_the_previous_checkpoint_bit_for_bit(
     tmp_path, uninterrupted
 ):

@@ -281,6 +281,7 @@ def test_the_planners_head_is_the_measured_formula_for_the_course_head():
     assert ours == theirs - 4 - 8 * 5 * 24  # the cross-entropy's saved scalar; the targets, the batch's
 
 
+@pytest.mark.slow
 def test_run_trains_the_first_layout_here_and_prints_predicted_beside_measured(capsys):
     argv = "--model course-transformer --cluster this-machine --gpus 2 --seq-len 16 --global-batch-tokens 128"
     assert plan_tool.main([*argv.split(), "--run", "--top", "3"]) == 0
@@ -290,6 +291,7 @@ def test_run_trains_the_first_layout_here_and_prints_predicted_beside_measured(c
     assert lines["activations"].endswith("(x1.000)") and lines["sent"].endswith("(x1.000)")
 
 
+@pytest.mark.slow
 def test_the_plan_weighs_ulysses_all_to_alls_where_the_ring_hides_under_attention(capsys):
     """Llama 3 70B, 8,192 tokens on Alps: the ring's passes hide under attention, Ulysses' cannot."""
     argv = ["--model", "llama3-70b", "--cluster", "alps", "--gpus", "64", "--top", "1"]

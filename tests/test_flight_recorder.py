@@ -246,6 +246,7 @@ def test_pytorchs_own_dump_is_read_as_the_same_entries(tmp_path):
     assert "train.py:7 in step" in found.text()
 
 
+@pytest.mark.slow
 def test_the_training_command_records_and_the_diagnosis_names_the_hung_rank(tmp_path):
     """The real command on 2 ranks, the course's DDP: rank 1 hangs at its 6th collective; nobody waits
     past --timeout, and ``diagnose`` on what they wrote names rank 1 and the line it was stuck at."""
@@ -319,6 +320,7 @@ def test_a_step_report_from_known_arrivals():
     assert report.waited_s == pytest.approx([0.5, 0.6, 0.1])
 
 
+@pytest.mark.slow
 @pytest.mark.timing
 def test_the_training_command_reports_a_slow_rank_and_the_tool_plots_it(tmp_path):
     """2 ranks of the course's DDP, rank 1 sleeping 80 ms before each collective: the steps' lines

@@ -214,6 +214,7 @@ def test_bad_grids_are_refused_on_every_rank_before_waiting(arguments, message):
     assert all(message in error for error in errors), errors[0]
 
 
+@pytest.mark.slow
 def test_the_3d_command_prints_both_curves_and_refuses_a_bad_grid(tmp_path):
     import json
 

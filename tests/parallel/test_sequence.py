@@ -252,6 +252,7 @@ def test_a_sequence_or_heads_that_do_not_split_are_refused_on_every_rank():
         assert "attention heads 4 does not divide by the tensor-parallel degree 3" in errors["heads"]
 
 
+@pytest.mark.slow
 @pytest.mark.timing
 def test_sp_benchmark_prints_the_promised_json():
     from conftest import assert_accounted, run_bench

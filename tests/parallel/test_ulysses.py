@@ -260,6 +260,7 @@ def test_key_value_heads_that_cannot_deal_out_are_refused_naming_the_degrees_tha
         ulysses.check_heads(12, 2, kv_heads=5)
 
 
+@pytest.mark.slow
 @pytest.mark.timing
 def test_the_attention_benchmark_compares_the_four_methods_with_their_theory():
     from conftest import assert_accounted, run_bench

@@ -409,6 +409,7 @@ def test_bad_inputs_get_clear_errors_on_every_rank():
     assert "does stage 1 or 2" in errors["zero_stage"]
 
 
+@pytest.mark.slow
 @pytest.mark.timing
 def test_fsdp_benchmark_prints_the_promised_json():
     result = run_bench(
@@ -434,6 +435,7 @@ def test_fsdp_benchmark_prints_the_promised_json():
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timing
 def test_memory_benchmark_matches_the_model_within_two_percent():
     result = run_bench("memory", "--width", "65", "--layers", "2", "--world-sizes", "2", "3")

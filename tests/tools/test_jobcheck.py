@@ -121,6 +121,7 @@ def test_the_sweep_sizes_and_the_verdict():
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timing
 def test_bench_allreduce_measures_the_local_network_and_its_alpha_beta_model(tmp_path):
     shown = run_tool(

@@ -39,6 +39,7 @@ def result():
     return pv.validate(launch, layouts=LAYOUTS, sweep=SMALL)
 
 
+@pytest.mark.slow
 def test_memory_and_bytes_match_the_prediction_on_every_layout(result):
     assert len(result["layouts"]) == len(LAYOUTS)
     for row in result["layouts"]:

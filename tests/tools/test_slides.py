@@ -170,6 +170,7 @@ def test_a_snippet_that_no_longer_runs_fails_with_its_slide_and_line(tmp_path):
     assert f'File "{deck}", line 20' in problem  # the traceback points into the deck itself
 
 
+@pytest.mark.slow
 def test_a_snippet_that_hangs_is_stopped_with_the_processes_it_started(tmp_path):
     deck = _deck(
         tmp_path,

@@ -122,9 +122,7 @@ class Recorder:
         if self.trace_dir is not None:
             self.trace_dir.mkdir(parents=True, exist_ok=True)
             self._profiler.export_chrome_trace(str(self.trace_dir / f"rank{runtime.rank()}.json"))
-        mine = _timelines(self._profiler.events(), self._calls_per_step, self.cuda)
-        for timeline, waited_ms in zip(mine, self._waited_ms, strict=False):
-            timeline.waited_for_core_ms = waited_ms
+        mine = _timelines(self._profiler.events(), self._calls_per_step, self._waited_ms, self.cuda)
         everyone = [mine]
         if runtime.world_size() > 1:
             everyone = [None] * runtime.world_size()
@@ -237,7 +235,9 @@ def _is_communication(name: str) -> bool:
     return any(marker in name for marker in COMMUNICATION_MARKERS)
 
 
-def _timelines(events, calls_per_step: list[list[comm.CommRecord]], cuda: bool) -> list[StepTimeline]:
+def _timelines(
+    events, calls_per_step: list[list[comm.CommRecord]], waited_ms: list[float], cuda: bool
+) -> list[StepTimeline]:
     """Cut the profiler's events into one timeline per recorded step (ms from each step's start)."""
     marks = sorted((e for e in events if e.name == STEP_MARK), key=lambda e: e.time_range.start)
     training_thread = marks[0].thread if marks else None
@@ -313,6 +313,7 @@ def _timelines(events, calls_per_step: list[list[comm.CommRecord]], cuda: bool) 
                 collectives=collectives,
                 phases=phases,
                 host_busy=union(host_busy),
+                waited_for_core_ms=waited_ms[index] if index < len(waited_ms) else 0.0,
             )
         )
     return timelines

@@ -25,7 +25,6 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ from pathlib import Path
 
 import pytest
 
+from course_lib.distributed.launch import free_port
 from course_lib.tools import notebooks
 
 from conftest import REPO, clean_env
@@ -53,12 +53,6 @@ def _chromium() -> str:
     return found
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def jupyterlab(tmp_path_factory):
     """A JupyterLab server over a copy of the notebooks; yields (base URL, token)."""
@@ -68,7 +62,7 @@ def jupyterlab(tmp_path_factory):
     settings = root / "settings" / "@jupyterlab" / "notebook-extension"
     settings.mkdir(parents=True)
     (settings / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
-    port, token = _free_port(), secrets.token_hex(16)
+    port, token = free_port(), secrets.token_hex(16)
     log = open(root / "jupyterlab.log", "w")
     server = subprocess.Popen(
         [
@@ -194,6 +188,21 @@ def part(number: int) -> list[Path]:
     first = PART_STARTS[number - 1]
     after = PART_STARTS[number] if number < len(PART_STARTS) else None
     return [path for path in NOTEBOOKS if path.stem[:2] >= first and (after is None or path.stem[:2] < after)]
+
+
+def notebook_test(number: int):
+    """The test of test file ``number`` (1 to 4): each notebook of its part run and checked.
+
+    Each file assigns it to ``test_the_notebook_runs_in_jupyterlab_and_shows_its_pictures`` and
+    imports the fixtures ``jupyterlab`` and ``browser`` (a JupyterLab server for each file)."""
+    mine = part(number)
+
+    @pytest.mark.browser
+    @pytest.mark.parametrize("notebook", mine, ids=[path.stem for path in mine])
+    def test(notebook, jupyterlab, browser):
+        run_and_check(notebook, jupyterlab, browser)
+
+    return test
 
 
 def run_and_check(notebook: Path, jupyterlab, browser) -> None:

@@ -113,7 +113,7 @@ def test_each_policy_keeps_less_and_pays_more():
     kept, paid = {}, {}
     for policy in ("none", "selective", "full"):
         prediction = _predict(Layout(data=16, tensor=4, recomputation=policy))
-        kept[policy], paid[policy] = prediction.memory["activations"], prediction.time["recomputation"]
+        kept[policy], paid[policy] = prediction.peak.activations_kept, prediction.time["recomputation"]
     assert kept["full"] < kept["selective"] < kept["none"]
     assert paid["none"] == 0 < paid["selective"] < paid["full"]
     work = compute_model.products(StepShape(LLAMA_8B, ALPS, Layout(data=16, tensor=4), 4096, 64))

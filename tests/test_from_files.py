@@ -130,7 +130,7 @@ def _alps_toml(tmp_path, drop: str = "") -> str:
     alps = specs.CLUSTERS["alps"]
     lines = [
         f"{name} = {json.dumps(getattr(alps, name))}"
-        for name in ("name", "gpus_per_node", "gpu_memory_bytes", "reserved_bytes", "peak_flops",
+        for name in ("name", "gpus_per_node", "gpu_memory_bytes", "context_bytes", "peak_flops",
                      "achieved_flops", "memory_bandwidth", "source", "gpu")
         if name != drop
     ]  # fmt: skip

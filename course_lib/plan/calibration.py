@@ -86,7 +86,10 @@ def parts(prediction: Prediction, cluster: ClusterSpec) -> tuple[list[float], fl
         columns[_link_term(part, layout, cluster)] += time[part]
     columns["pipeline_per_microbatch"] = float(prediction.microbatches) if layout.pipeline > 1 else 0.0
     columns["step_overhead"] = 1.0
-    fixed = time["memory-bound operations"] + time["optimizer step"] + time["host (dispatching operations)"]
+    fixed = (
+        time["memory-bound operations"] + time["optimizer step"] + time["casts and copies"]
+        + time["host (dispatching operations)"]
+    )  # fmt: skip
     return [columns[name] for name in TERMS], fixed
 
 

@@ -38,10 +38,11 @@ class ComputeSeconds:
     recomputation: float
     bubble: float
     attention_flops: float  # the attention's score and value products, which a ring can hide under
+    copies: float = 0.0  # the casts and copies mixed precision and FSDP's buffers make
 
     @property
     def forward_and_backward(self) -> float:
-        return self.matmuls + self.pointwise_blocks + self.pointwise_head
+        return self.matmuls + self.pointwise_blocks + self.pointwise_head + self.copies
 
 
 def compute_seconds(step: StepShape) -> ComputeSeconds:
@@ -66,8 +67,9 @@ def compute_seconds(step: StepShape) -> ComputeSeconds:
         "selective": selective,
     }[layout.recomputation] / layout.recompute_every
     parts = ComputeSeconds(
-        work.total, pointwise_blocks, pointwise_head, optimizer, recompute, 0.0, work.attention_flops
-    )
+        work.total, pointwise_blocks, pointwise_head, optimizer, recompute, 0.0, work.attention_flops,
+        copies=copy_seconds(step),
+    )  # fmt: skip
     if layout.pipeline > 1:  # the schedule simulated: a backward twice a forward, three times if recomputed
         backward_over_forward = 2.0 + (layout.recomputation == "full") / layout.recompute_every
         parts.bubble = (parts.forward_and_backward + recompute) * bubble_overhead(
@@ -128,15 +130,30 @@ def products(step: StepShape) -> Products:
     vocabulary = model.vocab / t if layout.loss_parallel else model.vocab
     head = _matmul_passes(gpu, (step.tokens, vocabulary, model.d_model, 1))
     causal_forward = attention_flops / 2 / 3  # a causal kernel computes half the square
+    forward_rate, backward_rate = kernels.attention_fractions(
+        fit, **attention_shape(model, layout, step.seq_len)
+    )
     return Products(
         block_forward=blocks * sum(forward for forward, _ in passes),
         block_backward=blocks * sum(backward for _, backward in passes),
         recomputed_matmuls=blocks * sum(forward for forward, _ in passes[1::2]),
         head=step.microbatches * sum(head),
-        attention_forward=causal_forward / (fit.attention_forward * gpu.peak_flops),
-        attention_backward=2 * causal_forward / (fit.attention_backward * gpu.peak_flops),
+        attention_forward=causal_forward / (forward_rate * gpu.peak_flops),
+        attention_backward=2 * causal_forward / (backward_rate * gpu.peak_flops),
         attention_flops=attention_flops,
     )
+
+
+def attention_shape(model, layout, seq_len: int) -> dict:
+    """What one GPU's attention kernel sees: its head width, its query heads (a tensor rank's share;
+    Ulysses deals them out over the context ranks too) and the tokens a sequence attends over
+    (a ring's chunk of s/C)."""
+    heads, length = model.heads / layout.tensor, seq_len
+    if layout.context > 1 and layout.context_attention == "ulysses":
+        heads /= layout.context
+    elif layout.context > 1:
+        length /= layout.context
+    return {"head_dim": model.head_dim, "heads": heads, "seq_len": length}
 
 
 def _block_products(model, layout, tokens: float) -> list[tuple[float, float, float, float]]:
@@ -176,7 +193,10 @@ def memory_bound(step: StepShape) -> tuple[float, float, float]:
     model, cluster, layout, framework = step.model, step.cluster, step.layout, step.framework
     unrecomputed = layout.with_(recomputation="none")
     shape = {"micro_batch": layout.micro_batch, "seq_len": step.seq_len}
-    block_bytes = layout.element_bytes * block_activation_elements(model, unrecomputed, **shape)
+    autocast = framework.autocast and layout.precision != "fp32"
+    block_bytes = layout.element_bytes * block_activation_elements(
+        model, unrecomputed, **shape, fp32_residual=autocast
+    )
     held = stage_parameters(model, layout, equal_blocks=framework.equal_stage_blocks)
     updated = held / (1 if layout.sharding == "ddp" else layout.data * layout.context)
     optimizer_bytes = OPTIMIZER_BYTES[layout.precision] * updated
@@ -208,6 +228,49 @@ def memory_bound(step: StepShape) -> tuple[float, float, float]:
         (3 * head_rest / pointwise + loss) * step.microbatches,
         optimizer_bytes / (fit.optimizer * gpu.memory_bandwidth),
     )
+
+
+def copy_bytes(step: StepShape) -> dict[str, float]:
+    """Bytes a step's casts and buffer copies move on one GPU (read and written), by cause.
+
+    - ``logits``: a stack that upcasts the logits (``Framework.logits_upcast``) casts them to
+      fp32 in forward (2 bytes read, 4 written) and their gradient back (4 + 2): 12 a logit;
+    - ``autocast``: every forward casts each matmul's fp32 weight to bf16 (4 + 2), every backward
+      its bf16 gradient to fp32 (2 + 4): 12 a parameter a micro-batch;
+    - ``fsdp``: each gather copies this rank's shard into the gather's buffer, cast to the
+      gathered precision, and the gathered buffer out into the layer's parameters; each reduction
+      copies the gradients into its buffer in reduction precision and its output into the
+      sharded gradients (FSDP2's ``foreach_all_gather``, ``foreach_reduce``); a unit is gathered
+      for the forward and again for the backward. A world of one reduces by a copy too.
+    """
+    model, layout, framework = step.model, step.layout, step.framework
+    shape = {"micro_batch": layout.micro_batch, "seq_len": step.seq_len}
+    logits = logit_elements(model, layout, **shape) if framework.logits_upcast else 0.0
+    stage = stage_parameters(model, layout, equal_blocks=framework.equal_stage_blocks)
+    result = {"logits": 12 * logits * step.microbatches}
+    if framework.autocast and layout.precision != "fp32":
+        result["autocast"] = 12 * (stage - model.embedding_parameters()) * step.microbatches
+    if layout.sharding == "fsdp":
+        shards = layout.data * layout.context
+        stored, gather = (
+            framework.state_bytes(layout.precision)["param_bytes"],
+            framework.gather_bytes(layout.precision),
+        )
+        reduce = framework.gradient_reduce_bytes(layout.precision)
+        gathers = 2 * ((stored + gather) / shards + 2 * gather)
+        reduction = (layout.element_bytes + reduce) + 2 * reduce / shards
+        result["fsdp"] = (gathers + reduction) * stage * step.microbatches
+    return result
+
+
+def copy_seconds(step: StepShape) -> float:
+    """Seconds of ``copy_bytes`` at the rate the GPU's record measured for a copy (0 where the
+    cluster names no GPU: a CPU's calibrated bandwidths already hold its copies)."""
+    if not step.cluster.gpu:
+        return 0.0
+    gpu = kernels.GPUS[step.cluster.gpu]
+    rate = kernels.kernel_fit(gpu.record).copy * gpu.memory_bandwidth
+    return sum(copy_bytes(step).values()) / rate
 
 
 def recomputed_matmul_share(model) -> float:

@@ -43,9 +43,9 @@ from . import kernels
 from .compute_model import compute_seconds
 from .frameworks import COURSE_PROFILE, Framework
 from .layout import Layout
-from .memory_model import memory_per_gpu
+from .memory_phases import MemoryPeak, memory_peak
 from .network_model import context_axis, data_axis, expert_axis, pipeline_axis, tensor_axis
-from .specs import GB, ClusterSpec, ModelSpec, StepShape
+from .specs import GIB, ClusterSpec, ModelSpec, StepShape
 
 
 @dataclass
@@ -55,7 +55,10 @@ class Prediction:
     ``memory`` and ``time`` are breakdowns whose ``total`` is the sum of the other entries;
     ``traffic`` is the bytes one GPU sends per step, by axis. ``problem`` is the one reason the
     layout cannot run (None: it can). ``microbatches``: the micro-batches a replica runs a step
-    (0 where the layout was refused before any part was predicted).
+    (0 where the layout was refused before any part was predicted). ``memory`` is what the card
+    holds at the step's peak; ``peak`` has the phases, the allocated and reserved peaks and the
+    phase that sets them (``memory_phases``). ``note``: what to know of a layout that fits only
+    by the allocator releasing its cache.
     """
 
     layout: Layout
@@ -66,6 +69,8 @@ class Prediction:
     mfu: float = 0.0
     problem: str | None = None
     microbatches: int = 0
+    peak: MemoryPeak | None = None
+    note: str = ""
 
     @property
     def fits(self) -> bool:
@@ -161,7 +166,8 @@ def predict(
         return result
     step = StepShape(model, cluster, layout, seq_len, global_batch, framework)
     result.microbatches = step.microbatches
-    result.memory, model_states = memory_per_gpu(step)
+    result.peak = memory_peak(step)
+    result.memory = result.peak.parts
     work = compute_seconds(step)
     axes = {
         "tensor": tensor_axis(step, work.matmuls + work.recomputation),
@@ -174,6 +180,7 @@ def predict(
         "compute": work.matmuls,
         "memory-bound operations": work.pointwise_blocks + work.pointwise_head,
         "optimizer step": work.optimizer,
+        "casts and copies": work.copies,
         "recomputation": work.recomputation,
         "pipeline bubble": work.bubble,
         "tensor (exposed)": axes["tensor"][0],
@@ -187,11 +194,30 @@ def predict(
     result.traffic = {axis: sent for axis, (_, sent) in axes.items()}
     result.tokens_per_s = global_batch * seq_len / result.time["total"]
     result.mfu = model.flops_per_token(seq_len) * result.tokens_per_s / (layout.gpus * cluster.peak_flops)
-    usable, needed = cluster.gpu_memory_bytes, result.memory["total"]
-    if needed > usable:
-        result.problem = (
-            f"needs {needed / GB:.0f} GB per GPU of {usable / GB:.0f} "
-            f"(activations {result.memory['activations'] / GB:.0f} GB, "
-            f"model states {model_states / GB:.0f} GB)"
-        )
+    result.problem, result.note = memory_verdict(result.peak, cluster)
     return result
+
+
+def memory_verdict(peak: MemoryPeak, cluster: ClusterSpec) -> tuple[str | None, str]:
+    """(the reason a step does not fit, or None; a note where it fits only by the allocator
+    releasing its cache), in GiB as the device counts.
+
+    It fits when what the card holds (reserved, the CUDA context, NCCL's buffers) fits in the
+    memory the device reports. Where only the allocated peak does, a failed ``cudaMalloc`` makes
+    PyTorch's allocator free its cached blocks and retry: it runs, slower.
+    """
+    capacity, parts = cluster.gpu_memory_bytes, peak.parts
+    outside = parts["CUDA context"] + parts["NCCL buffers"]
+    if peak.allocated + outside > capacity:
+        return (
+            f"needs {(peak.allocated + outside) / GIB:.1f} GiB per GPU of {capacity / GIB:.1f} at its "
+            f"{peak.phase} ({parts['activations'] / GIB:.1f} GiB activations, "
+            f"{peak.model_states / GIB:.1f} GiB model states, {outside / GIB:.1f} GiB CUDA context and NCCL)"
+        ), ""
+    if parts["total"] > capacity:
+        return None, (
+            f"fits only as the allocator releases cached blocks: {parts['total'] / GIB:.1f} GiB reserved "
+            f"and outside it, of {capacity / GIB:.1f} (allocated {peak.allocated / GIB:.1f} GiB at the "
+            f"{peak.phase})"
+        )
+    return None, ""

@@ -21,7 +21,13 @@ profile            bytes per   selective keeps     overlapped       stages
                                                    (as flagged)
 ``fp32-master``    2 + 4 + 4   as course           gradient         as course
                    + 8                             reductions
+                   (autocast)
 =================  ==========  ==================  ===============  =================================
+
+How the bytes live through a step differs too: the course's and Megatron's gradients sit in a
+buffer for the whole step (``kept``); torchtitan's and autocast's are freed after each optimizer
+step and grow back during the backward (``regrown``), so their peak is the larger of the
+forward's end and the backward's, not the sum (``memory_phases``).
 
 In ``bf16``; in ``fp32`` every stack keeps 4 + 4 + 8 and reduces 4 bytes a gradient. A variant is a
 profile with fields changed (``Framework.with_``): Megatron-LM of 2021 reduces its gradients after
@@ -42,6 +48,10 @@ SELECTIVE_POLICIES = ("course", "op_sac", "attention_core")
 block's input, its matmuls' and attention's results), ``op_sac`` (torchtitan: the results of
 every other matmul and of the attention), ``attention_core`` (Megatron-LM: everything but the
 attention core, recomputed)."""
+
+
+GRADIENT_CONVENTIONS = ("kept", "regrown")
+"""How a stack's gradients live through a step (``Framework.gradients``)."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +90,26 @@ class Framework:
         equal_stage_blocks: every pipeline stage holds L/(P·v) blocks, the embedding and head
             added to the ends (Megatron-LM); False: the list [embedding, blocks, head] is cut
             evenly (``pipeline.split_model``, torchtitan's default).
+        gradients: how the gradients live through a step, one of ``GRADIENT_CONVENTIONS``:
+            ``"kept"`` in a buffer for the whole step (DDP's buckets that the gradients are views
+            of, Megatron's ``main_grad``, the course's flat shards); ``"regrown"``: freed by
+            ``zero_grad(set_to_none=True)`` after the optimizer step and grown again during the
+            backward as the activations are freed (PyTorch's default; FSDP2's sharded gradients).
+            With more than one micro-batch they are present from the second forward on either way.
+        autocast: PyTorch's autocast around an fp32 model: the stored parameters are the fp32
+            master; the matmuls' weights are cast to bf16 in forward (``param_bytes``, saved for
+            backward and freed as it runs, so absent at its end); the residual stream stays fp32
+            (the embedding's output is fp32, and a bf16 result added to it stays fp32), so each
+            norm keeps an fp32 input and an fp32 normalized output; every step casts each weight
+            to bf16 and each bf16 weight gradient back to fp32.
+        logits_upcast: the loss makes an fp32 copy of the bf16 logits (``.float()``), and its
+            backward casts the gradient back: 12 bytes a logit copied (``loss_bytes_per_logit``
+            counts the copy among what is alive at the loss).
+        fsdp_side_streams: FSDP's gathers and reductions run on streams of their own (FSDP2): the
+            caching allocator keeps one pool per stream, so the gathered parameters, the reduction
+            buffers and the sharded gradients come from pools the default stream cannot reuse
+            (reserved though freed), and the root module's parameters (the embedding, the final
+            norm and the head) stay gathered from its forward to its backward.
         sources: where each convention is made, ``(field, "repository@commit:path (what)")``.
     """
 
@@ -100,12 +130,17 @@ class Framework:
     gathered_under_pipeline: bool = False
     fp8_all_gather: bool = False
     blocking_pipeline_sends: tuple[str, ...] = ()
+    gradients: str = "kept"
+    autocast: bool = False
+    logits_upcast: bool = False
+    fsdp_side_streams: bool = False
     sources: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         byte_fields = ("param_bytes", "grad_bytes", "master_bytes", "moment_bytes", "reduce_bytes")
         check_fields(self, minimum=dict.fromkeys((*byte_fields, "loss_bytes_per_logit"), 0))
         check_choice("selective", self.selective, SELECTIVE_POLICIES)
+        check_choice("gradients", self.gradients, GRADIENT_CONVENTIONS)
 
     def with_(self, **changes) -> Framework:
         """This profile with some fields changed (a stack's flags)."""
@@ -165,7 +200,21 @@ TORCHTITAN_PROFILE = Framework(
     loss_bytes_per_logit=2 + 4 + 4,
     selective="op_sac",
     gathered_under_pipeline=True,
+    gradients="regrown",
+    logits_upcast=True,
+    fsdp_side_streams=True,
     sources=(
+        (
+            "gradients",
+            f"{TORCHTITAN}:torchtitan/train.py (optimizers.zero_grad() before each step, "
+            "set_to_none by default; 'del pred' before loss.backward() so the logits are not kept)",
+        ),
+        (
+            "fsdp_side_streams",
+            "torch.distributed.fsdp.fully_shard's docstring (reshard_after_forward: 'the root FSDP state "
+            "has its value specially set to False'); the CUDA semantics notes, memory management (the "
+            "caching allocator's blocks are reused on the stream they were freed on)",
+        ),
         (
             "bytes",
             f"{TORCHTITAN}:torchtitan/parallelisms/parallelize_llama.py (apply_fsdp: "
@@ -245,12 +294,22 @@ FP32_MASTER_PROFILE = Framework(
     reduce_bytes=4,
     master_sharded=False,
     loss_bytes_per_logit=2 + 4 + 4,
+    gradients="regrown",
+    autocast=True,
+    logits_upcast=True,
     sources=(
         (
             "bytes",
-            "an fp32 master copy and an fp32 gradient buffer for every parameter on every rank, "
-            "ZeRO-1 sharding only Adam's moments",
+            "PyTorch's automatic mixed precision: fp32 parameters (the master, on every rank; ZeRO-1 "
+            "shards only Adam's moments), their bf16 casts made by torch.autocast in forward, fp32 "
+            "gradients",
         ),
+        (
+            "autocast",
+            "torch.amp's autocast op reference: matmuls run in bf16 (their fp32 weights cast, the cast "
+            "saved for backward), embedding and elementwise operations in their inputs' dtype",
+        ),
+        ("gradients", "torch.optim.Optimizer.zero_grad (set_to_none=True, the default since PyTorch 2.0)"),
         ("loss", "the bf16 logits, their fp32 copy and the fp32 log-softmax, alive together at the loss"),
     ),
 )

@@ -29,8 +29,8 @@ layer_types                ``sliding_attention`` (absent: every layer, where a w
 
     name = "my-cluster"
     gpus_per_node = 8
-    gpu_memory_bytes = 80e9
-    reserved_bytes = 6e9
+    gpu_memory_bytes = 85017493504   # as the device reports it: torch.cuda.mem_get_info()[1]
+    context_bytes = 753729536        # optional: the CUDA context (gpu_record measures both)
     peak_flops = 989.4e12
     achieved_flops = 692.6e12
     memory_bandwidth = 2.68e12
@@ -151,6 +151,12 @@ def cluster_from_file(path: Path) -> ClusterSpec:
     content = _read(path, "cluster file")
     fields = {field.name: field for field in dataclasses.fields(ClusterSpec)}
     unknown = sorted(set(content) - set(fields))
+    if "reserved_bytes" in unknown:
+        raise UserError(
+            f"{path}: reserved_bytes is no longer a cluster's field: give context_bytes (the CUDA context, "
+            "which make gpu-record measures) and gpu_memory_bytes as the device reports it; NCCL's "
+            "buffers and the allocator's fragmentation are predicted from the layout"
+        )
     if unknown:
         raise UserError(
             f"{path} has fields a cluster does not have: {', '.join(unknown)} (see plan.from_files)"
@@ -168,7 +174,8 @@ def cluster_from_file(path: Path) -> ClusterSpec:
         values[name] = Link(latency, check_number(f"{path}: {name}.bandwidth", link["bandwidth"], above=0))
     for name in ("gpu_memory_bytes", "peak_flops", "achieved_flops", "memory_bandwidth"):
         values[name] = check_number(f"{path}: {name}", values[name], above=0)
-    values["reserved_bytes"] = check_number(f"{path}: reserved_bytes", values["reserved_bytes"], minimum=0)
+    if "context_bytes" in values:
+        values["context_bytes"] = check_number(f"{path}: context_bytes", values["context_bytes"], minimum=0)
     values["gpus_per_node"] = _whole(values, "gpus_per_node", path)
     if values.get("gpu"):
         check_choice("gpu", values["gpu"], tuple(GPUS))

@@ -17,9 +17,12 @@ built-in models' blocks, where one flat 70 % gives 0.33 (its worst product is 3.
 fit's, 1.65x). A small hidden size loses: Llama 3 8B's key/value projection split over 8 tensor
 ranks (2048 x 4096 x 768) runs at 28 % of the peak.
 
-Attention (causal flash attention) runs at the record's rate for its largest shape, forward and
-backward apart; memory-bound work streams its bytes at the memory's datasheet bandwidth times the
-fraction the record measured, eager or compiled (a fused norm and add: 1.5 TB/s eager, 2.5
+Attention (causal flash attention) runs at the record's rate for its shape, forward and backward
+apart (``attention_fractions``): a kernel of 64-wide heads runs at two thirds of the rate of
+128-wide ones, and few heads on a short sequence leave multiprocessors idle (Llama 3 8B's 32
+heads at 8K tokens: 576 TFLOP/s forward on an H200, 4 heads at 2K: 80). Memory-bound work
+streams its bytes at the memory's datasheet bandwidth times the fraction the record measured,
+eager or compiled (a fused norm and add: 1.5 TB/s eager, 2.5
 compiled on an H100), the optimizer's fused AdamW and the loss at theirs.
 
 A GPU without a record of its own uses the H100's fractions with its own peak, multiprocessors
@@ -86,7 +89,8 @@ GPUS = {
             f"assumption; {ASSUMED}"),
         GPU("gh200", 989.4e12, 1978.9e12, 132, 4.0 * TB,
             source=f"NVIDIA GH200's H100 with 96 GB HBM3 at 4 TB/s (CSCS Alps); {ASSUMED}"),
-        GPU("h200", 989.4e12, 1978.9e12, 132, 4.8 * TB, source=f"NVIDIA H200 datasheet; {ASSUMED}"),
+        GPU("h200", 989.4e12, 1978.9e12, 132, 4.8 * TB, record="nvidia-h200",
+            source="NVIDIA H200 SXM datasheet (700 W, 141 GB HBM3e); fractions fitted to its own record"),
         GPU("a100-sxm", 312e12, 0.0, 108, 2.039 * TB, source=f"NVIDIA A100 80GB SXM datasheet; {ASSUMED}"),
         GPU("b200", 2250e12, 4500e12, 148, 8.0 * TB,
             source=f"NVIDIA HGX B200 datasheet (1,000 W); {ASSUMED}"),
@@ -94,7 +98,7 @@ GPUS = {
 }  # fmt: skip
 """The GPUs the built-in clusters are made of."""
 
-RECORDED_ON = {"nvidia-h100-80gb-hbm3": "h100-sxm"}
+RECORDED_ON = {"nvidia-h100-80gb-hbm3": "h100-sxm", "nvidia-h200": "h200"}
 """Each committed record, and the GPU of ``GPUS`` it was measured on."""
 
 
@@ -106,12 +110,16 @@ class KernelFit:
         tile: (rows, columns) of a matmul's tile.
         sustained: the fraction of the peak a full wave of tiles reaches (fitted).
         wave_latency_s: seconds each wave pays beside its arithmetic (fitted).
-        attention_forward: causal flash attention's forward, a fraction of the peak (measured).
-        attention_backward: its backward (measured).
+        attention_forward: causal flash attention's forward at the record's fastest shape, a
+            fraction of the peak (measured).
+        attention_backward: its backward there (measured).
         pointwise_eager: memory-bound operations run one kernel each, a fraction of the bandwidth.
         pointwise_compiled: the same fused by ``torch.compile``.
         optimizer: fused AdamW's step, a fraction of the bandwidth.
         loss: the cross-entropy's forward and backward on fp32 logits, a fraction of the bandwidth.
+        copy: a tensor copied (or cast) from one buffer to another, a fraction of the bandwidth.
+        attention_rows: each recorded attention shape, ``(head_dim, heads, seq_len, forward,
+            backward)`` with the two as fractions of the peak (``attention_fractions`` reads them).
         rms_log_error: the fit's root-mean-square error in log time over the record's products.
         flat_rms_log_error: the same for one flat 70 % of the peak, for comparison.
         products: how many products the fit saw.
@@ -129,6 +137,8 @@ class KernelFit:
     rms_log_error: float
     flat_rms_log_error: float
     products: int
+    copy: float = 0.0
+    attention_rows: tuple[tuple[int, int, int, float, float], ...] = ()
 
 
 def _waves(m: float, n: float, tile: tuple[int, int], multiprocessors: int) -> int:
@@ -192,7 +202,59 @@ def fit_record(record: dict, gpu: GPU, precision: str = "bf16") -> KernelFit:
         rms_log_error=error,
         flat_rms_log_error=math.sqrt(sum(e * e for e in flat) / len(flat)),
         products=len(products),
-    )
+        copy=rates[("copy", "eager")] / bandwidth,
+        attention_rows=tuple(
+            (row["head_dim"], row["heads"], row["seq_len"], row["forward_tflops"] * 1e12 / gpu.peak_flops,
+             row["backward_tflops"] * 1e12 / gpu.peak_flops)
+            for row in record["attention"]
+        ),
+    )  # fmt: skip
+
+
+def _interpolated(points: list[tuple[float, float, float]], at: float) -> tuple[float, float]:
+    """(forward, backward) at ``at`` on the line through ``points`` (x, forward, backward) in log x,
+    held at the ends (the record says nothing beyond its shapes); equal x averaged."""
+    by_x: dict[float, list] = {}
+    for x, forward, backward in points:
+        by_x.setdefault(x, []).append((forward, backward))
+    xs = sorted(by_x)
+    ys = [tuple(sum(v) / len(v) for v in zip(*by_x[x], strict=True)) for x in xs]
+    if at <= xs[0] or len(xs) == 1:
+        return ys[0]
+    if at >= xs[-1]:
+        return ys[-1]
+    right = next(i for i, x in enumerate(xs) if x >= at)
+    share = math.log(at / xs[right - 1]) / math.log(xs[right] / xs[right - 1])
+    low, high = ys[right - 1], ys[right]
+    return tuple(a + share * (b - a) for a, b in zip(low, high, strict=True))
+
+
+def attention_fractions(
+    fit: KernelFit, *, head_dim: int, heads: float, seq_len: float
+) -> tuple[float, float]:
+    """Causal flash attention's (forward, backward) fractions of the peak for one GPU's shape.
+
+    The record's rows of the nearest head width; among them, at each recorded sequence length the
+    rate interpolated in log(heads), then across sequence lengths in log(seq_len), both held at
+    the record's ends. More heads and longer sequences fill more multiprocessors: Llama 3 8B's
+    32 heads reach 0.58 of an H200's peak forward at 8K tokens, its 4 heads of a tensor rank at 2K,
+    0.08.
+
+    Args:
+        fit: the GPU's fit (``fit_record``).
+        head_dim: features per head.
+        heads: query heads on this GPU (a tensor rank's share).
+        seq_len: tokens a sequence attends over on this GPU.
+    """
+    if not fit.attention_rows:
+        return fit.attention_forward, fit.attention_backward
+    width = min({row[0] for row in fit.attention_rows}, key=lambda w: (abs(math.log(w / head_dim)), -w))
+    rows = [row for row in fit.attention_rows if row[0] == width]
+    at_lengths = [
+        (length, *_interpolated([(h, f, b) for _, h, s, f, b in rows if s == length], heads))
+        for length in sorted({row[2] for row in rows})
+    ]
+    return _interpolated(at_lengths, seq_len)
 
 
 @functools.cache

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import math
 
-from ..parallel import memory
 from ..parallel.pipeline import peak_activations_theory
 from .layout import Layout
-from .specs import ModelSpec, StepShape
+from .specs import ModelSpec
 
 
 def vocabulary_rows(model: ModelSpec, layout: Layout) -> int:
@@ -78,7 +77,13 @@ def stage_parameters(model: ModelSpec, layout: Layout, *, equal_blocks: bool = F
 
 
 def block_activation_elements(
-    model: ModelSpec, layout: Layout, *, micro_batch: int, seq_len: int, selective: str = "course"
+    model: ModelSpec,
+    layout: Layout,
+    *,
+    micro_batch: int,
+    seq_len: int,
+    selective: str = "course",
+    fp32_residual: bool = False,
 ) -> float:
     """Elements one Llama-style block keeps for backward per micro-batch on one GPU (bf16 elements).
 
@@ -101,12 +106,16 @@ def block_activation_elements(
         micro_batch: b, sequences per micro-batch.
         seq_len: s, tokens per sequence.
         selective: ``frameworks.SELECTIVE_POLICIES``: what ``"selective"`` keeps.
+        fp32_residual: the residual stream is fp32 (``Framework.autocast``): the block's input
+            takes two bf16 elements a value, and each norm keeps its fp32 input and its fp32
+            normalized output (an unfused RMSNorm multiplies that by its weight), four.
     """
     if layout.recomputation != "none" and layout.recompute_every > 1:  # on average over k blocks
         every, shape = (
             layout.recompute_every,
-            {"micro_batch": micro_batch, "seq_len": seq_len, "selective": selective},
-        )
+            {"micro_batch": micro_batch, "seq_len": seq_len, "selective": selective,
+             "fp32_residual": fp32_residual},
+        )  # fmt: skip
         plain = block_activation_elements(
             model, layout.with_(recomputation="none", recompute_every=1), **shape
         )
@@ -122,7 +131,8 @@ def block_activation_elements(
     rows = model.top_k if model.experts > 1 else 1  # an MoE layer computes k rows per token
     mlp_hidden = tokens * rows * model.ffn_hidden
     lse = a * tokens * 4 / layout.element_bytes  # one fp32 log-sum-exp per head and token
-    block_input = sbh / sp
+    residual = 2 if fp32_residual else 1  # bf16 elements a value of the residual stream takes
+    block_input = residual * sbh / sp
     if layout.recomputation == "full":
         return block_input
     q_k_v = (heads_out + 2 * kv) / t
@@ -135,7 +145,7 @@ def block_activation_elements(
         return block_input + q_k_v + kept_attention + gate_up + 2 * sbh
     if layout.recomputation == "selective" and selective == "op_sac":
         return block_input + kept_attention + _saved_matmuls(model, layout, tokens=tokens)
-    norms = 2 * (sbh + model.norm_statistics * tokens) / sp
+    norms = 2 * (2 * residual if fp32_residual else 1) * sbh / sp + 2 * model.norm_statistics * tokens / sp
     projection_inputs = 2 * sbh / sp
     # the attention's output, reshaped from the ring's (or Ulysses' all-to-all's) layout: one copy
     ring_output_copy = heads_out / t if layout.context > 1 else 0
@@ -249,42 +259,3 @@ def logit_elements(model: ModelSpec, layout: Layout, *, micro_batch: int, seq_le
     if layout.loss_parallel:
         return tokens * vocabulary_rows(model, layout)
     return tokens / (layout.tensor if layout.sequence_parallel else 1) * model.vocab
-
-
-def memory_per_gpu(step: StepShape) -> tuple[dict[str, float], float]:
-    """Bytes the fullest GPU holds, by part, and its model states alone.
-
-    Model states: the stage's parameters sharded as ``layout.sharding`` says over data x context;
-    activations at the worst moment of the schedule; FSDP's gathered layer and the next
-    (prefetched); what the allocator and the libraries reserve.
-    """
-    model, layout, framework = step.model, step.layout, step.framework
-    element = layout.element_bytes
-    states = memory.model_state_bytes(
-        stage_parameters(model, layout, equal_blocks=framework.equal_stage_blocks),
-        layout.data * layout.context,
-        layout.sharding,
-        **framework.state_bytes(layout.precision),
-    )
-    shape = {"micro_batch": layout.micro_batch, "seq_len": step.seq_len}
-    block = block_activation_elements(model, layout, **shape, selective=framework.selective)
-    head = head_activation_bytes(model, layout, **shape, logit_bytes=framework.logit_bytes(layout.precision))
-    activations = _activations_per_gpu(
-        model, layout, block * element, head, step.tokens, step.microbatches, step.seq_len
-    )
-    gather = framework.gather_bytes(layout.precision)
-    gathered = 0.0
-    if layout.sharding == "fsdp" and layout.pipeline > 1 and framework.gathered_under_pipeline:
-        gathered = gather * stage_parameters(model, layout, equal_blocks=framework.equal_stage_blocks)
-    elif layout.sharding == "fsdp":  # this layer and the prefetched next
-        gathered = 2 * gather * model.block_parameters() / layout.tensor
-    parts = {
-        "parameters": states.params,
-        "gradients": states.grads,
-        "optimizer": states.optimizer,
-        "activations": activations,
-        "gathered parameters": gathered,
-        "reserved (assumed)": step.cluster.reserved_bytes,
-    }
-    parts["total"] = sum(parts.values())
-    return parts, states.total

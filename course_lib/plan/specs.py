@@ -222,9 +222,8 @@ class ClusterSpec:
     Args:
         name: its name on the command line.
         gpus_per_node: GPUs joined by the fast link.
-        gpu_memory_bytes: one GPU's memory.
-        reserved_bytes: what the job cannot use of it (CUDA context, NCCL buffers, allocator
-            fragmentation): an assumption, named in every breakdown.
+        gpu_memory_bytes: one GPU's memory, in bytes as the device reports it
+            (``torch.cuda.mem_get_info()[1]``: what ``gpu_record`` writes as ``memory_bytes``).
         peak_flops: the datasheet's dense bf16 FLOP/s of one GPU (for MFU).
         achieved_flops: what large bf16 matmuls reach on it (for time where ``gpu`` is not named,
             and for the overlap estimates).
@@ -246,12 +245,14 @@ class ClusterSpec:
         gpu: the kind of GPU (``kernels.GPUS``): its products are then timed by their shapes and
             its memory-bound work at its record's rates (``kernels``), and ``achieved_flops`` and
             ``memory_bandwidth`` serve only the overlap estimates; "": at those two rates.
+        context_bytes: what a process's CUDA context takes of the GPU's memory before PyTorch
+            allocates anything (``gpu_record``'s ``memory_bytes - free_after_context_bytes``;
+            NCCL's buffers are counted apart, from the layout: ``memory_phases``).
     """
 
     name: str
     gpus_per_node: int
     gpu_memory_bytes: float
-    reserved_bytes: float
     peak_flops: float
     achieved_flops: float
     memory_bandwidth: float
@@ -262,6 +263,7 @@ class ClusterSpec:
     optimizer_bandwidth: float | None = None
     host_seconds_per_operation: float = 0.0
     gpu: str = ""
+    context_bytes: float = 0.0
 
     def __post_init__(self):
         positive = (
@@ -273,7 +275,7 @@ class ClusterSpec:
         )
         check_fields(
             self,
-            minimum={"gpus_per_node": 1, "reserved_bytes": 0, "host_seconds_per_operation": 0},
+            minimum={"gpus_per_node": 1, "context_bytes": 0, "host_seconds_per_operation": 0},
             above=dict.fromkeys(positive, 0),
         )
         if self.gpu:
@@ -283,6 +285,27 @@ class ClusterSpec:
 GB = 1e9
 GIB = 2**30
 """A gibibyte: what PyTorch's memory readings and published memory figures count in."""
+
+MIB = 2**20
+
+H100_REPORTED = 85017493504
+"""What an H100 80GB reports to PyTorch (``slides/recorded/gpu/nvidia-h100-80gb-hbm3.json``):
+81,079 MiB of its 81,920 MiB of HBM3 (five 16 GiB stacks); the driver keeps the rest."""
+
+H200_REPORTED = 150109880320
+"""What an H200 reports to PyTorch (``slides/recorded/gpu/nvidia-h200.json``): 143,156 MiB of
+its 147,456 MiB of HBM3e (six 24 GiB stacks)."""
+
+CUDA_CONTEXT = 753729536
+"""A CUDA context on an H100 and on an H200, measured the same on both by ``gpu_record``
+(``memory_bytes - free_after_context_bytes``, PyTorch 2.11, CUDA 13.0): 719 MiB."""
+
+
+def reported_by_the_device(stacks_gib: float) -> float:
+    """What a Hopper or Ampere GPU with ``stacks_gib`` of HBM reports to PyTorch, where no record of
+    it exists: that memory times the share the H100's record reports of its 80 GiB (98.97 %; the
+    driver keeps the rest), an assumption each cluster using it names."""
+    return stacks_gib * GIB * H100_REPORTED / (80 * GIB)
 
 
 OPTIMIZER_BYTES = {"fp32": 7 * 4, "bf16": 7 * 4 + 2, "fp8": 7 * 4 + 2}
@@ -297,15 +320,17 @@ CLUSTERS = {
             name="alps",
             gpu="gh200",
             gpus_per_node=4,
-            gpu_memory_bytes=96 * GB,
-            reserved_bytes=6 * GB,
+            gpu_memory_bytes=reported_by_the_device(96),
+            context_bytes=CUDA_CONTEXT,
             peak_flops=989.4e12,
             achieved_flops=0.7 * 989.4e12,
             memory_bandwidth=0.8 * 4000 * GB,
             inside_node=Link(10e-6, 150 * GB),
             between_nodes=Link(20e-6, 25 * GB),
             source=(
-                "CSCS Alps GH200 nodes (docs.cscs.ch/alps/hardware): 4 GH200 per node, 96 GB HBM3 each, "
+                "CSCS Alps GH200 nodes (docs.cscs.ch/alps/hardware): 4 GH200 per node, 96 GiB HBM3 each "
+                "(reported to PyTorch as the H100's share of its HBM, an assumption; the CUDA context as "
+                "measured on an H100), "
                 "NVLink all-to-all (6 NVLink-4 links of 25 GB/s per peer and direction), one Slingshot-11 "
                 "NIC of 200 Gb/s per GPU; bf16 peak and 4 TB/s HBM3 from NVIDIA's datasheet; products and "
                 "memory-bound work timed by plan.kernels (an H100's record); the latencies are assumptions: "
@@ -316,8 +341,8 @@ CLUSTERS = {
             name="h100-node",
             gpu="h100-sxm",
             gpus_per_node=8,
-            gpu_memory_bytes=80 * GB,
-            reserved_bytes=6 * GB,
+            gpu_memory_bytes=H100_REPORTED,
+            context_bytes=CUDA_CONTEXT,
             peak_flops=989.4e12,
             achieved_flops=0.7 * 989.4e12,
             memory_bandwidth=0.8 * 3350 * GB,
@@ -325,7 +350,8 @@ CLUSTERS = {
             between_nodes=Link(20e-6, 50 * GB),
             source=(
                 "8 H100 SXM per node with NVSwitch (all-reduce bus bandwidth 436 GB/s measured in the "
-                "Ultra-Scale Playbook), one 400 Gb/s InfiniBand NIC per GPU; 3.35 TB/s HBM3; products and "
+                "Ultra-Scale Playbook), one 400 Gb/s InfiniBand NIC per GPU; 3.35 TB/s HBM3; the memory and "
+                "the CUDA context as this GPU's record measured them; products and "
                 "memory-bound work timed by plan.kernels (this GPU's own record); the latencies are "
                 "assumptions"
             ),
@@ -334,8 +360,8 @@ CLUSTERS = {
             name="h100-grand-teton",
             gpu="h100-sxm-500w-hbm2e",
             gpus_per_node=8,
-            gpu_memory_bytes=96 * GB,
-            reserved_bytes=6 * GB,
+            gpu_memory_bytes=reported_by_the_device(96),
+            context_bytes=CUDA_CONTEXT,
             peak_flops=989.4e12,
             achieved_flops=0.7 * 989.4e12,
             memory_bandwidth=0.8 * 2400 * GB,
@@ -344,7 +370,8 @@ CLUSTERS = {
             source=(
                 "Meta's Grand Teton hosts as torchtitan's benchmarks describe them "
                 "(pytorch/torchtitan@31a17bf:benchmarks/llama3_h100_202412_torchtitan.md): 8 H100 SXM per "
-                "host on NVLink, 96 GB HBM2e at 2.4 TB/s, a 500 W power limit, 400 Gb/s RDMA per GPU; the "
+                "host on NVLink, 96 GiB HBM2e at 2.4 TB/s (reported to PyTorch as the H100's share, an "
+                "assumption), a 500 W power limit, 400 Gb/s RDMA per GPU; the "
                 "SXM datasheet's bf16 peak as MFU's denominator (the benchmark's own); the NVLink figure of "
                 "h100-node; products and memory-bound work timed by plan.kernels at the capped GPU's own "
                 "peak (kernels.GPUS, between the SXM's and the NVL's) with a 700 W H100's record's "
@@ -355,8 +382,8 @@ CLUSTERS = {
             name="h200-node",
             gpu="h200",
             gpus_per_node=8,
-            gpu_memory_bytes=141 * GB,
-            reserved_bytes=6 * GB,
+            gpu_memory_bytes=H200_REPORTED,
+            context_bytes=CUDA_CONTEXT,
             peak_flops=989.4e12,
             achieved_flops=0.7 * 989.4e12,
             memory_bandwidth=0.8 * 4800 * GB,
@@ -364,25 +391,27 @@ CLUSTERS = {
             between_nodes=Link(20e-6, 50 * GB),
             source=(
                 "8 H200 SXM per node (NVIDIA's H200 datasheet: 141 GB HBM3e at 4.8 TB/s, the H100's bf16 "
-                "peak, the same NVLink 4 and NVSwitch, so h100-node's measured bus bandwidth), one 400 Gb/s "
+                "peak; the memory and the CUDA context as this GPU's record measured them; "
+                "the same NVLink 4 and NVSwitch, so h100-node's measured bus bandwidth), one 400 Gb/s "
                 "NIC per GPU (as torchtitan's H200 benchmark describes its hosts: pytorch/torchtitan@bcdeaa3"
                 ":benchmarks/llama3_8b_h200_2025-06_torchtitan.md); products and memory-bound work timed by "
-                "plan.kernels (an H100's record's fractions); the latencies are assumptions"
+                "plan.kernels (this GPU's own record); the latencies are assumptions"
             ),
         ),
         ClusterSpec(
             name="a100-dgx",
             gpu="a100-sxm",
             gpus_per_node=8,
-            gpu_memory_bytes=80 * GB,
-            reserved_bytes=6 * GB,
+            gpu_memory_bytes=reported_by_the_device(80),
+            context_bytes=CUDA_CONTEXT,
             peak_flops=312e12,
             achieved_flops=0.7 * 312e12,
             memory_bandwidth=0.8 * 2039 * GB,
             inside_node=Link(10e-6, 0.8 * 300 * GB),
             between_nodes=Link(20e-6, 25 * GB),
             source=(
-                "DGX A100 nodes as in Selene (Narayanan et al. 2021, section 5): 8 A100 80GB SXM per node, "
+                "DGX A100 nodes as in Selene (Narayanan et al. 2021, section 5): 8 A100 80GB SXM per node "
+                "(80 GiB of HBM2e, reported to PyTorch as the H100's share, an assumption), "
                 "2.039 TB/s HBM2e and 312 TFLOP/s bf16 (NVIDIA's datasheet), NVLink 3 at 300 GB/s per GPU "
                 "and direction through NVSwitch, one 200 Gb/s HDR InfiniBand NIC per GPU; 80 % of NVLink's "
                 "rate for NCCL's ring; products and memory-bound work timed by plan.kernels (an H100's "

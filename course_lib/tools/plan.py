@@ -71,7 +71,7 @@ def row(rank: int, prediction: Prediction, gpus: int) -> str:
     memory, time = prediction.memory, prediction.time
     states = memory["parameters"] + memory["gradients"] + memory["optimizer"]
     exposed = sum(v for k, v in time.items() if "exposed" in k)
-    memory_bound = time["memory-bound operations"] + time["optimizer step"]
+    memory_bound = time["memory-bound operations"] + time["optimizer step"] + time["casts and copies"]
     return (
         f"{rank:>3}  {prediction.layout.name():<44} {_gb(memory['total']):>6} {_gb(states):>6} "
         f"{_gb(memory['activations']):>6}  {time['total']:>7.3f} {prediction.tokens_per_s / gpus:>9,.0f} "
@@ -552,11 +552,11 @@ def _run_first(fitting: list[Prediction], sweep, model, cluster) -> None:
             "cores": cluster.gpus_per_node,
         }
         _, first = predict_beside(measured, chosen, link, sweep)
-    states = first.memory["parameters"] + first.memory["gradients"] + first.memory["optimizer"]
+    states = first.peak.model_states
     print(f"\n{chosen.name()}, the first the course's loop runs here: predicted -> measured")
     for what, predicted, got, unit in (
         ("model states", states, measured["model_state_bytes"], "bytes"),
-        ("activations", first.memory["activations"], measured["activation_bytes"], "bytes"),
+        ("activations", first.peak.activations_kept, measured["activation_bytes"], "bytes"),
         ("sent per step", sum(first.traffic.values()), measured["sent_bytes"], "bytes"),
         ("step", first.time["total"] * 1e3, measured["step_s"] * 1e3, "ms"),
     ):

@@ -388,7 +388,6 @@ def machine(calibration: dict) -> specs.ClusterSpec:
         name="this machine",
         gpus_per_node=calibration["cores"],
         gpu_memory_bytes=1e12,
-        reserved_bytes=0.0,
         peak_flops=calibration["matmul_flops"],
         achieved_flops=calibration["matmul_flops"],
         memory_bandwidth=calibration["memory_bandwidth"],
@@ -441,9 +440,7 @@ def validate(launch, *, layouts: list[Layout] = LAYOUTS, sweep: Sweep = SWEEP) -
         # layout with a hundred small collectives a step (sequence parallelism) would be timed with
         measured = launch(measure_layout, layout.gpus, layout, sweep, check_collectives=False)[0]
         cluster, predicted = predict_beside(measured, layout, calibration, sweep)
-        states = (
-            predicted.memory["parameters"] + predicted.memory["gradients"] + predicted.memory["optimizer"]
-        )
+        states = predicted.peak.model_states
         row = {
             "layout": label(layout),
             "processes": layout.gpus,
@@ -458,7 +455,7 @@ def validate(launch, *, layouts: list[Layout] = LAYOUTS, sweep: Sweep = SWEEP) -
             "operations": measured["operations"],
             "model_state_bytes": {"predicted": states, "measured": measured["model_state_bytes"]},
             "activation_bytes": {
-                "predicted": predicted.memory["activations"],
+                "predicted": predicted.peak.activations_kept,
                 "measured": measured["activation_bytes"],
             },
             "sent_bytes": {"predicted": sum(predicted.traffic.values()), "measured": measured["sent_bytes"]},

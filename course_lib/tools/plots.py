@@ -23,6 +23,8 @@ from ..observe import anatomy
 from ..parallel.collective_matmul import chunk_compute_to_transfer
 from ..parallel.pipeline import bubble_fraction
 from ..plan import network_model, rooflines
+from ..plan.memory_phases import PARTS
+from ..plan.specs import GIB
 
 PNG_DPI = 120
 
@@ -605,37 +607,29 @@ def _draw_anatomy(axis, recorded, step: int, longest: float, title: str) -> None
     )
 
 
-MEMORY_PARTS = (
-    "parameters",
-    "gradients",
-    "optimizer",
-    "activations",
-    "gathered parameters",
-    "reserved (assumed)",
-)
-
-
 def plot_memory_breakdown(predictions: list, *, capacity_bytes: float | None = None, path=None) -> Figure:
-    """Memory per GPU of each layout as a stacked bar (model states, activations, buffers, reserve).
+    """What each layout's fullest GPU holds at its step's peak, as a stacked bar (model states,
+    activations, buffers, the allocator's fragmentation, the CUDA context and NCCL's buffers).
 
     Args:
         predictions: ``cost_model.Prediction`` objects, one bar each, in this order.
-        capacity_bytes: one GPU's memory, drawn as a line (None: no line).
+        capacity_bytes: one GPU's memory as the device reports it, drawn as a line (None: no line).
         path: save the chart as a PNG here (None: only return it).
     """
     figure = Figure(figsize=(8, 4))
     axis = figure.subplots()
     labels = [p.layout.name() for p in predictions]
     bottoms = [0.0] * len(predictions)
-    for part in MEMORY_PARTS:
-        heights = [p.memory.get(part, 0.0) / 1e9 for p in predictions]
-        axis.bar(range(len(predictions)), heights, bottom=bottoms, label=part)
+    for part in PARTS:
+        heights = [p.memory.get(part, 0.0) / GIB for p in predictions]
+        if any(heights):
+            axis.bar(range(len(predictions)), heights, bottom=bottoms, label=part)
         bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
     if capacity_bytes is not None:
-        axis.axhline(capacity_bytes / 1e9, color="black", linestyle="--", label="GPU memory")
+        axis.axhline(capacity_bytes / GIB, color="black", linestyle="--", label="GPU memory")
     axis.set_xticks(range(len(predictions)), labels, rotation=30, ha="right", fontsize=8)
     axis.set_xlabel("layout")
-    axis.set_ylabel("memory per GPU (GB)")
+    axis.set_ylabel("per GPU at the peak (GiB)")
     axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     figure.tight_layout()
     return save(figure, path)

@@ -390,7 +390,7 @@ def check(runs: list[PublishedRun]) -> list[Checked]:
             result.predicted = prediction.tokens_per_s / run.layout.gpus
             result.ratio = result.predicted / run.measured
         if run.measured_memory_gib and prediction.memory:
-            result.memory_ratio = prediction.memory["total"] / GIB / run.measured_memory_gib
+            result.memory_ratio = prediction.peak.reserved / GIB / run.measured_memory_gib
         checked.append(result)
     return checked
 
@@ -485,7 +485,7 @@ def table(checked: list[Checked]) -> str:
             lines.append(f"{run.id:<30} not expressible: {run.not_expressible}")
             continue
         memory = (
-            f"{run.measured_memory_gib:.1f}/{c.prediction.memory['total'] / GIB:.1f}"
+            f"{run.measured_memory_gib:.1f}/{c.prediction.peak.reserved / GIB:.1f}"
             if run.measured_memory_gib and c.prediction.memory
             else ""
         )
@@ -516,7 +516,7 @@ def record(c: Checked) -> dict:
         "predicted_tokens_per_s_per_gpu": c.predicted if c.prediction else None,
         "ratio": c.ratio,
         "measured_memory_gib": run.measured_memory_gib,
-        "predicted_memory_gib": c.prediction.memory["total"] / GIB
+        "predicted_memory_gib": c.prediction.peak.reserved / GIB
         if c.prediction and c.prediction.memory
         else None,
         "problem": c.prediction.problem if c.prediction else None,

@@ -67,7 +67,7 @@ def recompute_benchmark(
         )
         formula = cost_model.predict(
             spec, specs.CLUSTERS["alps"], layout, seq_len=seq, global_batch=batch * world
-        ).memory["activations"]
+        ).peak.activations_kept
         rows.append({"policy": policy, "activation_bytes": kept, "activation_bytes_formula": formula})
 
         def step(model=model, optimizer=optimizer) -> None:

@@ -56,7 +56,7 @@ from pathlib import Path
 from ..checks import check_choice, check_int, check_number
 from ..errors import UserError
 from .kernels import GPUS
-from .specs import ClusterSpec, Link, ModelSpec
+from .specs import CLUSTERS, MODELS, ClusterSpec, Link, ModelSpec
 
 
 def _read(path: Path, what: str) -> dict:
@@ -182,3 +182,37 @@ def cluster_from_file(path: Path) -> ClusterSpec:
     if values["achieved_flops"] > values["peak_flops"]:
         raise UserError(f"{path}: achieved_flops is above peak_flops: the peak is the most a GPU does")
     return ClusterSpec(**values)
+
+
+def model_named(name: str, *, others: tuple[str, ...] = ()) -> ModelSpec:
+    """A built-in model by name, or the model a ``config.json`` describes.
+
+    Args:
+        name: a name of ``MODELS``, or a file's path.
+        others: names the caller takes itself, listed in the message for an unknown name.
+    """
+    if name in MODELS:
+        return MODELS[name]
+    if name.endswith(".json") or Path(name).is_file():
+        return model_from_config(Path(name))
+    raise UserError(
+        f"unknown --model {name!r}: choose one of {', '.join([*sorted(MODELS), *others])}, or give the "
+        "path of a Hugging Face config.json"
+    )
+
+
+def cluster_named(name: str, *, others: tuple[str, ...] = ()) -> ClusterSpec:
+    """A built-in cluster by name, or the cluster a TOML or JSON file describes.
+
+    Args:
+        name: a name of ``CLUSTERS``, or a file's path.
+        others: names the caller takes itself, listed in the message for an unknown name.
+    """
+    if name in CLUSTERS:
+        return CLUSTERS[name]
+    if name.endswith((".toml", ".json")) or Path(name).is_file():
+        return cluster_from_file(Path(name))
+    raise UserError(
+        f"unknown --cluster {name!r}: choose one of {', '.join([*sorted(CLUSTERS), *others])}, or give "
+        "the path of a TOML or JSON file of its fields"
+    )

@@ -16,6 +16,10 @@ on local processes, and prints predicted beside measured.
 The figures are ``cost_model``'s: formulas measured exactly on this machine's processes
 (memory, bytes) and an alpha-beta and FLOP-rate time model whose link and FLOP figures come
 from the cluster's profile (its ``source`` says where from, and which are assumptions).
+
+``plan check-published`` holds the planner against published GPU runs, ``plan check-gpu-runs``
+against runs measured on one GPU with their allocator's peaks (``gpu_runs``), ``plan predict``
+predicts the layouts of a CSV and ``plan calibrate`` fits its free terms to measured runs.
 """
 
 from __future__ import annotations
@@ -26,7 +30,6 @@ import dataclasses
 import json
 import re
 import sys
-from pathlib import Path
 
 from .. import checks
 from ..distributed.launch import check_process_count, launch
@@ -37,7 +40,7 @@ from ..plan.frameworks import FRAMEWORKS, Framework
 from ..plan.layout import CONTEXT_ATTENTION, Layout
 from ..plan.planner import plan
 from ..plan.specs import CLUSTERS, GB, GIB, MODELS, ClusterSpec, ModelSpec
-from . import published
+from . import gpu_runs, published
 from .plan_validation import (
     SWEEP,
     calibrate,
@@ -89,26 +92,12 @@ LOCAL_MODEL, LOCAL_CLUSTER = "course-transformer", "this-machine"
 
 def model_named(name: str) -> ModelSpec:
     """A built-in model by name, or the model a ``config.json`` describes."""
-    if name in MODELS:
-        return MODELS[name]
-    if name.endswith(".json") or Path(name).is_file():
-        return from_files.model_from_config(Path(name))
-    raise UserError(
-        f"unknown --model {name!r}: choose one of {', '.join([*sorted(MODELS), LOCAL_MODEL])}, or give the "
-        "path of a Hugging Face config.json"
-    )
+    return from_files.model_named(name, others=(LOCAL_MODEL,))
 
 
 def cluster_named(name: str) -> ClusterSpec:
     """A built-in cluster by name, or the cluster a TOML or JSON file describes."""
-    if name in CLUSTERS:
-        return CLUSTERS[name]
-    if name.endswith((".toml", ".json")) or Path(name).is_file():
-        return from_files.cluster_from_file(Path(name))
-    raise UserError(
-        f"unknown --cluster {name!r}: choose one of {', '.join([*sorted(CLUSTERS), LOCAL_CLUSTER])}, or give "
-        "the path of a TOML or JSON file of its fields"
-    )
+    return from_files.cluster_named(name, others=(LOCAL_CLUSTER,))
 
 
 def breakdown(prediction: Prediction) -> str:
@@ -496,7 +485,12 @@ def _measured_run(row: dict, number: int, default_model: str | None, cluster: Cl
     )
 
 
-SUBCOMMANDS = {"check-published": check_published, "predict": predict_layouts, "calibrate": calibrate_runs}
+SUBCOMMANDS = {
+    "check-published": check_published,
+    "check-gpu-runs": gpu_runs.main,
+    "predict": predict_layouts,
+    "calibrate": calibrate_runs,
+}
 """What ``plan`` does besides ranking a job's layouts, named by its first argument."""
 
 

@@ -6,7 +6,8 @@ import only from its own layer or a layer below:
 ====  ==============================================  ============================================
 rank  layer                                           what it holds
 ====  ==============================================  ============================================
-0     ``errors``, ``checks``, ``data``, ``models``    the leaves everything uses
+0     ``errors``, ``checks``, ``data``,             the leaves everything uses
+      ``models``, ``llama``
 1     ``distributed``                                 processes, collectives, the ledger, the ring
 2     ``parallel``  |  ``observe``                    the techniques  |  the instruments; siblings
                                                       that never import each other (hooks join them)
@@ -27,7 +28,13 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "course_lib"
 TOOLS = "course_lib.tools"
-LEAVES = ("course_lib.errors", "course_lib.checks", "course_lib.data", "course_lib.models")
+LEAVES = (
+    "course_lib.errors",
+    "course_lib.checks",
+    "course_lib.data",
+    "course_lib.models",
+    "course_lib.llama",
+)
 LAYERS = {
     "leaves": 0,
     "course_lib.distributed": 1,

@@ -230,7 +230,8 @@ class RowParallelLinear(nn.Module):
 
 
 def parallel_mlp(mlp: nn.Module, *, group=None) -> nn.Module:
-    """A ``models.MLP`` (fc1, act, fc2) made tensor parallel in place: fc1 column, fc2 row.
+    """A ``models.MLP`` (fc1, act, fc2) made tensor parallel in place: fc1 column, fc2 row; a gated
+    one (``llama.GatedMLP``) has its ``up`` column parallel too.
 
     One all-reduce forward (in fc2), one backward (in fc1's f): the hidden activation, 4x wider
     than the model, never travels.
@@ -241,13 +242,20 @@ def parallel_mlp(mlp: nn.Module, *, group=None) -> nn.Module:
     """
     check_module("mlp", mlp)
     claim_module(mlp, "tensor parallelism", family=SPLIT_LAYERS)
+    gated = isinstance(getattr(mlp, "up", None), nn.Linear)  # SwiGLU's second up-projection
     for name in ("fc1", "fc2"):
         if not isinstance(getattr(mlp, name, None), nn.Linear):
             raise UserError(
                 f"mlp.{name} must be an nn.Linear (a models.MLP has fc1, act, fc2), got "
                 f"{type(getattr(mlp, name, None)).__name__}"
             )
-    mlp.fc1 = ColumnParallelLinear.from_dense(mlp.fc1, group=group)
+    # a gated MLP's two up-projections read one input: f once, on it, as for q, k and v
+    mlp.fc1 = ColumnParallelLinear.from_dense(mlp.fc1, group=group, copy_input=not gated)
+    if gated:
+        mlp.up = ColumnParallelLinear.from_dense(mlp.up, group=group, copy_input=False)
+        mlp.register_forward_pre_hook(
+            lambda module, args: (copy_to_parallel(args[0], group=group), *args[1:])
+        )
     mlp.fc2 = RowParallelLinear.from_dense(mlp.fc2, group=group)
     return mlp
 
@@ -270,6 +278,8 @@ def parallel_attention(attention: nn.Module, n_heads: int, *, group=None) -> nn.
     """
     check_module("attention", attention)
     _split_size(n_heads, group, "attention heads")
+    if hasattr(attention, "kv_heads"):  # grouped-query attention: whole key/value heads a rank too
+        _split_size(attention.kv_heads, group, "key/value heads")
     claim_module(attention, "tensor parallelism", family=SPLIT_LAYERS)
     for name in ("q", "k", "v"):
         setattr(
@@ -304,7 +314,7 @@ def apply_tensor_parallel(model: nn.Module, *, group=None) -> nn.Module:
         check_not_converted(block, "tensor parallelism", family=SPLIT_LAYERS)
     for block in blocks:
         parallel_attention(
-            block.attention, block.attention.out.out_features // block.attention.head_dim, group=group
+            block.attention, block.attention.out.in_features // block.attention.head_dim, group=group
         )
         parallel_mlp(block.mlp, group=group)
     return model

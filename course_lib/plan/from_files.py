@@ -55,6 +55,7 @@ from pathlib import Path
 
 from ..checks import check_choice, check_int, check_number
 from ..errors import UserError
+from ..llama import ROPE_THETA, Llama
 from .kernels import GPUS
 from .specs import CLUSTERS, MODELS, ClusterSpec, Link, ModelSpec
 
@@ -123,6 +124,20 @@ def model_from_config(path: Path) -> ModelSpec:
         tied_embeddings=bool(config.get("tie_word_embeddings", False)),
         **_sliding_window(config, path),
     )
+
+
+def module_from_config(path: Path) -> Llama:
+    """The module a ``config.json`` describes (``llama.Llama``), with its norms' epsilon and rotary
+    base; the spec of ``model_from_config`` is what the planner plans of it.
+
+    Args:
+        path: the ``config.json``.
+    """
+    path = Path(path)
+    config = _read(path, "model config")
+    eps = check_number(f"{path}: rms_norm_eps", config.get("rms_norm_eps", 1e-5), above=0)
+    theta = check_number(f"{path}: rope_theta", config.get("rope_theta", ROPE_THETA), above=0)
+    return Llama(model_from_config(path), eps=eps, theta=theta)
 
 
 def _sliding_window(config: dict, path: Path) -> dict:

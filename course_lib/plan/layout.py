@@ -41,6 +41,7 @@ from torch import nn
 from ..checks import check_choice, check_fields, check_flag, check_instance, check_int
 from ..distributed import comm
 from ..errors import UserError
+from ..llama import Llama
 from ..models import Block, Embedding, LMHead, TinyTransformer
 from ..parallel import context, ddp, fsdp, memory, pipeline, recompute, sequence, tensor, ulysses, vocab, zero
 from ..parallel.context_chunks import SequenceLayout
@@ -318,17 +319,19 @@ def parallelize(
             "tensor_overlap overlaps sequence parallelism's all-gathers and reduce-scatters with the "
             "matmuls: it needs a tensor degree above 1 and sequence_parallel=True"
         )
+    if not isinstance(model, TinyTransformer | Llama):
+        raise UserError(
+            f"parallelize lays out the course's models.TinyTransformer or llama.Llama, got "
+            f"{type(model).__name__}: apply the techniques' own verbs (apply_tensor_parallel, ...) to other "
+            "models"
+        )
+    _check_llama_layout(model, layout)
     for axis in AXES:
         if mesh.degrees[axis] != layout.degree(axis):
             raise UserError(
                 f"the mesh's {axis} degree is {mesh.degrees[axis]} but the layout's is "
                 f"{layout.degree(axis)}: build the mesh from the layout"
             )
-    if not isinstance(model, TinyTransformer):
-        raise UserError(
-            f"parallelize lays out the course's models.TinyTransformer, got {type(model).__name__}: apply "
-            "the techniques' own verbs (apply_tensor_parallel, ...) to other models"
-        )
     if layout.expert > 1:
         raise UserError("the course's TinyTransformer has no MoE layers: use expert=1 (see parallel.expert)")
     if data_parallel and layout.pipeline > 1 and layout.sharding != "ddp":
@@ -372,6 +375,23 @@ def parallelize(
 
 
 # #endregion compose
+
+
+def _check_llama_layout(model: nn.Module, layout: Layout) -> None:
+    """What the Llama module does not run yet, refused before any rank waits: its rotary positions
+    are computed for a whole sequence (no context parallelism), and its norms and vocabulary are not
+    those sequence parallelism and the split loss cut."""
+    if not isinstance(model, Llama):
+        return
+    if layout.context > 1:
+        raise UserError(
+            "the Llama module attends over whole sequences: use context=1 (TinyTransformer has it)"
+        )
+    if layout.tensor > 1 and (layout.sequence_parallel or layout.loss_parallel):
+        raise UserError(
+            "the Llama module splits its blocks over the tensor ranks, not its sequence or vocabulary: "
+            "use sequence_parallel=False and loss_parallel=False (the layout's no-sp no-loss-parallel)"
+        )
 
 
 @dataclass

@@ -20,7 +20,6 @@ small sizes, to check the command itself.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -36,6 +35,7 @@ import torch.nn.functional as F
 
 from .. import checks
 from ..errors import EXIT_USER_ERROR, UserError
+from ..llama import LlamaBlock
 from ..plan.specs import MODELS, ModelSpec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -257,38 +257,6 @@ def record_attention(
     return rows
 
 
-class LlamaBlock(torch.nn.Module):
-    """One Llama block of a ``ModelSpec`` as torchtitan writes it, rotary positions left out: an
-    RMSNorm, q/k/v/out projections with the key/value heads repeated to the query heads, causal
-    fused attention, a residual add, an RMSNorm, SwiGLU, a residual add."""
-
-    def __init__(self, spec: ModelSpec, *, tensor: int = 1):
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = spec.heads // tensor, spec.kv_heads, spec.head_dim
-        h, q, kv = spec.d_model, spec.attention_width, spec.kv_heads * spec.head_dim
-        linear = functools.partial(torch.nn.Linear, bias=False)
-        self.norm1, self.norm2 = torch.nn.RMSNorm(h), torch.nn.RMSNorm(h)
-        self.q, self.k, self.v = linear(h, q // tensor), linear(h, kv), linear(h, kv)
-        self.out = linear(q // tensor, h)
-        self.gate, self.up = linear(h, spec.ffn_hidden // tensor), linear(h, spec.ffn_hidden // tensor)
-        self.down = linear(spec.ffn_hidden // tensor, h)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, _ = x.shape
-        y = self.norm1(x)
-        q = self.q(y).view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
-        k, v = (
-            proj(y).view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
-            for proj in (self.k, self.v)
-        )
-        repeats = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.out(attended.transpose(1, 2).reshape(batch, seq, -1))
-        y = self.norm2(x)
-        return x + self.down(F.silu(self.gate(y)) * self.up(y))
-
-
 def record_blocks(
     models: list[ModelSpec], *, tokens: int, compile_too: bool, timer: Timer, device, report
 ) -> list[dict]:
@@ -300,7 +268,7 @@ def record_blocks(
             continue  # routing and uneven experts: not a Llama block
         torch.manual_seed(0)
         dtype = _dtype(device)
-        block = LlamaBlock(spec).to(device=device, dtype=dtype)
+        block = LlamaBlock(spec).to(device=device, dtype=dtype)  # the course's own, rotary positions too
         x = torch.randn(1, tokens, spec.d_model, device=device, dtype=dtype, requires_grad=True)
         grad = torch.randn_like(x)
         variants = {"eager": block}

@@ -4,11 +4,12 @@ import csv
 from pathlib import Path
 
 import pytest
-from conftest import call_main
 
 from course_lib.plan.specs import CLUSTERS
 from course_lib.tools import gpu_runs
 from course_lib.tools import plan as plan_tool
+
+from conftest import call_main
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -23,7 +23,7 @@ PYTEST_ARGS ?=
 # files start first, in the order tests/conftest.py gives (LONGEST_FIRST).
 TEST_WORKERS ?= 2
 
-.PHONY: setup system-deps lab lint format test test-fast test-under-load clean-results slides slides-setup slides-build gpu-record
+.PHONY: setup system-deps lab lint format test test-fast test-under-load clean-results slides slides-setup slides-build gpu-record gpu-check
 
 setup:
 	@set -euo pipefail; \
@@ -82,6 +82,10 @@ format: setup
 # slides/recorded/gpu/<gpu>.json for the planner. Commit what it records.
 gpu-record: setup
 	$(PY) -m course_lib.tools.gpu_record
+
+# Single-GPU training steps of the course's Llama module beside the planner's predictions (under 8 minutes)
+gpu-check: setup
+	$(PY) -m course_lib.tools.gpu_check
 
 test: system-deps setup lint
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)

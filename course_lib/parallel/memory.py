@@ -268,10 +268,24 @@ class live_tensor_bytes(TorchDispatchMode):
     ...     loss.backward()              # live.peak: the most held at any moment
 
     The count is exact but slow (a Python call per operation): measure with it, never time.
+
+    Args:
+        timeline: also keep every allocation and free as ``events``, ``(operation, "alloc" or
+            "free", address, bytes)`` with ``operation`` the number of operations run so far, and
+            ``mark(label)``'s labels in ``marks``: the CPU's stand-in for
+            ``torch.cuda.memory._record_memory_history`` (what ``tools.gpu_check`` draws).
     """
 
-    def __init__(self):
+    def __init__(self, *, timeline: bool = False):
         super().__init__()
+        self.timeline = timeline
+        self.events: list[tuple[int, str, int, int]] = []
+        self.marks: list[tuple[int, str]] = []
+        self._operations = 0
+
+    def mark(self, label: str) -> None:
+        """Note that the step reaches ``label`` here (a phase's start), for the timeline."""
+        self.marks.append((self._operations, label))
 
     def __enter__(self) -> live_tensor_bytes:
         # Collect earlier code's cyclic garbage now (it costs ~0.2 s), not by chance in the middle
@@ -309,6 +323,7 @@ class live_tensor_bytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
+        self._operations += 1
         if func.namespace in ("c10d", "_c10d_functional"):
             self._collective_since_read = True
         inputs = {
@@ -325,9 +340,13 @@ class live_tensor_bytes(TorchDispatchMode):
                     self._alive += size
                     self.peak = max(self.peak, self._alive)
                     weakref.finalize(storage, self._freed, address, size)
+                    if self.timeline:
+                        self.events.append((self._operations, "alloc", address, size))
         return result
 
     def _freed(self, address: int, size: int) -> None:
         if address in self._counted:
             self._counted.discard(address)
             self._alive -= size
+            if self.timeline:
+                self.events.append((self._operations, "free", address, size))

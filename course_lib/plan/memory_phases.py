@@ -9,6 +9,8 @@ step's phases and counts what is live at each:
   the loss's forward (the bf16 logits, their fp32 copy and the log-softmax, together for a moment);
 - **loss backward**: the same but the loss's two fp32 gradients instead (the one of the
   log-softmax's output, then of its input: 8 bytes a logit beside the 4 of the log-softmax kept);
+- **blocks backward**: under recomputation, a block's backward runs its forward again, so what
+  the policy dropped of one block is alive once more, beside nearly every gradient;
 - **backward end**: every gradient, the activations freed, the last unit's reduction buffers;
 - **optimizer step**: the model states and the gradients (a fused AdamW allocates nothing more).
 
@@ -75,7 +77,7 @@ PARTS = (
 )
 """What the card holds, by part, in the order a breakdown stacks them."""
 
-PHASES = ("forward", "loss backward", "backward end", "optimizer step")
+PHASES = ("forward", "loss backward", "blocks backward", "backward end", "optimizer step")
 """The moments of a step whose live bytes the planner counts, in the order they happen."""
 
 NCCL_BUFFER_BYTES = 4 * MIB
@@ -164,6 +166,11 @@ def memory_peak(step: StepShape) -> MemoryPeak:
     logits = 0.0 if pipelined else logit_elements(model, layout, **shape)
     loss_forward = (framework.logit_bytes(layout.precision) - LOG_SOFTMAX_BYTES) * logits
     gathered, kept_gathered, reduce_buffer = _gathered(step)
+    reduce_block = (
+        framework.gradient_reduce_bytes(layout.precision) * _units(step)[0]
+        if layout.sharding == "fsdp"
+        else 0.0
+    )
     live = {
         "forward": {"activations": activations + loss_forward},
         "loss backward": {"activations": activations + LOSS_GRADIENT_BYTES * logits},
@@ -175,6 +182,21 @@ def memory_peak(step: StepShape) -> MemoryPeak:
             "optimizer": states.optimizer,
             "gathered parameters": gathered,
         }
+    # a recomputed block's backward runs its forward again: its dropped activations live once more,
+    # beside (nearly) every gradient; without recomputation this phase lies between its neighbours
+    full = block_activation_elements(
+        model, layout.with_(recomputation="none", recompute_every=1), **shape, selective=framework.selective,
+        fp32_residual=autocast,
+    )  # fmt: skip
+    recomputed = (full - block) * layout.element_bytes if layout.recomputation != "none" else 0.0
+    live["blocks backward"] = {
+        "parameters": params_after + casts,
+        "gradients": states.grads,
+        "optimizer": states.optimizer,
+        "activations": recomputed,
+        "gathered parameters": gathered,
+        "reduction buffers": reduce_block,
+    }
     live["backward end"] = {
         "parameters": params_after,
         "gradients": states.grads,

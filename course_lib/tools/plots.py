@@ -635,6 +635,38 @@ def plot_memory_breakdown(predictions: list, *, capacity_bytes: float | None = N
     return save(figure, path)
 
 
+def plot_memory_timeline(timeline: dict, *, path=None) -> Figure:
+    """One training step's memory by category, allocation by allocation (``gpu_check.step_timeline``):
+    the parameters and optimizer state underneath, the activations growing in the forward and
+    freed in the backward while the gradients grow, the phases' starts marked.
+
+    Args:
+        timeline: ``positions`` (the x of each event), ``bytes`` (category -> bytes after each
+            event) and ``marks`` ((position, label) of each phase's start).
+        path: save the chart as a PNG here (None: only return it).
+    """
+    figure = Figure(figsize=(8, 4))
+    axis = figure.subplots()
+    x = list(range(len(timeline["positions"])))
+    series = timeline["bytes"]
+    highest = max((sum(column) for column in zip(*series.values(), strict=True)), default=0)
+    unit, size = ("GiB", GIB) if highest >= GIB else ("MiB", 2**20)
+    axis.stackplot(x, *[[b / size for b in values] for values in series.values()], labels=list(series))
+    events = timeline["positions"]
+    for position, label in timeline["marks"]:
+        if label == "end":
+            continue
+        at = next((i for i, p in enumerate(events) if p >= position), len(events))
+        axis.axvline(at, color="black", linewidth=0.8, linestyle=":")
+        axis.annotate(label, (at, 1.0), xycoords=("data", "axes fraction"), rotation=90, va="top", fontsize=8)
+    axis.set_xlabel("allocation or free, in the order the step made them")
+    axis.set_ylabel(f"allocated ({unit})")
+    axis.set_title(f"one step of {timeline['run']}")
+    axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    figure.tight_layout()
+    return save(figure, path)
+
+
 def plot_prediction_check(result: dict, *, path=None) -> Figure:
     """``plan --validate``'s result: measured over predicted, per layout, for memory, bytes and time.
 

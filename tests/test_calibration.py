@@ -5,6 +5,8 @@ and exit 2."""
 from __future__ import annotations
 
 import csv
+import dataclasses
+import itertools
 import json
 import math
 import random
@@ -51,7 +53,7 @@ def _measured(*, noise: float, seed: int = 1) -> list[calibration.MeasuredRun]:
         seconds = (fixed + sum(TRUTH[name] * c for name, c in zip(calibration.TERMS, columns))) * math.exp(
             rng.gauss(0, noise)
         )
-        memory = 1.1 * prediction.memory["total"] / 2**30
+        memory = 1.1 * prediction.peak.reserved / 2**30
         runs.append(
             calibration.MeasuredRun(MODEL, layout, 8192, 64, 64 * 8192 / (seconds * layout.gpus), memory)
         )
@@ -65,29 +67,33 @@ def test_known_terms_are_recovered_within_their_uncertainty():
         assert error is not None, name
         assert abs(profile.terms[name] - true) <= 3 * error + 1e-3, (name, profile.terms[name], error)
     assert profile.terms["products"] == pytest.approx(1.4, rel=0.05)
-    assert profile.memory_factor == pytest.approx(1.1)
+    assert profile.memory_factor == pytest.approx(1.1, rel=0.005)  # shrunk a little toward 1
     assert profile.rms_log_residual == pytest.approx(0.02, abs=0.01)
     assert len(rows) == len(LAYOUTS)
     for row in rows:
         assert abs(math.log(row["calibrated_step_s"] / row["measured_step_s"])) < 0.08
 
 
-def test_without_noise_the_terms_are_exact():
+def test_without_noise_each_term_is_the_truth_as_far_as_the_runs_pin_it():
+    """Runs that agree exactly pin a term they say much of (the products: within 2 %); a term they
+    say little of (the links between nodes, a small part of these steps) stays nearer its prior, and
+    its uncertainty says so: every term within three standard errors of the truth."""
     profile, _ = calibration.calibrate(_measured(noise=0.0), CLUSTER, STACK)
+    assert profile.terms["products"] == pytest.approx(TRUTH["products"], rel=0.02)
     for name, true in TRUTH.items():
-        assert profile.terms[name] == pytest.approx(true, rel=1e-4, abs=1e-6), name
+        assert abs(profile.terms[name] - true) <= 3 * profile.uncertainty[name] + 1e-3, name
 
 
-def test_a_term_no_run_exercises_keeps_its_prior_and_too_few_runs_are_refused():
+def test_a_term_no_run_exercises_keeps_its_prior_and_a_few_runs_move_a_term_part_way():
     unpipelined = [run for run in _measured(noise=0.01) if run.layout.pipeline == 1]
     profile, _ = calibration.calibrate(unpipelined, CLUSTER, STACK)
     assert profile.uncertainty["pipeline_per_microbatch"] is None
     assert profile.terms["pipeline_per_microbatch"] == 0.0
-    with pytest.raises(
-        UserError,
-        match=r"3 runs cannot fit 3 terms \(products, inside_node, step_overhead\): measure at least 4",
-    ):
-        calibration.calibrate(unpipelined[:3], CLUSTER, STACK)
+    few, _ = calibration.calibrate(unpipelined[:2], CLUSTER, STACK)
+    assert 1.0 < few.terms["products"] < profile.terms["products"]
+    assert few.leave_one_out is not None and few.runs == 2
+    with pytest.raises(UserError, match="no run that ran to calibrate on"):
+        calibration.calibrate([], CLUSTER, STACK)
 
 
 def _write_runs(path, runs, *, extra: dict | None = None, drop: str = "") -> None:
@@ -156,7 +162,7 @@ def test_the_command_fits_prints_and_writes_a_profile_that_predict_and_plan_take
 @pytest.mark.parametrize(
     "case, message",
     [
-        ("few", "cannot fit"),
+        ("none ran", "no run that ran to calibrate on"),
         ("column", "has no column tokens_per_s_per_gpu"),
         ("cluster", "a run on 'alps', not 'h100-node': calibrate one cluster at a time"),
         ("status", "unknown line 2: status 'crashed': choose one of ok, oom"),
@@ -165,8 +171,8 @@ def test_the_command_fits_prints_and_writes_a_profile_that_predict_and_plan_take
 def test_bad_calibration_input_is_one_line_and_exit_2(case, message, tmp_path, capsys):
     runs = _measured(noise=0.02)
     path = tmp_path / "runs.csv"
-    if case == "few":
-        _write_runs(path, runs[:2])
+    if case == "none ran":
+        _write_runs(path, [dataclasses.replace(run, status="oom") for run in runs[:2]])
     elif case == "column":
         _write_runs(path, runs, drop="tokens_per_s_per_gpu")
     elif case == "cluster":
@@ -182,3 +188,85 @@ def test_bad_calibration_input_is_one_line_and_exit_2(case, message, tmp_path, c
     assert shown.returncode == 2 and "Traceback" not in shown.stderr
     assert message in shown.stderr
     assert len(shown.stderr.strip().splitlines()) == 1
+
+
+def _held_out_error(profile, runs, cluster, framework=STACK) -> tuple[float, float]:
+    """RMS log error of ``runs`` predicted uncalibrated and with ``profile``."""
+    plain = calibrated = 0.0
+    for run in runs:
+        p = predict(run.model, cluster, run.layout, seq_len=run.seq_len, global_batch=run.global_batch,
+                    framework=run.framework or framework)  # fmt: skip
+        seconds = run.global_batch * run.seq_len / (run.tokens_per_s_per_gpu * run.layout.gpus)
+        plain += math.log(p.time["total"] / seconds) ** 2
+        calibrated += math.log(calibration.apply(p, profile, cluster).time["total"] / seconds) ** 2
+    return math.sqrt(plain / len(runs)), math.sqrt(calibrated / len(runs))
+
+
+@pytest.mark.parametrize("k", [2, 4, 6])
+def test_a_profile_fitted_on_k_noisy_runs_predicts_the_others_better_than_none(k):
+    """Runs the model made with known terms and 5 % noise: fitted on any k of them, the profile
+    predicts the other 13 - k better than the uncalibrated planner, split after split."""
+    runs = _measured(noise=0.05, seed=3)
+    for seed in range(5):
+        chosen = set(random.Random(seed).sample(range(len(runs)), k))
+        profile, _ = calibration.calibrate([runs[i] for i in chosen], CLUSTER, STACK)
+        plain, calibrated = _held_out_error(
+            profile, [r for i, r in enumerate(runs) if i not in chosen], CLUSTER
+        )
+        assert calibrated < plain, (k, seed, plain, calibrated)
+
+
+def _h200_runs(recipe: str) -> list[calibration.MeasuredRun]:
+    from course_lib.tools import gpu_runs
+
+    return [
+        calibration.MeasuredRun(run.model, run.layout, run.seq_len, run.global_batch, run.tokens_per_s,
+                                run.reserved_gib, run.status, framework=run.framework)
+        for run in gpu_runs.read_runs() if run.framework.name == recipe
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("recipe", ["fp32-master", "torchtitan"])
+def test_on_the_h200_runs_k_of_them_predict_the_rest_no_worse_and_every_fitted_run_fits(recipe):
+    """The committed H200 runs of one recipe: for every k, the profiles fitted on k of them (up to
+    12 subsets each) predict the others no worse on average than the uncalibrated planner, no
+    subset more than 0.035 in log worse (the priors bound what a few runs can do), and each
+    profile calls every run it was fitted on one that fits (the 8B at 8K tokens, 138 GiB of the
+    card's 140, among them)."""
+    from course_lib.plan.frameworks import FRAMEWORKS
+
+    h200, runs = CLUSTERS["h200-node"], _h200_runs(recipe)
+    for k in range(1, len(runs)):
+        subsets = list(itertools.combinations(range(len(runs)), k))
+        random.Random(0).shuffle(subsets)
+        gains = []
+        for subset in subsets[:12]:
+            profile, rows = calibration.calibrate([runs[i] for i in subset], h200, FRAMEWORKS[recipe])
+            assert all(row["fits"] for row in rows), (k, subset)
+            rest = [run for i, run in enumerate(runs) if i not in subset]
+            plain, calibrated = _held_out_error(profile, rest, h200)
+            gains.append(plain - calibrated)
+            assert calibrated - plain < 0.035, (k, subset)
+        assert sum(gains) / len(gains) >= 0, (k, gains)
+
+
+def test_a_term_is_not_extrapolated_far_beyond_the_runs_that_fixed_it():
+    """Fitted on steps of 0.2 to 0.9 s of products, a step of a hundredth of that keeps the
+    products' prior, and says so."""
+    from course_lib.plan.frameworks import FRAMEWORKS
+
+    h200, runs = CLUSTERS["h200-node"], _h200_runs("fp32-master")
+    profile, _ = calibration.calibrate(runs, h200, FRAMEWORKS["fp32-master"])
+    assert profile.terms["products"] != 1.0
+    tiny = predict(
+        runs[0].model, h200, runs[0].layout, seq_len=256, global_batch=1, framework=FRAMEWORKS["fp32-master"]
+    )
+    after = calibration.apply(tiny, profile, h200)
+    assert after.time["compute"] == tiny.time["compute"]
+    assert "calibration's products not applied: beyond the runs that fixed it" in after.note
+    inside = predict(
+        runs[0].model, h200, runs[0].layout, seq_len=8192, global_batch=1, framework=FRAMEWORKS["fp32-master"]
+    )
+    assert calibration.apply(inside, profile, h200).time["compute"] == pytest.approx(
+        inside.time["compute"] * profile.terms["products"]
+    )

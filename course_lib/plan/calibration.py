@@ -14,14 +14,25 @@ products' seconds (matmuls, attention, their recomputation, the bubble they leav
 the exposed communication on links inside a node and between nodes (one factor a link class,
 its latency and bandwidth together); K: the micro-batches a pipelined step sends (0 without a
 pipeline); the last term a constant per step (the host, the data loader, the launches the model
-does not count). The terms are fitted by least squares on log time (Gauss-Newton from a linear
-start), each with its uncertainty from the fit's Jacobian, and every run's residual is reported.
-A term no run exercises keeps its prior (1, or 0 seconds) and is said to be unfitted.
+does not count).
 
-Memory: the ratio of each measured peak to the predicted one, averaged in log space, is the
-allocator's fragmentation (``memory_factor``); a run that ran out of memory checks it.
+Each term has a prior, the formula as it is (a factor 1, or no seconds added), and a width, how
+far a term may plausibly sit from it (``PRIOR_WIDTH``); the terms are the most probable ones
+given the runs and the priors (least squares on log time with the priors as extra rows: Gauss-Newton
+from the prior), each with its uncertainty from the fit's curvature. So a handful of runs moves a
+term only as far as they agree on, a term no run exercises stays at its prior (and is said to be
+unfitted), and one run's noise cannot carry every prediction far the other way. The profile
+reports every run's residual and the **leave-one-out** error: each run predicted by the profile
+fitted on the others, what a new run may expect. A term is not **extrapolated**: a prediction
+whose part of that term lies far outside the runs that fixed it (``EXTRAPOLATION``) keeps the
+term's prior, and says so.
 
-The cost: a handful of runs (at least one more than the terms fitted). The result is a profile
+Memory: the ratio of each measured reserved peak to the predicted one, averaged in log space and
+shrunk toward 1 the same way, scales the reserved prediction (the allocator's fragmentation and
+pools are what the formula knows least); whether a layout fits is decided as ``cost_model`` decides
+it, the allocated peak against the card.
+
+The cost: a handful of runs (one is enough to move a term; each more narrows it). The result is a profile
 (``CalibrationProfile``, a JSON file) that ``predict`` applies to any layout of that cluster and
 stack (``calibrate``/``apply``).
 """
@@ -37,9 +48,10 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
-from .cost_model import Prediction, predict
+from .cost_model import Prediction, memory_verdict, predict
 from .frameworks import Framework
 from .layout import Layout
+from .memory_phases import MemoryPeak
 from .network_model import link_of
 from .specs import GIB, ClusterSpec, ModelSpec
 
@@ -54,6 +66,29 @@ TERMS = (
 
 PRIORS = {name: (0.0 if name in ("pipeline_per_microbatch", "step_overhead") else 1.0) for name in TERMS}
 """What an unfitted term is: the formula as it is (a factor 1, or no seconds added)."""
+
+PRIOR_WIDTH = {
+    "products": 0.3,
+    "inside_node": 0.5,
+    "between_nodes": 0.5,
+    "pipeline_per_microbatch": 0.01,
+    "step_overhead": 0.05,
+}
+"""How far each term may plausibly lie from its prior, one standard deviation: the factors in their
+own units (the products: the planner against the published runs is within 1.33x on 88 % of them;
+the links, whose latencies are assumptions, wider), the seconds as a share of the runs' median step."""
+
+RUN_NOISE = 0.05
+"""The spread of a run's log step time about any set of terms (one standard deviation): what the
+uncalibrated planner's error is on the committed H200 runs (``plan check-gpu-runs``: measured over
+predicted 0.92 to 1.06), fitted to them, an assumption elsewhere."""
+
+MEMORY_PRIOR_WIDTH = 0.10
+"""How far the reserved peak's factor may plausibly lie from 1, in log (the H200 runs: within 10 %)."""
+
+EXTRAPOLATION = 3.0
+"""A fitted term applies to a prediction whose part of it is within this factor of the parts of
+the runs that fixed it; beyond, the prior."""
 
 COMMUNICATION = {
     "tensor (exposed)": "tensor",
@@ -105,6 +140,10 @@ class CalibrationProfile:
         memory_factor: measured peak memory over predicted (1: none measured).
         runs: how many runs it was fitted on.
         rms_log_residual: the fit's root-mean-square residual in log time.
+        leave_one_out: the root-mean-square log error of each run predicted by the profile
+            fitted on the others (None: fewer than two runs).
+        fitted_range: each fitted term's smallest and largest part (seconds, uncalibrated) over
+            the runs that fixed it (``EXTRAPOLATION``).
     """
 
     cluster: str
@@ -114,6 +153,8 @@ class CalibrationProfile:
     memory_factor: float = 1.0
     runs: int = 0
     rms_log_residual: float = 0.0
+    leave_one_out: float | None = None
+    fitted_range: dict[str, list[float]] = field(default_factory=dict)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=1) + "\n")
@@ -139,47 +180,65 @@ class CalibrationProfile:
 def fit(
     columns: list[list[float]], fixed: list[float], seconds: list[float]
 ) -> tuple[dict, dict, list[float]]:
-    """Least squares on log time: (terms, uncertainties, each run's log residual).
+    """The most probable terms given the runs and the priors: (terms, uncertainties, each run's
+    log residual).
+
+    Least squares on r_i = log(x_i·θ + fixed_i) - log t_i, each over ``RUN_NOISE``, beside one row a
+    term exercised, (θ_j - prior_j) / width_j; Gauss-Newton from the priors.
 
     Args:
         columns: each run's ``parts``.
         fixed: each run's seconds that no term scales.
         seconds: each run's measured step time.
     """
+    if not seconds:
+        raise UserError("no run that ran to calibrate on: measure at least one")
     active = [j for j in range(len(TERMS)) if any(row[j] for row in columns)]
-    if len(seconds) <= len(active):
-        raise UserError(
-            f"{len(seconds)} runs cannot fit {len(active)} terms ({', '.join(TERMS[j] for j in active)}): "
-            f"measure at least {len(active) + 1}"
-        )
+    step = sorted(seconds)[len(seconds) // 2]
+    prior = torch.tensor([PRIORS[TERMS[j]] for j in active], dtype=torch.float64)
+    width = torch.tensor(
+        [PRIOR_WIDTH[TERMS[j]] * (step if PRIORS[TERMS[j]] == 0.0 else 1.0) for j in active],
+        dtype=torch.float64,
+    )
     x = torch.tensor([[row[j] for j in active] for row in columns], dtype=torch.float64)
-    t = torch.tensor(seconds, dtype=torch.float64)
-    offset = torch.tensor(fixed, dtype=torch.float64)
-    theta = torch.linalg.lstsq(x / t[:, None], (1 - offset / t)[:, None]).solution[:, 0]
-    theta = theta.clamp(min=1e-9)
-    for _ in range(50):  # Gauss-Newton on r = log(x·θ) - log t
-        predicted = x @ theta + offset
-        residual = torch.log(predicted) - torch.log(t)
-        jacobian = x / predicted[:, None]
-        step = torch.linalg.lstsq(jacobian, -residual[:, None]).solution[:, 0]
-        theta = (theta + step).clamp(min=1e-9)
-        if step.abs().max() < 1e-10 * (1 + theta.abs().max()):
+    t, offset = torch.tensor(seconds, dtype=torch.float64), torch.tensor(fixed, dtype=torch.float64)
+    theta = prior.clone()
+    for _ in range(100):
+        predicted = (x @ theta + offset).clamp(min=1e-12)
+        residual = torch.cat([(predicted.log() - t.log()) / RUN_NOISE, (theta - prior) / width])
+        jacobian = torch.cat([x / predicted[:, None] / RUN_NOISE, torch.diag(1 / width)])
+        change = torch.linalg.lstsq(jacobian, -residual[:, None]).solution[:, 0]
+        theta = theta + change
+        if change.abs().max() < 1e-12 * (1 + theta.abs().max()):
             break
-    residual = torch.log(x @ theta + offset) - torch.log(t)
-    jacobian = x / (x @ theta + offset)[:, None]
-    variance = float(residual @ residual) / (len(seconds) - len(active))
-    covariance = variance * torch.linalg.pinv(jacobian.T @ jacobian)
+    predicted = x @ theta + offset
+    jacobian = torch.cat([x / predicted[:, None] / RUN_NOISE, torch.diag(1 / width)])
+    covariance = torch.linalg.pinv(jacobian.T @ jacobian)
     terms, errors = dict(PRIORS), dict.fromkeys(TERMS)
     for index, j in enumerate(active):
         terms[TERMS[j]] = float(theta[index])
         errors[TERMS[j]] = math.sqrt(max(0.0, float(covariance[index, index])))
-    return terms, errors, [float(r) for r in residual]
+    return terms, errors, [float(r) for r in predicted.log() - t.log()]
+
+
+def leave_one_out(columns: list[list[float]], fixed: list[float], seconds: list[float]) -> list[float] | None:
+    """Each run's log error when predicted by the terms fitted on the other runs (None: one run)."""
+    if len(seconds) < 2:
+        return None
+    errors = []
+    for held in range(len(seconds)):
+        keep = [i for i in range(len(seconds)) if i != held]
+        terms, _, _ = fit([columns[i] for i in keep], [fixed[i] for i in keep], [seconds[i] for i in keep])
+        guess = fixed[held] + sum(terms[name] * c for name, c in zip(TERMS, columns[held], strict=True))
+        errors.append(math.log(guess / seconds[held]))
+    return errors
 
 
 def apply(prediction: Prediction, profile: CalibrationProfile, cluster: ClusterSpec) -> Prediction:
     """``prediction`` with the profile's terms: its time parts scaled and the fitted seconds added
-    (named apart in the breakdown), its memory scaled by the fragmentation, throughput and MFU
-    recomputed and the fit re-checked against the GPU's memory.
+    (named apart in the breakdown), a term whose part lies beyond ``EXTRAPOLATION`` of the runs
+    that fixed it left at its prior (said in ``note``), the reserved peak scaled by the memory
+    factor, throughput and MFU recomputed and the fit decided again.
 
     Args:
         prediction: ``cost_model.predict``'s, uncalibrated.
@@ -188,7 +247,13 @@ def apply(prediction: Prediction, profile: CalibrationProfile, cluster: ClusterS
     """
     if not prediction.time:
         return prediction
-    terms, time = profile.terms, dict(prediction.time)
+    terms, outside = dict(profile.terms), []
+    for name, value in zip(TERMS, parts(prediction, cluster)[0], strict=True):
+        low, high = profile.fitted_range.get(name, (0.0, math.inf))
+        if value and not low / EXTRAPOLATION <= value <= high * EXTRAPOLATION:
+            terms[name] = PRIORS[name]
+            outside.append(name)
+    time = dict(prediction.time)
     for part in ("compute", "recomputation", "pipeline bubble"):
         time[part] *= terms["products"]
     for part in COMMUNICATION:
@@ -200,14 +265,38 @@ def apply(prediction: Prediction, profile: CalibrationProfile, cluster: ClusterS
     time["step overhead (calibrated)"] = terms["step_overhead"]
     time.pop("total")
     time["total"] = sum(time.values())
-    memory = {name: value * profile.memory_factor for name, value in prediction.memory.items()}
-    result = dataclasses.replace(prediction, time=time, memory=memory)
+    result = dataclasses.replace(prediction, time=time)
     result.tokens_per_s = prediction.tokens_per_s * prediction.time["total"] / time["total"]
     result.mfu = prediction.mfu * prediction.time["total"] / time["total"]
-    if result.problem is None and memory["total"] > cluster.gpu_memory_bytes:
-        needed, usable = memory["total"] / 1e9, cluster.gpu_memory_bytes / 1e9
-        result.problem = f"needs {needed:.0f} GB per GPU of {usable:.0f} (calibrated)"
+    if prediction.peak is not None:
+        result.peak = _scaled_reserved(prediction.peak, profile.memory_factor, cluster)
+        result.memory = result.peak.parts
+        result.problem, result.note = memory_verdict(result.peak, cluster)
+    if outside:
+        result.note = "; ".join(
+            filter(
+                None,
+                [
+                    result.note,
+                    f"calibration's {', '.join(outside)} not applied: beyond the runs that fixed it",
+                ],
+            )
+        )
     return result
+
+
+def _scaled_reserved(peak: MemoryPeak, factor: float, cluster: ClusterSpec) -> MemoryPeak:
+    """``peak`` with its reserved bytes times ``factor``, the difference counted as fragmentation,
+    reserved at most what the device has left where the allocated peak fits."""
+    parts = dict(peak.parts)
+    natural = parts["total"] - parts["CUDA context"] - parts["NCCL buffers"]
+    parts["allocator fragmentation"] += natural * (factor - 1)
+    parts["total"] = sum(value for name, value in parts.items() if name != "total")
+    room = cluster.gpu_memory_bytes - parts["CUDA context"] - parts["NCCL buffers"]
+    reserved = natural * factor
+    if peak.allocated <= room:
+        reserved = min(reserved, room)
+    return dataclasses.replace(peak, parts=parts, reserved=reserved)
 
 
 @dataclass(frozen=True)
@@ -220,8 +309,10 @@ class MeasuredRun:
         seq_len: tokens per sequence.
         global_batch: sequences per step.
         tokens_per_s_per_gpu: what it measured (None where it ran out of memory).
-        peak_memory_gib: its fullest GPU's peak memory (None: not measured).
+        peak_memory_gib: its fullest GPU's reserved peak (None: not measured).
         status: ``"ok"``, or ``"oom"`` where it ran out of memory.
+        framework: the stack's profile as this run used it (None: ``calibrate``'s), such as a
+            compiled variant.
     """
 
     model: ModelSpec
@@ -231,55 +322,68 @@ class MeasuredRun:
     tokens_per_s_per_gpu: float | None
     peak_memory_gib: float | None = None
     status: str = "ok"
+    framework: Framework | None = None
 
 
 def calibrate(
     runs: list[MeasuredRun], cluster: ClusterSpec, framework: Framework
 ) -> tuple[CalibrationProfile, list[dict]]:
     """Fit the free terms to ``runs``: the profile, and one row per run (predicted before and after,
-    measured, the log residual).
+    measured, the log residual; for a run that ran out of memory, whether it is predicted to fit).
 
     Args:
-        runs: the measured runs (at least one more that ran than the terms they exercise).
+        runs: the measured runs (at least one that ran).
         cluster: the cluster they ran on.
         framework: the stack that ran them.
     """
+
+    def predicted(run: MeasuredRun) -> Prediction:
+        return predict(
+            run.model, cluster, run.layout, seq_len=run.seq_len, global_batch=run.global_batch,
+            framework=run.framework or framework,
+        )  # fmt: skip
+
     ran = [run for run in runs if run.status == "ok"]
-    predictions = [
-        predict(run.model, cluster, run.layout, seq_len=run.seq_len, global_batch=run.global_batch,
-                framework=framework)
-        for run in ran
-    ]  # fmt: skip
+    predictions = [predicted(run) for run in ran]
     refused = [(run, p.problem) for run, p in zip(ran, predictions, strict=True) if not p.time]
     if refused:
         run, problem = refused[0]
         raise UserError(
             f"the run {run.layout.name()} cannot be predicted ({problem}): drop it or fix its layout"
         )
-    columns, fixed = zip(*(parts(p, cluster) for p in predictions))
+    columns, fixed = (
+        (list(c) for c in zip(*(parts(p, cluster) for p in predictions), strict=True)) if ran else ([], [])
+    )
     seconds = [run.global_batch * run.seq_len / (run.tokens_per_s_per_gpu * run.layout.gpus) for run in ran]
-    terms, errors, residuals = fit(list(columns), list(fixed), seconds)
+    terms, errors, residuals = fit(columns, fixed, seconds)
+    held_out = leave_one_out(columns, fixed, seconds)
     memories = [
-        math.log(run.peak_memory_gib * GIB / p.memory["total"])
+        math.log(run.peak_memory_gib * GIB / p.peak.reserved)
         for run, p in zip(ran, predictions, strict=True)
         if run.peak_memory_gib
     ]
+    # shrunk toward 1 as the time terms are: each run's log ratio with RUN_NOISE, the prior MEMORY_PRIOR_WIDTH
+    shrink = (RUN_NOISE / MEMORY_PRIOR_WIDTH) ** 2
     profile = CalibrationProfile(
         cluster.name, framework.name, terms, errors,
-        memory_factor=math.exp(sum(memories) / len(memories)) if memories else 1.0,
+        memory_factor=math.exp(sum(memories) / (len(memories) + shrink)),
         runs=len(ran), rms_log_residual=math.sqrt(sum(r * r for r in residuals) / len(residuals)),
+        leave_one_out=math.sqrt(sum(e * e for e in held_out) / len(held_out)) if held_out else None,
+        fitted_range={
+            name: [min(v for v in values if v), max(values)]
+            for name, values in zip(TERMS, zip(*columns, strict=True), strict=True)
+            if errors[name] is not None
+        },
     )  # fmt: skip
     rows = []
     for run, p, residual, measured in zip(ran, predictions, residuals, seconds, strict=True):
         after = apply(p, profile, cluster)
         rows.append({
             "layout": run.layout.name(), "measured_step_s": measured, "predicted_step_s": p.time["total"],
-            "calibrated_step_s": after.time["total"], "log_residual": residual,
+            "calibrated_step_s": after.time["total"], "log_residual": residual, "fits": after.fits,
         })  # fmt: skip
     for run in runs:
         if run.status == "oom":
-            p = predict(run.model, cluster, run.layout, seq_len=run.seq_len, global_batch=run.global_batch,
-                        framework=framework)  # fmt: skip
-            after = apply(p, profile, cluster)
+            after = apply(predicted(run), profile, cluster)
             rows.append({"layout": run.layout.name(), "status": "oom", "predicted_to_fit": after.fits})
     return profile, rows

@@ -403,9 +403,9 @@ def calibrate_runs(argv: list[str]) -> int:
     parser = checks.CommandParser(
         prog="python -m course_lib.tools.plan calibrate",
         description="Fit the planner's free terms (the products' speed, each link class's, a cost per "
-        "pipelined micro-batch, one per step, the allocator's fragmentation) to runs measured on one "
-        "cluster, print each with its uncertainty and every run's residual, and write a profile that "
-        "plan and plan predict take with --profile.",
+        "pipelined micro-batch, one per step, the reserved memory's factor), each shrunk toward its prior, "
+        "to runs measured on one cluster; print each with its uncertainty, every run's residual and the "
+        "leave-one-out error, and write a profile that plan and plan predict take with --profile.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument(
@@ -455,7 +455,11 @@ def calibrate_runs(argv: list[str]) -> int:
             f"{row['layout']:<36} {row['measured_step_s']:>10.3f} {row['predicted_step_s']:>10.3f} "
             f"{row['calibrated_step_s']:>10.3f} {row['log_residual']:>+9.3f}"
         )
-    print(f"RMS log residual {profile.rms_log_residual:.3f}; profile: {args.out}")
+    held_out = f"{profile.leave_one_out:.3f}" if profile.leave_one_out is not None else "- (one run)"
+    print(
+        f"RMS log residual {profile.rms_log_residual:.3f}; each run predicted by the profile fitted on the "
+        f"others (leave-one-out): RMS log error {held_out}; profile: {args.out}"
+    )
     return 0
 
 

@@ -30,6 +30,7 @@ TRUTH = {
     "products": 1.4,
     "inside_node": 1.3,
     "between_nodes": 1.6,
+    "contention": 1.5,
     "pipeline_per_microbatch": 0.004,
     "step_overhead": 0.05,
 }

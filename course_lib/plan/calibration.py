@@ -5,14 +5,16 @@ machine and stack do each part, they take from datasheets and records. A few run
 the machine say more. Each measured step time T is written as the predicted parts, each scaled by
 a free term:
 
-    T ≈ M + products · P + inside_node · C_in + between_nodes · C_out
+    T ≈ M + products · P + inside_node · C_in + between_nodes · C_out + contention · X
         + pipeline_per_microbatch · K + step_overhead
 
 M: the memory-bound operations and the optimizer step, as predicted (they scale with the
 products in every layout, so no run could tell a factor on them from one on P); P: the
 products' seconds (matmuls, attention, their recomputation, the bubble they leave); C_in, C_out:
 the exposed communication on links inside a node and between nodes (one factor a link class,
-its latency and bandwidth together); K: the micro-batches a pipelined step sends (0 without a
+its latency and bandwidth together); X: what the communication that overlaps the compute costs
+it (``network_model.contention_seconds``: the multiprocessors NCCL's kernels hold); K: the
+micro-batches a pipelined step sends (0 without a
 pipeline); the last term a constant per step (the host, the data loader, the launches the model
 does not count).
 
@@ -59,6 +61,7 @@ TERMS = (
     "products",
     "inside_node",
     "between_nodes",
+    "contention",
     "pipeline_per_microbatch",
     "step_overhead",
 )
@@ -71,6 +74,7 @@ PRIOR_WIDTH = {
     "products": 0.3,
     "inside_node": 0.5,
     "between_nodes": 0.5,
+    "contention": 1.0,
     "pipeline_per_microbatch": 0.01,
     "step_overhead": 0.05,
 }
@@ -119,6 +123,7 @@ def parts(prediction: Prediction, cluster: ClusterSpec) -> tuple[list[float], fl
     columns["products"] = time["compute"] + time["recomputation"] + time["pipeline bubble"]
     for part in COMMUNICATION:
         columns[_link_term(part, layout, cluster)] += time[part]
+    columns["contention"] = time["communication contention"]
     columns["pipeline_per_microbatch"] = float(prediction.microbatches) if layout.pipeline > 1 else 0.0
     columns["step_overhead"] = 1.0
     fixed = (
@@ -258,6 +263,7 @@ def apply(prediction: Prediction, profile: CalibrationProfile, cluster: ClusterS
         time[part] *= terms["products"]
     for part in COMMUNICATION:
         time[part] *= terms[_link_term(part, prediction.layout, cluster)]
+    time["communication contention"] *= terms["contention"]
     pipelined = prediction.layout.pipeline > 1
     time["pipeline per micro-batch (calibrated)"] = (
         terms["pipeline_per_microbatch"] * prediction.microbatches * pipelined

@@ -42,7 +42,9 @@ class ComputeSeconds:
 
     @property
     def forward_and_backward(self) -> float:
-        return self.matmuls + self.pointwise_blocks + self.pointwise_head + self.copies
+        """The work communication can hide under (the copies into and out of a collective's buffers
+        run before and after it, not beside it)."""
+        return self.matmuls + self.pointwise_blocks + self.pointwise_head
 
 
 def compute_seconds(step: StepShape) -> ComputeSeconds:

@@ -44,7 +44,15 @@ from .compute_model import compute_seconds
 from .frameworks import COURSE_PROFILE, Framework
 from .layout import Layout
 from .memory_phases import MemoryPeak, memory_peak
-from .network_model import context_axis, data_axis, expert_axis, pipeline_axis, tensor_axis
+from .network_model import (
+    contention_seconds,
+    context_axis,
+    data_axis,
+    data_hidden_seconds,
+    expert_axis,
+    pipeline_axis,
+    tensor_axis,
+)
 from .specs import GIB, ClusterSpec, ModelSpec, StepShape
 
 
@@ -188,6 +196,9 @@ def predict(
         "data (exposed)": axes["data"][0],
         "pipeline sends (exposed)": axes["pipeline"][0],
         "expert (exposed)": axes["expert"][0],
+        "communication contention": contention_seconds(
+            step, data_hidden_seconds(step, work.forward_and_backward + work.recomputation)
+        ),
         "host (dispatching operations)": operations * cluster.host_seconds_per_operation,
     }
     result.time["total"] = sum(result.time.values())

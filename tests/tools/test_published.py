@@ -128,7 +128,7 @@ def test_the_planner_against_the_published_runs_as_it_stands():
     """The targets: every run expressible, 90 % within 1.33x, a median ratio between 0.9 and 1.1,
     no run that ran predicted not to fit, memory within 10 % where published. Only the first is met;
     each other is held at what the planner reaches now, so that a change can only make it better:
-    48 of 48 runs expressible, 88 % within 1.33x, median 1.08, memory within 10 % on 6 of the 9 runs
+    48 of 48 runs expressible, 88 % within 1.33x, median 1.07, memory within 10 % on 6 of the 9 runs
     that publish it (reserved bytes against the allocator's reserved peak), and two runs that ran
     called too big:
     NeMo's FP8 Llama 3 8B, whose gradients the Megatron profile keeps in fp32 (the run's
@@ -138,7 +138,7 @@ def test_the_planner_against_the_published_runs_as_it_stands():
     result = published.summary(checked)
     assert result["expressible"] == result["rows"] == 48
     assert result["within_1_33"] >= 0.875
-    assert 1.0 <= result["median_ratio"] <= 1.09
+    assert 1.0 <= result["median_ratio"] <= 1.08
     too_big = [c.run.id for c in checked if c.prediction is not None and not c.prediction.fits]
     assert set(too_big) <= {"nx-nemo-llama3-8b-fp8", "nx-mbridge-gptoss-120b"}
     assert result["memory_within_10pct"] >= 6 / 9

@@ -243,7 +243,9 @@ def copy_bytes(step: StepShape) -> dict[str, float]:
       gathered precision, and the gathered buffer out into the layer's parameters; each reduction
       copies the gradients into its buffer in reduction precision and its output into the
       sharded gradients (FSDP2's ``foreach_all_gather``, ``foreach_reduce``); a unit is gathered
-      for the forward and again for the backward. A world of one reduces by a copy too.
+      for the forward and again for the backward of every micro-batch (once a step under a
+      pipeline), and reduced once a step, as ``network_model`` counts the collectives. A world of
+      one reduces by a copy too.
     """
     model, layout, framework = step.model, step.layout, step.framework
     shape = {"micro_batch": layout.micro_batch, "seq_len": step.seq_len}
@@ -259,9 +261,12 @@ def copy_bytes(step: StepShape) -> dict[str, float]:
             framework.gather_bytes(layout.precision),
         )
         reduce = framework.gradient_reduce_bytes(layout.precision)
-        gathers = 2 * ((stored + gather) / shards + 2 * gather)
+        # as network_model counts the collectives: two gathers a micro-batch, one a step under a
+        # pipeline (the stage stays gathered), one reduction a step
+        gathers = 2 * (step.microbatches if layout.pipeline == 1 else 1)
+        each_gather = (stored + gather) / shards + 2 * gather
         reduction = (layout.element_bytes + reduce) + 2 * reduce / shards
-        result["fsdp"] = (gathers + reduction) * stage * step.microbatches
+        result["fsdp"] = (gathers * each_gather + reduction) * stage
     return result
 
 

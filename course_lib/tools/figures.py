@@ -338,6 +338,16 @@ def layout_memory():
     return plots.plot_memory_breakdown(predictions, capacity_bytes=alps.gpu_memory_bytes)
 
 
+def h200_memory_phases():
+    """The H200 runs (``slides/recorded/gpu/h200-runs.csv``): each phase's allocated peak as the
+    planner predicts it, beside the measured allocated and reserved peaks."""
+    from . import gpu_runs
+
+    h200 = specs.CLUSTERS["h200-node"]
+    checked = gpu_runs.check(gpu_runs.read_runs(), h200)
+    return plots.plot_memory_phases(checked, capacity_bytes=h200.gpu_memory_bytes)
+
+
 def prediction_check():
     """``plan --validate`` as recorded: measured over predicted, per layout, on 2 local processes."""
     return plots.plot_prediction_check(json.loads(RECORDED_PLAN_CHECK.read_text()))
@@ -390,6 +400,7 @@ def rooflines_figure():
 
 
 FIGURES: dict[str, Callable] = {
+    "h200_memory_phases": h200_memory_phases,
     "data_parallel": data_parallel,
     "ring_all_reduce": ring_all_reduce,
     "zero_memory": zero_memory,

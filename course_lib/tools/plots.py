@@ -635,6 +635,40 @@ def plot_memory_breakdown(predictions: list, *, capacity_bytes: float | None = N
     return save(figure, path)
 
 
+def plot_memory_phases(checked: list, *, capacity_bytes: float | None = None, path=None) -> Figure:
+    """Each measured run's allocated peak phase by phase as the planner predicts it (bars), beside
+    what the run measured: its allocated and reserved peaks (markers), and the predicted reserved.
+
+    Args:
+        checked: ``gpu_runs.Checked`` rows (a run and its prediction).
+        capacity_bytes: the GPU's memory as it reports it, drawn as a line (None: no line).
+        path: save the chart as a PNG here (None: only return it).
+    """
+    figure = Figure(figsize=(9, 4.2))
+    axis = figure.subplots()
+    phases = list(checked[0].prediction.peak.phases)
+    width = 0.8 / len(phases)
+    for index, phase in enumerate(phases):
+        heights = [c.prediction.peak.phases[phase] / GIB for c in checked]
+        offsets = [i - 0.4 + (index + 0.5) * width for i in range(len(checked))]
+        axis.bar(offsets, heights, width=width, label=f"predicted: {phase}", alpha=0.8)
+    x = range(len(checked))
+    axis.plot(x, [c.prediction.peak.reserved / GIB for c in checked], "_", color="red", markersize=14,
+              markeredgewidth=2, label="predicted reserved")  # fmt: skip
+    axis.plot(x, [c.run.allocated_gib for c in checked], "x", color="black", label="measured allocated")
+    axis.plot(
+        x, [c.run.reserved_gib for c in checked], "o", mfc="none", color="red", label="measured reserved"
+    )
+    if capacity_bytes is not None:
+        axis.axhline(capacity_bytes / GIB, color="black", linestyle="--", linewidth=0.8, label="GPU memory")
+    axis.set_xticks(list(x), [c.run.name for c in checked], rotation=40, ha="right", fontsize=7)
+    axis.set_xlabel("run")
+    axis.set_ylabel("memory per GPU (GiB)")
+    axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    figure.tight_layout()
+    return save(figure, path)
+
+
 def plot_memory_timeline(timeline: dict, *, path=None) -> Figure:
     """One training step's memory by category, allocation by allocation (``gpu_check.step_timeline``):
     the parameters and optimizer state underneath, the activations growing in the forward and

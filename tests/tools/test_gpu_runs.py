@@ -59,6 +59,14 @@ def test_the_command_prints_the_table_and_the_readme_states_its_counts(capsys):
         f"reserved within 10 % on {result['reserved_within_10pct']} of {result['runs']}, throughput within "
         f"1.15x on {result['throughput_within_1_15']}"
     ) in readme
+    lecture = " ".join((ROOT / "slides" / "09-choosing-a-layout.md").read_text().split())
+    assert (
+        f"reserved within 10 % on {result['reserved_within_10pct']} of {result['runs']}, throughput within "
+        f"1.15x on {result['throughput_within_1_15']} of {result['runs']}"
+    ) in lecture
+    eight = next(run for run in gpu_runs.read_runs() if run.name == "8b-fsdp-s8k-mb1-ac")
+    capacity = CLUSTERS["h200-node"].gpu_memory_bytes / 2**30
+    assert f"it ran at {eight.reserved_gib:.0f} GiB reserved of the card's {capacity:.0f}" in lecture
 
 
 @pytest.mark.parametrize(

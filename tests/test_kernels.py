@@ -115,3 +115,17 @@ def test_fp8_runs_the_blocks_linear_layers_at_the_fp8_fit_and_needs_fp8_tensor_c
     assert data_axis(gathered, 0.0)[1] - reduce_scatter == pytest.approx(
         2 * (data_axis(in_fp8, 0.0)[1] - reduce_scatter)
     )
+
+
+def test_a_record_filed_under_another_gpus_name_is_refused_naming_both(tmp_path, monkeypatch):
+    """The H100's record saved as the H200's: the planner would time an H200 by an H100's kernels."""
+    (tmp_path / "nvidia-h200.json").write_text(json.dumps(RECORD))
+    monkeypatch.setattr(kernels, "GPU_RECORDS", tmp_path)
+    kernels.kernel_fit.cache_clear()
+    try:
+        with pytest.raises(
+            UserError, match=r"measured on NVIDIA H100 80GB HBM3, not the GPU it is filed as \(nvidia-h200\)"
+        ):
+            kernels.kernel_fit("nvidia-h200")
+    finally:
+        kernels.kernel_fit.cache_clear()

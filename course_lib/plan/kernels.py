@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -270,7 +271,19 @@ def kernel_fit(record: str, precision: str = "bf16") -> KernelFit:
         raise UserError(
             f"no GPU record {path}: run make gpu-record on that GPU, or name a cluster without it"
         )
-    return fit_record(json.loads(path.read_text()), GPUS[RECORDED_ON[record]], precision)
+    content = json.loads(path.read_text())
+    measured_on = content.get("device", {}).get("name", "")
+    if slug(measured_on) != record:
+        raise UserError(
+            f"{path} was measured on {measured_on or 'an unnamed device'}, not the GPU it is filed as "
+            f"({record}): put each GPU's record under its own name (make gpu-record writes it so)"
+        )
+    return fit_record(content, GPUS[RECORDED_ON[record]], precision)
+
+
+def slug(name: str) -> str:
+    """A file name for a device name: ``NVIDIA H100 80GB HBM3`` -> ``nvidia-h100-80gb-hbm3``."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
 def _peak(gpu: GPU, precision: str) -> float:

@@ -19,6 +19,7 @@ import math
 
 from ..distributed.comm import ring_bytes
 from ..parallel.mesh import AXES
+from .kernels import GPUS
 from .layout import Layout
 from .memory_model import stage_parameters
 from .specs import ClusterSpec, Link, ModelSpec, StepShape
@@ -334,8 +335,6 @@ def contention_seconds(step: StepShape, hidden: float) -> float:
     (its gloo threads take the cores that compute: ``overlaps_communication``)."""
     if not step.cluster.gpu or not step.cluster.overlaps_communication:
         return 0.0
-    from .kernels import GPUS
-
     return hidden * NCCL_SM_CHANNELS / GPUS[step.cluster.gpu].multiprocessors
 
 

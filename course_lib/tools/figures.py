@@ -28,7 +28,7 @@ from ..parallel import context_chunks, expert, memory, mesh, pipeline, ulysses
 from ..parallel.fsdp import FullyShardedDataParallel
 from ..plan import cost_model, specs
 from ..plan.layout import Layout
-from . import bench, plots
+from . import bench, gpu_runs, plots
 from .bench import MLP_BATCH, MLP_LAYERS, MLP_WIDTH, mlp, training_step
 from .plan_validation import validate
 from .study import read_csv
@@ -341,8 +341,6 @@ def layout_memory():
 def h200_memory_phases():
     """The H200 runs (``slides/recorded/gpu/h200-runs.csv``): each phase's allocated peak as the
     planner predicts it, beside the measured allocated and reserved peaks."""
-    from . import gpu_runs
-
     h200 = specs.CLUSTERS["h200-node"]
     checked = gpu_runs.check(gpu_runs.read_runs(), h200)
     return plots.plot_memory_phases(checked, capacity_bytes=h200.gpu_memory_bytes)

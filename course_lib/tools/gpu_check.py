@@ -35,7 +35,7 @@ import pickle
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 
 import torch
@@ -50,7 +50,6 @@ from ..plan.frameworks import FRAMEWORKS
 from ..plan.layout import Layout
 from ..plan.specs import CLUSTERS, CUDA_CONTEXT, GIB, ClusterSpec, Link, ModelSpec
 from . import plots
-from .gpu_record import slug
 
 RECIPES = ("fp32-master", "torchtitan")
 """The stacks a run trains with, by the planner's profile that describes each."""
@@ -69,12 +68,22 @@ the backward, which bounds the blocks' backward, and the optimizer step)."""
 
 @dataclass(frozen=True)
 class Run:
-    """One run of the grid: a model, a recipe, a step's shape."""
+    """One run of the grid: a model, a recipe, a step's shape.
+
+    Args:
+        spec: the model's shapes (the Llama module is built from it).
+        recipe: the stack, one of ``RECIPES``.
+        seq_len: tokens per sequence.
+        micro_batch: sequences a step.
+        recomputation: ``"none"``, ``"full"`` or ``"selective"`` (the course's policies).
+        compiled: each block compiled (``torch.compile``).
+    """
 
     spec: ModelSpec
     recipe: str
     seq_len: int
     micro_batch: int
+    _: KW_ONLY
     recomputation: str = "none"
     compiled: bool = False
 
@@ -117,7 +126,7 @@ def cluster_for(device: torch.device) -> ClusterSpec:
             source="gpu_check --device cpu: memory is what it checks",
         )  # fmt: skip
     free, total = torch.cuda.mem_get_info(device)
-    gpu = kernels.RECORDED_ON.get(slug(torch.cuda.get_device_name(device)))
+    gpu = kernels.RECORDED_ON.get(kernels.slug(torch.cuda.get_device_name(device)))
     base = next((c for c in CLUSTERS.values() if c.gpu == gpu), None)
     if base is None:
         print(f"no record of a {torch.cuda.get_device_name(device)}: planned as an H100", file=sys.stderr)
@@ -130,7 +139,7 @@ def grid(device: torch.device, cluster: ClusterSpec) -> list[Run]:
     of ``candidates``."""
     if device.type != "cuda":
         runs = [
-            Run(CPU_MODEL, recipe, 64, batch, policy)
+            Run(CPU_MODEL, recipe, 64, batch, recomputation=policy)
             for recipe in RECIPES
             for batch, policy in ((1, "none"), (2, "full"), (1, "selective"))
         ]
@@ -157,8 +166,8 @@ def candidates() -> list[Run]:
             for seq_len in (2048, 4096, 8192, 16384):
                 for batch in (1, 2, 4):
                     for policy in ("none", "full", "selective"):
-                        runs.append(Run(spec, recipe, seq_len, batch, policy))
-    runs.append(Run(GPU_MODELS[0], "torchtitan", 8192, 1, "none", compiled=True))
+                        runs.append(Run(spec, recipe, seq_len, batch, recomputation=policy))
+    runs.append(Run(GPU_MODELS[0], "torchtitan", 8192, 1, compiled=True))
     return runs
 
 
@@ -378,9 +387,15 @@ def step_timeline(run: Run, device: torch.device, *, warmup: int = 1) -> dict:
     """One step of ``run`` recorded allocation by allocation, as bytes alive by category at each
     recorded event, with the phases' starts marked: on a GPU from
     ``torch.cuda.memory._record_memory_history`` (its snapshot returned under ``snapshot``), on a
-    CPU from ``live_tensor_bytes(timeline=True)``. An allocation is a gradient or optimizer state
-    when the step's gradients or the optimizer's state occupy its address while it is alive; the
-    parameters, made before, are a constant band."""
+    CPU from ``live_tensor_bytes(timeline=True)``. An allocation is a gradient when it sits at a
+    gradient's address from before the optimizer step until past it; the parameters and the
+    optimizer's state, made before the step, are constant bands.
+
+    Args:
+        run: the run whose step is recorded.
+        device: where it runs.
+        warmup: steps before the recorded one (the optimizer's state is made in the first).
+    """
     step = build(run, device)
     x, y = _tokens(run, device)
     for _ in range(warmup):
@@ -596,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
     # the fullest autocast run without recomputation: its gradients grow as its activations go
     plain = [run for run in ran if run.recipe == "fp32-master" and run.recomputation == "none"] or ran
     timeline = step_timeline(plain[-1], device) if plain else None
-    name = slug(torch.cuda.get_device_name(device)) if device.type == "cuda" else "cpu"
+    name = kernels.slug(torch.cuda.get_device_name(device)) if device.type == "cuda" else "cpu"
     record = {
         "device": name,
         "cluster": cluster.name,

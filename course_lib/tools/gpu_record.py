@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,7 @@ import torch.nn.functional as F
 from .. import checks
 from ..errors import EXIT_USER_ERROR, UserError
 from ..llama import LlamaBlock
+from ..plan.kernels import slug
 from ..plan.specs import MODELS, ModelSpec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -481,11 +481,6 @@ def run_gpu_tests(report, *, timeout_s: float) -> dict:
         "seconds": time.perf_counter() - begin,
         "printed": [line for line in lines if "samples/s" in line or "FAILED" in line],
     }
-
-
-def slug(name: str) -> str:
-    """A file name for a device name: ``NVIDIA H100 80GB HBM3`` -> ``nvidia-h100-80gb-hbm3``."""
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
 def main(argv: list[str] | None = None) -> int:

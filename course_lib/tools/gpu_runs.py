@@ -86,7 +86,7 @@ def _number(row: dict, key: str, number: int) -> float | None:
     return checks.check_number(f"line {number}: {key}", value, above=0)
 
 
-def read_runs(path: Path = RUNS) -> list[GpuRun]:
+def read_runs(*, path: Path = RUNS) -> list[GpuRun]:
     """The runs of a CSV file (``COLUMNS``); a model's path is read from the file's folder.
 
     Args:
@@ -185,7 +185,11 @@ def summary(checked: list[Checked]) -> dict:
 
 
 def table(checked: list[Checked]) -> str:
-    """One line a run: allocated and reserved GiB measured/predicted, the peak's phase, tokens/s."""
+    """One line a run: allocated and reserved GiB measured/predicted, the peak's phase, tokens/s.
+
+    Args:
+        checked: ``check``'s rows.
+    """
     lines = [
         f"{'run':<26} {'allocated GiB':>14} {'reserved GiB':>14}  {'peak at':<14} "
         f"{'tokens/s per GPU':>18} {'ratio':>6}"
@@ -226,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=checks.json_to_write, default=None, help="write the summary here")
     args = parser.parse_args(argv)
     try:
-        checked = check(read_runs(args.file), cluster_named(args.cluster))
+        checked = check(read_runs(path=args.file), cluster_named(args.cluster))
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

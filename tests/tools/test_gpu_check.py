@@ -81,7 +81,7 @@ def test_the_timeline_grows_the_gradients_as_the_backward_frees_the_activations(
 
 def test_the_written_runs_are_read_by_check_gpu_runs(cpu_check):
     out, record, _ = cpu_check
-    runs = gpu_runs.read_runs(out / "cpu-steps.csv")
+    runs = gpu_runs.read_runs(path=out / "cpu-steps.csv")
     assert [run.name for run in runs] == [row["run"] for row in record["runs"]]
 
 

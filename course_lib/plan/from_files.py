@@ -206,14 +206,7 @@ def model_named(name: str, *, others: tuple[str, ...] = ()) -> ModelSpec:
         name: a name of ``MODELS``, or a file's path.
         others: names the caller takes itself, listed in the message for an unknown name.
     """
-    if name in MODELS:
-        return MODELS[name]
-    if name.endswith(".json") or Path(name).is_file():
-        return model_from_config(Path(name))
-    raise UserError(
-        f"unknown --model {name!r}: choose one of {', '.join([*sorted(MODELS), *others])}, or give the "
-        "path of a Hugging Face config.json"
-    )
+    return _named("model", name, MODELS, (".json",), model_from_config, others, "a Hugging Face config.json")
 
 
 def cluster_named(name: str, *, others: tuple[str, ...] = ()) -> ClusterSpec:
@@ -223,11 +216,25 @@ def cluster_named(name: str, *, others: tuple[str, ...] = ()) -> ClusterSpec:
         name: a name of ``CLUSTERS``, or a file's path.
         others: names the caller takes itself, listed in the message for an unknown name.
     """
-    if name in CLUSTERS:
-        return CLUSTERS[name]
-    if name.endswith((".toml", ".json")) or Path(name).is_file():
-        return cluster_from_file(Path(name))
+    return _named(
+        "cluster",
+        name,
+        CLUSTERS,
+        (".toml", ".json"),
+        cluster_from_file,
+        others,
+        "a TOML or JSON file of its fields",
+    )
+
+
+def _named(option: str, name: str, built_in: dict, suffixes: tuple, read, others: tuple, file: str):
+    """``built_in[name]``, or what ``read`` makes of the file ``name``; an unknown name listed with
+    the names there are."""
+    if name in built_in:
+        return built_in[name]
+    if name.endswith(suffixes) or Path(name).is_file():
+        return read(Path(name))
     raise UserError(
-        f"unknown --cluster {name!r}: choose one of {', '.join([*sorted(CLUSTERS), *others])}, or give "
-        "the path of a TOML or JSON file of its fields"
+        f"unknown --{option} {name!r}: choose one of {', '.join([*sorted(built_in), *others])}, or give the "
+        f"path of {file}"
     )

@@ -106,3 +106,30 @@ def test_plan_predict_refuses_a_bad_file_in_one_line(tmp_path, capsys, csv_text,
     shown = _predict_command(tmp_path, capsys, csv_text, "--cluster", "alps", *args)
     assert shown.returncode == 2 and message in shown.stderr and "Traceback" not in shown.stderr
     assert not (tmp_path / "out.json").exists()
+
+
+def test_the_h200_runs_predicted_each_with_its_own_stack_all_fit(tmp_path, capsys):
+    """``plan predict`` on the committed H200 runs: each row's ``framework`` and ``compiled``, each
+    model's config.json read from the CSV's folder; every run that ran fits, and each row's
+    reserved peak is the one ``plan check-gpu-runs`` holds against the measurement."""
+    from course_lib.tools import gpu_runs
+
+    source = gpu_runs.RUNS
+    argv = [
+        "predict",
+        "--layouts",
+        str(source),
+        "--cluster",
+        "h200-node",
+        "--json",
+        str(tmp_path / "out.json"),
+    ]
+    shown = call_main(plan_tool.main, argv, capsys)
+    assert shown.returncode == 0, shown.stderr
+    written = json.loads((tmp_path / "out.json").read_text())
+    checked = gpu_runs.check(gpu_runs.read_runs(), specs.CLUSTERS["h200-node"])
+    assert [row["framework"] for row in written] == [c.run.framework.name for c in checked]
+    assert all(row["fits"] for row in written)
+    for row, c in zip(written, checked, strict=True):
+        assert row["reserved_gib"] == pytest.approx(c.prediction.peak.reserved / 2**30)
+        assert row["peak_phase"] == c.prediction.peak.phase

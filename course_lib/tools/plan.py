@@ -30,6 +30,7 @@ import dataclasses
 import json
 import re
 import sys
+from pathlib import Path
 
 from .. import checks
 from ..distributed.launch import check_process_count, launch
@@ -252,8 +253,9 @@ def predict_layouts(argv: list[str]) -> int:
     """``plan predict --layouts FILE --json OUT``: given layouts predicted, one JSON row each."""
     parser = checks.CommandParser(
         prog="python -m course_lib.tools.plan predict",
-        description="Predict the layouts of a CSV (columns layout, seq_len, global_batch, optional model; a "
-        "layout as the planner prints it, read by Layout.from_name) and write one JSON row per layout.",
+        description="Predict the layouts of a CSV (columns layout, seq_len, global_batch, optional model, "
+        "framework and compiled; a layout as the planner prints it, read by Layout.from_name; a model's "
+        "config.json by a path from the CSV's folder) and write one JSON row per layout.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--layouts", type=checks.file_to_read, required=True, help="the CSV of layouts")
@@ -267,7 +269,7 @@ def predict_layouts(argv: list[str]) -> int:
         framework = FRAMEWORKS[args.framework]
         profile = _profile_for(args.profile, cluster, framework)
         rows = [
-            _predicted_row(row, number, args.model, cluster, framework, profile)
+            _predicted_row(row, number, args.model, cluster, framework, profile, folder=args.layouts.parent)
             for number, row in checks.read_csv_rows(args.layouts, what="layouts", columns=LAYOUT_COLUMNS)
         ]
     except UserError as error:
@@ -277,7 +279,8 @@ def predict_layouts(argv: list[str]) -> int:
     for row in rows:
         shown = (
             row.get("refused")
-            or f"{row['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, {row['memory_gib']:.1f} GiB"
+            or f"{row['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, {row['allocated_gib']:.1f} GiB "
+            f"allocated at its {row['peak_phase']}, {row['reserved_gib']:.1f} reserved"
         )
         print(f"{row['layout']:<44} {shown}")
     print(f"{len(rows)} layouts predicted: {args.json}", file=sys.stderr)
@@ -291,11 +294,25 @@ def _predicted_row(
     cluster: ClusterSpec,
     framework: Framework,
     profile: calibration.CalibrationProfile | None = None,
+    *,
+    folder: Path = Path("."),
 ) -> dict:
-    """One layout of the CSV predicted, as a JSON row (``refused`` with the reason where it cannot run)."""
+    """One layout of the CSV predicted, as a JSON row (``refused`` with the reason where it cannot run).
+
+    A row may name its own stack (``framework``, ``compiled`` yes or no), and a model's config by a
+    path from the CSV's ``folder``.
+    """
     name = row.get("model") or default_model
     if not name:
         raise UserError(f"line {number}: no model column and no --model: name the model")
+    if (folder / name).is_file():
+        name = str(folder / name)
+    if row.get("framework"):
+        chosen = checks.check_choice(f"line {number}: framework", row["framework"], tuple(sorted(FRAMEWORKS)))
+        framework = FRAMEWORKS[chosen]
+    compiled = checks.check_choice(f"line {number}: compiled", row.get("compiled") or "no", ("yes", "no"))
+    if compiled == "yes":
+        framework = framework.with_(compiled=True)
     try:
         seq_len, global_batch = int(row["seq_len"]), int(row["global_batch"])
     except ValueError as error:
@@ -309,11 +326,16 @@ def _predicted_row(
     result = {"layout": layout.name(), "model": name, "seq_len": seq_len, "global_batch": global_batch}
     result["framework"] = framework.name
     result["fits"] = prediction.fits
+    if prediction.note:
+        result["note"] = prediction.note
     if prediction.problem:
         result["refused"] = prediction.problem
     if prediction.time:  # a layout that cannot be cut has no time
         result |= {
             "memory_gib": prediction.memory["total"] / GIB,
+            "allocated_gib": prediction.peak.allocated / GIB,
+            "reserved_gib": prediction.peak.reserved / GIB,
+            "peak_phase": prediction.peak.phase,
             "tokens_per_s_per_gpu": prediction.tokens_per_s / layout.gpus,
             "step_s": prediction.time["total"],
             "mfu": prediction.mfu,

@@ -141,7 +141,23 @@ def _units(step: StepShape) -> tuple[float, float]:
 
 def memory_peak(step: StepShape) -> MemoryPeak:
     """The step's phases counted, the peak and what the card holds (``MemoryPeak``)."""
-    model, layout, framework, cluster = step.model, step.layout, step.framework, step.cluster
+    live, states, activations, logits = _live_by_phase(step)
+    phases = {phase: sum(live[phase].values()) for phase in PHASES}
+    peak = max(PHASES, key=phases.__getitem__)
+    parts, reserved = _held_by_the_card(step, live, peak, states.grads, logits)
+    room = step.cluster.gpu_memory_bytes - parts["CUDA context"] - parts["NCCL buffers"]
+    if phases[peak] <= room:  # the allocator frees its cached blocks rather than fail
+        reserved = min(reserved, room)
+    return MemoryPeak(
+        phases, peak, parts, allocated=phases[peak], reserved=reserved, model_states=states.total,
+        activations_kept=activations,
+    )  # fmt: skip
+
+
+def _live_by_phase(step: StepShape):
+    """(what is live at each phase, by part; the model states; what the forwards keep; the logits
+    of a micro-batch whose loss is a phase of its own: 0 under a pipeline)."""
+    model, layout, framework = step.model, step.layout, step.framework
     stage = stage_parameters(model, layout, equal_blocks=framework.equal_stage_blocks)
     states = memory.model_state_bytes(
         stage, layout.data * layout.context, layout.sharding, **framework.state_bytes(layout.precision)
@@ -150,95 +166,71 @@ def memory_peak(step: StepShape) -> MemoryPeak:
     # autocast's bf16 casts of the matmuls' weights (not the embedding's): alive until their backward
     casts = framework.param_bytes * (stage - model.embedding_parameters()) if autocast else 0.0
     params_after = states.params - (framework.param_bytes * stage if autocast else 0.0)
-    gradients_in_forward = framework.gradients == "kept" or step.microbatches > 1
-    shape = {"micro_batch": layout.micro_batch, "seq_len": step.seq_len}
-    block = block_activation_elements(
-        model, layout, **shape, selective=framework.selective, fp32_residual=autocast
-    )
+    shape = {"micro_batch": layout.micro_batch, "seq_len": step.seq_len, "selective": framework.selective}
+    block = block_activation_elements(model, layout, **shape, fp32_residual=autocast)
     # one stage: the loss's moments are phases of their own; under a pipeline the last stage's
     # in-flight count holds the loss's forward at its fullest
     pipelined = layout.pipeline > 1
     kept_per_logit = framework.logit_bytes(layout.precision) if pipelined else LOG_SOFTMAX_BYTES
-    head = head_activation_bytes(model, layout, **shape, logit_bytes=kept_per_logit)
+    tokens = {"micro_batch": layout.micro_batch, "seq_len": step.seq_len}
+    head = head_activation_bytes(model, layout, **tokens, logit_bytes=kept_per_logit)
     activations = _activations_per_gpu(
         model, layout, block * layout.element_bytes, head, step.tokens, step.microbatches, step.seq_len
     )
-    logits = 0.0 if pipelined else logit_elements(model, layout, **shape)
-    loss_forward = (framework.logit_bytes(layout.precision) - LOG_SOFTMAX_BYTES) * logits
+    logits = 0.0 if pipelined else logit_elements(model, layout, **tokens)
     gathered, kept_gathered, reduce_buffer = _gathered(step)
-    reduce_block = (
-        framework.gradient_reduce_bytes(layout.precision) * _units(step)[0]
-        if layout.sharding == "fsdp"
-        else 0.0
-    )
-    live = {
-        "forward": {"activations": activations + loss_forward},
-        "loss backward": {"activations": activations + LOSS_GRADIENT_BYTES * logits},
+    states_then = {
+        "parameters": params_after + casts,
+        "optimizer": states.optimizer,
+        "gathered parameters": gathered,
     }
-    for phase in ("forward", "loss backward"):
-        live[phase] |= {
-            "parameters": params_after + casts,
-            "gradients": states.grads if gradients_in_forward else 0.0,
-            "optimizer": states.optimizer,
-            "gathered parameters": gathered,
-        }
+    in_forward = states.grads if framework.gradients == "kept" or step.microbatches > 1 else 0.0
+    loss_forward = (framework.logit_bytes(layout.precision) - LOG_SOFTMAX_BYTES) * logits
     # a recomputed block's backward runs its forward again: its dropped activations live once more,
     # beside (nearly) every gradient; without recomputation this phase lies between its neighbours
     full = block_activation_elements(
-        model, layout.with_(recomputation="none", recompute_every=1), **shape, selective=framework.selective,
-        fp32_residual=autocast,
-    )  # fmt: skip
+        model, layout.with_(recomputation="none", recompute_every=1), **shape, fp32_residual=autocast
+    )
     recomputed = (full - block) * layout.element_bytes if layout.recomputation != "none" else 0.0
-    live["blocks backward"] = {
-        "parameters": params_after + casts,
-        "gradients": states.grads,
-        "optimizer": states.optimizer,
-        "activations": recomputed,
-        "gathered parameters": gathered,
-        "reduction buffers": reduce_block,
+    fsdp = layout.sharding == "fsdp"  # a block's gradients in reduction precision, as it is reduced
+    reduce_block = framework.gradient_reduce_bytes(layout.precision) * _units(step)[0] if fsdp else 0.0
+    after = {"parameters": params_after, "gradients": states.grads, "optimizer": states.optimizer}
+    live = {
+        "forward": states_then | {"gradients": in_forward, "activations": activations + loss_forward},
+        "loss backward": states_then
+        | {"gradients": in_forward, "activations": activations + LOSS_GRADIENT_BYTES * logits},
+        "blocks backward": states_then
+        | {"gradients": states.grads, "activations": recomputed, "reduction buffers": reduce_block},
+        "backward end": after | {"gathered parameters": kept_gathered, "reduction buffers": reduce_buffer},
+        "optimizer step": after,
     }
-    live["backward end"] = {
-        "parameters": params_after,
-        "gradients": states.grads,
-        "optimizer": states.optimizer,
-        "gathered parameters": kept_gathered,
-        "reduction buffers": reduce_buffer,
-    }
-    live["optimizer step"] = {
-        "parameters": params_after,
-        "gradients": states.grads,
-        "optimizer": states.optimizer,
-    }
-    phases = {phase: sum(live[phase].values()) for phase in PHASES}
-    peak = max(PHASES, key=phases.__getitem__)
-    side_streams = framework.fsdp_side_streams and layout.sharding == "fsdp"
-    if side_streams:  # other streams' pools: their parts counted at their largest, the default stream's apart
+    return live, states, activations, logits
+
+
+def _held_by_the_card(step: StepShape, live: dict, peak: str, gradients: float, logits: float):
+    """(what the card holds by ``PARTS`` and their total, what the allocator reserves): the live
+    parts of the fullest phase, or with FSDP2's streams the default stream's fullest phase beside
+    the other streams' pools at their largest; the stranded block; the context; NCCL's buffers."""
+    layout, framework, cluster = step.layout, step.framework, step.cluster
+    if framework.fsdp_side_streams and layout.sharding == "fsdp":
         pooled = ("gradients", "gathered parameters", "reduction buffers")
         default = max(PHASES, key=lambda p: sum(v for k, v in live[p].items() if k not in pooled))
         parts = {k: v for k, v in live[default].items() if k not in pooled}
-        parts |= {
-            "gradients": states.grads,
-            "gathered parameters": gathered,
-            "reduction buffers": reduce_buffer,
-        }
+        pools = {name: max(live[phase].get(name, 0.0) for phase in PHASES) for name in pooled}
+        parts |= pools | {"gradients": gradients}
     else:
         parts = dict(live[peak])
     on_gpu = bool(cluster.gpu or cluster.context_bytes)
     # the block the bf16 logits were freed from is too small for the fp32 gradients that follow
-    stranded = layout.element_bytes * logits if framework.logits_upcast and on_gpu else 0.0
-    parts["allocator fragmentation"] = stranded
+    parts["allocator fragmentation"] = (
+        layout.element_bytes * logits if framework.logits_upcast and on_gpu else 0.0
+    )
     reserved = sum(parts.values())
     parts["CUDA context"] = cluster.context_bytes
     parts["NCCL buffers"] = nccl_buffer_bytes(layout) if on_gpu else 0.0
     parts = {name: parts.get(name, 0.0) for name in PARTS}
     parts["total"] = sum(parts.values())
-    room = cluster.gpu_memory_bytes - parts["CUDA context"] - parts["NCCL buffers"]
-    if phases[peak] <= room:  # the allocator frees its cached blocks rather than fail
-        reserved = min(reserved, room)
-    return MemoryPeak(
-        phases, peak, parts, allocated=phases[peak], reserved=reserved, model_states=states.total,
-        activations_kept=activations,
-    )  # fmt: skip
+    return parts, reserved
 
 
 def _gathered(step: StepShape) -> tuple[float, float, float]:

@@ -51,8 +51,11 @@ from ..plan.layout import Layout
 from ..plan.specs import CLUSTERS, CUDA_CONTEXT, GIB, ClusterSpec, Link, ModelSpec
 from . import plots
 
-RECIPES = ("fp32-master", "torchtitan")
-"""The stacks a run trains with, by the planner's profile that describes each."""
+RECIPES = ("course", "fp32-master", "torchtitan")
+"""The stacks a run trains with, by the planner's profile that describes each: ``course`` (bf16
+weights and gradients, the gradients kept in one buffer, an fp32 master copy and Adam's moments:
+``MasterAdamW``), ``fp32-master`` (PyTorch's autocast on an fp32 model), ``torchtitan`` (FSDP2 on a
+world of one, bf16 compute, fp32 shards and gradients)."""
 
 GPU_MODELS = (
     ModelSpec("llama-1.5b", 16, 2048, 32, 8, 8192, 128256, source="slides/recorded/gpu/configs"),
@@ -102,7 +105,12 @@ class Run:
         return f"{self.spec.name}-{self.recipe}-s{self.seq_len}-mb{self.micro_batch}{extra}{compiled}"
 
     def framework(self):
-        profile = FRAMEWORKS[self.recipe]
+        """The recipe's profile as this run uses it: compiled or not, "selective" as the course's
+        recomputation keeps it (what ``build`` applies, whatever the stack's own policy), and for
+        the ``course`` recipe the loss every recipe computes (``Step.forward``: fp32 logits)."""
+        profile = FRAMEWORKS[self.recipe].with_(selective="course")
+        if self.recipe == "course":  # its loss is every recipe's: the logits upcast to fp32
+            profile = profile.with_(logits_upcast=True, loss_bytes_per_logit=2 + 4 + 4)
         return profile.with_(compiled=True) if self.compiled else profile
 
 
@@ -235,6 +243,50 @@ def _process_group(device: torch.device) -> None:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
 
 
+class MasterAdamW:
+    """The ``course`` profile's optimizer on one GPU: bf16 parameters whose gradients are views of
+    one bf16 buffer kept all step (as the course's DDP buckets keep them), an fp32 master copy of
+    each and AdamW's two fp32 moments (fused), stepped one tensor at a time so that only one
+    tensor's fp32 gradient exists at once: 2 + 2 + 4 + 8 bytes a parameter.
+
+    Args:
+        parameters: the model's parameters, in bf16.
+        lr: the learning rate.
+    """
+
+    def __init__(self, parameters, *, lr: float):
+        self.parameters = list(parameters)
+        self.masters = [p.detach().float() for p in self.parameters]
+        self.steppers = [torch.optim.AdamW([master], lr=lr, fused=True) for master in self.masters]
+        sizes = [p.numel() for p in self.parameters]
+        self.buffer = torch.zeros(
+            sum(sizes), dtype=self.parameters[0].dtype, device=self.parameters[0].device
+        )
+        for p, view in zip(self.parameters, self.buffer.split(sizes), strict=True):
+            p.grad = view.view_as(p)  # backward accumulates into the buffer
+
+    @property
+    def state(self) -> dict:
+        """Every master's moments, and the masters themselves (what the step keeps beside the model)."""
+        states = {
+            id(m): {"master": m, **stepper.state[m]}
+            for m, stepper in zip(self.masters, self.steppers, strict=True)
+        }
+        return states
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p, master, stepper in zip(self.parameters, self.masters, self.steppers, strict=True):
+            master.grad = p.grad.float()
+            stepper.step()
+            master.grad = None
+            p.copy_(master)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the kept buffer (``set_to_none`` is ignored: the gradients live all step)."""
+        self.buffer.zero_()
+
+
 @dataclass
 class Step:
     """One training step of a run, in its three parts (so that each can be measured apart)."""
@@ -276,6 +328,9 @@ def build(run: Run, device: torch.device) -> Step:
     if run.compiled:
         for block in list(model)[1:-1]:
             block.compile()
+    if run.recipe == "course":
+        model.to(torch.bfloat16)
+        return Step(model, MasterAdamW(model.parameters(), lr=1e-4), False, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     return Step(model, optimizer, run.recipe == "fp32-master", device)
 
@@ -401,6 +456,7 @@ def step_timeline(run: Run, device: torch.device, *, warmup: int = 1) -> dict:
     for _ in range(warmup):
         step(x, y)
     parameters = sum(p.numel() * p.element_size() for p in step.model.parameters())
+    kept = sum(p.grad.numel() * p.grad.element_size() for p in step.model.parameters() if p.grad is not None)
     marks, owned = [], {}
     recorder = None if device.type == "cuda" else memory.live_tensor_bytes(timeline=True)
 
@@ -440,7 +496,7 @@ def step_timeline(run: Run, device: torch.device, *, warmup: int = 1) -> dict:
     )  # fmt: skip
     update = next((position for position, label in marks if label == "optimizer step"), 0)
     grown_by = next((i for i, event in enumerate(events) if event[0] >= update), len(events))
-    constant = {"parameters": parameters, "optimizer state": state}
+    constant = {"parameters": parameters, "optimizer state": state, "gradients": kept}
     return {
         "run": run.name, "marks": marks, "snapshot": snapshot,
         **_by_category(events, constant, owned["gradients"], grown_by),

@@ -48,21 +48,27 @@ def test_every_run_is_measured_beside_its_prediction_and_written(cpu_check):
 def test_the_phase_the_planner_names_is_the_one_that_measured_highest(cpu_check):
     """The peak's phase as predicted (the loss's backward without recomputation, a block's
     recomputed backward with it) is the measured phase with the highest peak, and the peak is
-    within 10 % (the Llama block's norms and rotary positions keep a little more on a CPU)."""
+    within 10 % (the Llama block's norms and rotary positions keep a little more on a CPU). Not
+    for the ``course`` recipe here: its model is bf16, and a CPU's RMSNorm computes bf16 in fp32,
+    keeping an fp32 copy of its input and its normalized output (five times the bf16 input), which
+    the planner's bf16 count does not; a GPU's ``gpu-check`` measures it."""
     _, record, _ = cpu_check
     for row in record["runs"]:
+        if row["framework"] == "course":
+            continue
         measured = {phase: row["phases_gib"][MEASURED_PHASE.get(phase, phase)] for phase in gpu_check.PHASES}
         expected = row["predicted"]
         assert max(measured, key=measured.get) == expected["peak_phase"], row["run"]
         assert expected["allocated_gib"] == pytest.approx(row["peak_allocated_gib"], rel=0.10), row["run"]
 
 
-def test_the_end_of_the_backward_holds_exactly_the_model_states_under_autocast(cpu_check):
-    """Parameters, gradients and Adam's moments, 16 bytes a parameter, nothing else: the phase the
-    CPU shows exactly (the optimizer's step counters aside, a few bytes a tensor)."""
+def test_the_end_of_the_backward_holds_exactly_the_model_states(cpu_check):
+    """Under autocast (fp32 weights, gradients and Adam's moments) and the course's master weights
+    (bf16 weights and kept gradients, an fp32 master and the moments): 16 bytes a parameter,
+    nothing else, the phase the CPU shows exactly (the optimizer's step counters aside)."""
     _, record, _ = cpu_check
     for row in record["runs"]:
-        if row["framework"] == "fp32-master":
+        if row["framework"] in ("fp32-master", "course"):
             measured = row["phases_gib"]["backward end (allocated)"] * GIB
             assert measured == pytest.approx(row["predicted"]["phases_gib"]["backward end"] * GIB, rel=2e-3)
 

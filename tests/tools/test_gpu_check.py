@@ -100,6 +100,8 @@ def test_an_out_of_memory_run_is_a_data_point_and_the_grid_goes_on(tmp_path, mon
         return real(run, device)
 
     monkeypatch.setattr(gpu_check, "build", build)
+    two = [gpu_check.Run(gpu_check.CPU_MODEL, "fp32-master", 64, batch) for batch in (1, 2)]
+    monkeypatch.setattr(gpu_check, "grid", lambda device, cluster: two)
     shown = call_main(
         gpu_check.main, ["--device", "cpu", "--steps", "1", "--warmup", "1", "--out", str(tmp_path)], capsys
     )

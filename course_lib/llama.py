@@ -21,8 +21,8 @@ columns (whole heads a rank) and out and fc2 by rows; FSDP shards each child; re
 each block; a pipeline cuts the list of children.
 
 The cost is the planner's count: ``ModelSpec.parameters()`` parameters (the tests hold the two
-equal) and ``flops_per_token`` FLOPs a token. A spec with experts is refused here: a mixture of
-experts is ``parallel.expert``'s.
+equal) and ``flops_per_token`` FLOPs a token. A spec with experts is built by
+``parallel.expert.moe_llama``, each block's MLP a mixture of these SwiGLU experts.
 """
 
 from __future__ import annotations
@@ -164,8 +164,8 @@ class Llama(nn.Sequential):
             raise UserError(f"a Llama is built from a ModelSpec; this {type(spec).__name__} lacks {missing}")
         if getattr(spec, "experts", 1) > 1:
             raise UserError(
-                f"{getattr(spec, 'name', 'this spec')} has {spec.experts} experts: the Llama module is "
-                "dense; a mixture of experts is parallel.expert's"
+                f"{getattr(spec, 'name', 'this spec')} has {spec.experts} experts: Llama builds a dense "
+                "model; build this one with parallel.expert.moe_llama(spec)"
             )
         super().__init__(
             TokenEmbedding(spec.vocab, spec.d_model),

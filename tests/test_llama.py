@@ -76,7 +76,7 @@ def test_rotary_positions_make_a_query_key_product_depend_on_their_distance_alon
 
 
 def test_a_spec_with_experts_or_without_the_shapes_is_refused_with_what_to_use():
-    with pytest.raises(UserError, match="mixture of experts is parallel.expert's"):
+    with pytest.raises(UserError, match=r"build this one with parallel.expert.moe_llama\(spec\)"):
         Llama(MODELS["mixtral-8x7b"])
     with pytest.raises(UserError, match="lacks"):
         Llama(object())
@@ -169,3 +169,30 @@ def test_the_llama_layouts_the_module_cannot_run_are_refused_with_the_fix():
     ):
         with pytest.raises(UserError, match=message):
             parallelize(dense, None, layout, seq_len=SEQ)
+
+
+def test_a_spec_with_experts_builds_its_mixture_with_the_planners_parameters():
+    """Mixtral 8x7B's shape (on the meta device) and a small one that trains: every block's MLP
+    an MoE of SwiGLU experts, the parameters the planner counts."""
+    from course_lib.parallel import expert
+
+    with torch.device("meta"):
+        mixtral = expert.moe_llama(MODELS["mixtral-8x7b"])
+    assert count_parameters(mixtral) == MODELS["mixtral-8x7b"].parameters()
+    spec = _spec(61, experts=4, top_k=2)
+    torch.manual_seed(0)
+    model = expert.moe_llama(spec)
+    assert count_parameters(model) == spec.parameters()
+    assert len(expert.moe_layers(model)) == spec.layers
+    ids = torch.randint(0, 61, (3, SEQ))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(5):
+        optimizer.zero_grad()
+        loss = lm_loss(model(ids[:, :-1]), ids[:, 1:])
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    with pytest.raises(UserError, match="has no experts: build it with llama.Llama"):
+        expert.moe_llama(_spec(61))

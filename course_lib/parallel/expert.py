@@ -40,6 +40,7 @@ load-balancing loss.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -49,6 +50,7 @@ from torch import nn
 from ..checks import check_group, check_int, check_module, check_number, claim_module
 from ..distributed import comm, runtime
 from ..errors import UserError
+from ..llama import GatedMLP, Llama
 from ..models import MLP, Block, TinyTransformer
 
 
@@ -197,6 +199,8 @@ class MoE(nn.Module):
         routing_groups: route the batch in this many groups of equal size along the batch, each
             with its own capacity: what N expert-parallel ranks do with their own tokens, so one
             process with ``routing_groups=N`` computes what N ranks compute.
+        expert: what an expert is, ``expert(d_model, hidden)``: ``models.MLP`` (GELU), or
+            ``llama.GatedMLP`` (SwiGLU, as Mixtral's).
     """
 
     def __init__(
@@ -208,6 +212,7 @@ class MoE(nn.Module):
         top_k: int = 1,
         capacity_factor: float = 1.25,
         routing_groups: int = 1,
+        expert=MLP,
     ):
         super().__init__()
         check_experts(num_experts, 1, top_k=top_k, capacity_factor=capacity_factor)
@@ -215,7 +220,7 @@ class MoE(nn.Module):
         self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
         self.routing_groups = routing_groups
         self.router = nn.Linear(d_model, num_experts, bias=False)
-        self.experts = nn.ModuleList(MLP(d_model, hidden) for _ in range(num_experts))
+        self.experts = nn.ModuleList(expert(d_model, hidden) for _ in range(num_experts))
         self.first_expert, self.group, self.sharded = 0, None, False
         self.last_routing: list[Routing] = []
         self.rows_computed = 0
@@ -345,6 +350,27 @@ def moe_transformer(
                 capacity_factor=capacity_factor,
                 routing_groups=routing_groups,
             )
+    return model
+
+
+def moe_llama(spec, *, capacity_factor: float = 1.25) -> Llama:
+    """The ``llama.Llama`` of a spec with experts (Mixtral's shape): each block's MLP an ``MoE`` of
+    ``spec.experts`` SwiGLU experts, ``spec.top_k`` a token, a router without bias; the parameters
+    are ``ModelSpec.parameters()``.
+
+    Args:
+        spec: a ``plan.specs.ModelSpec`` with ``experts`` > 1.
+        capacity_factor: room per expert (see ``expert_capacity``).
+    """
+    if getattr(spec, "experts", 1) < 2:
+        raise UserError(f"{getattr(spec, 'name', 'this spec')} has no experts: build it with llama.Llama")
+    model = Llama(dataclasses.replace(spec, experts=1, top_k=1))
+    for block in model:
+        if isinstance(block, Block):
+            block.mlp = MoE(
+                spec.d_model, spec.ffn_hidden, num_experts=spec.experts, top_k=spec.top_k,
+                capacity_factor=capacity_factor, expert=GatedMLP,
+            )  # fmt: skip
     return model
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -125,4 +126,50 @@ def test_a_hit_and_a_miss_say_so_and_a_miss_gives_the_hint(capsys):
     assert hit == "HIT   bytes each rank sends: you said 1.5 MiB, measured 1.5 MiB (within 10%)"
     assert miss == (
         "MISS  bytes each rank sends: you said 3 MiB, measured 1.5 MiB (2x too high); hint: 2(N-1)/N"
+    )
+
+
+ROOT = notebooks.NOTEBOOKS.parent
+NUMBER_WORDS = (
+    "zero",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "eleven",
+    "twelve",
+)
+
+
+def test_the_readme_counts_the_decks_there_are():
+    """The README's lecture list names as many decks as ``slides/`` holds, the last one included."""
+    decks = sorted(ROOT.glob("slides/[0-9][0-9]-*.md"))
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"{NUMBER_WORDS[len(decks)].capitalize()} Slidev decks in `slides/`" in readme
+    assert "overlapped tensor parallelism, float8 and compiled blocks" in readme  # the tenth's topic
+
+
+def test_every_notebook_a_text_names_exists_and_the_moved_references_point_where_the_topic_is():
+    """Every "notebook NN" in a notebook's prose or the README names a notebook there is; and the
+    references the renumbering once broke point at the notebook that teaches the topic."""
+    numbers = {path.name[:2] for path in notebooks.NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")}
+    texts = {"README.md": (ROOT / "README.md").read_text()}
+    for path in sorted(notebooks.NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")):
+        cells = json.loads(path.read_text())["cells"]
+        texts[path.name] = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    for name, text in texts.items():
+        for found in re.finditer(r"[Nn]otebooks? (\d\d)\b", " ".join(text.split())):
+            assert found[1] in numbers, (name, found[0])
+    flat = {name: " ".join(text.split()) for name, text in texts.items()}
+    assert "notebook 05 measures what both do to a training step" in flat["02_collectives.ipynb"]
+    assert "(async TP, notebook 15," in flat["14_choosing_a_layout.ipynb"]
+    assert (
+        "Notebooks 06 and 14 said tensor parallelism's communication cannot hide"
+        in flat["15_overlap_float8_compile.ipynb"]
     )

@@ -47,8 +47,7 @@ from .memory_phases import MemoryPeak, memory_peak
 from .network_model import (
     contention_seconds,
     context_axis,
-    data_axis,
-    data_hidden_seconds,
+    data_collectives,
     expert_axis,
     pipeline_axis,
     tensor_axis,
@@ -177,10 +176,13 @@ def predict(
     result.peak = memory_peak(step)
     result.memory = result.peak.parts
     work = compute_seconds(step)
+    data_exposed, data_sent, data_whole = data_collectives(
+        step, work.forward_and_backward + work.recomputation
+    )
     axes = {
         "tensor": tensor_axis(step, work.matmuls + work.recomputation),
         "context": context_axis(step, work.attention_flops),
-        "data": data_axis(step, work.forward_and_backward + work.recomputation),
+        "data": (data_exposed, data_sent),
         "pipeline": pipeline_axis(step),
         "expert": expert_axis(step),
     }
@@ -196,9 +198,7 @@ def predict(
         "data (exposed)": axes["data"][0],
         "pipeline sends (exposed)": axes["pipeline"][0],
         "expert (exposed)": axes["expert"][0],
-        "communication contention": contention_seconds(
-            step, data_hidden_seconds(step, work.forward_and_backward + work.recomputation)
-        ),
+        "communication contention": contention_seconds(step, max(0.0, data_whole - data_exposed)),
         "host (dispatching operations)": operations * cluster.host_seconds_per_operation,
     }
     result.time["total"] = sum(result.time.values())

@@ -22,6 +22,7 @@ from ..parallel.mesh import AXES
 from .kernels import GPUS
 from .layout import Layout
 from .memory_model import stage_parameters
+from .memory_phases import NCCL_CHANNELS
 from .specs import ClusterSpec, Link, ModelSpec, StepShape
 
 
@@ -307,27 +308,15 @@ def data_axis(step: StepShape, busy: float) -> tuple[float, float]:
     """Seconds exposed and bytes per rank of the data (and context) group's gradient reductions
     and parameter gathers. ``busy``: the step's compute, which hides them where the cluster
     overlaps (DDP's and ZeRO's reductions under the backward, FSDP's gathers under all of it)."""
-    return _data_axis(step, busy)[:2]
-
-
-def data_hidden_seconds(step: StepShape, busy: float) -> float:
-    """Seconds of the data group's collectives that run beside the compute (all of them less what
-    ``data_axis`` leaves exposed): what ``contention_seconds`` charges for."""
-    exposed, _, whole = _data_axis(step, busy)
-    return max(0.0, whole - exposed)
-
-
-NCCL_SM_CHANNELS = 16
-"""Multiprocessors a collective's kernel holds while it runs: one CUDA block a channel (NCCL's
-environment variables documentation, ``NCCL_MIN_CTAS``/``NCCL_MAX_CTAS``); 16 channels an
-assumption (NCCL picks 16 to 32 on NVLink: ``memory_phases.NCCL_CHANNELS``)."""
+    return data_collectives(step, busy)[:2]
 
 
 def contention_seconds(step: StepShape, hidden: float) -> float:
     """What overlapping ``hidden`` seconds of communication costs the compute beside it on a GPU.
 
-    Overlap is not free: while NCCL's kernel runs it holds ``NCCL_SM_CHANNELS`` multiprocessors,
-    so the compute it overlaps runs on the rest, (SMs - channels)/SMs as fast, and the step is
+    Overlap is not free: while NCCL's kernel runs it holds a multiprocessor a channel (one CUDA
+    block each: NCCL's ``NCCL_MIN_CTAS``/``NCCL_MAX_CTAS``), ``memory_phases.NCCL_CHANNELS`` of
+    them, so the compute it overlaps runs on the rest, (SMs - channels)/SMs as fast, and the step is
     longer by channels/SMs of the overlapped time (an H100's 132: 12 %; measured far worse where a
     product's last wave no longer fits: 80 % to 47 % of the peak for a 132-tile GEMM beside a
     24-block all-gather, forums.developer.nvidia.com/t/337991). Its memory traffic competes too;
@@ -335,11 +324,13 @@ def contention_seconds(step: StepShape, hidden: float) -> float:
     (its gloo threads take the cores that compute: ``overlaps_communication``)."""
     if not step.cluster.gpu or not step.cluster.overlaps_communication:
         return 0.0
-    return hidden * NCCL_SM_CHANNELS / GPUS[step.cluster.gpu].multiprocessors
+    return hidden * NCCL_CHANNELS / GPUS[step.cluster.gpu].multiprocessors
 
 
-def _data_axis(step: StepShape, busy: float) -> tuple[float, float, float]:
-    """(seconds exposed, bytes sent, seconds of every collective) of the data group's step."""
+def data_collectives(step: StepShape, busy: float) -> tuple[float, float, float]:
+    """(seconds exposed, bytes sent, seconds of every collective) of the data group's step: what
+    ``data_axis`` reports, and the whole, of which all but the exposed seconds ran beside the
+    compute (what ``contention_seconds`` charges for)."""
     layout, cluster, framework = step.layout, step.cluster, step.framework
     link, group = link_of(("data", "context"), layout, cluster), layout.data * layout.context
     stage_params = stage_parameters(step.model, layout, equal_blocks=framework.equal_stage_blocks)

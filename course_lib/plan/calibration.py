@@ -53,7 +53,7 @@ from ..errors import UserError
 from .cost_model import Prediction, memory_verdict, predict
 from .frameworks import Framework
 from .layout import Layout
-from .memory_phases import MemoryPeak
+from .memory_phases import MemoryPeak, reserved_on_the_card
 from .network_model import link_of
 from .specs import GIB, ClusterSpec, ModelSpec
 
@@ -298,10 +298,7 @@ def _scaled_reserved(peak: MemoryPeak, factor: float, cluster: ClusterSpec) -> M
     natural = parts["total"] - parts["CUDA context"] - parts["NCCL buffers"]
     parts["allocator fragmentation"] += natural * (factor - 1)
     parts["total"] = sum(value for name, value in parts.items() if name != "total")
-    room = cluster.gpu_memory_bytes - parts["CUDA context"] - parts["NCCL buffers"]
-    reserved = natural * factor
-    if peak.allocated <= room:
-        reserved = min(reserved, room)
+    reserved = reserved_on_the_card(natural * factor, allocated=peak.allocated, parts=parts, cluster=cluster)
     return dataclasses.replace(peak, parts=parts, reserved=reserved)
 
 

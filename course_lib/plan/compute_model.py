@@ -195,7 +195,7 @@ def memory_bound(step: StepShape) -> tuple[float, float, float]:
     model, cluster, layout, framework = step.model, step.cluster, step.layout, step.framework
     unrecomputed = layout.with_(recomputation="none")
     shape = {"micro_batch": layout.micro_batch, "seq_len": step.seq_len}
-    autocast = framework.autocast and layout.precision != "fp32"
+    autocast = framework.autocasts(layout.precision)
     block_bytes = layout.element_bytes * block_activation_elements(
         model, unrecomputed, **shape, fp32_residual=autocast
     )
@@ -252,7 +252,7 @@ def copy_bytes(step: StepShape) -> dict[str, float]:
     logits = logit_elements(model, layout, **shape) if framework.logits_upcast else 0.0
     stage = stage_parameters(model, layout, equal_blocks=framework.equal_stage_blocks)
     result = {"logits": 12 * logits * step.microbatches}
-    if framework.autocast and layout.precision != "fp32":
+    if framework.autocasts(layout.precision):
         result["autocast"] = 12 * (stage - model.embedding_parameters()) * step.microbatches
     if layout.sharding == "fsdp":
         shards = layout.data * layout.context

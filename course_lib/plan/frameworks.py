@@ -173,6 +173,10 @@ class Framework:
             return 4
         return 1 if precision == "fp8" and self.fp8_all_gather else 2
 
+    def autocasts(self, precision: str) -> bool:
+        """Whether a step in ``precision`` runs under autocast (``autocast``; in fp32 nothing is cast)."""
+        return self.autocast and precision != "fp32"
+
     def logit_bytes(self, precision: str) -> float:
         """Bytes per logit alive at the loss, in ``precision`` (the course's 4 in fp32)."""
         return 4 if precision == "fp32" else self.loss_bytes_per_logit

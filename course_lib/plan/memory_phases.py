@@ -145,13 +145,25 @@ def memory_peak(step: StepShape) -> MemoryPeak:
     phases = {phase: sum(live[phase].values()) for phase in PHASES}
     peak = max(PHASES, key=phases.__getitem__)
     parts, reserved = _held_by_the_card(step, live, peak, states.grads, logits)
-    room = step.cluster.gpu_memory_bytes - parts["CUDA context"] - parts["NCCL buffers"]
-    if phases[peak] <= room:  # the allocator frees its cached blocks rather than fail
-        reserved = min(reserved, room)
     return MemoryPeak(
-        phases, peak, parts, allocated=phases[peak], reserved=reserved, model_states=states.total,
-        activations_kept=activations,
+        phases, peak, parts, allocated=phases[peak], model_states=states.total, activations_kept=activations,
+        reserved=reserved_on_the_card(reserved, allocated=phases[peak], parts=parts, cluster=step.cluster),
     )  # fmt: skip
+
+
+def reserved_on_the_card(reserved: float, *, allocated: float, parts: dict, cluster) -> float:
+    """What the allocator can reserve of ``reserved``: all of it, or where the allocated peak fits
+    but that does not, what the device has left beside the CUDA context and NCCL's buffers (the
+    allocator frees its cached blocks rather than fail).
+
+    Args:
+        reserved: what the allocator would grow to, unhindered.
+        allocated: the allocated peak.
+        parts: what the card holds (``PARTS``; its context and NCCL's buffers are read).
+        cluster: the machine (its GPU's memory).
+    """
+    room = cluster.gpu_memory_bytes - parts["CUDA context"] - parts["NCCL buffers"]
+    return min(reserved, room) if allocated <= room else reserved
 
 
 def _live_by_phase(step: StepShape):
@@ -162,7 +174,7 @@ def _live_by_phase(step: StepShape):
     states = memory.model_state_bytes(
         stage, layout.data * layout.context, layout.sharding, **framework.state_bytes(layout.precision)
     )
-    autocast = framework.autocast and layout.precision != "fp32"
+    autocast = framework.autocasts(layout.precision)
     # autocast's bf16 casts of the matmuls' weights (not the embedding's): alive until their backward
     casts = framework.param_bytes * (stage - model.embedding_parameters()) if autocast else 0.0
     params_after = states.params - (framework.param_bytes * stage if autocast else 0.0)

@@ -86,6 +86,39 @@ def _number(row: dict, key: str, number: int) -> float | None:
     return checks.check_number(f"line {number}: {key}", value, above=0)
 
 
+def row_stack(row: dict, number: int, default: Framework | None = None) -> Framework:
+    """The stack a CSV row names: its ``framework`` (where it has none, ``default``), compiled where
+    its ``compiled`` says yes.
+
+    Args:
+        row: the row, by column.
+        number: its line in the file (for the messages).
+        default: the stack of a row without a ``framework`` (None: the row must name one).
+    """
+    framework = default
+    if row.get("framework") or default is None:
+        chosen = checks.check_choice(
+            f"line {number}: framework", row.get("framework", ""), tuple(sorted(FRAMEWORKS))
+        )
+        framework = FRAMEWORKS[chosen]
+    compiled = checks.check_choice(f"line {number}: compiled", row.get("compiled") or "no", ("yes", "no"))
+    return framework.with_(compiled=True) if compiled == "yes" else framework
+
+
+def row_shape(row: dict, number: int) -> tuple[int, int]:
+    """A CSV row's ``seq_len`` and ``global_batch``, whole numbers (else the line is named)."""
+    try:
+        return int(row["seq_len"]), int(row["global_batch"])
+    except ValueError as error:
+        raise UserError(f"line {number}: seq_len and global_batch must be whole numbers ({error})") from error
+
+
+def beside(name: str, folder: Path) -> str:
+    """A model a CSV row names: the config at ``folder / name`` where there is one (a path from the
+    CSV's folder), else ``name`` as it is (a built-in model, or a path from here)."""
+    return str(folder / name) if (folder / name).is_file() else name
+
+
 def read_runs(*, path: Path = RUNS) -> list[GpuRun]:
     """The runs of a CSV file (``COLUMNS``); a model's path is read from the file's folder.
 
@@ -95,27 +128,14 @@ def read_runs(*, path: Path = RUNS) -> list[GpuRun]:
     path = Path(path)
     runs = []
     for number, row in checks.read_csv_rows(path, what="GPU runs", columns=COLUMNS):
-        model = row["model"]
-        beside = path.parent / model
         status = checks.check_choice(f"line {number}: status", row["status"], ("ok", "oom"))
-        framework = FRAMEWORKS[
-            checks.check_choice(f"line {number}: framework", row["framework"], tuple(sorted(FRAMEWORKS)))
-        ]
-        compiled = checks.check_choice(f"line {number}: compiled", row.get("compiled") or "no", ("yes", "no"))
-        try:
-            seq_len, global_batch = int(row["seq_len"]), int(row["global_batch"])
-        except ValueError as error:
-            raise UserError(
-                f"line {number}: seq_len and global_batch must be whole numbers ({error})"
-            ) from error
         runs.append(
             GpuRun(
                 row["run"] or f"line {number}",
-                model_named(str(beside) if beside.is_file() else model),
-                framework.with_(compiled=True) if compiled == "yes" else framework,
+                model_named(beside(row["model"], path.parent)),
+                row_stack(row, number),
                 Layout.from_name(row["layout"]),
-                seq_len,
-                global_batch,
+                *row_shape(row, number),
                 _number(row, "tokens_per_s_per_gpu", number) if status == "ok" else None,
                 _number(row, "peak_allocated_gib", number),
                 _number(row, "peak_reserved_gib", number),

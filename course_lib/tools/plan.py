@@ -305,18 +305,9 @@ def _predicted_row(
     name = row.get("model") or default_model
     if not name:
         raise UserError(f"line {number}: no model column and no --model: name the model")
-    if (folder / name).is_file():
-        name = str(folder / name)
-    if row.get("framework"):
-        chosen = checks.check_choice(f"line {number}: framework", row["framework"], tuple(sorted(FRAMEWORKS)))
-        framework = FRAMEWORKS[chosen]
-    compiled = checks.check_choice(f"line {number}: compiled", row.get("compiled") or "no", ("yes", "no"))
-    if compiled == "yes":
-        framework = framework.with_(compiled=True)
-    try:
-        seq_len, global_batch = int(row["seq_len"]), int(row["global_batch"])
-    except ValueError as error:
-        raise UserError(f"line {number}: seq_len and global_batch must be whole numbers ({error})") from error
+    name = gpu_runs.beside(name, folder)
+    framework = gpu_runs.row_stack(row, number, framework)
+    seq_len, global_batch = gpu_runs.row_shape(row, number)
     layout = Layout.from_name(row["layout"])
     prediction = predict(
         model_named(name), cluster, layout, seq_len=seq_len, global_batch=global_batch, framework=framework

@@ -28,11 +28,11 @@ from __future__ import annotations
 import contextlib
 import csv
 import dataclasses
+import functools
 import gc
 import json
 import os
 import pickle
-import statistics
 import sys
 import time
 from dataclasses import KW_ONLY, dataclass
@@ -50,6 +50,7 @@ from ..plan.frameworks import FRAMEWORKS
 from ..plan.layout import Layout
 from ..plan.specs import CLUSTERS, CUDA_CONTEXT, GIB, ClusterSpec, Link, ModelSpec
 from . import plots
+from .gpu_record import Timer
 
 RECIPES = ("course", "fp32-master", "torchtitan")
 """The stacks a run trains with, by the planner's profile that describes each: ``course`` (bf16
@@ -372,11 +373,6 @@ def _tokens(run: Run, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]
     return ids[:, :-1].to(device), ids[:, 1:].to(device)
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @contextlib.contextmanager
 def _metered(device: torch.device):
     """A ``Meter`` for one run, the device's statistics cleared first."""
@@ -410,14 +406,7 @@ def measure(run: Run, device: torch.device, cluster: ClusterSpec, *, steps: int,
             for _ in range(warmup):
                 step(x, y)
             phases = measure_phases(step, meter, x, y)
-            seconds = []
-            for _ in range(steps):
-                _synchronize(device)
-                begin = time.perf_counter()
-                step(x, y)
-                _synchronize(device)
-                seconds.append(time.perf_counter() - begin)
-            median = statistics.median(seconds)
+            median = Timer(device, warmup=0, repeats=steps)(functools.partial(step, x, y))
             row |= {
                 "status": "ok", "step_s": median,
                 "tokens_per_s_per_gpu": run.micro_batch * run.seq_len / median,

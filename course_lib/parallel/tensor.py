@@ -229,6 +229,12 @@ class RowParallelLinear(nn.Module):
         return y + self.bias if self.bias is not None else y
 
 
+def _copy_input_once(module: nn.Module, group) -> None:
+    """f on ``module``'s input, once, for the column-parallel layers inside that all read it (a
+    forward pre-hook): their input gradients add up before the one backward all-reduce."""
+    module.register_forward_pre_hook(lambda _, args: (copy_to_parallel(args[0], group=group), *args[1:]))
+
+
 def parallel_mlp(mlp: nn.Module, *, group=None) -> nn.Module:
     """A ``models.MLP`` (fc1, act, fc2) made tensor parallel in place: fc1 column, fc2 row; a gated
     one (``llama.GatedMLP``) has its ``up`` column parallel too.
@@ -253,9 +259,7 @@ def parallel_mlp(mlp: nn.Module, *, group=None) -> nn.Module:
     mlp.fc1 = ColumnParallelLinear.from_dense(mlp.fc1, group=group, copy_input=not gated)
     if gated:
         mlp.up = ColumnParallelLinear.from_dense(mlp.up, group=group, copy_input=False)
-        mlp.register_forward_pre_hook(
-            lambda module, args: (copy_to_parallel(args[0], group=group), *args[1:])
-        )
+        _copy_input_once(mlp, group)
     mlp.fc2 = RowParallelLinear.from_dense(mlp.fc2, group=group)
     return mlp
 
@@ -288,9 +292,7 @@ def parallel_attention(attention: nn.Module, n_heads: int, *, group=None) -> nn.
             ColumnParallelLinear.from_dense(getattr(attention, name), group=group, copy_input=False),
         )
     attention.out = RowParallelLinear.from_dense(attention.out, group=group)
-    attention.register_forward_pre_hook(
-        lambda module, args: (copy_to_parallel(args[0], group=group), *args[1:])
-    )
+    _copy_input_once(attention, group)
     return attention
 
 

@@ -159,7 +159,8 @@ def grid(device: torch.device, cluster: ClusterSpec) -> list[Run]:
 def choose(runs: list[Run], cluster: ClusterSpec) -> list[Run]:
     """Of ``runs``, 8 the planner puts well inside the card (below 70 % of its memory) and 4 around
     its capacity (85 % to 110 %), each taken evenly through the list (it varies the model, the
-    recipe, the length and the batch), the fullest last."""
+    recipe, the length and the batch), the fullest last. The bands and counts are choices: wide
+    enough apart that a run inside cannot straddle, few enough for the 8 minutes."""
     capacity = cluster.gpu_memory_bytes
     share = {run: predicted(run, cluster).memory["total"] / capacity for run in runs}
     inside = [run for run, s in share.items() if s < 0.7]
@@ -188,8 +189,10 @@ def _spread(runs: list[Run], count: int) -> list[Run]:
 
 
 def estimated_seconds(runs: list[Run], cluster: ClusterSpec, *, steps: int) -> float:
-    """What the grid should take: each run's steps at the predicted step time, and its set-up (10 s;
-    a compiled one, 60 s more)."""
+    """What the grid should take: each run's steps at the predicted step time, and its set-up, 10 s
+    (building and initializing the model, an assumption) and for a compiled one 60 s more
+    (``gpu_record`` measured 3.5 to 4.8 s to compile one block on an H200; a model's blocks
+    share one compilation, whose guards and autotuning take longer: an assumption)."""
     total = 0.0
     for run in runs:
         step = predicted(run, cluster).time.get("total", 0.0)

@@ -93,7 +93,7 @@ MEMORY_PRIOR_WIDTH = 0.10
 EXTRAPOLATION = 3.0
 """A fitted term applies to a prediction whose part of it is within this factor of the parts of
 the runs that fixed it; beyond, the prior. A choice, not a measurement: a term's error on the
-H200 runs does not drift over their 5x range of step times, and nothing is known past it."""
+H200 runs does not drift over their 6x range of step times, and nothing is known past it."""
 
 COMMUNICATION = {
     "tensor (exposed)": "tensor",

@@ -79,8 +79,8 @@ def test_torchtitans_op_sac_keeps_every_second_matmuls_output():
 def test_megatrons_selective_recomputation_drops_only_the_attention_core():
     """Korthikanti et al.'s selective recomputation: everything but the attention core is kept. At
     tensor degree 8 with sequence parallelism that is (4 + 3 + 8)/8 sbh (norms and projection
-    inputs, q k v, the MLP); the course's policy keeps (1 + 3 + 1 + 4)/8 + 2 sbh, 5/3 as much,
-    because its row-parallel outputs are full-width partial sums."""
+    inputs, q k v, the MLP); the course's policy keeps (1 + 3 + 1 + 4)/8 sbh, 3/5 as much: it
+    recomputes the norms and GELU, and the row-parallel layers' full-width partial sums."""
     layout = Layout(tensor=8, sequence_parallel=True)
     shape = {"micro_batch": 1, "seq_len": 2048}
     none = memory_model.block_activation_elements(GPT_1T, layout, **shape)
@@ -90,7 +90,7 @@ def test_megatrons_selective_recomputation_drops_only_the_attention_core():
     tokens, a = 2048, GPT_1T.heads
     assert none - megatron == pytest.approx((tokens * GPT_1T.d_model + a * tokens * 2) / 8)
     course = memory_model.block_activation_elements(GPT_1T, layout.with_(recomputation="selective"), **shape)
-    assert course / megatron == pytest.approx(5 / 3, rel=0.01)
+    assert course / megatron == pytest.approx(3 / 5, rel=0.01)
 
 
 def test_megatron_cuts_equal_blocks_and_puts_embedding_and_head_at_the_ends():
@@ -162,7 +162,7 @@ def test_the_published_runs_are_read_with_their_stacks_profiles():
 
 def test_the_stacks_profiles_fit_the_runs_the_courses_own_calls_too_big():
     """With each run's stack's profile, every bf16 run that ran fits; with the course's own profile,
-    Megatron's stage cut and selective policy are missing and four of them do not. Megatron-Bridge's
+    Megatron's stage cut and its stacks' byte counts are missing and one of them does not. Megatron-Bridge's
     GPT-OSS 120B is left out: as its row states it (4 sequences a micro-batch, no recomputation) its
     first stage holds 80 GB of activations, so the run must have recomputed or cut its batch in a
     way the row does not say."""
@@ -176,7 +176,7 @@ def test_the_stacks_profiles_fit_the_runs_the_courses_own_calls_too_big():
     course = published.summary(
         published.check([dataclasses.replace(r, framework=COURSE_PROFILE) for r in bf16])
     )
-    assert course["false_does_not_fit"] >= 4
+    assert course["false_does_not_fit"] >= 1
 
 
 def test_predict_takes_a_framework_and_the_course_is_the_default():

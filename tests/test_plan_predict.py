@@ -69,7 +69,7 @@ def _predict_command(tmp_path, capsys, csv_text: str, *args: str):
 def test_plan_predict_writes_the_cost_models_prediction_for_each_row(tmp_path, capsys):
     rows = [
         ("d8 fsdp sac mb2", 8192, 16, "llama3-8b"),  # torchtitan's table 1 job: fits
-        ("d8.t8 fsdp sac mb12", 8192, 96, "llama3-8b"),  # predicted not to fit
+        ("d8.t8 fsdp mb24", 8192, 192, "llama3-8b"),  # predicted not to fit
         ("d3 fsdp", 8192, 16, "llama3-8b"),  # cannot be cut: refused without a time
         ("d4.p2 ddp 1f1b mb2", 4096, 32, "llama3-70b"),
     ]

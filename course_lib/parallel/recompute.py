@@ -15,7 +15,9 @@ none         everything (16·sbh + 4·sb + a·sb elements)        nothing
 full         the block's input (sbh), and while one block's   one more forward of every block: about
              backward runs, that block's whole list           +33 % of the step's FLOPs (2 + 4 → 2 + 2 + 4)
 selective    the input, and the outputs of the matmuls and    the cheap operations again (norms, GELU,
-             attention (``SAVED_BY_SELECTIVE``): 11·sbh + a·sb  residual adds): a few % of the FLOPs
+             attention (``SAVED_BY_SELECTIVE``): 11·sbh + a·sb  residual adds): a few % of the FLOPs;
+             on one process; under tensor parallelism not    under tensor parallelism also the ``out``
+             the row-parallel partial sums (see below)       projection and its reduction
 ===========  ===============================================  ==========================================
 
 Selective recomputation keeps what is expensive to compute and cheap to hold, and recomputes
@@ -26,10 +28,17 @@ inputs and statistics and the MLP's GELU output (4·sbh, the largest single term
 ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` with a list of operations whose
 results are cached in forward; everything else is recomputed. Pass your own list to try others.
 
-Under tensor or sequence parallelism the same lists shrink by the same factors as the block
-(``activations.block_activation_elements(recomputation=...)`` says exactly how), and under
-pipeline parallelism each in-flight micro-batch holds the smaller list: recomputation is what
-lets 1F1B's first stage keep p micro-batches of a long sequence.
+Under tensor or sequence parallelism one matmul must not be kept: a row-parallel layer's result
+(``out``'s, fc2's) is a *partial sum* of the whole activation, s·b·h elements on every rank,
+before its group sums it. Kept, the two of them hold 2·sbh that no degree shrinks, and at T = 8
+with sequence parallelism a "selective" block would keep more than no recomputation at all. So
+the policy recomputes the row-parallel matmuls (and the reduction after them) in backward; what
+it keeps shrinks by the same factors as the block
+(``activations.block_activation_elements(recomputation=...)`` says exactly how). torchtitan's
+op-level policy reaches the same end by keeping the reduce-scatter's output instead, s/T tokens;
+the course's collectives write their results in place, which a policy over operations cannot
+name, so it recomputes. Under pipeline parallelism each in-flight micro-batch holds the smaller
+list: recomputation is what lets 1F1B's first stage keep p micro-batches of a long sequence.
 
 Paper: Chen, Xu, Zhang and Guestrin, "Training Deep Nets with Sublinear Memory Cost", 2016
 (arXiv:1604.06174), for full recomputation; Korthikanti et al., "Reducing Activation
@@ -48,7 +57,9 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from .. import models
 from ..checks import check_choice, check_int
+from ..distributed import runtime
 from ..errors import UserError
+from .tensor import RowParallelLinear
 
 POLICIES = ("none", "full", "selective")
 
@@ -77,9 +88,32 @@ def recomputation_units(model: nn.Module) -> list[nn.Module]:
     return blocks or models.sharding_units(model)
 
 
-def _keep_listed_results(saved_ops: frozenset):
+class _PartialSums:
+    """Whether a row-parallel layer of a group larger than one is running now: its matmul's result
+    is a partial sum of the whole activation, which the policy recomputes instead of keeping.
+
+    Its hooks run in the forward and again in the recomputation (both call the layers), so the
+    policy decides the same way both times, which the cache's order needs."""
+
+    def __init__(self, module: nn.Module):
+        self.depth = 0
+        for layer in module.modules():
+            if isinstance(layer, RowParallelLinear) and runtime.world_size(group=layer.group) > 1:
+                layer.register_forward_pre_hook(self.enter)
+                layer.register_forward_hook(self.leave)
+
+    def enter(self, layer, args) -> None:
+        self.depth += 1
+
+    def leave(self, layer, args, output) -> None:
+        self.depth -= 1
+
+
+def _keep_listed_results(saved_ops: frozenset, partial_sums: _PartialSums):
     def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in saved_ops else CheckpointPolicy.PREFER_RECOMPUTE
+        if op in saved_ops and not partial_sums.depth:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
 
     return functools.partial(create_selective_checkpoint_contexts, policy)
 
@@ -99,22 +133,22 @@ def recompute_modules(
         modules: the regions, usually ``recomputation_units(model)``.
         policy: ``"none"`` (nothing changes), ``"full"`` or ``"selective"`` (see the table above).
         saved_ops: with ``"selective"``, the operations (``torch.ops.aten.*`` overloads) whose
-            results are kept; everything else is recomputed.
+            results are kept (but not a row-parallel layer's partial sums); everything else is
+            recomputed.
     """
     check_choice("recomputation policy", policy, POLICIES)
     if policy == "none":
         return
-    if policy == "full":
-        context_fn = None
-    else:
-        context_fn = _keep_listed_results(frozenset(saved_ops))
+    saved_ops = frozenset(saved_ops)
     for module in modules:
         if getattr(module, "recomputation", "none") != "none":
             raise UserError(
                 f"this {type(module).__name__} already recomputes ({module.recomputation}): "
                 "apply a policy once"
             )
-        options = {} if context_fn is None else {"context_fn": context_fn}
+        options = {}
+        if policy == "selective":  # a row-parallel layer's partial sums are recomputed, not kept
+            options["context_fn"] = _keep_listed_results(saved_ops, _PartialSums(module))
         module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False, **options)
         module.recomputation = policy
 

@@ -46,10 +46,11 @@ Recomputation (``recompute``) changes what is kept, not what is computed. Under 
 block keeps only its input: sbh/C elements (sbh/(C·T) with sequence parallelism, whose blocks take
 a shard). Under ``"selective"`` it keeps its input and the results of its matmuls and attention
 kernel: q, k, v (3·sbh/T), fc1's output (4·sbh/T), the attention output and log-sum-exp
-((sbh + a·sb)/T, none under context parallelism: the ring is recomputed), and the outputs of
-``out`` and fc2, which under tensor parallelism are partial sums of the *whole* sbh before they
-are summed over the group: 2·sbh that no tensor degree shrinks, and the reason a selective
-policy keeps relatively more at large T.
+((sbh + a·sb)/T, none under context parallelism: the ring is recomputed), and on one process
+the outputs of ``out`` and fc2 (2·sbh). Under tensor parallelism those two are partial sums of
+the *whole* sbh before the group sums them: kept, they would be 2·sbh that no degree shrinks,
+and at T = 8 with sequence parallelism more than the whole block keeps without recomputation. So
+the policy recomputes them (``recompute``), and everything it keeps falls with T.
 
 ``block_activation_elements`` writes this table as code; the tests hold it to
 ``memory.saved_tensor_bytes`` and ``memory.live_tensor_bytes`` measured on real processes,
@@ -132,7 +133,8 @@ def block_activation_elements(
             "projections": 3 * sbh / t,  # q, k, v
             "attention": (sbh + heads * sb) / t if context_degree == 1 else 0.0,  # the ring is recomputed
             "mlp": 4 * sbh / t,  # fc1's output; GELU's is recomputed
-            "row_outputs": 2 * sbh,  # out's and fc2's results, whole partial sums before the group sums them
+            # out's and fc2's results; under tensor parallelism partial sums of the whole sbh, recomputed
+            "row_outputs": 2 * sbh if t == 1 else 0.0,
         }
         return terms | {"total": sum(terms.values())}
     norms = 2 * (sbh + 2 * sb)

@@ -57,7 +57,9 @@ def compute_seconds(step: StepShape) -> ComputeSeconds:
     ring_attention = work.attention_forward if ring else 0.0
     selective = {
         # the pointwise operations' forward again (and under context parallelism the ring's attention)
-        "course": pointwise_blocks / 3 + ring_attention,
+        # and under tensor parallelism the out projection, whose partial sums are not kept
+        "course": pointwise_blocks / 3 + ring_attention
+        + (work.block_forward * output_projection_share(step.model) if layout.tensor > 1 else 0.0),
         # and the forward of every second matmul
         "op_sac": pointwise_blocks / 3 + work.recomputed_matmuls + ring_attention,
         # the attention core's forward: its two products
@@ -285,6 +287,14 @@ def recomputed_matmul_share(model) -> float:
     every second matmul in forward order (wk, wo and the gated MLP's second up-projection)."""
     flops = [inputs * outputs * rows for inputs, outputs, rows, _ in block_matmuls(model)]
     return sum(flops[1::2]) / sum(flops)
+
+
+def output_projection_share(model) -> float:
+    """The share of a block's matmul FLOPs in the attention's output projection: what the course's
+    selective policy recomputes under tensor parallelism (its result is a partial sum, not kept;
+    fc2's, the other one, is never needed again: the recomputation stops before it)."""
+    flops = [inputs * outputs * rows for inputs, outputs, rows, _ in block_matmuls(model)]
+    return flops[3] / sum(flops)
 
 
 @functools.cache

@@ -142,7 +142,8 @@ def block_activation_elements(
     kept_attention = 0 if ring_recomputed else attention
     if layout.recomputation == "selective" and selective == "course":
         gate_up = 2 * mlp_hidden / t if model.gated_mlp else mlp_hidden / t
-        return block_input + q_k_v + kept_attention + gate_up + 2 * sbh
+        row_outputs = 2 * sbh if t == 1 else 0  # under tensor parallelism partial sums, recomputed
+        return block_input + q_k_v + kept_attention + gate_up + row_outputs
     if layout.recomputation == "selective" and selective == "op_sac":
         return block_input + kept_attention + _saved_matmuls(model, layout, tokens=tokens)
     norms = 2 * (2 * residual if fp32_residual else 1) * sbh / sp + 2 * model.norm_statistics * tokens / sp

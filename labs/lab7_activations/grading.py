@@ -126,8 +126,8 @@ PROPERTIES = [
         "recomputation, none, full and selective, at 1 to 3 ranks",
         check_recomputation,
         "A checkpointed region keeps its input; the selective policy also keeps the results of the ops in "
-        "recompute.SAVED_BY_SELECTIVE. Under tensor parallelism a row-parallel layer's matmul result is "
-        "the whole activation (a partial sum).",
+        "recompute.SAVED_BY_SELECTIVE, but not every one of them: read what it does under tensor "
+        "parallelism.",
     ),
 ]
 
@@ -160,6 +160,6 @@ QUESTIONS = [
     Question(
         "block_bytes_same_tp8_sequence_parallel_selective_fp32",
         lambda: _bytes(tensor_degree=8, sequence_parallel=True, recomputation="selective"),
-        "the selective policy's list at T = 8: which of its terms does no degree divide?",
+        "the selective policy's list at T = 8: which results does it not keep under tensor parallelism?",
     ),
 ]

@@ -50,15 +50,16 @@ def recomputed_total(
     """All a block keeps on one rank under ``policy``: ``"none"``, ``"full"`` (only the block's
     input, which is seq/T tokens with sequence parallelism) or ``"selective"`` (the input, and the
     results of the block's matmuls and attention kernel: q, k, v, the attention output and
-    log-sum-exp, fc1's output, and the outputs of ``out`` and fc2, which are partial sums of the
-    whole seq·batch·d_model before the tensor group adds them up)."""
+    log-sum-exp, fc1's output, and on one process the outputs of ``out`` and fc2; under tensor
+    parallelism those two are partial sums, which the policy recomputes)."""
     # BEGIN SOLUTION: "none" is the sum of tensor_parallel_terms; under "full" a checkpoint keeps only its region's input; under "selective", read what the policy caches in course_lib/parallel/recompute.py and count it as you counted one process. Pitfall: the input of a sequence-parallel block is already cut to seq/T tokens
     sbh, sb = seq * batch * d_model, seq * batch
     block_input = sbh / degree if sequence_parallel else sbh
     if policy == "full":
         return block_input
     if policy == "selective":
-        return block_input + 3 * sbh / degree + (sbh + heads * sb) / degree + 4 * sbh / degree + 2 * sbh
+        row_outputs = 2 * sbh if degree == 1 else 0
+        return block_input + 3 * sbh / degree + (sbh + heads * sb) / degree + 4 * sbh / degree + row_outputs
     terms = tensor_parallel_terms(
         one_process_terms(batch=batch, seq=seq, d_model=d_model, heads=heads),
         degree=degree,

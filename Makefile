@@ -23,7 +23,7 @@ PYTEST_ARGS ?=
 # files start first, in the order tests/conftest.py gives (LONGEST_FIRST).
 TEST_WORKERS ?= 2
 
-.PHONY: setup system-deps lab lint format test test-fast test-under-load clean-results slides slides-setup slides-build gpu-record gpu-check
+.PHONY: setup system-deps lab student-edition lint format test test-fast test-under-load clean-results slides slides-setup slides-build gpu-record gpu-check
 
 setup:
 	@set -euo pipefail; \
@@ -60,6 +60,13 @@ setup:
 
 lab: setup
 	$(PY) -m course_lib.tools.lab
+
+# The repository a student receives: every tracked file but the labs' solution.py and
+# solution_answers.toml, written to OUT (a new folder). There `make test` grades each untouched
+# exercise and expects it to fail (tests/tools/test_student_edition.py).
+OUT ?= ../course-student
+student-edition: setup
+	$(PY) -m course_lib.tools.student_edition $(OUT)
 
 # What the whole suite needs from the operating system (Chromium and pdfinfo for the slides, Slurm
 # and munge for the job scripts): installed with apt-get when missing and this user may (root, or

@@ -36,6 +36,12 @@ def test_the_table_by_job_size_at_llama_3s_failure_rate():
     minutes = [row["interval_minutes"] for row in rows]
     assert minutes == sorted(minutes, reverse=True)  # larger jobs save more often
     assert all(0 < row["lost_share"] < 0.1 for row in rows)
+    # each failure's restart adds R / M, whatever the interval
+    for row in rows:
+        restarts = ci.RESTART_S / (3600 * row["mtbf_hours"])
+        assert row["lost_with_restarts"] == pytest.approx(row["lost_share"] + restarts)
+    with pytest.raises(UserError, match="restart_s must be a finite number of seconds, 0 or more"):
+        ci.lost_share(60.0, 1.0, 100.0, restart_s=-5)
 
 
 @pytest.mark.parametrize(

@@ -98,3 +98,11 @@ def test_the_network_model_prices_the_three_as_their_steps_and_bytes_say():
     assert nm.hierarchical_seconds(
         big, gpus_per_node=g, nodes=1, inside=inside, across=across
     ) == pytest.approx(in_node, rel=1e-3)  # one node: nothing crosses
+    # NCCL's flat ring, a channel per NIC: the hierarchy's bandwidth across, the ring's 2(N-1) steps
+    channels = nm.channel_rings_seconds(big, world=n, gpus_per_node=g, across=across)
+    every_nic = 2 * (n - 1) / n * big / g / across.bandwidth
+    assert channels == pytest.approx(2 * (n - 1) * across.latency_s + every_nic)
+    assert channels < ring / (g - 1)  # not G times slower than the hierarchy: that is the course's one ring
+    assert nm.channel_rings_seconds(small, world=n, gpus_per_node=g, across=across) > nm.tree_seconds(
+        small, world=n, across=across
+    )  # small messages: its 2(N-1) latency steps are what the tree saves

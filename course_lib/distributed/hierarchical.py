@@ -1,9 +1,12 @@
 """All-reduce across nodes: the hierarchy (every NIC busy) and the tree (few steps), built by hand.
 
 A cluster has two classes of link. Inside a node the GPUs share NVLink (hundreds of GB/s); between
-nodes each GPU has a NIC of its own (25 to 50 GB/s). A flat ring over all N = K x G ranks (K nodes
-of G GPUs) crosses each node boundary once: one rank per node sends the ring's whole
-2(N-1)/N x S bytes across, through one NIC, while the node's other NICs idle.
+nodes each GPU has a NIC of its own (25 to 50 GB/s). One ring over all N = K x G ranks (K nodes
+of G GPUs), as ``ring.py`` builds it, crosses each node boundary once: one rank per node sends the
+ring's whole 2(N-1)/N x S bytes across, through one NIC, while the node's other NICs idle. NCCL
+does not run one ring: it cuts the message over several *channels*, each a ring whose crossings
+leave through a different NIC, so its flat ring already uses every NIC
+(``plan.network_model.channel_rings_seconds``).
 
 **Hierarchical all-reduce** uses the node as a unit:
 
@@ -13,7 +16,10 @@ of G GPUs) crosses each node boundary once: one rank per node sends the ring's w
 3. all-gather inside the node.
 
 The bytes a rank sends across fall by about G (from 2(N-1)/N x S to 2(K-1)/K x S/G), and all G
-NICs carry their part at once. NCCL builds the same shape out of its rings (a channel per NIC).
+NICs carry their part at once: against the course's one ring, G times the bandwidth; against
+NCCL's channels, the same bandwidth. What the hierarchy and the tree buy over NCCL's rings is
+fewer steps that cross nodes (2(K-1) or 2 log2 N latencies, not 2(N-1)) and, where the switches
+can add (NVLink SHARP inside a node, InfiniBand SHARP across), reductions done in the network.
 
 **The tree** trades bandwidth for steps. A ring needs 2(N-1) steps, each paying a latency; a
 binary tree reduces to its root and broadcasts back in 2 log2 N levels. NCCL's *double* binary

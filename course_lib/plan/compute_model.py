@@ -58,7 +58,8 @@ def compute_seconds(step: StepShape) -> ComputeSeconds:
     selective = {
         # the pointwise operations' forward again (and under context parallelism the ring's attention)
         # and under tensor parallelism the out projection, whose partial sums are not kept
-        "course": pointwise_blocks / 3 + ring_attention
+        "course": pointwise_blocks / 3
+        + ring_attention
         + (work.block_forward * output_projection_share(step.model) if layout.tensor > 1 else 0.0),
         # and the forward of every second matmul
         "op_sac": pointwise_blocks / 3 + work.recomputed_matmuls + ring_attention,

@@ -83,8 +83,9 @@ def all_reduce_seconds(
 
 
 def flat_ring_seconds(message_bytes: float, *, world: int, across: Link) -> float:
-    """One ring over all N ranks: 2(N-1) steps, each as slow as the node boundary it may cross,
-    whose one NIC carries the ring's whole 2(N-1)/N of the message.
+    """One ring over all N ranks, as the course builds it: 2(N-1) steps, each as slow as the node
+    boundary it may cross, whose one NIC carries the ring's whole 2(N-1)/N of the message (NCCL's
+    flat ring runs a channel through every NIC: ``channel_rings_seconds``).
 
     Args:
         message_bytes: S.
@@ -92,6 +93,21 @@ def flat_ring_seconds(message_bytes: float, *, world: int, across: Link) -> floa
         across: one NIC between two nodes.
     """
     return collective_seconds("all_reduce", message_bytes, world, across)
+
+
+def channel_rings_seconds(message_bytes: float, *, world: int, gpus_per_node: int, across: Link) -> float:
+    """NCCL's flat ring: the message cut over G channels, each a ring over all N ranks whose node
+    crossings leave through a different NIC, so every NIC carries 1/G of the ring's bytes. The
+    bandwidth of the hierarchy, with the flat ring's 2(N-1) latency steps.
+
+    Args:
+        message_bytes: S.
+        world: N, the ranks.
+        gpus_per_node: G, the NICs of a node (one a GPU), one channel each.
+        across: one NIC between two nodes.
+    """
+    every_nic = Link(across.latency_s, across.bandwidth * gpus_per_node)
+    return collective_seconds("all_reduce", message_bytes, world, every_nic)
 
 
 def hierarchical_seconds(

@@ -231,15 +231,19 @@ def fit_ring_all_reduce_by_regime(
     bandwidth; a real one changes regime (gloo and NCCL switch protocols and algorithms with the
     size, TCP's buffers fill, the operating system schedules the receiver). Each parameter is then
     fitted where it rules: alpha is the median of T / (2(N - 1)) over the small messages (the
-    median: one late wake-up must not move it), beta the slope of T against the bytes over the
-    large ones. The residuals of the model they make show where neither regime describes a size.
+    median: one late wake-up must not move it), beta the largest message's rate with that latency
+    taken out, 2(N-1)/N x S / (T - 2(N-1) alpha). Not a slope through the large sizes: on a busy
+    machine one of them can be slower than a larger one, and a slope through three such points
+    once gave a beta a hundred times the rate the largest message reached. The residuals of the
+    model they make show where neither regime describes a size.
 
     Args:
         processes: N, at least 2.
         message_bytes: the bytes all-reduced at each point.
         seconds: the measured time of each.
         latency_max_bytes: the largest message used for alpha (at least one is needed).
-        bandwidth_min_bytes: the smallest message used for beta (at least two sizes are needed).
+        bandwidth_min_bytes: the smallest size the sweep must reach for beta (two sizes at least
+            that large: the largest of them gives beta).
     """
     if processes < 2:
         raise ValueError(f"fitting an all-reduce needs at least 2 processes, got {processes}")
@@ -252,9 +256,11 @@ def fit_ring_all_reduce_by_regime(
         )
     steps = 2 * (processes - 1)
     latency = statistics.median(small) / steps
-    slope, _ = _least_squares_line([x for x, _ in large], [t for _, t in large])
-    bandwidth = steps / processes / slope if slope > 0 else float("inf")
-    return latency, bandwidth
+    largest, time = max(large)
+    sent = steps / processes * largest  # the bytes each rank sends
+    # if its latency is all its time (a sweep too small for bandwidth to rule), its whole time counts
+    bandwidth_time = time - steps * latency if time > steps * latency else time
+    return latency, sent / bandwidth_time
 
 
 def strong_scaling_seconds(

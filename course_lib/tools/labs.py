@@ -67,8 +67,9 @@ END = re.compile(r"^\s*# END SOLUTION\s*$")
 
 
 def lab_names() -> list[str]:
-    """Every lab with a solution, in the course's order (lab 10 after lab 9, not after lab 1)."""
-    names = [path.parent.name for path in LABS_DIR.glob("*/solution.py")]
+    """Every lab (a folder with a grading suite), in the course's order (lab 10 after lab 9, not
+    after lab 1). The students' edition has them all, without their solutions."""
+    names = [path.parent.name for path in LABS_DIR.glob("*/grading.py")]
 
     def number(name: str) -> int:
         found = re.search(r"\d+", name)
@@ -110,9 +111,12 @@ def exercise_text(solution: str) -> str:
 
 
 def generate(names: list[str] | None = None) -> list[Path]:
+    """Write each lab's ``exercise.py`` from its ``solution.py`` (every lab that has one)."""
     written = []
     for name in names or lab_names():
         solution = LABS_DIR / name / "solution.py"
+        if not solution.exists():  # the students' edition: its exercises are already written
+            continue
         target = solution.with_name("exercise.py")
         target.write_text(exercise_text(solution.read_text()))
         written.append(target)

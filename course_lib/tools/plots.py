@@ -912,7 +912,8 @@ def plot_compile_cost(result: dict, *, path=None) -> Figure:
 
 
 def plot_allreduce_algorithms(clusters: list, *, nodes: int, path=None) -> Figure:
-    """A flat ring, the hierarchy and the double binary tree across ``nodes`` nodes of each cluster:
+    """One ring (the course's), NCCL's ring of channels, the hierarchy and the double binary tree
+    across ``nodes`` nodes of each cluster:
     the all-reduce's time against the message's size (``network_model``'s prices per link class).
 
     Args:
@@ -927,8 +928,12 @@ def plot_allreduce_algorithms(clusters: list, *, nodes: int, path=None) -> Figur
         g, inside, across = cluster.gpus_per_node, cluster.inside_node, cluster.between_nodes
         world = g * nodes
         lines = {
-            "flat ring (one NIC a node)": [
+            "one ring, the course's (one NIC a node)": [
                 network_model.flat_ring_seconds(s, world=world, across=across) for s in sizes
+            ],
+            "NCCL's ring (a channel per NIC)": [
+                network_model.channel_rings_seconds(s, world=world, gpus_per_node=g, across=across)
+                for s in sizes
             ],
             "hierarchical (every NIC)": [
                 network_model.hierarchical_seconds(
@@ -938,7 +943,7 @@ def plot_allreduce_algorithms(clusters: list, *, nodes: int, path=None) -> Figur
             ],
             "double binary tree": [network_model.tree_seconds(s, world=world, across=across) for s in sizes],
         }
-        for (label, seconds), style in zip(lines.items(), ("-", "-", "--"), strict=True):
+        for (label, seconds), style in zip(lines.items(), ("-", ":", "-", "--"), strict=True):
             axis.plot(sizes, [1e3 * t for t in seconds], style, label=label)
         axis.set_xscale("log")
         axis.set_yscale("log")

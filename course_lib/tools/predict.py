@@ -2,16 +2,21 @@
 
 Reading that an output "matches the formula" teaches less than writing the number first. So every
 notebook has at least one cell where the student writes a prediction, as text with its unit,
-*before* the cell that measures it::
+*before* the cell that measures it. The notebooks ship without one: a student writes each in the
+notebook's predictions file (``notebooks/predictions/<notebook>.toml``), ideally all of them before
+opening the notebook, or in the cell itself::
 
-    prediction = "1.5 MiB"  # your number: the bytes each rank sends
+    prediction = predict.yours("02_collectives", "all_reduce_bytes")  # or: prediction = "1.5 MiB"
 
-and, after the measurement, one line that compares them as the labs compare answers (a relative
+and, after the measurement, one line compares them as the labs compare answers (a relative
 tolerance, and on a miss a hint that names the idea, not the number)::
 
     predict.check("bytes each rank sends", prediction, measured, unit="B", hint="...")
 
-The committed notebooks hold the worked answer, so that they run green; a student overwrites it.
+With no prediction, ``check`` prints the measurement and the hint and says that none was made: the
+notebook runs the same with or without, and the answer is in the notebook's ``<details>`` answers,
+not in the cell. The predictions files are what an instructor collects
+(``python -m course_lib.tools.predict FOLDER`` lists what a folder of them holds).
 
 A prediction is text, so that it can carry its unit: ``"1.5 MiB"``, ``"2 ms"``, ``"40 %"``,
 ``"0.4"``. A word that is not a number, or a unit the quantity is not measured in, is named in one
@@ -20,8 +25,12 @@ line, and nothing is compared.
 
 from __future__ import annotations
 
+import argparse
 import math
 import re
+import sys
+import tomllib
+from pathlib import Path
 
 UNITS: dict[str, dict[str, float]] = {
     "B": {
@@ -39,8 +48,53 @@ fraction, which may be written as a percentage)."""
 NUMBER = re.compile(r"^\s*(?P<number>[-+]?(?:\d[\d_,]*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*(?P<unit>\S*)\s*$")
 
 
+PREDICTIONS_DIR = Path(__file__).resolve().parents[2] / "notebooks" / "predictions"
+"""Where each notebook's predictions file lives: ``<notebook>.toml``, one key a prediction."""
+
+
 class PredictionError(ValueError):
     """A prediction that is not a number in a unit its quantity takes."""
+
+
+def read_predictions(path: Path) -> dict[str, str]:
+    """The predictions a file holds, by key (an empty string is no prediction yet).
+
+    Args:
+        path: a notebook's predictions file (TOML: ``key = "1.5 MiB"``).
+    """
+    try:
+        table = tomllib.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as error:
+        raise PredictionError(f"cannot read {path.name}: {error}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise PredictionError(
+            f'{path.name} is not TOML ({error}): write each prediction as key = "1.5 MiB"'
+        ) from None
+    return {key: value for key, value in table.items() if isinstance(value, (str, int, float))}
+
+
+def yours(notebook: str, key: str, *, folder: Path | None = None) -> str | float | None:
+    """The student's prediction ``key`` from the notebook's predictions file, or None; one line says which.
+
+    Args:
+        notebook: the notebook's name without ``.ipynb`` (``"02_collectives"``).
+        key: the prediction's key in that file.
+        folder: where the predictions files are (default ``notebooks/predictions``).
+    """
+    path = (folder or PREDICTIONS_DIR) / f"{notebook}.toml"
+    try:
+        value = read_predictions(path).get(key) if path.exists() else None
+    except PredictionError as error:
+        print(f"{key}: {error}")
+        return None
+    if value is None or (isinstance(value, str) and not value.strip()):
+        print(
+            f"{key}: no prediction yet. Write yours in predictions/{path.name} (or in this cell) "
+            "before you run the next cells."
+        )
+        return None
+    print(f"{key}: your prediction is {value} (predictions/{path.name})")
+    return value
 
 
 def parse(text: str | float, *, unit: str = "") -> float:
@@ -98,7 +152,7 @@ def shown(value: float, unit: str) -> str:
 
 def check(
     what: str,
-    prediction: str | float,
+    prediction: str | float | None,
     measured: float,
     *,
     unit: str = "",
@@ -109,12 +163,18 @@ def check(
 
     Args:
         what: the quantity, as the line names it ("bytes each rank sends").
-        prediction: what the student wrote before the measurement ("1.5 MiB").
+        prediction: what the student wrote before the measurement ("1.5 MiB"), or None.
         measured: the measurement, in the base ``unit``.
         unit: the base unit: ``"B"``, ``"s"``, ``"B/s"``, or ``""`` for a count, ratio or fraction.
         rel_tol: how close counts as right, relative to the measurement.
         hint: shown on a miss: the idea that gives the number.
     """
+    if prediction is None:
+        print(
+            f"NONE  {what}: no prediction was made; measured {shown(measured, unit)}"
+            + (f". The idea: {hint}" if hint else "")
+        )
+        return False
     try:
         value = parse(prediction, unit=unit)
     except PredictionError as error:
@@ -147,3 +207,42 @@ def _in_units_of(prediction, measured: float, unit: str) -> str:
         value = measured / UNITS[unit][written]
         return f"{value:.0f} {written}" if value == int(value) else f"{value:.4g} {written}"
     return shown(measured, unit)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """List the predictions a folder of predictions files holds (an instructor's collection)."""
+    parser = argparse.ArgumentParser(prog="python -m course_lib.tools.predict", description=main.__doc__)
+    parser.add_argument(
+        "folder",
+        nargs="?",
+        type=Path,
+        default=PREDICTIONS_DIR,
+        help="a folder of <notebook>.toml files (default: notebooks/predictions)",
+    )
+    args = parser.parse_args(argv)
+    files = sorted(args.folder.glob("*.toml")) if args.folder.is_dir() else []
+    if not files:
+        print(
+            f"no predictions files (*.toml) in {args.folder}: pass the folder a student's "
+            "notebooks/predictions was copied to",
+            file=sys.stderr,
+        )
+        return 2
+    made = total = 0
+    for path in files:
+        try:
+            table = read_predictions(path)
+        except PredictionError as error:
+            print(f"{path.name}: {error}", file=sys.stderr)
+            return 2
+        for key, value in table.items():
+            total += 1
+            written = str(value).strip()
+            made += bool(written)
+            print(f"{path.stem:<32} {key:<36} {written or '-'}")
+    print(f"{made} of {total} predictions made")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -17,6 +17,11 @@ Models", 2024, section 3.3.4, table 5): one per 3.1 hours for the job, about 50,
 At that rate 8 GPUs fail about every 9 months, 16,384 every 3 hours, where a 30-second save is
 best made about every 13 minutes.
 
+Each failure also costs the restart R: the job requeued, thousands of processes and their NCCL
+communicators started again, the checkpoint read back. It does not move the best interval (R is
+paid once a failure whatever τ is), but it adds R/M to what the run loses, and at large scale it
+is not small: ``RESTART_S``, an assumption of a few minutes, is the course's default.
+
 Papers: J. W. Young, "A first order approximation to the optimum checkpoint interval", CACM 1974;
 J. T. Daly, "A higher order estimate of the optimum checkpoint interval for restart dumps", FGCS 2006.
 """
@@ -33,6 +38,10 @@ LLAMA3_GPUS = 16_384
 LLAMA3_DAYS = 54
 PER_GPU_MTBF_HOURS = LLAMA3_GPUS * LLAMA3_DAYS * 24 / LLAMA3_INTERRUPTIONS
 """Hours between failures of one GPU (with its share of host, network and software), from that run."""
+RESTART_S = 300.0
+"""Seconds a failure costs to restart (requeue, processes and NCCL started, checkpoint read): an
+assumption, not a measurement. Meta reports no number for Llama 3's restarts; a few minutes is
+what a job of thousands of GPUs takes to be scheduled and rendezvous again."""
 
 
 def _check(save_s: float, mtbf_s: float) -> None:
@@ -72,19 +81,22 @@ def daly_interval_s(save_s: float, mtbf_s: float) -> float:
     return math.sqrt(2 * save_s * mtbf_s) * (1 + math.sqrt(ratio) / 3 + ratio / 9) - save_s
 
 
-def lost_share(interval_s: float, save_s: float, mtbf_s: float) -> float:
-    """The share of the run lost to saving and to redoing work after failures, to first order:
-    δ/τ + τ/(2M).
+def lost_share(interval_s: float, save_s: float, mtbf_s: float, *, restart_s: float = 0.0) -> float:
+    """The share of the run lost to saving, to redoing work after failures and to restarting, to
+    first order: δ/τ + (τ/2 + R)/M.
 
     Args:
         interval_s: τ, seconds of training between saves.
         save_s: δ.
         mtbf_s: M.
+        restart_s: R, the seconds each failure costs before training resumes.
     """
     _check(save_s, mtbf_s)
     if interval_s <= 0:
         raise UserError(f"the interval must be above 0 s, got {interval_s}")
-    return save_s / interval_s + interval_s / (2 * mtbf_s)
+    if not isinstance(restart_s, int | float) or not math.isfinite(restart_s) or restart_s < 0:
+        raise UserError(f"restart_s must be a finite number of seconds, 0 or more, got {restart_s!r}")
+    return save_s / interval_s + (interval_s / 2 + restart_s) / mtbf_s
 
 
 # #endregion interval
@@ -103,14 +115,20 @@ def job_mtbf_hours(gpus: int, *, per_gpu_hours: float = PER_GPU_MTBF_HOURS) -> f
 
 
 def interval_table(
-    save_s: float, gpus: list[int], *, per_gpu_hours: float = PER_GPU_MTBF_HOURS
+    save_s: float,
+    gpus: list[int],
+    *,
+    per_gpu_hours: float = PER_GPU_MTBF_HOURS,
+    restart_s: float = RESTART_S,
 ) -> list[dict]:
-    """For each job size: its MTBF, Daly's interval for a save of ``save_s``, and the share lost.
+    """For each job size: its MTBF, Daly's interval for a save of ``save_s``, and the share lost to
+    saving and rework (``lost_share``) and with the restarts too (``lost_with_restarts``).
 
     Args:
         save_s: δ, the seconds one save costs.
         gpus: the job sizes.
         per_gpu_hours: one GPU's MTBF in hours.
+        restart_s: R, the seconds each failure costs to restart (``RESTART_S``: an assumption).
     """
     rows = []
     for count in gpus:
@@ -122,6 +140,7 @@ def interval_table(
                 "mtbf_hours": mtbf_s / 3600,
                 "interval_minutes": interval / 60,
                 "lost_share": lost_share(interval, save_s, mtbf_s),
+                "lost_with_restarts": lost_share(interval, save_s, mtbf_s, restart_s=restart_s),
             }
         )
     return rows

@@ -31,7 +31,8 @@ def test_every_notebook_asks_for_a_prediction_and_ships_none(notebook):
     for source in code:
         for line in source.splitlines():
             if re.match(r"prediction(_\w+)? = ", line):
-                assert re.match(rf'prediction(_\w+)? = predict\.yours\("{notebook.stem}", "\w+"\)', line), line
+                reads_the_file = rf'prediction(_\w+)? = predict\.yours\("{notebook.stem}", "\w+"\)'
+                assert re.match(reads_the_file, line), line
     keys = set(re.findall(rf'predict\.yours\("{notebook.stem}", "(\w+)"\)', "".join(code)))
     written = predict.read_predictions(predict.PREDICTIONS_DIR / f"{notebook.stem}.toml")
     assert set(written) == keys and set(written.values()) == {""}, written  # committed empty

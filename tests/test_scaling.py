@@ -126,6 +126,15 @@ def test_the_communication_scale_is_the_term_a_negative_compute_time_misses():
     rows = numpy.array([[1 / n, communication[n], 1.0] for n in sizes])
     wanted = numpy.linalg.lstsq(rows, numpy.array([seconds[n] for n in sizes]), rcond=None)[0]
     assert scaling.fit_strong_scaling_with_scale(seconds, communication) == pytest.approx(list(wanted))
+    # its standard errors are least squares' own: numpy's covariance of the same fit
+    residual = numpy.array([seconds[n] for n in sizes]) - rows @ wanted
+    covariance = residual @ residual / (len(sizes) - 3) * numpy.linalg.inv(rows.T @ rows)
+    errors = scaling.strong_scaling_standard_errors(seconds, communication)
+    assert errors == pytest.approx(list(numpy.sqrt(covariance.diagonal())))
+    exact, communication = _epoch_seconds((1, 2, 3, 4), compute=0.03, scale=4.7, fixed=0.05)
+    assert scaling.strong_scaling_standard_errors(exact, communication) == pytest.approx((0, 0, 0), abs=1e-9)
+    with pytest.raises(ValueError, match="four numbers of processes at least"):
+        scaling.strong_scaling_standard_errors({n: exact[n] for n in (1, 2, 3)}, communication)
 
 
 def test_the_scaled_fit_refuses_too_few_runs_and_a_communication_it_cannot_tell_apart():

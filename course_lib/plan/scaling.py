@@ -281,26 +281,44 @@ def strong_scaling_seconds(
     return compute_s / processes + communication_s + fixed_s
 
 
-def fit_strong_scaling(seconds: dict[int, float], communication_s: dict[int, float]) -> tuple[float, float]:
+def compute_share(processes: int, cores: int | None = None) -> float:
+    """The share of the one-process compute each of N processes does in the same time: 1/N, or
+    1/min(N, C) when the N processes share C cores (a laptop: past C, more processes only queue
+    for the same cores). On a cluster each rank has a device of its own: ``cores`` None.
+
+    Args:
+        processes: N.
+        cores: C, the cores the processes share, or None (one device each).
+    """
+    return 1 / (processes if cores is None else min(processes, cores))
+
+
+def fit_strong_scaling(
+    seconds: dict[int, float], communication_s: dict[int, float], *, cores: int | None = None
+) -> tuple[float, float]:
     """T_compute and T_fixed from measured times, T_comm(N) given: (compute_s, fixed_s).
 
     With the communication term predicted (``ring_all_reduce_seconds`` from a measured alpha and
-    beta), what is left, T(N) - T_comm(N) = T_compute / N + T_fixed, is a straight line in 1/N:
-    its slope is T_compute and its intercept T_fixed, fitted by least squares over every N.
+    beta), what is left, T(N) - T_comm(N) = T_compute / N + T_fixed, is a straight line in 1/N
+    (in ``compute_share`` on shared cores): its slope is T_compute and its intercept T_fixed,
+    fitted by least squares over every N.
 
     Args:
         seconds: N -> the measured time (of a step or an epoch) on N processes; at least two N.
         communication_s: N -> T_comm(N), the same unit, for every N of ``seconds``.
+        cores: the cores the processes shared (a laptop), or None (a device each).
     """
     if len(seconds) < 2:
         raise ValueError(
             f"fitting T(N) needs runs at two numbers of processes at least, got {sorted(seconds)}"
         )
-    return _least_squares_line([1 / n for n in seconds], [seconds[n] - communication_s[n] for n in seconds])
+    return _least_squares_line(
+        [compute_share(n, cores) for n in seconds], [seconds[n] - communication_s[n] for n in seconds]
+    )
 
 
 def fit_strong_scaling_with_scale(
-    seconds: dict[int, float], communication_s: dict[int, float]
+    seconds: dict[int, float], communication_s: dict[int, float], *, cores: int | None = None
 ) -> tuple[float, float, float]:
     """T_compute, the communication's scale k and T_fixed of T(N) = T_compute/N + k T_comm(N) + T_fixed.
 
@@ -314,6 +332,7 @@ def fit_strong_scaling_with_scale(
     Args:
         seconds: N -> the measured time (of a step or an epoch) on N processes; at least three N.
         communication_s: N -> T_comm(N) as the alpha-beta model predicts it, for every N of ``seconds``.
+        cores: the cores the processes shared (a laptop), or None (a device each).
     """
     if len(seconds) < 3:
         raise ValueError(
@@ -321,7 +340,9 @@ def fit_strong_scaling_with_scale(
             f"processes at least, got {sorted(seconds)}"
         )
     sizes = sorted(seconds)
-    columns = torch.tensor([[1 / n, communication_s[n], 1.0] for n in sizes], dtype=torch.float64)
+    columns = torch.tensor(
+        [[compute_share(n, cores), communication_s[n], 1.0] for n in sizes], dtype=torch.float64
+    )
     times = torch.tensor([[seconds[n]] for n in sizes], dtype=torch.float64)
     if torch.linalg.matrix_rank(columns) < 3:  # e.g. a T_comm(N) that does not change with N
         raise ValueError(
@@ -329,6 +350,41 @@ def fit_strong_scaling_with_scale(
             "told apart from the compute and fixed terms: run more numbers of processes"
         )
     compute, scale, fixed = torch.linalg.lstsq(columns, times).solution.flatten().tolist()
+    return compute, scale, fixed
+
+
+def strong_scaling_standard_errors(
+    seconds: dict[int, float], communication_s: dict[int, float], *, cores: int | None = None
+) -> tuple[float, float, float]:
+    """The standard errors of ``fit_strong_scaling_with_scale``'s three terms (T_compute, k, T_fixed).
+
+    Least squares' own: the residuals' variance, s² = RSS / (n - 3), times the diagonal of
+    (XᵀX)⁻¹. Three runs fit three terms exactly and leave no residual to estimate s² from, so
+    the errors need four numbers of processes at least: a fit through three points says nothing
+    about how well the model holds.
+
+    Args:
+        seconds: N -> the measured time on N processes; at least four N.
+        communication_s: N -> T_comm(N) as predicted, for every N of ``seconds``.
+        cores: the cores the processes shared (a laptop), or None (a device each).
+    """
+    if len(seconds) < 4:
+        raise ValueError(
+            f"standard errors of three fitted terms need runs at four numbers of processes at least "
+            f"(three fit exactly, leaving no residual), got {sorted(seconds)}"
+        )
+    sizes = sorted(seconds)
+    columns = torch.tensor(
+        [[compute_share(n, cores), communication_s[n], 1.0] for n in sizes], dtype=torch.float64
+    )
+    times = torch.tensor([seconds[n] for n in sizes], dtype=torch.float64)
+    terms = torch.tensor(
+        fit_strong_scaling_with_scale(seconds, communication_s, cores=cores), dtype=torch.float64
+    )
+    residual = times - columns @ terms
+    variance = float(residual @ residual) / (len(sizes) - 3)
+    covariance = variance * torch.linalg.inv(columns.T @ columns)
+    compute, scale, fixed = covariance.diagonal().sqrt().tolist()
     return compute, scale, fixed
 
 

@@ -77,11 +77,11 @@ def write_edition(target: Path, *, root: Path = ROOT) -> tuple[int, list[str]]:
             left_out.append(name)
             continue
         source = root / name
-        if not source.exists():  # deleted in the work tree, not yet committed
+        if not source.exists() and not source.is_symlink():  # deleted, not yet committed
             continue
         destination = target / name
         destination.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(source, destination)
+        shutil.copy2(source, destination, follow_symlinks=False)  # a link stays a link
         copied += 1
     return copied, left_out
 

@@ -41,7 +41,7 @@ def all_gather_matmul(
         group: the tensor-parallel process group (None: every rank).
     """
     size, rank, right, left = neighbours(group)
-    # BEGIN SOLUTION: one list slot per rank's chunk; at step i you hold the chunk of rank (rank - i) % T; except at the last step, post comm.send_recv (send what you hold to the right, receive into a new buffer from the left) before you multiply, and wait on it only after; the concatenation along the sequence is the gathered input
+    # BEGIN SOLUTION: every rank starts with its own chunk and must end with all T of them; in T - 1 steps each chunk can move one neighbour further round the ring while you multiply the chunk you already hold. Pitfall: a wait placed before your matmul leaves nothing to overlap; and keep track of whose chunk you hold, which decides where its product goes
     chunks, products = [None] * size, [None] * size
     here = shard.contiguous()
     for step in range(size):
@@ -68,7 +68,7 @@ def matmul_reduce_scatter(x: torch.Tensor, matrix: torch.Tensor, *, group=None) 
     """
     size, rank, right, left = neighbours(group)
     pieces = x.chunk(size, dim=SEQUENCE_DIM)
-    # BEGIN SOLUTION: at step i compute the partial sum of chunk (rank - 1 - i) % T first; then wait for the running sum that was travelling meanwhile (none at step 0) and add it; at the last step that chunk is yours: return it; otherwise pass the sum to the right with comm.send_recv, receiving the next running sum from the left
+    # BEGIN SOLUTION: the mirror of the gather: a running sum travels round the ring, and every rank adds its partial product for the chunk that sum belongs to, so that after T - 1 hops each sum arrives whole at the rank that owns it. Pitfall: compute your partial product before you wait for the incoming sum, or nothing overlaps; which chunk you start with decides where each sum ends
     travelling = exchange = None
     for step in range(size):
         owner = (rank - 1 - step) % size

@@ -354,8 +354,8 @@ QUESTIONS = [
         "bucket_parameters does",
     ),
     Question(
-        "bytes_sent_per_rank_per_step_on_4_ranks",
-        lambda: comm.ring_bytes("all_reduce", _gradient_bytes(), 4),
+        "bytes_sent_per_rank_per_step_on_3_ranks",
+        lambda: comm.ring_bytes("all_reduce", _gradient_bytes(), 3),
         "a ring all-reduce of S bytes makes each of N ranks send 2(N-1)/N x S (course_lib/distributed/comm.py); S is the "
         "gradients' bytes (4 per fp32 element)",
     ),

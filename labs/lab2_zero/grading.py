@@ -276,23 +276,23 @@ def _fp32_adam(sharding: str, world: int):
 
 QUESTIONS = [
     Question(
-        "adam_state_bytes_per_rank_zero1_on_4_ranks",
-        lambda: _fp32_adam("zero1", 4).optimizer,
+        "adam_state_bytes_per_rank_zero1_on_3_ranks",
+        lambda: _fp32_adam("zero1", 3).optimizer,
         "Adam keeps two fp32 moments per parameter, and ZeRO-1 splits them over the ranks (course_lib/parallel/memory.py)",
     ),
     Question(
-        "model_state_bytes_per_rank_ddp_on_4_ranks",
-        lambda: _fp32_adam("ddp", 4).total,
-        "parameters, gradients and Adam's state, all whole on every rank",
+        "model_state_bytes_per_rank_zero1_on_3_ranks",
+        lambda: _fp32_adam("zero1", 3).total,
+        "parameters and gradients whole on every rank, Adam's state split over the ranks",
     ),
     Question(
-        "model_state_bytes_per_rank_zero2_on_4_ranks",
-        lambda: _fp32_adam("zero2", 4).total,
+        "model_state_bytes_per_rank_zero2_on_3_ranks",
+        lambda: _fp32_adam("zero2", 3).total,
         "what ZeRO-2 shards beyond ZeRO-1: memory.model_state_bytes gives each part",
     ),
     Question(
-        "elements_sent_per_rank_per_step_zero2_on_4_ranks",
-        lambda: memory.traffic_elements_per_rank(_digits_cnn_parameters(), 4, "zero2"),
+        "elements_sent_per_rank_per_step_zero2_on_3_ranks",
+        lambda: memory.traffic_elements_per_rank(_digits_cnn_parameters(), 3, "zero2"),
         "a reduce-scatter and an all-gather each send (N-1)/N of the elements: compare with DDP's all-reduce",
     ),
 ]

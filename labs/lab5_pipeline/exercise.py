@@ -28,9 +28,9 @@ from course_lib.parallel.pipeline import Action
 
 def compute_order_1f1b(rank: int, pipeline_size: int, microbatches: int) -> list[Action]:
     """Rank ``rank``'s forwards and backwards of its stage (stage = rank), in 1F1B's order."""
-    # TODO: warm up with as many forwards as there are stages after yours (but never more than the micro-batches); then, while forwards remain, one forward then the backward of your oldest micro-batch; then the remaining backwards, oldest first
+    # TODO: 1F1B's aim is to hold as few micro-batches at once as it can without leaving a rank idle once the pipeline is full: a stage starts backwards as soon as one can reach it, and after that never runs two forwards in a row while a backward is ready. Ask how many forwards stage r can run before the first backward reaches it. Pitfall: with fewer micro-batches than stages there are fewer forwards to warm up with
     raise NotImplementedError(
-        "TODO: warm up with as many forwards as there are stages after yours (but never more than the micro-batches); then, while forwards remain, one forward then the backward of your oldest micro-batch; then the remaining backwards, oldest first"
+        "TODO: 1F1B's aim is to hold as few micro-batches at once as it can without leaving a rank idle once the pipeline is full: a stage starts backwards as soon as one can reach it, and after that never runs two forwards in a row while a backward is ready. Ask how many forwards stage r can run before the first backward reaches it. Pitfall: with fewer micro-batches than stages there are fewer forwards to warm up with"
     )
 
 

@@ -209,24 +209,24 @@ PROPERTIES = [
 
 QUESTIONS = [
     Question(
-        "bubble_fraction_p4_m8",
-        lambda: pipeline.bubble_fraction_theory(4, 8),
+        "bubble_fraction_p6_m12",
+        lambda: pipeline.bubble_fraction_theory(6, 12),
         "the idle share of each rank's step: (p - 1)/(m + p - 1), course_lib/parallel/pipeline/theory.py",
         rel_tol=1e-2,
     ),
     Question(
-        "peak_microbatches_in_flight_rank0_1f1b_p4_m8",
-        lambda: pipeline.peak_activations_theory("1f1b", 4, 8, 0),
+        "peak_microbatches_in_flight_rank0_1f1b_p6_m12",
+        lambda: pipeline.peak_activations_theory("1f1b", 6, 12, 0),
         "count the forwards rank 0 runs before its first backward, plus the one that pairs with it",
     ),
     Question(
-        "peak_microbatches_in_flight_rank0_gpipe_p4_m8",
-        lambda: pipeline.peak_activations_theory("gpipe", 4, 8, 0),
+        "peak_microbatches_in_flight_rank0_gpipe_p6_m12",
+        lambda: pipeline.peak_activations_theory("gpipe", 6, 12, 0),
         "GPipe runs every forward before any backward",
     ),
     Question(
-        "microbatches_for_a_bubble_below_10_percent_p4",
-        lambda: next(m for m in range(1, 1000) if pipeline.bubble_fraction_theory(4, m) < 0.1),
+        "microbatches_for_a_bubble_below_10_percent_p6",
+        lambda: next(m for m in range(1, 1000) if pipeline.bubble_fraction_theory(6, m) < 0.1),
         "the smallest m with (p - 1)/(m + p - 1) below 0.1",
     ),
 ]

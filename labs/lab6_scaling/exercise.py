@@ -1,6 +1,6 @@
 """Exercise: lab 6: a strong-scaling study, explained with a model fitted to your own runs.
 
-After running the study (locally: ``python -m course_lib.tools.study submit --local --gpus 1 2 3
+After running the study (locally: ``python -m course_lib.tools.study submit --local --gpus 1 2 3 4
 --dataset digits --model digits_cnn --global-batch-size 96``; on the cluster: ``... submit --gpus 1 2
 4 8 16 --wait``, then ``collect``) and measuring the network (``python -m course_lib.tools.bench allreduce >
 results/allreduce.json``; on the cluster, ``slurm/network_check.sbatch``), fill in the functions
@@ -19,6 +19,8 @@ from __future__ import annotations
 import sys
 
 import torch
+
+from course_lib.plan import scaling
 
 
 def speedup_and_efficiency(seconds: dict[int, float]) -> dict[int, tuple[float, float]]:
@@ -51,21 +53,27 @@ def communication_seconds(
     )
 
 
-def fit_compute_and_fixed(seconds: dict[int, float], communication: dict[int, float]) -> tuple[float, float]:
-    """(T_compute, T_fixed) of T(N) = T_compute/N + T_comm(N) + T_fixed, fitted to ``seconds``."""
-    # TODO: once T_comm(N) is predicted, what is left of each measured time is a straight line in 1/N, whose slope and intercept are the two unknowns; fit it by least squares over every N (with two runs it goes through both)
+def fit_compute_and_fixed(
+    seconds: dict[int, float], communication: dict[int, float], *, cores: int | None = None
+) -> tuple[float, float]:
+    """(T_compute, T_fixed) of T(N) = T_compute/N + T_comm(N) + T_fixed, fitted to ``seconds``.
+
+    ``cores``: the cores N processes shared (a laptop), where the compute divides by min(N, cores),
+    not N; None on a cluster, where each rank has a device of its own."""
+    # TODO: once T_comm(N) is predicted, what is left of each measured time is a straight line in the compute's share 1/N (1/min(N, cores) on shared cores), whose slope and intercept are the two unknowns; fit it by least squares over every N (with two runs it goes through both)
     raise NotImplementedError(
-        "TODO: once T_comm(N) is predicted, what is left of each measured time is a straight line in 1/N, whose slope and intercept are the two unknowns; fit it by least squares over every N (with two runs it goes through both)"
+        "TODO: once T_comm(N) is predicted, what is left of each measured time is a straight line in the compute's share 1/N (1/min(N, cores) on shared cores), whose slope and intercept are the two unknowns; fit it by least squares over every N (with two runs it goes through both)"
     )
 
 
 def fit_with_communication_scale(
-    seconds: dict[int, float], communication: dict[int, float]
+    seconds: dict[int, float], communication: dict[int, float], *, cores: int | None = None
 ) -> tuple[float, float, float]:
     """(T_compute, k, T_fixed) of T(N) = T_compute/N + k T_comm(N) + T_fixed, fitted to ``seconds``.
 
     k is the missing term when trusting the predicted T_comm gives a negative T_compute: how many
     of the micro-benchmark's all-reduces one all-reduce inside training costs. Needs three N.
+    ``cores`` as in ``fit_compute_and_fixed``.
     """
     if len(seconds) < 3:
         raise ValueError(f"three unknowns need runs at three numbers of processes, got {sorted(seconds)}")
@@ -75,7 +83,7 @@ def fit_with_communication_scale(
     )
 
 
-def _measured(csv_path: str, allreduce_path: str, model: str, strategy: str) -> dict:
+def _measured(csv_path: str, allreduce_path: str, model: str, strategy: str, cores: int | None) -> dict:
     """Your measurements, as the ``[measured]`` block of answers.toml holds them."""
     import json
     from pathlib import Path
@@ -103,6 +111,7 @@ def _measured(csv_path: str, allreduce_path: str, model: str, strategy: str) -> 
     steps = round(first["samples_per_s"] * first["time_per_epoch_s"] / first["global_batch_size"])
     return {
         "strategy": strategy,
+        **({} if cores is None else {"cores": cores}),
         "seconds_per_epoch": {str(int(row["world_size"])): row["time_per_epoch_s"] for row in rows},
         "alpha_us": fit["latency_us"],
         "beta_gbps": fit["bandwidth_gbps"],
@@ -122,7 +131,8 @@ def explain(measured: dict) -> dict:
     )
     communication = {n: communication_seconds(n, **link) for n in (*seconds, 8)}
     measured_communication = {n: communication[n] for n in seconds}
-    compute, fixed = fit_compute_and_fixed(seconds, measured_communication)
+    cores = measured.get("cores")
+    compute, fixed = fit_compute_and_fixed(seconds, measured_communication, cores=cores)
     model = {
         "seconds": seconds,
         "communication": communication,
@@ -130,13 +140,19 @@ def explain(measured: dict) -> dict:
         "plain_fixed_s": fixed,
     }
     if len(seconds) >= 3:
-        compute, scale, fixed = fit_with_communication_scale(seconds, measured_communication)
+        compute, scale, fixed = fit_with_communication_scale(seconds, measured_communication, cores=cores)
         model |= {
             "fitted_compute_s": compute,
             "communication_scale": scale,
             "fitted_fixed_s": fixed,
-            "predicted_seconds_at_8": compute / 8 + scale * communication[8] + fixed,
+            "predicted_seconds_at_8": compute * scaling.compute_share(8, cores)
+            + scale * communication[8]
+            + fixed,
         }
+    if len(seconds) >= 4:  # a residual to tell the terms' uncertainty from
+        model["standard_errors"] = scaling.strong_scaling_standard_errors(
+            seconds, measured_communication, cores=cores
+        )
     return model
 
 
@@ -148,8 +164,17 @@ if __name__ == "__main__":
     parser.add_argument("allreduce_json", help="the JSON `bench allreduce` printed (or the network check's)")
     parser.add_argument("--model", default="resnet18", help="the model the study trained")
     parser.add_argument("--strategy", default="ddp", help="which strategy's runs to fit")
+    parser.add_argument(
+        "--cores",
+        type=int,
+        default=None,
+        help="the cores the runs' processes shared (a local study: this machine's); leave it out on a "
+        "cluster, where each rank has a device of its own",
+    )
     args = parser.parse_args(sys.argv[1:])
-    measured = _measured(args.scaling_csv, args.allreduce_json, args.model, args.strategy)
+    if args.cores is not None and args.cores < 1:
+        parser.error(f"--cores must be 1 or more, got {args.cores}")
+    measured = _measured(args.scaling_csv, args.allreduce_json, args.model, args.strategy, args.cores)
     model = explain(measured)
     table = speedup_and_efficiency(model["seconds"])
     karp_flatt = karp_flatt_metric({n: s for n, (s, _) in table.items()}) if 1 in table else {}
@@ -175,9 +200,16 @@ if __name__ == "__main__":
             f"k {model['communication_scale']:.2f}, T_fixed {model['fitted_fixed_s']:.3f} s; "
             f"predicted at N = 8: {model['predicted_seconds_at_8']:.3f} s/epoch"
         )
+    if "standard_errors" in model:
+        compute_se, scale_se, fixed_se = model["standard_errors"]
+        print(
+            f"standard errors: T_compute {compute_se:.3f} s, k {scale_se:.2f}, T_fixed {fixed_se:.3f} s "
+            "(a term within two of its errors of 0 is not told apart from none)"
+        )
     else:
         print(
-            "the communication's scale needs runs at three numbers of processes: run the study with --gpus 1 2 3 (a global batch they divide)"
+            "the fit's standard errors need runs at four numbers of processes: run the study with "
+            "--gpus 1 2 3 4 (a global batch they divide)"
         )
     print("\n# paste into answers.toml, after your answers:\n[measured]")
     for key, value in measured.items():

@@ -6,7 +6,7 @@ the alpha-beta model, and both fits, which must give back the terms the table wa
 your answers against *your own* measurements: the ``[measured]`` block of your answers.toml (your
 study's seconds per epoch, your network's alpha and beta) is fitted again with the course's
 ``scaling.fit_strong_scaling`` and ``fit_strong_scaling_with_scale``, and your fitted terms and
-prediction must agree with them. Fewer than three sizes, or a negative compute time even with the
+prediction must agree with them. Fewer than four sizes, or a negative term even with the
 communication's scale, is refused with what to measure instead.
 """
 
@@ -106,6 +106,14 @@ def check_fit(lab) -> None:
     assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(got, wanted)), (
         f"noisy runs: you give {got}, the least-squares fit is {wanted}"
     )
+    sizes = (1, 2, 3, 4)  # four processes on two cores: past two, the compute no longer divides
+    communication = {n: _model_communication(n) for n in sizes}
+    seconds = {n: compute / min(n, 2) + communication[n] + fixed for n in sizes}
+    got = lab.fit_compute_and_fixed(seconds, communication, cores=2)
+    assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(got, (compute, fixed))), (
+        f"runs at N = 1-4 on 2 cores made with T_compute {compute:.4g} s and T_fixed {fixed:.4g} s: you give "
+        f"{got} (cores=2)"
+    )
 
 
 def check_fit_with_scale(lab) -> None:
@@ -125,6 +133,14 @@ def check_fit_with_scale(lab) -> None:
     wanted = scaling.fit_strong_scaling_with_scale(seconds, communication)
     assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(got, wanted)), (
         f"noisy runs: you give {got}, the least-squares fit is {wanted}"
+    )
+    sizes = (1, 2, 3, 4)  # four processes on two cores
+    communication = {n: _model_communication(n) for n in sizes}
+    seconds = {n: compute / min(n, 2) + scale * communication[n] + fixed for n in sizes}
+    got = lab.fit_with_communication_scale(seconds, communication, cores=2)
+    assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(got, (compute, scale, fixed))), (
+        f"runs at N = 1-4 on 2 cores made with T_compute {compute:.4g} s, k {scale:.4g} and T_fixed "
+        f"{fixed:.4g} s: you give {got} (cores=2)"
     )
 
 
@@ -166,6 +182,7 @@ def _fitted(answers: dict) -> dict[str, float]:
     """The course's fits of the student's own measurements: with T_comm as predicted, and with its scale."""
     measured = answers["measured"]
     seconds = {int(n): float(t) for n, t in measured["seconds_per_epoch"].items()}
+    cores = measured.get("cores")  # a local study: the processes shared this many cores
 
     def communication(n):
         return measured["all_reduces_per_epoch"] * scaling.ring_all_reduce_seconds(
@@ -176,25 +193,38 @@ def _fitted(answers: dict) -> dict[str, float]:
         )
 
     predicted = {n: communication(n) for n in seconds}
-    plain, _ = scaling.fit_strong_scaling(seconds, predicted)
-    if len(seconds) < 3:
+    plain, _ = scaling.fit_strong_scaling(seconds, predicted, cores=cores)
+    if len(seconds) < 4:
         raise Refused(
-            f"your [measured] block has runs at N = {sorted(seconds)}: three terms need three numbers of "
-            "processes; run the study with --gpus 1 2 3 (or more) and paste the block again"
+            f"your [measured] block has runs at N = {sorted(seconds)}: three terms fitted through three runs "
+            "go through them exactly and say nothing of how well the model holds; run the study with "
+            "--gpus 1 2 3 4 (or more) and paste the block again"
         )
-    compute, scale, fixed = scaling.fit_strong_scaling_with_scale(seconds, predicted)
-    if compute <= 0:
+    compute, scale, fixed = scaling.fit_strong_scaling_with_scale(seconds, predicted, cores=cores)
+    negative = {
+        name: value
+        for name, value in (
+            ("T_compute", compute),
+            ("the communication's scale k", scale),
+            ("T_fixed", fixed),
+        )
+        if value < 0 or (name == "T_compute" and value == 0)
+    }
+    if negative:
+        said = ", ".join(f"{name} = {value:.3g}" for name, value in negative.items())
         raise Refused(
-            f"your runs give T_compute = {compute:.3g} s even with the communication's scale: no compute "
-            "time is negative, so this model still lacks a term your runs pay (more processes than cores? "
-            "a step that waits for data?); measure where the step goes (--profile) before you fit"
+            f"your runs give {said} even with the communication's scale: no time is negative, so this "
+            "model still lacks a term your runs pay (more processes than cores? a step that waits for "
+            "data?); measure where the step goes (--profile) before you fit"
         )
     return {
         "plain_fit_compute_s": plain,
         "fitted_compute_s": compute,
         "communication_scale": scale,
         "fitted_fixed_s": fixed,
-        "predicted_seconds_at_8": compute / 8 + scale * communication(8) + fixed,
+        "predicted_seconds_at_8": compute * scaling.compute_share(8, cores)
+        + scale * communication(8)
+        + fixed,
     }
 
 

@@ -59,9 +59,9 @@ def report_high_loss(loss: torch.Tensor, step: int) -> None:
 
     Every rank calls it at every step, with its own loss.
     """
-    # TODO: decide from a number every rank shares: make the loss's all-reduce on every rank first, then compare its mean with THRESHOLD
+    # TODO: read the records of train_and_report: at the collective where the ranks differ, what did each rank decide, and from which of its numbers? Pitfall: a decision that changes which collectives run must come out the same on every rank
     raise NotImplementedError(
-        "TODO: decide from a number every rank shares: make the loss's all-reduce on every rank first, then compare its mean with THRESHOLD"
+        "TODO: read the records of train_and_report: at the collective where the ranks differ, what did each rank decide, and from which of its numbers? Pitfall: a decision that changes which collectives run must come out the same on every rank"
     )
 
 
@@ -85,9 +85,9 @@ def train_and_report(steps: int = 4) -> list[float]:
 
 def number_of_classes(labels: torch.Tensor) -> int:
     """How many outputs the classifier needs, given this rank's share of the labels."""
-    # TODO: the number of classes is the data set's, not this rank's share's: the largest label over every rank (an all-reduce whose op is max)
+    # TODO: read the classifier's shapes in each rank's record: where does each rank's count come from, and what is it a count of? Pitfall: a property of the whole data set cannot be read off one rank's share of it
     raise NotImplementedError(
-        "TODO: the number of classes is the data set's, not this rank's share's: the largest label over every rank (an all-reduce whose op is max)"
+        "TODO: read the classifier's shapes in each rank's record: where does each rank's count come from, and what is it a count of? Pitfall: a property of the whole data set cannot be read off one rank's share of it"
     )
 
 
@@ -109,17 +109,17 @@ def train_classifier(steps: int = 4) -> list[float]:
 
 def make_sampler(dataset: TensorDataset, rank: int, world_size: int) -> DistributedSampler:
     """This rank's sampler of ``dataset``: its share of a shuffled order."""
-    # TODO: every rank's sampler must cut the same permutation: the same seed everywhere (the run's), not one per rank
+    # TODO: read which samples each rank drew in epoch 0: do the ranks' shares overlap? Pitfall: DistributedSampler cuts one permutation into shares; its documentation says what must hold on every rank for the shares to be disjoint
     raise NotImplementedError(
-        "TODO: every rank's sampler must cut the same permutation: the same seed everywhere (the run's), not one per rank"
+        "TODO: read which samples each rank drew in epoch 0: do the ranks' shares overlap? Pitfall: DistributedSampler cuts one permutation into shares; its documentation says what must hold on every rank for the shares to be disjoint"
     )
 
 
 def start_epoch(sampler: DistributedSampler, epoch: int) -> None:
     """What the sampler needs before each epoch."""
-    # TODO: a new permutation each epoch: tell the sampler which epoch starts (DistributedSampler.set_epoch)
+    # TODO: compare epoch 0's order with epoch 1's on one rank. Pitfall: a sampler cannot know by itself that a new epoch began; its documentation says what it needs from the loop
     raise NotImplementedError(
-        "TODO: a new permutation each epoch: tell the sampler which epoch starts (DistributedSampler.set_epoch)"
+        "TODO: compare epoch 0's order with epoch 1's on one rank. Pitfall: a sampler cannot know by itself that a new epoch began; its documentation says what it needs from the loop"
     )
 
 

@@ -196,7 +196,7 @@ def _ulysses_bytes() -> float:
 
 
 def _imbalance() -> float:
-    work = context_chunks.attention_work(context_chunks.SequenceLayout(LONG, DEGREE, zigzag=False))
+    work = context_chunks.attention_work(context_chunks.SequenceLayout(LONG, 16, zigzag=False))
     return max(work) / (sum(work) / len(work))
 
 
@@ -216,7 +216,7 @@ QUESTIONS = [
         "same C-1 chunks again and C chunks of their gradients (course_lib/parallel/context.py)",
     ),
     Question(
-        "contiguous_causal_work_max_over_mean_c8",
+        "contiguous_causal_work_max_over_mean_c16",
         _imbalance,
         "with contiguous chunks rank r computes r + 1 blocks (the diagonal one counted whole): compare the "
         "busiest rank with the mean (context_chunks.attention_work)",

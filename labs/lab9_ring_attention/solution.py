@@ -75,7 +75,7 @@ def merge_partial(out, lse, block_out, block_lse):
 
     ``out`` and ``lse`` are None before the first block.
     """
-    # BEGIN SOLUTION: nothing to merge yet: the block's result is the running result. Otherwise the merged denominator is the sum of both denominators (in log space: torch.logaddexp), and each output is re-weighted by its denominator's share of the merged one, exp(lse_part - lse_merged), broadcast over head_dim. Pitfall: exp(lse_1) + exp(lse_2) overflows; never leave log space
+    # BEGIN SOLUTION: each partial result is a softmax over its own keys only, and its log-sum-exp says how much weight those keys carry; the merged result weights each part by its keys' share of all the keys' weight. Pitfall: the weights are exponentials of large numbers, so stay in log space (torch has a function for log(exp(a) + exp(b))), and mind the broadcast over head_dim
     if out is None:
         return block_out, block_lse
     merged = torch.logaddexp(lse, block_lse)

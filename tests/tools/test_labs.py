@@ -292,25 +292,29 @@ def _lab6_answers_with_seconds(seconds: str) -> bytes:
     return re.sub(r"(?m)^seconds_per_epoch = .*$", f"seconds_per_epoch = {seconds}", text).encode()
 
 
-def test_lab6_refuses_too_few_sizes_and_a_negative_compute_time_saying_what_to_measure(tmp_path):
-    """Two runs cannot give three terms; runs whose time grows faster than any communication scale
-    explains give a negative compute time even with it: both are refused, naming what to do."""
-    two = _with_tail("", tmp_path, answers=_lab6_answers_with_seconds('{"1" = 0.09, "2" = 0.14}'))
-    graded = _check_command("lab6_scaling", "--file", str(two))
+def test_lab6_refuses_too_few_sizes_and_a_negative_term_saying_what_to_measure(tmp_path):
+    """Three runs fit three terms exactly and say nothing of the model; runs whose time grows faster
+    than any communication scale explains give a negative compute time even with it: both are
+    refused, naming what to do."""
+    three = _with_tail(
+        "", tmp_path, answers=_lab6_answers_with_seconds('{"1" = 0.09, "2" = 0.14, "3" = 0.2}')
+    )
+    graded = _check_command("lab6_scaling", "--file", str(three))
     assert graded.returncode == 1 and "Traceback" not in graded.stdout + graded.stderr
     assert (
-        "FAIL  question fitted_compute_s: your [measured] block has runs at N = [1, 2]: three terms need "
-        "three numbers of processes; run the study with --gpus 1 2 3"
+        "FAIL  question fitted_compute_s: your [measured] block has runs at N = [1, 2, 3]: three terms "
+        "fitted through three runs go through them exactly"
     ) in graded.stdout, graded.stdout
-    # the times of 2 and 3 processes far above what one process takes, 3 hardly above 2
+    assert "--gpus 1 2 3 4" in graded.stdout
+    # the times of 2 to 4 processes far above what one process takes, and hardly apart
     steep = _with_tail(
-        "", tmp_path, answers=_lab6_answers_with_seconds('{"1" = 0.05, "2" = 0.5, "3" = 0.52}')
+        "", tmp_path, answers=_lab6_answers_with_seconds('{"1" = 0.05, "2" = 0.5, "3" = 0.52, "4" = 0.53}')
     )
     graded = _check_command("lab6_scaling", "--file", str(steep))
     assert graded.returncode == 1
     assert re.search(
-        r"FAIL  question fitted_compute_s: your runs give T_compute = -[\d.]+ s even with the "
-        r"communication's scale: no compute time is negative, so this model still lacks a term",
+        r"FAIL  question fitted_compute_s: your runs give T_compute = -[\d.]+ even with the "
+        r"communication's scale: no time is negative, so this model still lacks a term",
         graded.stdout,
     ), graded.stdout
     assert "PASS  question plain_fit_compute_s" not in graded.stdout  # the key's answer, not these runs'

@@ -139,6 +139,7 @@ class _AllGatherProject(torch.autograd.Function):
         return grad_shard, None, *grad_params
 
 
+# #region project-reduce-scatter
 class _ProjectReduceScatter(torch.autograd.Function):
     """A row-parallel layer whose partial sums are reduce-scattered; backward: the gradient gathered."""
 
@@ -156,6 +157,7 @@ class _ProjectReduceScatter(torch.autograd.Function):
         return grad_x, flat.T @ x.reshape(-1, x.shape[-1]), None
 
 
+# #endregion project-reduce-scatter
 # #endregion autograd
 
 

@@ -87,6 +87,7 @@ class _ReduceFromParallel(torch.autograd.Function):
 # #endregion f-and-g
 
 
+# #region gather-from-parallel
 class _GatherFromParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -100,6 +101,9 @@ class _GatherFromParallel(torch.autograd.Function):
     def backward(ctx, grad):
         size, rank = runtime.world_size(group=ctx.group), runtime.rank(group=ctx.group)
         return grad.chunk(size, dim=-1)[rank].contiguous(), None
+
+
+# #endregion gather-from-parallel
 
 
 def copy_to_parallel(x: torch.Tensor, *, group=None) -> torch.Tensor:

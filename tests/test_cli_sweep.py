@@ -73,7 +73,7 @@ def _options(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()):
             yield prefix, action.option_strings[-1], parser
 
 
-POSITIONALS = {"lab": "lab6_scaling", "names": "01_processes", "decks": "slides/01-processes.md"}
+POSITIONALS = {"lab": "lab7_scaling", "names": "01_processes", "decks": "slides/01-processes.md"}
 """A valid value for a command's positional arguments, so that each option is what is tried."""
 
 

@@ -187,6 +187,12 @@ NUMBER_WORDS = (
     "ten",
     "eleven",
     "twelve",
+    "thirteen",
+    "fourteen",
+    "fifteen",
+    "sixteen",
+    "seventeen",
+    "eighteen",
 )
 
 
@@ -216,3 +222,102 @@ def test_every_notebook_a_text_names_exists_and_the_moved_references_point_where
         "Notebooks 06 and 14 said tensor parallelism's communication cannot hide"
         in flat["15_overlap_float8_compile.ipynb"]
     )
+
+
+# -- references and counts ---------------------------------------------------------------------------
+
+TOPICS = {
+    "00": "process rank launch torchrun rendezvous environment slurm_procid barrier all-reduce",
+    "01": "baseline throughput batch mfu single parameters digits model",
+    "02": "collective all-reduce ring alpha beta alpha-beta bandwidth latency nccl hierarchy tree bytes",
+    "03": "ddp bucket overlap hook nccl anatomy plot_anatomy data-parallel gradient all-reduce sampler "
+    "communication",
+    "04": "zero fsdp shard hsdp anatomy plot_anatomy bf16 prefetch precision checkpoint autograd.function "
+    "functional_call gather",
+    "05": "scaling strong-scaling speedup strong ddp batch all-reduce step noise seed factor backward",
+    "06": "tensor column row f g mlp megatron all-reduce",
+    "07": "pipeline 1f1b gpipe bubble schedule stage stages theory micro-batch",
+    "08": "zero-bubble zb-h1 zb-v bubble backward split w pipeline activation",
+    "09": "3-d mesh grid train_3d tensor pipeline data",
+    "10": "flight fault hang straggler diagnose checkpoint failure breaks record tools",
+    "11": "sequence norm regather reduce-scatter all-gather all-gathers activation",
+    "12": "context ring attention ulysses zig-zag causal softmax sequence",
+    "13": "expert moe routing capacity all-to-all",
+    "14": "planner layout plan predict published gpu h200 fits layouts score tensor",
+    "15": "async tp collective matmul matmuls float8 compile overlap hidden",
+}
+"""Words of each notebook's topic: a sentence that names "notebook NN" must use one of NN's within
+160 characters. A heuristic, and it says so: it caught the references the renumbering broke."""
+
+
+def _misplaced_references(texts: dict[str, str]) -> list[tuple[str, str]]:
+    found = []
+    for name, text in texts.items():
+        flat = " ".join(text.split())
+        for match in re.finditer(r"[Nn]otebooks? (\d\d)((?:,? (?:and )?\d\d)*)", flat):
+            window = flat[max(0, match.start() - 160) : match.end() + 160].lower()
+            for number in [match[1], *re.findall(r"\d\d", match[2])]:
+                words = TOPICS[number].split()
+                if not any(re.search(rf"(?<![\w-]){re.escape(word)}(?![\w-])", window) for word in words):
+                    found.append((name, number))
+    return found
+
+
+def _prose_texts() -> dict[str, str]:
+    texts = {"README.md": (ROOT / "README.md").read_text()}
+    for path in sorted(notebooks.NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")):
+        cells = json.loads(path.read_text())["cells"]
+        texts[path.name] = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    for path in [*sorted(ROOT.glob("slides/[0-9][0-9]-*.md")), *sorted(ROOT.glob("labs/*/README.md"))]:
+        texts[str(path.relative_to(ROOT))] = path.read_text()
+    return texts
+
+
+def test_every_notebook_a_text_names_is_on_the_topic_around_it():
+    assert set(TOPICS) == {path.name[:2] for path in notebooks.NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")}
+    assert _misplaced_references(_prose_texts()) == []
+    # the references the renumbering once broke are each found
+    broken = {
+        "02": "The next section measures α; notebook 08 measures what both do to a training step.",
+        "14": "they cost seconds a step here (async TP, notebook 06, overlaps them with the matmul)",
+        "15": "Notebooks 06 and 11 said tensor parallelism's communication cannot hide",
+    }
+    assert _misplaced_references(broken) == [("02", "08"), ("14", "06"), ("15", "11")]
+
+
+def test_every_lecture_and_lab_a_text_names_exists():
+    decks = {int(path.name[:2]) for path in ROOT.glob("slides/[0-9][0-9]-*.md")}
+    labs = {int(re.match(r"lab(\d+)_", path.name)[1]) for path in ROOT.glob("labs/lab*_*") if path.is_dir()}
+    for name, text in _prose_texts().items():
+        flat = " ".join(text.split())
+        for found in re.finditer(r"\b[Ll]ectures? (\d+)\b", flat):
+            assert int(found[1]) in decks, (name, found[0])
+        for found in re.finditer(r"\b[Ll]abs? (\d+)\b", flat):
+            assert int(found[1]) in labs, (name, found[0])
+
+
+def test_the_readme_counts_the_notebooks_and_labs_there_are():
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    labs_readme = " ".join((ROOT / "labs" / "README.md").read_text().split())
+    count_notebooks = len(list(notebooks.NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")))
+    count_labs = len([path for path in ROOT.glob("labs/lab*_*") if path.is_dir()])
+    assert f"the {NUMBER_WORDS[count_notebooks]} notebooks" in readme
+    assert f"{NUMBER_WORDS[count_labs]} labs with exercises" in readme
+    assert labs_readme.startswith(f"# Labs {NUMBER_WORDS[count_labs].capitalize()} labs turn the lectures")
+
+
+def test_the_syllabus_lists_each_notebook_and_lab_once_in_order():
+    readme = (ROOT / "README.md").read_text()
+    syllabus = readme[readme.index("## Syllabus") : readme.index("### One day")]
+    rows = [line for line in syllabus.splitlines() if re.match(r"\| \d+ \|", line)]
+    cells = [line.split("|")[3:5] for line in rows]  # notebooks, labs
+    listed_notebooks = [
+        name for notebooks_cell, _ in cells for name in re.findall(r"`(\d\d_\w+)`", notebooks_cell)
+    ]
+    listed_labs = [name for _, labs_cell in cells for name in re.findall(r"`(lab\d+_\w+)`", labs_cell)]
+    assert listed_notebooks == sorted(path.stem for path in notebooks.NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+    assert listed_labs == [
+        path.name
+        for path in sorted(ROOT.glob("labs/lab*_*"), key=lambda p: int(re.search(r"\d+", p.name)[0]))
+    ]
+    assert [int(row.split("|")[1]) for row in rows] == list(range(1, len(rows) + 1))

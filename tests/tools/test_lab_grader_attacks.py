@@ -8,7 +8,7 @@ import pytest
 
 from course_lib.tools import labs
 
-from test_labs import LAB6, SUITE_LABS, _check_command
+from test_labs import LAB7, SUITE_LABS, _check_command
 
 pytestmark = pytest.mark.slow  # every grading runs the lab's suite in sandboxed processes: seconds each
 
@@ -76,7 +76,7 @@ import json, sys
 for arg in sys.argv:
     if arg.endswith("verdict.json"):
         with open(arg, "w") as file:
-            json.dump({"passed": True, "summary": "lab6_scaling: 10 of 10 hold"}, file)
+            json.dump({"passed": True, "summary": "lab7_scaling: 10 of 10 hold"}, file)
 """,
         "does not load: PermissionError: a graded submission may not touch the grader's verdict",
     ),
@@ -84,7 +84,7 @@ for arg in sys.argv:
         """
 import importlib.util
 import course_lib.tools.labs as graders
-_spec = importlib.util.spec_from_file_location("answer", graders.LABS_DIR / "lab6_scaling" / "solution.py")
+_spec = importlib.util.spec_from_file_location("answer", graders.LABS_DIR / "lab7_scaling" / "solution.py")
 _answer = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_answer)
 speedup_and_efficiency, karp_flatt_metric = _answer.speedup_and_efficiency, _answer.karp_flatt_metric
@@ -100,8 +100,8 @@ def test_an_exercise_that_attacks_the_grader_fails_with_the_reason(attack, tmp_p
     is refused, and the grading says so."""
     tail, reason = ATTACKS[attack]
     path = tmp_path / "attempt.py"
-    path.write_text((LAB6 / "exercise.py").read_text() + tail)
-    (tmp_path / "answers.toml").write_text((LAB6 / "solution_answers.toml").read_text())
-    graded = _check_command("lab6_scaling", "--file", str(path))
+    path.write_text((LAB7 / "exercise.py").read_text() + tail)
+    (tmp_path / "answers.toml").write_text((LAB7 / "solution_answers.toml").read_text())
+    graded = _check_command("lab7_scaling", "--file", str(path))
     assert graded.returncode == 1, graded.stdout
     assert reason in graded.stdout, graded.stdout

@@ -81,7 +81,7 @@ class Recorder:
                 isinstance(arg, (labs.sandbox.Submission, labs.sandbox.RemoteFunction))
                 for arg in (*args, *kwargs.values())
             )
-            # what the ranks leave in the folder the grader names (lab 8's flight records) is replayed too
+            # what the ranks leave in the folder the grader names (lab 6's flight records) is replayed too
             folder = os.environ.get(flight_recorder.FOLDER_VARIABLE)
             if self.playing and (submission or self.everything):
                 recorded = [entry for entry in self.answers.get(self._property, []) if entry[0] == submission]
@@ -220,9 +220,9 @@ def test_lab1_a_wrong_average_a_blocking_call_and_a_one_sided_collective_are_eac
 
 
 def test_a_wrong_formula_is_named_and_a_missing_lab_refused(tmp_path, capsys):
-    grading = labs.load(labs.LABS_DIR / "lab6_scaling" / "grading.py")
+    grading = labs.load(labs.LABS_DIR / "lab7_scaling" / "grading.py")
     path = _mutant(
-        "lab6_scaling", "(seconds[1] / t, seconds[1] / t / n)", "(seconds[1] / t, seconds[1] / t)", tmp_path
+        "lab7_scaling", "(seconds[1] / t, seconds[1] / t / n)", "(seconds[1] / t, seconds[1] / t)", tmp_path
     )
     message = labs._property_outcome(grading.PROPERTIES[0], labs.load(path), path)
     assert message.startswith("a cluster-shaped DDP table, N = 2: you give speedup and efficiency")
@@ -231,20 +231,20 @@ def test_a_wrong_formula_is_named_and_a_missing_lab_refused(tmp_path, capsys):
 
 
 def test_instructors_grade_a_folder_of_submissions(tmp_path):
-    folder = labs.LABS_DIR / "lab6_scaling"
+    folder = labs.LABS_DIR / "lab7_scaling"
     (tmp_path / "ada.py").write_text((folder / "solution.py").read_text())
     (tmp_path / "ada.toml").write_text((folder / "solution_answers.toml").read_text())
     (tmp_path / "bob.py").write_text((folder / "exercise.py").read_text())  # no answers file at all
-    graded = _check_command("lab6_scaling", "--submissions", str(tmp_path))
+    graded = _check_command("lab7_scaling", "--submissions", str(tmp_path))
     assert graded.returncode == 1  # not everyone passed
     ada, bob = graded.stdout.split("== bob.py")
-    assert ada.startswith("== ada.py") and "lab6_scaling: 10 of 10 properties and answers hold" in ada
+    assert ada.startswith("== ada.py") and "lab7_scaling: 10 of 10 properties and answers hold" in ada
     assert "not finished yet: TODO: " in bob and "bob.toml does not exist" in bob
 
 
 def _with_tail(tail: str, tmp_path: Path, answers: bytes | None = None) -> Path:
-    """Lab 6's solution, then ``tail``, run as it is imported (and its answers beside it)."""
-    folder = labs.LABS_DIR / "lab6_scaling"
+    """Lab 7's solution, then ``tail``, run as it is imported (and its answers beside it)."""
+    folder = labs.LABS_DIR / "lab7_scaling"
     path = tmp_path / "attempt.py"
     path.write_text((folder / "solution.py").read_text() + "\n" + tail + "\n")
     path.with_name("answers.toml").write_bytes(
@@ -274,7 +274,7 @@ def test_a_submission_that_never_finishes_its_checks_fails_with_the_reason(case,
     tail, reason = SUBMISSIONS_THAT_NEVER_FINISH[case]
     path = _with_tail(tail, tmp_path)
     started = time.monotonic()
-    graded = _check_command("lab6_scaling", "--file", str(path), COURSE_LAB_TIMEOUT_S="2")
+    graded = _check_command("lab7_scaling", "--file", str(path), COURSE_LAB_TIMEOUT_S="2")
     assert graded.returncode == 1, graded.stdout + graded.stderr
     assert reason in graded.stdout, graded.stdout
     assert "PASS" not in graded.stdout and "Traceback" not in graded.stdout + graded.stderr
@@ -282,24 +282,24 @@ def test_a_submission_that_never_finishes_its_checks_fails_with_the_reason(case,
 
 
 def test_the_same_file_without_the_tail_passes(tmp_path):
-    graded = _check_command("lab6_scaling", "--file", str(_with_tail("", tmp_path)))
+    graded = _check_command("lab7_scaling", "--file", str(_with_tail("", tmp_path)))
     assert graded.returncode == 0, graded.stdout
 
 
-def _lab6_answers_with_seconds(seconds: str) -> bytes:
+def _lab7_answers_with_seconds(seconds: str) -> bytes:
     """The instructors' key with another ``seconds_per_epoch`` line in its [measured] block."""
-    text = (labs.LABS_DIR / "lab6_scaling" / "solution_answers.toml").read_text()
+    text = (labs.LABS_DIR / "lab7_scaling" / "solution_answers.toml").read_text()
     return re.sub(r"(?m)^seconds_per_epoch = .*$", f"seconds_per_epoch = {seconds}", text).encode()
 
 
-def test_lab6_refuses_too_few_sizes_and_a_negative_term_saying_what_to_measure(tmp_path):
+def test_lab7_refuses_too_few_sizes_and_a_negative_term_saying_what_to_measure(tmp_path):
     """Three runs fit three terms exactly and say nothing of the model; runs whose time grows faster
     than any communication scale explains give a negative compute time even with it: both are
     refused, naming what to do."""
     three = _with_tail(
-        "", tmp_path, answers=_lab6_answers_with_seconds('{"1" = 0.09, "2" = 0.14, "3" = 0.2}')
+        "", tmp_path, answers=_lab7_answers_with_seconds('{"1" = 0.09, "2" = 0.14, "3" = 0.2}')
     )
-    graded = _check_command("lab6_scaling", "--file", str(three))
+    graded = _check_command("lab7_scaling", "--file", str(three))
     assert graded.returncode == 1 and "Traceback" not in graded.stdout + graded.stderr
     assert (
         "FAIL  question fitted_compute_s: your [measured] block has runs at N = [1, 2, 3]: three terms "
@@ -308,9 +308,9 @@ def test_lab6_refuses_too_few_sizes_and_a_negative_term_saying_what_to_measure(t
     assert "--gpus 1 2 3 4" in graded.stdout
     # the times of 2 to 4 processes far above what one process takes, and hardly apart
     steep = _with_tail(
-        "", tmp_path, answers=_lab6_answers_with_seconds('{"1" = 0.05, "2" = 0.5, "3" = 0.52, "4" = 0.53}')
+        "", tmp_path, answers=_lab7_answers_with_seconds('{"1" = 0.05, "2" = 0.5, "3" = 0.52, "4" = 0.53}')
     )
-    graded = _check_command("lab6_scaling", "--file", str(steep))
+    graded = _check_command("lab7_scaling", "--file", str(steep))
     assert graded.returncode == 1
     assert re.search(
         r"FAIL  question fitted_compute_s: your runs give T_compute = -[\d.]+ even with the "
@@ -321,9 +321,9 @@ def test_lab6_refuses_too_few_sizes_and_a_negative_term_saying_what_to_measure(t
 
 
 def test_answers_that_are_not_utf8_fail_in_one_line(tmp_path):
-    text = (labs.LABS_DIR / "lab6_scaling" / "solution_answers.toml").read_text()
+    text = (labs.LABS_DIR / "lab7_scaling" / "solution_answers.toml").read_text()
     path = _with_tail("# café", tmp_path, answers=("# café\n" + text).encode("latin-1"))
-    graded = _check_command("lab6_scaling", "--file", str(path))
+    graded = _check_command("lab7_scaling", "--file", str(path))
     assert graded.returncode == 1
     assert "FAIL  answers: answers.toml is not UTF-8 text (byte 0xe9 at position 5): save it as UTF-8" in (
         graded.stdout
@@ -331,8 +331,8 @@ def test_answers_that_are_not_utf8_fail_in_one_line(tmp_path):
     assert "Traceback" not in graded.stdout + graded.stderr
 
 
-def test_lab6s_script_names_a_missing_results_file_in_one_line(tmp_path):
-    script = labs.LABS_DIR / "lab6_scaling" / "solution.py"
+def test_lab7s_script_names_a_missing_results_file_in_one_line(tmp_path):
+    script = labs.LABS_DIR / "lab7_scaling" / "solution.py"
     missing = tmp_path / "scaling.csv"
     done = subprocess.run(
         [sys.executable, str(script), str(missing), str(tmp_path / "allreduce.json")],
@@ -459,10 +459,10 @@ def test_lab11_a_ring_that_waits_before_it_multiplies_and_a_wrong_slot_are_each_
     assert outcome is not None and "differs from one process's" in outcome, outcome
 
 
-# -- a grader that cannot be fooled: attacks on lab 6, each failing with its reason -------------------------
+# -- a grader that cannot be fooled: attacks on lab 7, each failing with its reason -------------------------
 
-LAB6 = labs.LABS_DIR / "lab6_scaling"
-LAB6_FUNCTIONS = (
+LAB7 = labs.LABS_DIR / "lab7_scaling"
+LAB7_FUNCTIONS = (
     "speedup_and_efficiency",
     "karp_flatt_metric",
     "communication_seconds",
@@ -508,16 +508,16 @@ def test_outputs_recorded_from_another_grading_answer_nothing(tmp_path):
     record = tmp_path / "recorded.txt"
     recorder = tmp_path / "recorder.py"
     recorder.write_text(
-        (LAB6 / "solution.py").read_text() + f"\nRECORD_TO = {str(record)!r}\n"
-        + RECORDING.format(functions=LAB6_FUNCTIONS)
+        (LAB7 / "solution.py").read_text() + f"\nRECORD_TO = {str(record)!r}\n"
+        + RECORDING.format(functions=LAB7_FUNCTIONS)
     )  # fmt: skip
-    (tmp_path / "answers.toml").write_text((LAB6 / "solution_answers.toml").read_text())
+    (tmp_path / "answers.toml").write_text((LAB7 / "solution_answers.toml").read_text())
     assert (
-        _check_command("lab6_scaling", "--file", str(recorder), COURSE_GRADING_SEED="12345").returncode == 0
+        _check_command("lab7_scaling", "--file", str(recorder), COURSE_GRADING_SEED="12345").returncode == 0
     )
     replay = tmp_path / "replay.py"
-    replay.write_text(REPLAY.format(record=str(record), functions=LAB6_FUNCTIONS))
-    graded = _check_command("lab6_scaling", "--file", str(replay))
+    replay.write_text(REPLAY.format(record=str(record), functions=LAB7_FUNCTIONS))
+    graded = _check_command("lab7_scaling", "--file", str(replay))
     assert graded.returncode == 1, graded.stdout
     assert "KeyError" in graded.stdout  # asked what it never recorded
 
@@ -540,6 +540,6 @@ def test_a_bad_lab_timeout_is_refused_in_one_line(value, monkeypatch, capsys):
     from conftest import call_main
 
     monkeypatch.setenv("COURSE_LAB_TIMEOUT_S", value)
-    shown = call_main(labs.main, ["check", "lab6_scaling"], capsys)
+    shown = call_main(labs.main, ["check", "lab7_scaling"], capsys)
     assert shown.returncode == 2 and shown.stderr.count("\n") == 1
     assert f"COURSE_LAB_TIMEOUT_S={value!r}: give seconds" in shown.stderr

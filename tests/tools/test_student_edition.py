@@ -47,7 +47,7 @@ if HAS_SOLUTIONS:
         for name in labs.lab_names():  # exercises, suites, questions and READMEs are all there
             for kept in ("exercise.py", "grading.py", "answers.toml", "README.md"):
                 assert (edition / "labs" / name / kept).exists(), (name, kept)
-        lab = "lab7_activations"
+        lab = "lab8_activations"
         untouched = _check(edition, lab)
         assert untouched.returncode == 1, untouched.stdout + untouched.stderr
         assert "TODO" in untouched.stdout + untouched.stderr

@@ -1,4 +1,4 @@
-"""Solution of lab 6: a strong-scaling study, explained with a model fitted to your own runs.
+"""Exercise: lab 7: a strong-scaling study, explained with a model fitted to your own runs.
 
 After running the study (locally: ``python -m course_lib.tools.study submit --local --gpus 1 2 3 4
 --dataset digits --model digits_cnn --global-batch-size 96``; on the cluster: ``... submit --gpus 1 2
@@ -7,11 +7,11 @@ results/allreduce.json``; on the cluster, ``slurm/network_check.sbatch``), fill 
 marked TODO in exercise.py, check them (the grading suite checks them on tables made from the model,
 and your answers against your own measurements):
 
-    python -m course_lib.tools.labs check lab6_scaling
+    python -m course_lib.tools.labs check lab7_scaling
 
 then run them on your results; the last lines it prints are your ``[measured]`` block for answers.toml:
 
-    python labs/lab6_scaling/exercise.py results/scaling/scaling.csv results/allreduce.json --model digits_cnn
+    python labs/lab7_scaling/exercise.py results/scaling/scaling.csv results/allreduce.json --model digits_cnn
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ from course_lib.plan import scaling
 
 def speedup_and_efficiency(seconds: dict[int, float]) -> dict[int, tuple[float, float]]:
     """For each number of GPUs N: (speedup T(1)/T(N), parallel efficiency speedup / N)."""
-    # BEGIN SOLUTION: strong scaling compares each run with the one-GPU run of the same work: the speedup is how many times faster, the efficiency how much of the ideal N-fold speedup that is; one entry per N, the one-GPU run included
-    return {n: (seconds[1] / t, seconds[1] / t / n) for n, t in sorted(seconds.items())}
-    # END SOLUTION
+    # TODO: strong scaling compares each run with the one-GPU run of the same work: the speedup is how many times faster, the efficiency how much of the ideal N-fold speedup that is; one entry per N, the one-GPU run included
+    raise NotImplementedError(
+        "TODO: strong scaling compares each run with the one-GPU run of the same work: the speedup is how many times faster, the efficiency how much of the ideal N-fold speedup that is; one entry per N, the one-GPU run included"
+    )
 
 
 def karp_flatt_metric(speedups: dict[int, float]) -> dict[int, float]:
@@ -36,19 +37,20 @@ def karp_flatt_metric(speedups: dict[int, float]) -> dict[int, float]:
     Amdahl's serial fraction would give the same e at every N; communication gives an e that
     changes with N (Karp and Flatt, 1990).
     """
-    # BEGIN SOLUTION: Amdahl's law gives S from e and N; solve it for e and apply it at each N above 1 (N = 1 tells nothing)
-    return {n: (1 / speedup - 1 / n) / (1 - 1 / n) for n, speedup in sorted(speedups.items()) if n > 1}
-    # END SOLUTION
+    # TODO: Amdahl's law gives S from e and N; solve it for e and apply it at each N above 1 (N = 1 tells nothing)
+    raise NotImplementedError(
+        "TODO: Amdahl's law gives S from e and N; solve it for e and apply it at each N above 1 (N = 1 tells nothing)"
+    )
 
 
 def communication_seconds(
     processes: int, *, alpha_s: float, beta_bytes_per_s: float, gradient_bytes: float, all_reduces: float
 ) -> float:
     """T_comm(N): ``all_reduces`` ring all-reduces of every gradient, each as the alpha-beta model says."""
-    # BEGIN SOLUTION: a ring all-reduce sends 2(N-1) messages, each paying the latency alpha and carrying 1/N of the bytes at the rate beta; one process sends nothing
-    per_all_reduce = 2 * (processes - 1) * (alpha_s + gradient_bytes / processes / beta_bytes_per_s)
-    return all_reduces * per_all_reduce
-    # END SOLUTION
+    # TODO: a ring all-reduce sends 2(N-1) messages, each paying the latency alpha and carrying 1/N of the bytes at the rate beta; one process sends nothing
+    raise NotImplementedError(
+        "TODO: a ring all-reduce sends 2(N-1) messages, each paying the latency alpha and carrying 1/N of the bytes at the rate beta; one process sends nothing"
+    )
 
 
 def fit_compute_and_fixed(
@@ -58,13 +60,10 @@ def fit_compute_and_fixed(
 
     ``cores``: the cores N processes shared (a laptop), where the compute divides by min(N, cores),
     not N; None on a cluster, where each rank has a device of its own."""
-    # BEGIN SOLUTION: once T_comm(N) is predicted, what is left of each measured time is a straight line in the compute's share 1/N (1/min(N, cores) on shared cores), whose slope and intercept are the two unknowns; fit it by least squares over every N (with two runs it goes through both)
-    xs = [1 / (n if cores is None else min(n, cores)) for n in seconds]
-    ys = [seconds[n] - communication[n] for n in seconds]
-    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
-    compute = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
-    return compute, mean_y - compute * mean_x
-    # END SOLUTION
+    # TODO: once T_comm(N) is predicted, what is left of each measured time is a straight line in the compute's share 1/N (1/min(N, cores) on shared cores), whose slope and intercept are the two unknowns; fit it by least squares over every N (with two runs it goes through both)
+    raise NotImplementedError(
+        "TODO: once T_comm(N) is predicted, what is left of each measured time is a straight line in the compute's share 1/N (1/min(N, cores) on shared cores), whose slope and intercept are the two unknowns; fit it by least squares over every N (with two runs it goes through both)"
+    )
 
 
 def fit_with_communication_scale(
@@ -78,13 +77,10 @@ def fit_with_communication_scale(
     """
     if len(seconds) < 3:
         raise ValueError(f"three unknowns need runs at three numbers of processes, got {sorted(seconds)}")
-    # BEGIN SOLUTION: three unknowns, linear in each: one row [1/N, T_comm(N), 1] per run and the measured time on the right; the least-squares solution of that system (torch.linalg.lstsq, in float64) is the three terms
-    share = {n: 1 / (n if cores is None else min(n, cores)) for n in seconds}
-    columns = torch.tensor([[share[n], communication[n], 1.0] for n in sorted(seconds)], dtype=torch.float64)
-    times = torch.tensor([[seconds[n]] for n in sorted(seconds)], dtype=torch.float64)
-    compute, scale, fixed = torch.linalg.lstsq(columns, times).solution.flatten().tolist()
-    return compute, scale, fixed
-    # END SOLUTION
+    # TODO: three unknowns, linear in each: one row [1/N, T_comm(N), 1] per run and the measured time on the right; the least-squares solution of that system (torch.linalg.lstsq, in float64) is the three terms
+    raise NotImplementedError(
+        "TODO: three unknowns, linear in each: one row [1/N, T_comm(N), 1] per run and the measured time on the right; the least-squares solution of that system (torch.linalg.lstsq, in float64) is the three terms"
+    )
 
 
 def _measured(csv_path: str, allreduce_path: str, model: str, strategy: str, cores: int | None) -> dict:

@@ -1,4 +1,4 @@
-"""The grading suite of lab 6: what ``python -m course_lib.tools.labs check lab6_scaling`` checks.
+"""The grading suite of lab 7: what ``python -m course_lib.tools.labs check lab7_scaling`` checks.
 
 Your functions on tables made from the model with known terms (so the right answer is known):
 speedup, efficiency and Karp-Flatt against ``course_lib.plan.scaling``, the communication term against

@@ -1,4 +1,4 @@
-"""The grading suite of lab 7: what ``python -m course_lib.tools.labs check lab7_activations`` checks.
+"""The grading suite of lab 8: what ``python -m course_lib.tools.labs check lab8_activations`` checks.
 
 Your formulas against what real processes keep: a ``models.Block`` (converted by the course's own
 tensor and sequence parallelism, recomputed by ``course_lib.parallel.recompute``) runs one forward, and

@@ -1,4 +1,4 @@
-"""The grading suite of lab 8: what ``python -m course_lib.tools.labs check lab8_when_it_breaks`` checks.
+"""The grading suite of lab 6: what ``python -m course_lib.tools.labs check lab6_when_it_breaks`` checks.
 
 Your fixed scripts on 2 and 3 real processes, each keeping a flight record: every rank must end
 with the weights one process reaches on all the data (the same rows, the same steps), and the

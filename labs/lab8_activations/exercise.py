@@ -1,4 +1,4 @@
-"""Solution of lab 7: what a transformer block keeps for backward, as a formula you write.
+"""Exercise: lab 8: what a transformer block keeps for backward, as a formula you write.
 
 Autograd keeps, for every operation that needs it, what its backward will read: a linear layer
 its input, GELU its input, attention its queries, keys, values, output and a log-sum-exp, a
@@ -12,7 +12,7 @@ function returns elements (multiply by 4 for fp32 bytes), in the units of
 Check your work (measured on real processes with ``memory.live_tensor_bytes`` at 1, 2 and 3
 ranks, the block converted by the course's own tensor and sequence parallelism):
 
-    python -m course_lib.tools.labs check lab7_activations
+    python -m course_lib.tools.labs check lab8_activations
 """
 
 from __future__ import annotations
@@ -22,15 +22,10 @@ def one_process_terms(*, batch: int, seq: int, d_model: int, heads: int) -> dict
     """Elements one ``models.Block`` keeps on one process, by term: ``norms``, ``projection_inputs``
     (the input that q, k, v share and fc1's input), ``attention`` (q, k, v, output, log-sum-exp),
     ``mlp`` (fc1's output and GELU's output; the MLP is 4·d_model wide)."""
-    # BEGIN SOLUTION: walk the block's forward (models.Block, SelfAttention, MLP) and, for each operation, ask what its backward must read; where you are unsure, measure one operation with memory.saved_tensor_bytes. Write each term with sbh = seq·batch·d_model and sb = seq·batch. Pitfall: a tensor two operations read is kept once
-    sbh, sb = seq * batch * d_model, seq * batch
-    return {
-        "norms": 2 * (sbh + 2 * sb),
-        "projection_inputs": 2 * sbh,
-        "attention": 4 * sbh + heads * sb,
-        "mlp": 8 * sbh,
-    }
-    # END SOLUTION
+    # TODO: walk the block's forward (models.Block, SelfAttention, MLP) and, for each operation, ask what its backward must read; where you are unsure, measure one operation with memory.saved_tensor_bytes. Write each term with sbh = seq·batch·d_model and sb = seq·batch. Pitfall: a tensor two operations read is kept once
+    raise NotImplementedError(
+        "TODO: walk the block's forward (models.Block, SelfAttention, MLP) and, for each operation, ask what its backward must read; where you are unsure, measure one operation with memory.saved_tensor_bytes. Write each term with sbh = seq·batch·d_model and sb = seq·batch. Pitfall: a tensor two operations read is kept once"
+    )
 
 
 def tensor_parallel_terms(
@@ -38,10 +33,10 @@ def tensor_parallel_terms(
 ) -> dict[str, float]:
     """The same terms on one of ``degree`` tensor-parallel ranks. With ``sequence_parallel``, Megatron-LM's
     variant: the norms run on seq/T tokens and the projections keep only their shard of the input."""
-    # BEGIN SOLUTION: tensor parallelism splits what lies between f and g, the heads and the MLP's hidden units, so the attention and MLP terms fall to 1/T; the norms and the projections' inputs are whole on every rank, unless sequence parallelism cuts them along the tokens too. Pitfall: return a new dictionary, and keep every key
-    split = {"attention", "mlp"} | ({"norms", "projection_inputs"} if sequence_parallel else set())
-    return {name: value / degree if name in split else value for name, value in terms.items()}
-    # END SOLUTION
+    # TODO: tensor parallelism splits what lies between f and g, the heads and the MLP's hidden units, so the attention and MLP terms fall to 1/T; the norms and the projections' inputs are whole on every rank, unless sequence parallelism cuts them along the tokens too. Pitfall: return a new dictionary, and keep every key
+    raise NotImplementedError(
+        "TODO: tensor parallelism splits what lies between f and g, the heads and the MLP's hidden units, so the attention and MLP terms fall to 1/T; the norms and the projections' inputs are whole on every rank, unless sequence parallelism cuts them along the tokens too. Pitfall: return a new dictionary, and keep every key"
+    )
 
 
 def recomputed_total(
@@ -52,18 +47,7 @@ def recomputed_total(
     results of the block's matmuls and attention kernel: q, k, v, the attention output and
     log-sum-exp, fc1's output, and on one process the outputs of ``out`` and fc2; under tensor
     parallelism those two are partial sums, which the policy recomputes)."""
-    # BEGIN SOLUTION: "none" is the sum of tensor_parallel_terms; under "full" a checkpoint keeps only its region's input; under "selective", read what the policy caches in course_lib/parallel/recompute.py and count it as you counted one process. Pitfall: the input of a sequence-parallel block is already cut to seq/T tokens
-    sbh, sb = seq * batch * d_model, seq * batch
-    block_input = sbh / degree if sequence_parallel else sbh
-    if policy == "full":
-        return block_input
-    if policy == "selective":
-        row_outputs = 2 * sbh if degree == 1 else 0
-        return block_input + 3 * sbh / degree + (sbh + heads * sb) / degree + 4 * sbh / degree + row_outputs
-    terms = tensor_parallel_terms(
-        one_process_terms(batch=batch, seq=seq, d_model=d_model, heads=heads),
-        degree=degree,
-        sequence_parallel=sequence_parallel,
+    # TODO: "none" is the sum of tensor_parallel_terms; under "full" a checkpoint keeps only its region's input; under "selective", read what the policy caches in course_lib/parallel/recompute.py and count it as you counted one process. Pitfall: the input of a sequence-parallel block is already cut to seq/T tokens
+    raise NotImplementedError(
+        'TODO: "none" is the sum of tensor_parallel_terms; under "full" a checkpoint keeps only its region\'s input; under "selective", read what the policy caches in course_lib/parallel/recompute.py and count it as you counted one process. Pitfall: the input of a sequence-parallel block is already cut to seq/T tokens'
     )
-    return sum(terms.values())
-    # END SOLUTION

@@ -1,15 +1,15 @@
-"""Lab 8's three training scripts as they were first written: each breaks, in its own way.
+"""Lab 6's three training scripts as they were first written: each breaks, in its own way.
 
 The scripts are the exercise's (``exercise.py``); the four small functions below are how they were
 first written, and each of them breaks one script.
 
 Run one on 2 local processes, with every rank keeping a flight record::
 
-    .venv/bin/python labs/lab8_when_it_breaks/broken.py report      # or: classifier, epochs
+    .venv/bin/python labs/lab6_when_it_breaks/broken.py report      # or: classifier, epochs
     .venv/bin/python -m course_lib.tools.diagnose records/report
 
 Then write the same function in ``exercise.py`` so that the script trains like one process, and
-check: ``.venv/bin/python -m course_lib.tools.labs check lab8_when_it_breaks``.
+check: ``.venv/bin/python -m course_lib.tools.labs check lab6_when_it_breaks``.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ SCRIPTS = {
 def main(argv: list[str] | None = None) -> int:
     from course_lib.distributed.launch import launch
 
-    parser = argparse.ArgumentParser(description="Run one of lab 8's broken scripts on 2 local processes.")
+    parser = argparse.ArgumentParser(description="Run one of lab 6's broken scripts on 2 local processes.")
     parser.add_argument("script", choices=sorted(SCRIPTS))
     parser.add_argument("--records", default="records", help="the flight records go to RECORDS/SCRIPT")
     parser.add_argument("--ranks", type=int, default=2)

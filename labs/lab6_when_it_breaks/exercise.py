@@ -1,4 +1,4 @@
-"""Exercise: lab 8: three training scripts that broke, fixed.
+"""Exercise: lab 6: three training scripts that broke, fixed.
 
 Each function is what every rank of a data-parallel job runs (``launch`` starts it on N local
 processes; ``torchrun`` would start it the same way). ``broken.py`` beside this file holds them as

@@ -20,6 +20,12 @@ Two recipes, as torchao's float8 training has them:
 Each scale comes from the tensor at hand (*dynamic* scaling, torchao's default). The older
 *delayed* scaling took it from a history of past amaxes, one step stale; torchao dropped it.
 
+Finer still, and not built here: *block-scaled* formats give every small block of a row its own
+scale. The OCP Microscaling (MX) formats, mxfp8 and mxfp4, scale each 32 elements by a power of
+two (an 8-bit exponent, E8M0); NVIDIA's nvfp4 scales each 16 four-bit elements by an e4m3 number.
+Blackwell's tensor cores apply these scales inside the matmul (an H100's cannot), and torchao's
+``mx_formats`` trains with mxfp8. One outlier then costs precision to 32 elements, not to a row.
+
 What stays in high precision: the master weights and the optimizer (the casts are made afresh from
 them each step); the tensors kept for backward (this lesson keeps them whole, torchao can keep the
 float8 casts); the norms, the softmax, the residual stream; the output head (its vocabulary-wide

@@ -105,6 +105,32 @@ def test_recomputation_keeps_less_in_the_order_of_the_table(kept_by_layout):
         assert full < selective < none, kind
 
 
+def test_selective_keeps_no_partial_sum_so_it_saves_at_every_tensor_degree(kept_by_layout):
+    """A row-parallel layer's result is a partial sum of the whole activation; kept, the two of a block
+    would hold 2·sbh that no degree divides, more than no recomputation keeps at T = 8. Measured at
+    T = 2 and 3 the block keeps exactly the formula, which has no such term; the formula, so held,
+    keeps less than none at every degree."""
+    for degree in (2, 3):
+        for kind in ("tensor", "sequence"):
+            measured = kept_by_layout[(kind, degree, "selective")][0]
+            assert measured == _formula(kind, degree, "selective")
+            assert (
+                block_activation_elements(
+                    batch=BATCH,
+                    seq=SEQ,
+                    d_model=D_MODEL,
+                    heads=HEADS,
+                    tensor_degree=degree,
+                    sequence_parallel=kind == "sequence",
+                    recomputation="selective",
+                )["row_outputs"]
+                == 0
+            )
+    for degree in (2, 4, 8, 16):
+        for kind in ("tensor", "sequence"):
+            assert _formula(kind, degree, "selective") < _formula(kind, degree, "none"), (kind, degree)
+
+
 def _transformer_and_batch(vocab=37, layers=3):
     torch.manual_seed(0)
     model = models.TinyTransformer(vocab, d_model=D_MODEL, n_heads=HEADS, n_layers=layers, max_seq_len=SEQ)

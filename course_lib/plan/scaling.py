@@ -340,17 +340,26 @@ def fit_strong_scaling_with_scale(
             f"processes at least, got {sorted(seconds)}"
         )
     sizes = sorted(seconds)
-    columns = torch.tensor(
-        [[compute_share(n, cores), communication_s[n], 1.0] for n in sizes], dtype=torch.float64
-    )
-    times = torch.tensor([[seconds[n]] for n in sizes], dtype=torch.float64)
+    columns, times = _scaling_system(seconds, communication_s, cores)
     if torch.linalg.matrix_rank(columns) < 3:  # e.g. a T_comm(N) that does not change with N
         raise ValueError(
             f"the predicted communication {[communication_s[n] for n in sizes]} at N = {sizes} cannot be "
             "told apart from the compute and fixed terms: run more numbers of processes"
         )
-    compute, scale, fixed = torch.linalg.lstsq(columns, times).solution.flatten().tolist()
+    compute, scale, fixed = torch.linalg.lstsq(columns, times[:, None]).solution.flatten().tolist()
     return compute, scale, fixed
+
+
+def _scaling_system(
+    seconds: dict[int, float], communication_s: dict[int, float], cores: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row [compute share, T_comm(N), 1] per run, by N, and the measured times: the linear system
+    the three terms solve."""
+    sizes = sorted(seconds)
+    columns = torch.tensor(
+        [[compute_share(n, cores), communication_s[n], 1.0] for n in sizes], dtype=torch.float64
+    )
+    return columns, torch.tensor([seconds[n] for n in sizes], dtype=torch.float64)
 
 
 def strong_scaling_standard_errors(
@@ -373,16 +382,12 @@ def strong_scaling_standard_errors(
             f"standard errors of three fitted terms need runs at four numbers of processes at least "
             f"(three fit exactly, leaving no residual), got {sorted(seconds)}"
         )
-    sizes = sorted(seconds)
-    columns = torch.tensor(
-        [[compute_share(n, cores), communication_s[n], 1.0] for n in sizes], dtype=torch.float64
-    )
-    times = torch.tensor([seconds[n] for n in sizes], dtype=torch.float64)
+    columns, times = _scaling_system(seconds, communication_s, cores)
     terms = torch.tensor(
         fit_strong_scaling_with_scale(seconds, communication_s, cores=cores), dtype=torch.float64
     )
     residual = times - columns @ terms
-    variance = float(residual @ residual) / (len(sizes) - 3)
+    variance = float(residual @ residual) / (len(seconds) - 3)
     covariance = variance * torch.linalg.inv(columns.T @ columns)
     compute, scale, fixed = covariance.diagonal().sqrt().tolist()
     return compute, scale, fixed

@@ -141,7 +141,8 @@ class _AllGatherProject(torch.autograd.Function):
 
 # #region project-reduce-scatter
 class _ProjectReduceScatter(torch.autograd.Function):
-    """A row-parallel layer whose partial sums are reduce-scattered; backward: the gradient gathered."""
+    """A row-parallel layer, its partial sums reduce-scattered in ring steps;
+    backward: its gradient gathered the same way."""
 
     @staticmethod
     def forward(ctx, x, weight, group):
@@ -152,7 +153,8 @@ class _ProjectReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_shard):
         x, weight = ctx.saved_tensors
-        grad_whole, (grad_x,) = all_gather_matmul(grad_shard, [weight], group=ctx.group)
+        gathered = all_gather_matmul(grad_shard, [weight], group=ctx.group)
+        grad_whole, (grad_x,) = gathered
         flat = grad_whole.reshape(-1, grad_whole.shape[-1])
         return grad_x, flat.T @ x.reshape(-1, x.shape[-1]), None
 

@@ -99,7 +99,8 @@ class _GatherFromParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        size, rank = runtime.world_size(group=ctx.group), runtime.rank(group=ctx.group)
+        size = runtime.world_size(group=ctx.group)
+        rank = runtime.rank(group=ctx.group)
         return grad.chunk(size, dim=-1)[rank].contiguous(), None
 
 

@@ -281,7 +281,7 @@ def strong_scaling_seconds(
     return compute_s / processes + communication_s + fixed_s
 
 
-def compute_share(processes: int, cores: int | None = None) -> float:
+def compute_share(processes: int, *, cores: int | None = None) -> float:
     """The share of the one-process compute each of N processes does in the same time: 1/N, or
     1/min(N, C) when the N processes share C cores (a laptop: past C, more processes only queue
     for the same cores). On a cluster each rank has a device of its own: ``cores`` None.
@@ -313,7 +313,7 @@ def fit_strong_scaling(
             f"fitting T(N) needs runs at two numbers of processes at least, got {sorted(seconds)}"
         )
     return _least_squares_line(
-        [compute_share(n, cores) for n in seconds], [seconds[n] - communication_s[n] for n in seconds]
+        [compute_share(n, cores=cores) for n in seconds], [seconds[n] - communication_s[n] for n in seconds]
     )
 
 
@@ -357,7 +357,7 @@ def _scaling_system(
     the three terms solve."""
     sizes = sorted(seconds)
     columns = torch.tensor(
-        [[compute_share(n, cores), communication_s[n], 1.0] for n in sizes], dtype=torch.float64
+        [[compute_share(n, cores=cores), communication_s[n], 1.0] for n in sizes], dtype=torch.float64
     )
     return columns, torch.tensor([seconds[n] for n in sizes], dtype=torch.float64)
 

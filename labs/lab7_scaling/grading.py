@@ -222,7 +222,7 @@ def _fitted(answers: dict) -> dict[str, float]:
         "fitted_compute_s": compute,
         "communication_scale": scale,
         "fitted_fixed_s": fixed,
-        "predicted_seconds_at_8": compute * scaling.compute_share(8, cores)
+        "predicted_seconds_at_8": compute * scaling.compute_share(8, cores=cores)
         + scale * communication(8)
         + fixed,
     }

@@ -145,7 +145,7 @@ def explain(measured: dict) -> dict:
             "fitted_compute_s": compute,
             "communication_scale": scale,
             "fitted_fixed_s": fixed,
-            "predicted_seconds_at_8": compute * scaling.compute_share(8, cores)
+            "predicted_seconds_at_8": compute * scaling.compute_share(8, cores=cores)
             + scale * communication[8]
             + fixed,
         }

@@ -12,7 +12,8 @@ import pytest
 
 # The instruments the tests rely on, installed into every process the launcher forks: each
 # collective checked across its ranks (one line when they differ), faults on purpose, the recorder.
-from course_lib.observe import collective_check, faults, flight_recorder  # noqa: F401
+from course_lib.distributed import collective_check  # noqa: F401
+from course_lib.observe import faults, flight_recorder  # noqa: F401
 
 # No matplotlib backend is chosen for the processes the tests start: the notebook kernels must draw
 # inline, as in JupyterLab (the library only makes Figures, which need none).

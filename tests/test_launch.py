@@ -144,3 +144,45 @@ def test_too_many_processes_for_the_machine_are_refused_and_sharing_is_explained
     told = capsys.readouterr().err
     assert told.count("note: 4 processes share 1 CPU core(s)") == 1  # said once, not at every launch
     assert "the results are exactly those of 4 separate machines" in told
+
+
+PLAIN_SCRIPT = """
+import sys
+
+import torch
+
+from course_lib.distributed import comm, runtime
+from course_lib.distributed.launch import launch
+
+
+def shapes_differ():
+    tensor = torch.ones(2 + runtime.rank())  # rank 0: 2 elements, rank 1: 3
+    comm.all_reduce(tensor)
+    return tensor.tolist()
+
+
+if __name__ == "__main__":
+    assert "course_lib.observe" not in sys.modules  # nothing but launch and comm imported
+    try:
+        print(launch(shapes_differ, 2))
+    except Exception as error:  # noqa: BLE001 - what the script's user sees
+        print(f"refused: {error}")
+"""
+
+
+def test_a_plain_script_through_launch_gets_the_cross_rank_check_without_importing_it(tmp_path):
+    """Only ``launch`` and ``comm`` imported: an all-reduce whose tensors differ in shape across
+    ranks is refused on every rank with what each called, never a wrong result on one of them."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, clean_env
+
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=clean_env(), cwd=REPO, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "refused:" in done.stdout and "the ranks made different calls" in done.stdout, done.stdout
+    assert "rank 0: all_reduce of float32 (2,); rank 1: all_reduce of float32 (3,)" in done.stdout

@@ -6,7 +6,7 @@ PyTorch keeps them apart the same way: its collectives call the checks of
 ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` and its flight recorder, and no algorithm mentions either.
 An instrument registers itself when its module is imported::
 
-    import course_lib.observe.collective_check  # now every collective is checked across the ranks
+    import course_lib.distributed.collective_check  # now every collective is checked across the ranks
 
 Two kinds of hook, each a class whose methods do nothing until a subclass says otherwise:
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 CHECK_COLLECTIVES = "COURSE_CHECK_COLLECTIVES"
 """Set to 1 (``launch`` does, unless told not to), it asks an installed cross-rank check
-(``course_lib.observe.collective_check``) to check every collective before it goes out."""
+(``course_lib.distributed.collective_check``) to check every collective before it goes out."""
 
 
 class CollectiveHook:

@@ -49,7 +49,7 @@ from typing import Any
 
 from ..checks import check_choice, check_int, check_number
 from ..errors import UserError
-from . import environment, hooks, runtime
+from . import collective_check, environment, hooks, runtime  # noqa: F401 (collective_check: installed)
 
 PROCESSES_PER_CORE_LIMIT = 8
 """More processes than this per CPU core would spend their time switching, not computing: refused."""
@@ -242,10 +242,10 @@ def launch(
 
     Each process has joined a process group (``runtime.init``) before ``fn`` starts. If any rank
     raises, the others are stopped and the exception is raised here. If they do not all finish
-    within ``timeout_s`` seconds, they are stopped and ``TimeoutError`` is raised. With
-    ``course_lib.observe.collective_check`` imported, every collective made through
-    ``course_lib.distributed.comm`` first checks that all ranks make the same call with tensors of
-    the same shape (``hooks.CHECK_COLLECTIVES``); a timing turns that off.
+    within ``timeout_s`` seconds, they are stopped and ``TimeoutError`` is raised. Every collective
+    made through ``course_lib.distributed.comm`` first checks that all ranks make the same call with
+    tensors of the same shape (``collective_check``, installed with this module); a timing turns
+    that off.
 
     Args:
         fn: the function every rank runs; define it at the top level of a module or a notebook

@@ -6,9 +6,8 @@
 - ``replicas``: whether data-parallel replicas are still equal;
 - ``flight_recorder``: every rank's last collectives, written when something fails;
 - ``faults``: a rank that misbehaves on purpose (``COURSE_FAULT``), to see the signs;
-- ``collective_check``: every rank of a group must make the same call.
 
-The last three plug into ``course_lib.distributed.hooks`` when imported: the collectives call
+The last two plug into ``course_lib.distributed.hooks`` when imported: the collectives call
 them without knowing them, as PyTorch's collectives call its debug checks and flight recorder.
 The techniques (``course_lib.parallel``) and this package never import each other.
 """

@@ -302,7 +302,7 @@ _COMM_FILES = (
 _PLUMBING = (
     *_COMM_FILES,
     os.path.join("course_lib", "observe", "faults.py"),
-    os.path.join("course_lib", "observe", "collective_check.py"),
+    os.path.join("course_lib", "distributed", "collective_check.py"),
     "threading.py",
 )
 """Frames a stack leaves out: the collectives' own, the instruments', a thread's wait."""

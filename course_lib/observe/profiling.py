@@ -23,9 +23,8 @@ import torch
 import torch.distributed as dist
 
 from ..checks import check_int
-from ..distributed import comm, runtime
+from ..distributed import collective_check, comm, runtime
 from ..errors import UserError
-from . import collective_check
 from .anatomy import PHASE_PREFIX, STEP_MARK, Anatomy, Collective, StepTimeline, union
 
 COMMUNICATION_MARKERS = ("gloo:", "nccl", "Nccl")

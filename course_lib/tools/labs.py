@@ -54,10 +54,10 @@ from types import ModuleType
 from typing import Any
 
 from .. import checks
+from ..distributed import collective_check  # noqa: F401  (installed: a student's one-sided call gets one line)
 from ..distributed.launch import launch
 from ..distributed.runtime import PEER_GONE
 from ..errors import UserError
-from ..observe import collective_check  # noqa: F401  (installed: a student's one-sided call gets one line)
 from . import sandbox
 
 LINE_LENGTH = 110  # pyproject.toml's [tool.ruff] line-length: exercises are formatted like the code

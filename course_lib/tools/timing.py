@@ -6,8 +6,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from ..distributed import comm
-from ..observe import collective_check
+from ..distributed import collective_check, comm
 
 
 def interleaved_medians(

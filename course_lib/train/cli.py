@@ -36,7 +36,11 @@ import time
 import traceback
 
 from .. import checks
-from ..distributed import environment, runtime
+from ..distributed import (
+    collective_check,  # noqa: F401 (installed: every call checked)
+    environment,
+    runtime,
+)
 from ..errors import (
     EXIT_CRASH,
     EXIT_DIVERGED,
@@ -47,7 +51,7 @@ from ..errors import (
     UserError,
     report_exit_status,
 )
-from ..observe import collective_check, flight_recorder  # noqa: F401 (collective_check: installed, every call checked)
+from ..observe import flight_recorder  # noqa: F401
 from .config import CHOICES, TrainConfig, validate_config
 from .loop import train
 from .preemption import Preempted

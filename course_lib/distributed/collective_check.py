@@ -15,7 +15,9 @@ with ``COURSE_CHECK_COLLECTIVES=1`` (``launch`` sets it unless told not to), and
 ``unchecked()``, which a timing uses. PyTorch checks the same with
 ``TORCH_DISTRIBUTED_DEBUG=DETAIL``.
 
-Importing this module installs it (``course_lib.distributed.hooks``).
+Importing this module installs it (``course_lib.distributed.hooks``), and ``launch`` imports it:
+a check that guards correctness is on wherever the course's collectives run in launched processes
+(and in every command of the course), not only where some import happened to load it.
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..distributed import comm, hooks, runtime
-from ..distributed.calls import Call
 from ..errors import UserError
+from . import comm, hooks, runtime
+from .calls import Call
 
 _FINGERPRINT_DIMS = 6
 _OPS = (

@@ -269,11 +269,16 @@ def check_folder_to_write(flag: str | None, path: str | os.PathLike) -> Path:
 
 
 def check_file_to_write(flag: str | None, path: str | os.PathLike) -> Path:
-    """A file this process can create or append to (its folder is created when it is written)."""
+    """A file this process can create or append to; its folder is created here, so that every
+    writer may write it as it is (``plan --json new-folder/out.json``)."""
     path = _given(flag, path)
     if _exists(path) and path.is_dir():
         raise UserError(f"{_shown(flag)}{path} is a folder, but a file is expected: name a file inside it")
     _check_can_write_in(flag, path, "a file", folder=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UserError(f"{_shown(flag)}cannot create the folder of {path}: {error.strerror}") from None
     return path
 
 

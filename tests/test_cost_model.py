@@ -221,7 +221,7 @@ def test_the_plan_ranks_what_fits_fastest_first():
 
 
 def test_the_command_prints_the_ranked_layouts_and_the_reasons(tmp_path, capsys):
-    out = tmp_path / "plan.json"
+    out = tmp_path / "new-folder" / "plan.json"  # a folder that does not exist yet is made
     argv = ["--model", "llama3-8b", "--cluster", "alps", "--gpus", "16", "--global-batch-tokens", "512K"]
     assert plan_tool.main([*argv, "--json", str(out)]) == 0
     printed = capsys.readouterr().out
@@ -229,6 +229,16 @@ def test_the_command_prints_the_ranked_layouts_and_the_reasons(tmp_path, capsys)
     assert "layouts fit; the 10 fastest" in printed and "layouts rejected, by reason" in printed
     records = json.loads(out.read_text())
     assert {"layout", "memory_bytes", "time_s", "tokens_per_s", "mfu", "problem"} <= set(records[0])
+
+
+def test_a_json_under_a_file_is_refused_in_one_line(tmp_path, capsys):
+    (tmp_path / "taken").write_text("a file, not a folder")
+    argv = ["--model", "llama3-8b", "--cluster", "alps", "--gpus", "8"]
+    with pytest.raises(SystemExit) as stopped:
+        plan_tool.main([*argv, "--json", str(tmp_path / "taken" / "plan.json")])
+    assert stopped.value.code == 2
+    error = capsys.readouterr().err
+    assert "argument --json" in error and "is a file; choose another location" in error, error
 
 
 def test_the_command_refuses_a_batch_that_is_not_whole_sequences(capsys):

@@ -326,6 +326,7 @@ def parallelize(
             "models"
         )
     _check_llama_layout(model, layout)
+    _check_positions(model, seq_len)
     for axis in AXES:
         if mesh.degrees[axis] != layout.degree(axis):
             raise UserError(
@@ -375,6 +376,18 @@ def parallelize(
 
 
 # #endregion compose
+
+
+def _check_positions(model: nn.Module, seq_len: int) -> None:
+    """A learned position embedding covers so many positions: a longer sequence would index past
+    it, deep inside torch; refuse it here, naming the two numbers."""
+    embeddings = [module for module in model.modules() if isinstance(module, Embedding)]
+    if embeddings and seq_len > embeddings[0].positions.num_embeddings:
+        longest = embeddings[0].positions.num_embeddings
+        raise UserError(
+            f"parallelize's seq_len {seq_len} is longer than the {longest} positions the model embeds: "
+            f"build it with max_seq_len={seq_len} or more, or train on sequences of {longest} tokens or fewer"
+        )
 
 
 def _check_llama_layout(model: nn.Module, layout: Layout) -> None:

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from course_lib.tools import notebooks, predict, prose
+from course_lib.tools import labs, notebooks, predict, prose
 
 NOTEBOOKS = notebooks.notebook_paths()
 
@@ -287,20 +287,19 @@ def test_every_notebook_a_text_names_is_on_the_topic_around_it():
 
 def test_every_lecture_and_lab_a_text_names_exists():
     decks = {int(path.name[:2]) for path in ROOT.glob("slides/[0-9][0-9]-*.md")}
-    labs = {int(re.match(r"lab(\d+)_", path.name)[1]) for path in ROOT.glob("labs/lab*_*") if path.is_dir()}
+    lab_numbers = {int(re.match(r"lab(\d+)_", name)[1]) for name in labs.lab_names()}
     for name, text in _prose_texts().items():
         flat = " ".join(text.split())
         for found in re.finditer(r"\b[Ll]ectures? (\d+)\b", flat):
             assert int(found[1]) in decks, (name, found[0])
         for found in re.finditer(r"\b[Ll]abs? (\d+)\b", flat):
-            assert int(found[1]) in labs, (name, found[0])
+            assert int(found[1]) in lab_numbers, (name, found[0])
 
 
 def test_the_readme_counts_the_notebooks_and_labs_there_are():
     readme = " ".join((ROOT / "README.md").read_text().split())
     labs_readme = " ".join((ROOT / "labs" / "README.md").read_text().split())
-    count_notebooks = len(list(notebooks.NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")))
-    count_labs = len([path for path in ROOT.glob("labs/lab*_*") if path.is_dir()])
+    count_notebooks, count_labs = len(NOTEBOOKS), len(labs.lab_names())
     assert f"the {NUMBER_WORDS[count_notebooks]} notebooks" in readme
     assert f"{NUMBER_WORDS[count_labs]} labs with exercises" in readme
     assert labs_readme.startswith(f"# Labs {NUMBER_WORDS[count_labs].capitalize()} labs turn the lectures")
@@ -315,9 +314,6 @@ def test_the_syllabus_lists_each_notebook_and_lab_once_in_order():
         name for notebooks_cell, _ in cells for name in re.findall(r"`(\d\d_\w+)`", notebooks_cell)
     ]
     listed_labs = [name for _, labs_cell in cells for name in re.findall(r"`(lab\d+_\w+)`", labs_cell)]
-    assert listed_notebooks == sorted(path.stem for path in notebooks.NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
-    assert listed_labs == [
-        path.name
-        for path in sorted(ROOT.glob("labs/lab*_*"), key=lambda p: int(re.search(r"\d+", p.name)[0]))
-    ]
+    assert listed_notebooks == [path.stem for path in NOTEBOOKS]
+    assert listed_labs == labs.lab_names()  # in the course's order, by number
     assert [int(row.split("|")[1]) for row in rows] == list(range(1, len(rows) + 1))

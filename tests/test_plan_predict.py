@@ -5,6 +5,7 @@ prediction ``cost_model.predict`` makes, or the reason it cannot run."""
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -23,6 +24,34 @@ def test_every_layout_the_planner_considers_reads_back_from_its_name(model, gpus
     assert len(layouts) > 1000
     for layout in layouts:
         assert Layout.from_name(layout.name()) == layout, layout.name()
+
+
+def test_every_field_of_a_random_layout_survives_its_name():
+    """A property over random layouts, every field drawn: the name keeps the precision, ``no-sp``,
+    ``no-loss-parallel`` and a schedule or attention that only a default would hide."""
+    from course_lib.plan import layout as layout_module
+    from course_lib.parallel import recompute
+
+    draw = random.Random(56)
+    choices = {
+        "sharding": layout_module.SHARDINGS, "recomputation": recompute.POLICIES,
+        "schedule": layout_module.SCHEDULES, "precision": layout_module.PRECISIONS,
+        "context_attention": layout_module.CONTEXT_ATTENTION, "sequence_parallel": (True, False),
+        "loss_parallel": (True, False),
+    }  # fmt: skip
+    checked = 0
+    while checked < 2000:
+        fields = {axis: draw.choice((1, 2, 3, 4, 8)) for axis in ("data", "pipeline", "context", "tensor")}
+        fields |= {name: draw.choice(values) for name, values in choices.items()}
+        fields |= {"expert": draw.choice((1, 2)), "recompute_every": draw.choice((1, 2, 3))}
+        fields |= {"micro_batch": draw.choice((1, 2, 5)), "virtual_stages": draw.choice((1, 2))}
+        try:
+            layout = Layout(**fields)
+        except UserError:
+            continue
+        assert Layout.from_name(layout.name()) == layout, layout.name()
+        checked += 1
+    assert Layout.from_name(Layout(data=8, precision="fp32").name()).precision == "fp32"
 
 
 def test_the_words_a_name_leaves_out_can_be_given():

@@ -55,7 +55,6 @@ PRECISIONS = ("bf16", "fp32", "fp8")
 """``bf16``: mixed precision (bf16 products and activations, fp32 master weights); ``fp32``;
 ``fp8``: as bf16, with the blocks' linear layers' products in fp8 with tensorwise scaling
 (torchao's Float8Linear, Transformer Engine): attention, the head and the activations stay bf16."""
-"""What the matmuls compute in: bf16 autocast over fp32 weights, or fp32 throughout."""
 CONTEXT_ATTENTION = ("ring", "ulysses")
 LETTERS = {"d": "data", "p": "pipeline", "c": "context", "t": "tensor", "e": "expert"}
 """The letter of each axis in a layout's name."""
@@ -133,6 +132,11 @@ class Layout:
                 f"expert degree {self.expert} must divide data x context = {self.data * self.context}: "
                 "the experts are spread over the data and context ranks"
             )
+        if self.recompute_every > 1 and self.recomputation == "none":
+            raise UserError(
+                f"recompute_every {self.recompute_every} recomputes nothing with recomputation='none': "
+                "choose recomputation='full' or 'selective', or leave recompute_every at 1"
+            )
         if self.virtual_stages > 1 and self.schedule != "interleaved_1f1b":
             raise UserError(
                 f"virtual_stages {self.virtual_stages} needs schedule='interleaved_1f1b' (the others hold "
@@ -154,8 +158,9 @@ class Layout:
         return getattr(self, axis)
 
     def name(self) -> str:
-        """A short label, e.g. ``d8.p2.t4 fsdp sac``: only what differs from one process
-        (``from_name`` reads it back)."""
+        """A short label, e.g. ``d8.p2.t4 fsdp sac``: the degrees above 1, the sharding, and every
+        other field that differs from its default, so that ``from_name`` reads back the same
+        layout (a name that dropped the precision would price an fp32 run as bf16)."""
         parts = [
             f"{a[0]}{self.degree(a)}" for a in ("data", "pipeline", "context", "tensor") if self.degree(a) > 1
         ]
@@ -166,12 +171,18 @@ class Layout:
         if self.recomputation != "none":
             every = f"/{self.recompute_every}" if self.recompute_every > 1 else ""
             extras.append({"full": "ac", "selective": "sac"}[self.recomputation] + every)
-        if self.pipeline > 1:
+        if self.pipeline > 1 or self.schedule != "1f1b" or self.virtual_stages > 1:
             extras.append(self.schedule + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else ""))
         if self.micro_batch > 1:
             extras.append(f"mb{self.micro_batch}")
-        if self.context > 1 and self.context_attention != "ring":
+        if self.context_attention != "ring":
             extras.append(self.context_attention)
+        if self.precision != "bf16":
+            extras.append(self.precision)
+        if not self.sequence_parallel:
+            extras.append("no-sp")
+        if not self.loss_parallel:
+            extras.append("no-loss-parallel")
         return f"{label} {' '.join(extras)}"
 
     @classmethod
@@ -188,7 +199,7 @@ class Layout:
                     1f1b | gpipe | interleaved_1f1bxV  the pipeline schedule, V stages a rank
                     mbN                              N sequences a micro-batch (default 1)
                     ring | ulysses                   the context axis's attention (default ring)
-                    bf16 | fp32                      the matmuls' precision (default bf16)
+                    bf16 | fp32 | fp8                the matmuls' precision (default bf16)
                     no-sp | no-loss-parallel         sequence or loss parallelism off (default on)
 
         Args:
@@ -234,7 +245,7 @@ class Layout:
             else:
                 raise UserError(
                     f"layout {text!r}: {word!r} is none of a sharding ({', '.join(SHARDINGS)}), ac or sac, a "
-                    "schedule (1f1b, gpipe, interleaved_1f1bx2), mbN, ring or ulysses, bf16 or fp32, no-sp "
+                    "schedule (1f1b, gpipe, interleaved_1f1bx2), mbN, ring or ulysses, bf16, fp32 or fp8, no-sp "
                     "or no-loss-parallel: see Layout.from_name"
                 )
         return cls(**given)

@@ -166,3 +166,87 @@ def test_the_planner_takes_both_files_and_names_an_unknown_model(tmp_path, capsy
     refused = plan("--model", "llama-3-8b", "--cluster", "alps")
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert "unknown --model 'llama-3-8b': choose one of gpt-oss-120b, llama3-70b, llama3-8b" in refused.stderr
+
+
+def test_a_window_the_config_switches_off_is_not_planned(tmp_path):
+    # Qwen/Qwen2.5-7B: a sliding_window of 131072 given, use_sliding_window false
+    switched_off = from_files.model_from_config(
+        _config(
+            tmp_path, LLAMA3_8B | {"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False}
+        )
+    )
+    plain = from_files.model_from_config(_config(tmp_path, LLAMA3_8B | {"model_type": "qwen2"}))
+    assert switched_off == plain and switched_off.sliding_window == 0
+    # on, the layers from max_window_layers are windowed (Hugging Face's Qwen2)
+    partial = from_files.model_from_config(
+        _config(
+            tmp_path,
+            LLAMA3_8B | {"sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 28},
+        )
+    )
+    assert (partial.sliding_window, partial.sliding_layers) == (4096, 32 - 28)
+
+
+def test_a_gated_mlp_is_read_from_the_family_not_the_activation(tmp_path):
+    # google/gemma-7b: a GeGLU, three matrices, whose activation is not silu
+    gemma = from_files.model_from_config(
+        _config(tmp_path, LLAMA3_8B | {"model_type": "gemma", "hidden_act": "gelu_pytorch_tanh"})
+    )
+    assert gemma.gated_mlp and gemma.parameters() == specs.MODELS["llama3-8b"].parameters()
+    two_matrices = from_files.model_from_config(
+        _config(tmp_path, LLAMA3_8B | {"model_type": "starcoder2", "hidden_act": "gelu_pytorch_tanh"})
+    )
+    assert not two_matrices.gated_mlp
+    with pytest.raises(UserError, match="model_type 'my-own' with hidden_act 'gelu' is gated"):
+        from_files.model_from_config(
+            _config(tmp_path, LLAMA3_8B | {"model_type": "my-own", "hidden_act": "gelu"})
+        )
+
+
+DEEPSEEK_V2_LITE = LLAMA3_8B | {  # deepseek-ai/DeepSeek-V2-Lite config.json: 15.7B parameters
+    "model_type": "deepseek_v2", "hidden_size": 2048, "num_hidden_layers": 27, "num_attention_heads": 16,
+    "num_key_value_heads": 16, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+    "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1,
+    "kv_lora_rank": 512, "q_lora_rank": None, "moe_layer_freq": 1, "vocab_size": 102400,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "changes, named",
+    [
+        ({}, ["n_shared_experts = 2", "kv_lora_rank = 512", "first_k_dense_replace = 1"]),
+        ({"n_shared_experts": 0, "first_k_dense_replace": 0, "kv_lora_rank": None}, []),  # a plain MoE
+        ({"n_shared_experts": 0, "first_k_dense_replace": 0, "kv_lora_rank": None, "moe_layer_freq": 2},
+         ["moe_layer_freq = 2"]),
+        ({"n_shared_experts": 0, "first_k_dense_replace": 0, "kv_lora_rank": None,
+          "shared_expert_intermediate_size": 5632}, ["shared_expert_intermediate_size = 5632"]),
+    ],
+)  # fmt: skip
+def test_a_key_the_planner_does_not_model_is_refused_by_name(tmp_path, changes, named):
+    path = _config(tmp_path, DEEPSEEK_V2_LITE | changes)
+    if not named:
+        moe = from_files.model_from_config(path)
+        assert (moe.experts, moe.top_k, moe.ffn_hidden) == (64, 6, 1408)  # n_routed_experts read
+        return
+    with pytest.raises(UserError, match="the planner does not model") as raised:
+        from_files.model_from_config(path)
+    for key in named:
+        assert key in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "line, replacement, message",
+    [
+        ("gpu_memory_bytes = ", "gpu_memory_bytes = 96\n#", "gpu_memory_bytes = 96 is not a figure of a real machine in bytes"),
+        ("peak_flops = ", "peak_flops = 989.4\n#", "peak_flops = 989.4 is not a figure of a real machine in FLOP/s"),
+        ("peak_flops = ", "peak_flops = nan\n#", "peak_flops must be a finite number"),
+        ("context_bytes = ", "context_bytes = 2e12\n#", "context_bytes 2e+12 leaves nothing of gpu_memory_bytes"),
+        ("\nbandwidth = ", "\nbandwidth = 150\n#", "inside_node.bandwidth = 150 is not a figure of a real machine"),
+    ],
+)  # fmt: skip
+def test_a_cluster_figure_in_another_unit_is_refused_naming_the_unit(tmp_path, line, replacement, message):
+    path = _alps_toml(tmp_path)
+    path.write_text(path.read_text().replace(line, replacement, 1))
+    with pytest.raises(UserError) as raised:
+        from_files.cluster_from_file(path)
+    assert message in str(raised.value)

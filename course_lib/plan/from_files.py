@@ -16,14 +16,24 @@ intermediate_size          ffn_hidden (``moe_intermediate_size`` first, for an M
 vocab_size                 vocab
 tie_word_embeddings        tied_embeddings (absent: untied, as Llama, Mistral and Qwen default)
 num_local_experts /        experts (absent: a dense MLP)
-num_experts
+num_experts /
+n_routed_experts
 num_experts_per_tok        top_k
 rms_norm_eps /             norm: RMSNorm where the config has ``rms_norm_eps``, else LayerNorm
 layer_norm_eps
-hidden_act                 gated_mlp: a SwiGLU (three matrices) for ``silu``, else two matrices
+model_type, hidden_act     gated_mlp: three matrices in the families that gate their MLP
+                           (``GATED_FAMILIES``: Llama, Mistral, Qwen, Gemma, ...) whatever the
+                           activation; two in ``UNGATED_FAMILIES``; elsewhere gated for ``silu``
+                           (SwiGLU), and any other activation refused as unknown
 sliding_window,            sliding_window, and sliding_layers: the layers ``layer_types`` calls
-layer_types                ``sliding_attention`` (absent: every layer, where a window is given)
+layer_types,               ``sliding_attention`` (absent: every layer from ``max_window_layers``
+use_sliding_window,        on, where a window is given); no window where ``use_sliding_window``
+max_window_layers          is false (Qwen's configs give a window they switch off)
 =========================  =====================================================================
+
+A key that changes the model's shape in a way the planner does not model (``UNMODELLED``: shared
+experts, latent attention, dense layers among the MoE ones) is refused by name: planned without
+it, a DeepSeek-V2-Lite (15.7B, an MoE with shared experts) would be priced as a dense 2.7B.
 
 ``cluster_from_file`` reads a ``ClusterSpec``'s fields from TOML or JSON, its two links as tables::
 
@@ -77,6 +87,65 @@ def _read(path: Path, what: str) -> dict:
     return content
 
 
+GATED_FAMILIES = frozenset({
+    "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
+    "gemma3", "gemma3_text", "phi3", "olmo", "olmo2", "granite", "gpt_oss", "cohere", "deepseek_v2",
+    "deepseek_v3",
+})  # fmt: skip
+"""``model_type``s whose MLP is gated (three matrices) whatever ``hidden_act`` names: Gemma's
+GeGLU (``gelu_pytorch_tanh``) as much as Llama's SwiGLU (``silu``)."""
+UNGATED_FAMILIES = frozenset(
+    {"gpt2", "gpt_neox", "gptj", "opt", "falcon", "bloom", "phi", "starcoder2", "mpt"}
+)
+"""``model_type``s whose MLP is two matrices with an activation between."""
+UNMODELLED = {
+    "n_shared_experts": "shared experts, which every token uses beside its routed ones",
+    "num_shared_experts": "shared experts, which every token uses beside its routed ones",
+    "shared_expert_intermediate_size": "a shared expert, which every token uses beside its routed ones",
+    "kv_lora_rank": "multi-head latent attention (keys and values through a low-rank latent)",
+    "q_lora_rank": "multi-head latent attention (queries through a low-rank latent)",
+    "first_k_dense_replace": "dense MLPs in the first layers of an MoE",
+    "mlp_only_layers": "dense MLPs in some layers of an MoE",
+}
+"""Keys that change a model's shape in a way ``ModelSpec`` does not describe, with what they mean:
+refused where set (to anything but 0, null or empty), never silently planned as another model."""
+TRIVIAL = {"moe_layer_freq": 1, "decoder_sparse_step": 1}
+"""Keys the planner reads only at their usual value (an MoE layer in every layer)."""
+
+
+def _refuse_unmodelled(config: dict, path: Path) -> None:
+    """A config key the planner cannot model, named with what it means."""
+    found = [f"{key} = {config[key]!r} ({what})" for key, what in UNMODELLED.items() if config.get(key)]
+    found += [
+        f"{key} = {config[key]!r} (an MoE layer only every {config[key]} layers; the planner models {usual})"
+        for key, usual in TRIVIAL.items()
+        if config.get(key, usual) != usual
+    ]
+    if found:
+        raise UserError(
+            f"{path}: the planner does not model {'; '.join(found)}: planned without it, this would be "
+            "another model. Plan the nearest model it does describe (a built-in one, or a config.json "
+            "without these keys) and say so"
+        )
+
+
+def _gated(config: dict, path: Path) -> bool:
+    """Whether the MLP is gated: by the model's family where the course knows it, else SwiGLU's
+    ``silu``; another activation in an unknown family is refused rather than guessed."""
+    family, activation = config.get("model_type"), config.get("hidden_act", "silu")
+    if family in GATED_FAMILIES:
+        return True
+    if family in UNGATED_FAMILIES:
+        return False
+    if activation == "silu":
+        return True
+    raise UserError(
+        f"{path}: cannot tell whether the MLP of model_type {family!r} with hidden_act {activation!r} "
+        "is gated (three matrices) or not (two): plan.from_files knows the families in GATED_FAMILIES and "
+        "UNGATED_FAMILIES; set model_type to the family it belongs to"
+    )
+
+
 def _whole(config: dict, key: str, path: Path, default: int | None = None) -> int:
     """A positive whole number from the config, or the default where there is one."""
     value = config.get(key, default)
@@ -93,9 +162,12 @@ def model_from_config(path: Path) -> ModelSpec:
     """
     path = Path(path)
     config = _read(path, "model config")
+    _refuse_unmodelled(config, path)
     heads = _whole(config, "num_attention_heads", path)
     hidden = _whole(config, "hidden_size", path)
-    experts_key = next((key for key in ("num_local_experts", "num_experts") if config.get(key)), None)
+    experts_key = next(
+        (key for key in ("num_local_experts", "num_experts", "n_routed_experts") if config.get(key)), None
+    )
     experts = _whole(config, experts_key, path) if experts_key else 1
     ffn_key = (
         "moe_intermediate_size"
@@ -114,7 +186,7 @@ def model_from_config(path: Path) -> ModelSpec:
         kv_heads=kv_heads,
         ffn_hidden=_whole(config, ffn_key, path),
         vocab=_whole(config, "vocab_size", path),
-        gated_mlp=config.get("hidden_act", "silu") == "silu",
+        gated_mlp=_gated(config, path),
         experts=experts,
         top_k=_whole(config, "num_experts_per_tok", path) if experts > 1 else 1,
         norm="rms" if "rms_norm_eps" in config or "layer_norm_eps" not in config else "layer",
@@ -141,16 +213,19 @@ def module_from_config(path: Path) -> Llama:
 
 
 def _sliding_window(config: dict, path: Path) -> dict:
-    """``sliding_window`` and ``sliding_layers`` from a config: the window where one is set, over the
-    layers ``layer_types`` calls ``sliding_attention`` (Mistral's configs set a window for all)."""
+    """``sliding_window`` and ``sliding_layers`` from a config: the window where one is set and not
+    switched off (``use_sliding_window``), over the layers ``layer_types`` calls
+    ``sliding_attention``, or else those from ``max_window_layers`` on (Mistral's configs window
+    every layer; Qwen's give a window and switch it off)."""
     window = config.get("sliding_window")
-    if not window:
+    if not window or config.get("use_sliding_window") is False:
         return {}
     window = _whole(config, "sliding_window", path)
     types = config.get("layer_types")
     layers = config.get("num_hidden_layers")
     if types is None:
-        return {"sliding_window": window, "sliding_layers": layers}
+        full = check_int(f"{path}: max_window_layers", config.get("max_window_layers", 0), minimum=0)
+        return {"sliding_window": window, "sliding_layers": max(layers - full, 0)} if layers > full else {}
     if not isinstance(types, list) or len(types) != layers:
         raise UserError(f"{path}: layer_types must list one type for each of the {layers} layers")
     return {"sliding_window": window, "sliding_layers": types.count("sliding_attention")}
@@ -188,15 +263,47 @@ def cluster_from_file(path: Path) -> ClusterSpec:
         latency = check_number(f"{path}: {name}.latency_s", link["latency_s"], minimum=0)
         values[name] = Link(latency, check_number(f"{path}: {name}.bandwidth", link["bandwidth"], above=0))
     for name in ("gpu_memory_bytes", "peak_flops", "achieved_flops", "memory_bandwidth"):
-        values[name] = check_number(f"{path}: {name}", values[name], above=0)
+        values[name] = _plausible(path, name, values[name])
+    for name in ("inside_node", "between_nodes"):
+        _plausible(path, f"{name}.bandwidth", values[name].bandwidth)
     if "context_bytes" in values:
         values["context_bytes"] = check_number(f"{path}: context_bytes", values["context_bytes"], minimum=0)
+        if values["context_bytes"] >= values["gpu_memory_bytes"]:
+            raise UserError(
+                f"{path}: context_bytes {values['context_bytes']:g} leaves nothing of gpu_memory_bytes "
+                f"{values['gpu_memory_bytes']:g}: the context is a small part of the memory "
+                "(under 1 GiB on an H100)"
+            )
     values["gpus_per_node"] = _whole(values, "gpus_per_node", path)
     if values.get("gpu"):
         check_choice("gpu", values["gpu"], tuple(GPUS))
     if values["achieved_flops"] > values["peak_flops"]:
         raise UserError(f"{path}: achieved_flops is above peak_flops: the peak is the most a GPU does")
     return ClusterSpec(**values)
+
+
+PLAUSIBLE = {
+    "gpu_memory_bytes": (2**30, 2**42, "bytes, as torch.cuda.mem_get_info()[1] reports them (80 GB is 80e9)"),
+    "peak_flops": (1e9, 1e17, "FLOP/s (989 TFLOP/s is 989e12)"),
+    "achieved_flops": (1e9, 1e17, "FLOP/s (692 TFLOP/s is 692e12)"),
+    "memory_bandwidth": (1e9, 1e14, "bytes/s (3.35 TB/s is 3.35e12)"),
+    "inside_node.bandwidth": (1e6, 1e13, "bytes/s (436 GB/s is 436e9)"),
+    "between_nodes.bandwidth": (1e6, 1e13, "bytes/s (50 GB/s is 50e9)"),
+}
+"""The range each of a cluster file's figures can take on a real machine (a laptop's CPU to a GPU
+ten times an H200's), with its unit: a figure outside it is in another unit (GB for bytes)."""
+
+
+def _plausible(path: Path, name: str, value) -> float:
+    """A cluster figure, finite and within ``PLAUSIBLE``'s range, or refused naming its unit."""
+    low, high, unit = PLAUSIBLE[name]
+    value = check_number(f"{path}: {name}", value, above=0)
+    if not low <= value <= high:
+        raise UserError(
+            f"{path}: {name} = {value:g} is not a figure of a real machine in {unit}; "
+            f"between {low:g} and {high:g}"
+        )
+    return value
 
 
 def model_named(name: str, *, others: tuple[str, ...] = ()) -> ModelSpec:

@@ -213,8 +213,10 @@ def test_bad_policies_are_refused_with_the_fix():
             "formula": lambda: block_activation_elements(
                 batch=1, seq=2, d_model=8, heads=2, recomputation="all"
             ),
+            "nothing": lambda: recompute.apply_recomputation(torch.nn.Linear(4, 4), policy="full"),
         }
     )
+    assert "finds nothing to recompute in this Linear" in errors["nothing"]
     assert "choose one of none, full, selective" in errors["unknown"]
     assert "already recomputes (full): apply a policy once" in errors["twice"]
     assert "unknown recomputation 'all'" in errors["formula"]

@@ -208,21 +208,38 @@ def convert_to_float8(
     """Swap every ``nn.Linear`` whose widths are multiples of 16 for a ``Float8Linear``, in place.
 
     Returns the names of the layers converted. Layers named in ``skip`` (the output head, as
-    torchtitan does) and layers the scaled matmul cannot take stay in high precision.
+    torchtitan does), the layers inside a module named there, and layers the scaled matmul cannot
+    take stay in high precision.
 
     Args:
         model: any module.
         recipe: ``"tensorwise"`` or ``"rowwise"``.
-        skip: names (as ``named_modules`` gives them) of layers to leave as they are.
+        skip: names (as ``named_modules`` gives them) of modules to leave as they are, with
+            everything inside them; a name that is not a module of ``model`` is refused (a skip
+            list that matches nothing would convert the head it meant to keep).
     """
     check_module("model", model)
     check_choice("recipe", recipe, RECIPES)
+    if isinstance(skip, str):
+        raise UserError(f"skip must be a tuple of module names, not the string {skip!r}: write ({skip!r},)")
+    names = dict(model.named_modules())
+    unknown = [name for name in skip if name not in names or name == ""]
+    if unknown:
+        children = ", ".join(name for name, _ in model.named_children())
+        raise UserError(
+            f"convert_to_float8: skip names {', '.join(map(repr, unknown))}, which is not a module of this "
+            f"{type(model).__name__} (its children: {children}): name modules as named_modules() gives them"
+        )
+
+    def skipped(full: str) -> bool:
+        return any(full == name or full.startswith(name + ".") for name in skip)
+
     converted = []
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             full = f"{name}.{child_name}" if name else child_name
             fits = type(child) is nn.Linear and child.in_features % TILE == child.out_features % TILE == 0
-            if fits and full not in skip:
+            if fits and not skipped(full):
                 setattr(module, child_name, Float8Linear.from_linear(child, recipe=recipe))
                 converted.append(full)
     return converted

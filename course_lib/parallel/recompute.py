@@ -164,7 +164,13 @@ def apply_recomputation(model: nn.Module, *, policy: str, every: int = 1) -> nn.
             everything: torchtitan's "selective layer" checkpointing, a memory between the policies.
     """
     check_int("every", every, minimum=1)
-    recompute_modules(recomputation_units(model)[every - 1 :: every], policy=policy)
+    units = recomputation_units(model)
+    if policy != "none" and not units:
+        raise UserError(
+            f"recomputation {policy!r} finds nothing to recompute in this {type(model).__name__}: it has no "
+            "transformer blocks and no sharding units (models.sharding_units): apply it to a course model"
+        )
+    recompute_modules(units[every - 1 :: every], policy=policy)
     return model
 
 

@@ -150,6 +150,13 @@ def test_what_the_scaled_matmul_cannot_take_is_refused_in_one_line(monkeypatch):
         float8.Float8Linear(32, 32, recipe="blockwise")
     model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 20), nn.Linear(20, 32))
     assert float8.convert_to_float8(model, skip=("0",)) == []  # 0 skipped, 1 and 2 not multiples of 16
+    # a skip list that matches nothing would convert the head it meant to keep: refused by name
+    with pytest.raises(UserError, match=r"skip names 'output', which is not a module .* children: 0, 1, 2"):
+        float8.convert_to_float8(model, skip=("output",))
+    with pytest.raises(UserError, match=r"write \('0',\)"):
+        float8.convert_to_float8(model, skip="0")
+    nested = nn.Sequential(nn.Linear(32, 32), nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32)))
+    assert float8.convert_to_float8(nested, skip=("1",)) == ["0"]  # a module named skips all inside it
 
     with pytest.raises(UserError, match="the parameters travel in param_dtype .* or as float8"):
         check_options("FULL_SHARD", "none", MixedPrecision(gather_dtype=torch.int8))  # FSDP's door check

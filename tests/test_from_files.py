@@ -237,13 +237,29 @@ def test_a_key_the_planner_does_not_model_is_refused_by_name(tmp_path, changes, 
 @pytest.mark.parametrize(
     "line, replacement, message",
     [
-        ("gpu_memory_bytes = ", "gpu_memory_bytes = 96\n#", "gpu_memory_bytes = 96 is not a figure of a real machine in bytes"),
-        ("peak_flops = ", "peak_flops = 989.4\n#", "peak_flops = 989.4 is not a figure of a real machine in FLOP/s"),
+        (
+            "gpu_memory_bytes = ",
+            "gpu_memory_bytes = 96\n#",
+            "gpu_memory_bytes = 96 is not a figure of a real machine in bytes",
+        ),
+        (
+            "peak_flops = ",
+            "peak_flops = 989.4\n#",
+            "peak_flops = 989.4 is not a figure of a real machine in FLOP/s",
+        ),
         ("peak_flops = ", "peak_flops = nan\n#", "peak_flops must be a finite number"),
-        ("context_bytes = ", "context_bytes = 2e12\n#", "context_bytes 2e+12 leaves nothing of gpu_memory_bytes"),
-        ("\nbandwidth = ", "\nbandwidth = 150\n#", "inside_node.bandwidth = 150 is not a figure of a real machine"),
+        (
+            "context_bytes = ",
+            "context_bytes = 2e12\n#",
+            "context_bytes 2e+12 leaves nothing of gpu_memory_bytes",
+        ),
+        (
+            "\nbandwidth = ",
+            "\nbandwidth = 150\n#",
+            "inside_node.bandwidth = 150 is not a figure of a real machine",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_cluster_figure_in_another_unit_is_refused_naming_the_unit(tmp_path, line, replacement, message):
     path = _alps_toml(tmp_path)
     path.write_text(path.read_text().replace(line, replacement, 1))

@@ -186,3 +186,45 @@ def test_a_plain_script_through_launch_gets_the_cross_rank_check_without_importi
     assert done.returncode == 0, done.stderr
     assert "refused:" in done.stdout and "the ranks made different calls" in done.stdout, done.stdout
     assert "rank 0: all_reduce of float32 (2,); rank 1: all_reduce of float32 (3,)" in done.stdout
+
+
+TORCHRUN_SCRIPT = """
+import torch
+
+from course_lib.distributed import comm, runtime
+
+runtime.init(backend="gloo")
+tensor = torch.ones(2 + runtime.rank())
+try:
+    comm.all_reduce(tensor)
+    print(f"rank {runtime.rank()} got {tensor.tolist()}")
+except Exception as error:  # noqa: BLE001 - what the script's user sees
+    print(f"rank {runtime.rank()} refused: {error}")
+runtime.shutdown()
+"""
+
+
+def test_a_plain_script_under_torchrun_gets_the_cross_rank_check_on_every_rank(tmp_path):
+    """No ``launch``, no setting: under torchrun on CPU (gloo) the check is on wherever ``comm``
+    is, and every rank refuses the all-reduce instead of one of them computing a wrong sum."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, clean_env
+
+    script = tmp_path / "plain_torchrun.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(script),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, env=clean_env(), cwd=REPO, timeout=180)
+    assert done.returncode == 0, done.stderr
+    for rank in (0, 1):
+        assert f"rank {rank} refused: comm: the ranks made different calls" in done.stdout, done.stdout
+    assert " got " not in done.stdout

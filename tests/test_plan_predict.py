@@ -29,8 +29,8 @@ def test_every_layout_the_planner_considers_reads_back_from_its_name(model, gpus
 def test_every_field_of_a_random_layout_survives_its_name():
     """A property over random layouts, every field drawn: the name keeps the precision, ``no-sp``,
     ``no-loss-parallel`` and a schedule or attention that only a default would hide."""
-    from course_lib.plan import layout as layout_module
     from course_lib.parallel import recompute
+    from course_lib.plan import layout as layout_module
 
     draw = random.Random(56)
     choices = {

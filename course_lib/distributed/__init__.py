@@ -9,7 +9,7 @@
 - ``hooks``: where instrumentation (``course_lib.observe``) plugs into the collectives and the
   processes, without this package knowing it;
 - ``collective_check``: every rank of a group must make the same call, checked before each
-  collective wherever ``launch`` runs them (a silent wrong result otherwise).
+  collective wherever ``comm`` makes them on CPU (a silent wrong result otherwise).
 
 Nothing here imports a layer above it. Importing the package is cheap: torch is imported by the
 modules that need it.

@@ -10,14 +10,16 @@ compare them, so the mistake is refused at once, on every rank, with what each r
 
     comm: the ranks made different calls (rank 0: all_reduce of float32 (3,); rank 1: ...)
 
-Cost: one small all-gather more per collective, the price of a clear error; so it runs only
-with ``COURSE_CHECK_COLLECTIVES=1`` (``launch`` sets it unless told not to), and never inside
-``unchecked()``, which a timing uses. PyTorch checks the same with
-``TORCH_DISTRIBUTED_DEBUG=DETAIL``.
+Cost: one small all-gather more per collective, and a wait for its answer, the price of a clear
+error. ``COURSE_CHECK_COLLECTIVES`` says where it runs: ``1`` on, ``0`` off (``launch`` sets it:
+on unless told not to), unset on with gloo (every CPU run: under ``launch``, torchrun, srun or a
+notebook) and off with NCCL, where the wait would stall the GPU's stream at every collective
+(set ``1`` there to debug a hang, as PyTorch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL``). It never runs
+inside ``unchecked()``, which a timing uses.
 
-Importing this module installs it (``course_lib.distributed.hooks``), and ``launch`` imports it:
-a check that guards correctness is on wherever the course's collectives run in launched processes
-(and in every command of the course), not only where some import happened to load it.
+``comm`` imports this module, and importing it installs it (``course_lib.distributed.hooks``):
+a check that guards correctness is on wherever the course's collectives can run, not only where
+some import happened to load it.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import UserError
-from . import comm, hooks, runtime
+from . import hooks, runtime
 from .calls import Call
 
 _FINGERPRINT_DIMS = 6
@@ -46,6 +48,7 @@ _OPS = (
 )
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8)
 _unchecked_depth = 0
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
 @contextlib.contextmanager
@@ -59,8 +62,13 @@ def unchecked():
         _unchecked_depth -= 1
 
 
-def _checking() -> bool:
-    return _unchecked_depth == 0 and os.environ.get(hooks.CHECK_COLLECTIVES) == "1"
+def _checking(group) -> bool:
+    if _unchecked_depth:
+        return False
+    setting = os.environ.get(hooks.CHECK_COLLECTIVES)
+    if setting in ("0", "1"):
+        return setting == "1"
+    return dist.get_backend(group) == "gloo"
 
 
 def _fingerprint(op: str, dtype: torch.dtype, shape: tuple[int, ...], numel: int) -> list[int]:
@@ -76,18 +84,18 @@ def _describe(row: list[int]) -> str:
     return f"{_OPS[op]} of {dtype} {shape if ndim <= _FINGERPRINT_DIMS else f'{shape}... ({numel} elements)'}"
 
 
-def _check_same_call(op: str, tensor: torch.Tensor, group, *, shape: tuple[int, ...] | None = None) -> None:
+def check_same_call(op: str, tensor: torch.Tensor, group, *, shape: tuple[int, ...] | None = None) -> None:
     """Refuse, in one line on every rank, a call that the group's ranks do not all make alike.
 
     ``shape``: what must agree, when not the tensor's whole shape (an all-to-all's rows differ).
     """
     size = runtime.world_size(group=group)
-    if size == 1 or not _checking():
+    if size == 1 or not _checking(group):
         return
     shape = tuple(tensor.shape) if shape is None else shape
     mine = torch.tensor(_fingerprint(op, tensor.dtype, shape, math.prod(shape)), device=tensor.device)
     everyone = torch.empty(size * mine.numel(), dtype=mine.dtype, device=mine.device)
-    comm.all_gather_single(everyone, mine, group=group)
+    _all_gather(everyone, mine, group=group)  # the transport's own: not a collective of the ledger
     rows = everyone.view(size, -1).tolist()
     if all(row == rows[0] for row in rows):
         return
@@ -106,7 +114,7 @@ class CollectiveCheck(hooks.CollectiveHook):
 
     def issued(self, call: Call) -> None:
         if call.tensor is not None and call.record.sequence >= 0:  # collectives, not point to point
-            _check_same_call(call.op, call.tensor, call.group, shape=call.check_shape)
+            check_same_call(call.op, call.tensor, call.group, shape=call.check_shape)
 
 
 hooks.register(CollectiveCheck())

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ..checks import check_choice
 from ..errors import UserError
-from . import hooks, runtime
+from . import collective_check, hooks, runtime  # noqa: F401 (collective_check: installed on import)
 from .calls import POINT_TO_POINT, Call, calls_on, check_tensors, issue
 from .ledger import CommLog, CommRecord, bus_bandwidth, nbytes, ring_bytes
 from .p2p import irecv, isend, recv, send, send_recv

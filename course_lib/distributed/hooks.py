@@ -25,8 +25,9 @@ Cost: one loop over a short list per collective; nothing at all when no instrume
 from __future__ import annotations
 
 CHECK_COLLECTIVES = "COURSE_CHECK_COLLECTIVES"
-"""Set to 1 (``launch`` does, unless told not to), it asks an installed cross-rank check
-(``course_lib.distributed.collective_check``) to check every collective before it goes out."""
+"""1: an installed cross-rank check (``course_lib.distributed.collective_check``) checks every
+collective before it goes out; 0: it does not; unset: it does with gloo, not with NCCL
+(``launch`` sets it: 1 unless told not to)."""
 
 
 class CollectiveHook:

@@ -49,7 +49,7 @@ from typing import Any
 
 from ..checks import check_choice, check_int, check_number
 from ..errors import UserError
-from . import collective_check, environment, hooks, runtime  # noqa: F401 (collective_check: installed)
+from . import environment, hooks, runtime
 
 PROCESSES_PER_CORE_LIMIT = 8
 """More processes than this per CPU core would spend their time switching, not computing: refused."""
@@ -244,7 +244,7 @@ def launch(
     raises, the others are stopped and the exception is raised here. If they do not all finish
     within ``timeout_s`` seconds, they are stopped and ``TimeoutError`` is raised. Every collective
     made through ``course_lib.distributed.comm`` first checks that all ranks make the same call with
-    tensors of the same shape (``collective_check``, installed with this module); a timing turns
+    tensors of the same shape (``collective_check``, installed with ``comm``); a timing turns
     that off.
 
     Args:

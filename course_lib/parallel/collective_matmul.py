@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import torch
 
-from ..distributed import comm, runtime
+from ..distributed import collective_check, comm, runtime
 from ..errors import UserError
 from .tensor import SEQUENCE_DIM, RowParallelLinear, check_sequence_split
 
@@ -172,6 +172,9 @@ def all_gather_project(shard: torch.Tensor, layers, *, group=None) -> tuple[torc
         layers: ``ColumnParallelLinear`` layers that read the same gathered input (q, k and v).
         group: the tensor-parallel process group (None: every rank).
     """
+    # the ring passes each shard on as it is: shards of different lengths would abort a rank in the
+    # transport, so every rank's is compared first (as the gather it replaces would be)
+    collective_check.check_same_call("all_gather", shard, group)
     params = [tensor for layer in layers for tensor in (layer.weight, layer.bias)]
     return _AllGatherProject.apply(shard, group, *params)
 

@@ -244,9 +244,9 @@ class Layout:
                 give(word, **{"sequence_parallel" if word == "no-sp" else "loss_parallel": False})
             else:
                 raise UserError(
-                    f"layout {text!r}: {word!r} is none of a sharding ({', '.join(SHARDINGS)}), ac or sac, a "
-                    "schedule (1f1b, gpipe, interleaved_1f1bx2), mbN, ring or ulysses, bf16, fp32 or fp8, no-sp "
-                    "or no-loss-parallel: see Layout.from_name"
+                    f"layout {text!r}: {word!r} is none of a sharding ({', '.join(SHARDINGS)}), ac or sac, "
+                    "a schedule (1f1b, gpipe, interleaved_1f1bx2), mbN, ring or ulysses, bf16, fp32 or fp8, "
+                    "no-sp or no-loss-parallel: see Layout.from_name"
                 )
         return cls(**given)
 

@@ -145,3 +145,32 @@ def test_a_chunks_compute_against_its_transfer_and_the_refusals():
         sp.sequence_parallel_block(models.Block(D_MODEL, HEADS), overlap=True, regather_in_backward=True)
     with pytest.raises(UserError, match="overlap must be True or False"):
         sp.apply_sequence_parallel(_transformer()[0], overlap="yes")
+
+
+def _uneven_shards_in_both_directions() -> dict[str, str]:
+    layer = torch.nn.Linear(4, 4)
+    messages = {}
+    shard = torch.ones(1, 4 - runtime.rank(), 4)  # rank 0: 4 tokens, rank 1: 3
+    try:
+        cm.all_gather_project(shard, [layer])
+    except UserError as error:
+        messages["all_gather"] = str(error)
+    try:
+        cm.matmul_reduce_scatter([(torch.ones(1, 7, 4), torch.ones(4, 4))])
+    except UserError as error:
+        messages["reduce_scatter"] = str(error)
+    return messages
+
+
+def test_uneven_chunks_are_refused_on_every_rank_in_both_directions():
+    """Shards of different lengths would abort a rank inside the transport when the ring passes
+    them on; every rank refuses them instead, naming what each holds."""
+    for messages in launch(_uneven_shards_in_both_directions, 2):
+        assert (
+            "rank 0: all_gather of float32 (1, 4, 4); rank 1: all_gather of float32 (1, 3, 4)"
+            in (messages["all_gather"])
+        )
+        assert (
+            "a sequence of 7 tokens does not split over tensor/sequence-parallel degree 2"
+            in (messages["reduce_scatter"])
+        )

@@ -90,3 +90,55 @@ def test_the_checkpoint_benchmark_times_both_kinds_of_save_beside_the_steps():
         assert result[key] > 0, key
     assert result["async_write_s"] >= result["async_pause_s"]  # the write ends after the copy that starts it
     assert result["pause_saved"] == pytest.approx(1 - result["async_pause_s"] / result["blocking_pause_s"])
+
+
+def _save_then_change_everything(folder: str, fail: bool) -> str:
+    """Start a background save, then change the weights, the history and the sums at once; or make
+    the writer meet a full disk."""
+    import errno
+
+    from torch.distributed.checkpoint import filesystem
+
+    from course_lib.errors import UserError
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    position = checkpoint.TrainingPosition(
+        epoch=1, step_in_epoch=5, global_step=21, config={"epochs": 2},
+        history=[{"epoch": 0, "loss": 2.0}], run_id="run-a", epoch_sums={"loss": 1.5},
+    )  # fmt: skip
+    if fail:
+
+        def full(self, plan, planner):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        filesystem.FileSystemWriter.write_data = full
+    saves = checkpoint.AsyncSaves()
+    path = saves.start(folder, model, optimizer, position)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    position.history.append({"epoch": 1, "loss": 1.0})  # what the run does after the save returned
+    position.epoch_sums["loss"] = 99.0
+    position.config["epochs"] = 7
+    try:
+        saves.finish()
+    except UserError as error:
+        return f"refused: {error}"
+    return str(path)
+
+
+def test_a_background_save_keeps_the_state_of_the_moment_it_was_called(tmp_path):
+    path = launch(_save_then_change_everything, 2, str(tmp_path), False)[0]
+    meta = checkpoint.read_meta(path)
+    assert meta["history"] == [{"epoch": 0, "loss": 2.0}]  # epoch 1 was not finished at step 21
+    assert meta["epoch_sums"] == {"loss": 1.5} and meta["config"] == {"epochs": 2}
+    torch.manual_seed(0)
+    assert torch.equal(latest_weights(tmp_path)[1]["weight"], torch.nn.Linear(5, 3).weight.detach())
+
+
+def test_a_background_write_that_fails_is_one_line_on_every_rank_and_leaves_no_temporary_folder(tmp_path):
+    for outcome in launch(_save_then_change_everything, 2, str(tmp_path), True):
+        assert outcome.startswith("refused: could not write checkpoint step-00000021"), outcome
+        assert "No space left on device" in outcome and "no checkpoint was kept" in outcome
+    assert list(tmp_path.iterdir()) == []

@@ -78,13 +78,21 @@ TRAIN_MISTAKES = [
     ),
     (
         ["--checkpoint-every", "auto", "--mtbf-hours", "0", "--checkpoint-dir", "{tmp}/ck"],
-        "--mtbf-hours must be a finite number above 0, got 0.0",
+        "--mtbf-hours must be a finite number above 0 and at most 1e+06, got 0.0",
     ),
     (
         ["--checkpoint-every", "soon"],
         "argument --checkpoint-every: a whole number of steps or auto, got 'soon'",
     ),
     (["--mtbf-hours", "5"], "--mtbf-hours is used by --checkpoint-every auto only"),
+    (
+        ["--checkpoint-every", "auto", "--mtbf-hours", "1e306", "--checkpoint-dir", "{tmp}/ck"],
+        "--mtbf-hours must be a finite number above 0 and at most 1e+06, got 1e+306",
+    ),
+    (
+        ["--checkpoint-mode", "async"],
+        "--checkpoint-mode async changes how checkpoints are written, and this run",
+    ),
     (
         [*HYBRID, "--hybrid-shard-size", "0"],
         "--hybrid-shard-size must be a whole number, from 1 to 1, got 0",

@@ -40,6 +40,7 @@ checkpoint`` measures both); how often to save is ``checkpoint_interval``'s less
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import re
@@ -331,13 +332,15 @@ class AsyncSaves:
 
     def finish(self) -> None:
         """Wait for the write in flight and put it in place (every rank, at the same step)."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
         pending, self._pending = self._pending, None
         if pending is None:
             return
         try:
             pending["future"].result()
-        except Exception as error:  # noqa: BLE001 - any failure of the writer: said below, in one line
-            pending["failure"] = pending["failure"] or error
+        except (Exception, CheckpointException) as error:  # noqa: BLE001 - the writer's: one line below
+            pending["failure"] = pending["failure"] or error  # (DCP's exception derives from BaseException)
         if runtime.rank() == 0 and not pending["renamed"]:
             self._rename(pending)
         if runtime.from_rank0(pending["failure"] is not None):
@@ -359,7 +362,9 @@ class AsyncSaves:
 
 
 def _meta(model: torch.nn.Module, position: TrainingPosition, rng_states: list) -> dict[str, Any]:
-    return {
+    """What ``meta.pt`` holds, copied now: a background write stores it steps later, when the run's
+    history and sums have moved on (a copy by reference would record an epoch not yet finished)."""
+    return copy.deepcopy({
         "format_version": FORMAT_VERSION,
         "epoch": position.epoch,
         "step_in_epoch": position.step_in_epoch,
@@ -371,7 +376,7 @@ def _meta(model: torch.nn.Module, position: TrainingPosition, rng_states: list) 
         "world_size": runtime.world_size(),
         "layout": _layout(model),
         "rng": rng_states,
-    }
+    })
 
 
 def _finish(directory: Path, temporary: Path, final: Path, meta: dict[str, Any], run_id: str) -> None:

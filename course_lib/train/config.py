@@ -152,6 +152,10 @@ AUTO_FIRST_SAVE_STEP = 3
 """With ``--checkpoint-every auto``, the step after which a first save measures what saving costs."""
 
 
+MAX_MTBF_HOURS = 1e6
+"""The longest mean time between failures ``--mtbf-hours`` takes: 114 years, beyond any job."""
+
+
 def _check_checkpoint_interval(config: TrainConfig) -> None:
     """``--checkpoint-every`` is N >= 0, or ``auto`` with ``--mtbf-hours`` above 0 (and only then)."""
     if config.checkpoint_every == "auto":
@@ -160,7 +164,8 @@ def _check_checkpoint_interval(config: TrainConfig) -> None:
                 "--checkpoint-every auto needs --mtbf-hours (the job's mean time between failures, e.g. "
                 "50700 / the job's GPUs at Llama 3's failure rate)"
             )
-        checks.check_number("--mtbf-hours", config.mtbf_hours, above=0)
+        # a century and more between failures: beyond it the interval overflows (hours to seconds)
+        checks.check_number("--mtbf-hours", config.mtbf_hours, above=0, maximum=MAX_MTBF_HOURS)
         return
     if isinstance(config.checkpoint_every, str):
         raise UserError(
@@ -224,6 +229,11 @@ def validate_config(config: TrainConfig, world_size: int, ranks_per_node: int | 
         hybrid_shard_group_size(config.hybrid_shard_size, world_size, ranks_per_node or world_size)
     if config.checkpoint_every and not config.checkpoint_dir:
         raise UserError("--checkpoint-every needs --checkpoint-dir (where to write the checkpoints)")
+    if config.checkpoint_mode != "blocking" and not config.checkpoint_dir:
+        raise UserError(
+            f"--checkpoint-mode {config.checkpoint_mode} changes how checkpoints are written, and this run "
+            "writes none: add --checkpoint-dir, or leave --checkpoint-mode out"
+        )
     # "" is a path given and mistyped, not the absence of one: each is checked when given at all
     if config.checkpoint_dir is not None:
         checks.check_folder_to_write("--checkpoint-dir", config.checkpoint_dir)

@@ -360,8 +360,8 @@ def read_csv_rows(path: str | os.PathLike, *, what: str, columns: tuple[str, ...
         what: what its rows are, for the messages (``"layouts"``).
         columns: the columns it must have (it may have more).
     """
-    try:
-        with open(path, newline="", encoding="utf-8") as file:
+    try:  # utf-8-sig: a spreadsheet's CSV starts with a byte-order mark, which is not a column's name
+        with open(path, newline="", encoding="utf-8-sig") as file:
             rows = list(csv.DictReader(file))
     except (OSError, UnicodeDecodeError, csv.Error) as error:
         raise UserError(f"cannot read the {what} {path}: {error}") from error
@@ -370,7 +370,17 @@ def read_csv_rows(path: str | os.PathLike, *, what: str, columns: tuple[str, ...
     missing = [column for column in columns if column not in rows[0]]
     if missing:
         raise UserError(f"{path} has no column {', '.join(missing)}")
-    return list(enumerate(rows, start=2))  # line 1 holds the column names
+    numbered = list(enumerate(rows, start=2))  # line 1 holds the column names
+    for line, row in numbered:
+        short = [column for column, value in row.items() if value is None]
+        if short:
+            raise UserError(f"{path} line {line} is cut short: it has no {', '.join(short)}")
+        if None in row:  # DictReader keeps the fields beyond the header under None
+            raise UserError(
+                f"{path} line {line} has {len(row[None])} more fields than the header's columns: "
+                "quote a field that holds a comma"
+            )
+    return numbered
 
 
 def exit_with(main: Callable[[], int | None]) -> None:

@@ -163,10 +163,15 @@ def test_the_command_fits_prints_and_writes_a_profile_that_predict_and_plan_take
 @pytest.mark.parametrize(
     "case, message",
     [
-        ("none ran", "no run that ran to calibrate on"),
+        ("none ran", "no run that ran to calibrate on: all 2 runs ran out of memory"),
         ("column", "has no column tokens_per_s_per_gpu"),
         ("cluster", "a run on 'alps', not 'h100-node': calibrate one cluster at a time"),
         ("status", "unknown line 2: status 'crashed': choose one of ok, oom"),
+        ("pasted", "run 2 (d8 fsdp) repeats run 1 to the last digit: a measurement given twice"),
+        ("negative peak", "line 2: peak_memory_gib must be a finite number above 0, got -40.0"),
+        ("nan peak", "line 2: peak_memory_gib must be a finite number above 0, got nan"),
+        ("nan speed", "line 2: tokens_per_s_per_gpu must be a finite number above 0, got nan"),
+        ("cut short", "line 3 is cut short: it has no status, model"),
     ],
 )
 def test_bad_calibration_input_is_one_line_and_exit_2(case, message, tmp_path, capsys):
@@ -178,9 +183,22 @@ def test_bad_calibration_input_is_one_line_and_exit_2(case, message, tmp_path, c
         _write_runs(path, runs, drop="tokens_per_s_per_gpu")
     elif case == "cluster":
         _write_runs(path, runs, extra={"cluster": "alps"})
-    else:
+    elif case == "pasted":
+        _write_runs(path, [dataclasses.replace(runs[0], layout=Layout(data=8))] * 8)
+    elif case == "status":
         _write_runs(path, runs)
         path.write_text(path.read_text().replace(",ok,", ",crashed,", 1))
+    else:
+        _write_runs(path, runs)
+        lines = path.read_text().splitlines()
+        field = {"negative peak": (4, "-40"), "nan peak": (4, "nan"), "nan speed": (3, "nan")}.get(case)
+        if field:
+            cells = lines[1].split(",")
+            cells[field[0]] = field[1]
+            lines[1] = ",".join(cells)
+        else:  # a row cut short
+            lines[2] = ",".join(lines[2].split(",")[:5])
+        path.write_text("\n".join(lines) + "\n")
     shown = call_main(
         plan_tool.main,
         ["calibrate", "--runs", str(path), "--cluster", "h100-node", "--out", str(tmp_path / "p.json")],
@@ -271,3 +289,65 @@ def test_a_term_is_not_extrapolated_far_beyond_the_runs_that_fixed_it():
     assert calibration.apply(inside, profile, h200).time["compute"] == pytest.approx(
         inside.time["compute"] * profile.terms["products"]
     )
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"terms": {"products": None}}, "terms.products must be a number, got None"),
+        ({"terms": {"products": "fast"}}, "terms.products must be a number, got 'fast'"),
+        ({"terms": {"products": float("nan")}}, "terms.products must be a finite number at least 0, got nan"),
+        (
+            {"terms": {"contention": -1.0}},
+            "terms.contention must be a finite number at least 0, got -1.0",
+        ),
+        (
+            {"terms": {"step_overhead": float("inf")}},
+            "terms.step_overhead must be a finite number, got inf",
+        ),
+        ({"memory_factor": float("nan")}, "memory_factor must be a finite number above 0, got nan"),
+        ({"uncertainty": {"products": -0.1}}, "uncertainty.products must be a finite number at least 0"),
+    ],
+)
+def test_a_profile_with_a_term_no_fit_gives_is_refused_at_the_door(change, message, tmp_path):
+    """A null, a string, a NaN or a negative term would price every layout wrongly (a layout that
+    "fits" at "nan GiB", a negative step time) without a word: refused when the file is read."""
+    profile = calibration.CalibrationProfile("h100-node", "course")
+    content = dataclasses.asdict(profile)
+    for key, value in change.items():
+        content[key] = content[key] | value if isinstance(value, dict) else value
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(content))  # json writes NaN as the literal NaN, which it reads back
+    with pytest.raises(UserError, match="must be"):
+        calibration.CalibrationProfile.load(path)
+    try:
+        calibration.CalibrationProfile.load(path)
+    except UserError as error:
+        assert message in str(error)
+
+
+def test_a_spreadsheets_csv_with_a_byte_order_mark_reads_as_the_plain_one(tmp_path, capsys):
+    runs = _measured(noise=0.02)
+    plain, marked = tmp_path / "plain.csv", tmp_path / "marked.csv"
+    _write_runs(plain, runs)
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    outputs = []
+    for path in (plain, marked):
+        out = tmp_path / f"{path.stem}.json"
+        shown = call_main(
+            plan_tool.main,
+            ["calibrate", "--runs", str(path), "--cluster", "h100-node", "--out", str(out)],
+            capsys,
+        )
+        assert shown.returncode == 0, shown.stderr
+        outputs.append(json.loads(out.read_text()))
+    assert outputs[0] == outputs[1]
+
+
+def test_fitted_seconds_that_would_make_a_step_negative_are_refused_not_priced():
+    profile = calibration.CalibrationProfile("h100-node", "course")
+    profile.terms["step_overhead"] = -1e6  # a correction fitted on runs nothing like this one
+    cluster = CLUSTERS["h100-node"]
+    prediction = predict(MODELS["llama3-8b"], cluster, Layout(data=8), seq_len=4096, global_batch=8)
+    with pytest.raises(UserError, match=r"takes the step of d8 fsdp to -1e\+06 s"):
+        calibration.apply(prediction, profile, cluster)

@@ -49,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+from ..checks import check_int, check_number
 from ..errors import UserError
 from .cost_model import Prediction, memory_verdict, predict
 from .frameworks import Framework
@@ -175,11 +176,20 @@ class CalibrationProfile:
             raise UserError(
                 f"{path} is not a calibration profile ({error}): write one with plan calibrate"
             ) from error
+        if not isinstance(profile.terms, dict) or not isinstance(profile.uncertainty, dict):
+            raise UserError(f"{path}: terms and uncertainty must be tables: write it again with plan calibrate")
         missing = [name for name in TERMS if name not in profile.terms]
         if missing:
             raise UserError(
                 f"{path} lacks the terms {', '.join(missing)}: write it again with plan calibrate"
             )
+        # a null, a string, a NaN or a negative term would price every layout wrongly, without a word
+        for name in TERMS:  # a factor is at least 0; seconds a fit adds may be a correction below 0
+            check_number(f"{path}: terms.{name}", profile.terms[name], minimum=0 if PRIORS[name] else None)
+            if profile.uncertainty.get(name) is not None:
+                check_number(f"{path}: uncertainty.{name}", profile.uncertainty[name], minimum=0)
+        check_number(f"{path}: memory_factor", profile.memory_factor, above=0)
+        check_int(f"{path}: runs", profile.runs, minimum=0)
         return profile
 
 
@@ -272,6 +282,12 @@ def apply(prediction: Prediction, profile: CalibrationProfile, cluster: ClusterS
     time["step overhead (calibrated)"] = terms["step_overhead"]
     time.pop("total")
     time["total"] = sum(time.values())
+    if not time["total"] > 0:  # seconds subtracted beyond the step: the profile cannot be for this run
+        raise UserError(
+            f"the calibration profile takes the step of {prediction.layout.name()} to {time['total']:.3g} s: "
+            f"its fitted seconds ({terms['step_overhead']:.3g} s a step) lie far outside the runs it was "
+            "fitted on; calibrate on runs like this one"
+        )
     result = dataclasses.replace(prediction, time=time)
     result.tokens_per_s = prediction.tokens_per_s * prediction.time["total"] / time["total"]
     result.mfu = prediction.mfu * prediction.time["total"] / time["total"]
@@ -329,6 +345,26 @@ class MeasuredRun:
     framework: Framework | None = None
 
 
+def _check_identifiable(runs: list[MeasuredRun], ran: list[MeasuredRun]) -> None:
+    """Refuse what cannot fix a term: no run that ran, or one run given twice (a measurement pasted
+    eight times would be counted as eight, and its terms reported known to the last digit)."""
+    if not ran:
+        raise UserError(
+            f"no run that ran to calibrate on: all {len(runs)} runs ran out of memory, their times unknown; "
+            "the time terms need at least one run that ran (status ok, with its tokens_per_s_per_gpu)"
+        )
+    seen: dict[tuple, int] = {}
+    for index, run in enumerate(runs, start=1):
+        key = (run.model.name, run.layout, run.seq_len, run.global_batch, run.tokens_per_s_per_gpu,
+               run.peak_memory_gib, run.status)  # fmt: skip
+        if key in seen:
+            raise UserError(
+                f"run {index} ({run.layout.name()}) repeats run {seen[key]} to the last digit: a measurement "
+                "given twice is one measurement; give each run once (repeat runs differ in their times)"
+            )
+        seen[key] = index
+
+
 def calibrate(
     runs: list[MeasuredRun], cluster: ClusterSpec, framework: Framework
 ) -> tuple[CalibrationProfile, list[dict]]:
@@ -348,6 +384,7 @@ def calibrate(
         )  # fmt: skip
 
     ran = [run for run in runs if run.status == "ok"]
+    _check_identifiable(runs, ran)
     predictions = [predicted(run) for run in ran]
     refused = [(run, p.problem) for run, p in zip(ran, predictions, strict=True) if not p.time]
     if refused:

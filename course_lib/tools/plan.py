@@ -497,6 +497,10 @@ def _measured_run(row: dict, number: int, default_model: str | None, cluster: Cl
         ) from error
     if speed is not None:
         checks.check_number(f"line {number}: tokens_per_s_per_gpu", speed, above=0)
+    if memory is not None:
+        checks.check_number(f"line {number}: peak_memory_gib", memory, above=0)
+    checks.check_int(f"line {number}: seq_len", seq_len, minimum=1)
+    checks.check_int(f"line {number}: global_batch", global_batch, minimum=1)
     return calibration.MeasuredRun(
         model_named(name), Layout.from_name(row["layout"]), seq_len, global_batch, speed, memory, status
     )

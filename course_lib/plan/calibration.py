@@ -177,7 +177,9 @@ class CalibrationProfile:
                 f"{path} is not a calibration profile ({error}): write one with plan calibrate"
             ) from error
         if not isinstance(profile.terms, dict) or not isinstance(profile.uncertainty, dict):
-            raise UserError(f"{path}: terms and uncertainty must be tables: write it again with plan calibrate")
+            raise UserError(
+                f"{path}: terms and uncertainty must be tables: write it again with plan calibrate"
+            )
         missing = [name for name in TERMS if name not in profile.terms]
         if missing:
             raise UserError(

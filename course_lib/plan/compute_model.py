@@ -196,7 +196,7 @@ def memory_bound(step: StepShape) -> tuple[float, float, float]:
     its datasheet bandwidth its record measured (eager or compiled, as the stack runs).
     """
     model, cluster, layout, framework = step.model, step.cluster, step.layout, step.framework
-    unrecomputed = layout.with_(recomputation="none")
+    unrecomputed = layout.with_(recomputation="none", recompute_every=1)
     shape = {"micro_batch": layout.micro_batch, "seq_len": step.seq_len}
     autocast = framework.autocasts(layout.precision)
     block_bytes = layout.element_bytes * block_activation_elements(

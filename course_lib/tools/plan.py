@@ -336,6 +336,11 @@ def _predicted_row(
     return result
 
 
+def _ratio(value: float | None) -> str:
+    """A median ratio, or a dash where no row gave one."""
+    return "-" if value is None else f"{value:.2f}"
+
+
 def check_published(argv: list[str]) -> int:
     """``plan check-published [FILE] --json OUT``: every published run predicted beside its measurement."""
     parser = checks.CommandParser(
@@ -370,16 +375,20 @@ def check_published(argv: list[str]) -> int:
     print(published.table(checked))
     print(
         f"\n{result['expressible']} of {result['rows']} runs expressible; {result['within_1_33']:.0%} of "
-        f"them predicted within {published.WITHIN}x, median predicted/measured {result['median_ratio']:.2f}; "
+        f"them predicted within {published.WITHIN}x, median predicted/measured "
+        f"{_ratio(result['median_ratio'])}; "
         f"{result['false_does_not_fit']} that ran predicted not to fit"
+    )
+    folds = ", ".join(
+        f"{group} {fold['within_1_33']:.0%} (median {_ratio(fold['median_ratio'])})"
+        for group, fold in held_out["by_source"].items()
     )
     print(
         f"each publication calibrated on the others: {held_out['within_1_33']:.0%} within "
-        f"{published.WITHIN}x, median {held_out['median_ratio']:.2f}; "
-        + ", ".join(
-            f"{group} {fold['within_1_33']:.0%} (median {fold['median_ratio']:.2f})"
-            for group, fold in held_out["by_source"].items()
-        )
+        f"{published.WITHIN}x, median {_ratio(held_out['median_ratio'])}; {folds}"
+        if folds
+        else "each publication calibrated on the others: none held out (fewer than two publications "
+        "with a prediction)"
     )
     result["leave_one_source_out"] = {
         key: held_out[key] for key in ("within_1_33", "median_ratio", "by_source")

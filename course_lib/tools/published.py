@@ -45,7 +45,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..checks import check_choice, read_csv_rows
+from ..checks import check_choice, check_int, check_number, read_csv_rows
 from ..errors import UserError
 from ..plan import calibration, cost_model
 from ..plan.cost_model import Prediction, predict
@@ -274,7 +274,7 @@ def read_runs(*, path: Path = PUBLISHED_RUNS, framework: str | None = None) -> l
         try:
             profile = FRAMEWORKS[framework] if framework else framework_of(row["group"], row["extras"])
             runs.append(_run(row, profile))
-        except (ValueError, KeyError) as error:
+        except (ValueError, KeyError, UserError) as error:
             raise UserError(f"{path}, line {number} ({row.get('id')}): cannot read {error}") from error
     return runs
 
@@ -321,6 +321,8 @@ def _unstated(row: dict, framework: Framework) -> str | None:
 def _run(row: dict, framework: Framework) -> PublishedRun:
     model, layout, why = None, None, _unstated(row, framework)
     seq_len, global_batch = int(row["seq_len"]), int(row["global_batch"])
+    check_int("seq_len", seq_len, minimum=1)
+    check_int("global_batch", global_batch, minimum=1)
     cluster = _cluster(row)
     if not why and cluster not in CLUSTERS:
         why = f"no cluster {cluster!r} in the planner"
@@ -336,8 +338,11 @@ def _run(row: dict, framework: Framework) -> PublishedRun:
         if problem:
             model, layout, why = None, None, f"{problem} (as the row states its batch)"
     kind, value = row["measured_kind"], float(row["measured_value"])
+    check_number("measured_value", value, above=0)  # a zero, NaN or negative speed is no measurement
     measured = measured_tokens_per_s_per_gpu(kind, value, model or _model(row), seq_len)
     memory = float(row["measured_memory_gib"]) if row["measured_memory_gib"] else None
+    if memory is not None:
+        check_number("measured_memory_gib", memory, above=0)
     return PublishedRun(
         row["id"], row["group"], row["source"], model, cluster, layout, seq_len, global_batch,
         measured, memory, why, framework,
@@ -448,7 +453,10 @@ def leave_one_source_out(checked: list[Checked]) -> dict:
     """
     usable = [c for c in checked if c.prediction is not None and c.prediction.time]
     ratios, by_group = {}, {}
-    for group in sorted({c.run.group for c in usable}):
+    groups = sorted({c.run.group for c in usable})
+    if len(groups) < 2:  # one publication: no other to calibrate it on
+        return {"rows": 0, **_score([]), "by_source": {}, "ratios": {}}
+    for group in groups:
         train = [c for c in usable if c.run.group != group]
         columns, fixed = zip(*(calibration.parts(c.prediction, CLUSTERS[c.run.cluster])
                                for c in train))  # fmt: skip

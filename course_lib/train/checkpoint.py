@@ -364,19 +364,21 @@ class AsyncSaves:
 def _meta(model: torch.nn.Module, position: TrainingPosition, rng_states: list) -> dict[str, Any]:
     """What ``meta.pt`` holds, copied now: a background write stores it steps later, when the run's
     history and sums have moved on (a copy by reference would record an epoch not yet finished)."""
-    return copy.deepcopy({
-        "format_version": FORMAT_VERSION,
-        "epoch": position.epoch,
-        "step_in_epoch": position.step_in_epoch,
-        "global_step": position.global_step,
-        "config": position.config,
-        "history": position.history,
-        "run_id": position.run_id,
-        "epoch_sums": dict(position.epoch_sums),
-        "world_size": runtime.world_size(),
-        "layout": _layout(model),
-        "rng": rng_states,
-    })
+    return copy.deepcopy(
+        {
+            "format_version": FORMAT_VERSION,
+            "epoch": position.epoch,
+            "step_in_epoch": position.step_in_epoch,
+            "global_step": position.global_step,
+            "config": position.config,
+            "history": position.history,
+            "run_id": position.run_id,
+            "epoch_sums": dict(position.epoch_sums),
+            "world_size": runtime.world_size(),
+            "layout": _layout(model),
+            "rng": rng_states,
+        }
+    )
 
 
 def _finish(directory: Path, temporary: Path, final: Path, meta: dict[str, Any], run_id: str) -> None:

@@ -193,3 +193,44 @@ def test_lecture_9_says_how_fast_torchtitans_500_w_h100s_ran_their_products():
     assert (
         f"500 W H100s: a residual {implied:.0%} of the SXM peak, the planner says {modelled:.0%}"
     ).replace("%", " %") in lecture
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"measured_value": "0"}, "measured_value must be a finite number above 0, got 0.0"),
+        ({"measured_value": "nan"}, "measured_value must be a finite number above 0, got nan"),
+        ({"measured_value": "-3"}, "measured_value must be a finite number above 0, got -3.0"),
+        ({"measured_memory_gib": "nan"}, "measured_memory_gib must be a finite number above 0, got nan"),
+        ({"seq_len": "0"}, "seq_len must be a whole number, 1 or more, got 0"),
+        ("cut", "line 2 is cut short: it has no"),
+    ],
+)
+def test_a_measurement_that_is_none_is_refused_by_line(tmp_path, capsys, change, message):
+    """A zero, NaN or negative measurement reached the fit's least squares (and PyTorch's own
+    internal assert); a row cut short a TypeError: each is one line naming the row."""
+    rows = _rows()
+    path = tmp_path / "runs.csv"
+    with open(path, "w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerow(rows[0] if change == "cut" else rows[0] | change)
+        writer.writerow(rows[1])
+    if change == "cut":
+        lines = path.read_text().splitlines()
+        path.write_text("\n".join([lines[0], ",".join(lines[1].split(",")[:6]), lines[2]]) + "\n")
+    shown = call_main(plan_tool.main, ["check-published", str(path)], capsys)
+    assert shown.returncode == 2 and "Traceback" not in shown.stderr, shown.stderr
+    assert message in shown.stderr
+
+
+def test_a_single_publication_is_checked_with_none_held_out(tmp_path, capsys):
+    rows = [row for row in _rows() if row["group"] == _rows()[0]["group"]]
+    path = tmp_path / "one.csv"
+    with open(path, "w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    shown = call_main(plan_tool.main, ["check-published", str(path)], capsys)
+    assert shown.returncode == 0, shown.stderr
+    assert "none held out (fewer than two publications with a prediction)" in shown.stdout

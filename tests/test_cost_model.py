@@ -357,6 +357,38 @@ def test_the_planners_bubble_is_the_simulated_schedules_and_equals_the_theory(
     assert simulated == pytest.approx(pipeline.bubble_overhead_theory(p, m, virtual_stages=v))
 
 
+def test_beyond_the_simulated_count_the_formula_prices_what_the_simulation_would():
+    from course_lib.parallel import pipeline
+
+    p, m = 4, compute_model.SIMULATED_MICROBATCHES + 1
+    actions = pipeline.build_schedule("1f1b", p, m)
+    idle = pipeline.bubble_fraction(
+        pipeline.simulate_timeline(actions, p, forward_time=1.0, backward_time=2.0)
+    )
+    assert compute_model.bubble_overhead("1f1b", p, m, 1, 2.0) == pytest.approx(idle / (1 - idle))
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--gpus", "1000000000"], "--gpus must be a whole number, from 1 to 262144, got 1000000000"),
+        (
+            ["--gpus", "64", "--global-batch-tokens", "4G"],
+            "--global-batch-tokens 4,294,967,296 is more than any",
+        ),
+    ],
+)
+def test_a_job_no_cluster_holds_is_refused_before_anything_is_enumerated(argv, message, capsys, monkeypatch):
+    from course_lib.plan import planner
+
+    def enumerated(*args, **kwargs):  # it enumerated for 60-90 s before refusing
+        raise AssertionError("the layouts were enumerated before the job's size was checked")
+
+    monkeypatch.setattr(planner, "candidate_layouts", enumerated)
+    assert plan_tool.main(["--model", "llama3-8b", "--cluster", "alps", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_recomputing_every_kth_block_keeps_and_pays_the_average():
     layout = Layout(data=16, tensor=4, recomputation="full")
     shape = {"micro_batch": 1, "seq_len": 4096}

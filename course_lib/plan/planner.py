@@ -8,8 +8,10 @@ ranking, and ``tools.plan --validate`` holds the predictions against this machin
 from __future__ import annotations
 
 import itertools
+import math
 
 from ..checks import check_instance, check_int
+from ..errors import UserError
 from . import calibration
 from .calibration import CalibrationProfile
 from .cost_model import Prediction, predict
@@ -17,9 +19,29 @@ from .frameworks import COURSE_PROFILE, Framework
 from .layout import CONTEXT_ATTENTION, Layout
 from .specs import ClusterSpec, ModelSpec
 
+MAX_GPUS = 2**18
+"""The most GPUs a job is planned on: 262,144, beyond the largest clusters reported (xAI's
+Colossus, 200,000 H100s and H200s, 2025; Llama 3's 16,384 H100s per job, arXiv:2407.21783)."""
+MAX_GLOBAL_BATCH_TOKENS = 2**27
+"""The most tokens an optimizer step is planned with: 134 M, twice the largest published batch
+(DeepSeek-V3's 15,360 sequences of 4,096 tokens, 63 M, arXiv:2412.19437; Llama 3 405B's 16 M)."""
+
+
+def check_job_size(*, gpus: int, global_batch_tokens: int) -> None:
+    """Refuse, before anything is enumerated, a job no cluster holds: it would compute for minutes
+    before saying anything (a typo such as 4G for 4M tokens)."""
+    check_int("--gpus", gpus, minimum=1, maximum=MAX_GPUS)
+    if global_batch_tokens > MAX_GLOBAL_BATCH_TOKENS:
+        raise UserError(
+            f"--global-batch-tokens {global_batch_tokens:,} is more than any published run steps on "
+            f"(at most {MAX_GLOBAL_BATCH_TOKENS:,}: twice DeepSeek-V3's 63 M): did you mean M, not G?"
+        )
+
 
 def divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
+    """The divisors of ``n`` in increasing order, found up to its square root."""
+    small = [k for k in range(1, math.isqrt(n) + 1) if n % k == 0]
+    return small + [n // k for k in reversed(small) if k * k != n]
 
 
 def candidate_layouts(
@@ -100,9 +122,9 @@ def plan(
     """
     check_instance("plan's model", model, ModelSpec)
     check_instance("plan's cluster", cluster, ClusterSpec)
-    check_int("plan's gpus", gpus, minimum=1)
     check_int("plan's seq_len", seq_len, minimum=1)
     check_int("plan's global_batch", global_batch, minimum=1)
+    check_job_size(gpus=gpus, global_batch_tokens=seq_len * global_batch)
     candidates = candidate_layouts(
         model, cluster, gpus=gpus, template=template, context_attention=context_attention
     )

@@ -377,6 +377,17 @@ def zen_of_python() -> str:
     return codecs.decode(encoded, "rot13")
 
 
+def check_window(seq_len: int) -> None:
+    """Refuse a window that the Zen of Python cannot fill: it has one character fewer windows of
+    ``seq_len`` than it has characters beyond ``seq_len``, and none past its length."""
+    longest = len(zen_of_python()) - 1
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or not 1 <= seq_len <= longest:
+        raise UserError(
+            f"a sequence of {seq_len} characters does not fit the course's text (the Zen of Python, "
+            f"{longest + 1} characters): choose a sequence length from 1 to {longest}"
+        )
+
+
 def zen_windows(*, seq_len: int = 32) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     """Character-level language modelling on the Zen of Python, available offline everywhere.
 
@@ -386,6 +397,7 @@ def zen_windows(*, seq_len: int = 32) -> tuple[torch.Tensor, torch.Tensor, list[
     Args:
         seq_len: characters per window (the transformer's sequence length).
     """
+    check_window(seq_len)
     text = zen_of_python()
     vocabulary = sorted(set(text))
     ids = torch.tensor([vocabulary.index(c) for c in text])

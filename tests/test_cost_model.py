@@ -344,6 +344,30 @@ def test_run_is_refused_for_a_model_this_machine_cannot_train(capsys):
 
 
 @pytest.mark.parametrize(
+    "argv, message",
+    [
+        ("--validate --gpus 64 --run", "takes none of --gpus, --run"),
+        ("--model course-transformer --cluster this-machine --gpus 2 --seq-len 8192 --run",
+         "a sequence of 8192 characters does not fit the course's text"),
+    ],
+)  # fmt: skip
+def test_flags_that_cannot_combine_are_refused_before_anything_runs(argv, message, capsys, monkeypatch):
+    from course_lib.tools import plan_validation
+
+    def calibrated(*args, **kwargs):  # calibrating started before the refusal
+        raise AssertionError("the machine was calibrated before the flags were checked")
+
+    monkeypatch.setattr(plan_tool, "calibrate", calibrated)
+    monkeypatch.setattr(plan_validation, "calibrate", calibrated)
+    try:
+        status = plan_tool.main(argv.split())
+    except SystemExit as stop:  # argparse's error
+        status = stop.code
+    assert status == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
     "schedule, p, m, v",
     [("gpipe", 2, 4, 1), ("1f1b", 4, 8, 1), ("1f1b", 3, 7, 1), ("interleaved_1f1b", 2, 4, 2)],
 )

@@ -318,6 +318,12 @@ OTHER_MISTAKES = [
     (study.main, ["submit", "--data-dir", "{file}"], "argument --data-dir: {file} is a file"),
     (study.main, ["collect", "--results", "{tmp}/none"], "argument --results: {tmp}/none does not exist"),
     (study.main, ["plot", "--results", "{file}"], "argument --results: {file} is a file"),
+    (
+        bench.main,
+        ["recompute", "--seq", "2000"],
+        "argument --seq: a sequence of 2000 characters does not fit",
+    ),
+    (bench.main, ["float8", "--seq", "900"], "argument --seq: a sequence of 900 characters does not fit"),
     (bench.main, ["ddp", "--steps", "0"], "argument --steps: must be a whole number, 1 or more, got 0"),
     (bench.main, ["ddp", "--warmup", "-1"], "argument --warmup: must be a whole number, 0 or more, got -1"),
     (

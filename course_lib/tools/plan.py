@@ -32,14 +32,14 @@ import re
 import sys
 from pathlib import Path
 
-from .. import checks
+from .. import checks, data
 from ..distributed.launch import check_process_count, launch
 from ..errors import UserError
 from ..plan import calibration, from_files
 from ..plan.cost_model import Prediction, predict
 from ..plan.frameworks import FRAMEWORKS, Framework
 from ..plan.layout import CONTEXT_ATTENTION, Layout
-from ..plan.planner import plan
+from ..plan.planner import check_job_size, plan
 from ..plan.specs import CLUSTERS, GB, GIB, MODELS, ClusterSpec, ModelSpec
 from . import gpu_runs, published
 from .plan_validation import (
@@ -130,12 +130,18 @@ def main(argv: list[str] | None = None) -> int:
         "(plan.from_files)",
     )
     parser.add_argument("--gpus", type=checks.int_at_least(1), help="GPUs of the job")
-    parser.add_argument("--seq-len", type=checks.int_at_least(1), default=8192, help="tokens per sequence")
+    parser.add_argument(
+        "--seq-len",
+        type=checks.int_at_least(1),
+        default=None,
+        help=f"tokens per sequence (default 8192; {SWEEP.seq_len} for {LOCAL_MODEL})",
+    )
     parser.add_argument(
         "--global-batch-tokens",
         type=token_count,
-        default=4 * 2**20,
-        help="tokens per optimizer step (K, M, G: binary multiples; 4M = 4,194,304)",
+        default=None,
+        help="tokens per optimizer step (K, M, G: binary multiples; 4M = 4,194,304; default 4M, "
+        f"{SWEEP.seq_len * SWEEP.global_batch} for {LOCAL_MODEL})",
     )
     parser.add_argument(
         "--context-attention",
@@ -160,6 +166,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.validate:
+        # --validate plans its own small layouts on this machine: a job's flags would be ignored
+        ignored = [
+            f"--{name.replace('_', '-')}"
+            for name in VALIDATE_IGNORES
+            if getattr(args, name) != parser.get_default(name)
+        ]
+        if ignored:
+            parser.error(
+                "--validate checks the planner on its own small layouts here and takes none of "
+                f"{', '.join(ignored)}: run it alone (with --json to keep its figures), or leave "
+                "--validate out to plan a job"
+            )
         return _validate(args)
     missing = [flag for flag in ("model", "cluster", "gpus") if getattr(args, flag) is None]
     if missing:
@@ -175,6 +193,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"--run trains on this machine's processes: use --model {LOCAL_MODEL} "
                 f"--cluster {LOCAL_CLUSTER}"
             )
+        local = args.model == LOCAL_MODEL  # the course's transformer trains on a short text, on CPUs
+        if args.seq_len is None:
+            args.seq_len = SWEEP.seq_len if local else 8192
+        if args.global_batch_tokens is None:
+            args.global_batch_tokens = SWEEP.seq_len * SWEEP.global_batch if local else 4 * 2**20
+        if local:
+            data.check_window(args.seq_len)
+        check_job_size(gpus=args.gpus, global_batch_tokens=args.global_batch_tokens)
         if args.global_batch_tokens % args.seq_len:
             raise UserError(
                 f"--global-batch-tokens {args.global_batch_tokens:,} is not a whole number of sequences of "
@@ -514,6 +540,12 @@ def _measured_run(row: dict, number: int, default_model: str | None, cluster: Cl
         model_named(name), Layout.from_name(row["layout"]), seq_len, global_batch, speed, memory, status
     )
 
+
+VALIDATE_IGNORES = (
+    "model", "cluster", "gpus", "seq_len", "global_batch_tokens", "context_attention", "top", "run",
+    "framework", "profile",
+)  # fmt: skip
+"""The flags of a job that ``--validate``, which lays out its own, would ignore."""
 
 SUBCOMMANDS = {
     "check-published": check_published,

@@ -10,7 +10,7 @@ import json
 import sys
 from collections.abc import Callable
 
-from ... import checks
+from ... import checks, data
 from ...distributed import environment, hierarchical, runtime
 from ...distributed.launch import launch, max_processes
 from ...errors import EXIT_USER_ERROR, UserError
@@ -320,8 +320,17 @@ def _add_model_parallel_options(pipe, tensor, sequence, context, attention, expe
         command.add_argument("--warmup", type=checks.int_at_least(0), default=2)
 
 
+TRAINED_ON_TEXT = ("recompute", "float8", "pipeline")
+"""The benchmarks whose transformer trains on the course's text (``data.zen_windows``)."""
+
+
 def _check_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse, as argparse would, sizes that the benchmark cannot cut as asked."""
+    if args.benchmark in TRAINED_ON_TEXT:
+        try:
+            data.check_window(args.seq)
+        except UserError as error:
+            parser.error(f"argument --seq: {error}")
     if args.benchmark == "pipeline" and args.batch % PIPELINE_MICROBATCHES[-1]:
         parser.error(
             f"argument --batch: must be a multiple of {PIPELINE_MICROBATCHES[-1]} (it is cut into "

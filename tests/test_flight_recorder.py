@@ -392,3 +392,64 @@ def test_a_collective_on_the_wrong_group_is_named(tmp_path, monkeypatch, capsys)
         out
     )
     assert "instead of #2 on group (1, 3), where rank 3 waited: a collective on the wrong group" in first, out
+
+
+def test_an_entry_missing_a_field_names_it(tmp_path, capsys):
+    entry = {"sequence": 0, "op": "all_reduce", "group_ranks": [0, 1], "shape": [3], "dtype": "float32",
+             "issued_s": 1.0, "completed_s": None, "caller": "x.py:1 in f"}  # fmt: skip
+    (tmp_path / "rank-0.json").write_text(json.dumps(_record(0, entries=[entry])))
+    assert diagnose.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err.count("\n") == 0
+        and "rank-0.json is not a complete flight record: its entry 0 has no 'state'" in err
+    )
+
+
+def test_a_request_left_by_an_earlier_run_is_not_answered_and_this_runs_is(tmp_path):
+    """A folder reused after a failed run: its DUMP_REQUESTED made the rerun's ranks write empty
+    records as they started. A request belongs to a run and a time."""
+    flight_recorder.request_dumps(tmp_path, "rank 1: the earlier run hung", run_id="none")
+    (tmp_path / flight_recorder.REQUEST).touch()  # its mtime says nothing: the time is inside
+    time.sleep(0.05)
+    recorder = flight_recorder.start(tmp_path, rank=0, world_size=2, run_id="none")
+    try:
+        time.sleep(4 * flight_recorder.POLL_S)
+        assert recorder.dumped is None and not (tmp_path / "rank-0.json").exists()
+        (tmp_path / flight_recorder.REQUEST).write_text("a request of an older version\n")
+        time.sleep(4 * flight_recorder.POLL_S)
+        assert recorder.dumped is None
+        recorder.request_everyone("this run hangs")  # replaces the leftover: it is this run's
+        deadline = time.monotonic() + 30
+        while recorder.dumped is None and time.monotonic() < deadline:
+            time.sleep(flight_recorder.POLL_S)
+        assert recorder.dumped == "asked by rank 0: this run hangs"
+    finally:
+        flight_recorder.stop()
+
+
+def _step_line(step: int, ranks: int) -> str:
+    return json.dumps({
+        "step": step, "lateness_s": [0.0] + [0.01] * (ranks - 1), "waited_s": [0.02] * ranks,
+        "last_arrivals": [0] + [1] * (ranks - 1), "collectives": 1, "slowest_rank": ranks - 1, "cost_s": 0.01,
+    })  # fmt: skip
+
+
+def test_two_runs_appended_to_one_straggler_report_are_told_apart_and_the_last_is_read(tmp_path, capsys):
+    from course_lib.tools import stragglers as straggler_tool
+
+    report = tmp_path / "report.jsonl"
+    lines = [_step_line(step, 2) for step in range(3)] + [_step_line(step, 4) for step in range(2)]
+    report.write_text("\n".join(lines) + "\n")
+    runs = straggler_tool.read_runs(report)
+    assert [[number for number, _ in run] for run in runs] == [[1, 2, 3], [4, 5]]
+    assert straggler_tool.main([str(report)]) == 0
+    shown = capsys.readouterr()
+    assert "holds 2 runs" in shown.err and "reading the last, from line 4 (step 0, 4 ranks)" in shown.err
+    assert "rank 3" in shown.out
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(json.dumps(json.loads(_step_line(0, 2)) | {"waited_s": [0.1]}) + "\n")
+    assert straggler_tool.main([str(broken)]) == 2
+    assert "line 1: not a straggler report's line (its lists must hold one number for each rank)" in (
+        capsys.readouterr().err
+    )

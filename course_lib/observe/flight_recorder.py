@@ -58,7 +58,9 @@ FOLDER_VARIABLE = "COURSE_FLIGHT_RECORDER"
 """The folder every rank writes its record to; set, ``runtime.init`` starts the recorder."""
 FORMAT = "course-flight-recorder/1"
 REQUEST = "DUMP_REQUESTED"
-"""The file a rank writes to ask every other rank of the folder to dump (its text: the reason)."""
+"""The file a rank writes to ask every other rank of the folder to dump: JSON of the reason, the
+run it is for and when it was written. A rank answers only a request of its own run written
+after it started: a request left in a reused folder by a failed run is not this run's."""
 DEFAULT_CAPACITY = 256
 PYTORCH_PREFIX = "nccl_trace_rank_"
 """PyTorch's dumps in the folder: this prefix and the rank (a pickle, read by ``tools.diagnose``)."""
@@ -153,8 +155,9 @@ class Recorder:
         return path
 
     def request_everyone(self, reason: str) -> None:
-        """Ask every rank that records into this folder to dump (each one's watcher sees the file)."""
-        request_dumps(self.folder, f"rank {self.rank}: {reason}")
+        """Ask every rank of this run that records into this folder to dump (each one's watcher sees
+        the file)."""
+        request_dumps(self.folder, f"rank {self.rank}: {reason}", run_id=self.run_id, since_s=self.started_s)
 
     def wait_for_answers(self, timeout_s: float = ANSWER_WAIT_S) -> None:
         """Wait until every rank's record is in the folder, or ``timeout_s`` (a dead rank never writes)."""
@@ -165,14 +168,11 @@ class Recorder:
             time.sleep(POLL_S / 4)
 
     def _watch(self) -> None:
-        request = self.folder / REQUEST
         while not self._stop.wait(POLL_S):
-            if self.dumped is None and request.exists():
-                try:
-                    asked = request.read_text().strip()
-                except OSError:
-                    continue
-                self.dump(f"asked by {asked}")
+            if self.dumped is None:
+                asked = current_request(self.folder, run_id=self.run_id, since_s=self.started_s)
+                if asked is not None:
+                    self.dump(f"asked by {asked}")
 
     def stop(self) -> None:
         """Stop the watcher and let go of the model: a recorder that outlived the process group while
@@ -183,20 +183,41 @@ class Recorder:
             self._watcher.join()
 
 
-def request_dumps(folder: str | os.PathLike, reason: str) -> None:
-    """Ask every rank recording into ``folder`` to write its record (the first request stays).
+def current_request(folder: Path, *, run_id: str, since_s: float) -> str | None:
+    """The reason of the dump request in ``folder`` if it is for ``run_id`` (or for whichever run
+    is recording) and was written at or after ``since_s``; None otherwise (none, another run's, or
+    a leftover of an earlier run under the same id, such as torchrun's default "none")."""
+    try:
+        request = json.loads((folder / REQUEST).read_text())
+        reason, asked_run, written_s = request["reason"], request["run_id"], float(request["written_s"])
+    except (OSError, ValueError, TypeError, KeyError):  # none, half a file, or not one of ours
+        return None
+    if asked_run not in (None, run_id) or written_s < since_s:
+        return None
+    return str(reason)
+
+
+def request_dumps(
+    folder: str | os.PathLike, reason: str, *, run_id: str | None = None, since_s: float | None = None
+) -> None:
+    """Ask every rank recording into ``folder`` to write its record. A request already there for
+    the same run, written since ``since_s``, stays (its reason came first); anything else there
+    is replaced.
 
     Args:
         folder: the recorders' folder.
         reason: who asks, and why.
+        run_id: the run whose ranks are asked (None: whichever run is recording now).
+        since_s: when the asking rank started (None: replace whatever is there: the launcher asks
+            once, after its ranks started).
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    request = folder / REQUEST
-    if not request.exists():
-        partial = folder / f"{REQUEST}.{os.getpid()}.partial"
-        partial.write_text(reason + "\n")
-        os.replace(partial, request)
+    if since_s is not None and current_request(folder, run_id=run_id, since_s=since_s) is not None:
+        return
+    partial = folder / f"{REQUEST}.{os.getpid()}.partial"
+    partial.write_text(json.dumps({"reason": reason, "run_id": run_id, "written_s": time.time()}) + "\n")
+    os.replace(partial, folder / REQUEST)
 
 
 _recorder: Recorder | None = None

@@ -130,6 +130,21 @@ def _check_one_run(folder: Path, records: dict[int, RankRecord]) -> None:
         )
 
 
+ENTRY_FIELDS = (
+    "sequence",
+    "op",
+    "group_ranks",
+    "shape",
+    "dtype",
+    "issued_s",
+    "completed_s",
+    "caller",
+    "state",
+)
+"""What each entry of a course record holds (``flight_recorder.Entry`` and its state): the diagnosis
+reads them all."""
+
+
 def _read_course_record(path: Path) -> RankRecord:
     try:
         data = json.loads(path.read_text())
@@ -137,6 +152,14 @@ def _read_course_record(path: Path) -> RankRecord:
         raise UserError(f"{path} is not a complete flight record (truncated, or not one): {error}") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise UserError(f"{path} is not a course flight record (its format is not {FORMAT})")
+    for index, entry in enumerate(data.get("entries") or []):
+        missing = [key for key in ENTRY_FIELDS if not isinstance(entry, dict) or key not in entry]
+        if missing:
+            raise UserError(
+                f"{path} is not a complete flight record: its entry {index} has no "
+                f"{', '.join(map(repr, missing))} (written by another version of the course, or edited): "
+                "record the run again"
+            )
     try:
         return RankRecord(
             rank=int(data["rank"]),

@@ -15,24 +15,45 @@ from ..observe.stragglers import StepReport, describe, summary
 from .plots import image_to_write, plot_stragglers
 
 
-def read_report(path: str | Path) -> list[StepReport]:
-    """The steps of a ``--straggler-report`` file; a line that does not read is refused with its number.
+def read_runs(path: str | Path) -> list[list[tuple[int, StepReport]]]:
+    """The runs of a ``--straggler-report`` file, each its (line number, step) pairs. The trainer
+    appends: a second run (or a resumed one, which redoes the steps after its checkpoint) starts
+    where a step number stops growing or the ranks change in number.
 
     Args:
         path: the JSON-lines file the trainer wrote.
     """
     path = checks.check_not_binary("REPORT", path, "a straggler report")
-    steps = []
+    runs: list[list[tuple[int, StepReport]]] = []
     for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            steps.append(StepReport(**json.loads(line)))
+            step = StepReport(**json.loads(line))
+            ranks = len(step.lateness_s)
+            if not ranks or len(step.waited_s) != ranks or len(step.last_arrivals) != ranks:
+                raise TypeError("its lists must hold one number for each rank")
+            if not 0 <= step.slowest_rank < ranks:
+                raise TypeError(f"slowest_rank {step.slowest_rank} is not one of its {ranks} ranks")
         except (json.JSONDecodeError, TypeError) as error:
             raise UserError(f"{path}, line {number}: not a straggler report's line ({error})") from None
-    if not steps:
+        previous = runs[-1][-1][1] if runs else None
+        if previous is None or step.step <= previous.step or ranks != len(previous.lateness_s):
+            runs.append([])
+        runs[-1].append((number, step))
+    if not runs:
         raise UserError(f"{path} holds no step: was it written by --straggler-report, and did a step run?")
-    return steps
+    return runs
+
+
+def read_report(path: str | Path) -> list[StepReport]:
+    """The steps of the last run in a ``--straggler-report`` file (``read_runs``); a line that does
+    not read is refused with its number.
+
+    Args:
+        path: the JSON-lines file the trainer wrote.
+    """
+    return [step for _, step in read_runs(path)[-1]]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,10 +71,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = parser.parse_args(argv)
     try:
-        steps = read_report(args.report)
+        runs = read_runs(args.report)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    steps = [step for _, step in runs[-1]]
+    if len(runs) > 1:
+        first_line = runs[-1][0][0]
+        print(
+            f"note: {args.report} holds {len(runs)} runs (the trainer appends; a resumed run starts again "
+            f"after its checkpoint): reading the last, from line {first_line} (step {steps[0].step}, "
+            f"{len(steps[0].lateness_s)} ranks); give each run its own file to keep them apart",
+            file=sys.stderr,
+        )
     print(json.dumps(summary(steps), indent=1) if args.json else describe(steps))
     if args.plot:
         plot_stragglers([step.as_dict() for step in steps], path=args.plot)

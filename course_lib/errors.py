@@ -50,9 +50,11 @@ class UserError(Exception):
     """A mistake in the input (flag, environment, data, checkpoint) that the message tells how to fix."""
 
 
-class PeerLeft(UserError):
+class PeerLeft(Exception):
     """A rank waited in a collective for a rank that had already ended (the transport only says that
-    the connection closed): another rank never made the collective, or crashed first."""
+    the connection closed). From this rank's side the cause is unknown: the other rank crashed or
+    was killed (the run's failure is that rank's: exit 1), or it finished without making the
+    collective (the program's mistake, which ``launch`` names where it sees the other rank return)."""
 
 
 class Diverged(Exception):

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from course_lib.distributed import runtime
 from course_lib.distributed.launch import ChildFailedError, launch
+from course_lib.errors import UserError
 
 
 def _sum_of_ranks(offset):
@@ -228,3 +229,21 @@ def test_a_plain_script_under_torchrun_gets_the_cross_rank_check_on_every_rank(t
     for rank in (0, 1):
         assert f"rank {rank} refused: comm: the ranks made different calls" in done.stdout, done.stdout
     assert " got " not in done.stdout
+
+
+def _killed_inside_a_collective():
+    import signal
+
+    from course_lib.distributed import comm
+
+    if runtime.rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    comm.all_reduce(torch.ones(3))
+
+
+def test_a_peer_killed_in_a_collective_is_the_cause_never_the_programs_mistake():
+    """Rank 0 only sees its peer gone; the launcher names the killed rank, and no UserError (exit 2:
+    an input mistake) blames the program."""
+    with pytest.raises(ChildFailedError, match="rank 1 exited with code -9") as raised:
+        launch(_killed_inside_a_collective, 2, timeout_s=60)
+    assert not isinstance(raised.value, UserError)

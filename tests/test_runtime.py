@@ -339,3 +339,21 @@ def test_a_master_addr_no_one_knows_is_named_by_the_rank_that_looks_for_it():
     assert outcome.returncode == 2, outcome.stderr
     [line] = outcome.stderr.strip().splitlines()
     assert line.startswith("error: MASTER_ADDR 'nowhere.invalid' is not a host this machine knows (")
+
+
+def test_slurms_task_count_without_srun_names_srun():
+    """A batch script that runs python itself: Slurm says the job has 2 tasks, but nothing started
+    the other; rank 0's line names srun."""
+    from course_lib.distributed.launch import free_port
+
+    from conftest import run_ranks
+
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "localhost",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}  # fmt: skip
+    args = ["--strategy", "ddp", "--epochs", "1", "--max-steps", "1", "--no-progress", "--timeout", "3"]
+    [outcome] = run_ranks(args, 1, env=env, timeout=60)
+    assert outcome.returncode == 1, outcome.stderr
+    [line] = outcome.stderr.strip().splitlines()
+    assert (
+        line.startswith("error: rank 0 waited 3 s at 127.0.0.1:") and "only srun starts the ranks" in line
+    ), line

@@ -35,10 +35,10 @@ def report_failure(call: Call, error: Exception) -> None:
     if isinstance(error, UserError) or not any(sign in str(error) for sign in runtime.PEER_GONE):
         return
     raise PeerLeft(
-        f"a rank waited in a collective that another rank never made (rank {runtime.rank()} waited in "
-        f"{call.op}; the other had already finished, or crashed first: read its output): every rank must "
-        "make the same collectives, in the same order"
-    ) from error
+        f"rank {runtime.rank()} waited in {call.op} for a rank that had gone: it crashed or was killed "
+        "(read its output), or it finished without making this collective (every rank must make the "
+        "same collectives, in the same order)"
+    ) from None  # the transport's words ("a remote worker crashing") would name one cause of two
 
 
 class SkippedWork:

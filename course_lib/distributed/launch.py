@@ -48,7 +48,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..checks import check_choice, check_int, check_number
-from ..errors import UserError
+from ..errors import PeerLeft, UserError
 from . import environment, hooks, runtime
 
 PROCESSES_PER_CORE_LIMIT = 8
@@ -182,7 +182,18 @@ def _stop(processes: list) -> None:
             process.join()
 
 
-def _raise_failure(failures: dict[int, tuple[BaseException | None, str]]) -> None:
+def _raise_failure(failures: dict[int, tuple[BaseException | None, str]], *, finished: list[int]) -> None:
+    """Raise the failure that explains the others. A rank that waited for a peer that had gone is
+    never the cause; where every failed rank only waited, and others returned, those returned
+    without a collective the waiting ranks made: the program's mistake, named as one."""
+    if finished and all(isinstance(error, PeerLeft) for error, _ in failures.values()):
+        waiting, returned = ", ".join(map(str, sorted(failures))), ", ".join(map(str, finished))
+        raise UserError(
+            f"ranks waited in a collective that other ranks never made (waiting: {waiting}; returned "
+            f"without it: {returned}): every rank must make the same collectives, in the same order "
+            "(a collective inside a branch that one rank takes?)"
+        )
+
     # Prefer a rank whose error is its own (or that died silently) over ranks that only saw a peer disappear.
     def is_root_cause(item):
         error = item[1][0]
@@ -296,7 +307,7 @@ def launch(
             receive_end.close()
         del store
     if failures:
-        _raise_failure(failures)
+        _raise_failure(failures, finished=sorted(results))
     return [results[rank] for rank in range(nprocs)]
 
 

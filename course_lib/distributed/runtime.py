@@ -108,10 +108,18 @@ def _rendezvous_store(env: DistEnvironment, timeout: datetime.timedelta):
                 "free one (--standalone)"
             ) from None
         if hosts and "waiting for clients" in str(error):
+            # Slurm's variables say how many tasks the job has; only srun starts them
+            srun = (
+                f": under Slurm only srun starts the ranks, and SLURM_NTASKS={env.world_size} without srun "
+                "(a batch script that runs python itself) leaves rank 0 alone: run it as srun python ..., "
+                "or unset SLURM_NTASKS to run one process"
+                if env.launcher == "slurm"
+                else ""
+            )
             raise RendezvousFailed(
                 f"rank 0 waited {timeout.total_seconds():g} s at {where} for all {env.world_size} ranks to "
                 "join, and some never came: they did not start (see their logs), or they look for rank 0 "
-                "at another MASTER_ADDR or MASTER_PORT"
+                f"at another MASTER_ADDR or MASTER_PORT{srun}"
             ) from None
         raise
     return dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)

@@ -57,7 +57,7 @@ from .. import checks
 from ..distributed import collective_check  # noqa: F401  (installed: a student's one-sided call gets one line)
 from ..distributed.launch import launch
 from ..distributed.runtime import PEER_GONE
-from ..errors import UserError
+from ..errors import PeerLeft, UserError
 from . import sandbox
 
 LINE_LENGTH = 110  # pyproject.toml's [tool.ruff] line-length: exercises are formatted like the code
@@ -294,7 +294,7 @@ def _property_outcome(prop: Property, student: sandbox.Submission, path: Path) -
         return str(error).splitlines()[0] if str(error) else "an assertion failed"
     except CollectiveHung as error:
         return str(error)
-    except UserError as error:  # the course's own line (collectives that differ across ranks...)
+    except (UserError, PeerLeft) as error:  # the course's own line (collectives that differ across ranks...)
         return str(error)
     except Exception as error:  # noqa: BLE001 (the student's mistake is reported, never raised)
         if any(sign in str(error) for sign in PEER_GONE):

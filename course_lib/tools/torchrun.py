@@ -118,6 +118,44 @@ def _check_program(args) -> None:
         checks.check_file_to_read("the training script", args.training_script)
 
 
+def _nodes(text: str) -> tuple[int, int]:
+    """``--nnodes``: N, or MIN:MAX for an elastic job, as (least, most)."""
+    parts = str(text).split(":")
+    if len(parts) > 2 or not all(part.isdigit() and int(part) >= 1 for part in parts):
+        raise UserError(f"--nnodes {text!r}: give a number of nodes, 1 or more, or MIN:MAX (e.g. 2:4)")
+    least, most = int(parts[0]), int(parts[-1])
+    if least > most:
+        raise UserError(f"--nnodes {text!r}: the least nodes ({least}) is above the most ({most})")
+    return least, most
+
+
+def _check_flags(args) -> None:
+    """torchrun's flags that its parser takes but its launcher would end in a traceback on, or
+    hang on, refused in one line before any worker starts."""
+    processes = str(args.nproc_per_node)
+    if processes not in ("auto", "cpu", "gpu", "xpu") and not (processes.isdigit() and int(processes) >= 1):
+        raise UserError(
+            f"--nproc-per-node {processes!r}: give a number of processes, 1 or more, or auto, cpu or gpu"
+        )
+    if processes == "gpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UserError(
+                "--nproc-per-node gpu starts one process per GPU, and this machine has none: give a number "
+                "of processes (e.g. --nproc-per-node 2)"
+            )
+    if args.max_restarts < 0:
+        raise UserError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
+    nodes = _nodes(args.nnodes)
+    if args.standalone and nodes != (1, 1):
+        raise UserError(
+            f"--standalone runs one node by itself, but --nnodes {args.nnodes} asks for more: the other "
+            "nodes would wait for it forever. Give the nodes a meeting point (--rdzv-backend c10d "
+            "--rdzv-endpoint HOST:PORT, as slurm/torchrun_per_node.sbatch does), or leave out --nnodes"
+        )
+
+
 def _world_size(args, workers: int) -> int:
     """The job's ranks: this node's workers times the most nodes torchrun may join (``--nnodes``)."""
     nodes = str(args.nnodes).split(":")[-1]
@@ -130,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import determine_local_world_size, run
 
     args = _parse(_defaults(sys.argv[1:] if argv is None else argv))
+    _check_flags(args)
     _check_program(args)
     workers = determine_local_world_size(args.nproc_per_node)
     faults.check_environment(_world_size(args, workers))

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from course_lib.tools import bench, jobcheck, study
 
@@ -229,6 +230,24 @@ def test_a_reader_that_stops_early_ends_the_command_quietly(command, status):
             "kill:one:3",
             "write KIND:RANK:AT",
         ),
+        (["--nproc-per-node", "two", "-m", "course_lib.train"], "", "--nproc-per-node 'two': give a number"),
+        (["--nproc-per-node", "0", "-m", "course_lib.train"], "", "--nproc-per-node '0': give a number"),
+        (["--nproc-per-node", "gpu", "-m", "course_lib.train"], "", "this machine has none"),
+        (
+            ["--nproc-per-node", "2", "--max-restarts", "-1", "-m", "course_lib.train"],
+            "",
+            "--max-restarts must be",
+        ),
+        (
+            ["--standalone", "--nnodes", "2", "--nproc-per-node", "2", "-m", "course_lib.train"],
+            "",
+            "--standalone runs one node by itself, but --nnodes 2 asks for more",
+        ),
+        (
+            ["--nnodes", "3:2", "--nproc-per-node", "2", "-m", "course_lib.train"],
+            "",
+            "the least nodes (3) is above",
+        ),
     ],
     ids=[
         "module typo",
@@ -236,6 +255,12 @@ def test_a_reader_that_stops_early_ends_the_command_quietly(command, status):
         "torchrun's own flag",
         "fault outside the world",
         "malformed fault",
+        "processes not a number",
+        "no processes",
+        "gpu without a GPU",
+        "negative restarts",
+        "standalone with two nodes",
+        "nodes backwards",
     ],
 )
 def test_the_torchrun_wrapper_refuses_before_any_worker_starts(argv, fault, message, monkeypatch, capsys):
@@ -245,6 +270,7 @@ def test_the_torchrun_wrapper_refuses_before_any_worker_starts(argv, fault, mess
     from conftest import call_main
 
     monkeypatch.setenv(faults.VARIABLE, fault)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # "gpu" is refused where there is none
     shown = call_main(torchrun.main, argv, capsys)
     assert shown.returncode == 2 and message in shown.stderr
     assert shown.stderr.count("\n") == 1 and "Traceback" not in shown.stderr

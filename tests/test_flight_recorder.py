@@ -210,9 +210,24 @@ def test_every_launch_is_a_run_of_its_own():
     assert first[0] == first[1] and second[0] == second[1] and first[0] != second[0]
 
 
-def test_a_bad_fault_says_the_format():
-    with pytest.raises(UserError, match="write KIND:RANK:AT with KIND one of skip-collective"):
-        faults.parse("skip:1")
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("skip:1", "write KIND:RANK:AT with KIND one of skip-collective"),
+        ("nan:0:nan", "(RANK and AT are at least 0, and AT is finite)"),
+        ("slow:1:inf", "(RANK and AT are at least 0, and AT is finite)"),
+        ("slow:1:1e9", "a slowdown of 1e+09 s a collective never lets the run end: give at most 60 s"),
+        ("seed:1:99999999999999999999", "a seed is at most 4294967295"),
+        ("kill:1:2.5", "AT of kill counts the collective it strikes, from 0: give a whole number"),
+        ("nan:all:1.5", "AT of nan counts the step whose loss it makes NaN: give a whole number"),
+    ],
+)
+def test_a_fault_that_cannot_work_is_refused_before_the_run(text, message):
+    """Each was accepted and failed mid-run with a traceback (a step at nan, a seed too large for the
+    generator, a slowdown that never ends)."""
+    with pytest.raises(UserError) as raised:
+        faults.parse(text)
+    assert message in str(raised.value)
 
 
 def test_pytorchs_own_dump_is_read_as_the_same_entries(tmp_path):

@@ -36,6 +36,7 @@ the course's check of every call) a wrong result.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import threading
@@ -62,6 +63,25 @@ KINDS = (
     "seed",
     "no-set-epoch",
 )
+
+
+AT_MEANS = {
+    "skip-collective": "the collective it strikes, from 0",
+    "wrong-size": "the collective it strikes, from 0",
+    "wrong-group": "the collective it strikes, from 0",
+    "hang": "the collective it strikes, from 0",
+    "kill": "the collective it strikes, from 0",
+    "slow": "the seconds each collective is late",
+    "nan": "the step whose loss it makes NaN",
+    "corrupt": "the step after which it changes a weight",
+    "seed": "the data sampler's seed",
+    "no-set-epoch": "the first epoch without set_epoch",
+}
+"""What AT is, for each kind."""
+MAX_SLOW_S = 60.0
+"""The most a ``slow`` fault delays each collective: beyond it the run never ends in practice."""
+MAX_SEED = 2**32 - 1
+"""The largest seed a ``seed`` fault gives the sampler (numpy's and the trainer's bound)."""
 
 
 @dataclass(frozen=True)
@@ -95,9 +115,20 @@ def parse(text: str) -> Fault:
         rank, at = int(parts[1]), float(parts[2])
     except ValueError:
         raise UserError(usage) from None
-    if rank < -1 or at < 0:
-        raise UserError(f"{usage} (RANK and AT are at least 0)")
-    return Fault(parts[0], rank, at)
+    if rank < -1 or not math.isfinite(at) or at < 0:
+        raise UserError(f"{usage} (RANK and AT are at least 0, and AT is finite)")
+    kind = parts[0]
+    if kind == "slow":
+        if at > MAX_SLOW_S:
+            raise UserError(
+                f"{VARIABLE}={text!r}: a slowdown of {at:g} s a collective never lets the run end: give at "
+                f"most {MAX_SLOW_S:g} s (a straggler is a fraction of a second late)"
+            )
+    elif at != int(at):
+        raise UserError(f"{VARIABLE}={text!r}: AT of {kind} counts {AT_MEANS[kind]}: give a whole number")
+    elif kind == "seed" and at > MAX_SEED:
+        raise UserError(f"{VARIABLE}={text!r}: a seed is at most {MAX_SEED} (what the generator takes)")
+    return Fault(kind, rank, at)
 
 
 def check_environment(world_size: int) -> Fault | None:

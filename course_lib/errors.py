@@ -10,6 +10,7 @@ waiting for a partner that already left.
 """
 
 import signal
+import sys
 
 EXIT_USER_ERROR = 2
 """Exit status for a mistake in flags, data or checkpoints (the same status argparse uses)."""
@@ -43,7 +44,15 @@ def report_exit_status(status: int) -> None:
 
     folder = os.environ.get(STATUS_FOLDER)
     if folder:
-        Path(folder, f"rank-{os.environ.get('RANK', '0')}").write_text(f"{status}\n")
+        try:
+            Path(folder, f"rank-{os.environ.get('RANK', '0')}").write_text(f"{status}\n")
+        except OSError as error:  # the run's work is done: say why its launcher will not see its status
+            print(
+                f"warning: {STATUS_FOLDER}={folder!r}: cannot leave this rank's exit status there "
+                f"({error.strerror or error}); set it to a folder that exists, or unset it",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 class UserError(Exception):

@@ -144,6 +144,11 @@ LAB_TIMEOUT_S = 60
 collective that some rank never calls would otherwise wait forever."""
 
 
+MIN_LAB_TIMEOUT_S = 2.0
+"""The shortest ``COURSE_LAB_TIMEOUT_S``: less, and a property's processes cannot even start (its
+ranks would be reported as waiting in a collective)."""
+
+
 def lab_timeout_s() -> float:
     """``COURSE_LAB_TIMEOUT_S`` (seconds, above 0, at most a day), or ``LAB_TIMEOUT_S``; one line where
     the variable is not such a number."""
@@ -154,9 +159,26 @@ def lab_timeout_s() -> float:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not 0 < value <= 86_400:  # NaN too
-        raise UserError(f"COURSE_LAB_TIMEOUT_S={text!r}: give seconds, a number above 0 and at most 86400")
+    if not MIN_LAB_TIMEOUT_S <= value <= 86_400:  # NaN too
+        raise UserError(
+            f"COURSE_LAB_TIMEOUT_S={text!r}: give seconds, from {MIN_LAB_TIMEOUT_S:g} (what starting a "
+            "property's processes takes) to 86400"
+        )
     return value
+
+
+def grading_seed() -> int:
+    """``COURSE_GRADING_SEED`` (a whole number from 1 to 2^31 - 1: the inputs of a grading to
+    reproduce), or one drawn afresh; one line where the variable is not such a number."""
+    text = os.environ.get("COURSE_GRADING_SEED", "")
+    if not text:
+        return random.SystemRandom().randrange(1, 2**31)
+    if not text.strip().isdigit() or not 1 <= int(text) < 2**31:
+        raise UserError(
+            f"COURSE_GRADING_SEED={text!r}: give the whole number a grading printed (from 1 to {2**31 - 1}), "
+            "or unset it to draw new inputs"
+        )
+    return int(text)
 
 
 @dataclass(frozen=True)
@@ -354,7 +376,7 @@ def run_suite(
     """
     global GRADING_SEED
     # inputs a recording cannot have seen (COURSE_GRADING_SEED: the same inputs again, to reproduce one)
-    GRADING_SEED = int(os.environ.get("COURSE_GRADING_SEED") or random.SystemRandom().randrange(1, 2**31))
+    GRADING_SEED = grading_seed()
     grading = load(LABS_DIR / name / "grading.py")
     lines, first_hint = [], None
 
@@ -541,7 +563,8 @@ def main(argv: list[str] | None = None) -> int:
         name, path, verdict, *answers = argv[1:]
         return _grade_in_child(name, Path(path), Path(answers[0]) if answers else None, Path(verdict))
     args = parser.parse_args(argv)
-    lab_timeout_s()  # a bad COURSE_LAB_TIMEOUT_S is refused before any grading starts
+    lab_timeout_s()  # a bad COURSE_LAB_TIMEOUT_S or COURSE_GRADING_SEED is refused before any grading starts
+    grading_seed()
     if args.command == "generate":
         for path in generate():
             print(f"wrote {path.relative_to(LABS_DIR.parent)}")

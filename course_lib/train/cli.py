@@ -46,6 +46,7 @@ from ..errors import (
     EXIT_DIVERGED,
     EXIT_REQUEUE,
     EXIT_USER_ERROR,
+    STATUS_FOLDER,
     Diverged,
     RendezvousFailed,
     UserError,
@@ -236,6 +237,8 @@ def run(
         print(f"error: {error}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
     try:
+        if os.environ.get(STATUS_FOLDER):  # where a wrapper reads the exit status: checked before the work
+            checks.check_existing_folder(STATUS_FOLDER, os.environ[STATUS_FOLDER])
         checks.check_number("--timeout", timeout_s, above=0, maximum=runtime.MAX_TIMEOUT_S)
         environment.choose_backend(backend, _cuda_available())
         validate_config(config, env.world_size, env.local_world_size)

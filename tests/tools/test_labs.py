@@ -535,11 +535,25 @@ def test_the_judge_never_imports_the_submission(tmp_path):
         submission.module()
 
 
-@pytest.mark.parametrize("value", ["abc", "-3", "nan", "0"])
-def test_a_bad_lab_timeout_is_refused_in_one_line(value, monkeypatch, capsys):
+@pytest.mark.parametrize(
+    "variable, value, message",
+    [
+        *[
+            ("COURSE_LAB_TIMEOUT_S", value, "give seconds, from 2")
+            for value in ("abc", "-3", "nan", "0", "0.01")
+        ],
+        *[
+            ("COURSE_GRADING_SEED", value, "give the whole number a grading printed")
+            for value in ("abc", "0", "-5")
+        ],
+    ],
+)
+def test_a_bad_grading_variable_is_refused_in_one_line(variable, value, message, monkeypatch, capsys):
+    """Each was blamed on the student's file, or (a timeout too short to start a process) reported
+    as a rank waiting in a collective."""
     from conftest import call_main
 
-    monkeypatch.setenv("COURSE_LAB_TIMEOUT_S", value)
+    monkeypatch.setenv(variable, value)
     shown = call_main(labs.main, ["check", "lab7_scaling"], capsys)
     assert shown.returncode == 2 and shown.stderr.count("\n") == 1
-    assert f"COURSE_LAB_TIMEOUT_S={value!r}: give seconds" in shown.stderr
+    assert f"{variable}={value!r}: {message}" in shown.stderr

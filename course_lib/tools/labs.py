@@ -20,21 +20,21 @@ message. Then each ``Question`` of the lab's README is checked from the student'
 ``answers.toml``, against the value the course's own models compute. ``--submissions DIR`` grades
 every ``name.py`` in a folder (with ``name.toml``), for instructors.
 
-Each submission is graded in a process of its own (the *judge*), and passes only if that process
-reaches the end of the suite and says so. The judge never imports the student's file: its code
-runs only in processes forked for it (``sandbox``: the ranks a property launches, and a sandbox
-for each value the judge asks of it), which may not read the labs' solutions, touch the
-verdict, or start programs, and whose answers come back as data; the judge compares them with
-what it computes itself, on inputs drawn afresh for every grading (``GRADING_SEED``). A file
-that exits while it is imported (``sys.exit``, ``os._exit``), never finishes importing, writes
-the verdict, patches the grader, imports the solution or replays recorded outputs fails with
-the reason.
+Each submission is graded by the process that runs ``check`` (the *judge*), which never imports
+the student's file: the properties run in a grading process of their own, in a room without the
+labs' solutions and keys (``grading_room``), whose outcomes reach the judge signed; the student's
+code runs only in processes forked from it (``sandbox``: the ranks a property launches, and a
+sandbox for each value asked of it), whose answers come back as data, compared with what the
+suite computes itself on inputs drawn afresh for every grading (``GRADING_SEED``). The judge
+checks the answers against the keys, ends every process of the grading, and prints the verdict
+last. A file that exits while it is imported (``sys.exit``, ``os._exit``), never finishes
+importing, forges the verdict, patches the grader, reads the solution or replays recorded outputs
+fails with the reason.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import os
 import queue
@@ -58,7 +58,7 @@ from ..distributed import collective_check  # noqa: F401  (installed: a student'
 from ..distributed.launch import launch
 from ..distributed.runtime import PEER_GONE
 from ..errors import PeerLeft, UserError
-from . import sandbox
+from . import grading_room, sandbox
 
 LINE_LENGTH = 110  # pyproject.toml's [tool.ruff] line-length: exercises are formatted like the code
 LABS_DIR = Path(__file__).resolve().parent.parent.parent / "labs"
@@ -359,66 +359,93 @@ def _load_problem(student: sandbox.Submission, seconds: float) -> str | None:
     return None
 
 
-def run_suite(
-    name: str, path: Path, answers: Path | None = None, *, emit=None, verdicts: tuple[Path, ...] = ()
-) -> tuple[bool, list[str]]:
-    """Every property of lab ``name`` on the student's file, then its questions: (all passed, the report).
+def run_properties(name: str, path: Path, *, emit=None, verdicts: tuple[Path, ...] = ()) -> list[dict]:
+    """Every property of lab ``name`` on the student's file: one record each (``status`` PASS, FAIL
+    or SKIP, the property's ``index``, the ``line`` to print), or one FAIL record where the file
+    does not load.
 
-    This process is the judge: it never imports the student's file, which runs only in the
-    processes it forks (``sandbox``), and it compares what they send back.
+    This process never imports the student's file, which runs only in the processes it forks
+    (``sandbox``), and it compares what they send back with what it computes itself.
 
     Args:
         name: the lab.
         path: the student's Python file.
-        answers: the student's answers (None: ``answers.toml`` beside the file, or the lab's).
-        emit: called with each line of the report as soon as it is known (for progress).
-        verdicts: files the student's code may not touch (the verdict this grading writes).
+        emit: called with each record as soon as it is known (for progress).
+        verdicts: files the student's code may not touch.
     """
     global GRADING_SEED
     # inputs a recording cannot have seen (COURSE_GRADING_SEED: the same inputs again, to reproduce one)
     GRADING_SEED = grading_seed()
     grading = load(LABS_DIR / name / "grading.py")
-    lines, first_hint = [], None
+    records: list[dict] = []
 
-    def report(line: str) -> None:
-        lines.append(line)
+    def report(status: str, index: int | None, line: str) -> None:
+        records.append({"status": status, "index": index, "line": line})
         if emit is not None:
-            emit(line)
+            emit(records[-1])
 
     student = sandbox.Submission(path, load=load, timeout_s=lab_timeout_s(), verdicts=verdicts)
     problem = _load_problem(student, lab_timeout_s())
     if problem:
-        report(f"FAIL  {problem}")
-        return False, lines
-    for prop in grading.PROPERTIES:
+        report("FAIL", None, f"FAIL  {problem}")
+        return records
+    for index, prop in enumerate(grading.PROPERTIES):
         started = time.perf_counter()
         problem = _property_outcome(prop, student, path)
         took = f"({time.perf_counter() - started:.1f} s)"
         if problem is None:
-            report(f"PASS  {prop.name} {took}")
+            report("PASS", index, f"PASS  {prop.name} {took}")
         elif prop.optional and problem.startswith("not finished yet"):
-            report(f"SKIP  {prop.name} {took}: optional, not attempted ({problem})")
+            report("SKIP", index, f"SKIP  {prop.name} {took}: optional, not attempted ({problem})")
         else:
-            report(f"FAIL  {prop.name} {took}: {problem}")
-            first_hint = first_hint or prop.hint
+            report("FAIL", index, f"FAIL  {prop.name} {took}: {problem}")
+    return records
+
+
+def finish_report(name: str, records: list[dict], path: Path, answers: Path | None) -> tuple[bool, list[str]]:
+    """The judge's part after the properties: the answers checked against the keys, then the
+    verdict line, last. Returns (all passed, every line of the report).
+
+    Args:
+        name: the lab.
+        records: ``run_properties``'s, as they came back.
+        path: the student's file (where ``answers.toml`` is looked for beside it).
+        answers: the student's answers (None: ``answers.toml`` beside the file, or the lab's).
+    """
+    grading = load(LABS_DIR / name / "grading.py")
+    lines = [record["line"] for record in records]
     questions = getattr(grading, "QUESTIONS", [])
-    if questions:
+    if questions and not (records and records[0]["index"] is None):  # a file that does not load: no more
         if answers is None:
             beside = path.with_name("answers.toml") if path.parent != LABS_DIR / name else None
             answers = beside if beside is not None and beside.is_file() else LABS_DIR / name / "answers.toml"
-        for line in check_answers(questions, answers):
-            report(line)
-    passed = not any(line.startswith("FAIL") for line in lines)
+        lines += check_answers(questions, answers)
+    failed = [record["index"] for record in records if record["status"] == "FAIL"]
+    first_hint = grading.PROPERTIES[failed[0]].hint if failed and failed[0] is not None else None
+    passed = len(records) == len(grading.PROPERTIES) and not any(line.startswith("FAIL") for line in lines)
     total = len(grading.PROPERTIES) + len(questions)
     held = sum(line.startswith("PASS") for line in lines)
     summary = f"{name}: {held} of {total} properties and answers hold"
     if passed and any(line.startswith("SKIP") for line in lines):
         summary += " (the optional part not attempted)"
-    report(summary + (f"; hint: {first_hint}" if first_hint else ""))
+    lines.append(summary + (f"; hint: {first_hint}" if first_hint else ""))
     return passed, lines
 
 
-# -- each submission in a process of its own --------------------------------------------------------
+def run_suite(name: str, path: Path, answers: Path | None = None) -> tuple[bool, list[str]]:
+    """Every property of lab ``name`` on the student's file, then its questions, in this process:
+    (all passed, the report). ``grade_submission`` is the same, with the properties in a grading
+    room of their own.
+
+    Args:
+        name: the lab.
+        path: the student's Python file.
+        answers: the student's answers (None: ``answers.toml`` beside the file, or the lab's).
+    """
+    return finish_report(name, run_properties(name, path), path, answers)
+
+
+# -- each submission in a room of its own -----------------------------------------------------------
 
 SILENCE_LIMIT_PER_TIMEOUT = 4
 """A property runs the student's code on a few world sizes, each bounded by ``lab_timeout_s``; a
@@ -432,78 +459,124 @@ def grading_silence_limit_s() -> float:
     return SILENCE_LIMIT_PER_TIMEOUT * lab_timeout_s() + GRADER_START_S
 
 
-def _grade_in_child(name: str, path: Path, answers: Path | None, verdict: Path) -> int:
-    """The child's side: run the suite, print each line at once, and only at the very end write
-    the verdict file, so that a run that ended early is told from one that finished."""
-    passed, lines = run_suite(
-        name, path, answers, emit=lambda line: print(line, flush=True), verdicts=(verdict,)
-    )
-    finished = verdict.with_suffix(".partial")
-    finished.write_text(json.dumps({"passed": passed, "summary": lines[-1]}))
-    os.replace(finished, verdict)
-    return 0 if passed else 1
+def _grade_in_child(name: str, path: Path, channel: int) -> int:
+    """The grading process's side (in the room): read the channel's key from the judge, then run
+    the properties, each outcome signed and sent as soon as it is known, and a last message that
+    says the suite reached its end."""
+    key = sys.stdin.buffer.read(grading_room.KEY_BYTES)
+    sys.stdin.close()
+    sender = grading_room.Sender(channel, key)
+    del key
+    run_properties(name, path, emit=sender.send)
+    sender.send({"status": "END"})
+    return 0
+
+
+def _relay(stream, shown: Callable[[str], None]) -> threading.Thread:
+    """Show what the grading's processes print, marked as theirs, until the judge closes the pipe."""
+
+    def relay() -> None:
+        for line in stream:
+            shown(f"  | {line.rstrip()}")
+
+    thread = threading.Thread(target=relay, daemon=True)
+    thread.start()
+    return thread
 
 
 def grade_submission(name: str, path: Path, answers: Path | None = None, *, echo=print) -> bool:
-    """Grade ``path`` in a child process; True if every property and answer holds.
+    """Grade ``path`` in a grading room (``grading_room``); True if every property and answer holds.
 
-    The child prints the report line by line (``echo`` shows each). It passes only if it writes
-    its verdict at the end: exiting early, being killed, or falling silent for longer than
-    ``grading_silence_limit_s()`` (a student's file stuck in an endless loop) fails it, with the
-    reason.
+    Each property's line comes signed from the grading process and is shown at once (``echo``);
+    what the submission printed goes to stderr, marked. The grading passes only if the signed
+    record of its end arrives: exiting early, being killed, a message that does not verify, or
+    falling silent for longer than ``grading_silence_limit_s()`` (an endless loop) fails it, with
+    the reason. Then every process of the grading is ended, the answers are checked here, and the
+    verdict is the last line.
 
     Args:
         name: the lab.
         path: the student's Python file.
-        answers: the student's answers (None: the default rule of ``run_suite``).
+        answers: the student's answers (None: the default rule of ``finish_report``).
         echo: where each line of the report goes.
     """
+    key, records, why = grading_room.new_key(), [], None
     with tempfile.TemporaryDirectory(prefix="course-grade-") as scratch:
-        verdict = Path(scratch) / "verdict.json"
-        command = [sys.executable, "-m", "course_lib.tools.labs", "_grade", name, str(path), str(verdict)]
-        if answers is not None:
-            command.append(str(answers))
+        graded = grading_room.build_room(Path(scratch), path)
+        receive, send = os.pipe()
+        argv = [sys.executable, "-m", "course_lib.tools.labs", "_grade", name, str(graded), str(send)]
         child = subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
+            grading_room.command(argv),
+            cwd=scratch,  # the room's course_lib is imported, not the repository's
+            env={**os.environ, "PYTHONPATH": scratch, "PYTHONSAFEPATH": ""},
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
+            pass_fds=(send,),
             text=True,
             errors="replace",
-            start_new_session=True,  # its own process group: stopping it stops the ranks it started
+            start_new_session=True,  # its own process group: ending it ends the processes it started
         )
-        lines: queue.Queue[str | None] = queue.Queue()
+        os.close(send)
+        child.stdin.buffer.write(key)  # the channel's key: only the grading process reads it
+        child.stdin.close()
+        relay = _relay(child.stdout, lambda line: print(line, file=sys.stderr, flush=True))
+        messages: queue.Queue[str | None] = queue.Queue()
 
         def read() -> None:
-            for line in child.stdout:
-                lines.put(line.rstrip("\n"))
-            lines.put(None)
+            with os.fdopen(receive, "r", errors="replace") as channel:
+                for line in channel:
+                    messages.put(line)
+            messages.put(None)
 
         threading.Thread(target=read, daemon=True).start()
-        last_line, silent = "", False
         while True:
             try:
-                line = lines.get(timeout=grading_silence_limit_s())
+                line = messages.get(timeout=grading_silence_limit_s())
             except queue.Empty:
-                silent = True
-                os.killpg(child.pid, signal.SIGKILL)
+                why = (
+                    f"nothing happened for {grading_silence_limit_s():g} s (an endless loop?), so it was "
+                    "stopped"
+                )
                 break
             if line is None:
                 break
-            echo(line)
-            last_line = line if line.startswith(("PASS", "FAIL")) else last_line
-        status = child.wait()
-        if verdict.is_file():
-            return json.loads(verdict.read_text())["passed"]
-    where = f" after: {last_line}" if last_line else " while it was imported"
-    why = (
-        f"nothing happened for {grading_silence_limit_s():g} s (an endless loop?), so it was stopped"
-        if silent
-        else f"the process ended with status {status}{where} (a sys.exit or os._exit in the file?)"
-    )
-    echo(f"FAIL  {path.name}: the grading did not reach its end, so nothing is passed: {why}")
-    echo(f"{name}: not graded to the end")
-    return False
+            record = grading_room.verify(key, len(records), line)
+            if record is None:
+                why = "a message on the grading's channel did not verify (written by something else)"
+                break
+            records.append(record)
+            if record["status"] == "END":
+                break
+            echo(record["line"])
+        _end(child)
+        relay.join(5)
+        child.stdout.close()  # a process that escaped the group prints into a closed pipe: never shown
+    finished = bool(records) and records[-1]["status"] == "END"
+    if not finished:
+        last = next((r["line"] for r in reversed(records) if r["status"] in ("PASS", "FAIL", "SKIP")), "")
+        where = f" after: {last}" if last else " while it was imported"
+        why = (
+            why
+            or f"the process ended with status {child.returncode}{where} (a sys.exit or os._exit in the "
+            "file?)"
+        )
+        echo(f"FAIL  {path.name}: the grading did not reach its end, so nothing is passed: {why}")
+        echo(f"{name}: not graded to the end")
+        return False
+    passed, lines = finish_report(name, records[:-1], path, answers)
+    for line in lines[len(records) - 1 :]:
+        echo(line)
+    return passed
+
+
+def _end(child: subprocess.Popen) -> None:
+    """End every process of a grading: its process group (and, in a PID namespace, everything in it)."""
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    child.wait()
 
 
 def load(path: Path) -> ModuleType:
@@ -560,8 +633,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
     if argv[:1] == ["_grade"]:  # the child of grade_submission (not for people: no help entry)
-        name, path, verdict, *answers = argv[1:]
-        return _grade_in_child(name, Path(path), Path(answers[0]) if answers else None, Path(verdict))
+        name, path, channel = argv[1:]
+        return _grade_in_child(name, Path(path), int(channel))
     args = parser.parse_args(argv)
     lab_timeout_s()  # a bad COURSE_LAB_TIMEOUT_S or COURSE_GRADING_SEED is refused before any grading starts
     grading_seed()

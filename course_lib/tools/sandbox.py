@@ -8,8 +8,10 @@ process forked for the purpose (``in_sandbox``); the ranks a property launches l
 themselves. What comes back is data, read by ``safe_loads``, which rebuilds plain values and
 tensors and nothing else (a pickle can name any function to call: unchecked, a child could run
 code in the judge). In every process that loads the submission, ``seal`` first installs an audit
-hook (PEP 578; one cannot be removed once added) that refuses to open the labs' solutions or
-the judge's verdict, and to start other programs.
+hook (PEP 578; one cannot be removed once added) that refuses Python's ways to open a file named
+as a lab's solution (anywhere, its cached bytecode too) and to start other programs. An audit
+hook is not a wall (ctypes reaches libc past it): the wall is ``grading_room``, where the
+solutions are not.
 
 What this cannot stop: code that a student copies into the file (that is for the instructor to
 read), or a child that kills its parent (the grade is then "not graded to the end").
@@ -109,7 +111,6 @@ def safe_loads(data: bytes) -> Any:
 
 # -- what a process that runs a submission may not do ---------------------------------------------------
 
-LABS_DIR = Path(__file__).resolve().parent.parent.parent / "labs"
 FORBIDDEN_NAMES = ("solution.py", "solution_answers.toml")
 """Files of a lab that a process running a submission may not open."""
 PATH_EVENTS = ("open", "os.rename", "os.link", "os.symlink", "os.remove", "os.truncate")
@@ -151,7 +152,12 @@ def _refuse_path(arg) -> None:
         path = Path(os.fsdecode(arg)).resolve()
     except (OSError, ValueError):
         return
-    if path.name in FORBIDDEN_NAMES and LABS_DIR in path.parents and path not in _graded:
+    # by name, wherever it is: a directory-relative open names no folder, a copy or the cached
+    # bytecode (__pycache__/solution.cpython-311.pyc) another
+    cached = path.suffix == ".pyc" and path.name.split(".")[0] in {
+        Path(name).stem for name in FORBIDDEN_NAMES
+    }
+    if (path.name in FORBIDDEN_NAMES or cached) and path not in _graded:
         raise PermissionError(f"a graded submission may not read the lab's solution ({path.name})")
     if any(path in (verdict, verdict.with_suffix(".partial")) for verdict in _verdicts):
         raise PermissionError("a graded submission may not touch the grader's verdict")

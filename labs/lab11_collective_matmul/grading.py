@@ -3,8 +3,9 @@
 Your two ring loops at 2, 3 and 4 processes, on shapes drawn for each grading, against one
 process's matmul and the course's plain-collective results (``collective_matmul``, which the tests
 hold equal to PyTorch's async-TP reference); the messages they send (T-1 exchanges of one chunk,
-nothing else); and that each exchange is in flight while a matmul runs (posted before the matmul,
-waited on after it).
+nothing else); and that each exchange is in flight while a chunk's matmul runs (at least one
+chunk's multiply-accumulates between its post and its wait, measured on the rank before your file
+loads its recorder, judged here).
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ def _tensors(value) -> list | None:
 
 def _run_on_rank(lab) -> dict:
     """On a rank, for each loop: the course's result (computed before your file runs), then yours, what
-    it sent, and the order in which it posted, multiplied and waited."""
+    it sent, and what it did in order: each exchange posted and waited on, and each matmul with its
+    multiply-accumulates (the recorder taken before your file loads)."""
+    order_of, real_send_recv, log_of = _order, comm.send_recv, comm.CommLog
     rank, size = runtime.rank(), runtime.world_size()
     whole, matrix, partial_inputs = _inputs()
     shard, mine = whole.chunk(size, dim=1)[rank], partial_inputs[rank]
@@ -58,7 +61,7 @@ def _run_on_rank(lab) -> dict:
     results = {}
     for which, call in calls.items():
         try:
-            with comm.CommLog() as log:
+            with log_of() as log:
                 yours = _tensors(call())
             results[which] = {
                 "yours": yours,
@@ -66,7 +69,7 @@ def _run_on_rank(lab) -> dict:
                 "sent": log.bytes_per_rank("send"),
                 "exchanges": log.count("send"),
                 "other_calls": log.count() - log.count("send") - log.count("recv"),
-                "order": _order(call),
+                "order": order_of(call, real_send_recv),
             }
         except Exception as error:  # noqa: BLE001 (reported by this loop's properties, not the other's)
             results[which] = {
@@ -99,30 +102,38 @@ def _runs(lab, world: int, which: str) -> list[dict]:
 MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.bmm, torch.einsum}
 
 
-def _order(call) -> list[str]:
-    """What the function did, in order: "post" (an exchange posted), "matmul", "wait" (on an exchange)."""
-    events, real = [], comm.send_recv
+def _order(call, real) -> list[list]:
+    """What the function did, in order: ``["post", 0]`` (an exchange posted), ``["matmul", MACs]`` (a
+    product and its multiply-accumulates), ``["wait", 0]`` (on an exchange).
+
+    Args:
+        call: the loop to run.
+        real: ``comm.send_recv`` as it was before the submission loaded.
+    """
+    events = []
 
     class Handle:
         def __init__(self, work):
             self.work = work
 
         def wait(self):
-            events.append("wait")
+            events.append(["wait", 0])
             return self.work.wait()
 
         def is_completed(self):
             return self.work.is_completed()
 
     def posted(*args, **kwargs):
-        events.append("post")
+        events.append(["post", 0])
         return Handle(real(*args, **kwargs))
 
     class Matmuls(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
             if func in MATMULS:
-                events.append("matmul")
-            return func(*args, **(kwargs or {}))
+                inner = args[0].shape[-1] if func is not torch.einsum and torch.is_tensor(args[0]) else 1
+                events.append(["matmul", result.numel() * inner])
+            return result
 
     comm.send_recv = posted
     try:
@@ -193,26 +204,31 @@ def check_messages(lab) -> None:
 
 
 def check_overlap(lab) -> None:
+    """Measured in the judge from the events rank 0 recorded: between each post and its wait, the
+    matmuls must do at least one chunk's product (a 1x1 matmul there overlaps nothing)."""
     for which in ("gather", "scatter"):
         name = "all_gather_matmul" if which == "gather" else "matmul_reduce_scatter"
         for world in WORLD_SIZES:
             order = _runs(lab, world, which)[0]["order"]
-            assert order.count("post") == order.count("wait") == world - 1, (
-                f"{name} on {world} ranks: {order.count('post')} exchanges posted through comm.send_recv and "
-                f"{order.count('wait')} waited on, not {world - 1} of each"
+            kinds = [kind for kind, _ in order]
+            assert kinds.count("post") == kinds.count("wait") == world - 1, (
+                f"{name} on {world} ranks: {kinds.count('post')} exchanges posted through comm.send_recv and "
+                f"{kinds.count('wait')} waited on, not {world - 1} of each"
             )
-            posted = None
-            for event in order:
-                if event == "post":
-                    posted = []
-                elif event == "matmul" and posted is not None:
-                    posted.append(event)
-                elif event == "wait":
-                    assert posted, (
-                        f"{name} on {world} ranks: an exchange was waited on with no matmul since it was "
-                        f"posted (rank 0 did {' '.join(order)}): the chunk travelled while nothing computed"
+            chunk = BATCH * (SEQ // world) * FEATURES * COLUMNS  # one chunk's multiply-accumulates
+            in_flight = None
+            for kind, macs in order:
+                if kind == "post":
+                    in_flight = 0
+                elif kind == "matmul" and in_flight is not None:
+                    in_flight += macs
+                elif kind == "wait":
+                    assert in_flight is not None and in_flight >= chunk, (
+                        f"{name} on {world} ranks: while an exchange was in flight rank 0 multiplied "
+                        f"{in_flight or 0} multiply-accumulates, less than one chunk's product ({chunk}): "
+                        "the chunk travelled while nothing real computed"
                     )
-                    posted = None
+                    in_flight = None
 
 
 PROPERTIES = [
@@ -234,7 +250,7 @@ PROPERTIES = [
         "The last step's chunk need not travel on; no all_gather or all_reduce anywhere.",
     ),
     Property(
-        "every exchange is in flight while a matmul runs: posted before it, waited on after it",
+        "every exchange is in flight while a chunk's matmul runs: one chunk's product between post and wait",
         check_overlap,
         "comm.send_recv returns at once with a handle; the point of the lab is what you compute before you "
         "call its wait().",

@@ -4,6 +4,8 @@ each attack, written as a student would, fails with its reason (apart from ``tes
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from course_lib.tools import labs
@@ -66,42 +68,163 @@ def test_the_untouched_exercise_fails_helpfully_even_when_it_attacks_the_grader(
     assert "not answered yet" in untouched.stdout  # the committed answers.toml holds no answer
 
 
-# every lab meets the three attacks together, guarded (ATTACKING_TAIL, above); here each is shown unguarded,
-# as a student would write it, with the line the grading then prints
+# every lab meets the three attacks together, guarded (ATTACKING_TAIL, above); here each escape route is
+# written as a student would, with the line the grading then prints. The solution is reached by the
+# repository's absolute path, which the file finds from the interpreter it runs in (the repository's
+# .venv): a route that reads it would pass the lab.
 
-ATTACKS = {
-    "writes its own verdict": (
-        """
-import json, sys
-for arg in sys.argv:
-    if arg.endswith("verdict.json"):
-        with open(arg, "w") as file:
-            json.dump({"passed": True, "summary": "lab7_scaling: 10 of 10 hold"}, file)
+FIND_THE_SOLUTION = """
+import os, pathlib, sys
+REPOSITORY = pathlib.Path({repository!r})
+SOLUTION = REPOSITORY / "labs" / "lab7_scaling" / "solution.py"
+"""
+
+BECOME_THE_SOLUTION = """
+try:
+    _found = read_solution()
+    exec(compile(_found, "solution", "exec") if isinstance(_found, str) else _found, globals())
+except Exception:
+    pass
+"""
+
+ESCAPES = {
+    "a directory-relative os.open": """
+def read_solution():
+    folder = os.open(SOLUTION.parent, os.O_RDONLY)
+    return os.read(os.open("solution.py", os.O_RDONLY, dir_fd=folder), 10**6).decode()
 """,
-        "does not load: PermissionError: a graded submission may not touch the grader's verdict",
-    ),
-    "imports the solution": (
-        """
-import importlib.util
-import course_lib.tools.labs as graders
-_spec = importlib.util.spec_from_file_location("answer", graders.LABS_DIR / "lab7_scaling" / "solution.py")
-_answer = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_answer)
-speedup_and_efficiency, karp_flatt_metric = _answer.speedup_and_efficiency, _answer.karp_flatt_metric
+    "libc's open through ctypes": """
+import ctypes
+def read_solution():
+    libc = ctypes.CDLL(None)
+    libc.open.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    fd = libc.open(bytes(SOLUTION), os.O_RDONLY)
+    return os.read(fd, 10**6).decode()
 """,
-        "does not load: PermissionError: a graded submission may not read the lab's solution (solution.py)",
-    ),
+    "a program started where no audit event sees it": """
+import ctypes, tempfile
+def read_solution():
+    copy = pathlib.Path(tempfile.mkdtemp()) / "copy.py"
+    ctypes.CDLL(None).system(f"cat {SOLUTION} > {copy}".encode())
+    return copy.read_text()
+""",
+    "its cached bytecode": """
+import marshal
+def read_solution():
+    cached = SOLUTION.parent / "__pycache__" / f"solution.{sys.implementation.cache_tag}.pyc"
+    return marshal.loads(cached.read_bytes()[16:])
+""",
 }
 
 
-@pytest.mark.parametrize("attack", ATTACKS)
-def test_an_exercise_that_attacks_the_grader_fails_with_the_reason(attack, tmp_path):
-    """The submission runs only in processes apart from the judge: what it writes or imports there
-    is refused, and the grading says so."""
-    tail, reason = ATTACKS[attack]
+@pytest.mark.parametrize("escape", ESCAPES)
+def test_no_route_reaches_a_solution_where_the_submission_runs(escape, tmp_path):
+    """The grading runs in a room without the solutions, and (where Linux allows namespaces, as on
+    every machine the course is tested on) with the repository's labs and git objects empty: each
+    route finds nothing, and the untouched exercise fails as it is."""
+    import py_compile
+
+    from course_lib.tools import grading_room
+
+    from conftest import REPO
+
+    py_compile.compile(str(LAB7 / "solution.py"), doraise=True)  # the cached bytecode is there to find
     path = tmp_path / "attempt.py"
-    path.write_text((LAB7 / "exercise.py").read_text() + tail)
+    head = FIND_THE_SOLUTION.format(repository=str(REPO))
+    path.write_text((LAB7 / "exercise.py").read_text() + head + ESCAPES[escape] + BECOME_THE_SOLUTION)
     (tmp_path / "answers.toml").write_text((LAB7 / "solution_answers.toml").read_text())
     graded = _check_command("lab7_scaling", "--file", str(path))
     assert graded.returncode == 1, graded.stdout
-    assert reason in graded.stdout, graded.stdout
+    assert "PASS  speedup" not in graded.stdout, graded.stdout
+    assert graded.stdout.splitlines()[-1].startswith("lab7_scaling: 5 of 10 properties and answers hold")
+    assert grading_room.namespace_prefix(), "this machine allows no namespace: the routes are only narrowed"
+
+
+FORGERIES = {
+    "prints the verdict line": """
+print("lab7_scaling: 10 of 10 properties and answers hold", flush=True)
+""",
+    "writes a verdict into every pipe it can open": """
+import json, os
+for _fd in __import__("glob").glob("/proc/*/fd/*"):
+    try:
+        if os.readlink(_fd).startswith("pipe:"):
+            _body = json.dumps({"n": 0, "record": {"status": "END"}})
+            with open(_fd, "w") as _pipe:
+                _pipe.write(json.dumps({"body": _body, "mac": "0" * 64}) + chr(10))
+    except OSError:
+        pass
+""",
+    "leaves a grandchild that prints after the judge": """
+import os, time
+if os.fork() == 0:
+    os.setsid()
+    time.sleep(3)
+    print("lab7_scaling: 10 of 10 properties and answers hold", flush=True)
+    os._exit(0)
+""",
+}
+
+
+@pytest.mark.parametrize("forgery", FORGERIES)
+def test_the_judges_verdict_is_its_own_and_comes_last(forgery, tmp_path):
+    """What a submission prints is shown apart, on stderr, marked; a message on the grading's channel
+    that is not signed with its key ends the grading as not graded; the judge's verdict is the last
+    line, after every process of the grading has ended."""
+    import time
+
+    path = tmp_path / "attempt.py"
+    path.write_text((LAB7 / "exercise.py").read_text() + FORGERIES[forgery])
+    (tmp_path / "answers.toml").write_text((LAB7 / "solution_answers.toml").read_text())
+    graded = _check_command("lab7_scaling", "--file", str(path))
+    time.sleep(4)  # a grandchild that outlived the judge would print now
+    assert graded.returncode == 1, graded.stdout
+    last = graded.stdout.splitlines()[-1]
+    assert last in ("lab7_scaling: not graded to the end",) or last.startswith(
+        "lab7_scaling: 5 of 10 properties and answers hold"
+    ), graded.stdout
+    assert "10 of 10" not in graded.stdout
+    for line in graded.stderr.splitlines():  # what the submission printed, marked as its own
+        if "10 of 10" in line:
+            assert line.startswith("  | "), line
+
+
+def _lab11_attempt(tmp_path, old: str, new: str, tail: str = "") -> Path:
+    source = (labs.LABS_DIR / "lab11_collective_matmul" / "solution.py").read_text()
+    assert old in source
+    path = tmp_path / "attempt.py"
+    path.write_text(source.replace(old, new) + tail)
+    (tmp_path / "answers.toml").write_text(
+        (labs.LABS_DIR / "lab11_collective_matmul" / "solution_answers.toml").read_text()
+    )
+    return path
+
+
+WAIT_FIRST = (
+    "        chunks[owner], products[owner] = here, here @ matrix\n        if step < size - 1:\n"
+    "            exchange.wait()\n",
+    "        tiny = torch.ones(1, 1) @ torch.ones(1, 1)\n        if step < size - 1:\n"
+    "            exchange.wait()\n        chunks[owner], products[owner] = here, here @ matrix\n"
+    "        if step < size - 1:\n",
+)
+REPLACE_THE_ORDER_CHECK = """
+import sys as _sys
+for _module in list(_sys.modules.values()):
+    if getattr(_module, "__name__", "").startswith("lab_lab11") and hasattr(_module, "_order"):
+        _module._order = lambda call, *args: ([["post", 0], ["matmul", 10**9], ["wait", 0]] * 3)[:1]
+"""
+
+
+@pytest.mark.parametrize("attack", ["one 1x1 matmul in flight", "the order check replaced on the rank"])
+def test_lab11s_overlap_is_measured_not_the_order_of_calls(attack, tmp_path):
+    """A loop that waits before its real matmul does not overlap, whatever small product it places
+    between post and wait, and whatever the rank's file does to the suite's recorder."""
+    tail = REPLACE_THE_ORDER_CHECK if attack.startswith("the order") else ""
+    path = _lab11_attempt(tmp_path, *WAIT_FIRST, tail=tail)
+    graded = _check_command("lab11_collective_matmul", "--file", str(path))
+    assert graded.returncode == 1, graded.stdout
+    overlap = next(
+        line for line in graded.stdout.splitlines() if "in flight while" in line or "overlap" in line
+    )
+    assert overlap.startswith("FAIL"), graded.stdout
+    assert "less than one chunk's product" in graded.stdout, graded.stdout

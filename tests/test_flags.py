@@ -93,6 +93,7 @@ TRAIN_MISTAKES = [
         ["--checkpoint-mode", "async"],
         "--checkpoint-mode async changes how checkpoints are written, and this run",
     ),
+    (["--profile-steps", "5"], "--profile-steps says how many steps --profile records: add --profile DIR"),
     (
         [*HYBRID, "--hybrid-shard-size", "0"],
         "--hybrid-shard-size must be a whole number, from 1 to 1, got 0",

@@ -334,6 +334,17 @@ def test_refuses_a_corrupt_checkpoint(saved_checkpoint, tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         checkpoint.read_meta(tmp_path / "nowhere")
 
+    import torch
+
+    for field in ("config", "history"):  # a meta.pt edited or of another version: the field named
+        edited = tmp_path / f"without_{field}"
+        shutil.copytree(saved_checkpoint, edited)
+        meta = torch.load(edited / "meta.pt", weights_only=True)
+        del meta[field]
+        torch.save(meta, edited / "meta.pt")
+        with pytest.raises(UserError, match=f"its meta.pt has no {field} \\(edited, or written by another"):
+            checkpoint.read_meta(edited)
+
 
 @pytest.mark.parametrize(
     "strategy, impl, policy",

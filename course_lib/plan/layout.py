@@ -113,6 +113,9 @@ class Layout:
     def __post_init__(self):
         whole = ("data", "pipeline", "context", "tensor", "expert", "virtual_stages", "micro_batch")
         check_fields(self, minimum=dict.fromkeys((*whole, "recompute_every"), 1))
+        if self.tensor == 1:  # both split the tensor axis: without one they are moot, and read as on,
+            object.__setattr__(self, "sequence_parallel", True)  # so that layouts that run alike are one
+            object.__setattr__(self, "loss_parallel", True)
         if self.schedule in pipeline.SCHEDULES and self.schedule not in SCHEDULES:
             raise UserError(
                 f"the planner does not lay out {self.schedule!r} yet: its bubble and memory are taught "

@@ -27,10 +27,16 @@ MAX_GLOBAL_BATCH_TOKENS = 2**27
 (DeepSeek-V3's 15,360 sequences of 4,096 tokens, 63 M, arXiv:2412.19437; Llama 3 405B's 16 M)."""
 
 
-def check_job_size(*, gpus: int, global_batch_tokens: int) -> None:
+def check_job_size(*, gpus: int, global_batch_tokens: int, gpus_name: str = "--gpus") -> None:
     """Refuse, before anything is enumerated, a job no cluster holds: it would compute for minutes
-    before saying anything (a typo such as 4G for 4M tokens)."""
-    check_int("--gpus", gpus, minimum=1, maximum=MAX_GPUS)
+    before saying anything (a typo such as 4G for 4M tokens).
+
+    Args:
+        gpus: the job's GPUs.
+        global_batch_tokens: the tokens of one optimizer step.
+        gpus_name: how the caller named the GPUs (a flag, an argument).
+    """
+    check_int(gpus_name, gpus, minimum=1, maximum=MAX_GPUS)
     if global_batch_tokens > MAX_GLOBAL_BATCH_TOKENS:
         raise UserError(
             f"--global-batch-tokens {global_batch_tokens:,} is more than any published run steps on "
@@ -124,7 +130,7 @@ def plan(
     check_instance("plan's cluster", cluster, ClusterSpec)
     check_int("plan's seq_len", seq_len, minimum=1)
     check_int("plan's global_batch", global_batch, minimum=1)
-    check_job_size(gpus=gpus, global_batch_tokens=seq_len * global_batch)
+    check_job_size(gpus=gpus, global_batch_tokens=seq_len * global_batch, gpus_name="plan's gpus")
     candidates = candidate_layouts(
         model, cluster, gpus=gpus, template=template, context_attention=context_attention
     )

@@ -116,8 +116,10 @@ def label(layout: Layout) -> str:
     """``Layout.name`` and, with tensor parallelism, how the norms and the vocabulary are split."""
     if layout.tensor == 1:
         return layout.name()
+    # the split said once, where it applies: "no-sp" as the name says it, "vocab" where it is on
+    words = [word for word in layout.name().split() if word not in ("no-sp", "no-loss-parallel")]
     return (
-        layout.name()
+        " ".join(words)
         + ("" if layout.sequence_parallel else " no-sp")
         + (" vocab" if layout.loss_parallel else "")
     )

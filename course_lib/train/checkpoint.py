@@ -407,6 +407,20 @@ def _prune(directory: Path, run_id: str) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
 
 
+META_FIELDS = (
+    "epoch",
+    "step_in_epoch",
+    "global_step",
+    "config",
+    "history",
+    "run_id",
+    "world_size",
+    "layout",
+    "rng",
+)
+"""What every ``meta.pt`` holds (``_meta``): a resume reads them all."""
+
+
 def read_meta(path: str | Path) -> dict[str, Any]:
     """Read a checkpoint's ``meta.pt`` (no process group needed), or explain what is wrong with it."""
     path = Path(path)
@@ -436,6 +450,13 @@ def read_meta(path: str | Path) -> dict[str, Any]:
         ) from None
     if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
         raise UserError(f"checkpoint {path} was not written by this version of course_lib: start afresh")
+    missing = [name for name in META_FIELDS if name not in meta]
+    if missing or not isinstance(meta["config"], dict) or not isinstance(meta["history"], list):
+        what = f"has no {', '.join(missing)}" if missing else "holds a config or history of the wrong kind"
+        raise UserError(
+            f"checkpoint {path}: its {META_FILE} {what} (edited, or written by another version): resume "
+            "from an older checkpoint, or start afresh with a new --checkpoint-dir"
+        )
     return meta
 
 

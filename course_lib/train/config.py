@@ -243,6 +243,10 @@ def validate_config(config: TrainConfig, world_size: int, ranks_per_node: int | 
     if config.profile is not None:
         checks.check_folder_to_write("--profile", config.profile)
     checks.check_int("--profile-steps", config.profile_steps, minimum=1)
+    if config.profile is None and config.profile_steps != TrainConfig.profile_steps:
+        raise UserError(
+            "--profile-steps says how many steps --profile records: add --profile DIR, or leave it out"
+        )
     checks.check_int("--check-replicas", config.check_replicas, minimum=0)
     if config.check_replicas and config.strategy != "ddp":
         raise UserError(

@@ -117,11 +117,10 @@ def read_solution():
 }
 
 
-@pytest.mark.parametrize("escape", ESCAPES)
-def test_no_route_reaches_a_solution_where_the_submission_runs(escape, tmp_path):
+def test_no_route_reaches_a_solution_where_the_submission_runs(tmp_path):
     """The grading runs in a room without the solutions, and (where Linux allows namespaces, as on
-    every machine the course is tested on) with the repository's labs and git objects empty: each
-    route finds nothing, and the untouched exercise fails as it is."""
+    every machine the course is tested on) with the repository's labs and git objects empty: one
+    submission tries every route, each in turn, and the untouched exercise fails as it is."""
     import py_compile
 
     from course_lib.tools import grading_room
@@ -130,8 +129,10 @@ def test_no_route_reaches_a_solution_where_the_submission_runs(escape, tmp_path)
 
     py_compile.compile(str(LAB7 / "solution.py"), doraise=True)  # the cached bytecode is there to find
     path = tmp_path / "attempt.py"
-    head = FIND_THE_SOLUTION.format(repository=str(REPO))
-    path.write_text((LAB7 / "exercise.py").read_text() + head + ESCAPES[escape] + BECOME_THE_SOLUTION)
+    attempts = [FIND_THE_SOLUTION.format(repository=str(REPO))]
+    for route in ESCAPES.values():  # each defines read_solution; each is tried before the next
+        attempts += [route, BECOME_THE_SOLUTION]
+    path.write_text((LAB7 / "exercise.py").read_text() + "".join(attempts))
     (tmp_path / "answers.toml").write_text((LAB7 / "solution_answers.toml").read_text())
     graded = _check_command("lab7_scaling", "--file", str(path))
     assert graded.returncode == 1, graded.stdout
@@ -140,11 +141,21 @@ def test_no_route_reaches_a_solution_where_the_submission_runs(escape, tmp_path)
     assert grading_room.namespace_prefix(), "this machine allows no namespace: the routes are only narrowed"
 
 
-FORGERIES = {
-    "prints the verdict line": """
+FORGED_LINES = """
+import os, pathlib, time
 print("lab7_scaling: 10 of 10 properties and answers hold", flush=True)
-""",
-    "writes a verdict into every pipe it can open": """
+_marker = pathlib.Path.cwd() / ".forked"  # the grading's room: one grandchild for the whole grading
+try:
+    _marker.touch(exist_ok=False)
+    if os.fork() == 0:
+        os.setsid()
+        time.sleep(3)
+        print("lab7_scaling: 10 of 10 properties and answers hold", flush=True)
+        os._exit(0)
+except FileExistsError:
+    pass
+"""
+FORGED_MESSAGES = """
 import json, os
 for _fd in __import__("glob").glob("/proc/*/fd/*"):
     try:
@@ -154,35 +165,30 @@ for _fd in __import__("glob").glob("/proc/*/fd/*"):
                 _pipe.write(json.dumps({"body": _body, "mac": "0" * 64}) + chr(10))
     except OSError:
         pass
-""",
-    "leaves a grandchild that prints after the judge": """
-import os, time
-if os.fork() == 0:
-    os.setsid()
-    time.sleep(3)
-    print("lab7_scaling: 10 of 10 properties and answers hold", flush=True)
-    os._exit(0)
-""",
-}
+"""
 
 
-@pytest.mark.parametrize("forgery", FORGERIES)
+@pytest.mark.parametrize("forgery", ["lines", "messages"])
 def test_the_judges_verdict_is_its_own_and_comes_last(forgery, tmp_path):
-    """What a submission prints is shown apart, on stderr, marked; a message on the grading's channel
-    that is not signed with its key ends the grading as not graded; the judge's verdict is the last
-    line, after every process of the grading has ended."""
+    """What a submission prints (itself, or a grandchild it left behind) is shown apart, on stderr,
+    marked, and never after the verdict; a message on the grading's channel not signed with its key
+    ends the grading as not graded. The judge's verdict is the last line."""
     import time
 
     path = tmp_path / "attempt.py"
-    path.write_text((LAB7 / "exercise.py").read_text() + FORGERIES[forgery])
+    path.write_text(
+        (LAB7 / "exercise.py").read_text() + (FORGED_LINES if forgery == "lines" else FORGED_MESSAGES)
+    )
     (tmp_path / "answers.toml").write_text((LAB7 / "solution_answers.toml").read_text())
     graded = _check_command("lab7_scaling", "--file", str(path))
     time.sleep(4)  # a grandchild that outlived the judge would print now
     assert graded.returncode == 1, graded.stdout
     last = graded.stdout.splitlines()[-1]
-    assert last in ("lab7_scaling: not graded to the end",) or last.startswith(
-        "lab7_scaling: 5 of 10 properties and answers hold"
-    ), graded.stdout
+    if forgery == "messages":
+        assert last == "lab7_scaling: not graded to the end", graded.stdout
+        assert "did not verify" in graded.stdout
+    else:
+        assert last.startswith("lab7_scaling: 5 of 10 properties and answers hold"), graded.stdout
     assert "10 of 10" not in graded.stdout
     for line in graded.stderr.splitlines():  # what the submission printed, marked as its own
         if "10 of 10" in line:
@@ -215,16 +221,11 @@ for _module in list(_sys.modules.values()):
 """
 
 
-@pytest.mark.parametrize("attack", ["one 1x1 matmul in flight", "the order check replaced on the rank"])
-def test_lab11s_overlap_is_measured_not_the_order_of_calls(attack, tmp_path):
+def test_lab11s_overlap_is_measured_not_the_order_of_calls(tmp_path):
     """A loop that waits before its real matmul does not overlap, whatever small product it places
     between post and wait, and whatever the rank's file does to the suite's recorder."""
-    tail = REPLACE_THE_ORDER_CHECK if attack.startswith("the order") else ""
-    path = _lab11_attempt(tmp_path, *WAIT_FIRST, tail=tail)
+    path = _lab11_attempt(tmp_path, *WAIT_FIRST, tail=REPLACE_THE_ORDER_CHECK)
     graded = _check_command("lab11_collective_matmul", "--file", str(path))
     assert graded.returncode == 1, graded.stdout
-    overlap = next(
-        line for line in graded.stdout.splitlines() if "in flight while" in line or "overlap" in line
-    )
-    assert overlap.startswith("FAIL"), graded.stdout
-    assert "less than one chunk's product" in graded.stdout, graded.stdout
+    overlap = next(line for line in graded.stdout.splitlines() if "in flight while" in line)
+    assert overlap.startswith("FAIL") and "less than one chunk's product" in overlap, graded.stdout

@@ -14,7 +14,7 @@ from its own layer or the layers below (``tests/test_architecture.py`` checks it
   PyTorch's own by the tests;
 - ``observe``, beside ``parallel`` and never imported by it: a step's anatomy, stragglers, the
   replicas' check, the flight recorder, faults on purpose, the cross-rank check of every call;
-- ``plan``: a whole layout applied (``layout.parallelize``), and its memory, bytes and seconds
+- ``plan``: a whole layout applied (``plan.parallelize``), and its memory, bytes and seconds
   predicted before anything runs (``cost_model``, ``planner``);
 - ``train``: the training harness (``python -m course_lib.train``) and the 3-D driver;
 - ``tools``: what serves the course (benchmarks, pictures, the planner's commands, labs, slides);

@@ -209,7 +209,8 @@ def _door_attempts() -> dict:
     from course_lib.parallel import vocab
     from course_lib.plan import cost_model, planner, specs
     from course_lib.plan.frameworks import TORCHTITAN_PROFILE
-    from course_lib.plan.layout import Layout, parallelize
+    from course_lib.plan.layout import Layout
+    from course_lib.plan.parallelize import parallelize
 
     llama, alps = specs.MODELS["llama3-8b"], specs.CLUSTERS["alps"]
     predict = lambda **changes: cost_model.predict(  # noqa: E731

@@ -340,3 +340,65 @@ def test_the_jobs_checks_import_without_torch():
     repository = Path(__file__).resolve().parents[1]
     shown = subprocess.run([sys.executable, "-c", blocker], cwd=repository, capture_output=True, text=True)
     assert shown.returncode == 0, shown.stderr
+
+
+def _strings_in_a_row(source: str) -> list[int]:
+    """The lines of string statements that follow another string statement: a docstring that
+    attaches to nothing (a constant's docstring left after another constant's)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        body = getattr(node, "body", None)
+        if not isinstance(body, list):
+            continue
+        for first, second in zip(body, body[1:]):
+            if all(
+                isinstance(statement, ast.Expr)
+                and isinstance(statement.value, ast.Constant)
+                and isinstance(statement.value.value, str)
+                for statement in (first, second)
+            ):
+                found.append(second.lineno)
+    return found
+
+
+def test_no_docstring_is_left_where_it_attaches_to_nothing():
+    misplaced = [
+        f"{path.relative_to(PACKAGE.parent)}:{line}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for line in _strings_in_a_row(path.read_text())
+    ]
+    assert not misplaced, f"a string after a docstring documents nothing: {misplaced}"
+    assert _strings_in_a_row('X = 1\n"""X."""\n"""stale."""\n') == [3]  # the check sees one
+
+
+LESSON_LINES, LESSON_FUNCTION_LINES = 500, 80
+"""A lesson a student reads at one sitting: a file of at most 500 lines, a function of at most 80."""
+
+
+def _too_long(source: str, *, file_lines: int, function_lines: int) -> list[str]:
+    """What in a file passes the limits: the file itself, and each function, with its length."""
+    found = [f"the file: {source.count(chr(10))} lines"] if source.count("\n") > file_lines else []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            length = node.end_lineno - node.lineno + 1
+            if length > function_lines:
+                found.append(f"{node.name}: {length} lines")
+    return found
+
+
+def test_every_lesson_fits_its_limits():
+    """Lessons (every module outside ``tools``) stay readable: files and functions within the
+    limits, each offender split by idea rather than trimmed."""
+    offenders = {
+        str(path.relative_to(PACKAGE.parent)): found
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if "tools" not in path.relative_to(PACKAGE).parts
+        and (
+            found := _too_long(
+                path.read_text(), file_lines=LESSON_LINES, function_lines=LESSON_FUNCTION_LINES
+            )
+        )
+    }
+    assert not offenders, f"split these by idea: {offenders}"
+    body = "\n".join(f"    x{i} = {i}" for i in range(81))
+    assert _too_long(f"def long():\n{body}\n", file_lines=500, function_lines=80) == ["long: 82 lines"]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from course_lib.distributed.launch import launch
-from course_lib.train import checkpoint
+from course_lib.train import async_checkpoint, checkpoint
 
 from conftest import latest_weights
 
@@ -114,7 +114,7 @@ def _save_then_change_everything(folder: str, fail: bool) -> str:
             raise OSError(errno.ENOSPC, "No space left on device")
 
         filesystem.FileSystemWriter.write_data = full
-    saves = checkpoint.AsyncSaves()
+    saves = async_checkpoint.AsyncSaves()
     path = saves.start(folder, model, optimizer, position)
     with torch.no_grad():
         model.weight.add_(1.0)

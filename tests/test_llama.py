@@ -88,7 +88,8 @@ def _train(layout_name: str, steps: int = 3) -> list[float] | None:
     """``parallelize``'s layout of the small Llama on this process group; each step's loss (the
     mean over the data replicas) on the rank that has it."""
     from course_lib.parallel.mesh import Mesh
-    from course_lib.plan.layout import Layout, parallelize
+    from course_lib.plan.layout import Layout
+    from course_lib.plan.parallelize import parallelize
 
     layout = Layout.from_name(layout_name).with_(precision="fp32")
     torch.manual_seed(0)
@@ -160,7 +161,8 @@ def test_the_courses_verbs_train_it_like_one_process(reference, layout, world):
 
 
 def test_the_llama_layouts_the_module_cannot_run_are_refused_with_the_fix():
-    from course_lib.plan.layout import Layout, parallelize
+    from course_lib.plan.layout import Layout
+    from course_lib.plan.parallelize import parallelize
 
     dense = Llama(_spec(61))
     for layout, message in (

@@ -234,6 +234,19 @@ def _is_communication(name: str) -> bool:
     return any(marker in name for marker in COMMUNICATION_MARKERS)
 
 
+def _compute_and_transfers(inside: list, on_thread: list, cuda: bool) -> tuple[list, list]:
+    """A step's events that compute, and those that move data: on a GPU its kernels (NCCL's are
+    the transfers); on a CPU the training thread's ``aten::`` operations, and gloo's work."""
+    if cuda:
+        kernels = [e for e in inside if e.device_type.name == "CUDA"]
+        return [e for e in kernels if not _is_communication(e.name)], [
+            e for e in kernels if _is_communication(e.name)
+        ]
+    return [e for e in on_thread if e.name.startswith("aten::")], [
+        e for e in inside if e.name.startswith("gloo:")
+    ]
+
+
 def _timelines(
     events, calls_per_step: list[list[comm.CommRecord]], waited_ms: list[float], cuda: bool
 ) -> list[StepTimeline]:
@@ -249,21 +262,8 @@ def _timelines(
 
         inside = [e for e in events if e.time_range.end > t0 and e.time_range.start < t1]
         on_thread = [e for e in inside if e.thread == training_thread and e.device_type.name == "CPU"]
-        if cuda:
-            kernels = [e for e in inside if e.device_type.name == "CUDA"]
-            compute = [
-                (ms(e.time_range.start), ms(e.time_range.end))
-                for e in kernels
-                if not _is_communication(e.name)
-            ]
-            executing = [e for e in kernels if _is_communication(e.name)]
-        else:
-            compute = [
-                (ms(e.time_range.start), ms(e.time_range.end))
-                for e in on_thread
-                if e.name.startswith("aten::")
-            ]
-            executing = [e for e in inside if e.name.startswith("gloo:")]
+        computing, executing = _compute_and_transfers(inside, on_thread, cuda)
+        compute = [(ms(e.time_range.start), ms(e.time_range.end)) for e in computing]
         issued = sorted(
             (e for e in on_thread if e.name.startswith(ISSUE_PREFIX) and "barrier" not in e.name),
             key=lambda e: e.time_range.start,

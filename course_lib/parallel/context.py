@@ -51,10 +51,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..checks import check_group, check_instance, check_module, claim_module
+from ..checks import check_group, check_instance, check_module
 from ..distributed import comm, runtime
 from ..errors import UserError
 from ..models import Embedding, SelfAttention
+from .claims import claim_module
 from .context_chunks import Segment, SequenceLayout, block_is_needed
 
 # -- one block of attention, forward and backward ----------------------------------------------

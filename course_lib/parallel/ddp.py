@@ -57,17 +57,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checks import (
-    DATA_PARALLEL_WRAPPER,
-    check_choice,
-    check_flag,
-    check_group,
-    check_module,
-    check_number,
-    claim_module,
-)
+from ..checks import check_choice, check_flag, check_group, check_module, check_number
 from ..distributed import comm, runtime
 from ..errors import UserError
+from .claims import DATA_PARALLEL_WRAPPER, claim_module
 
 SYNC_MODES = ("naive", "bucketed", "overlapped")
 DEFAULT_BUCKET_MB = 25.0  # PyTorch's default bucket_cap_mb

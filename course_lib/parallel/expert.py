@@ -47,11 +47,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..checks import check_group, check_int, check_module, check_number, claim_module
+from ..checks import check_group, check_int, check_module, check_number
 from ..distributed import comm, runtime
 from ..errors import UserError
 from ..llama import GatedMLP, Llama
 from ..models import MLP, Block, TinyTransformer
+from .claims import claim_module
 
 
 @dataclass

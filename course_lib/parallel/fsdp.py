@@ -70,10 +70,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..checks import DATA_PARALLEL_WRAPPER, check_flag, check_group, check_module, claim_module
+from ..checks import check_flag, check_group, check_module
 from ..errors import UserError
+from .claims import DATA_PARALLEL_WRAPPER, claim_module
 from .ddp import EndOfBackward, start_as_replicas
-from .flat_param import FlatParameter, FlatShardedMixin, owned_parameters
+from .flat_param import FlatParameter, owned_parameters
+from .flat_sharded import FlatShardedMixin
 from .fsdp_units import (
     MixedPrecision,
     Unit,
@@ -93,6 +95,24 @@ rate limiter (``limit_all_gathers``), so that prefetching bounds the memory it u
 
 REDUCTIONS_IN_FLIGHT = 2
 """Asynchronous reduce-scatters that may be running at once; an older one is finished first."""
+
+
+def _checked_arguments(
+    module, group, mixed_precision, sharding_strategy, cpu_offload, **flags
+) -> MixedPrecision:
+    """``FullyShardedDataParallel``'s arguments, each refused in one line naming it; the mixed
+    precision to use (the default one where none is given)."""
+    check_module("module", module)
+    for name, flag in flags.items():
+        check_flag(name, flag)
+    check_group("group", group)
+    if not isinstance(mixed_precision, (MixedPrecision, type(None))):
+        raise UserError(
+            f"mixed_precision must be a fsdp.MixedPrecision(...), got {type(mixed_precision).__name__}"
+        )
+    mixed_precision = mixed_precision or MixedPrecision()
+    check_options(sharding_strategy or "FULL_SHARD", cpu_offload, mixed_precision)
+    return mixed_precision
 
 
 class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
@@ -137,20 +157,11 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
         reshard_after_forward: bool | None = None,
     ):
         super().__init__()
-        check_module("module", module)
-        for name, flag in (
-            ("activation_checkpointing", activation_checkpointing),
-            ("forward_prefetch", forward_prefetch),
-            ("backward_prefetch", backward_prefetch),
-        ):
-            check_flag(name, flag)
-        check_group("group", group)
-        if not isinstance(mixed_precision, (MixedPrecision, type(None))):
-            raise UserError(
-                f"mixed_precision must be a fsdp.MixedPrecision(...), got {type(mixed_precision).__name__}"
-            )
-        mixed_precision = mixed_precision or MixedPrecision()
-        check_options(sharding_strategy or "FULL_SHARD", cpu_offload, mixed_precision)
+        mixed_precision = _checked_arguments(
+            module, group, mixed_precision, sharding_strategy, cpu_offload,
+            activation_checkpointing=activation_checkpointing, forward_prefetch=forward_prefetch,
+            backward_prefetch=backward_prefetch,
+        )  # fmt: skip
         compute_device = device_for_compute(module, device, cpu_offload)
         layout = shard_layout(sharding_strategy, hybrid_shard_size, group, mesh, compute_device.type)
         unit_modules = select_units(module, auto_wrap_policy)

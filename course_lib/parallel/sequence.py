@@ -44,10 +44,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..checks import SPLIT_LAYERS, check_flag, check_group, check_module, claim_module
+from ..checks import check_flag, check_group, check_module
 from ..distributed import comm, runtime
 from ..errors import UserError
 from ..models import Block, Embedding, LMHead, SelfAttention
+from .claims import SPLIT_LAYERS, claim_module
 from .collective_matmul import OverlappedRowLinear, all_gather_project
 from .tensor import SEQUENCE_DIM, ColumnParallelLinear, RowParallelLinear, _split_size, check_sequence_split
 

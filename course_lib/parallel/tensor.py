@@ -43,18 +43,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..checks import (
-    SPLIT_LAYERS,
-    check_flag,
-    check_group,
-    check_int,
-    check_module,
-    check_not_converted,
-    claim_module,
-)
+from ..checks import check_flag, check_group, check_int, check_module
 from ..distributed import comm, runtime
 from ..errors import UserError
 from ..models import Block
+from .claims import SPLIT_LAYERS, check_not_converted, claim_module
 
 
 # #region tensor-parallel

@@ -47,10 +47,11 @@ import math
 import torch
 from torch import nn
 
-from ..checks import check_flag, check_group, check_int, check_module, claim_module
+from ..checks import check_flag, check_group, check_int, check_module
 from ..distributed import comm, runtime
 from ..errors import UserError
 from ..models import Embedding, LMHead
+from .claims import claim_module
 from .sequence import gather_sequence
 from .tensor import copy_to_parallel, reduce_from_parallel
 

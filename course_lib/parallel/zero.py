@@ -47,11 +47,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checks import DATA_PARALLEL_WRAPPER, check_group, check_module, check_number, claim_module
+from ..checks import check_group, check_module, check_number
 from ..distributed import comm, runtime
 from ..errors import UserError
+from .claims import DATA_PARALLEL_WRAPPER, claim_module
 from .ddp import DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB, EndOfBackward, make_buckets, start_as_replicas
-from .flat_param import FlatParameter, FlatShardedMixin, ParamSlot, owned_parameters
+from .flat_param import FlatParameter, ParamSlot, owned_parameters
+from .flat_sharded import FlatShardedMixin
 
 BUCKETS_IN_FLIGHT = 2
 """Buckets whose reduce-scatter may run while backward goes on; an older one is waited for first."""

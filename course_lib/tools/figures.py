@@ -24,9 +24,9 @@ from ..distributed import runtime
 from ..distributed.launch import launch
 from ..distributed.ring import ring_all_reduce_counts
 from ..observe import profiling
-from ..parallel import context_chunks, expert, memory, mesh, pipeline, ulysses
+from ..parallel import context_chunks, expert, memory, mesh, pipeline
 from ..parallel.fsdp import FullyShardedDataParallel
-from ..plan import cost_model, specs
+from ..plan import attention_time, cost_model, specs
 from ..plan.layout import Layout
 from . import bench, gpu_runs, plots
 from .bench import MLP_BATCH, MLP_LAYERS, MLP_WIDTH, mlp, training_step
@@ -236,7 +236,7 @@ def ring_attention():
 
 
 def sequence_methods():
-    """Ring against Ulysses on 4 GH200s, predicted (``ulysses.attention_time_model``), over compute
+    """Ring against Ulysses on 4 GH200s, predicted (``attention_time.attention_time_model``), over compute
     alone: inside an Alps node (the all-to-all on all three peers' NVLinks at once) and across four
     nodes (one NIC a GPU), as notebook 12 draws it."""
     seq_lens = [2**n for n in range(12, 20)]
@@ -248,7 +248,7 @@ def sequence_methods():
     curves = {}
     for title, (link, all_to_all) in links.items():
         predicted = [
-            ulysses.attention_time_model(
+            attention_time.attention_time_model(
                 seq=s, link_bytes_per_s=link, all_to_all_bytes_per_s=all_to_all, **gpus
             )
             for s in seq_lens

@@ -41,9 +41,9 @@ from ..plan.specs import MODELS, ModelSpec
 REPO = Path(__file__).resolve().parents[2]
 RECORDED = REPO / "slides" / "recorded" / "gpu"
 TOKENS = (2048, 8192)
+"""Tokens of one micro-batch (M of every product): a 2,048-token and an 8,192-token sequence."""
 TESTS_TIMEOUT_MAX_S = 480
 """The most the gpu-marked tests may take: ``make gpu-record`` has 8 minutes of a lent GPU in all."""
-"""Tokens of one micro-batch (M of every product): a 2,048-token and an 8,192-token sequence."""
 TENSOR_DEGREES = (1, 2, 4, 8)
 """Tensor-parallel degrees whose split products are measured (N or K divided by the degree)."""
 PASSES = ("forward", "input_grad", "weight_grad")

@@ -8,7 +8,7 @@ writes every prediction.
 
 ``--model course-transformer --cluster this-machine`` plans the course's own transformer on
 this machine (calibrated first), and ``--run`` then trains the first layout that the course's
-``layout.parallelize`` runs on local processes, and prints predicted beside measured.
+``plan.parallelize`` runs on local processes, and prints predicted beside measured.
 ``--validate`` holds the same formulas against this machine instead
 (``plan_validation``): it calibrates, runs a sweep of small layouts of the course's transformer
 on local processes, and prints predicted beside measured.
@@ -581,7 +581,7 @@ def _validate(args) -> int:
 
 
 def runnable_here(layout: Layout) -> bool:
-    """Whether ``layout.parallelize`` and the validation's training loop run this layout."""
+    """Whether ``plan.parallelize`` and the validation's training loop run this layout."""
     if layout.expert > 1 or layout.virtual_stages > 1:
         return False
     if layout.pipeline > 1 and (layout.sharding != "ddp" or (layout.tensor > 1 and layout.sequence_parallel)):

@@ -10,7 +10,7 @@
    forward and backward passes at two batch sizes, the bandwidth of the norms and activation
    functions and the host's time per dispatched operation (``with_speed``). The machine becomes
    a ``ClusterSpec`` that overlaps no communication: gloo's threads need the cores that compute.
-2. **Run** each layout of ``LAYOUTS`` on local processes with ``layout.parallelize``: a few
+2. **Run** each layout of ``LAYOUTS`` on local processes with ``plan.parallelize``: a few
    training steps of the same ``TinyTransformer``, measuring what every rank holds
    (``memory.measure_model_states``), what one forward leaves alive for backward
    (``memory.live_tensor_bytes``; the pipeline's in-flight peak), the bytes it sends in one
@@ -43,7 +43,8 @@ from ..errors import UserError
 from ..parallel import memory
 from ..parallel.mesh import Mesh
 from ..plan import cost_model, flops, scaling, specs
-from ..plan.layout import Layout, parallelize
+from ..plan.layout import Layout
+from ..plan.parallelize import parallelize
 
 
 @dataclass(frozen=True, kw_only=True)

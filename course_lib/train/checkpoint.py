@@ -33,7 +33,7 @@ holds a newer one (``check_folder_for_run``).
 
 Cost: a save writes the model and optimizer state once in total (not once per rank), i.e. about
 12 bytes per parameter with Adam (fp32 weights + two moments: 4 + 4 + 4; gradients are not saved),
-and pauses training meanwhile. ``AsyncSaves`` (``--checkpoint-mode async``) pauses it only to copy
+and pauses training meanwhile. ``async_checkpoint`` (``--checkpoint-mode async``) pauses it only to copy
 the state into host memory and writes in the background (``python -m course_lib.tools.bench
 checkpoint`` measures both); how often to save is ``checkpoint_interval``'s lesson.
 """
@@ -170,7 +170,7 @@ def _layout(model: torch.nn.Module) -> str:
     return getattr(model, "state_layout", "named parameters")
 
 
-def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def state_dict_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The model and optimizer state DCP writes, or fills in place when loading."""
     # DCP is imported where it is used: it costs a second at the start of every run, saving or not
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -215,7 +215,7 @@ def _why_not_written(error: BaseException, directory: Path) -> str:
     return text.splitlines()[0][:160] if text else type(error).__name__
 
 
-def _prepare(directory: Path, position: TrainingPosition) -> tuple[Path, Path]:
+def prepare(directory: Path, position: TrainingPosition) -> tuple[Path, Path]:
     """Rank 0 makes the checkpoint's temporary folder; every rank hears whether it could.
 
     Returns (the final folder, the temporary one)."""
@@ -231,11 +231,11 @@ def _prepare(directory: Path, position: TrainingPosition) -> tuple[Path, Path]:
             failure = error
     # Rank 0 alone names the folders; what it met, every rank must hear of before the next step.
     if runtime.from_rank0(failure is not None):
-        _refuse(failure, directory, final, temporary)
+        refuse(failure, directory, final, temporary)
     return final, temporary
 
 
-def _refuse(failure: BaseException | None, directory: Path, final: Path, temporary: Path) -> None:
+def refuse(failure: BaseException | None, directory: Path, final: Path, temporary: Path) -> None:
     """Every rank: remove the half-written checkpoint and raise one ``UserError`` saying why."""
     reason = None
     if runtime.rank() == 0:
@@ -265,105 +265,31 @@ def save(
     from torch.distributed.checkpoint.api import CheckpointException
 
     directory = Path(directory)
-    final, temporary = _prepare(directory, position)
+    final, temporary = prepare(directory, position)
     failure: BaseException | None = None
     try:  # DCP gathers every rank's outcome: if one rank's write fails, all of them raise
-        dcp.save(_state(model, optimizer), checkpoint_id=str(temporary))
+        dcp.save(state_dict_of(model, optimizer), checkpoint_id=str(temporary))
     except (OSError, CheckpointException) as error:
         failure = error
     if failure is None:
-        rng_states = _all_gather_objects(_rng_state())
+        meta = meta_of(model, position)
         if runtime.rank() == 0:
             try:
-                _finish(directory, temporary, final, _meta(model, position, rng_states), position.run_id)
+                put_in_place(directory, temporary, final, meta, position.run_id)
             except OSError as error:
                 failure = error
     if runtime.from_rank0(failure is not None):
-        _refuse(failure, directory, final, temporary)
+        refuse(failure, directory, final, temporary)
     return final
 
 
-# #region async-save
-class AsyncSaves:
-    """Checkpoints written in the background: training pauses only to copy the state to host memory.
-
-    ``start`` copies this rank's state into CPU memory and hands the writing to a thread
-    (``torch.distributed.checkpoint.async_save``); the next step runs while the bytes go to disk.
-    The checkpoint stays in its temporary folder until the write is done; then rank 0 writes
-    ``meta.pt`` and renames it into place, as a blocking save does. A kill during the write
-    leaves the temporary folder and the previous checkpoint, which a rerun resumes from.
-
-    One write is in flight at a time: ``start`` first waits for the previous one. The writer's
-    own collectives (its plan, the index) run on a gloo group of their own, so that they never
-    interleave with the training's collectives on the other thread (torchtitan does the same).
-    Cost: a copy of the state in host memory, held until the write ends.
-    """
-
-    def __init__(self):
-        import torch.distributed as dist
-
-        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None  # every rank
-        self._pending: dict[str, Any] | None = None
-
-    def start(
-        self, directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, position
-    ) -> Path:
-        """Copy the state of this step and write it in the background (every rank must call this)."""
-        import torch.distributed.checkpoint as dcp
-
-        self.finish()
-        directory = Path(directory)
-        final, temporary = _prepare(directory, position)
-        future = dcp.async_save(
-            _state(model, optimizer), checkpoint_id=str(temporary), process_group=self.group
-        )
-        rng_states = _all_gather_objects(_rng_state())  # this step's, gathered now
-        meta = _meta(model, position, rng_states) if runtime.rank() == 0 else None
-        self._pending = dict(future=future, directory=directory, final=final, temporary=temporary,
-                             meta=meta, run_id=position.run_id, failure=None, renamed=False)  # fmt: skip
-        return final
-
-    def poll(self) -> None:
-        """Rank 0, between steps: rename a finished write into place at once (no other rank waits)."""
-        pending = self._pending
-        if pending is None or runtime.rank() != 0 or pending["renamed"] or not pending["future"].done():
-            return
-        self._rename(pending)
-
-    def finish(self) -> None:
-        """Wait for the write in flight and put it in place (every rank, at the same step)."""
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        try:
-            pending["future"].result()
-        except (Exception, CheckpointException) as error:  # noqa: BLE001 - the writer's: one line below
-            pending["failure"] = pending["failure"] or error  # (DCP's exception derives from BaseException)
-        if runtime.rank() == 0 and not pending["renamed"]:
-            self._rename(pending)
-        if runtime.from_rank0(pending["failure"] is not None):
-            _refuse(pending["failure"], pending["directory"], pending["final"], pending["temporary"])
-
-    @staticmethod
-    def _rename(pending: dict) -> None:
-        error = pending["future"].exception()
-        if error is None:
-            try:
-                _finish(pending["directory"], pending["temporary"], pending["final"], pending["meta"],
-                        pending["run_id"])  # fmt: skip
-            except OSError as failure:
-                error = failure
-        pending["failure"], pending["renamed"] = error, True
-
-
-# #endregion async-save
-
-
-def _meta(model: torch.nn.Module, position: TrainingPosition, rng_states: list) -> dict[str, Any]:
-    """What ``meta.pt`` holds, copied now: a background write stores it steps later, when the run's
-    history and sums have moved on (a copy by reference would record an epoch not yet finished)."""
+def meta_of(model: torch.nn.Module, position: TrainingPosition) -> dict[str, Any] | None:
+    """What ``meta.pt`` holds, copied now (every rank calls it: the generators' states are gathered;
+    rank 0 gets the record, the others None). A background write stores it steps later, when the
+    run's history and sums have moved on: a copy by reference would record an epoch not finished."""
+    rng_states = _all_gather_objects(_rng_state())
+    if runtime.rank() != 0:
+        return None
     return copy.deepcopy(
         {
             "format_version": FORMAT_VERSION,
@@ -381,7 +307,7 @@ def _meta(model: torch.nn.Module, position: TrainingPosition, rng_states: list) 
     )
 
 
-def _finish(directory: Path, temporary: Path, final: Path, meta: dict[str, Any], run_id: str) -> None:
+def put_in_place(directory: Path, temporary: Path, final: Path, meta: dict[str, Any], run_id: str) -> None:
     """Rank 0: write ``meta.pt`` last, rename the checkpoint into place, drop this run's old ones."""
     _write_meta(temporary / META_FILE, meta)
     if final.exists():  # the same step saved twice (e.g. end of epoch and on request): keep the first
@@ -506,7 +432,7 @@ def load(
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    state = _state(model, optimizer)
+    state = state_dict_of(model, optimizer)
     try:
         dcp.load(state, checkpoint_id=str(path))
     except (Exception, CheckpointException) as error:  # DCP's exception derives from BaseException

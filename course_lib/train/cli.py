@@ -281,22 +281,7 @@ def run(
         print(f"rank {checks.launched_rank()}: interrupted", file=sys.stderr, flush=True)
         status = EXIT_CRASH
     except Exception as error:  # noqa: BLE001
-        if runtime.is_peer_failure(error):
-            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            print(
-                f"rank {checks.launched_rank()}: stopped because another rank failed or stopped answering "
-                f"({first_line[:160]}); see that rank's error",
-                file=sys.stderr,
-                flush=True,
-            )
-            if flight_recorder_dir and checks.launched_rank() == "0":
-                print(
-                    f"flight records: python -m course_lib.tools.diagnose {flight_recorder_dir}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-        else:
-            traceback.print_exc()
+        _report_crash(error, flight_recorder_dir)
         status = EXIT_CRASH
     if status not in (0, EXIT_REQUEUE):  # the flight record, if one is kept, says why this rank stopped
         flight_recorder.dump(f"stopped by an error: {why or f'exit status {status}'}")
@@ -304,6 +289,26 @@ def run(
     # After an error the peers may be gone already: the group is left to the process's end.
     runtime.shutdown(leave_group=status in (0, EXIT_REQUEUE))
     return status
+
+
+def _report_crash(error: Exception, flight_recorder_dir: str | None) -> None:
+    """A crash in one line where it is a peer's (the peer says why), else with its traceback."""
+    if not runtime.is_peer_failure(error):
+        traceback.print_exc()
+        return
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    print(
+        f"rank {checks.launched_rank()}: stopped because another rank failed or stopped answering "
+        f"({first_line[:160]}); see that rank's error",
+        file=sys.stderr,
+        flush=True,
+    )
+    if flight_recorder_dir and checks.launched_rank() == "0":
+        print(
+            f"flight records: python -m course_lib.tools.diagnose {flight_recorder_dir}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _cuda_available() -> bool:

@@ -24,9 +24,9 @@ from . import checkpoint, strategies
 
 OPTIMIZERS = ("adamw", "sgd")
 PRECISIONS = ("fp32", "bf16")
+"""The precisions the trainer runs (of ``plan.layout.PRECISIONS``: fp8 products are the planner's)."""
 JSON_LINES = (".jsonl", ".json")
 """What the names of the files that get one JSON line per epoch or step end in."""
-"""The precisions the trainer runs (of ``plan.layout.PRECISIONS``: fp8 products are the planner's)."""
 
 
 @dataclass(kw_only=True)
@@ -63,7 +63,8 @@ class TrainConfig:
             at Daly's interval (``checkpoint_interval``), from a first save after
             ``AUTO_FIRST_SAVE_STEP`` steps that measures what a save and a step cost, and ``mtbf_hours``.
         checkpoint_mode: ``blocking`` (training waits while a checkpoint is written) or ``async``
-            (the state is copied to host memory and written in the background, ``checkpoint.AsyncSaves``).
+            (the state is copied to host memory and written in the background:
+            ``async_checkpoint.AsyncSaves``).
         mtbf_hours: the job's mean time between failures in hours, for ``--checkpoint-every auto``
             (one GPU's, about 50,700 hours on Llama 3's run, over the job's GPUs).
         resume: ``"latest"`` (the newest in ``checkpoint_dir``) or a checkpoint folder.
@@ -119,7 +120,8 @@ class TrainConfig:
 
 
 CHECKPOINT_MODES = ("blocking", "async")
-"""How a checkpoint is written: the training waiting, or in the background (``checkpoint.AsyncSaves``)."""
+"""How a checkpoint is written: the training waiting, or in the background
+(``async_checkpoint.AsyncSaves``)."""
 
 CHOICES = {
     "strategy": strategies.STRATEGIES,
@@ -234,33 +236,7 @@ def validate_config(config: TrainConfig, world_size: int, ranks_per_node: int | 
             f"--checkpoint-mode {config.checkpoint_mode} changes how checkpoints are written, and this run "
             "writes none: add --checkpoint-dir, or leave --checkpoint-mode out"
         )
-    # "" is a path given and mistyped, not the absence of one: each is checked when given at all
-    if config.checkpoint_dir is not None:
-        checks.check_folder_to_write("--checkpoint-dir", config.checkpoint_dir)
-    if config.metrics is not None:
-        checks.check_file_to_write("--metrics", config.metrics)
-        checks.check_suffix("--metrics", config.metrics, JSON_LINES, "data")
-    if config.profile is not None:
-        checks.check_folder_to_write("--profile", config.profile)
-    checks.check_int("--profile-steps", config.profile_steps, minimum=1)
-    if config.profile is None and config.profile_steps != TrainConfig.profile_steps:
-        raise UserError(
-            "--profile-steps says how many steps --profile records: add --profile DIR, or leave it out"
-        )
-    checks.check_int("--check-replicas", config.check_replicas, minimum=0)
-    if config.check_replicas and config.strategy != "ddp":
-        raise UserError(
-            "--check-replicas compares whole replicas: use it with --strategy ddp (ZeRO and FSDP shard the "
-            "training state, so the ranks hold different pieces by design)"
-        )
-    if config.straggler_report is not None:
-        if config.strategy == "single" or config.impl != "course":
-            raise UserError(
-                "--straggler-report times the collectives the course's own code makes: add --strategy ddp "
-                "(or zero1, zero2, fsdp) --impl course (PyTorch's DDP and FSDP call the transport directly)"
-            )
-        checks.check_file_to_write("--straggler-report", config.straggler_report)
-        checks.check_suffix("--straggler-report", config.straggler_report, JSON_LINES, "data")
+    _check_observers(config)
     if config.resume not in (None, "latest"):
         checks.check_folder_to_read("--resume", config.resume)
     resume_path = resolve_resume_path(config)
@@ -296,6 +272,38 @@ MAX_LOADER_WORKERS = 64
 
 
 FSDP_FLAGS = ("sharding_strategy", "hybrid_shard_size", "cpu_offload")
+
+
+def _check_observers(config: TrainConfig) -> None:
+    """The files and folders a run writes beside its training (checkpoints, metrics, traces,
+    reports), and the observers' flags that need one another."""
+    # "" is a path given and mistyped, not the absence of one: each is checked when given at all
+    if config.checkpoint_dir is not None:
+        checks.check_folder_to_write("--checkpoint-dir", config.checkpoint_dir)
+    if config.metrics is not None:
+        checks.check_file_to_write("--metrics", config.metrics)
+        checks.check_suffix("--metrics", config.metrics, JSON_LINES, "data")
+    if config.profile is not None:
+        checks.check_folder_to_write("--profile", config.profile)
+    checks.check_int("--profile-steps", config.profile_steps, minimum=1)
+    if config.profile is None and config.profile_steps != TrainConfig.profile_steps:
+        raise UserError(
+            "--profile-steps says how many steps --profile records: add --profile DIR, or leave it out"
+        )
+    checks.check_int("--check-replicas", config.check_replicas, minimum=0)
+    if config.check_replicas and config.strategy != "ddp":
+        raise UserError(
+            "--check-replicas compares whole replicas: use it with --strategy ddp (ZeRO and FSDP shard the "
+            "training state, so the ranks hold different pieces by design)"
+        )
+    if config.straggler_report is not None:
+        if config.strategy == "single" or config.impl != "course":
+            raise UserError(
+                "--straggler-report times the collectives the course's own code makes: add --strategy ddp "
+                "(or zero1, zero2, fsdp) --impl course (PyTorch's DDP and FSDP call the transport directly)"
+            )
+        checks.check_file_to_write("--straggler-report", config.straggler_report)
+        checks.check_suffix("--straggler-report", config.straggler_report, JSON_LINES, "data")
 
 
 def _check_fsdp_flags(config: TrainConfig) -> None:

@@ -31,11 +31,10 @@ from tqdm import tqdm
 
 from .. import data, models
 from ..distributed import runtime
-from ..errors import Diverged
 from ..observe import anatomy, faults, flight_recorder, profiling, replicas, stragglers
 from ..parallel import recompute
 from ..plan import flops
-from . import checkpoint, checkpoint_interval, strategies
+from . import async_checkpoint, checkpoint, checkpoint_interval, divergence, strategies
 from .config import (
     AUTO_FIRST_SAVE_STEP,
     TrainConfig,
@@ -74,17 +73,6 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.
     return torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
 
 
-def _gradients_finite(model: torch.nn.Module, device: torch.device) -> torch.Tensor:
-    """Whether every gradient this rank holds is finite (a shard's, for a sharded model), on the device."""
-    gradients = [parameter.grad for parameter in model.parameters() if parameter.grad is not None]
-    gradients = [
-        grad.to_local() if hasattr(grad, "to_local") else grad for grad in gradients
-    ]  # FSDP2's DTensors
-    if not gradients:
-        return torch.ones((), dtype=torch.bool, device=device)
-    return torch.stack([torch.isfinite(grad).all().to(device) for grad in gradients]).all()
-
-
 class Trainer:
     """Owns the model, optimizer and data of one run; ``fit()`` trains it."""
 
@@ -107,7 +95,7 @@ class Trainer:
         self._stragglers = stragglers.StragglerMeter() if config.straggler_report else None
         self._auto_every: int | None = None  # --checkpoint-every auto: steps between saves, once measured
         asynchronous = config.checkpoint_mode == "async" and config.checkpoint_dir
-        self._async_saves = checkpoint.AsyncSaves() if asynchronous else None
+        self._async_saves = async_checkpoint.AsyncSaves() if asynchronous else None
         self._auto_from = 0  # the step of the save that measured it
         self.micro_batch = data.per_rank_batch_size(
             config.global_batch_size, self.process.world_size, grad_accum_steps=config.grad_accum
@@ -220,7 +208,7 @@ class Trainer:
             grad_norm = None
             if config.clip_grad_norm is not None:
                 grad_norm = strategies.clip_grad_norm_(self.model, config.clip_grad_norm)
-            non_finite = ~_gradients_finite(self.model, device)
+            non_finite = ~divergence.gradients_finite(self.model, device)
             loss_total, samples_total, diverged, stop = self._agree_on_step(loss_sum, samples, non_finite)
         if diverged:
             grad = None if grad_norm is None else float(grad_norm)
@@ -259,60 +247,8 @@ class Trainer:
     # #endregion train-step
 
     def _stop_diverged(self, step_loss: float, grad_norm: float | None, *, local_loss: float) -> None:
-        """Record the divergence, tell the user what to try, and stop (no update, no checkpoint).
-
-        ``local_loss``: this rank's own loss, before any rank's was summed: the ranks compare them
-        (one all-gather, on this path only) to say where a non-finite loss came from.
-        """
-        config, position = self.config, self.position
-        step = position.global_step + 1
-        what = (
-            f"the loss is {step_loss}"
-            if not math.isfinite(step_loss)
-            else f"the loss is {step_loss:.4g} but a gradient is not finite"
-        )
-        if self.process.world_size > 1:
-            finite = [None] * self.process.world_size
-            torch.distributed.all_gather_object(finite, math.isfinite(local_loss))
-            if not all(finite) and any(finite):
-                bad = [rank for rank, ok in enumerate(finite) if not ok]
-                what += (
-                    f", first on rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} (the others' "
-                    "losses were finite: look at the batch that rank drew)"
-                )
-        if grad_norm is not None:
-            what += f" (gradient norm {grad_norm:.4g})"
-        tries = [f"a lower --lr (this run: {config.lr:g})"]
-        tries.append(
-            f"a smaller --clip-grad-norm (this run: {config.clip_grad_norm:g})"
-            if config.clip_grad_norm
-            else "--clip-grad-norm 1.0"
-        )
-        if config.precision != "fp32":
-            tries.append("--precision fp32")
-        saved = checkpoint.latest_checkpoint(config.checkpoint_dir) if config.checkpoint_dir else None
-        # Resuming the newest checkpoint replays the same batch, so an older one may be the way back;
-        # its run then needs a folder of its own, where the newer checkpoint cannot be taken for its own.
-        resume = (
-            f"; the checkpoints from before it are kept: the newest is {saved} (--resume latest), an older "
-            f"one resumes with --resume {saved.parent}/step-XXXXXXXX and a new --checkpoint-dir"
-            if saved
-            else ""
-        )
-        if config.metrics:
-            record = {
-                "event": "diverged",
-                "epoch": position.epoch + 1,
-                "step": step,
-                "loss": repr(step_loss),
-                "grad_norm": grad_norm,
-                "lr": config.lr,
-            }
-            on_first_rank(lambda: append_metrics(config.metrics, record))
-        raise Diverged(
-            f"training diverged at step {step} (epoch {position.epoch + 1}): {what}; try "
-            f"{', '.join(tries[:-1])} or {tries[-1]}{resume}"
-        )
+        """Stop every rank with what to try (``divergence.stop``): no update, no checkpoint."""
+        divergence.stop(self.config, self.position, self.process.world_size, step_loss, grad_norm, local_loss)
 
     def _save(self) -> None:
         if not self.config.checkpoint_dir:

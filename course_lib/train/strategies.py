@@ -20,7 +20,7 @@ planner and the labs use for the same thing. ``zero1`` and ``zero2`` are the cou
 ``ddp`` and ``fsdp`` have two implementations behind the same flags: ``torch`` (PyTorch's own
 ``DistributedDataParallel`` and FSDP2 ``fully_shard``, the production path and the default)
 and ``course`` (the readable versions in ``course_lib.parallel``, applied by the same verb that
-lays out a transformer's data axis, ``plan.layout.data_parallel_wrapper``: this CNN has no other
+lays out a transformer's data axis, ``parallel.data_parallel.apply_data_parallel``: this CNN has no other
 axis). The trainer only ever calls
 ``wrap_model`` and ``gradient_sync_skipped``, so both are held to the same numbers.
 
@@ -43,9 +43,9 @@ from ..checks import check_choice
 from ..distributed.runtime import ProcessInfo
 from ..errors import UserError
 from ..models import sharding_units
+from ..parallel.data_parallel import apply_data_parallel
 from ..parallel.ddp import DataParallel
 from ..parallel.memory import SHARDINGS
-from ..plan.layout import data_parallel_wrapper
 
 STRATEGIES = ("single", *SHARDINGS)
 IMPLEMENTATIONS = ("torch", "course")
@@ -96,12 +96,12 @@ def wrap_model(
     check_strategy(strategy, impl, process.world_size)
     if strategy == "single":
         return model
-    if impl == "course":  # the data axis's one verb, as layout.parallelize applies it to a transformer
+    if impl == "course":  # the data axis's one verb, as plan.parallelize applies it to a transformer
         options = {}
         if strategy == "fsdp":
             options = {"sharding_strategy": sharding_strategy, "hybrid_shard_size": hybrid_shard_size,
                        "cpu_offload": cpu_offload}  # fmt: skip
-        return data_parallel_wrapper(model, sharding=strategy, units=sharding_units(model), **options)
+        return apply_data_parallel(model, sharding=strategy, units=sharding_units(model), **options)
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 

@@ -43,7 +43,8 @@ from ..observe import anatomy, profiling
 from ..parallel import context_chunks, ulysses
 from ..parallel import tensor as tp
 from ..parallel.mesh import Mesh, check_degrees, rank_at
-from ..plan.layout import Layout, parallelize
+from ..plan.layout import Layout
+from ..plan.parallelize import parallelize
 
 
 def local_layout(

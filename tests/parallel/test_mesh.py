@@ -286,7 +286,8 @@ def _overlapped_tensor_parallel_with_sharding(
     """``parallelize`` on a 2 x 2 grid: ``sharding`` over the data ranks, sequence parallelism over
     the tensor ranks with collective matmul (``tensor_overlap``); the mean loss of every step."""
     from course_lib.parallel.mesh import Mesh
-    from course_lib.plan.layout import Layout, parallelize
+    from course_lib.plan.layout import Layout
+    from course_lib.plan.parallelize import parallelize
 
     seq_len = 16
     torch.manual_seed(0)
@@ -336,7 +337,8 @@ def test_overlapped_tensor_parallelism_with_sharded_data_on_a_mesh_trains_like_o
 
 
 def test_tensor_overlap_without_sequence_parallelism_is_refused_with_the_fix():
-    from course_lib.plan.layout import Layout, parallelize
+    from course_lib.plan.layout import Layout
+    from course_lib.plan.parallelize import parallelize
 
     dense = models.TinyTransformer(45, d_model=24, n_heads=4, n_layers=2, max_seq_len=16)
     plain = Layout(tensor=2, sequence_parallel=False)

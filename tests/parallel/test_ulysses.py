@@ -17,6 +17,7 @@ from course_lib.errors import UserError
 from course_lib.parallel import context as cp
 from course_lib.parallel import context_chunks, ulysses
 from course_lib.parallel.memory import saved_tensor_bytes
+from course_lib.plan import attention_time
 
 BATCH, HEADS, HEAD_DIM = 2, 12, 4  # 12 heads divide by 1, 2, 3 and 4
 SEQ = 13  # cuts unevenly into 2, 3 and 4 chunks
@@ -286,23 +287,23 @@ def test_the_time_model_hides_the_rings_messages_only_when_a_block_outlasts_a_ch
     h100 = dict(heads=32, head_dim=128, degree=8, flops_per_s=400e12, latency_s=20e-6)
     fast, slow = 150e9, 12.5e9  # a rank's NVLink and its share of a node's network, bytes/s
     for link in (fast, slow):
-        long = ulysses.attention_time_model(seq=524288, link_bytes_per_s=link, **h100)
+        long = attention_time.attention_time_model(seq=524288, link_bytes_per_s=link, **h100)
         chunk = 2 * 32 * (524288 // 8) * 128 * 2  # K and V of S/C tokens, bf16
         # long: every block outlasts its chunk, so only the gradients' last trip home shows
         assert long["ring_s"] == pytest.approx(long["compute_s"] + 20e-6 + chunk / link)
         assert long["ring_s"] < long["ulysses_s"]
-    short = ulysses.attention_time_model(seq=8192, link_bytes_per_s=slow, **h100)
+    short = attention_time.attention_time_model(seq=8192, link_bytes_per_s=slow, **h100)
     assert short["ulysses_s"] < short["ring_s"]  # short: the chunks outlast the blocks, and add up
     # an all-to-all on a fully connected node uses every peer's link at once: three times one link's rate
     node = dict(h100, degree=4)
-    one_link = ulysses.attention_time_model(seq=8192, link_bytes_per_s=fast, **node)
-    three = ulysses.attention_time_model(
+    one_link = attention_time.attention_time_model(seq=8192, link_bytes_per_s=fast, **node)
+    three = attention_time.attention_time_model(
         seq=8192, link_bytes_per_s=fast, all_to_all_bytes_per_s=3 * fast, **node
     )
     moved = one_link["ulysses_s"] - one_link["compute_s"] - 4 * 20e-6
     assert three["ulysses_s"] - three["compute_s"] - 4 * 20e-6 == pytest.approx(moved / 3)
     assert three["ring_s"] == one_link["ring_s"]  # the ring talks to one neighbour only
-    one = ulysses.attention_time_model(seq=4096, link_bytes_per_s=fast, **(h100 | {"degree": 1}))
+    one = attention_time.attention_time_model(seq=4096, link_bytes_per_s=fast, **(h100 | {"degree": 1}))
     assert one["ring_s"] == one["ulysses_s"] == one["compute_s"]
     with pytest.raises(UserError, match="link_bytes_per_s must be a finite number above 0, got 0"):
-        ulysses.attention_time_model(seq=4096, link_bytes_per_s=0, **h100)
+        attention_time.attention_time_model(seq=4096, link_bytes_per_s=0, **h100)

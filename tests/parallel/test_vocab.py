@@ -227,9 +227,10 @@ def test_bad_inputs_are_refused_with_the_fix():
 
 
 def _context_and_sequence_parallel(loss_parallel: bool, attention: str):
-    """``layout.parallelize`` on a 2 x 2 grid of context and tensor ranks, sequence parallel."""
+    """``plan.parallelize`` on a 2 x 2 grid of context and tensor ranks, sequence parallel."""
     from course_lib.parallel.mesh import Mesh
-    from course_lib.plan.layout import Layout, parallelize
+    from course_lib.plan.layout import Layout
+    from course_lib.plan.parallelize import parallelize
 
     seq_len = 16
     torch.manual_seed(0)

@@ -5,7 +5,7 @@ both moments: 12 bytes a parameter). Reported, every time the median over ``--sa
 
 - ``step_ms``: a training step with no save running;
 - ``blocking_pause_s``: how long ``checkpoint.save`` holds the training (the whole write);
-- ``async_pause_s``: how long ``checkpoint.AsyncSaves.start`` holds it (the copy to host memory);
+- ``async_pause_s``: how long ``async_checkpoint.AsyncSaves.start`` holds it (the copy to host memory);
 - ``async_write_s``: from the start of an asynchronous save until the checkpoint is in place,
   while the training goes on;
 - ``step_during_write_ms``: a step while a write runs beside it (the writer's thread and the
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ...distributed import runtime
-from ...train import checkpoint
+from ...train import async_checkpoint, checkpoint
 from .common import mlp, rank_batch
 
 
@@ -69,7 +69,7 @@ def checkpoint_benchmark(*, width: int, layers: int, batch: int, steps: int, sav
             started = time.perf_counter()
             checkpoint.save(folder, model, optimizer, position)
             blocking.append(time.perf_counter() - started)
-        saver = checkpoint.AsyncSaves()
+        saver = async_checkpoint.AsyncSaves()
         for _ in range(saves):
             position.global_step += 1
             started = time.perf_counter()

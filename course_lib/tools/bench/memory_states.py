@@ -11,7 +11,7 @@ from torch import nn
 
 from ...distributed import comm, runtime
 from ...parallel import memory
-from ...plan.layout import data_parallel_wrapper
+from ...parallel.data_parallel import apply_data_parallel
 from .common import anatomies, mlp, rank_batch, training_step
 
 
@@ -35,7 +35,7 @@ def measure_sharding(
         units: the FSDP units for ``"fsdp"``.
         loss: ``loss(outputs, targets)``.
     """
-    model = data_parallel_wrapper(model, sharding=sharding, units=units)
+    model = apply_data_parallel(model, sharding=sharding, units=units)
     optimizer = torch.optim.Adam(model.parameters())
     for _ in range(2):
         optimizer.zero_grad()
@@ -66,7 +66,7 @@ def memory_benchmark(*, width: int, layers: int, batch: int, profile: str | None
         measured, sent = measure_sharding(model, sharding, inputs, targets, units=units, loss=F.mse_loss)
         torch.manual_seed(0)
         fresh = mlp(width, layers)
-        wrapped = data_parallel_wrapper(
+        wrapped = apply_data_parallel(
             fresh, sharding=sharding, units=[m for m in fresh if isinstance(m, nn.Linear)]
         )
         where = anatomies(

@@ -204,6 +204,9 @@ def _from_torchrun(environ: Mapping[str, str]) -> DistEnvironment:
     )
 
 
+# #endregion who-am-i
+
+
 def _from_srun(environ: Mapping[str, str]) -> DistEnvironment | None:
     """Slurm's variables under srun, or None outside a step of several tasks."""
     # srun starts one task per GPU. Inside a batch script *without* srun, SLURM_PROCID is 0 but
@@ -283,9 +286,6 @@ def gpu_for_process(*, local_rank: int, visible_gpus: int) -> int:
     if local_rank < 0:
         raise UserError(f"LOCAL_RANK={local_rank} is negative: it counts a node's processes from 0")
     return local_rank % visible_gpus
-
-
-# #endregion who-am-i
 
 
 def choose_backend(requested: str, cuda_available: bool) -> tuple[str, str]:

@@ -15,7 +15,13 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from ..parallel.pipeline import bubble_fraction, bubble_overhead_theory, build_schedule, simulate_timeline
+from ..parallel.pipeline import (
+    WHOLE_BACKWARD,
+    bubble_fraction,
+    bubble_overhead_theory,
+    build_schedule,
+    simulate_timeline,
+)
 from . import kernels
 from .memory_model import (
     block_activation_elements,
@@ -301,8 +307,6 @@ def output_projection_share(model) -> float:
 SIMULATED_MICROBATCHES = 512
 """Beyond this many micro-batches a step, a schedule with a formula is priced by it: the simulation
 equals it (tested up to this count and beyond), and costs seconds per layout at thousands."""
-FORMULA_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-"""The schedules whose bubble is (p - 1) / (v m) (``pipeline.bubble_overhead_theory``)."""
 
 
 @functools.cache
@@ -323,7 +327,7 @@ def bubble_overhead(
         virtual_stages: v, stages per rank.
         backward_over_forward: a micro-batch's backward time over its forward time.
     """
-    if microbatches > SIMULATED_MICROBATCHES and schedule in FORMULA_SCHEDULES:
+    if microbatches > SIMULATED_MICROBATCHES and schedule in WHOLE_BACKWARD:
         return bubble_overhead_theory(pipeline_size, microbatches, virtual_stages=virtual_stages)
     actions = build_schedule(schedule, pipeline_size, microbatches, virtual_stages=virtual_stages)
     events = simulate_timeline(actions, pipeline_size, forward_time=1.0, backward_time=backward_over_forward)

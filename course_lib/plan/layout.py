@@ -32,8 +32,9 @@ from ..parallel.context_chunks import SequenceLayout
 
 SHARDINGS = memory.SHARDINGS
 """What the data axis shards: ``parallel.memory.SHARDINGS`` (ddp, zero1, zero2, fsdp)."""
-SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
-"""The pipeline schedules the planner lays out (of ``pipeline.SCHEDULES``)."""
+SCHEDULES = pipeline.WHOLE_BACKWARD
+"""The pipeline schedules the planner lays out: those whose backward is one pass
+(``pipeline.WHOLE_BACKWARD``, of ``pipeline.SCHEDULES``)."""
 PRECISIONS = ("bf16", "fp32", "fp8")
 """``bf16``: mixed precision (bf16 products and activations, fp32 master weights); ``fp32``;
 ``fp8``: as bf16, with the blocks' linear layers' products in fp8 with tensorwise scaling
@@ -211,7 +212,7 @@ class Layout:
                 )
             give(part, **{LETTERS[axis[1]]: int(axis[2])})
         for word in words:
-            schedule = re.fullmatch(r"(1f1b|gpipe|interleaved_1f1b)(?:x([1-9]\d*))?", word)
+            schedule = re.fullmatch(rf"({'|'.join(SCHEDULES)})(?:x([1-9]\d*))?", word)
             micro_batch = re.fullmatch(r"mb([1-9]\d*)", word)
             if word in SHARDINGS:
                 give(word, sharding=word)

@@ -46,6 +46,10 @@ from ..parallel.mesh import Mesh, check_degrees, rank_at
 from ..plan.layout import Layout
 from ..plan.parallelize import parallelize
 
+SCHEDULES = ("gpipe", "1f1b")
+"""The schedules ``train_3d`` runs: one stage a rank (interleaving needs virtual stages it does
+not cut)."""
+
 
 def local_layout(
     mesh: Mesh,

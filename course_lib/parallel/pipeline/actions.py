@@ -22,6 +22,9 @@ from ...errors import UserError
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v", "dualpipe_v")
 SPLIT_BACKWARD = ("zb_h1", "zb_v", "dualpipe_v")
 """The schedules that split each backward into B (the input's gradient) and W (the weights')."""
+WHOLE_BACKWARD = tuple(schedule for schedule in SCHEDULES if schedule not in SPLIT_BACKWARD)
+"""The others, each backward one pass: their bubble is (p - 1) / (v m) (``bubble_overhead_theory``),
+and they are the ones the planner prices."""
 V_SHAPED = ("zb_v", "dualpipe_v")
 """The schedules whose two chunks per rank sit in a V: rank r holds stages r and 2p - 1 - r."""
 COMPUTE = ("F", "B", "W")

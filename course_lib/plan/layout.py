@@ -39,6 +39,8 @@ PRECISIONS = ("bf16", "fp32", "fp8")
 """``bf16``: mixed precision (bf16 products and activations, fp32 master weights); ``fp32``;
 ``fp8``: as bf16, with the blocks' linear layers' products in fp8 with tensorwise scaling
 (torchao's Float8Linear, Transformer Engine): attention, the head and the activations stay bf16."""
+FLOAT8_PRECISIONS = ("fp8",)
+"""The precisions whose products need a GPU's float8 matmul (the trainer runs the others)."""
 CONTEXT_ATTENTION = ("ring", "ulysses")
 LETTERS = {"d": "data", "p": "pipeline", "c": "context", "t": "tensor", "e": "expert"}
 """The letter of each axis in a layout's name."""

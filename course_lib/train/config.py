@@ -20,11 +20,13 @@ from ..errors import UserError
 from ..observe import faults
 from ..parallel import recompute
 from ..parallel.fsdp_units import OFFLOAD_MODES, SHARDING_STRATEGIES, hybrid_shard_group_size
+from ..plan import layout
 from . import checkpoint, strategies
 
 OPTIMIZERS = ("adamw", "sgd")
-PRECISIONS = ("fp32", "bf16")
-"""The precisions the trainer runs (of ``plan.layout.PRECISIONS``: fp8 products are the planner's)."""
+PRECISIONS = tuple(precision for precision in layout.PRECISIONS if precision not in layout.FLOAT8_PRECISIONS)
+"""The precisions the trainer runs: the layouts' (``plan.layout.PRECISIONS``) but float8's, whose
+products are the planner's and a GPU's (``parallel.float8``)."""
 JSON_LINES = (".jsonl", ".json")
 """What the names of the files that get one JSON line per epoch or step end in."""
 

@@ -411,7 +411,7 @@ def test_a_collective_on_the_wrong_group_is_named(tmp_path, monkeypatch, capsys)
 
 def test_an_entry_missing_a_field_names_it(tmp_path, capsys):
     entry = {"sequence": 0, "op": "all_reduce", "group_ranks": [0, 1], "shape": [3], "dtype": "float32",
-             "issued_s": 1.0, "completed_s": None, "caller": "x.py:1 in f"}  # fmt: skip
+             "issued_s": 1.0, "completed_s": None, "caller": "x.py:1 in f", "peer": None}  # fmt: skip
     (tmp_path / "rank-0.json").write_text(json.dumps(_record(0, entries=[entry])))
     assert diagnose.main([str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()

@@ -26,6 +26,11 @@ calls_on: dict[object, int] = {}  # collectives made so far on each process grou
 
 POINT_TO_POINT = ("send", "recv", "isend", "irecv", "send_recv")
 
+# torch 2.14 renamed the tensor-to-tensor collectives (the old names still work, with a warning).
+all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+"""The transport's all-gather into one tensor: ``comm`` issues it, and ``collective_check`` calls it
+bare (its fingerprints are no collective of the ledger)."""
+
 
 def report_failure(call: Call, error: Exception) -> None:
     """Tell the instruments that ``call`` failed; where the transport only says that a peer went

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from ..errors import UserError
 from . import hooks, runtime
-from .calls import Call
+from .calls import Call, all_gather_single
 
 _FINGERPRINT_DIMS = 6
 _OPS = (
@@ -48,7 +48,6 @@ _OPS = (
 )
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8)
 _unchecked_depth = 0
-_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
 @contextlib.contextmanager
@@ -95,7 +94,7 @@ def check_same_call(op: str, tensor: torch.Tensor, group, *, shape: tuple[int, .
     shape = tuple(tensor.shape) if shape is None else shape
     mine = torch.tensor(_fingerprint(op, tensor.dtype, shape, math.prod(shape)), device=tensor.device)
     everyone = torch.empty(size * mine.numel(), dtype=mine.dtype, device=mine.device)
-    _all_gather(everyone, mine, group=group)  # the transport's own: not a collective of the ledger
+    all_gather_single(everyone, mine, group=group)  # the transport's own: not a collective of the ledger
     rows = everyone.view(size, -1).tolist()
     if all(row == rows[0] for row in rows):
         return

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from ..checks import check_choice
 from ..errors import UserError
 from . import collective_check, hooks, runtime  # noqa: F401 (collective_check: installed on import)
-from .calls import POINT_TO_POINT, Call, calls_on, check_tensors, issue
+from .calls import POINT_TO_POINT, Call, all_gather_single, calls_on, check_tensors, issue
 from .ledger import CommLog, CommRecord, bus_bandwidth, nbytes, ring_bytes
 from .p2p import irecv, isend, recv, send, send_recv
 
@@ -88,8 +88,8 @@ def _mean_divider(tensor: torch.Tensor, op: str, group) -> Callable[[], None] | 
     return lambda: tensor.div_(size)
 
 
-# torch 2.14 renamed the tensor-to-tensor collectives (the old names still work, with a warning).
-all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+# torch 2.14 renamed the tensor-to-tensor collectives (the old names still work, with a warning;
+# ``calls.all_gather_single`` is the other one).
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 

@@ -32,13 +32,13 @@ import pickle
 import sys
 import time
 from collections import defaultdict
-from dataclasses import KW_ONLY, dataclass, field
+from dataclasses import KW_ONLY, dataclass, field, fields
 from pathlib import Path
 
 from .. import checks
 from ..distributed.hooks import FINISHED
 from ..errors import UserError
-from ..observe.flight_recorder import FORMAT, PYTORCH_PREFIX
+from ..observe.flight_recorder import FORMAT, PYTORCH_PREFIX, Entry
 
 
 @dataclass
@@ -130,17 +130,7 @@ def _check_one_run(folder: Path, records: dict[int, RankRecord]) -> None:
         )
 
 
-ENTRY_FIELDS = (
-    "sequence",
-    "op",
-    "group_ranks",
-    "shape",
-    "dtype",
-    "issued_s",
-    "completed_s",
-    "caller",
-    "state",
-)
+ENTRY_FIELDS = (*(field.name for field in fields(Entry)), "state")
 """What each entry of a course record holds (``flight_recorder.Entry`` and its state): the diagnosis
 reads them all."""
 

@@ -44,6 +44,7 @@ SECRETS = ("solution.py", "solution_answers.toml")
 """What no process of a grading may find: each lab's solution and the keys to its questions."""
 PACKAGE = Path(course_lib.__file__).resolve().parent
 REPOSITORY = PACKAGE.parent
+LABS = REPOSITORY / "labs"
 HIDDEN = ("labs", ".git")
 """The repository's folders a grading in namespaces sees empty."""
 KEY_BYTES = 32
@@ -59,9 +60,7 @@ def build_room(scratch: Path, submission: Path) -> Path:
     """
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     shutil.copytree(PACKAGE, scratch / "course_lib", ignore=ignore)
-    shutil.copytree(
-        REPOSITORY / "labs", scratch / "labs", ignore=shutil.ignore_patterns("__pycache__", *SECRETS)
-    )
+    shutil.copytree(LABS, scratch / "labs", ignore=shutil.ignore_patterns("__pycache__", *SECRETS))
     copy = scratch / "submission" / submission.name
     copy.parent.mkdir()
     shutil.copyfile(submission, copy)

@@ -61,7 +61,7 @@ from ..errors import PeerLeft, UserError
 from . import grading_room, sandbox
 
 LINE_LENGTH = 110  # pyproject.toml's [tool.ruff] line-length: exercises are formatted like the code
-LABS_DIR = Path(__file__).resolve().parent.parent.parent / "labs"
+LABS_DIR = grading_room.LABS
 BEGIN = re.compile(r"^(?P<indent>\s*)# BEGIN SOLUTION: (?P<hint>.+)$")
 END = re.compile(r"^\s*# END SOLUTION\s*$")
 
@@ -359,7 +359,7 @@ def _load_problem(student: sandbox.Submission, seconds: float) -> str | None:
     return None
 
 
-def run_properties(name: str, path: Path, *, emit=None, verdicts: tuple[Path, ...] = ()) -> list[dict]:
+def run_properties(name: str, path: Path, *, emit=None) -> list[dict]:
     """Every property of lab ``name`` on the student's file: one record each (``status`` PASS, FAIL
     or SKIP, the property's ``index``, the ``line`` to print), or one FAIL record where the file
     does not load.
@@ -371,7 +371,6 @@ def run_properties(name: str, path: Path, *, emit=None, verdicts: tuple[Path, ..
         name: the lab.
         path: the student's Python file.
         emit: called with each record as soon as it is known (for progress).
-        verdicts: files the student's code may not touch.
     """
     global GRADING_SEED
     # inputs a recording cannot have seen (COURSE_GRADING_SEED: the same inputs again, to reproduce one)
@@ -384,7 +383,7 @@ def run_properties(name: str, path: Path, *, emit=None, verdicts: tuple[Path, ..
         if emit is not None:
             emit(records[-1])
 
-    student = sandbox.Submission(path, load=load, timeout_s=lab_timeout_s(), verdicts=verdicts)
+    student = sandbox.Submission(path, load=load, timeout_s=lab_timeout_s())
     problem = _load_problem(student, lab_timeout_s())
     if problem:
         report("FAIL", None, f"FAIL  {problem}")

@@ -37,6 +37,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from .grading_room import SECRETS
+
 # -- what may come back ------------------------------------------------------------------------------
 
 SAFE_BUILTINS = {
@@ -111,29 +113,24 @@ def safe_loads(data: bytes) -> Any:
 
 # -- what a process that runs a submission may not do ---------------------------------------------------
 
-FORBIDDEN_NAMES = ("solution.py", "solution_answers.toml")
-"""Files of a lab that a process running a submission may not open."""
 PATH_EVENTS = ("open", "os.rename", "os.link", "os.symlink", "os.remove", "os.truncate")
 SPAWNING_EVENTS = ("subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn")
 
-_verdicts: list[Path] = []
 _graded: list[Path] = []  # the file under grading (a lab's own solution, when that is what is graded)
 _sealed = False
 
 
-def seal(*, graded: Path, verdicts: tuple[Path, ...] = ()) -> None:
-    """From now on this process may not open a lab's solution (but the file ``graded`` itself),
-    touch ``verdicts``, or start programs.
+def seal(*, graded: Path) -> None:
+    """From now on this process may not open a lab's solution or its keys (``grading_room.SECRETS``;
+    but the file ``graded`` itself), or start programs.
 
     Args:
         graded: the file being graded.
-        verdicts: files only the judge writes.
     """
     global _sealed
     if _sealed:
         return
     _graded.append(Path(graded).resolve())
-    _verdicts.extend(Path(v).resolve() for v in verdicts)
 
     def hook(event: str, args: tuple) -> None:
         if event in PATH_EVENTS:
@@ -154,13 +151,9 @@ def _refuse_path(arg) -> None:
         return
     # by name, wherever it is: a directory-relative open names no folder, a copy or the cached
     # bytecode (__pycache__/solution.cpython-311.pyc) another
-    cached = path.suffix == ".pyc" and path.name.split(".")[0] in {
-        Path(name).stem for name in FORBIDDEN_NAMES
-    }
-    if (path.name in FORBIDDEN_NAMES or cached) and path not in _graded:
+    cached = path.suffix == ".pyc" and path.name.split(".")[0] in {Path(name).stem for name in SECRETS}
+    if (path.name in SECRETS or cached) and path not in _graded:
         raise PermissionError(f"a graded submission may not read the lab's solution ({path.name})")
-    if any(path in (verdict, verdict.with_suffix(".partial")) for verdict in _verdicts):
-        raise PermissionError("a graded submission may not touch the grader's verdict")
 
 
 # -- the submission, seen from the judge and from the processes that run it ---------------------------------
@@ -178,12 +171,10 @@ class Submission:
         path: the student's file.
         load: how to import a file as a module (``labs.load``).
         timeout_s: how long one sandboxed call may take.
-        verdicts: the files only the judge writes (``seal``).
     """
 
-    def __init__(self, path: Path, *, load: Callable[[Path], ModuleType], timeout_s: float, verdicts=()):
+    def __init__(self, path: Path, *, load: Callable[[Path], ModuleType], timeout_s: float):
         self._path, self._load, self._timeout_s = Path(path), load, timeout_s
-        self._verdicts = tuple(verdicts)
         self._judge = os.getpid()
         self._module: ModuleType | None = None
 
@@ -196,7 +187,7 @@ class Submission:
         if os.getpid() == self._judge:
             raise RuntimeError("the judge never loads the submission: fetch its values with in_sandbox")
         if self._module is None:
-            seal(graded=self._path, verdicts=self._verdicts)
+            seal(graded=self._path)
             self._module = self._load(self._path)
         return self._module
 

@@ -46,16 +46,6 @@ def read_runs(path: str | Path) -> list[list[tuple[int, StepReport]]]:
     return runs
 
 
-def read_report(path: str | Path) -> list[StepReport]:
-    """The steps of the last run in a ``--straggler-report`` file (``read_runs``); a line that does
-    not read is refused with its number.
-
-    Args:
-        path: the JSON-lines file the trainer wrote.
-    """
-    return [step for _, step in read_runs(path)[-1]]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = checks.CommandParser(
         prog="python -m course_lib.tools.stragglers",

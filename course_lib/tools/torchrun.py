@@ -158,8 +158,7 @@ def _check_flags(args) -> None:
 
 def _world_size(args, workers: int) -> int:
     """The job's ranks: this node's workers times the most nodes torchrun may join (``--nnodes``)."""
-    nodes = str(args.nnodes).split(":")[-1]
-    return workers * int(nodes) if nodes.isdigit() else workers
+    return workers * _nodes(args.nnodes)[1]
 
 
 def main(argv: list[str] | None = None) -> int:

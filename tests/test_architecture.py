@@ -24,6 +24,7 @@ the reader and from this test), and that lessons never draw. Run with ``-s`` to 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "course_lib"
@@ -402,3 +403,79 @@ def test_every_lesson_fits_its_limits():
     assert not offenders, f"split these by idea: {offenders}"
     body = "\n".join(f"    x{i} = {i}" for i in range(81))
     assert _too_long(f"def long():\n{body}\n", file_lines=500, function_lines=80) == ["long: 82 lines"]
+
+
+VERBS = {
+    "apply_data_parallel": "nn.Module",
+    "apply_zero": "ZeroDataParallel",
+    "apply_fsdp": "FullyShardedDataParallel",
+    "apply_tensor_parallel": "nn.Module",
+    "apply_sequence_parallel": "nn.Module",
+    "apply_vocabulary_parallel": "nn.Module",
+    "apply_context_parallel": "nn.Module",
+    "apply_ulysses_parallel": "nn.Module",
+    "apply_expert_parallel": "nn.Module",
+    "apply_recomputation": "nn.Module",
+    "apply_float8": "nn.Module",
+    "apply_compile": "nn.Module",
+    "apply_pipeline_parallel": "Pipeline",
+}
+"""Every technique's one verb, and what it returns: the model it changed (or the wrapper a data
+axis puts around it), but pipelining, the outer verb, which returns the stages and their schedule."""
+
+
+def _verb_shape(node: ast.FunctionDef) -> list[str]:
+    """What in one verb's signature breaks ``apply_x(model, group_or_mesh, *, options) -> model``."""
+    found, positional = [], [a.arg for a in node.args.posonlyargs + node.args.args]
+    if positional[:1] != ["model"]:
+        found.append(f"its first argument is {positional[:1]}, not model")
+    if positional[1:] not in ([], ["group"], ["group_or_mesh"]):
+        found.append(f"takes {positional[1:]} by position: only the group (or mesh) comes second")
+    returns = ast.unparse(node.returns) if node.returns else None
+    if returns != VERBS.get(node.name):
+        found.append(f"returns {returns}, not {VERBS.get(node.name)}")
+    return found
+
+
+def test_every_technique_has_one_verb_of_one_shape():
+    verbs = {}
+    for path in sorted((PACKAGE / "parallel").rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("apply_"):
+                assert node.name not in verbs, f"{node.name} is defined twice"
+                verbs[node.name] = (path, node)
+    assert set(verbs) == set(VERBS), f"verbs found {sorted(verbs)}, listed {sorted(VERBS)}"
+    wrong = [f"{name}: {problem}" for name, (_, node) in verbs.items() for problem in _verb_shape(node)]
+    assert not wrong, wrong
+    bad = ast.parse("def apply_x(moe, *, group=None) -> int: ...").body[0]
+    assert len(_verb_shape(bad)) == 2  # the check sees a layer taken for the model and a count returned
+
+
+INSTRUMENTS = re.compile(
+    r"\b(faults|flight_recorder|anatomy|recorder|replicas\.|perf_counter|live_tensor_bytes)\b"
+)
+"""What measures or breaks a run on purpose: it reports through hooks, tracers and step callbacks,
+never from inside the lines a student reads as the algorithm."""
+
+
+def _regions(source: str) -> dict[str, str]:
+    """Every ``# #region NAME`` ... ``# #endregion NAME`` of a file: its name and its lines."""
+    lines, starts, regions = source.splitlines(), {}, {}
+    for number, line in enumerate(lines):
+        if match := re.fullmatch(r"\s*# #region (\S+)", line):
+            starts[match.group(1)] = number
+        elif (match := re.fullmatch(r"\s*# #endregion (\S+)", line)) and match.group(1) in starts:
+            regions[match.group(1)] = "\n".join(lines[starts[match.group(1)] + 1 : number])
+    return regions
+
+
+def test_no_reading_region_holds_an_instrument():
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}#{name}: {sorted(set(INSTRUMENTS.findall(body)))}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for name, body in _regions(path.read_text()).items()
+        if INSTRUMENTS.search(body)
+    ]
+    assert not found, f"reading regions that name an instrument (move it to a hook): {found}"
+    sample = "# #region step\nloss = faults.poisoned(loss)\nwith anatomy.phase('x'):\n# #endregion step\n"
+    assert sorted(INSTRUMENTS.findall(_regions(sample)["step"])) == ["anatomy", "faults"]

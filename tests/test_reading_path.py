@@ -78,24 +78,60 @@ def test_the_reading_list_adds_up_to_about_two_thousand_lines():
     assert 1500 <= total <= 2500, f"a reading path of {total} lines: aim for about 2,000"
 
 
+def syllabus_reading() -> list[tuple[int, str]]:
+    """(week, path) for every file or folder of the syllabus's "read" column, in order."""
+    found = []
+    for row in table_rows(section("Syllabus")):
+        folder = ""
+        for name in re.findall(r"`([^`]+)`", row[4]):  # "parallel/ddp.py", then "zero.py" in the same folder
+            folder, _, _ = name.rpartition("/") if "/" in name else (folder, "", "")
+            found.append(
+                (int(row[0]), f"course_lib/{name}" if "/" in name else f"course_lib/{folder}/{name}")
+            )
+    return found
+
+
 @pytest.mark.parametrize("column", ["lecture", "notebooks", "labs", "read"])
 def test_everything_the_syllabus_names_exists(column):
     rows = table_rows(section("Syllabus"))
     assert [row[0] for row in rows] == [str(week) for week in range(1, len(rows) + 1)]
     where = {"lecture": (1, "slides/{}"), "notebooks": (2, "notebooks/{}.ipynb"), "labs": (3, "labs/{}")}
-    missing = []
-    for row in rows:
-        names = re.findall(r"`([^`]+)`", row[where[column][0] if column in where else 4])
-        folder = ""
-        for name in names:
-            if column in where:
-                path = where[column][1].format(name)
-            else:  # "parallel/ddp.py", then "zero.py" in the same folder
-                folder, _, _ = name.rpartition("/") if "/" in name else (folder, "", "")
-                path = f"course_lib/{name}" if "/" in name else f"course_lib/{folder}/{name}"
-            if not (REPO / path).exists():
-                missing.append(f"week {row[0]}: {path}")
+    if column == "read":
+        paths = [(week, path) for week, path in syllabus_reading()]
+    else:
+        paths = [
+            (int(row[0]), where[column][1].format(name))
+            for row in rows
+            for name in re.findall(r"`([^`]+)`", row[where[column][0]])
+        ]
+    missing = [f"week {week}: {path}" for week, path in paths if not (REPO / path).exists()]
     assert missing == [], "the syllabus names what does not exist:\n" + "\n".join(missing)
+
+
+def week_of(path: str, reading: list[tuple[int, str]]) -> int | None:
+    """The week the syllabus first names ``path``: by its own name, else by the nearest folder."""
+    exact = [week for week, named in reading if named == path]
+    if exact:
+        return exact[0]
+    folders = [(len(named), week) for week, named in reading if path.startswith(named.rstrip("/") + "/")]
+    return min(folders, key=lambda found: (-found[0], found[1]))[1] if folders else None
+
+
+def test_the_reading_list_follows_the_syllabus():
+    reading = syllabus_reading()
+    weeks = [(f"{path}#{name}", week_of(path, reading)) for path, name, _ in reading_list()]
+    unplaced = [region for region, week in weeks if week is None]
+    assert not unplaced, f"regions in files the syllabus never names: {unplaced}"
+    backwards = [
+        f"{a} (week {wa}) before {b} (week {wb})" for (a, wa), (b, wb) in zip(weeks, weeks[1:]) if wb < wa
+    ]
+    assert not backwards, "put the reading list in the syllabus's order:\n" + "\n".join(backwards)
+    assert (
+        week_of(
+            "course_lib/plan/network_model.py", [(6, "course_lib/plan/layout.py"), (10, "course_lib/plan/")]
+        )
+        == 10
+    )
 
 
 def test_the_checks_above_can_fail(tmp_path):

@@ -105,8 +105,7 @@ def all_reduce(tensor: torch.Tensor, *, op: str = "sum", group=None, async_op: b
             instead of blocking until the collective is done.
     """
     check_tensors("all_reduce", tensor=tensor)
-    for hook in hooks.collective_hooks:  # an instrument may change them (a fault on purpose)
-        tensor, group = hook.substitute("all_reduce", calls_on.get(group, 0), tensor, group)
+    tensor, group = hooks.substituted("all_reduce", calls_on.get(group, 0), tensor, group)
     reduce_op, divide = _reduce_op(op), _mean_divider(tensor, op, group)
     return issue(
         "all_reduce",

@@ -97,6 +97,14 @@ def register(hook: CollectiveHook | ProcessHook) -> None:
     hooks[:] = sorted([h for h in hooks if type(h) is not type(hook)] + [hook], key=lambda h: h.order)
 
 
+def substituted(op: str, sequence: int, tensor, group):
+    """The tensor and group a collective really uses, once every hook had its say (a fault on
+    purpose may send the wrong size, or call on the wrong group)."""
+    for hook in collective_hooks:
+        tensor, group = hook.substitute(op, sequence, tensor, group)
+    return tensor, group
+
+
 def started(*, rank: int, world_size: int) -> None:
     for hook in process_hooks:
         hook.started(rank=rank, world_size=world_size)

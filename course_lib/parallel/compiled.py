@@ -55,11 +55,12 @@ def check_compiler(backend: str) -> None:
             )
 
 
-def compile_blocks(model: nn.Module, *, backend: str = "inductor", fullgraph: bool = False) -> int:
-    """Compile every transformer ``Block`` of ``model`` in place; return how many were compiled.
+def apply_compile(model: nn.Module, *, backend: str = "inductor", fullgraph: bool = False) -> nn.Module:
+    """Compile every transformer ``Block`` of ``model`` in place, and return ``model``.
 
     Apply it after the parallelism (``apply_tensor_parallel``, FSDP...): each block then compiles
-    with the collectives its parallelism put in it.
+    with the collectives its parallelism put in it. Compiling per block, not the whole model, is
+    torchtitan's choice: the blocks are alike, so one graph is compiled and reused.
 
     Args:
         model: a ``models.TinyTransformer`` (or any module holding ``Block``s), parallel or not.
@@ -71,9 +72,20 @@ def compile_blocks(model: nn.Module, *, backend: str = "inductor", fullgraph: bo
     check_flag("fullgraph", fullgraph)
     check_compiler(backend)
     blocks = [module for module in model.modules() if isinstance(module, Block)]
+    if not blocks:
+        raise UserError(f"apply_compile compiles transformer blocks; this {type(model).__name__} holds none")
     for block in blocks:
         block.compile(backend=backend, fullgraph=fullgraph)  # in place: names and state dicts unchanged
-    return len(blocks)
+    return model
+
+
+def compiled_blocks(model: nn.Module) -> int:
+    """How many of ``model``'s ``Block``s ``apply_compile`` compiled.
+
+    Args:
+        model: any module.
+    """
+    return sum(isinstance(m, Block) and m._compiled_call_impl is not None for m in model.modules())
 
 
 def graph_breaks(module: nn.Module, *inputs: torch.Tensor) -> dict:

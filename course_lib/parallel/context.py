@@ -289,7 +289,7 @@ class ContextParallelEmbedding(nn.Module):
         return self.embedding(ids, positions=self.layout.positions(self.rank).to(ids.device))
 
 
-def apply_context_parallel(model: nn.Module, *, chunks: SequenceLayout, group=None) -> nn.Module:
+def apply_context_parallel(model: nn.Module, group=None, *, chunks: SequenceLayout) -> nn.Module:
     """Make a ``models.TinyTransformer`` (or a pipeline stage of one) run on this rank's tokens.
 
     Every block's attention core becomes ``RingAttention``; the embedding looks positions up from
@@ -298,8 +298,8 @@ def apply_context_parallel(model: nn.Module, *, chunks: SequenceLayout, group=No
 
     Args:
         model: the transformer (dense or tensor parallel), changed in place.
-        chunks: which positions every rank of the group holds (a ``SequenceLayout``).
         group: the context-parallel process group (None: every rank).
+        chunks: which positions every rank of the group holds (a ``SequenceLayout``).
     """
     return split_model_tokens(
         model, chunks, attention_core=lambda: RingAttention(chunks, group=group), group=group
@@ -311,7 +311,7 @@ def split_model_tokens(
 ) -> nn.Module:
     """Any split of the tokens over a group: the embedding looks positions up, attention is swapped.
 
-    What ring attention (``apply_context_parallel``) and Ulysses (``ulysses.apply_ulysses``)
+    What ring attention (``apply_context_parallel``) and Ulysses (``ulysses.apply_ulysses_parallel``)
     share: only attention sees other ranks' tokens, so only its core changes.
 
     Args:

@@ -211,12 +211,6 @@ class GradientSyncSwitch:
 class DataParallel(GradientSyncSwitch, nn.Module):
     """Wrap ``module`` so that its gradients are averaged over the process group after each backward.
 
-    ``find_unused_parameters``: a parameter that gets no gradient in a step (a branch not taken)
-    would keep its bucket waiting forever; with this flag such gradients count as zero (one extra
-    small all-reduce per step tells which are unused on *every* rank, and those keep no gradient).
-    It also turns overlap off: a rank cannot know during backward which gradients will never
-    come, and launching buckets in a different order on different ranks would mismatch messages.
-
     Args:
         module: the model; every rank must build the same one (rank 0's weights are broadcast).
         bucket_mb: the size at which a bucket is closed and all-reduced, in MB (``make_buckets``);
@@ -226,7 +220,11 @@ class DataParallel(GradientSyncSwitch, nn.Module):
             or ``"naive"`` (one all-reduce per parameter, after backward).
         broadcast_buffers: send rank 0's buffers (running statistics) to every rank before each
             forward, as PyTorch's DDP does by default.
-        find_unused_parameters: allow parameters that get no gradient in a step (see above).
+        find_unused_parameters: allow parameters that get no gradient in a step (a branch not
+            taken), whose bucket would otherwise wait forever: they count as zero, after one
+            small all-reduce per step of which are unused on *every* rank (those keep no
+            gradient). It turns overlap off: a rank cannot know during backward which gradients
+            will never come (``_fill_unused_gradients``, after the reading region).
         group: the data-parallel process group (None: every rank), e.g. one dimension of a mesh.
     """
 
@@ -357,6 +355,9 @@ class DataParallel(GradientSyncSwitch, nn.Module):
             self._next_to_launch = 0
             self._fired.clear()
 
+    # #endregion data-parallel
+
+    # -- find_unused_parameters: gradients a skipped branch never made ----------------------
     def _unused(self) -> list[nn.Parameter]:
         """Parameters whose gradient hook did not run in this backward: a branch the forward skipped
         (their ``.grad`` may still hold the zeros ``zero_grad(set_to_none=False)`` kept)."""
@@ -387,6 +388,3 @@ class DataParallel(GradientSyncSwitch, nn.Module):
                 had_none.add(id(param))
         # used on some rank, or holding a gradient already (kept zeros, earlier micro-steps): reduced
         return {id(p): bool(flag) or id(p) not in had_none for p, flag in zip(params, used.tolist())}
-
-
-# #endregion data-parallel

@@ -288,29 +288,34 @@ class MoE(nn.Module):
 # #endregion experts
 
 
-def apply_expert_parallel(moe: MoE, *, group=None) -> MoE:
-    """Keep only this rank's experts of ``moe`` (its E/N consecutive ones); the rest is unchanged.
+def apply_expert_parallel(model: nn.Module, group=None) -> nn.Module:
+    """Keep only this rank's experts (its E/N consecutive ones) in every ``MoE`` layer of ``model``.
 
-    Every rank must start from the same weights (same seed). The router and everything outside
+    Every rank must start from the same weights (same seed). The routers and everything outside
     the experts stay replicated, so their gradients are averaged as in data parallelism.
 
     Args:
-        moe: an ``MoE`` holding every expert, changed in place.
+        model: a module holding ``MoE`` layers (``moe_transformer``'s), or one ``MoE``; changed
+            in place and returned.
         group: the expert-parallel process group (None: every rank).
     """
-    check_module("moe", moe)
-    if not isinstance(moe, MoE):
-        raise UserError(f"apply_expert_parallel takes an expert.MoE layer, got {type(moe).__name__}")
+    check_module("model", model)
     check_group("group", group)
+    layers = moe_layers(model)
+    if not layers:
+        raise UserError(f"apply_expert_parallel: this {type(model).__name__} holds no expert.MoE layer")
     size, rank = runtime.world_size(group=group), runtime.rank(group=group)
-    check_experts(moe.num_experts, size, top_k=moe.top_k, capacity_factor=moe.capacity_factor)
-    claim_module(moe, "expert parallelism")
-    if moe.routing_groups != 1:
-        raise UserError("an expert-parallel MoE routes each rank's tokens as one group: use routing_groups=1")
-    local = moe.num_experts // size
-    moe.first_expert, moe.group, moe.sharded = rank * local, group, True
-    moe.experts = nn.ModuleList(list(moe.experts)[rank * local : (rank + 1) * local])
-    return moe
+    for moe in layers:
+        check_experts(moe.num_experts, size, top_k=moe.top_k, capacity_factor=moe.capacity_factor)
+        claim_module(moe, "expert parallelism")
+        if moe.routing_groups != 1:
+            raise UserError(
+                "an expert-parallel MoE routes each rank's tokens as one group: use routing_groups=1"
+            )
+        local = moe.num_experts // size
+        moe.first_expert, moe.group, moe.sharded = rank * local, group, True
+        moe.experts = nn.ModuleList(list(moe.experts)[rank * local : (rank + 1) * local])
+    return model
 
 
 def moe_transformer(

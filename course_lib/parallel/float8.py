@@ -179,7 +179,7 @@ class Float8Linear(nn.Linear):
             if width % TILE:
                 raise UserError(
                     f"float8 needs {name} a multiple of {TILE} (the scaled matmul's tile), got {width}: "
-                    "pad the layer, or leave it in high precision (convert_to_float8 skips it)"
+                    "pad the layer, or leave it in high precision (apply_float8 skips it)"
                 )
         super().__init__(in_features, out_features, bias=bias)
         self.recipe = recipe
@@ -202,14 +202,12 @@ class Float8Linear(nn.Linear):
         return y + self.bias.to(y.dtype) if self.bias is not None else y
 
 
-def convert_to_float8(
-    model: nn.Module, *, recipe: str = "tensorwise", skip: tuple[str, ...] = ()
-) -> list[str]:
+def apply_float8(model: nn.Module, *, recipe: str = "tensorwise", skip: tuple[str, ...] = ()) -> nn.Module:
     """Swap every ``nn.Linear`` whose widths are multiples of 16 for a ``Float8Linear``, in place.
 
-    Returns the names of the layers converted. Layers named in ``skip`` (the output head, as
-    torchtitan does), the layers inside a module named there, and layers the scaled matmul cannot
-    take stay in high precision.
+    Returns ``model`` (``float8_layers`` names the layers converted). Layers named in ``skip``
+    (the output head, as torchtitan does), the layers inside a module named there, and layers the
+    scaled matmul cannot take stay in high precision.
 
     Args:
         model: any module.
@@ -227,19 +225,26 @@ def convert_to_float8(
     if unknown:
         children = ", ".join(name for name, _ in model.named_children())
         raise UserError(
-            f"convert_to_float8: skip names {', '.join(map(repr, unknown))}, which is not a module of this "
+            f"apply_float8: skip names {', '.join(map(repr, unknown))}, which is not a module of this "
             f"{type(model).__name__} (its children: {children}): name modules as named_modules() gives them"
         )
 
     def skipped(full: str) -> bool:
         return any(full == name or full.startswith(name + ".") for name in skip)
 
-    converted = []
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             full = f"{name}.{child_name}" if name else child_name
             fits = type(child) is nn.Linear and child.in_features % TILE == child.out_features % TILE == 0
             if fits and not skipped(full):
                 setattr(module, child_name, Float8Linear.from_linear(child, recipe=recipe))
-                converted.append(full)
-    return converted
+    return model
+
+
+def float8_layers(model: nn.Module) -> list[str]:
+    """The names of ``model``'s ``Float8Linear`` layers, in order.
+
+    Args:
+        model: any module.
+    """
+    return [name for name, module in model.named_modules() if isinstance(module, Float8Linear)]

@@ -68,6 +68,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..checks import check_flag, check_group, check_module
@@ -79,6 +80,7 @@ from .flat_sharded import FlatShardedMixin
 from .fsdp_units import (
     MixedPrecision,
     Unit,
+    UnitMemory,
     WrapPolicy,
     check_options,
     check_units,
@@ -86,7 +88,7 @@ from .fsdp_units import (
     select_units,
     shard_layout,
 )
-from .recompute import recompute_modules
+from .recompute import recomputation_units, recompute_modules
 
 MAX_UNITS_IN_FLIGHT = 2
 """Units (of those without nested units) that may be gathered or being gathered at once: FSDP's
@@ -206,10 +208,9 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
         self._backward_order: list[Unit] = []  # units as their forward ends, reversed: backward's order
         self._order_known = False
         self._reductions: list[tuple[Unit, Callable[[], torch.Tensor]]] = []  # reduce-scatters in flight
-        self.max_units_gathered = 0  # the most units (without nested units) whole at once, for the lesson
         self._sync_this_backward = True
         self._end_of_backward = EndOfBackward(self._finish_backward)
-        self._peak: dict[str, int] = {}
+        self.memory = UnitMemory(self.units)  # what the units hold, counted where the hooks tell it
         self._register_hooks()
         if activation_checkpointing:
             self._checkpoint_leaf_units()
@@ -341,8 +342,7 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
     def _gather(self, unit: Unit) -> None:
         """Make ``unit`` whole now: wait for its prefetched all-gather, or gather it if nobody started one."""
         unit.flat.wait_gather()
-        self._note_units_in_flight()
-        self._record_peak()
+        self.memory.tell("gathered")
 
     def _prefetch(self, order: list[Unit], current: Unit) -> None:
         """Start gathering the unit after ``current`` in ``order``, if the rate limit allows it."""
@@ -355,13 +355,10 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
         if not upcoming.holds_units and self._leaf_units_in_flight() >= MAX_UNITS_IN_FLIGHT:
             return  # two units are whole or on their way already: the memory bound wins over overlap
         upcoming.flat.start_gather()
-        self._note_units_in_flight()
+        self.memory.tell("gathering")
 
     def _leaf_units_in_flight(self) -> int:
         return sum(1 for u in self.units if not u.holds_units and (u.flat.is_gathered or u.flat.is_gathering))
-
-    def _note_units_in_flight(self) -> None:
-        self.max_units_gathered = max(self.max_units_gathered, self._leaf_units_in_flight())
 
     # #endregion prefetch
 
@@ -382,7 +379,7 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
 
     def _finish_unit(self, unit: Unit) -> None:
         """The unit's backward is done: start reducing its gradient to this rank's shard; free the unit."""
-        self._record_peak()
+        self.memory.tell("reducing")
         if self._sync_this_backward and unit.flat.requires_grad:
             self._reductions.append((unit, unit.flat.start_reduce(unit.flat.flat_gradient())))
             while len(self._reductions) > REDUCTIONS_IN_FLIGHT:  # the flat gradients wait in memory
@@ -414,7 +411,7 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
         """Make every unit whole (to inspect or export the weights); ``reshard_parameters()`` undoes it."""
         for unit in self.units:
             unit.flat.gather()
-        self._record_peak()
+        self.memory.tell("inspecting")
 
     def reshard_parameters(self) -> None:
         for unit in self.units:
@@ -436,27 +433,14 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
             "grads": [f.shard.grad for f in flats] + [s.leaf.grad for f in flats for s in f.slots],
         }
 
-    def _current_bytes(self) -> dict[str, int]:
-        def size(tensor):
-            return 0 if tensor is None else tensor.untyped_storage().nbytes()
-
-        flats = self.flat_params
-        return {
-            "sharded_params": sum(size(f.shard) for f in flats),
-            "unsharded_params": sum(size(f.full) for f in flats),
-            "sharded_grads": sum(size(f.shard.grad) for f in flats),
-            "unsharded_grads": sum(size(s.leaf.grad) for f in flats for s in f.slots),
-        }
-
-    def _record_peak(self) -> None:
-        current = self._current_bytes()
-        current["total"] = sum(current.values())
-        for key, value in current.items():
-            self._peak[key] = max(self._peak.get(key, 0), value)
+    @property
+    def max_units_gathered(self) -> int:
+        """The most units (without nested units) whole or on their way at once (``UnitMemory``)."""
+        return self.memory.max_units_gathered
 
     def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, dict[str, int]]:
         """Bytes this rank holds now and at most so far, by category (optimizer state if one is given)."""
-        current = self._current_bytes()
+        current = self.memory.current()
         if optimizer is not None:
             current["optimizer_state"] = sum(
                 v.untyped_storage().nbytes()
@@ -465,4 +449,23 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
                 if isinstance(v, torch.Tensor)
             )
         current["total"] = sum(current.values())
-        return {"current": current, "peak": dict(self._peak)}
+        return {"current": current, "peak": dict(self.memory.peak)}
+
+
+def apply_fsdp(
+    model: nn.Module, group_or_mesh=None, *, units: list[nn.Module] | None = None, **options
+) -> FullyShardedDataParallel:
+    """``model`` sharded over a group or a mesh, one unit gathered at a time: build the optimizer on it.
+
+    Args:
+        model: the model, the same on every rank (the first rank's weights are copied to all).
+        group_or_mesh: a process group, or a ``DeviceMesh`` (2-D for HYBRID_SHARD); None: every rank.
+        units: the submodules gathered and freed whole (None: a transformer's blocks, else
+            ``models.sharding_units``), as torchtitan calls ``fully_shard`` on each block.
+        options: the other options of ``FullyShardedDataParallel`` (``sharding_strategy``,
+            ``cpu_offload``, ``mixed_precision``...).
+    """
+    where = {"mesh" if isinstance(group_or_mesh, DeviceMesh) else "group": group_or_mesh}
+    if units is None:
+        units = recomputation_units(model)
+    return FullyShardedDataParallel(model, auto_wrap_policy=units, **where, **options)

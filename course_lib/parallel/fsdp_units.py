@@ -76,6 +76,51 @@ class Unit:
     hooks: list = field(default_factory=list)
 
 
+class UnitMemory:
+    """What FSDP's units hold, by category, now and at most; and the most units whole at once.
+
+    FSDP's hooks tell it each moment memory may peak (``tell``): a unit made whole
+    (``"gathered"``), a gather started ahead (``"gathering"``), a unit's gradients complete
+    before it is freed (``"reducing"``), every unit made whole to inspect it (``"inspecting"``).
+    The memory lesson and the tests read what it counted; the hooks themselves read nothing of it.
+
+    Args:
+        units: the FSDP model's units.
+    """
+
+    def __init__(self, units: list[Unit]):
+        self.units = units
+        self.peak: dict[str, int] = {}
+        self.max_units_gathered = 0
+
+    def current(self) -> dict[str, int]:
+        """The bytes the units hold now: parameters and gradients, sharded and whole."""
+
+        def size(tensor):
+            return 0 if tensor is None else tensor.untyped_storage().nbytes()
+
+        flats = [unit.flat for unit in self.units]
+        return {
+            "sharded_params": sum(size(f.shard) for f in flats),
+            "unsharded_params": sum(size(f.full) for f in flats),
+            "sharded_grads": sum(size(f.shard.grad) for f in flats),
+            "unsharded_grads": sum(size(s.leaf.grad) for f in flats for s in f.slots),
+        }
+
+    def tell(self, moment: str) -> None:
+        """A moment of the hooks: the units whole or on their way as training gathers them, and the bytes
+        held wherever they are whole (a gather started is counted once it is waited for)."""
+        if moment in ("gathered", "gathering"):
+            whole = [u for u in self.units if u.flat.is_gathered or u.flat.is_gathering]
+            self.max_units_gathered = max(self.max_units_gathered, sum(not u.holds_units for u in whole))
+        if moment == "gathering":
+            return
+        current = self.current()
+        current["total"] = sum(current.values())
+        for key, value in current.items():
+            self.peak[key] = max(self.peak.get(key, 0), value)
+
+
 def select_units(model: nn.Module, policy: WrapPolicy) -> list[nn.Module]:
     """The submodules that become units, parents before children. ``policy`` is one of:
 

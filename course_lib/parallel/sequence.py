@@ -297,7 +297,7 @@ def sequence_parallel_block(
 
 
 def apply_sequence_parallel(
-    model: nn.Module, *, group=None, regather_in_backward: bool = False, overlap: bool = False
+    model: nn.Module, group=None, *, regather_in_backward: bool = False, overlap: bool = False
 ) -> nn.Module:
     """Make a dense ``models.TinyTransformer``, or a pipeline stage of one, tensor and sequence parallel.
 

@@ -294,7 +294,7 @@ def parallel_attention(attention: nn.Module, n_heads: int, *, group=None) -> nn.
     return attention
 
 
-def apply_tensor_parallel(model: nn.Module, *, group=None) -> nn.Module:
+def apply_tensor_parallel(model: nn.Module, group=None) -> nn.Module:
     """Convert every block of a dense ``models.TinyTransformer`` (or a slice of one) in place.
 
     The dense weights are cut, not re-initialised: the converted model computes the same function.

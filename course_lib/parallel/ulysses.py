@@ -287,7 +287,7 @@ class UlyssesAttention(nn.Module):
         return ulysses_attention(q, k, v, layout=self.layout, causal=True, group=self.group)
 
 
-def apply_ulysses(model: nn.Module, *, chunks: SequenceLayout, group=None) -> nn.Module:
+def apply_ulysses_parallel(model: nn.Module, group=None, *, chunks: SequenceLayout) -> nn.Module:
     """Make a ``models.TinyTransformer`` run on this rank's contiguous chunk, attention by all-to-all.
 
     As ``context.apply_context_parallel``: the embedding looks positions up from the chunks, every
@@ -296,8 +296,8 @@ def apply_ulysses(model: nn.Module, *, chunks: SequenceLayout, group=None) -> nn
 
     Args:
         model: the transformer, changed in place; its heads must divide by the group's size.
-        chunks: contiguous chunks (``SequenceLayout(..., zigzag=False)``) over the group.
         group: the Ulysses process group (None: every rank).
+        chunks: contiguous chunks (``SequenceLayout(..., zigzag=False)``) over the group.
     """
     check_module("model", model)
     check_group("group", group)

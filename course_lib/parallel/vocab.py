@@ -272,7 +272,7 @@ def gather_vocab_logits(logits: torch.Tensor, *, vocab_size: int, group=None) ->
     return torch.cat(pieces, dim=-1)[..., :vocab_size]
 
 
-def apply_vocabulary_parallel(model: nn.Module, *, group=None, sequence_parallel: bool = False) -> nn.Module:
+def apply_vocabulary_parallel(model: nn.Module, group=None, *, sequence_parallel: bool = False) -> nn.Module:
     """Split the token embedding and the output projection of a ``TinyTransformer`` (or a stage of one).
 
     The model then returns this rank's ceil(V/T) logits of every token: take the loss with

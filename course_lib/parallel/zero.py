@@ -150,7 +150,6 @@ class ZeroDataParallel(FlatShardedMixin, nn.Module):
         self._next_to_launch = 0
         self._in_flight: list[GradientBucket] = []
         self._shard_sum: torch.Tensor | None = None  # this rank's shard of the summed gradient, so far
-        self.peak_gradient_bytes = 0  # the most gradient bytes held at once during a backward
         for slot in self.flat.slots:
             slot.leaf.register_post_accumulate_grad_hook(self._gradient_ready)
 
@@ -175,7 +174,6 @@ class ZeroDataParallel(FlatShardedMixin, nn.Module):
         if self.stage == 2:
             self._bucket_of[id(leaf)].ready += 1
             self._launch_ready_buckets()
-            self._note_gradient_bytes()
 
     # #region zero2-buckets
     def _launch_ready_buckets(self, *, all_of_them: bool = False) -> None:
@@ -217,12 +215,6 @@ class ZeroDataParallel(FlatShardedMixin, nn.Module):
 
     # #endregion zero2-buckets
 
-    def _note_gradient_bytes(self) -> None:
-        held = [s.leaf.grad for s in self.flat.slots] + [self.flat_shard.grad, self._shard_sum]
-        held += [b.buffer for b in self.buckets]
-        total = sum(t.numel() * t.element_size() for t in held if t is not None)
-        self.peak_gradient_bytes = max(self.peak_gradient_bytes, total)
-
     def _reduce_gradients(self) -> None:
         """End of backward: stage 1 reduce-scatters the whole flat gradient and keeps it; stage 2
         waits for its buckets, already in flight, and keeps this rank's shard of the sum."""
@@ -242,10 +234,30 @@ class ZeroDataParallel(FlatShardedMixin, nn.Module):
         if previous is not None:  # gradients accumulate over optimizer steps if the user did not zero them
             self.flat_shard.grad += previous
 
+    # #endregion zero-data-parallel
+
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this rank holds, by category (for ``memory.measure_model_states``)."""
         grads = [self.flat_shard.grad, self._gradient_buffer] + [s.leaf.grad for s in self.flat.slots]
         return {"params": [self.flat.full, self.flat_shard], "grads": grads}
 
+    def gradient_bytes_held(self) -> int:
+        """The gradient bytes this rank holds now: the parameters' own, the buckets in flight, the
+        shard's sum so far (a hook after each gradient reads it to find the backward's peak)."""
+        held = [s.leaf.grad for s in self.flat.slots] + [self.flat_shard.grad, self._shard_sum]
+        held += [b.buffer for b in self.buckets]
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
 
-# #endregion zero-data-parallel
+
+def apply_zero(
+    model: nn.Module, group=None, *, stage: int = 2, bucket_mb: float | None = None
+) -> ZeroDataParallel:
+    """``model`` under ZeRO stage 1 or 2 over ``group``: build the optimizer on what it returns.
+
+    Args:
+        model: the model, the same on every rank (rank 0's weights are broadcast).
+        group: the data-parallel process group (None: every rank).
+        stage: 1 shards the optimizer state, 2 the gradients too.
+        bucket_mb: the gradients' reduce-scatter buckets, in MiB (None: DDP's sizes).
+    """
+    return ZeroDataParallel(model, stage=stage, group=group, bucket_mb=bucket_mb)

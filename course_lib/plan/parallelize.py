@@ -1,11 +1,12 @@
 """A layout applied: the course's transformer cut and wrapped as ``Layout`` says, one verb per technique.
 
 ``parallelize(model, mesh, layout)`` applies a layout (``plan.layout.Layout``) to the course's
-transformer with one verb per technique, each of the same shape, ``apply_x(model, *, group,
-options)``, defined in the technique's own lesson, in torchtitan's order (``parallelize_llama``):
+transformer with one verb per technique, each of the same shape, ``apply_x(model, group, *,
+options) -> model`` (as torchtitan's ``apply_tp(model, tp_mesh, ...)``), defined in the
+technique's own lesson, in torchtitan's order (``parallelize_llama``):
 cut the pipeline stage, then ``tensor.apply_tensor_parallel`` (or
 ``sequence.apply_sequence_parallel``), ``vocab.apply_vocabulary_parallel``,
-``context.apply_context_parallel`` (or ``ulysses.apply_ulysses``),
+``context.apply_context_parallel`` (or ``ulysses.apply_ulysses_parallel``),
 ``recompute.apply_recomputation`` (recompute what the parallel layers compute) and last
 ``data_parallel.apply_data_parallel`` (DDP, ZeRO or FSDP, whose hooks must wrap everything else).
 Pipelining is the outer verb (``pipeline.apply_pipeline_parallel``): it cuts the model and returns
@@ -71,7 +72,7 @@ def parallelize(
     )
     d_model, vocab_size = model.d_model, model.vocab_size
     cut = pipeline.apply_pipeline_parallel(
-        model, schedule=layout.schedule, virtual_stages=layout.virtual_stages, group=mesh.group("pipeline")
+        model, mesh.group("pipeline"), schedule=layout.schedule, virtual_stages=layout.virtual_stages
     )
     tensor_group, sp = mesh.group("tensor"), layout.sequence_parallel
     for index, stage in cut.stages.items():
@@ -79,20 +80,20 @@ def parallelize(
             if sp:  # Megatron-LM's sequence parallelism: the input's shard regathered in backward,
                 # or, overlapped, the gathered input kept (its ring assembles it anyway)
                 sequence.apply_sequence_parallel(
-                    stage, group=tensor_group, regather_in_backward=not tensor_overlap, overlap=tensor_overlap
+                    stage, tensor_group, regather_in_backward=not tensor_overlap, overlap=tensor_overlap
                 )
             else:
-                tensor.apply_tensor_parallel(stage, group=tensor_group)
+                tensor.apply_tensor_parallel(stage, tensor_group)
         holds_vocabulary = any(isinstance(m, Embedding | LMHead) for m in stage.modules())
         if layout.tensor > 1 and layout.loss_parallel and holds_vocabulary:
-            vocab.apply_vocabulary_parallel(stage, group=tensor_group, sequence_parallel=sp)
+            vocab.apply_vocabulary_parallel(stage, tensor_group, sequence_parallel=sp)
         if layout.context > 1:
             apply_context = (
-                ulysses.apply_ulysses
+                ulysses.apply_ulysses_parallel
                 if layout.context_attention == "ulysses"
                 else context.apply_context_parallel
             )
-            apply_context(stage, chunks=layout.sequence_layout(seq_len), group=mesh.group("context"))
+            apply_context(stage, mesh.group("context"), chunks=layout.sequence_layout(seq_len))
         recompute.apply_recomputation(stage, policy=layout.recomputation, every=layout.recompute_every)
         if wraps_data_axis(layout, data_parallel=data_parallel):
             cut.stages[index] = apply_data_parallel(stage, mesh.group("data"), sharding=layout.sharding)

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from .. import data, models
 from ..distributed import runtime
-from ..observe import anatomy, faults, flight_recorder, profiling, replicas, stragglers
+from ..observe import faults, flight_recorder, profiling, replicas, stragglers
 from ..parallel import recompute
 from ..plan import flops
 from . import async_checkpoint, checkpoint, checkpoint_interval, divergence, strategies
@@ -52,6 +52,7 @@ from .metrics import (
     reduce_sum,
 )
 from .preemption import Preempted, StopRequests
+from .step_callbacks import StepCallbacks
 
 
 @dataclass
@@ -108,6 +109,8 @@ class Trainer:
         run_id = runtime.from_rank0(checkpoint.new_run_id())
         self.position = checkpoint.TrainingPosition(config=config.as_dict(), run_id=run_id)
         self._resume(config)
+        # what listens to each step: its anatomy, a fault on purpose, the replica check
+        self.callbacks = StepCallbacks(check_replicas=config.check_replicas)
 
     def _build_model(self, config: TrainConfig) -> None:
         """The model, the same on every rank, wrapped by the strategy; its optimizer."""
@@ -187,24 +190,24 @@ class Trainer:
         and one wait for the device (reading its result). The loss stays on the device during the
         micro-batches; reading it after each one would stall a GPU once per micro-batch.
         """
-        config, device = self.config, self.process.device
+        config, device, hooks = self.config, self.process.device, self.callbacks
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         samples = 0
         for micro_step in range(config.grad_accum):
-            with anatomy.phase("data"):
+            with hooks.phase("data"):
                 inputs, targets = next(batches)
                 inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
             last = micro_step == config.grad_accum - 1
             with contextlib.nullcontext() if last else strategies.gradient_sync_skipped(self.model):
-                with anatomy.phase("forward"), autocast(device, config.precision):
+                with hooks.phase("forward"), autocast(device, config.precision):
                     loss = F.cross_entropy(self.model(inputs).float(), targets)
-                    loss = faults.poisoned_loss(loss, self.position.global_step)
-                with anatomy.phase("backward"):
+                    loss = hooks.loss(loss, self.position.global_step)
+                with hooks.phase("backward"):
                     (loss / config.grad_accum).backward()
             loss_sum += loss.detach().double() * len(targets)
             samples += len(targets)
-        with anatomy.phase("agree"):  # clipping, finiteness, and the step's one all-reduce
+        with hooks.phase("agree"):  # clipping, finiteness, and the step's one all-reduce
             grad_norm = None
             if config.clip_grad_norm is not None:
                 grad_norm = strategies.clip_grad_norm_(self.model, config.clip_grad_norm)
@@ -213,12 +216,9 @@ class Trainer:
         if diverged:
             grad = None if grad_norm is None else float(grad_norm)
             self._stop_diverged(loss_total / samples_total, grad, local_loss=float(loss_sum))
-        with anatomy.phase("optimizer"):
+        with hooks.phase("optimizer"):
             self.optimizer.step()
-        faults.corrupt_after(self.model, self.position.global_step)  # a fault on purpose, if one is set
-        step = self.position.global_step + 1
-        if config.check_replicas and step % config.check_replicas == 0:
-            replicas.check_replicas(strategies.unwrap(self.model), step=step)
+        hooks.updated(self.model, self.position.global_step)
         return loss_total, samples_total, stop
 
     def _agree_on_step(

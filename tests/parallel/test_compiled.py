@@ -35,7 +35,8 @@ def _losses(kind: str, steps: int = 3) -> dict:
             blocks = [m for m in model.modules() if isinstance(m, models.Block)]
             x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(3))
             result["breaks"] = compiled.graph_breaks(blocks[0], x)  # one forward, traced, not compiled
-            result["compiled_blocks"] = compiled.compile_blocks(model, backend="aot_eager")
+            compiled.apply_compile(model, backend="aot_eager")
+            result["compiled_blocks"] = compiled.compiled_blocks(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         generator, losses = torch.Generator().manual_seed(1), []
         for _ in range(steps):
@@ -99,7 +100,7 @@ def test_the_compile_benchmark_refuses_what_it_cannot_compile_in_one_line(monkey
 def test_inductor_without_a_compiler_and_a_wrong_backend_are_refused_in_one_line(monkeypatch):
     model = tiny_transformer(seq=16, d_model=32, heads=4)[0]
     with pytest.raises(UserError, match="backend"):
-        compiled.compile_blocks(model, backend="tensorrt")
+        compiled.apply_compile(model, backend="tensorrt")
     monkeypatch.setattr(compiled.shutil, "which", lambda name: None)
     with pytest.raises(UserError, match="Inductor backend needs a C\\+\\+ compiler on a CPU: install one"):
-        compiled.compile_blocks(model)
+        compiled.apply_compile(model)

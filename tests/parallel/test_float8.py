@@ -111,7 +111,8 @@ def test_float8_training_is_torchaos_step_for_step():
             if name == "course":
                 # the head's projection left out by name, as torchtitan leaves it (here its 45-word
                 # vocabulary is no multiple of 16 either)
-                converted = float8.convert_to_float8(model, recipe=recipe, skip=(f"{len(model) - 1}.proj",))
+                float8.apply_float8(model, recipe=recipe, skip=(f"{len(model) - 1}.proj",))
+                converted = float8.float8_layers(model)
             else:
                 _torchao_twin(model, recipe, converted)
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -149,14 +150,16 @@ def test_what_the_scaled_matmul_cannot_take_is_refused_in_one_line(monkeypatch):
     with pytest.raises(UserError, match="recipe"):
         float8.Float8Linear(32, 32, recipe="blockwise")
     model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 20), nn.Linear(20, 32))
-    assert float8.convert_to_float8(model, skip=("0",)) == []  # 0 skipped, 1 and 2 not multiples of 16
+    float8.apply_float8(model, skip=("0",))
+    assert float8.float8_layers(model) == []  # 0 skipped, 1 and 2 not multiples of 16
     # a skip list that matches nothing would convert the head it meant to keep: refused by name
     with pytest.raises(UserError, match=r"skip names 'output', which is not a module .* children: 0, 1, 2"):
-        float8.convert_to_float8(model, skip=("output",))
+        float8.apply_float8(model, skip=("output",))
     with pytest.raises(UserError, match=r"write \('0',\)"):
-        float8.convert_to_float8(model, skip="0")
+        float8.apply_float8(model, skip="0")
     nested = nn.Sequential(nn.Linear(32, 32), nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32)))
-    assert float8.convert_to_float8(nested, skip=("1",)) == ["0"]  # a module named skips all inside it
+    float8.apply_float8(nested, skip=("1",))
+    assert float8.float8_layers(nested) == ["0"]  # a module named skips all inside it
 
     with pytest.raises(UserError, match="the parameters travel in param_dtype .* or as float8"):
         check_options("FULL_SHARD", "none", MixedPrecision(gather_dtype=torch.int8))  # FSDP's door check

@@ -51,7 +51,7 @@ def _train(kind: str, prefetch: bool = True) -> list[float]:
         grid = Mesh(data=2, tensor=2)
         data_rank, data_group = grid.coordinates.data, grid.group("data")
     if kind == "course":
-        tp.apply_tensor_parallel(model, group=grid.group("tensor"))
+        tp.apply_tensor_parallel(model, grid.group("tensor"))
         model = FullyShardedDataParallel(
             model,
             group=data_group,

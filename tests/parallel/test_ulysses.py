@@ -152,7 +152,7 @@ def _train(degree: int, steps: int, seq: int):
     model = models.TinyTransformer(len(vocabulary), d_model=24, n_heads=4, n_layers=2, max_seq_len=seq)
     layout = context_chunks.SequenceLayout(seq, degree, zigzag=False)
     if degree > 1:
-        ulysses.apply_ulysses(model, chunks=layout)
+        ulysses.apply_ulysses_parallel(model, chunks=layout)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     generator, losses = torch.Generator().manual_seed(1), []
     for _ in range(steps):
@@ -192,7 +192,7 @@ def _bad_inputs():
                 *(torch.zeros(1, 2, 4, 2) for _ in range(3)),
                 layout=context_chunks.SequenceLayout(8, 2, zigzag=True),
             ),
-            "model": lambda: ulysses.apply_ulysses(
+            "model": lambda: ulysses.apply_ulysses_parallel(
                 models.TinyTransformer(10, d_model=9, n_heads=3, n_layers=1, max_seq_len=8), chunks=layout
             ),
             "grid": lambda: ulysses.UspLayout(4, 2, 3),

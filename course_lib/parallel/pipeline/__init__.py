@@ -45,7 +45,8 @@ Read in this order: ``actions.py`` (what a schedule is made of, and which rank h
 stage), ``schedules.py`` (each rank's list of actions, and the checker that replays them),
 ``zero_bubble.py`` (the split backward and its three schedules), ``theory.py`` (the bubble and
 the memory in closed form, and a simulator), ``executor.py`` (the model cut into stages, and one
-rank's schedule run with real sends and receives), ``apply.py`` (the outer verb,
+rank's schedule run with real sends and receives), ``tracing.py`` (what a step did, measured
+for the lessons: its actions on a clock and its memory), ``apply.py`` (the outer verb,
 ``apply_pipeline_parallel``: this rank's stages and the schedule that runs them).
 ``torch.distributed.pipelining`` is PyTorch's twin; the tests hold the two equal.
 """
@@ -64,13 +65,7 @@ from .actions import (
     stages_on_rank,
 )
 from .apply import Pipeline, apply_pipeline_parallel
-from .executor import (
-    PipelineExecutor,
-    PipelineStats,
-    message_latencies,
-    on_one_clock,
-    split_model,
-)
+from .executor import PipelineExecutor, split_model
 from .schedules import (
     ORDERS,
     build_schedule,
@@ -86,6 +81,7 @@ from .theory import (
     peak_in_flight,
     simulate_timeline,
 )
+from .tracing import PipelineStats, StepTracer, message_latencies, on_one_clock
 from .zero_bubble import (
     BackwardSplitter,
     dualpipe_v_order,
@@ -101,6 +97,7 @@ __all__ = [
     "Pipeline",
     "PipelineExecutor",
     "PipelineStats",
+    "StepTracer",
     "SCHEDULES",
     "WHOLE_BACKWARD",
     "SPLIT_BACKWARD",

@@ -77,7 +77,7 @@ class Pipeline:
 
 
 def apply_pipeline_parallel(
-    model: nn.Module, *, schedule: str = "1f1b", virtual_stages: int = 1, group=None
+    model: nn.Module, group=None, *, schedule: str = "1f1b", virtual_stages: int = 1
 ) -> Pipeline:
     """Cut ``model`` into (pipeline ranks x ``virtual_stages``) stages and keep this rank's.
 
@@ -87,9 +87,9 @@ def apply_pipeline_parallel(
 
     Args:
         model: the model as a sequence of layers (an ``nn.Sequential``), cut in place.
+        group: the pipeline's ranks, in stage order (None: every rank).
         schedule: the schedule the stages will run, one of ``SCHEDULES``.
         virtual_stages: v, stages per rank (2 for the interleaved and V-shaped schedules).
-        group: the pipeline's ranks, in stage order (None: every rank).
     """
     check_module("model", model)
     if not isinstance(model, nn.Sequential):

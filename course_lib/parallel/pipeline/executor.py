@@ -9,8 +9,6 @@ batch. ``PipelineStats`` is what one step did: its timeline, its messages, the a
 
 from __future__ import annotations
 
-import contextlib
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +18,6 @@ from torch import nn
 from ...checks import check_group, check_int, check_module
 from ...distributed import comm, runtime
 from ...errors import UserError
-from ..memory import live_tensor_bytes
 from .actions import (
     SPLIT_BACKWARD,
     Action,
@@ -29,6 +26,7 @@ from .actions import (
     stages_on_rank,
 )
 from .schedules import build_schedule
+from .tracing import PipelineStats, StepTracer
 from .zero_bubble import BackwardSplitter
 
 # -- cutting the model ------------------------------------------------------------------------
@@ -98,84 +96,6 @@ def _check_no_tie_across_stages(stages: list[nn.Sequential]) -> None:
 
 
 @dataclass
-class PipelineStats:
-    """What one ``step`` did on this rank."""
-
-    peak_activations: int = 0  # forwards (per virtual stage) whose activations were held at once
-    peak_activation_bytes: int = 0  # bytes of stage inputs and outputs held for backward, at most
-    # With ``measure_memory``: the most bytes the held forwards kept alive at once (everything autograd
-    # and recomputation keep for backward, and each forward's output), as ``memory.live_tensor_bytes``
-    # counts them; None without it.
-    peak_kept_bytes: int | None = None
-    events: list = field(default_factory=list)  # (kind, stage, microbatch, start, end) in seconds
-    # (SEND_F | SEND_B, receiving stage, microbatch, issued, issued) and (RECV_F | RECV_B, stage,
-    # microbatch, began waiting, received): when each message left and arrived, in seconds
-    messages: list = field(default_factory=list)
-    # Seconds spent handing messages to the backend (posting receives, starting sends): time between
-    # actions that the schedule counts as free. On a CPU, gloo's thread holds a connection's lock
-    # while it moves data, and waits for a core the computing threads hold: a post can take ms.
-    posting_s: float = 0.0
-    step_time_s: float = 0.0
-    # time.perf_counter() when the step began; the events are seconds after it. On one machine every
-    # process reads the same monotonic clock, so the ranks' events can be put on one time line.
-    clock_start: float = 0.0
-
-    @property
-    def bubble_fraction(self) -> float:
-        """Share of this rank's own step it spent not computing (waiting for its neighbours).
-
-        Each rank's step ends when its own last action does, so a rank that finishes early (the
-        last stage, whose last backward comes first) counts less idle time than the theory's
-        common window does; ``bubble_fraction(events)`` over every rank's events measures that one.
-        """
-        busy = sum(end - start for *_, start, end in self.events)
-        return 1 - busy / self.step_time_s
-
-
-def on_one_clock(stats_by_rank: dict[int, PipelineStats]) -> dict[int, list]:
-    """Every rank's events of one step on one time line, in seconds since the first rank began.
-
-    Each rank measures its events from its own start; on one machine all processes read the same
-    monotonic clock, so shifting each by its ``clock_start`` lines them up (what a picture of the
-    step and the bubble over a window common to all ranks need).
-
-    Args:
-        stats_by_rank: {rank: that rank's ``PipelineStats`` of the same step}.
-    """
-    first = min(stats.clock_start for stats in stats_by_rank.values())
-    return {
-        rank: [
-            (kind, stage, microbatch, stats.clock_start - first + start, stats.clock_start - first + end)
-            for kind, stage, microbatch, start, end in stats.events
-        ]
-        for rank, stats in stats_by_rank.items()
-    }
-
-
-def message_latencies(stats_by_rank: dict[int, PipelineStats]) -> list[float]:
-    """How long each message of one step took, from its send to its arrival, where the receiver was
-    already waiting for it (otherwise its arrival time is unknown), in seconds, on one clock.
-
-    The theory counts messages as free; inside a step a message also waits for its sender's and
-    receiver's cores (on a CPU, the communication thread shares them with the computing ones).
-
-    Args:
-        stats_by_rank: {rank: that rank's ``PipelineStats`` of the same step}.
-    """
-    first = min(stats.clock_start for stats in stats_by_rank.values())
-    sent, received = {}, []
-    for stats in stats_by_rank.values():
-        shift = stats.clock_start - first
-        for kind, stage, microbatch, start, end in stats.messages:
-            key = (kind[-1], stage, microbatch)
-            if kind.startswith("SEND"):
-                sent[key] = shift + start
-            else:
-                received.append((key, shift + start, shift + end))
-    return [end - sent[key] for key, began, end in received if key in sent and began <= sent[key]]
-
-
-@dataclass
 class _Step:
     """What one ``step`` carries from action to action on this rank."""
 
@@ -187,16 +107,6 @@ class _Step:
     waiting: dict = field(default_factory=dict)  # (stage, microbatch) -> a split record whose W is to come
     in_flight: list = field(default_factory=list)  # sends not yet known to be complete
     losses: list = field(default_factory=list)
-    stats: PipelineStats = field(default_factory=PipelineStats)
-    held_bytes: int = 0
-    live: live_tensor_bytes | None = None  # with measure_memory: the count of live tensors
-    kept: dict = field(default_factory=dict)  # with measure_memory: (stage, microbatch) -> bytes kept
-    kept_bytes: int = 0
-    started: float = 0.0
-
-    def clock(self) -> float:
-        """Seconds since the step began."""
-        return time.perf_counter() - self.started
 
 
 class PipelineExecutor:
@@ -278,6 +188,7 @@ class PipelineExecutor:
         self.boundary_shape, self.dtype = tuple(boundary_shape), dtype
         self.measure_memory = measure_memory
         self.device = _device_of(stages.values(), group)
+        self.tracer = StepTracer  # makes each step's tracer: replace it to record otherwise
         self.stats = PipelineStats()
 
     def _global(self, pipeline_rank: int) -> int:
@@ -346,61 +257,45 @@ class PipelineExecutor:
             inputs=inputs.chunk(m) if has_first else None,
             targets=targets.chunk(m) if has_last else None,
         )
-        with contextlib.ExitStack() as measuring:  # with measure_memory: ends the count even on an error
-            if self.measure_memory:
-                run.stats.peak_kept_bytes = 0
-                run.live = measuring.enter_context(live_tensor_bytes())
-            receives = self._receives_in_order()
-            posted = {}  # index of a RECV action -> (work handle, buffer the message lands in)
-            run.started = run.stats.clock_start = time.perf_counter()
-            do = {"F": self._forward, "B": self._backward, "W": self._backward_weights}
+        trace = self.tracer(measure_memory=self.measure_memory)  # what the step did: tracing.py
+        receives = self._receives_in_order()
+        posted = {}  # index of a RECV action -> (work handle, buffer the message lands in)
+        do = {"F": self._forward, "B": self._backward, "W": self._backward_weights}
+        with trace:
             for index, action in enumerate(self.actions):
-                posting = time.perf_counter()
-                self._post_receives(receives, posted, done=index - 1)
-                run.stats.posting_s += time.perf_counter() - posting
-                if action.kind.startswith("RECV"):
-                    self._receive(run, action, *posted.pop(index))
-                elif action.kind.startswith("SEND"):
-                    self._send(run, action)
-                else:
-                    begin = time.perf_counter()
-                    do[action.kind](run, action)
-                    run.stats.events.append(
-                        (action.kind, action.stage, action.microbatch, begin - run.started, run.clock())
-                    )
+                with trace.posting():
+                    self._post_receives(receives, posted, done=index - 1)
+                with trace.action(action, run):
+                    if action.kind.startswith("RECV"):
+                        self._receive(run, action, *posted.pop(index))
+                    elif action.kind.startswith("SEND"):
+                        self._send(run, action)
+                    else:
+                        do[action.kind](run, action)
             for work in run.in_flight:
                 work.wait()
-        run.stats.step_time_s = time.perf_counter() - run.started
-        self.stats = run.stats
+        self.stats = trace.stats
         return torch.stack(run.losses).sum() if has_last else None
 
     def _receive(self, run: _Step, action: Action, work, buffer: torch.Tensor) -> None:
         """Wait for a message this rank posted the receive of; it becomes the stage's input."""
-        begin = time.perf_counter()
         work.wait()
         run.inbox[(action.kind[-1], action.stage, action.microbatch)] = buffer
-        run.stats.messages.append(
-            (action.kind, action.stage, action.microbatch, begin - run.started, run.clock())
-        )
 
     def _send(self, run: _Step, action: Action) -> None:
         """Start sending what a compute action left for another rank; never wait for it here."""
         direction, s, i = action.kind[-1], action.stage, action.microbatch
         message = run.outbox.pop((direction, s, i))
-        sent = run.clock()
-        run.stats.messages.append((action.kind, s, i, sent, sent))
         run.in_flight.append(
             comm.isend(
                 message, dst=self._global(action.peer), group=self.group, tag=self._tag(direction, s, i)
             )
         )
-        run.stats.posting_s += run.clock() - sent
 
     def _forward(self, run: _Step, action: Action) -> None:
         """A stage's forward of one micro-batch: keep its input and output for the backward."""
         s, i, last_stage = action.stage, action.microbatch, self.num_stages - 1
         x = run.inputs[i] if s == 0 else run.inbox.pop(("F", s, i)).requires_grad_()
-        alive_before = run.live.now if run.live is not None else 0
         record = None
         if self.splitter is not None:
             y, record = self.splitter.forward(self.stages[s], x)
@@ -408,27 +303,16 @@ class PipelineExecutor:
             y = self.stages[s](x)
         if s == last_stage:  # each micro-batch counts 1/m: the batch mean
             y = self.loss_fn(y, run.targets[i]) / self.microbatches
-        else:
-            self._check_boundary(s, y)
-        if run.live is not None:  # what this forward left alive: kept for its backward, and its output
-            run.kept[(s, i)] = run.live.now - alive_before
-            run.kept_bytes += run.kept[(s, i)]
-            run.stats.peak_kept_bytes = max(run.stats.peak_kept_bytes, run.kept_bytes)
-        if s == last_stage:
             run.losses.append(y.detach())
         else:
+            self._check_boundary(s, y)
             self._deliver(("F", s + 1, i), y.detach(), run.inbox, run.outbox)
         run.held[(s, i)] = (x, y, record)
-        run.held_bytes += sum(t.numel() * t.element_size() for t in (x, y))
-        run.stats.peak_activations = max(run.stats.peak_activations, len(run.held) + len(run.waiting))
-        run.stats.peak_activation_bytes = max(run.stats.peak_activation_bytes, run.held_bytes)
 
     def _backward(self, run: _Step, action: Action) -> None:
         """A stage's backward of one micro-batch (B alone, in a schedule that splits it)."""
         s, i = action.stage, action.microbatch
         x, y, record = run.held.pop((s, i))
-        run.held_bytes -= sum(t.numel() * t.element_size() for t in (x, y))
-        run.kept_bytes -= run.kept.pop((s, i), 0)
         gradient = None if s == self.num_stages - 1 else run.inbox.pop(("B", s, i))  # from the next stage
         if not y.requires_grad:  # nothing to differentiate: a first stage without weights (a ReLU, a reshape)
             input_grad = torch.zeros_like(x) if s > 0 else None

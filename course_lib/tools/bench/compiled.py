@@ -2,7 +2,7 @@
 parallelisms: the course's tensor parallelism, DTensor's, and FSDP2 (``fully_shard``).
 
 For each variant the same stack of ``models.Block``s trains eager and with every block compiled
-(``parallel.compiled.compile_blocks``, after the parallelism, as torchtitan orders it). Reported:
+(``parallel.compiled.apply_compile``, after the parallelism, as torchtitan orders it). Reported:
 the seconds of the first compiled step (tracing and code generation, Inductor's caches off: the
 compile time on a fresh machine); the median step of each, timed in turns, and their ratio; the
 steps a run needs before compiling has paid for itself; the first block's graphs and graph breaks
@@ -131,7 +131,7 @@ def _benchmark_variants(*, d_model, heads, seq, batch, layers, steps, warmup, co
         probe(inputs)  # an eager forward first: FSDP2 sets itself up from the root module's first one
         breaks = compiled.graph_breaks(probe[0], inputs)  # the first block traced, not compiled
         torch._dynamo.reset()
-        compiled.compile_blocks(models_by_mode["compiled"], backend=compiler)
+        compiled.apply_compile(models_by_mode["compiled"], backend=compiler)
         comm.barrier()
         started = time.perf_counter()
         step("compiled")

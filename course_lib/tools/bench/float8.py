@@ -1,7 +1,7 @@
 """``bench float8``: a small transformer trained in bf16 from two seeds and with each float8 recipe.
 
 The same model, data and optimizer; the linear layers of every block converted to the course's
-float8 layers (``parallel.float8.convert_to_float8``), the output head left in bf16 as torchtitan
+float8 layers (``parallel.float8.apply_float8``), the output head left in bf16 as torchtitan
 leaves it; autocast to bf16 around the forward in every run. Reported: every step's loss of each
 run, the mean of the last ten, and the distance between the two bf16 seeds' means: the noise a
 float8 run's distance to bf16 has to stay under for the recipes to count as training alike.
@@ -23,7 +23,7 @@ def _losses(recipe: str | None, seed: int, *, steps: int, d_model: int, seq: int
     torch.manual_seed(seed)
     model = models.TinyTransformer(len(vocabulary), d_model=d_model, n_heads=4, n_layers=2, max_seq_len=seq)
     if recipe:
-        float8.convert_to_float8(model, recipe=recipe, skip=(f"{len(model) - 1}.proj",))  # not the head
+        float8.apply_float8(model, recipe=recipe, skip=(f"{len(model) - 1}.proj",))  # not the head
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     generator, losses = torch.Generator().manual_seed(1), []  # the same batches in every run
     for _ in range(steps):

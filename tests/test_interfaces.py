@@ -185,6 +185,12 @@ def test_every_argument_a_student_passes_is_documented():
     assert missing == [], "no Args: entry for\n" + "\n".join(missing)
 
 
+def _the_verbs_group(name: str, parameter: str) -> bool:
+    """A technique's verb takes its group (or mesh) second, by position, as torchtitan's
+    ``apply_tp(model, tp_mesh)`` does (``test_architecture.VERBS``): no other option may."""
+    return name.rpartition(".")[2].startswith("apply_") and parameter in ("group", "group_or_mesh")
+
+
 def test_options_are_keyword_only():
     positional = []
     for name, value in student_api().items():
@@ -193,6 +199,7 @@ def test_options_are_keyword_only():
             for p in _parameters(value)
             if p.default is not inspect.Parameter.empty
             and p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+            and not _the_verbs_group(name, p.name)
         ]
         if options:
             positional.append(f"{name}: {', '.join(options)}")

@@ -29,6 +29,9 @@ from typing import Any
 
 from .errors import EXIT_USER_ERROR, UserError
 
+MAX_SEED = 2**32 - 1
+"""The largest seed: numpy and Python's ``random`` take seeds up to this, and torch's generator too."""
+
 
 def launched_rank() -> str:
     """This process's rank as its launcher set it (torchrun's RANK, else srun's), before any rendezvous."""

@@ -38,7 +38,9 @@ from torch import nn
 from .checks import check_choice
 from .errors import UserError
 
-MODELS = ("digits_cnn", "cifar_cnn", "resnet18")
+IMAGE_MODELS = ("digits_cnn", "cifar_cnn", "resnet18")
+"""The image classifiers the trainer builds (``build_model``); the planner's transformers are
+``plan.specs.MODELS``."""
 
 
 class DigitsCNN(nn.Sequential):
@@ -247,7 +249,7 @@ def build_model(name: str, *, num_classes: int = 10) -> nn.Module:
         name: ``"digits_cnn"``, ``"cifar_cnn"`` or ``"resnet18"``.
         num_classes: outputs of the last layer.
     """
-    check_choice("model", name, MODELS)
+    check_choice("model", name, IMAGE_MODELS)
     if name == "digits_cnn":
         return DigitsCNN(num_classes=num_classes)
     if name == "cifar_cnn":
@@ -262,10 +264,10 @@ def model_input_shape(name: str) -> tuple[int, int, int]:
 
 
 def check_model_fits_data(model_name: str, dataset_name: str, input_shape: tuple[int, int, int]) -> None:
-    check_choice("model", model_name, MODELS)
+    check_choice("model", model_name, IMAGE_MODELS)
     expected = model_input_shape(model_name)
     if tuple(expected) != tuple(input_shape):
-        fitting = [m for m in MODELS if model_input_shape(m) == tuple(input_shape)]
+        fitting = [m for m in IMAGE_MODELS if model_input_shape(m) == tuple(input_shape)]
         raise UserError(
             f"model {model_name} expects {'x'.join(map(str, expected))} images but dataset {dataset_name} "
             f"has {'x'.join(map(str, input_shape))}: use --model {' or --model '.join(fitting)}"

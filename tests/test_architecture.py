@@ -479,3 +479,41 @@ def test_no_reading_region_holds_an_instrument():
     assert not found, f"reading regions that name an instrument (move it to a hook): {found}"
     sample = "# #region step\nloss = faults.poisoned(loss)\nwith anatomy.phase('x'):\n# #endregion step\n"
     assert sorted(INSTRUMENTS.findall(_regions(sample)["step"])) == ["anatomy", "faults"]
+
+
+def _definitions(source: str, where: str) -> tuple[dict[str, str], dict[tuple, str]]:
+    """A module's public constants by name, and those that are a list of words by their words."""
+    names, words = {}, {}
+    for node in ast.parse(source).body:
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, ast.AnnAssign)
+            else []
+        )
+        for target in targets:
+            if not (isinstance(target, ast.Name) and target.id.isupper() and not target.id.startswith("_")):
+                continue
+            names[target.id] = where
+            value = node.value
+            if isinstance(value, ast.Tuple | ast.List | ast.Set) and value.elts:
+                if all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in value.elts):
+                    words[tuple(sorted(e.value for e in value.elts))] = f"{where}:{target.id}"
+    return names, words
+
+
+def test_each_vocabulary_is_defined_once():
+    """A constant's name means one thing in the whole package, and a list of words is written once:
+    the precisions, the schedules, the shardings, the models are imported from where they are owned."""
+    names, words, twice = {}, {}, []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        mine, my_words = _definitions(path.read_text(), str(path.relative_to(PACKAGE.parent)))
+        twice += [f"{name} in {names[name]} and {where}" for name, where in mine.items() if name in names]
+        twice += [f"{words[w]} and {where} are both {list(w)}" for w, where in my_words.items() if w in words]
+        names |= mine
+        words |= my_words
+    assert not twice, "defined twice (define it where it is owned, import it elsewhere):\n" + "\n".join(twice)
+    first, _ = _definitions('SCHEDULES = ("gpipe", "1f1b")\n', "a.py")
+    second, _ = _definitions("SCHEDULES = pipeline.WHOLE_BACKWARD\n", "b.py")
+    assert first.keys() & second.keys() == {"SCHEDULES"}  # an alias is a second definition too

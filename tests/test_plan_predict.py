@@ -10,6 +10,7 @@ import random
 import pytest
 
 from course_lib.errors import UserError
+from course_lib.parallel import pipeline
 from course_lib.plan import planner, specs
 from course_lib.plan.cost_model import predict
 from course_lib.plan.layout import Layout
@@ -29,13 +30,13 @@ def test_every_layout_the_planner_considers_reads_back_from_its_name(model, gpus
 def test_every_field_of_a_random_layout_survives_its_name():
     """A property over random layouts, every field drawn: the name keeps the precision, ``no-sp``,
     ``no-loss-parallel`` and a schedule or attention that only a default would hide."""
-    from course_lib.parallel import recompute
+    from course_lib.parallel import memory, recompute
     from course_lib.plan import layout as layout_module
 
     draw = random.Random(56)
     choices = {
-        "sharding": layout_module.SHARDINGS, "recomputation": recompute.POLICIES,
-        "schedule": layout_module.SCHEDULES, "precision": layout_module.PRECISIONS,
+        "sharding": memory.SHARDINGS, "recomputation": recompute.POLICIES,
+        "schedule": pipeline.WHOLE_BACKWARD, "precision": layout_module.PRECISIONS,
         "context_attention": layout_module.CONTEXT_ATTENTION, "sequence_parallel": (True, False),
         "loss_parallel": (True, False),
     }  # fmt: skip
@@ -143,7 +144,7 @@ def test_the_h200_runs_predicted_each_with_its_own_stack_all_fit(tmp_path, capsy
     reserved peak is the one ``plan check-gpu-runs`` holds against the measurement."""
     from course_lib.tools import gpu_runs
 
-    source = gpu_runs.RUNS
+    source = gpu_runs.RUNS_CSV
     argv = [
         "predict",
         "--layouts",

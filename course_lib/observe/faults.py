@@ -44,6 +44,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..checks import MAX_SEED
 from ..distributed import hooks
 from ..errors import UserError
 
@@ -80,8 +81,6 @@ AT_MEANS = {
 """What AT is, for each kind."""
 MAX_SLOW_S = 60.0
 """The most a ``slow`` fault delays each collective: beyond it the run never ends in practice."""
-MAX_SEED = 2**32 - 1
-"""The largest seed a ``seed`` fault gives the sampler (numpy's and the trainer's bound)."""
 
 
 @dataclass(frozen=True)

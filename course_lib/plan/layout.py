@@ -30,11 +30,6 @@ from ..errors import UserError
 from ..parallel import memory, pipeline, recompute
 from ..parallel.context_chunks import SequenceLayout
 
-SHARDINGS = memory.SHARDINGS
-"""What the data axis shards: ``parallel.memory.SHARDINGS`` (ddp, zero1, zero2, fsdp)."""
-SCHEDULES = pipeline.WHOLE_BACKWARD
-"""The pipeline schedules the planner lays out: those whose backward is one pass
-(``pipeline.WHOLE_BACKWARD``, of ``pipeline.SCHEDULES``)."""
 PRECISIONS = ("bf16", "fp32", "fp8")
 """``bf16``: mixed precision (bf16 products and activations, fp32 master weights); ``fp32``;
 ``fp8``: as bf16, with the blocks' linear layers' products in fp8 with tensorwise scaling
@@ -102,16 +97,16 @@ class Layout:
         if self.tensor == 1:  # both split the tensor axis: without one they are moot, and read as on,
             object.__setattr__(self, "sequence_parallel", True)  # so that layouts that run alike are one
             object.__setattr__(self, "loss_parallel", True)
-        if self.schedule in pipeline.SCHEDULES and self.schedule not in SCHEDULES:
+        if self.schedule in pipeline.SCHEDULES and self.schedule not in pipeline.WHOLE_BACKWARD:
             raise UserError(
                 f"the planner does not lay out {self.schedule!r} yet: its bubble and memory are taught "
                 "in parallel.pipeline (notebook 08), but the cost model prices only "
-                f"{', '.join(SCHEDULES)}: choose one of them"
+                f"{', '.join(pipeline.WHOLE_BACKWARD)}: choose one of them"
             )
         for name, choices in (
-            ("sharding", SHARDINGS),
+            ("sharding", memory.SHARDINGS),
             ("recomputation", recompute.POLICIES),
-            ("schedule", SCHEDULES),
+            ("schedule", pipeline.WHOLE_BACKWARD),
             ("precision", PRECISIONS),
             ("context_attention", CONTEXT_ATTENTION),
         ):
@@ -214,9 +209,9 @@ class Layout:
                 )
             give(part, **{LETTERS[axis[1]]: int(axis[2])})
         for word in words:
-            schedule = re.fullmatch(rf"({'|'.join(SCHEDULES)})(?:x([1-9]\d*))?", word)
+            schedule = re.fullmatch(rf"({'|'.join(pipeline.WHOLE_BACKWARD)})(?:x([1-9]\d*))?", word)
             micro_batch = re.fullmatch(r"mb([1-9]\d*)", word)
-            if word in SHARDINGS:
+            if word in memory.SHARDINGS:
                 give(word, sharding=word)
             elif recomputed := re.fullmatch(r"(s?ac)(?:/([1-9]\d*))?", word):
                 policy = "full" if recomputed[1] == "ac" else "selective"
@@ -233,7 +228,8 @@ class Layout:
                 give(word, **{"sequence_parallel" if word == "no-sp" else "loss_parallel": False})
             else:
                 raise UserError(
-                    f"layout {text!r}: {word!r} is none of a sharding ({', '.join(SHARDINGS)}), ac or sac, "
+                    f"layout {text!r}: {word!r} is none of a sharding ({', '.join(memory.SHARDINGS)}), "
+                    "ac or sac, "
                     "a schedule (1f1b, gpipe, interleaved_1f1bx2), mbN, ring or ulysses, bf16, fp32 or fp8, "
                     "no-sp or no-loss-parallel: see Layout.from_name"
                 )

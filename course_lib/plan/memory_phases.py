@@ -64,7 +64,7 @@ from .memory_model import (
 )
 from .specs import MIB, StepShape
 
-PARTS = (
+MEMORY_PARTS = (
     "parameters",
     "gradients",
     "optimizer",
@@ -159,7 +159,7 @@ def reserved_on_the_card(reserved: float, *, allocated: float, parts: dict, clus
     Args:
         reserved: what the allocator would grow to, unhindered.
         allocated: the allocated peak.
-        parts: what the card holds (``PARTS``; its context and NCCL's buffers are read).
+        parts: what the card holds (``MEMORY_PARTS``; its context and NCCL's buffers are read).
         cluster: the machine (its GPU's memory).
     """
     room = cluster.gpu_memory_bytes - parts["CUDA context"] - parts["NCCL buffers"]
@@ -220,7 +220,7 @@ def _live_by_phase(step: StepShape):
 
 
 def _held_by_the_card(step: StepShape, live: dict, peak: str, gradients: float, logits: float):
-    """(what the card holds by ``PARTS`` and their total, what the allocator reserves): the live
+    """(what the card holds by ``MEMORY_PARTS`` and their total, what the allocator reserves): the live
     parts of the fullest phase, or with FSDP2's streams the default stream's fullest phase beside
     the other streams' pools at their largest; the stranded block; the context; NCCL's buffers."""
     layout, framework, cluster = step.layout, step.framework, step.cluster
@@ -240,7 +240,7 @@ def _held_by_the_card(step: StepShape, live: dict, peak: str, gradients: float, 
     reserved = sum(parts.values())
     parts["CUDA context"] = cluster.context_bytes
     parts["NCCL buffers"] = nccl_buffer_bytes(layout) if on_gpu else 0.0
-    parts = {name: parts.get(name, 0.0) for name in PARTS}
+    parts = {name: parts.get(name, 0.0) for name in MEMORY_PARTS}
     parts["total"] = sum(parts.values())
     return parts, reserved
 

@@ -4,3 +4,10 @@ Every module here may import the lessons (``course_lib`` and ``course_lib.parall
 imports one of these. Plotting lives here too: the lessons return data (timelines, schedules,
 tables) and ``plots`` and ``figures`` draw it.
 """
+
+from pathlib import Path
+
+REPOSITORY = Path(__file__).resolve().parents[2]
+"""The repository's root: the course's slides, labs and Slurm jobs beside the package."""
+RECORDED = REPOSITORY / "slides" / "recorded"
+"""The measurements the slides draw, each written by the command its file names."""

@@ -28,13 +28,12 @@ from ..parallel import context_chunks, expert, memory, mesh, pipeline
 from ..parallel.fsdp import FullyShardedDataParallel
 from ..plan import attention_time, cost_model, specs
 from ..plan.layout import Layout
-from . import bench, gpu_runs, plots
+from . import RECORDED, bench, gpu_runs, plots
 from .bench import MLP_BATCH, MLP_LAYERS, MLP_WIDTH, mlp, training_step
 from .plan_validation import validate
 from .study import read_csv
 
 PNG_METADATA = {"Software": None}  # no version string in the file: the same drawing gives the same bytes
-RECORDED = Path(__file__).resolve().parent.parent.parent / "slides" / "recorded"
 RECORDED_SCALING = RECORDED / "scaling.csv"
 RECORDED_FSDP = {
     "prefetch": RECORDED / "fsdp_prefetch.json",

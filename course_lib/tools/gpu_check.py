@@ -52,7 +52,7 @@ from ..plan.specs import CLUSTERS, CUDA_CONTEXT, GIB, ClusterSpec, Link, ModelSp
 from . import plots
 from .gpu_record import Timer
 
-RECIPES = ("course", "fp32-master", "torchtitan")
+STACKS = ("course", "fp32-master", "torchtitan")
 """The stacks a run trains with, by the planner's profile that describes each: ``course`` (bf16
 weights and gradients, the gradients kept in one buffer, an fp32 master copy and Adam's moments:
 ``MasterAdamW``), ``fp32-master`` (PyTorch's autocast on an fp32 model), ``torchtitan`` (FSDP2 on a
@@ -65,7 +65,7 @@ GPU_MODELS = (
 )  # fmt: skip
 CPU_MODEL = ModelSpec("tiny-llama", 2, 48, 6, 2, 80, 97, source="gpu_check --device cpu")
 
-PHASES = ("forward", "loss backward", "blocks backward", "optimizer step")
+MEASURED_PHASES = ("forward", "loss backward", "blocks backward", "optimizer step")
 """The phases whose allocated peak a run measures (the planner predicts the first two, the end of
 the backward, which bounds the blocks' backward, and the optimizer step)."""
 
@@ -76,7 +76,7 @@ class Run:
 
     Args:
         spec: the model's shapes (the Llama module is built from it).
-        recipe: the stack, one of ``RECIPES``.
+        recipe: the stack, one of ``STACKS``.
         seq_len: tokens per sequence.
         micro_batch: sequences a step.
         recomputation: ``"none"``, ``"full"`` or ``"selective"`` (the course's policies).
@@ -149,7 +149,7 @@ def grid(device: torch.device, cluster: ClusterSpec) -> list[Run]:
     if device.type != "cuda":
         runs = [
             Run(CPU_MODEL, recipe, 64, batch, recomputation=policy)
-            for recipe in RECIPES
+            for recipe in STACKS
             for batch, policy in ((1, "none"), (2, "full"), (1, "selective"))
         ]
         return sorted(runs, key=lambda run: predicted(run, cluster).memory["total"])
@@ -172,7 +172,7 @@ def candidates() -> list[Run]:
     """Every run the GPU grid may choose from."""
     runs = []
     for spec in GPU_MODELS:
-        for recipe in RECIPES:
+        for recipe in STACKS:
             for seq_len in (2048, 4096, 8192, 16384):
                 for batch in (1, 2, 4):
                     for policy in ("none", "full", "selective"):

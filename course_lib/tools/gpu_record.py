@@ -37,9 +37,9 @@ from ..errors import EXIT_USER_ERROR, UserError
 from ..llama import LlamaBlock
 from ..plan.kernels import slug
 from ..plan.specs import MODELS, ModelSpec
+from . import RECORDED, REPOSITORY
 
-REPO = Path(__file__).resolve().parents[2]
-RECORDED = REPO / "slides" / "recorded" / "gpu"
+RECORDED_GPU = RECORDED / "gpu"
 TOKENS = (2048, 8192)
 """Tokens of one micro-batch (M of every product): a 2,048-token and an 8,192-token sequence."""
 TESTS_TIMEOUT_MAX_S = 480
@@ -464,7 +464,7 @@ def run_gpu_tests(report, *, timeout_s: float) -> dict:
     ]
     begin = time.perf_counter()
     try:
-        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+        done = subprocess.run(command, cwd=REPOSITORY, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as stopped:
         printed = (
             (stopped.stdout or b"").decode(errors="replace")
@@ -488,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m course_lib.tools.gpu_record", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument(
-        "--out", type=checks.folder_to_write, default=RECORDED, help="folder of the JSON file"
+        "--out", type=checks.folder_to_write, default=RECORDED_GPU, help="folder of the JSON file"
     )
     parser.add_argument(
         "--device", choices=("cuda", "cpu"), default="cuda", help="cpu: check the command at small sizes"

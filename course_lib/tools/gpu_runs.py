@@ -34,10 +34,10 @@ from ..plan.kernels import GPU_RECORDS
 from ..plan.layout import Layout
 from ..plan.specs import GIB, ClusterSpec, ModelSpec
 
-RUNS = GPU_RECORDS / "h200-runs.csv"
+RUNS_CSV = GPU_RECORDS / "h200-runs.csv"
 """The runs measured on one H200 (``plan check-gpu-runs``' default)."""
 
-COLUMNS = (
+GPU_RUN_COLUMNS = (
     "run", "model", "framework", "layout", "seq_len", "global_batch", "tokens_per_s_per_gpu",
     "peak_allocated_gib", "peak_reserved_gib", "status",
 )  # fmt: skip
@@ -119,15 +119,15 @@ def beside(name: str, folder: Path) -> str:
     return str(folder / name) if (folder / name).is_file() else name
 
 
-def read_runs(*, path: Path = RUNS) -> list[GpuRun]:
-    """The runs of a CSV file (``COLUMNS``); a model's path is read from the file's folder.
+def read_runs(*, path: Path = RUNS_CSV) -> list[GpuRun]:
+    """The runs of a CSV file (``GPU_RUN_COLUMNS``); a model's path is read from the file's folder.
 
     Args:
         path: the file.
     """
     path = Path(path)
     runs = []
-    for number, row in checks.read_csv_rows(path, what="GPU runs", columns=COLUMNS):
+    for number, row in checks.read_csv_rows(path, what="GPU runs", columns=GPU_RUN_COLUMNS):
         status = checks.check_choice(f"line {number}: status", row["status"], ("ok", "oom"))
         runs.append(
             GpuRun(
@@ -245,7 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("file", nargs="?", type=checks.file_to_read, default=RUNS, help="a CSV of GPU runs")
+    parser.add_argument(
+        "file", nargs="?", type=checks.file_to_read, default=RUNS_CSV, help="a CSV of GPU runs"
+    )
     parser.add_argument("--cluster", default="h200-node", help="the cluster whose GPU ran them")
     parser.add_argument("--json", type=checks.json_to_write, default=None, help="write the summary here")
     args = parser.parse_args(argv)

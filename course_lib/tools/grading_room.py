@@ -40,12 +40,13 @@ from pathlib import Path
 
 import course_lib
 
+from . import REPOSITORY
+
 SECRETS = ("solution.py", "solution_answers.toml")
 """What no process of a grading may find: each lab's solution and the keys to its questions."""
 PACKAGE = Path(course_lib.__file__).resolve().parent
-REPOSITORY = PACKAGE.parent
 LABS = REPOSITORY / "labs"
-HIDDEN = ("labs", ".git")
+HIDDEN_FOLDERS = ("labs", ".git")
 """The repository's folders a grading in namespaces sees empty."""
 KEY_BYTES = 32
 
@@ -84,12 +85,12 @@ def namespace_prefix() -> tuple[str, ...]:
 
 
 def command(python_argv: list[str]) -> list[str]:
-    """``python_argv`` run in the namespaces where they exist, the repository's ``HIDDEN`` folders
+    """``python_argv`` run in the namespaces where they exist, the repository's ``HIDDEN_FOLDERS`` folders
     covered with empty ones first; as it is elsewhere."""
     prefix = namespace_prefix()
     if not prefix:
         return python_argv
-    hidden = [str(REPOSITORY / name) for name in HIDDEN if (REPOSITORY / name).is_dir()]
+    hidden = [str(REPOSITORY / name) for name in HIDDEN_FOLDERS if (REPOSITORY / name).is_dir()]
     script = (
         'for folder in "$@"; do [ "$folder" = -- ] && break; '
         'mount -t tmpfs none "$folder" || exit 97; shift; done; shift; exec "$@"'

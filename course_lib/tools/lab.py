@@ -36,7 +36,7 @@ import sys
 from .. import checks
 from ..data import DATASETS
 from ..distributed import environment
-from ..models import MODELS
+from ..models import IMAGE_MODELS
 from ..plan.scaling import add_speedup, format_table, read_metrics, summarize
 from ..train.config import MAX_LEARNING_RATE
 from .plots import plot_study
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--dataset", choices=DATASETS, default="digits")
-    parser.add_argument("--model", choices=MODELS, default="digits_cnn")
+    parser.add_argument("--model", choices=IMAGE_MODELS, default="digits_cnn")
     parser.add_argument("--epochs", type=checks.int_at_least(1), default=10)
     parser.add_argument(
         "--global-batch-size",

@@ -23,7 +23,7 @@ from ..observe import anatomy
 from ..parallel.collective_matmul import chunk_compute_to_transfer
 from ..parallel.pipeline import bubble_fraction
 from ..plan import network_model, rooflines
-from ..plan.memory_phases import PARTS
+from ..plan.memory_phases import MEMORY_PARTS
 from ..plan.specs import GIB
 
 PNG_DPI = 120
@@ -620,7 +620,7 @@ def plot_memory_breakdown(predictions: list, *, capacity_bytes: float | None = N
     axis = figure.subplots()
     labels = [p.layout.name() for p in predictions]
     bottoms = [0.0] * len(predictions)
-    for part in PARTS:
+    for part in MEMORY_PARTS:
         heights = [p.memory.get(part, 0.0) / GIB for p in predictions]
         if any(heights):
             axis.bar(range(len(predictions)), heights, bottom=bottoms, label=part)

@@ -45,7 +45,9 @@ UNITS: dict[str, dict[str, float]] = {
 units each may be written in, with their size in the base unit (``""``: a count, a ratio or a
 fraction, which may be written as a percentage)."""
 
-NUMBER = re.compile(r"^\s*(?P<number>[-+]?(?:\d[\d_,]*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*(?P<unit>\S*)\s*$")
+PREDICTED_NUMBER = re.compile(
+    r"^\s*(?P<number>[-+]?(?:\d[\d_,]*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*(?P<unit>\S*)\s*$"
+)
 
 
 PREDICTIONS_DIR = Path(__file__).resolve().parents[2] / "notebooks" / "predictions"
@@ -114,7 +116,7 @@ def parse(text: str | float, *, unit: str = "") -> float:
     if isinstance(text, (int, float)):
         value = float(text)
     else:
-        found = NUMBER.match(text)
+        found = PREDICTED_NUMBER.match(text)
         if not found:
             raise PredictionError(
                 f"{text!r} is not a number: write it with its unit, e.g. '1.5 {next(iter(UNITS[unit]))}'"
@@ -201,7 +203,7 @@ def _as_written(prediction, value: float, unit: str) -> str:
 
 def _in_units_of(prediction, measured: float, unit: str) -> str:
     """The measurement in the unit the prediction was written in, so that the two read side by side."""
-    found = NUMBER.match(prediction) if isinstance(prediction, str) else None
+    found = PREDICTED_NUMBER.match(prediction) if isinstance(prediction, str) else None
     written = found["unit"] if found else ""
     if written and written in UNITS[unit]:
         value = measured / UNITS[unit][written]

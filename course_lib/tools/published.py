@@ -56,7 +56,7 @@ from ..plan.specs import CLUSTERS, GIB, MODELS, ModelSpec
 PUBLISHED_RUNS = Path(__file__).with_name("published_gpu_runs.csv")
 """The published runs the planner is checked against, each with its source."""
 
-COLUMNS = (
+PUBLISHED_COLUMNS = (
     "id", "group", "source", "model", "planner_model", "hardware", "layers", "d_model", "heads",
     "kv_heads", "ffn", "vocab", "arch", "cluster", "gpus", "dp", "tp", "pp", "cp", "vp", "sharding",
     "micro_batch", "global_batch", "seq_len", "precision", "recomputation", "sequence_parallel",
@@ -263,14 +263,14 @@ def read_runs(*, path: Path = PUBLISHED_RUNS, framework: str | None = None) -> l
     """Every row of a published-runs CSV, read as the planner states it.
 
     Args:
-        path: a CSV with the columns of ``COLUMNS`` (more are ignored).
+        path: a CSV with the columns of ``PUBLISHED_COLUMNS`` (more are ignored).
         framework: predict every row with this profile (``frameworks.FRAMEWORKS``); None: each
             with its own stack's (``framework_of``).
     """
     if framework is not None:
         check_choice("framework", framework, tuple(FRAMEWORKS))
     runs = []
-    for number, row in read_csv_rows(path, what="published runs", columns=COLUMNS):
+    for number, row in read_csv_rows(path, what="published runs", columns=PUBLISHED_COLUMNS):
         try:
             profile = FRAMEWORKS[framework] if framework else framework_of(row["group"], row["extras"])
             runs.append(_run(row, profile))

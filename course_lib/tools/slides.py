@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from unittest import mock
 
-REPOSITORY = Path(__file__).resolve().parent.parent.parent
+from . import REPOSITORY
+
 SLIDES_DIR = REPOSITORY / "slides"
 PUBLIC_DIR = SLIDES_DIR / "public"
 SNIPPET_TIMEOUT_S = 600

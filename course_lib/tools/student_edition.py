@@ -26,10 +26,9 @@ import sys
 from pathlib import Path
 
 from ..errors import UserError
+from .grading_room import SECRETS
 
 ROOT = Path(__file__).resolve().parents[2]
-HIDDEN = ("solution.py", "solution_answers.toml")
-"""What a lab folder holds that a student must not receive."""
 
 
 def is_hidden(path: str) -> bool:
@@ -39,7 +38,7 @@ def is_hidden(path: str) -> bool:
         path: the file's path relative to the repository's root (``labs/lab1_ddp/solution.py``).
     """
     parts = Path(path).parts
-    return len(parts) == 3 and parts[0] == "labs" and parts[2] in HIDDEN
+    return len(parts) == 3 and parts[0] == "labs" and parts[2] in SECRETS
 
 
 def tracked_files(root: Path = ROOT) -> list[str]:
@@ -98,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    hidden = " and ".join(HIDDEN)
+    hidden = " and ".join(SECRETS)
     print(f"wrote {copied} files to {args.target}; left out {len(left_out)}: every lab's {hidden}")
     print("there, `make test` grades each untouched exercise and expects it to fail at its first TODO")
     return 0

@@ -34,15 +34,15 @@ from .. import checks
 from ..data import DATASETS
 from ..distributed import environment
 from ..errors import EXIT_USER_ERROR, UserError
-from ..models import MODELS
+from ..models import IMAGE_MODELS
 from ..plan.scaling import add_speedup, format_table, read_metrics, summarize
 from ..train.config import TrainConfig, validate_config
+from . import REPOSITORY
 from .plots import plot_study
 
 # -- the study: plan, submit, collect, plot -----------------------------------------------------
 
 STUDY_FILE, CSV_FILE, PLOT_FILE = "study.json", "scaling.csv", "scaling.png"
-REPO = Path(__file__).resolve().parent.parent.parent
 
 
 @dataclass
@@ -133,11 +133,11 @@ def submit_slurm(
             f"--job-name=scaling-{run.name}",
             f"--output={results}/{run.name}-%j.out",
             *sbatch_args,
-            str(REPO / "slurm" / "scaling_run.sbatch"),
+            str(REPOSITORY / "slurm" / "scaling_run.sbatch"),
         ]
         done = subprocess.run(
             command,
-            cwd=REPO,
+            cwd=REPOSITORY,
             env=_training_environment(results, run, settings),
             capture_output=True,
             text=True,
@@ -228,7 +228,7 @@ def run_locally(
         run.metrics_path(results).unlink(missing_ok=True)
         with open(results / f"{run.name}-local.out", "w") as log:
             status = subprocess.run(
-                command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT
+                command, cwd=REPOSITORY, env=env, stdout=log, stderr=subprocess.STDOUT
             ).returncode
         (results / f"{run.name}.status").write_text(f"{status}\n")
         run.job_id = "local"
@@ -382,7 +382,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     )
     submit.add_argument("--dataset", choices=DATASETS, default=os.environ.get("COURSE_DATASET", "cifar10"))
     submit.add_argument("--data-dir", type=checks.folder_to_read, default=os.environ.get("COURSE_DATA_DIR"))
-    submit.add_argument("--model", choices=MODELS, default=os.environ.get("COURSE_MODEL", "resnet18"))
+    submit.add_argument("--model", choices=IMAGE_MODELS, default=os.environ.get("COURSE_MODEL", "resnet18"))
     submit.add_argument(
         "--epochs",
         type=checks.int_at_least(1),

@@ -18,7 +18,7 @@ from ..errors import UserError
 from ..parallel.mesh import describe_grid
 from ..parallel.recompute import POLICIES
 from ..plan.layout import CONTEXT_ATTENTION
-from ..train.three_d import SCHEDULES, check_run, train_3d
+from ..train.three_d import ONE_STAGE_SCHEDULES, check_run, train_3d
 from .plots import image_to_write, plot_loss_curves
 
 
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=positive, default=20)
     parser.add_argument("--global-batch", type=positive, default=16)
     parser.add_argument("--microbatches", type=positive, default=2)
-    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    parser.add_argument("--schedule", choices=ONE_STAGE_SCHEDULES, default="1f1b")
     parser.add_argument(
         "--recomputation",
         choices=POLICIES,

@@ -24,7 +24,9 @@ from ..plan import layout
 from . import checkpoint, strategies
 
 OPTIMIZERS = ("adamw", "sgd")
-PRECISIONS = tuple(precision for precision in layout.PRECISIONS if precision not in layout.FLOAT8_PRECISIONS)
+TRAINER_PRECISIONS = tuple(
+    precision for precision in layout.PRECISIONS if precision not in layout.FLOAT8_PRECISIONS
+)
 """The precisions the trainer runs: the layouts' (``plan.layout.PRECISIONS``) but float8's, whose
 products are the planner's and a GPU's (``parallel.float8``)."""
 JSON_LINES = (".jsonl", ".json")
@@ -132,9 +134,9 @@ CHOICES = {
     "cpu_offload": OFFLOAD_MODES,
     "recomputation": recompute.POLICIES,
     "dataset": data.DATASETS,
-    "model": models.MODELS,
+    "model": models.IMAGE_MODELS,
     "optimizer": OPTIMIZERS,
-    "precision": PRECISIONS,
+    "precision": TRAINER_PRECISIONS,
     "checkpoint_mode": CHECKPOINT_MODES,
 }
 """The fields that take one of a few values, and those values, each defined by the module that owns
@@ -212,7 +214,7 @@ def validate_config(config: TrainConfig, world_size: int, ranks_per_node: int | 
         )
     if config.clip_grad_norm is not None:
         checks.check_number("--clip-grad-norm", config.clip_grad_norm, above=0)
-    checks.check_int("--seed", config.seed, minimum=0, maximum=MAX_SEED)
+    checks.check_int("--seed", config.seed, minimum=0, maximum=checks.MAX_SEED)
     if config.max_steps is not None:
         checks.check_int("--max-steps", config.max_steps, minimum=1)
     checks.check_int("--workers", config.workers, minimum=0, maximum=MAX_LOADER_WORKERS)
@@ -226,7 +228,7 @@ def validate_config(config: TrainConfig, world_size: int, ranks_per_node: int | 
     data.per_rank_batch_size(config.global_batch_size, world_size, grad_accum_steps=config.grad_accum)
     steps_per_epoch(config)
     checks.check_choice("--recomputation", config.recomputation, recompute.POLICIES)
-    checks.check_choice("precision", config.precision, PRECISIONS)
+    checks.check_choice("precision", config.precision, TRAINER_PRECISIONS)
     checks.check_choice("optimizer", config.optimizer, OPTIMIZERS)
     _check_fsdp_flags(config)
     if (config.strategy, config.impl, config.sharding_strategy) == ("fsdp", "course", "HYBRID_SHARD"):
@@ -263,10 +265,6 @@ def steps_per_epoch(config: TrainConfig) -> int:
 
 MAX_LEARNING_RATE = 1e6
 """Far above any learning rate that trains; a larger one is a typo (a missing minus in 1e-3)."""
-
-
-MAX_SEED = 2**32 - 1
-"""numpy and Python's ``random`` take seeds up to this; torch's generator takes them too."""
 
 
 MAX_LOADER_WORKERS = 64

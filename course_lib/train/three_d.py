@@ -46,7 +46,7 @@ from ..parallel.mesh import Mesh, check_degrees, rank_at
 from ..plan.layout import Layout
 from ..plan.parallelize import parallelize
 
-SCHEDULES = ("gpipe", "1f1b")
+ONE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 """The schedules ``train_3d`` runs: one stage a rank (interleaving needs virtual stages it does
 not cut)."""
 

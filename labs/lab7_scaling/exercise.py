@@ -97,9 +97,9 @@ def _measured(csv_path: str, allreduce_path: str, model: str, strategy: str, cor
     ):
         if not Path(path).is_file():
             raise SystemExit(f"error: {path} does not exist: make it with `{made_by}`")
-    if model not in models.MODELS:
+    if model not in models.IMAGE_MODELS:
         raise SystemExit(
-            f"error: --model {model} is not one of the course's models: {', '.join(models.MODELS)}"
+            f"error: --model {model} is not one of the course's models: {', '.join(models.IMAGE_MODELS)}"
         )
     rows = [row for row in read_csv(csv_path) if row["strategy"] == strategy]
     if not rows:

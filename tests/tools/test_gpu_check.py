@@ -34,11 +34,11 @@ def cpu_check(tmp_path_factory):
 def test_every_run_is_measured_beside_its_prediction_and_written(cpu_check):
     out, record, printed = cpu_check
     rows = record["runs"]
-    assert {row["framework"] for row in rows} == set(gpu_check.RECIPES)
+    assert {row["framework"] for row in rows} == set(gpu_check.STACKS)
     assert {part for row in rows for part in row["layout"].split()} >= {"ac", "sac"}
     for row in rows:
         assert row["status"] == "ok" and row["step_s"] > 0 and row["peak_reserved_gib"] is None
-        assert set(row["phases_gib"]) == {*gpu_check.PHASES, "backward end (allocated)"}
+        assert set(row["phases_gib"]) == {*gpu_check.MEASURED_PHASES, "backward end (allocated)"}
         assert row["run"] in printed
     assert (out / "cpu-step-memory.png").stat().st_size > 10_000
     with (out / "cpu-steps.csv").open() as file:
@@ -56,7 +56,9 @@ def test_the_phase_the_planner_names_is_the_one_that_measured_highest(cpu_check)
     for row in record["runs"]:
         if row["framework"] == "course":
             continue
-        measured = {phase: row["phases_gib"][MEASURED_PHASE.get(phase, phase)] for phase in gpu_check.PHASES}
+        measured = {
+            phase: row["phases_gib"][MEASURED_PHASE.get(phase, phase)] for phase in gpu_check.MEASURED_PHASES
+        }
         expected = row["predicted"]
         assert max(measured, key=measured.get) == expected["peak_phase"], row["run"]
         assert expected["allocated_gib"] == pytest.approx(row["peak_allocated_gib"], rel=0.10), row["run"]
@@ -128,5 +130,5 @@ def test_the_gpu_grid_puts_runs_inside_and_around_the_h200_and_the_fullest_last(
     totals = [gpu_check.predicted(run, cluster).memory["total"] / cluster.gpu_memory_bytes for run in runs]
     assert totals == sorted(totals)
     assert sum(t < 0.7 for t in totals) >= 6 and sum(0.85 <= t <= 1.1 for t in totals) >= 3
-    assert {run.recipe for run in runs} == set(gpu_check.RECIPES)
+    assert {run.recipe for run in runs} == set(gpu_check.STACKS)
     assert gpu_check.estimated_seconds(runs, cluster, steps=9) < 480

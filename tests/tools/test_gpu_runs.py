@@ -79,7 +79,7 @@ def test_the_command_prints_the_table_and_the_readme_states_its_counts(capsys):
     ],
 )
 def test_a_bad_row_is_named_with_its_line(tmp_path, capsys, change, message):
-    source = gpu_runs.RUNS
+    source = gpu_runs.RUNS_CSV
     rows = list(csv.DictReader(source.open()))
     path = tmp_path / "runs.csv"
     with path.open("w", newline="") as file:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from course_lib.errors import UserError
-from course_lib.tools import labs, student_edition
+from course_lib.tools import grading_room, labs, student_edition
 
 from conftest import REPO, clean_env
 
@@ -40,7 +40,7 @@ if HAS_SOLUTIONS:
         edition = tmp_path / "students"
         copied, left_out = student_edition.write_edition(edition)
         assert sorted(left_out) == sorted(
-            f"labs/{name}/{hidden}" for name in labs.lab_names() for hidden in student_edition.HIDDEN
+            f"labs/{name}/{hidden}" for name in labs.lab_names() for hidden in grading_room.SECRETS
         )
         assert not list(edition.glob("labs/*/solution*"))
         assert copied == len(student_edition.tracked_files()) - len(left_out)

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from .. import checks
 from ..llama import Llama
 from ..parallel import memory, recompute
-from ..plan import kernels
+from ..plan import kernels, memory_phases
 from ..plan.cost_model import Prediction, predict
 from ..plan.frameworks import FRAMEWORKS
 from ..plan.layout import Layout
@@ -65,9 +65,10 @@ GPU_MODELS = (
 )  # fmt: skip
 CPU_MODEL = ModelSpec("tiny-llama", 2, 48, 6, 2, 80, 97, source="gpu_check --device cpu")
 
-MEASURED_PHASES = ("forward", "loss backward", "blocks backward", "optimizer step")
-"""The phases whose allocated peak a run measures (the planner predicts the first two, the end of
-the backward, which bounds the blocks' backward, and the optimizer step)."""
+MEASURED_PHASES = tuple(phase for phase in memory_phases.PHASES if phase != "backward end")
+"""The phases whose allocated peak a run measures: the planner's (``memory_phases.PHASES``) but the
+backward's end, a moment rather than a span, read as what is allocated then ("backward end
+(allocated)")."""
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ def _twice() -> dict[str, str]:
     tp.apply_tensor_parallel(tensor_parallel)
     tp.apply_tensor_parallel(then_sequence)
     context_parallel = _transformer()
-    layout = context_chunks.SequenceLayout(8, 2, zigzag=True)
+    layout = context_chunks.SequenceChunks(8, 2, zigzag=True)
     cp.apply_context_parallel(context_parallel, chunks=layout)
     moe = ep.MoE(8, 16, num_experts=4)
     ep.apply_expert_parallel(moe)
@@ -92,7 +92,7 @@ def test_a_parallelism_applied_twice_is_refused(case, twice):
 def _tensor_then_context() -> bool:
     model = _transformer()
     tp.apply_tensor_parallel(model)  # tensor x context, as train_3d does
-    cp.apply_context_parallel(model, chunks=context_chunks.SequenceLayout(8, 1, zigzag=False))
+    cp.apply_context_parallel(model, chunks=context_chunks.SequenceChunks(8, 1, zigzag=False))
     return True
 
 
@@ -270,7 +270,7 @@ DOOR = {
     "column-parallel flag": "gather_output must be True or False, got 'true'",
     "vocabulary flag": "sequence_parallel must be True or False, got 'on'",
     "sequence flag": "regather_in_backward must be True or False, got 0",
-    "context chunks as a number": "chunks must be a SequenceLayout, got int 2",
+    "context chunks as a number": "chunks must be a SequenceChunks, got int 2",
 }
 
 

@@ -69,9 +69,9 @@ def _kept_by_one_block(kinds: tuple[str, ...]) -> dict[tuple[str, str], int]:
                 sp.sequence_parallel_block(block, regather_in_backward=kind == "sequence_regathered")
                 x = x.chunk(size, dim=1)[rank]
             elif kind == "context":
-                layout = context_chunks.SequenceLayout(SEQ, size, zigzag=True)
-                cp.apply_context_parallel(block, chunks=layout)
-                x = layout.local(x, rank)
+                chunks = context_chunks.SequenceChunks(SEQ, size, zigzag=True)
+                cp.apply_context_parallel(block, chunks=chunks)
+                x = chunks.local(x, rank)
             recompute.apply_recomputation(block, policy=policy)
             x = x.contiguous().requires_grad_()
             with live_tensor_bytes() as live:

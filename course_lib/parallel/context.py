@@ -56,7 +56,7 @@ from ..distributed import comm, runtime
 from ..errors import UserError
 from ..models import Embedding, SelfAttention
 from .claims import claim_module
-from .context_chunks import Segment, SequenceLayout, block_is_needed
+from .context_chunks import Segment, SequenceChunks, block_is_needed
 
 # -- one block of attention, forward and backward ----------------------------------------------
 
@@ -108,8 +108,8 @@ def _split(tensor: torch.Tensor, segments: list[Segment], *, dim: int = -2) -> l
 class _Ring:
     """The ring's neighbours and the shapes of the chunks that travel on it."""
 
-    def __init__(self, layout: SequenceLayout, group):
-        self.layout, self.group = layout, group
+    def __init__(self, chunks: SequenceChunks, group):
+        self.chunks, self.group = chunks, group
         self.rank, self.size = runtime.rank(group=group), runtime.world_size(group=group)
         self.next, self.previous = runtime.ring_neighbours(group=group)
 
@@ -118,7 +118,7 @@ class _Ring:
 
     def pass_on(self, chunk: torch.Tensor, step: int, *, tag: int = 0):
         """Start sending ``chunk`` on; return (handle, buffer) for the chunk of step + 1."""
-        incoming_tokens = self.layout.tokens(self.owner_at(step + 1))
+        incoming_tokens = self.chunks.tokens(self.owner_at(step + 1))
         shape = (*chunk.shape[:-2], incoming_tokens, chunk.shape[-1])
         buffer = torch.empty(shape, dtype=chunk.dtype, device=chunk.device)
         handle = comm.send_recv(
@@ -129,17 +129,17 @@ class _Ring:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, layout, causal, group):
-        ring = _Ring(layout, group)
+    def forward(ctx, q, k, v, chunks, causal, group):
+        ring = _Ring(chunks, group)
         scale = q.shape[-1] ** -0.5
-        queries = layout.segments(ring.rank)
+        queries = chunks.segments(ring.rank)
         q_parts = _split(q, queries)
         results = [(None, None)] * len(queries)
         key_values = torch.stack([k, v])
         for step in range(ring.size):
             if step < ring.size - 1:  # send on what we hold while we compute with it
                 handle, incoming = ring.pass_on(key_values, step)
-            keys = layout.segments(ring.owner_at(step))
+            keys = chunks.segments(ring.owner_at(step))
             for k_part, v_part, key in zip(*(_split(t, keys) for t in key_values), keys, strict=True):
                 for i, (q_part, query) in enumerate(zip(q_parts, queries, strict=True)):
                     if block_is_needed(query, key, causal=causal):
@@ -151,16 +151,16 @@ class _RingAttention(torch.autograd.Function):
         out = torch.cat([o for o, _ in results], dim=-2)
         lse = torch.cat([s for _, s in results], dim=-1)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.layout, ctx.causal, ctx.group = layout, causal, group
+        ctx.chunks, ctx.causal, ctx.group = chunks, causal, group
         return out
 
     @staticmethod
     def backward(ctx, out_grad):
         q, k, v, out, lse = ctx.saved_tensors
-        layout, causal, group = ctx.layout, ctx.causal, ctx.group
-        ring = _Ring(layout, group)
+        chunks, causal, group = ctx.chunks, ctx.causal, ctx.group
+        ring = _Ring(chunks, group)
         scale = q.shape[-1] ** -0.5
-        queries = layout.segments(ring.rank)
+        queries = chunks.segments(ring.rank)
         out_grad = out_grad.contiguous()
         delta = (out_grad * out).sum(-1)
         q_grad = torch.zeros_like(q)
@@ -171,7 +171,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             if step < ring.size - 1:
                 handle, incoming = ring.pass_on(key_values, step)
-            keys = layout.segments(ring.owner_at(step))
+            keys = chunks.segments(ring.owner_at(step))
             kv_grad = torch.zeros_like(key_values)  # the gradient of the chunk we hold, for its owner
             pieces = (_split(t, keys) for t in (*key_values, *kv_grad))  # views: += lands in kv_grad
             for k_part, v_part, k_grad_part, v_grad_part, key in zip(*pieces, keys, strict=True):
@@ -207,7 +207,7 @@ def ring_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    layout: SequenceLayout,
+    chunks: SequenceChunks,
     causal: bool = True,
     group=None,
 ) -> torch.Tensor:
@@ -216,33 +216,33 @@ def ring_attention(
     Equal, on every rank's tokens, to ``scaled_dot_product_attention`` on the whole sequence.
 
     Args:
-        q: this rank's queries, (batch, heads, local tokens, head_dim), in ``layout``'s order.
+        q: this rank's queries, (batch, heads, local tokens, head_dim), in ``chunks``'s order.
         k: this rank's keys, the same shape.
         v: this rank's values, the same shape.
-        layout: which positions every rank of the group holds (its degree is the group's size).
+        chunks: which positions every rank of the group holds (its degree is the group's size).
         causal: each query sees only the keys at or before its position.
         group: the context-parallel process group (None: every rank).
     """
-    check_attention_inputs(q, k, v, layout=layout, group=group)
-    return _RingAttention.apply(q, k, v, layout, causal, group)
+    check_attention_inputs(q, k, v, chunks=chunks, group=group)
+    return _RingAttention.apply(q, k, v, chunks, causal, group)
 
 
-def check_attention_inputs(q, k, v, *, layout, group=None, grouped_kv: bool = False) -> None:
+def check_attention_inputs(q, k, v, *, chunks, group=None, grouped_kv: bool = False) -> None:
     """Refuse, before any message, a layout for another group size or q, k, v not of this rank's tokens.
 
     Args:
         q: this rank's queries.
         k: this rank's keys.
         v: this rank's values.
-        layout: who holds which positions (its ``degree`` must be the group's size).
+        chunks: who holds which positions (its ``degree`` must be the group's size).
         group: the process group the tokens are split over (None: every rank).
         grouped_kv: k and v may have fewer heads than q (grouped-query attention).
     """
     check_group("group", group)
     size, rank = runtime.world_size(group=group), runtime.rank(group=group)
-    if layout.degree != size:
+    if chunks.degree != size:
         raise UserError(
-            f"the layout is for {layout.degree} ranks but the group has {size}: build it with degree={size}"
+            f"the chunks are for {chunks.degree} ranks but the group has {size}: build it with degree={size}"
         )
     same = q.shape == k.shape == v.shape
     if grouped_kv:  # every dimension but the heads
@@ -251,10 +251,10 @@ def check_attention_inputs(q, k, v, *, layout, group=None, grouped_kv: bool = Fa
             and q.dim() == k.dim()
             and q.shape[:-3] + q.shape[-2:] == k.shape[:-3] + k.shape[-2:]
         )
-    if not same or q.dim() < 3 or q.shape[-2] != layout.tokens(rank):
+    if not same or q.dim() < 3 or q.shape[-2] != chunks.tokens(rank):
         heads = " (k and v may have fewer heads)" if grouped_kv else ""
         raise UserError(
-            f"q, k and v must each be (batch, heads, {layout.tokens(rank)} tokens, head_dim) on rank {rank}"
+            f"q, k and v must each be (batch, heads, {chunks.tokens(rank)} tokens, head_dim) on rank {rank}"
             f"{heads}, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}: take the tokens with "
             "layout.local()"
         )
@@ -264,32 +264,32 @@ class RingAttention(nn.Module):
     """The attention core of ``models.SelfAttention`` on a chunk of the sequence (causal).
 
     Args:
-        layout: which positions every rank of the group holds.
+        chunks: which positions every rank of the group holds.
         group: the context-parallel process group (None: every rank).
     """
 
-    def __init__(self, layout: SequenceLayout, *, group=None):
+    def __init__(self, chunks: SequenceChunks, *, group=None):
         super().__init__()
-        self.layout, self.group = layout, group
+        self.chunks, self.group = chunks, group
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return ring_attention(q, k, v, layout=self.layout, causal=True, group=self.group)
+        return ring_attention(q, k, v, chunks=self.chunks, causal=True, group=self.group)
 
 
 class ContextParallelEmbedding(nn.Module):
     """The token and position embedding of this rank's tokens, looked up at their global positions."""
 
-    def __init__(self, embedding: nn.Module, layout: SequenceLayout, rank: int):
+    def __init__(self, embedding: nn.Module, chunks: SequenceChunks, rank: int):
         super().__init__()
-        self.embedding, self.layout, self.rank = embedding, layout, rank
+        self.embedding, self.chunks, self.rank = embedding, chunks, rank
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         # through the embedding's own call, so that what hooks it still runs (sequence
         # parallelism cuts its output over the tensor ranks)
-        return self.embedding(ids, positions=self.layout.positions(self.rank).to(ids.device))
+        return self.embedding(ids, positions=self.chunks.positions(self.rank).to(ids.device))
 
 
-def apply_context_parallel(model: nn.Module, group=None, *, chunks: SequenceLayout) -> nn.Module:
+def apply_context_parallel(model: nn.Module, group=None, *, chunks: SequenceChunks) -> nn.Module:
     """Make a ``models.TinyTransformer`` (or a pipeline stage of one) run on this rank's tokens.
 
     Every block's attention core becomes ``RingAttention``; the embedding looks positions up from
@@ -299,7 +299,7 @@ def apply_context_parallel(model: nn.Module, group=None, *, chunks: SequenceLayo
     Args:
         model: the transformer (dense or tensor parallel), changed in place.
         group: the context-parallel process group (None: every rank).
-        chunks: which positions every rank of the group holds (a ``SequenceLayout``).
+        chunks: which positions every rank of the group holds (a ``SequenceChunks``).
     """
     return split_model_tokens(
         model, chunks, attention_core=lambda: RingAttention(chunks, group=group), group=group
@@ -307,7 +307,7 @@ def apply_context_parallel(model: nn.Module, group=None, *, chunks: SequenceLayo
 
 
 def split_model_tokens(
-    model: nn.Module, layout: SequenceLayout, *, attention_core: Callable[[], nn.Module], group=None
+    model: nn.Module, chunks: SequenceChunks, *, attention_core: Callable[[], nn.Module], group=None
 ) -> nn.Module:
     """Any split of the tokens over a group: the embedding looks positions up, attention is swapped.
 
@@ -316,19 +316,19 @@ def split_model_tokens(
 
     Args:
         model: the transformer (dense or tensor parallel), or a stage of one, changed in place.
-        layout: which positions every rank of the group holds.
+        chunks: which positions every rank of the group holds.
         attention_core: makes one attention core (``RingAttention``, ``ulysses.UlyssesAttention``)
             for each block.
         group: the process group the tokens are split over (None: every rank).
     """
     check_module("model", model)
-    check_instance("chunks", layout, SequenceLayout)
+    check_instance("chunks", chunks, SequenceChunks)
     check_group("group", group)
     claim_module(model, "context parallelism")
     rank = runtime.rank(group=group)
     for name, child in list(model.named_children()):
         if isinstance(child, Embedding):
-            setattr(model, name, ContextParallelEmbedding(child, layout, rank))
+            setattr(model, name, ContextParallelEmbedding(child, chunks, rank))
     for module in model.modules():
         if isinstance(module, SelfAttention):
             module.attend = attention_core()

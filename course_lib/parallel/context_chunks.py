@@ -57,16 +57,16 @@ def check_context_split(seq_len: int, degree: int, *, zigzag: bool) -> None:
     check_int("context-parallel degree", degree, minimum=1)
     pieces = 2 * degree if zigzag else degree
     if seq_len < pieces:
-        layout = f"zig-zag needs 2 x {degree}" if zigzag else f"{degree} ranks need"
+        need = f"zig-zag needs 2 x {degree}" if zigzag else f"{degree} ranks need"
         raise UserError(
-            f"a sequence of {seq_len} tokens does not split over context-parallel degree {degree}: {layout} "
+            f"a sequence of {seq_len} tokens does not split over context-parallel degree {degree}: {need} "
             f"= {pieces} chunks of at least one token; use sequences of at least {pieces} tokens or a "
             "smaller degree"
         )
 
 
 @dataclass(frozen=True)
-class SequenceLayout:
+class SequenceChunks:
     """Which positions of a sequence each context-parallel rank holds.
 
     Args:
@@ -119,61 +119,61 @@ def block_is_needed(query: Segment, key: Segment, *, causal: bool) -> bool:
     return not causal or key.start < query.end
 
 
-def attention_work(layout: SequenceLayout, *, causal: bool = True) -> list[int]:
+def attention_work(chunks: SequenceChunks, *, causal: bool = True) -> list[int]:
     """Query-key scores each rank computes in one ring attention (per batch entry and head).
 
     The sum over ranks is S² (non-causal) or what the mask keeps of it; the largest entry is
     what the ring's time follows.
 
     Args:
-        layout: who holds which positions.
+        chunks: who holds which positions.
         causal: skip the blocks a causal mask hides entirely.
     """
     work = []
-    for rank in range(layout.degree):
+    for rank in range(chunks.degree):
         total = 0
-        for owner in range(layout.degree):
-            for query in layout.segments(rank):
-                for key in layout.segments(owner):
+        for owner in range(chunks.degree):
+            for query in chunks.segments(rank):
+                for key in chunks.segments(owner):
                     if block_is_needed(query, key, causal=causal):
                         total += query.length * key.length
         work.append(total)
     return work
 
 
-def ring_bytes_per_rank(layout: SequenceLayout, rank: int, *, bytes_per_token: int) -> int:
+def ring_bytes_per_rank(chunks: SequenceChunks, rank: int, *, bytes_per_token: int) -> int:
     """What rank ``rank`` sends in one ring attention, forward and backward (the theory).
 
     Forward it passes on C-1 K/V chunks (all but the last it holds); backward the same C-1
     chunks again, and C chunks of their gradients (the last pass takes them home).
 
     Args:
-        layout: who holds which positions.
+        chunks: who holds which positions.
         rank: the rank that sends.
         bytes_per_token: K and V of one token (2 x batch x heads x head_dim x element size).
     """
-    if layout.degree == 1:
+    if chunks.degree == 1:
         return 0
-    held = [layout.tokens((rank - step) % layout.degree) for step in range(layout.degree)]
+    held = [chunks.tokens((rank - step) % chunks.degree) for step in range(chunks.degree)]
     return bytes_per_token * (2 * sum(held[:-1]) + sum(held))
 
 
-def ring_schedule(layout: SequenceLayout, *, causal: bool = True) -> list[list[dict]]:
+def ring_schedule(chunks: SequenceChunks, *, causal: bool = True) -> list[list[dict]]:
     """What happens at every step of the ring, for drawing it: ``steps[s][rank]``.
 
     Each entry holds ``"owner"`` (whose K/V chunk the rank holds at that step), ``"blocks"`` (the
     (query segment, key segment) pairs it computes) and ``"skipped"`` (the pairs the mask hides).
 
     Args:
-        layout: who holds which positions.
+        chunks: who holds which positions.
         causal: skip the blocks a causal mask hides entirely.
     """
     steps = []
-    for step in range(layout.degree):
+    for step in range(chunks.degree):
         row = []
-        for rank in range(layout.degree):
-            owner = (rank - step) % layout.degree
-            pairs = [(q, k) for q in layout.segments(rank) for k in layout.segments(owner)]
+        for rank in range(chunks.degree):
+            owner = (rank - step) % chunks.degree
+            pairs = [(q, k) for q in chunks.segments(rank) for k in chunks.segments(owner)]
             row.append(
                 {
                     "owner": owner,

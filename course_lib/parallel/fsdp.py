@@ -86,7 +86,7 @@ from .fsdp_units import (
     check_units,
     device_for_compute,
     select_units,
-    shard_layout,
+    shard_groups,
 )
 from .recompute import recomputation_units, recompute_modules
 
@@ -165,26 +165,26 @@ class FullyShardedDataParallel(FlatShardedMixin, nn.Module):
             backward_prefetch=backward_prefetch,
         )  # fmt: skip
         compute_device = device_for_compute(module, device, cpu_offload)
-        layout = shard_layout(sharding_strategy, hybrid_shard_size, group, mesh, compute_device.type)
+        groups = shard_groups(sharding_strategy, hybrid_shard_size, group, mesh, compute_device.type)
         unit_modules = select_units(module, auto_wrap_policy)
         check_units(module, unit_modules, auto_wrap_policy)
         claim_module(module, "FullyShardedDataParallel", family=DATA_PARALLEL_WRAPPER)
-        for ranks in layout.start_groups:  # every rank starts from the first rank's weights
+        for ranks in groups.start_groups:  # every rank starts from the first rank's weights
             start_as_replicas(module, group=ranks)
 
         self.module = module
         self.sharding_strategy, self.cpu_offload, self.mixed_precision = (
-            layout.sharding_strategy,
+            groups.sharding_strategy,
             cpu_offload,
             mixed_precision,
         )
-        self.state_mesh, self.shard_group = layout.state_mesh, layout.shard_group
-        replicate_group = layout.replicate_group
+        self.state_mesh, self.shard_group = groups.state_mesh, groups.shard_group
+        replicate_group = groups.replicate_group
         names = {id(m): name for name, m in module.named_modules()}
         shard_device = torch.device("cpu") if cpu_offload != "none" else compute_device
 
         reshard = (
-            layout.sharding_strategy != "SHARD_GRAD_OP"
+            groups.sharding_strategy != "SHARD_GRAD_OP"
             if reshard_after_forward is None
             else reshard_after_forward
         )

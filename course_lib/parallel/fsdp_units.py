@@ -1,9 +1,9 @@
-"""What FSDP shards, and over which ranks: units, the sharding strategies, the shard layout.
+"""What FSDP shards, and over which ranks: units, the sharding strategies, the shard groups.
 
 A *unit* is a group of modules whose parameters are gathered together (``select_units``: one per
 module class the policy names, e.g. one per transformer block, and the root for what is left);
 each unit's parameters become one flat, padded parameter (``flat_param``) of which every rank
-keeps one shard. ``shard_layout`` says over which ranks a shard is cut and over which the
+keeps one shard. ``shard_groups`` says over which ranks a shard is cut and over which the
 gradients are reduced, for each sharding strategy, on a group or a device mesh:
 
 ====================  ============================================================
@@ -220,7 +220,7 @@ def check_options(sharding_strategy: str, cpu_offload: str, mixed_precision: Mix
 
 
 @dataclass
-class ShardLayout:
+class ShardGroups:
     """Which ranks hold different shards of a unit, and which hold copies of the same shard."""
 
     sharding_strategy: str
@@ -253,9 +253,9 @@ def hybrid_shard_group_size(hybrid_shard_size: int | None, world_size: int, rank
     return shard_size
 
 
-def shard_layout(
+def shard_groups(
     sharding_strategy: str | None, hybrid_shard_size: int | None, group, mesh, device_type: str
-) -> ShardLayout:
+) -> ShardGroups:
     """Where the shards live: the whole world, a process group, or a 1-D or 2-D device mesh.
 
     - no ``group`` and no ``mesh``: every rank. FULL_SHARD and SHARD_GRAD_OP shard over all of
@@ -283,7 +283,7 @@ def shard_layout(
         if hybrid_shard_size is not None:
             raise UserError("hybrid_shard_size is the size of the 2-D mesh's second dimension: leave it out")
         everyone = mesh.size() == runtime.world_size()
-        return ShardLayout(
+        return ShardGroups(
             "HYBRID_SHARD",
             mesh,
             mesh.get_group(1),
@@ -311,7 +311,7 @@ def shard_layout(
         state_mesh = (
             mesh if mesh is not None else DeviceMesh.from_group(group, device_type, mesh=torch.tensor(ranks))
         )
-        return ShardLayout(sharding_strategy, state_mesh, group, None, (group,))
+        return ShardGroups(sharding_strategy, state_mesh, group, None, (group,))
     world = runtime.world_size()
     if sharding_strategy == "HYBRID_SHARD":
         shard_size = hybrid_shard_group_size(
@@ -323,7 +323,7 @@ def shard_layout(
     state_mesh = init_device_mesh(
         device_type, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard")
     )
-    return ShardLayout(
+    return ShardGroups(
         sharding_strategy, state_mesh, state_mesh.get_group("shard"), state_mesh.get_group("replicate")
     )
 

@@ -60,7 +60,7 @@ from ..distributed import comm, runtime
 from ..errors import UserError
 from ..models import SelfAttention
 from .context import check_attention_inputs, ring_attention, split_model_tokens
-from .context_chunks import SequenceLayout, ring_bytes_per_rank
+from .context_chunks import SequenceChunks, ring_bytes_per_rank
 
 HEADS_DIM, SEQUENCE_DIM = -3, -2  # q, k, v are (..., heads, tokens, head_dim)
 
@@ -175,7 +175,7 @@ def heads_to_sequence(x: torch.Tensor, *, tokens: list[int], group=None) -> torc
 
     Args:
         x: (..., heads, this rank's tokens, head_dim); the heads must divide by the group's size.
-        tokens: every rank's token count, in rank order (``SequenceLayout(..., zigzag=False)``).
+        tokens: every rank's token count, in rank order (``SequenceChunks(..., zigzag=False)``).
         group: the Ulysses process group (None: every rank).
     """
     return _HeadsToSequence.apply(x, list(tokens), group)
@@ -198,7 +198,7 @@ def ulysses_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    layout: SequenceLayout,
+    chunks: SequenceChunks,
     causal: bool = True,
     group=None,
 ) -> torch.Tensor:
@@ -212,20 +212,20 @@ def ulysses_attention(
         k: this rank's keys, (batch, key/value heads, local tokens, head_dim): as many heads as q,
             or fewer (grouped-query attention; see ``check_heads`` for the degrees that deal out).
         v: this rank's values, the shape of k.
-        layout: which positions each rank holds: contiguous chunks (``zigzag=False``; its degree
+        chunks: which positions each rank holds: contiguous chunks (``zigzag=False``; its degree
             is the group's size).
         causal: each query sees only the keys at or before its position.
         group: the Ulysses process group (None: every rank).
     """
-    check_attention_inputs(q, k, v, layout=layout, group=group, grouped_kv=True)
+    check_attention_inputs(q, k, v, chunks=chunks, group=group, grouped_kv=True)
     size = runtime.world_size(group=group)
-    if layout.zigzag:
+    if chunks.zigzag:
         raise UserError(
             "Ulysses gathers the sequence in rank order, so it needs contiguous chunks: build the layout "
             "with zigzag=False (every rank computes the whole sequence for its heads, so it is balanced)"
         )
     copies = kv_copies(q.shape[HEADS_DIM], k.shape[HEADS_DIM], size)
-    tokens = [layout.tokens(r) for r in range(size)]
+    tokens = [chunks.tokens(r) for r in range(size)]
     if copies > 1:  # more ranks than key/value heads: each rank gets a copy of the one its queries read
         k, v = (t.repeat_interleave(copies, dim=HEADS_DIM) for t in (k, v))  # backward adds the copies up
     if size > 1 and k.shape == q.shape:
@@ -245,7 +245,7 @@ def ulysses_attention(
 
 
 def ulysses_bytes_per_rank(
-    layout: SequenceLayout, rank: int, *, bytes_per_token: int, kv_bytes_per_token: int | None = None
+    chunks: SequenceChunks, rank: int, *, bytes_per_token: int, kv_bytes_per_token: int | None = None
 ) -> int:
     """What rank ``rank`` sends in one Ulysses attention, forward and backward (the theory).
 
@@ -255,16 +255,16 @@ def ulysses_bytes_per_rank(
     gradients as the output came. With even chunks: 8 x (U-1)/U x S/U tokens.
 
     Args:
-        layout: who holds which positions (contiguous chunks).
+        chunks: who holds which positions (contiguous chunks).
         rank: the rank that sends.
         bytes_per_token: one token's q (or k, or v) over every head: batch x heads x head_dim x
             element size.
         kv_bytes_per_token: one token's k (or v) over the key/value heads the all-to-all carries,
             where grouped-query attention makes it differ from q's: max(H_kv, U) heads (None: as q).
     """
-    size = layout.degree
+    size = chunks.degree
     kv = bytes_per_token if kv_bytes_per_token is None else kv_bytes_per_token
-    mine, others = layout.tokens(rank), layout.seq_len - layout.tokens(rank)
+    mine, others = chunks.tokens(rank), chunks.seq_len - chunks.tokens(rank)
     # forward: q, k, v out and the output back; backward: the output's gradient out, q, k, v's back.
     # What leaves for the others is (U-1)/U of this rank's tokens; what comes back, 1/U of theirs.
     qkv, out = bytes_per_token + 2 * kv, bytes_per_token
@@ -275,19 +275,19 @@ class UlyssesAttention(nn.Module):
     """The attention core of ``models.SelfAttention`` on a chunk of the sequence, by all-to-all (causal).
 
     Args:
-        layout: contiguous chunks of the sequence over the group.
+        chunks: contiguous chunks of the sequence over the group.
         group: the Ulysses process group (None: every rank).
     """
 
-    def __init__(self, layout: SequenceLayout, *, group=None):
+    def __init__(self, chunks: SequenceChunks, *, group=None):
         super().__init__()
-        self.layout, self.group = layout, group
+        self.chunks, self.group = chunks, group
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return ulysses_attention(q, k, v, layout=self.layout, causal=True, group=self.group)
+        return ulysses_attention(q, k, v, chunks=self.chunks, causal=True, group=self.group)
 
 
-def apply_ulysses_parallel(model: nn.Module, group=None, *, chunks: SequenceLayout) -> nn.Module:
+def apply_ulysses_parallel(model: nn.Module, group=None, *, chunks: SequenceChunks) -> nn.Module:
     """Make a ``models.TinyTransformer`` run on this rank's contiguous chunk, attention by all-to-all.
 
     As ``context.apply_context_parallel``: the embedding looks positions up from the chunks, every
@@ -297,7 +297,7 @@ def apply_ulysses_parallel(model: nn.Module, group=None, *, chunks: SequenceLayo
     Args:
         model: the transformer, changed in place; its heads must divide by the group's size.
         group: the Ulysses process group (None: every rank).
-        chunks: contiguous chunks (``SequenceLayout(..., zigzag=False)``) over the group.
+        chunks: contiguous chunks (``SequenceChunks(..., zigzag=False)``) over the group.
     """
     check_module("model", model)
     check_group("group", group)
@@ -314,7 +314,7 @@ def apply_ulysses_parallel(model: nn.Module, group=None, *, chunks: SequenceLayo
 
 
 @dataclass(frozen=True)
-class UspLayout:
+class UspChunks:
     """Which tokens each rank of a ring x Ulysses grid holds (rank = ring rank x U + Ulysses rank).
 
     The sequence is cut into ``ring_degree`` ring chunks (zig-zag), and each ring chunk, in the
@@ -340,16 +340,16 @@ class UspLayout:
             )
 
     @property
-    def ring(self) -> SequenceLayout:
-        return SequenceLayout(self.seq_len, self.ring_degree, zigzag=True)
+    def ring(self) -> SequenceChunks:
+        return SequenceChunks(self.seq_len, self.ring_degree, zigzag=True)
 
     def coordinates(self, rank: int) -> tuple[int, int]:
         """(ring rank, Ulysses rank) of global rank ``rank``."""
         return divmod(rank, self.ulysses_degree)
 
-    def inside(self, ring_rank: int) -> SequenceLayout:
+    def inside(self, ring_rank: int) -> SequenceChunks:
         """Ring chunk ``ring_rank``, in the order its rank holds it, cut over the Ulysses group."""
-        return SequenceLayout(self.ring.tokens(ring_rank), self.ulysses_degree, zigzag=False)
+        return SequenceChunks(self.ring.tokens(ring_rank), self.ulysses_degree, zigzag=False)
 
     def pieces(self, ring_rank: int) -> list[int]:
         """The token counts of the Ulysses pieces of ring chunk ``ring_rank``."""
@@ -394,7 +394,7 @@ def usp_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    layout: UspLayout,
+    chunks: UspChunks,
     causal: bool = True,
     ulysses_group=None,
     ring_group=None,
@@ -405,41 +405,41 @@ def usp_attention(
         q: this rank's queries, (batch, heads, local tokens, head_dim), as ``layout.local`` cuts them.
         k: this rank's keys, the same shape.
         v: this rank's values, the same shape.
-        layout: the grid's token layout.
+        chunks: the grid's token layout.
         causal: each query sees only the keys at or before its position.
         ulysses_group: this rank's Ulysses group (``usp_groups``).
         ring_group: this rank's ring group (``usp_groups``).
     """
     ring_rank = runtime.rank(group=ring_group)
     if (runtime.world_size(group=ulysses_group), runtime.world_size(group=ring_group)) != (
-        layout.ulysses_degree,
-        layout.ring_degree,
+        chunks.ulysses_degree,
+        chunks.ring_degree,
     ):
         raise UserError(
             "the groups do not match the layout's degrees: make them with usp_groups(ulysses_degree)"
         )
-    pieces = layout.pieces(ring_rank)
-    check_attention_inputs(q, k, v, layout=layout.inside(ring_rank), group=ulysses_group)
-    check_heads(q.shape[HEADS_DIM], layout.ulysses_degree)
+    pieces = chunks.pieces(ring_rank)
+    check_attention_inputs(q, k, v, chunks=chunks.inside(ring_rank), group=ulysses_group)
+    check_heads(q.shape[HEADS_DIM], chunks.ulysses_degree)
     # my ring chunk, for H/U heads, in the ring layout's order
     chunk = heads_to_sequence(torch.stack([q, k, v]), tokens=pieces, group=ulysses_group)
-    out = ring_attention(*chunk, layout=layout.ring, causal=causal, group=ring_group)
+    out = ring_attention(*chunk, chunks=chunks.ring, causal=causal, group=ring_group)
     return sequence_to_heads(out, tokens=pieces, group=ulysses_group)
 
 
-def usp_bytes_per_rank(layout: UspLayout, rank: int, *, bytes_per_token: int) -> int:
+def usp_bytes_per_rank(chunks: UspChunks, rank: int, *, bytes_per_token: int) -> int:
     """What rank ``rank`` sends in one USP attention, forward and backward: its Ulysses and ring parts.
 
     Args:
-        layout: the grid's token layout.
+        chunks: the grid's token layout.
         rank: the global rank that sends.
         bytes_per_token: one token's q over every head (batch x heads x head_dim x element size).
     """
-    ring_rank, ulysses_rank = layout.coordinates(rank)
-    inside = layout.inside(ring_rank)
+    ring_rank, ulysses_rank = chunks.coordinates(rank)
+    inside = chunks.inside(ring_rank)
     ulysses = ulysses_bytes_per_rank(inside, ulysses_rank, bytes_per_token=bytes_per_token)
     # the ring carries K and V of H/U heads
     ring = ring_bytes_per_rank(
-        layout.ring, ring_rank, bytes_per_token=2 * bytes_per_token // layout.ulysses_degree
+        chunks.ring, ring_rank, bytes_per_token=2 * bytes_per_token // chunks.ulysses_degree
     )
     return ulysses + ring

@@ -15,7 +15,7 @@ Blockwise Transformers", arXiv:2310.01889.
 from __future__ import annotations
 
 from ..checks import check_int, check_number
-from ..parallel.context_chunks import SequenceLayout
+from ..parallel.context_chunks import SequenceChunks
 from ..parallel.ulysses import ulysses_bytes_per_rank
 
 
@@ -72,9 +72,9 @@ def attention_time_model(
         steps * max(forward / degree, message) + forward / degree  # the last block: nothing left to send
         + steps * max(backward / degree, 2 * message) + backward / degree + message  # the gradients go home
     )  # fmt: skip
-    layout = SequenceLayout(seq, degree, zigzag=False)
+    chunks = SequenceChunks(seq, degree, zigzag=False)
     per_token = batch * heads * head_dim * element_bytes
-    exchanged = ulysses_bytes_per_rank(layout, 0, bytes_per_token=per_token)
+    exchanged = ulysses_bytes_per_rank(chunks, 0, bytes_per_token=per_token)
     all_to_all = link_bytes_per_s if all_to_all_bytes_per_s is None else all_to_all_bytes_per_s
     check_number("all_to_all_bytes_per_s", all_to_all, above=0)
     ulysses = forward + backward + 4 * latency_s + exchanged / all_to_all

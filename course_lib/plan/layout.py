@@ -28,7 +28,7 @@ from typing import Any
 from ..checks import check_choice, check_fields
 from ..errors import UserError
 from ..parallel import memory, pipeline, recompute
-from ..parallel.context_chunks import SequenceLayout
+from ..parallel.context_chunks import SequenceChunks
 
 PRECISIONS = ("bf16", "fp32", "fp8")
 """``bf16``: mixed precision (bf16 products and activations, fp32 master weights); ``fp32``;
@@ -235,10 +235,10 @@ class Layout:
                 )
         return cls(**given)
 
-    def sequence_layout(self, seq_len: int):
-        """Which tokens of a ``seq_len`` sequence each context rank holds (``context_chunks.SequenceLayout``):
+    def sequence_chunks(self, seq_len: int):
+        """Which tokens of a ``seq_len`` sequence each context rank holds (``context_chunks.SequenceChunks``):
         zig-zag chunks for the ring (each rank's causal work even), contiguous ones for Ulysses."""
-        return SequenceLayout(seq_len, self.context, zigzag=self.context_attention == "ring")
+        return SequenceChunks(seq_len, self.context, zigzag=self.context_attention == "ring")
 
     def with_(self, **changes) -> Layout:
         """A copy with some fields changed (checked again)."""

@@ -93,7 +93,7 @@ def parallelize(
                 if layout.context_attention == "ulysses"
                 else context.apply_context_parallel
             )
-            apply_context(stage, mesh.group("context"), chunks=layout.sequence_layout(seq_len))
+            apply_context(stage, mesh.group("context"), chunks=layout.sequence_chunks(seq_len))
         recompute.apply_recomputation(stage, policy=layout.recomputation, every=layout.recompute_every)
         if wraps_data_axis(layout, data_parallel=data_parallel):
             cut.stages[index] = apply_data_parallel(stage, mesh.group("data"), sharding=layout.sharding)
@@ -216,7 +216,7 @@ class ParallelModel:
             measure_memory: count what every forward leaves alive for its backward (slow).
         """
         coordinate = self.mesh.coordinates.context
-        tokens = self.layout.sequence_layout(self.seq_len).tokens(coordinate)
+        tokens = self.layout.sequence_chunks(self.seq_len).tokens(coordinate)
         tokens //= self.layout.tensor if self.layout.sequence_parallel else 1
         return self.pipeline.executor(
             microbatches=microbatches,

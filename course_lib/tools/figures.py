@@ -228,7 +228,7 @@ def mesh_layout():
 def ring_attention():
     """The blocks each of 4 ranks computes at each ring step, contiguous and zig-zag, causal."""
     schedules = {
-        name: context_chunks.ring_schedule(context_chunks.SequenceLayout(16, 4, zigzag=zigzag))
+        name: context_chunks.ring_schedule(context_chunks.SequenceChunks(16, 4, zigzag=zigzag))
         for name, zigzag in (("contiguous", False), ("zig-zag", True))
     }
     return plots.plot_ring_attention(schedules, 16)

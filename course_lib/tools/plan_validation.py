@@ -143,7 +143,7 @@ def measure_layout(layout: Layout, sweep: Sweep = SWEEP) -> dict | None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     mine = torch.arange(sweep.global_batch)[mesh.coordinates.data :: layout.data]
     x, y = inputs[mine], targets[mine]
-    sequence = layout.sequence_layout(seq_len)
+    sequence = layout.sequence_chunks(seq_len)
     if layout.context > 1:
         x, y = (sequence.local(t, mesh.coordinates.context) for t in (x, y))
 

@@ -98,7 +98,7 @@ def check_run(
     if context_attention == "ulysses":  # a tensor rank's heads, traded over the context ranks
         ulysses.check_heads(n_heads // tensor, context)
     if sequence_parallel:  # each context rank's tokens cut again over the tensor ranks
-        chunks = context_layout.sequence_layout(seq_len)
+        chunks = context_layout.sequence_chunks(seq_len)
         uneven = sorted({chunks.tokens(c) for c in range(context) if chunks.tokens(c) % tensor})
         if uneven:
             raise UserError(
@@ -185,7 +185,7 @@ def train_3d(
     losses = []
     reporter = rank_at(mesh.degrees, pipeline=pipeline - 1)  # a rank of the last stage
     profiler = profiling.LoopProfiler(profile, grid=mesh.degrees, schedule=schedule) if profile else None
-    batches = _local_batches(inputs, targets, mesh, plan.sequence_layout(seq_len), global_batch, seed)
+    batches = _local_batches(inputs, targets, mesh, plan.sequence_chunks(seq_len), global_batch, seed)
     for _, (x, y) in zip(range(steps), batches, strict=False):
         with profiler.step() if profiler else contextlib.nullcontext():
             loss = _step(model, executor, optimizer, x, y)

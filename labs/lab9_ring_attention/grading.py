@@ -1,7 +1,7 @@
 """The grading suite of lab 9: what ``python -m course_lib.tools.labs check lab9_ring_attention`` checks.
 
 Your merge against one softmax over both blocks; your zig-zag layout against the course's
-``SequenceLayout``; your ring at 2, 3 and 4 processes, causal and not, contiguous and zig-zag, on
+``SequenceChunks``; your ring at 2, 3 and 4 processes, causal and not, contiguous and zig-zag, on
 a sequence of a prime number of tokens, drawn for each grading (uneven chunks at every degree), against one process's
 ``scaled_dot_product_attention`` and the course's ``context.ring_attention``; its messages (C-1
 key/value chunks per rank, posted with their receives) against the theory; its balance.
@@ -66,10 +66,10 @@ def check_zigzag(lab) -> None:
         (50, 4),
         (drawn.randint(8, 80), drawn.randint(2, 4)),
     ):
-        layout = context_chunks.SequenceLayout(seq, degree, zigzag=True)
+        chunks = context_chunks.SequenceChunks(seq, degree, zigzag=True)
         for rank in range(degree):
             got = [tuple(s) for s in lab.zigzag_segments(seq, degree, rank)]
-            wanted = [(s.start, s.length) for s in layout.segments(rank)]
+            wanted = [(s.start, s.length) for s in chunks.segments(rank)]
             assert got == wanted, (
                 f"a sequence of {seq} on {degree} ranks: rank {rank} holds {got}, zig-zag gives {wanted}"
             )
@@ -84,9 +84,9 @@ def _ring(lab, causal: bool, zigzag: bool):
     """On a rank: the course's ring (computed before your file is loaded), then yours, and what yours
     sent; the judge compares."""
     rank, size = runtime.rank(), runtime.world_size()
-    layout = context_chunks.SequenceLayout(SEQ, size, zigzag=zigzag)
-    mine = [layout.local(t, rank, dim=2) for t in _qkv()]
-    course = cp.ring_attention(*mine, layout=layout, causal=causal)
+    chunks = context_chunks.SequenceChunks(SEQ, size, zigzag=zigzag)
+    mine = [chunks.local(t, rank, dim=2) for t in _qkv()]
+    course = cp.ring_attention(*mine, chunks=chunks, causal=causal)
     with comm.CommLog() as log:
         yours = lab.ring_attention(*mine, seq_len=SEQ, causal=causal, zigzag=zigzag)
     return {
@@ -102,9 +102,9 @@ def _check_ring(lab, causal: bool, zigzag: bool) -> None:
     name = ("causal " if causal else "") + ("zig-zag" if zigzag else "contiguous")
     expected = F.scaled_dot_product_attention(*_qkv(), is_causal=causal)
     for world in WORLD_SIZES:
-        layout = context_chunks.SequenceLayout(SEQ, world, zigzag=zigzag)
+        chunks = context_chunks.SequenceChunks(SEQ, world, zigzag=zigzag)
         for rank, result in enumerate(on_ranks(world, _ring, lab, causal, zigzag)):
-            yours, wanted = result["yours"], layout.local(expected, rank, dim=2)
+            yours, wanted = result["yours"], chunks.local(expected, rank, dim=2)
             shape = None if yours is None else tuple(yours.shape)
             assert shape == tuple(wanted.shape), (
                 f"{name} on {world} ranks: rank {rank} returned {shape}, not its rows {tuple(wanted.shape)}"
@@ -130,7 +130,7 @@ def check_ring_causal(lab) -> None:
 
 def check_messages(lab) -> None:
     for world in WORLD_SIZES:
-        layout = context_chunks.SequenceLayout(SEQ, world, zigzag=True)
+        chunks = context_chunks.SequenceChunks(SEQ, world, zigzag=True)
         for rank, result in enumerate(on_ranks(world, _ring, lab, True, True)):
             assert result["other_calls"] == 0, (
                 f"on {world} ranks rank {rank} made {result['other_calls']} collective(s): a ring needs only "
@@ -140,7 +140,7 @@ def check_messages(lab) -> None:
                 f"on {world} ranks rank {rank} posted {result['exchanges']} exchanges, not C-1 = {world - 1}: "
                 "the last chunk it holds need not travel on"
             )
-            held = [layout.tokens((rank - step) % world) for step in range(world - 1)]
+            held = [chunks.tokens((rank - step) % world) for step in range(world - 1)]
             wanted = sum(held) * 2 * BATCH * HEADS * HEAD_DIM * 4
             assert result["sent"] == wanted, (
                 f"on {world} ranks rank {rank} sent {result['sent']:.0f} bytes, not {wanted}: each step passes on "
@@ -186,17 +186,17 @@ LONG, DEGREE, LONG_HEADS, LONG_HEAD_DIM = 131072, 8, 32, 128  # bf16, batch 1: 2
 
 
 def _ring_bytes() -> float:
-    layout = context_chunks.SequenceLayout(LONG, DEGREE, zigzag=True)
-    return context_chunks.ring_bytes_per_rank(layout, 0, bytes_per_token=2 * LONG_HEADS * LONG_HEAD_DIM * 2)
+    chunks = context_chunks.SequenceChunks(LONG, DEGREE, zigzag=True)
+    return context_chunks.ring_bytes_per_rank(chunks, 0, bytes_per_token=2 * LONG_HEADS * LONG_HEAD_DIM * 2)
 
 
 def _ulysses_bytes() -> float:
-    layout = context_chunks.SequenceLayout(LONG, DEGREE, zigzag=False)
-    return ulysses.ulysses_bytes_per_rank(layout, 0, bytes_per_token=LONG_HEADS * LONG_HEAD_DIM * 2)
+    chunks = context_chunks.SequenceChunks(LONG, DEGREE, zigzag=False)
+    return ulysses.ulysses_bytes_per_rank(chunks, 0, bytes_per_token=LONG_HEADS * LONG_HEAD_DIM * 2)
 
 
 def _imbalance() -> float:
-    work = context_chunks.attention_work(context_chunks.SequenceLayout(LONG, 16, zigzag=False))
+    work = context_chunks.attention_work(context_chunks.SequenceChunks(LONG, 16, zigzag=False))
     return max(work) / (sum(work) / len(work))
 
 

@@ -25,32 +25,32 @@ SEQ = 13  # cuts unevenly into 2, 3, 4, 6 and 8 chunks
 
 def test_layouts_cover_the_sequence_once_uneven_chunks_included():
     assert context_chunks.chunk_lengths(13, 4) == [4, 3, 3, 3]
-    layout = context_chunks.SequenceLayout(13, 3, zigzag=True)  # 6 chunks: 3 2 2 2 2 2
-    assert [[(s.start, s.length) for s in layout.segments(r)] for r in range(3)] == [
+    chunks = context_chunks.SequenceChunks(13, 3, zigzag=True)  # 6 chunks: 3 2 2 2 2 2
+    assert [[(s.start, s.length) for s in chunks.segments(r)] for r in range(3)] == [
         [(0, 3), (11, 2)],
         [(3, 2), (9, 2)],
         [(5, 2), (7, 2)],
     ]
     for zigzag in (False, True):
-        layout = context_chunks.SequenceLayout(SEQ, 4, zigzag=zigzag)
-        positions = torch.cat([layout.positions(r) for r in range(4)])
+        chunks = context_chunks.SequenceChunks(SEQ, 4, zigzag=zigzag)
+        positions = torch.cat([chunks.positions(r) for r in range(4)])
         assert sorted(positions.tolist()) == list(range(SEQ))
         whole = torch.arange(SEQ).view(1, SEQ)
-        assert torch.equal(layout.whole([layout.local(whole, r) for r in range(4)]), whole)
+        assert torch.equal(chunks.whole([chunks.local(whole, r) for r in range(4)]), whole)
 
 
 def test_zig_zag_balances_the_causal_work_and_both_count_every_visible_score():
     contiguous, zigzag = (
-        context_chunks.attention_work(context_chunks.SequenceLayout(64, 4, zigzag=z)) for z in (False, True)
+        context_chunks.attention_work(context_chunks.SequenceChunks(64, 4, zigzag=z)) for z in (False, True)
     )
     assert contiguous == [256, 512, 768, 1024]  # rank 3 waits for nobody; rank 0 idles 3/4 of the time
     assert zigzag == [576] * 4
     # every score a causal mask keeps is computed once (the diagonal blocks whole)
     assert (
-        sum(context_chunks.attention_work(context_chunks.SequenceLayout(64, 4, zigzag=False), causal=False))
+        sum(context_chunks.attention_work(context_chunks.SequenceChunks(64, 4, zigzag=False), causal=False))
         == 64 * 64
     )
-    schedule = context_chunks.ring_schedule(context_chunks.SequenceLayout(64, 4, zigzag=False))
+    schedule = context_chunks.ring_schedule(context_chunks.SequenceChunks(64, 4, zigzag=False))
     assert [row[0]["owner"] for row in schedule] == [0, 3, 2, 1]
     assert [len(row[0]["blocks"]) for row in schedule] == [1, 0, 0, 0]
 
@@ -62,13 +62,13 @@ def _ring_against_one_process(zigzag: bool, causal: bool, seq: int):
     whole = [t.clone().requires_grad_() for t in (q, k, v)]
     expected = torch.nn.functional.scaled_dot_product_attention(*whole, is_causal=causal)
     (expected * weights).sum().backward()
-    layout = context_chunks.SequenceLayout(seq, size, zigzag=zigzag)
-    mine = [layout.local(t, rank, dim=2).clone().requires_grad_() for t in (q, k, v)]
+    chunks = context_chunks.SequenceChunks(seq, size, zigzag=zigzag)
+    mine = [chunks.local(t, rank, dim=2).clone().requires_grad_() for t in (q, k, v)]
     with comm.CommLog() as log:
-        out = cp.ring_attention(*mine, layout=layout, causal=causal)
-        (out * layout.local(weights, rank, dim=2)).sum().backward()
-    pairs = [(out, layout.local(expected, rank, dim=2))]
-    pairs += [(m.grad, layout.local(w.grad, rank, dim=2)) for m, w in zip(mine, whole, strict=True)]
+        out = cp.ring_attention(*mine, chunks=chunks, causal=causal)
+        (out * chunks.local(weights, rank, dim=2)).sum().backward()
+    pairs = [(out, chunks.local(expected, rank, dim=2))]
+    pairs += [(m.grad, chunks.local(w.grad, rank, dim=2)) for m, w in zip(mine, whole, strict=True)]
     return [(ours.detach(), theirs.detach()) for ours, theirs in pairs], log.bytes_per_rank("send")
 
 
@@ -77,23 +77,23 @@ def test_ring_attention_equals_one_process_forward_and_backward(degree):
     for zigzag in (False, True):
         for causal in (False, True):
             results = launch(_ring_against_one_process, degree, zigzag, causal, SEQ)
-            layout = context_chunks.SequenceLayout(SEQ, degree, zigzag=zigzag)
+            chunks = context_chunks.SequenceChunks(SEQ, degree, zigzag=zigzag)
             for rank, (pairs, sent) in enumerate(results):
                 for what, (ours, theirs) in zip(("output", "dq", "dk", "dv"), pairs, strict=True):
                     torch.testing.assert_close(
                         ours, theirs, rtol=1e-5, atol=1e-5, msg=f"{what} zigzag={zigzag} causal={causal}"
                     )
                 assert sent == context_chunks.ring_bytes_per_rank(
-                    layout, rank, bytes_per_token=2 * BATCH * HEADS * HEAD_DIM * 4
+                    chunks, rank, bytes_per_token=2 * BATCH * HEADS * HEAD_DIM * 4
                 )
 
 
 def _attention_memory(seq: int):
     size, rank = runtime.world_size(), runtime.rank()
-    layout = context_chunks.SequenceLayout(seq, size, zigzag=True)
-    q, k, v = (torch.randn(BATCH, HEADS, layout.tokens(rank), HEAD_DIM, requires_grad=True) for _ in range(3))
+    chunks = context_chunks.SequenceChunks(seq, size, zigzag=True)
+    q, k, v = (torch.randn(BATCH, HEADS, chunks.tokens(rank), HEAD_DIM, requires_grad=True) for _ in range(3))
     with saved_tensor_bytes() as saved:
-        cp.ring_attention(q, k, v, layout=layout)
+        cp.ring_attention(q, k, v, chunks=chunks)
     return saved.bytes
 
 
@@ -110,11 +110,11 @@ def _block_saved_bytes(seq: int, d_model: int, heads: int) -> int:
     """What one context-parallel block keeps for backward on this rank (zig-zag, its local tokens)."""
     torch.manual_seed(0)
     size, rank = runtime.world_size(), runtime.rank()
-    layout = context_chunks.SequenceLayout(seq, size, zigzag=True)
-    block = cp.apply_context_parallel(models.Block(d_model, heads), chunks=layout)
+    chunks = context_chunks.SequenceChunks(seq, size, zigzag=True)
+    block = cp.apply_context_parallel(models.Block(d_model, heads), chunks=chunks)
     x = torch.randn(BATCH, seq, d_model, generator=torch.Generator().manual_seed(1))
     with saved_tensor_bytes(ignore=block.parameters()) as saved:
-        block(layout.local(x, rank).requires_grad_())
+        block(chunks.local(x, rank).requires_grad_())
     return saved.bytes
 
 
@@ -139,8 +139,8 @@ def _train(degree: int, steps: int, seq: int, zigzag: bool):
     inputs, targets, vocabulary = data.zen_windows(seq_len=seq)
     model = models.TinyTransformer(len(vocabulary), d_model=24, n_heads=2, n_layers=2, max_seq_len=seq)
     if degree > 1:
-        layout = context_chunks.SequenceLayout(seq, degree, zigzag=zigzag)
-        cp.apply_context_parallel(model, chunks=layout)
+        chunks = context_chunks.SequenceChunks(seq, degree, zigzag=zigzag)
+        cp.apply_context_parallel(model, chunks=chunks)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     generator, losses = torch.Generator().manual_seed(1), []
     for _ in range(steps):
@@ -151,8 +151,8 @@ def _train(degree: int, steps: int, seq: int, zigzag: bool):
             loss = models.lm_loss(model(x), y)
             loss.backward()
         else:
-            logits = model(layout.local(x, rank))
-            loss = cp.context_parallel_loss(logits, layout.local(y, rank), total_tokens=y.numel())
+            logits = model(chunks.local(x, rank))
+            loss = cp.context_parallel_loss(logits, chunks.local(y, rank), total_tokens=y.numel())
             loss.backward()
             for param in model.parameters():  # every rank's tokens add to the replicated weights' gradients
                 comm.all_reduce(param.grad, op="sum")
@@ -176,14 +176,14 @@ def _bad_inputs():
 
     return user_errors(
         {
-            "short": lambda: context_chunks.SequenceLayout(5, 3, zigzag=True),
+            "short": lambda: context_chunks.SequenceChunks(5, 3, zigzag=True),
             "group": lambda: cp.ring_attention(
                 *(torch.zeros(1, 1, 4, 2) for _ in range(3)),
-                layout=context_chunks.SequenceLayout(8, 4, zigzag=False),
+                chunks=context_chunks.SequenceChunks(8, 4, zigzag=False),
             ),
             "shape": lambda: cp.ring_attention(
                 *(torch.zeros(1, 1, 3, 2) for _ in range(3)),
-                layout=context_chunks.SequenceLayout(8, 2, zigzag=False),
+                chunks=context_chunks.SequenceChunks(8, 2, zigzag=False),
             ),
         }
     )
@@ -192,7 +192,7 @@ def _bad_inputs():
 def test_bad_inputs_are_refused_on_every_rank_before_any_message():
     for errors in launch(_bad_inputs, 2):
         assert "a sequence of 5 tokens does not split over context-parallel degree 3" in errors["short"]
-        assert "the layout is for 4 ranks but the group has 2" in errors["group"]
+        assert "the chunks are for 4 ranks but the group has 2" in errors["group"]
         assert "must each be (batch, heads, 4 tokens, head_dim)" in errors["shape"]
 
 
@@ -221,7 +221,7 @@ def _state_dict_keys_before_and_after():
     model = models.TinyTransformer(10, d_model=8, n_heads=2, n_layers=1, max_seq_len=8)
     before = copy.deepcopy(model.state_dict())
     after = cp.apply_context_parallel(
-        model, chunks=context_chunks.SequenceLayout(8, 2, zigzag=True)
+        model, chunks=context_chunks.SequenceChunks(8, 2, zigzag=True)
     ).state_dict()
     return before, {key.replace("0.embedding.", "0."): value for key, value in after.items()}
 
@@ -239,9 +239,9 @@ def test_cp_benchmark_prints_the_promised_json():
     result = run_bench(
         "cp", "--world-size", "2", "--seq", "40", "--heads", "2", "--head-dim", "8", "--steps", "2"
     )
-    for layout in ("contiguous", "zigzag"):
-        assert_accounted(result[layout], ["course"])
-        row = result[layout]
+    for chunks in ("contiguous", "zigzag"):
+        assert_accounted(result[chunks], ["course"])
+        row = result[chunks]
         assert row["bytes_per_rank_measured"] == row["bytes_per_rank_theory"]
         assert row["attention_bytes_per_rank"] == row["attention_bytes_theory"]
         assert len(row["compute_ms_per_rank"]) == 2 and row["step_ms"] > 0

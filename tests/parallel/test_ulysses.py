@@ -47,10 +47,10 @@ def _against_one_process(attend, local, causal: bool, seq: int):
 
 def _ulysses_against_one_process(causal: bool, seq: int):
     rank, size = runtime.rank(), runtime.world_size()
-    layout = context_chunks.SequenceLayout(seq, size, zigzag=False)
+    chunks = context_chunks.SequenceChunks(seq, size, zigzag=False)
     return _against_one_process(
-        lambda q, k, v: ulysses.ulysses_attention(q, k, v, layout=layout, causal=causal),
-        lambda t: layout.local(t, rank, dim=2),
+        lambda q, k, v: ulysses.ulysses_attention(q, k, v, chunks=chunks, causal=causal),
+        lambda t: chunks.local(t, rank, dim=2),
         causal,
         seq,
     )
@@ -65,24 +65,24 @@ def _assert_equal(results, theory):
 
 @pytest.mark.parametrize("degree", [1, 2, 3, 4])
 def test_ulysses_equals_one_process_forward_and_backward_and_sends_what_theory_says(degree):
-    layout = context_chunks.SequenceLayout(SEQ, degree, zigzag=False)
+    chunks = context_chunks.SequenceChunks(SEQ, degree, zigzag=False)
     per_token = BATCH * HEADS * HEAD_DIM * 4
     for causal in (False, True):
         results = launch(_ulysses_against_one_process, degree, causal, SEQ)
         _assert_equal(
-            results, lambda rank: ulysses.ulysses_bytes_per_rank(layout, rank, bytes_per_token=per_token)
+            results, lambda rank: ulysses.ulysses_bytes_per_rank(chunks, rank, bytes_per_token=per_token)
         )
 
 
 def test_the_byte_theory_is_the_papers_count_and_falls_with_the_degree():
     per_token, seq = 1, 4096
     for degree in (2, 4, 8):
-        layout = context_chunks.SequenceLayout(seq, degree, zigzag=False)
-        sent = ulysses.ulysses_bytes_per_rank(layout, 0, bytes_per_token=per_token)
+        chunks = context_chunks.SequenceChunks(seq, degree, zigzag=False)
+        sent = ulysses.ulysses_bytes_per_rank(chunks, 0, bytes_per_token=per_token)
         # four all-to-alls forward, four backward, each (U-1)/U of the S/U tokens a rank holds
         assert sent == 8 * (degree - 1) * seq // degree**2
         ring = context_chunks.ring_bytes_per_rank(
-            context_chunks.SequenceLayout(seq, degree, zigzag=True), 0, bytes_per_token=2 * per_token
+            context_chunks.SequenceChunks(seq, degree, zigzag=True), 0, bytes_per_token=2 * per_token
         )
         assert ring == 2 * (3 * degree - 2) * seq // degree  # K and V, forward and backward
         assert sent < ring
@@ -92,7 +92,7 @@ def test_the_byte_theory_is_the_papers_count_and_falls_with_the_degree():
         assert sent * degree == 2 * megatron
     bytes_at = [
         ulysses.ulysses_bytes_per_rank(
-            context_chunks.SequenceLayout(1024 * u, u, zigzag=False), 0, bytes_per_token=1
+            context_chunks.SequenceChunks(1024 * u, u, zigzag=False), 0, bytes_per_token=1
         )
         for u in (2, 4, 8)
     ]
@@ -104,13 +104,13 @@ def test_the_byte_theory_is_the_papers_count_and_falls_with_the_degree():
 
 
 def _usp_against_one_process(causal: bool, seq: int):
-    layout = ulysses.UspLayout(seq, 2, 2)
+    chunks = ulysses.UspChunks(seq, 2, 2)
     ulysses_group, ring_group = ulysses.usp_groups(2)
     return _against_one_process(
         lambda q, k, v: ulysses.usp_attention(
-            q, k, v, layout=layout, causal=causal, ulysses_group=ulysses_group, ring_group=ring_group
+            q, k, v, chunks=chunks, causal=causal, ulysses_group=ulysses_group, ring_group=ring_group
         ),
-        lambda t: layout.local(t, runtime.rank(), dim=2),
+        lambda t: chunks.local(t, runtime.rank(), dim=2),
         causal,
         seq,
     )
@@ -118,23 +118,23 @@ def _usp_against_one_process(causal: bool, seq: int):
 
 def test_the_usp_hybrid_on_a_2x2_grid_equals_one_process():
     seq = 19  # ring chunks of 10 and 9 tokens (zig-zag: 5+5, 5+4), Ulysses pieces of 5 and 4-5
-    layout = ulysses.UspLayout(seq, 2, 2)
-    positions = torch.cat([layout.local(torch.arange(seq).view(1, -1), r) for r in range(4)], dim=1)
+    chunks = ulysses.UspChunks(seq, 2, 2)
+    positions = torch.cat([chunks.local(torch.arange(seq).view(1, -1), r) for r in range(4)], dim=1)
     assert sorted(positions.flatten().tolist()) == list(range(seq))
     per_token = BATCH * HEADS * HEAD_DIM * 4
     for causal in (False, True):
         results = launch(_usp_against_one_process, 4, causal, seq)
         _assert_equal(
-            results, lambda rank: ulysses.usp_bytes_per_rank(layout, rank, bytes_per_token=per_token)
+            results, lambda rank: ulysses.usp_bytes_per_rank(chunks, rank, bytes_per_token=per_token)
         )
 
 
 def _attention_memory(seq: int):
     size, rank = runtime.world_size(), runtime.rank()
-    layout = context_chunks.SequenceLayout(seq, size, zigzag=False)
-    q, k, v = (torch.randn(BATCH, HEADS, layout.tokens(rank), HEAD_DIM, requires_grad=True) for _ in range(3))
+    chunks = context_chunks.SequenceChunks(seq, size, zigzag=False)
+    q, k, v = (torch.randn(BATCH, HEADS, chunks.tokens(rank), HEAD_DIM, requires_grad=True) for _ in range(3))
     with saved_tensor_bytes() as saved:
-        ulysses.ulysses_attention(q, k, v, layout=layout, causal=True)
+        ulysses.ulysses_attention(q, k, v, chunks=chunks, causal=True)
     return saved.bytes
 
 
@@ -150,17 +150,17 @@ def _train(degree: int, steps: int, seq: int):
     torch.manual_seed(0)
     inputs, targets, vocabulary = data.zen_windows(seq_len=seq)
     model = models.TinyTransformer(len(vocabulary), d_model=24, n_heads=4, n_layers=2, max_seq_len=seq)
-    layout = context_chunks.SequenceLayout(seq, degree, zigzag=False)
+    chunks = context_chunks.SequenceChunks(seq, degree, zigzag=False)
     if degree > 1:
-        ulysses.apply_ulysses_parallel(model, chunks=layout)
+        ulysses.apply_ulysses_parallel(model, chunks=chunks)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     generator, losses = torch.Generator().manual_seed(1), []
     for _ in range(steps):
         batch = torch.randint(0, len(inputs), (4,), generator=generator)
         x, y = inputs[batch], targets[batch]
         optimizer.zero_grad()
-        logits = model(layout.local(x, rank))
-        loss = cp.context_parallel_loss(logits, layout.local(y, rank), total_tokens=y.numel())
+        logits = model(chunks.local(x, rank))
+        loss = cp.context_parallel_loss(logits, chunks.local(y, rank), total_tokens=y.numel())
         loss.backward()
         if degree > 1:
             comm.all_reduce_coalesced([p.grad for p in model.parameters()], op="sum")
@@ -182,20 +182,20 @@ def test_the_transformer_trains_with_ulysses_like_one_process():
 def _bad_inputs():
     from conftest import user_errors
 
-    layout = context_chunks.SequenceLayout(8, 2, zigzag=False)
+    chunks = context_chunks.SequenceChunks(8, 2, zigzag=False)
     return user_errors(
         {
             "heads": lambda: ulysses.ulysses_attention(
-                *(torch.zeros(1, 3, 4, 2) for _ in range(3)), layout=layout
+                *(torch.zeros(1, 3, 4, 2) for _ in range(3)), chunks=chunks
             ),
             "zigzag": lambda: ulysses.ulysses_attention(
                 *(torch.zeros(1, 2, 4, 2) for _ in range(3)),
-                layout=context_chunks.SequenceLayout(8, 2, zigzag=True),
+                chunks=context_chunks.SequenceChunks(8, 2, zigzag=True),
             ),
             "model": lambda: ulysses.apply_ulysses_parallel(
-                models.TinyTransformer(10, d_model=9, n_heads=3, n_layers=1, max_seq_len=8), chunks=layout
+                models.TinyTransformer(10, d_model=9, n_heads=3, n_layers=1, max_seq_len=8), chunks=chunks
             ),
-            "grid": lambda: ulysses.UspLayout(4, 2, 3),
+            "grid": lambda: ulysses.UspChunks(4, 2, 3),
         }
     )
 
@@ -213,17 +213,17 @@ def _grouped_query_against_one_process(kv_heads: int, seq: int):
     """Ulysses with fewer key/value heads than query heads, against PyTorch's own grouped-query
     attention on one process (``enable_gqa``): output, the three gradients, and the bytes sent."""
     rank, size = runtime.rank(), runtime.world_size()
-    layout = context_chunks.SequenceLayout(seq, size, zigzag=False)
+    chunks = context_chunks.SequenceChunks(seq, size, zigzag=False)
     generator = torch.Generator().manual_seed(0)
     q, weights = (torch.randn(BATCH, HEADS, seq, HEAD_DIM, generator=generator) for _ in range(2))
     k, v = (torch.randn(BATCH, kv_heads, seq, HEAD_DIM, generator=generator) for _ in range(2))
     whole = [t.clone().requires_grad_() for t in (q, k, v)]
     expected = torch.nn.functional.scaled_dot_product_attention(*whole, is_causal=True, enable_gqa=True)
     (expected * weights).sum().backward()
-    local = lambda t: layout.local(t, rank, dim=2)  # noqa: E731
+    local = lambda t: chunks.local(t, rank, dim=2)  # noqa: E731
     mine = [local(t).clone().requires_grad_() for t in (q, k, v)]
     with comm.CommLog() as log:
-        out = ulysses.ulysses_attention(*mine, layout=layout, causal=True)
+        out = ulysses.ulysses_attention(*mine, chunks=chunks, causal=True)
         (out * local(weights)).sum().backward()
     pairs = [
         (a.detach(), local(b).detach())
@@ -238,13 +238,13 @@ def _grouped_query_against_one_process(kv_heads: int, seq: int):
 def test_grouped_query_attention_goes_past_the_key_value_heads_by_copying_them(degree, kv_heads):
     """The limit is the query heads: with more ranks than key/value heads each is copied to the ranks
     whose queries read it, and the copies' gradients add up; the bytes count the copies."""
-    layout = context_chunks.SequenceLayout(SEQ, degree, zigzag=False)
+    chunks = context_chunks.SequenceChunks(SEQ, degree, zigzag=False)
     per_token = BATCH * HEADS * HEAD_DIM * 4
     kv_per_token = BATCH * max(kv_heads, degree) * HEAD_DIM * 4  # the heads the all-to-all carries
     _assert_equal(
         launch(_grouped_query_against_one_process, degree, kv_heads, SEQ),
         lambda rank: ulysses.ulysses_bytes_per_rank(
-            layout, rank, bytes_per_token=per_token, kv_bytes_per_token=kv_per_token
+            chunks, rank, bytes_per_token=per_token, kv_bytes_per_token=kv_per_token
         ),
     )
 

@@ -249,7 +249,7 @@ def _context_and_sequence_parallel(loss_parallel: bool, attention: str):
     )
     mesh = Mesh(context=2, tensor=2)
     model = parallelize(copy.deepcopy(dense), mesh, layout, seq_len=seq_len).stages[0]
-    tokens = layout.sequence_layout(seq_len)
+    tokens = layout.sequence_chunks(seq_len)
     x, y = (tokens.local(t, mesh.coordinates.context) for t in (x, y))
     logits = model(x)
     if loss_parallel:

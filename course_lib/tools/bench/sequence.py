@@ -218,24 +218,24 @@ def _one_process_attention(q, k, v, steps: int, warmup: int) -> dict:
 
 
 def _own_blocks(
-    layout: context_chunks.SequenceLayout, rank: int, shape: tuple[int, int, int], generator
+    chunks: context_chunks.SequenceChunks, rank: int, shape: tuple[int, int, int], generator
 ) -> callable:
     """This rank's attention blocks, forward and backward, with no messages: its compute alone."""
     batch, heads, head_dim = shape
-    q = torch.randn(batch, heads, layout.tokens(rank), head_dim, generator=generator)
-    blocks = [pair for step in context_chunks.ring_schedule(layout) for pair in step[rank]["blocks"]]
+    q = torch.randn(batch, heads, chunks.tokens(rank), head_dim, generator=generator)
+    blocks = [pair for step in context_chunks.ring_schedule(chunks) for pair in step[rank]["blocks"]]
     keys = {
-        owner: torch.randn(2, batch, heads, layout.tokens(owner), head_dim, generator=generator)
-        for owner in range(layout.degree)
+        owner: torch.randn(2, batch, heads, chunks.tokens(owner), head_dim, generator=generator)
+        for owner in range(chunks.degree)
     }
     offsets = {}
-    for owner in range(layout.degree):
+    for owner in range(chunks.degree):
         offset = 0
-        for segment in layout.segments(owner):
+        for segment in chunks.segments(owner):
             offsets[segment] = (owner, offset)
             offset += segment.length
     q_offsets, offset = {}, 0
-    for segment in layout.segments(rank):
+    for segment in chunks.segments(rank):
         q_offsets[segment] = offset
         offset += segment.length
 
@@ -275,17 +275,17 @@ def cp_benchmark(
     }
     result |= _one_process_attention(q, k, v, steps, warmup)
     for zigzag in (False, True):
-        layout = context_chunks.SequenceLayout(seq, degree, zigzag=zigzag)
-        mine = [layout.local(t, rank, dim=2).clone() for t in (q, k, v)]
+        chunks = context_chunks.SequenceChunks(seq, degree, zigzag=zigzag)
+        mine = [chunks.local(t, rank, dim=2).clone() for t in (q, k, v)]
 
-        def ring_step(layout=layout, mine=mine):
+        def ring_step(chunks=chunks, mine=mine):
             parts = [t.detach().requires_grad_() for t in mine]
-            cp.ring_attention(*parts, layout=layout).sum().backward()
+            cp.ring_attention(*parts, chunks=chunks).sum().backward()
 
         step_ms = interleaved_medians({"ring": ring_step}, steps, warmup)["ring"]
         layout_name = "zigzag" if zigzag else "contiguous"
         where = anatomies({"course": ring_step}, trace_dir=f"{profile}/{layout_name}" if profile else None)
-        own_blocks = _own_blocks(layout, rank, (batch, heads, head_dim), generator)
+        own_blocks = _own_blocks(chunks, rank, (batch, heads, head_dim), generator)
         own_ms = None
         for turn in range(degree):  # one rank at a time, so that none competes for the cores
             comm.barrier()
@@ -294,7 +294,7 @@ def cp_benchmark(
         comm.barrier()
         with comm.CommLog() as log, saved_tensor_bytes() as saved:
             parts = [t.detach().requires_grad_() for t in mine]
-            out = cp.ring_attention(*parts, layout=layout)
+            out = cp.ring_attention(*parts, chunks=chunks)
         with comm.CommLog() as backward_log:
             out.sum().backward()
         per_rank = [None] * degree
@@ -306,7 +306,7 @@ def cp_benchmark(
                 "attention_bytes": saved.bytes,
             },
         )
-        work = context_chunks.attention_work(layout)
+        work = context_chunks.attention_work(chunks)
         kv_bytes = 2 * batch * heads * head_dim * 4
         compute = [row["compute_ms"] for row in per_rank]
         result[layout_name] = where | {
@@ -317,11 +317,11 @@ def cp_benchmark(
             "compute_max_over_mean": max(compute) / statistics.mean(compute),
             "bytes_per_rank_measured": [row["bytes"] for row in per_rank],
             "bytes_per_rank_theory": [
-                context_chunks.ring_bytes_per_rank(layout, r, bytes_per_token=kv_bytes) for r in range(degree)
+                context_chunks.ring_bytes_per_rank(chunks, r, bytes_per_token=kv_bytes) for r in range(degree)
             ],
             "attention_bytes_per_rank": [row["attention_bytes"] for row in per_rank],
             "attention_bytes_theory": [
-                4 * batch * heads * layout.tokens(r) * (4 * head_dim + 1) for r in range(degree)
+                4 * batch * heads * chunks.tokens(r) * (4 * head_dim + 1) for r in range(degree)
             ],
         }
     result["native_twin"] = (
@@ -359,30 +359,30 @@ def attention_benchmark(
     q, k, v = (torch.randn(batch, heads, seq, head_dim, generator=generator) for _ in range(3))
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     per_token = batch * heads * head_dim * 4  # one token's q (or k, or v) over every head, fp32
-    contiguous, zigzag = (context_chunks.SequenceLayout(seq, degree, zigzag=z) for z in (False, True))
+    contiguous, zigzag = (context_chunks.SequenceChunks(seq, degree, zigzag=z) for z in (False, True))
     methods = {  # name: (attention on this rank's q, k, v; this rank's tokens of a whole tensor; theory)
         "ring_contiguous": (
-            lambda a, b, c: cp.ring_attention(a, b, c, layout=contiguous),
+            lambda a, b, c: cp.ring_attention(a, b, c, chunks=contiguous),
             lambda t: contiguous.local(t, rank, dim=2),
             lambda r: context_chunks.ring_bytes_per_rank(contiguous, r, bytes_per_token=2 * per_token),
         ),
         "ring_zigzag": (
-            lambda a, b, c: cp.ring_attention(a, b, c, layout=zigzag),
+            lambda a, b, c: cp.ring_attention(a, b, c, chunks=zigzag),
             lambda t: zigzag.local(t, rank, dim=2),
             lambda r: context_chunks.ring_bytes_per_rank(zigzag, r, bytes_per_token=2 * per_token),
         ),
         "ulysses": (
-            lambda a, b, c: ulysses.ulysses_attention(a, b, c, layout=contiguous),
+            lambda a, b, c: ulysses.ulysses_attention(a, b, c, chunks=contiguous),
             lambda t: contiguous.local(t, rank, dim=2),
             lambda r: ulysses.ulysses_bytes_per_rank(contiguous, r, bytes_per_token=per_token),
         ),
     }
     if 1 < ulysses_degree < degree:
-        grid = ulysses.UspLayout(seq, degree // ulysses_degree, ulysses_degree)
+        grid = ulysses.UspChunks(seq, degree // ulysses_degree, ulysses_degree)
         inner, across = ulysses.usp_groups(ulysses_degree)
         methods["usp"] = (
             lambda a, b, c: ulysses.usp_attention(
-                a, b, c, layout=grid, ulysses_group=inner, ring_group=across
+                a, b, c, chunks=grid, ulysses_group=inner, ring_group=across
             ),
             lambda t: grid.local(t, rank, dim=2),
             lambda r: ulysses.usp_bytes_per_rank(grid, r, bytes_per_token=per_token),

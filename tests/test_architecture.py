@@ -6,8 +6,8 @@ import only from its own layer or a layer below:
 ====  ==============================================  ============================================
 rank  layer                                           what it holds
 ====  ==============================================  ============================================
-0     ``errors``, ``checks``, ``data``,             the leaves everything uses
-      ``models``, ``llama``
+0     ``errors``, ``checks``, ``flags``,            the leaves everything uses
+      ``data``, ``models``, ``llama``
 1     ``distributed``                                 processes, collectives, the ledger, the ring
 2     ``parallel``  |  ``observe``                    the techniques  |  the instruments; siblings
                                                       that never import each other (hooks join them)
@@ -32,6 +32,7 @@ TOOLS = "course_lib.tools"
 LEAVES = (
     "course_lib.errors",
     "course_lib.checks",
+    "course_lib.flags",
     "course_lib.data",
     "course_lib.models",
     "course_lib.llama",

@@ -325,3 +325,55 @@ def test_console_script_is_installed():
         [str(script), "--help"], capture_output=True, text=True, env=clean_env(), timeout=60
     )
     assert shown.returncode == 0 and "--strategy {single,ddp,zero1,zero2,fsdp}" in shown.stdout
+
+
+def test_a_dataclass_makes_its_command_line_and_a_field_without_help_is_refused():
+    """``flags.add_fields``: one flag per field, typed by its annotation, its Args: entry the help;
+    switches say the other way; sections start where their first field does."""
+    import argparse
+    from dataclasses import dataclass
+
+    from course_lib import flags
+
+    @dataclass
+    class Knobs:
+        """A command's knobs.
+
+        Args:
+            steps: how many steps.
+            rate: how fast, or None.
+            name: what to call it.
+            progress: show a bar.
+            quiet: print less.
+        """
+
+        steps: int = 3
+        rate: float | None = None
+        name: str = "x"
+        progress: bool = True
+        quiet: bool = False
+
+    parser = argparse.ArgumentParser()
+    flags.add_fields(parser, Knobs, groups={"shown": "name"}, choices={"name": ("x", "y")})
+    knobs = flags.from_args(
+        Knobs, parser.parse_args(["--steps", "5", "--rate", "0.5", "--no-progress", "--quiet"])
+    )
+    assert knobs == Knobs(steps=5, rate=0.5, name="x", progress=False, quiet=True)
+    assert [group.title for group in parser._action_groups][-1] == "shown"
+    assert "how fast, or None." in parser.format_help()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--name", "z"])  # not one of its choices
+
+    @dataclass
+    class Undocumented:
+        """A command's knobs, one undocumented.
+
+        Args:
+            steps: how many steps.
+        """
+
+        steps: int = 3
+        rate: float = 1.0
+
+    with pytest.raises(TypeError, match="Undocumented.rate has no Args: entry"):
+        flags.add_fields(argparse.ArgumentParser(), Undocumented)

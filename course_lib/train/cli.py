@@ -27,15 +27,12 @@ batch sizes, the checkpoint to resume) and exits: a job script runs it before sp
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import inspect
 import os
-import re
 import sys
 import time
 import traceback
 
-from .. import checks
+from .. import checks, flags
 from ..distributed import (
     collective_check,  # noqa: F401 (installed: every call checked)
     environment,
@@ -57,62 +54,13 @@ from .config import CHOICES, TrainConfig, validate_config
 from .loop import train
 from .preemption import Preempted
 
-
-class _DefaultsWhereTheyHelp(argparse.ArgumentDefaultsHelpFormatter):
-    """Show defaults, but not for on/off switches ("--no-progress (default: True)" misleads),
-    for options that are unset by default, or where the help already states the default."""
-
-    def _get_help_string(self, action):
-        if action.nargs == 0 or action.default is None or "(default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
 FLAG_GROUPS = {
-    "what to train": ("strategy", "impl", "dataset", "data_dir", "model"),
-    "the course's FSDP (--strategy fsdp --impl course)": (
-        "sharding_strategy",
-        "hybrid_shard_size",
-        "cpu_offload",
-    ),
-    "how to train": (
-        "epochs",
-        "global_batch_size",
-        "lr",
-        "optimizer",
-        "weight_decay",
-        "clip_grad_norm",
-        "seed",
-        "precision",
-        "recomputation",
-        "grad_accum",
-        "eval_batch_size",
-        "max_steps",
-        "workers",
-    ),
-    "checkpoints and metrics": (
-        "checkpoint_dir",
-        "checkpoint_every",
-        "checkpoint_mode",
-        "mtbf_hours",
-        "resume",
-        "metrics",
-        "profile",
-        "profile_steps",
-        "check_replicas",
-        "straggler_report",
-        "progress",
-    ),
+    "what to train": "strategy",
+    "the course's FSDP (--strategy fsdp --impl course)": "sharding_strategy",
+    "how to train": "epochs",
+    "checkpoints and metrics": "checkpoint_dir",
 }
-"""Where each of ``TrainConfig``'s fields shows in ``--help``; every field has its flag."""
-
-METAVARS = {
-    "check_replicas": "N",
-    "checkpoint_every": "N|auto",
-    "mtbf_hours": "HOURS",
-    "straggler_report": "FILE",
-    "metrics": "FILE",
-}
+"""The sections of ``--help``, each with the first of ``TrainConfig``'s fields it shows."""
 
 
 def _steps_or_auto(text: str) -> int | str:
@@ -125,48 +73,32 @@ def _steps_or_auto(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"a whole number of steps or auto, got {text!r}") from None
 
 
-TYPES = {"int": int, "int | None": int, "float": float, "float | None": float, "int | str": _steps_or_auto}
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """Each field's entry in the class docstring's ``Args:`` section, on one line."""
-    docs, name = {}, None
-    for line in inspect.getdoc(cls).split("Args:", 1)[1].splitlines():
-        entry = re.match(r"    (\w+): (.*)", line)
-        if entry:
-            name, docs[entry.group(1)] = entry.group(1), entry.group(2)
-        elif name and line.startswith("        "):
-            docs[name] += " " + line.strip()
-    return {key: text.replace("``", "") for key, text in docs.items()}
+def _options() -> dict[str, dict]:
+    """What argparse needs beyond ``TrainConfig``'s fields: an environment's default (read when the
+    parser is built), an optional value, the placeholders of ``--help``."""
+    data_dir = flags.field_docs(TrainConfig)["data_dir"]
+    return {
+        "data_dir": {  # the cluster's data folder, set once for every job
+            "default": os.environ.get("COURSE_DATA_DIR", "data"),
+            "help": f"{data_dir} (default: $COURSE_DATA_DIR or ./data)",
+        },
+        "resume": {"nargs": "?", "const": "latest"},  # --resume alone: the newest checkpoint
+        "checkpoint_every": {"type": _steps_or_auto, "metavar": "N|auto"},
+        "check_replicas": {"metavar": "N"},
+        "mtbf_hours": {"metavar": "HOURS"},
+        "straggler_report": {"metavar": "FILE"},
+        "metrics": {"metavar": "FILE"},
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line of ``TrainConfig``: one flag per field, its docstring entry the help."""
+    """The command line of ``TrainConfig`` (``flags.add_fields``), and this command's own flags."""
     parser = checks.CommandParser(
         prog="python -m course_lib.train",
         description="Train a CNN on one process, or on many with DDP or FSDP.",
-        formatter_class=_DefaultsWhereTheyHelp,
+        formatter_class=flags.DefaultsWhereTheyHelp,
     )
-    fields = {field.name: field for field in dataclasses.fields(TrainConfig)}
-    grouped = [name for names in FLAG_GROUPS.values() for name in names]
-    assert sorted(grouped) == sorted(fields), "every field of TrainConfig has its place in FLAG_GROUPS"
-    docs = field_docs(TrainConfig)
-    for title, names in FLAG_GROUPS.items():
-        group = parser.add_argument_group(title)
-        for name in names:
-            field, flag = fields[name], "--" + name.replace("_", "-")
-            if field.type == "bool":  # on by default: the flag turns it off
-                group.add_argument(f"--no-{name}", dest=name, action="store_false", help=docs[name])
-                continue
-            options = {"default": field.default, "help": docs[name], "type": TYPES.get(field.type)}
-            options["choices"] = CHOICES.get(name)
-            options["metavar"] = METAVARS.get(name)
-            if name == "data_dir":  # the cluster's data folder, set once for every job
-                options["default"] = os.environ.get("COURSE_DATA_DIR", field.default)
-                options["help"] += " (default: $COURSE_DATA_DIR or ./data)"
-            if name == "resume":  # --resume alone: the newest checkpoint
-                options.update(nargs="?", const="latest")
-            group.add_argument(flag, **{key: value for key, value in options.items() if value is not None})
+    flags.add_fields(parser, TrainConfig, groups=FLAG_GROUPS, choices=CHOICES, options=_options())
     command = parser.add_argument_group("this command")
     command.add_argument(
         "--dry-run",
@@ -193,11 +125,6 @@ def build_parser() -> argparse.ArgumentParser:
         "at the end: read them with python -m course_lib.tools.diagnose DIR",
     )
     return parser
-
-
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    fields = TrainConfig.__dataclass_fields__
-    return TrainConfig(**{name: value for name, value in vars(args).items() if name in fields})
 
 
 class RendezvousRefused(UserError):
@@ -324,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         report_exit_status(stop.code or 0)
         raise
     status = run(
-        config_from_args(args),
+        flags.from_args(TrainConfig, args),
         backend=args.backend,
         timeout_s=args.timeout,
         dry_run=args.dry_run,

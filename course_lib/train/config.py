@@ -42,16 +42,13 @@ class TrainConfig:
             ``"ddp"`` (nothing), ``"zero1"`` (optimizer state), ``"zero2"`` (and gradients) or
             ``"fsdp"`` (and parameters); zero1 and zero2 with ``--impl course``.
         impl: ``"torch"`` (PyTorch's own DDP and FSDP2) or ``"course"`` (``course_lib.parallel``).
+        dataset: ``"digits"``, ``"synthetic"`` or ``"cifar10"``.
+        data_dir: where CIFAR-10's files are.
+        model: ``"digits_cnn"``, ``"cifar_cnn"`` or ``"resnet18"``.
         sharding_strategy: the course FSDP's, in PyTorch FSDP's names (``--strategy fsdp --impl
             course``): ``"FULL_SHARD"``, ``"SHARD_GRAD_OP"``, ``"HYBRID_SHARD"`` or ``"NO_SHARD"``.
         hybrid_shard_size: ranks per shard group for HYBRID_SHARD (None: the ranks of a node).
         cpu_offload: the course FSDP's offload: ``"none"``, ``"params"`` or ``"full"``.
-        recomputation: what each unit keeps for backward (``recompute.POLICIES``): ``"none"``
-            (everything), ``"full"`` (its input; the rest is recomputed) or ``"selective"``; with
-            any strategy.
-        dataset: ``"digits"``, ``"synthetic"`` or ``"cifar10"``.
-        data_dir: where CIFAR-10's files are.
-        model: ``"digits_cnn"``, ``"cifar_cnn"`` or ``"resnet18"``.
         epochs: passes over the training split.
         global_batch_size: samples per optimizer step over all ranks and accumulation steps.
         lr: the learning rate.
@@ -60,8 +57,13 @@ class TrainConfig:
         clip_grad_norm: clip the whole gradient's 2-norm to this before each step (None: never).
         seed: the seed of the weights and of the data order, the same on every rank.
         precision: ``"fp32"`` or ``"bf16"`` (autocast).
+        recomputation: what each unit keeps for backward (``recompute.POLICIES``): ``"none"``
+            (everything), ``"full"`` (its input; the rest is recomputed) or ``"selective"``; with
+            any strategy.
         grad_accum: micro-batches each rank accumulates before a step.
         eval_batch_size: samples per forward when validating.
+        max_steps: stop after this many optimizer steps in total (None: run every epoch).
+        workers: data-loading processes per rank.
         checkpoint_dir: where checkpoints are written (None: none are).
         checkpoint_every: also save every N steps (0: only at the end of each epoch), or ``auto``:
             at Daly's interval (``checkpoint_interval``), from a first save after
@@ -73,9 +75,6 @@ class TrainConfig:
             (one GPU's, about 50,700 hours on Llama 3's run, over the job's GPUs).
         resume: ``"latest"`` (the newest in ``checkpoint_dir``) or a checkpoint folder.
         metrics: a JSON-lines file that gets one line per epoch.
-        max_steps: stop after this many optimizer steps in total (None: run every epoch).
-        workers: data-loading processes per rank.
-        progress: show a progress bar on rank 0.
         profile: record the anatomy of ``profile_steps`` steps (after ``PROFILE_WARMUP_STEPS``):
             each rank's trace and the budget (``anatomy.json``) go into this folder.
         profile_steps: how many steps to record with ``profile``.
@@ -84,17 +83,17 @@ class TrainConfig:
         straggler_report: a JSON-lines file that gets one line per step: every rank's lateness
             at the step's collectives, its time in them, the slowest rank and what it cost the
             others (``stragglers``); with the course's collectives (``--impl course``).
+        progress: show a progress bar on rank 0.
     """
 
     strategy: str = "single"
     impl: str = "torch"
-    sharding_strategy: str = "FULL_SHARD"
-    hybrid_shard_size: int | None = None
-    cpu_offload: str = "none"
-    recomputation: str = "none"
     dataset: str = "digits"
     data_dir: str = "data"
     model: str = "digits_cnn"
+    sharding_strategy: str = "FULL_SHARD"
+    hybrid_shard_size: int | None = None
+    cpu_offload: str = "none"
     epochs: int = 5
     global_batch_size: int = 64
     lr: float = 3e-3
@@ -103,21 +102,22 @@ class TrainConfig:
     clip_grad_norm: float | None = None
     seed: int = 0
     precision: str = "fp32"
+    recomputation: str = "none"
     grad_accum: int = 1
     eval_batch_size: int = 256
-    checkpoint_dir: str | None = None
-    checkpoint_every: int | str = 0
-    mtbf_hours: float | None = None
-    checkpoint_mode: str = "blocking"
-    resume: str | None = None
-    metrics: str | None = None
     max_steps: int | None = None
     workers: int = 0
-    progress: bool = True
+    checkpoint_dir: str | None = None
+    checkpoint_every: int | str = 0
+    checkpoint_mode: str = "blocking"
+    mtbf_hours: float | None = None
+    resume: str | None = None
+    metrics: str | None = None
     profile: str | None = None
     profile_steps: int = 3
-    straggler_report: str | None = None
     check_replicas: int = 0
+    straggler_report: str | None = None
+    progress: bool = True
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -31,6 +31,8 @@ from .errors import EXIT_USER_ERROR, UserError
 
 MAX_SEED = 2**32 - 1
 """The largest seed: numpy and Python's ``random`` take seeds up to this, and torch's generator too."""
+MAX_LEARNING_RATE = 1e6
+"""Far above any learning rate that trains; a larger one is a typo (a missing minus in 1e-3)."""
 
 
 def launched_rank() -> str:

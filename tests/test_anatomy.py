@@ -228,9 +228,9 @@ def test_each_fsdp_strategy_and_one_process_leave_little_unexplained(strategy, r
 
 @pytest.mark.timing
 def test_a_3d_run_records_its_anatomy_and_leaves_little_unexplained(tmp_path):
-    from course_lib.train.three_d import train_3d
+    from course_lib.train.three_d import RunShape, run_layout, train_3d
 
-    launch(train_3d, 4, data=1, pipeline=2, tensor=2, steps=6, profile=str(tmp_path))
+    launch(train_3d, 4, run_layout("p2.t2"), shape=RunShape(steps=6), profile=str(tmp_path))
     recorded = json.loads((tmp_path / "anatomy.json").read_text())
     assert recorded["unexplained_share"] <= 0.10, recorded["table"]
     assert recorded["conditions"]["grid"] == {"pipeline": 2, "data": 1, "context": 1, "tensor": 2}

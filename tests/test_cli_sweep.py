@@ -212,6 +212,7 @@ ACCEPTED: dict[tuple[str, str], tuple[str, ...]] = {
     ("train", "--checkpoint-every"): ("0",),
     ("train", "--check-replicas"): ("0",),
     ("train", "--seed"): ("0",),
+    ("three_d", "--seed"): ("0",),
     ("train", "--weight-decay"): ("0",),
     # no limit: one bucket for every gradient, no token dropped, a norm never clipped
     ("bench", "--bucket-mb"): ("1e12",),

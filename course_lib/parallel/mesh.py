@@ -178,6 +178,16 @@ class Mesh:
         self.groups = {axis: self.device_mesh.get_group(axis) for axis in AXES}
         self.groups["expert"] = self.groups["data"]  # experts are spread over the data replicas
 
+    @classmethod
+    def from_layout(cls, layout, *, device_type: str | None = None) -> Mesh:
+        """The mesh of a layout's degrees (a ``plan.layout.Layout``: anything with ``degree(axis)``).
+
+        Args:
+            layout: the layout whose data, pipeline, context and tensor degrees the mesh takes.
+            device_type: ``"cpu"`` or ``"cuda"`` (default: ``"cuda"`` under NCCL, else ``"cpu"``).
+        """
+        return cls(**{axis: layout.degree(axis) for axis in AXES}, device_type=device_type)
+
     def group(self, axis: str):
         """The process group along ``axis``: ``"data"``, ``"pipeline"``, ``"context"``, ``"tensor"`` or
         ``"expert"`` (the data group)."""

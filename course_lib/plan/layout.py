@@ -170,7 +170,7 @@ class Layout:
         return f"{label} {' '.join(extras)}"
 
     @classmethod
-    def from_name(cls, text: str) -> Layout:
+    def from_name(cls, text: str, **defaults: Any) -> Layout:
         """The layout a ``name()`` describes, read back (``plan predict`` takes its layouts so).
 
         A grid, then words in any order; what a name leaves out is the default::
@@ -185,9 +185,12 @@ class Layout:
                     ring | ulysses                   the context axis's attention (default ring)
                     bf16 | fp32 | fp8                the matmuls' precision (default bf16)
                     no-sp | no-loss-parallel         sequence or loss parallelism off (default on)
+                    sp                               sequence parallelism on
 
         Args:
             text: a layout's name, e.g. ``"d8.p2.c4 fsdp sac interleaved_1f1bx2 mb2"``.
+            defaults: fields for what the name leaves out, instead of ``Layout``'s defaults (a
+                3-D run's: ``train.three_d.RUN_DEFAULTS``).
         """
         if not text.split():
             raise UserError("an empty layout: write one as the planner prints it, e.g. 'd8.t8 fsdp sac'")
@@ -224,16 +227,19 @@ class Layout:
                 give(word, context_attention=word)
             elif word in PRECISIONS:
                 give(word, precision=word)
-            elif word in ("no-sp", "no-loss-parallel"):
-                give(word, **{"sequence_parallel" if word == "no-sp" else "loss_parallel": False})
+            elif word in ("sp", "no-sp", "no-loss-parallel"):
+                give(word, **{"loss_parallel" if "loss" in word else "sequence_parallel": word == "sp"})
             else:
                 raise UserError(
                     f"layout {text!r}: {word!r} is none of a sharding ({', '.join(memory.SHARDINGS)}), "
                     "ac or sac, "
                     "a schedule (1f1b, gpipe, interleaved_1f1bx2), mbN, ring or ulysses, bf16, fp32 or fp8, "
-                    "no-sp or no-loss-parallel: see Layout.from_name"
+                    "sp, no-sp or no-loss-parallel: see Layout.from_name"
                 )
-        return cls(**given)
+        unknown = set(defaults) - {f.name for f in fields(cls)}
+        if unknown:
+            raise UserError(f"Layout has no field {', '.join(sorted(unknown))}")
+        return cls(**{**defaults, **given})
 
     def sequence_chunks(self, seq_len: int):
         """Which tokens of a ``seq_len`` sequence each context rank holds (``context_chunks.SequenceChunks``):

@@ -34,11 +34,11 @@ import subprocess
 import sys
 
 from .. import checks
+from ..checks import MAX_LEARNING_RATE
 from ..data import DATASETS
 from ..distributed import environment
 from ..models import IMAGE_MODELS
 from ..plan.scaling import add_speedup, format_table, read_metrics, summarize
-from ..train.config import MAX_LEARNING_RATE
 from .plots import plot_study
 
 RUNS = (("single", 1), ("ddp", 2), ("fsdp", 2))

@@ -204,7 +204,7 @@ def validate_config(config: TrainConfig, world_size: int, ranks_per_node: int | 
     checks.check_int("--global-batch-size", config.global_batch_size, minimum=1)
     checks.check_int("--grad-accum", config.grad_accum, minimum=1)
     checks.check_int("eval_batch_size", config.eval_batch_size, minimum=1)
-    checks.check_number("--lr", config.lr, above=0, maximum=MAX_LEARNING_RATE)
+    checks.check_number("--lr", config.lr, above=0, maximum=checks.MAX_LEARNING_RATE)
     checks.check_number("--weight-decay", config.weight_decay, minimum=0)
     if config.lr * config.weight_decay > 1:  # AdamW and SGD scale every weight by 1 - lr x weight decay
         raise UserError(
@@ -261,10 +261,6 @@ def steps_per_epoch(config: TrainConfig) -> int:
             f"of {config.dataset}: use at most {samples}"
         )
     return samples // config.global_batch_size
-
-
-MAX_LEARNING_RATE = 1e6
-"""Far above any learning rate that trains; a larger one is a typo (a missing minus in 1e-3)."""
 
 
 MAX_LOADER_WORKERS = 64

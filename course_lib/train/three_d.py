@@ -32,10 +32,12 @@ Megatron-LM", SC 2021 (arXiv:2104.04473): PTD-P, pipeline x tensor x data parall
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 
 from .. import models
+from ..checks import MAX_LEARNING_RATE, MAX_SEED, check_fields, check_int, check_number
 from ..data import zen_windows
 from ..distributed import comm, runtime
 from ..errors import UserError
@@ -49,56 +51,76 @@ from ..plan.parallelize import parallelize
 ONE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 """The schedules ``train_3d`` runs: one stage a rank (interleaving needs virtual stages it does
 not cut)."""
+RUN_DEFAULTS = {"sharding": "ddp", "precision": "fp32", "sequence_parallel": False}
+"""What a 3-D run's layout is where its name says nothing: the data axis averaged after the
+pipeline's step (``finish_gradients``, as DDP averages), fp32 (the one process it is compared with
+runs fp32), and tensor parallelism without sequence parallelism (the word ``sp`` turns it on)."""
 
 
-def local_layout(
-    mesh: Mesh,
-    *,
-    schedule: str = "1f1b",
-    recomputation: str = "none",
-    sequence_parallel: bool = False,
-    context_attention: str = "ring",
-) -> Layout:
-    """The layout ``train_3d`` runs: the mesh's degrees, the vocabulary split, fp32, and the data
-    axis left to ``finish_gradients`` (``parallelize(..., data_parallel=False)``)."""
-    degrees = {axis: mesh.degrees[axis] for axis in ("data", "pipeline", "context", "tensor")}
-    return Layout(
-        **degrees,
-        sharding="ddp",
-        schedule=schedule,
-        recomputation=recomputation,
-        precision="fp32",
-        sequence_parallel=sequence_parallel,
-        loss_parallel=True,
-        context_attention=context_attention,
-    )
+def run_layout(name: str) -> Layout:
+    """The layout of a 3-D run, from its name (``Layout.from_name``; what the name leaves out is
+    ``RUN_DEFAULTS``), e.g. ``"d2.p2.t2"``, ``"p2.t2 gpipe sac"``, ``"d2.c2.t2 ulysses sp"``.
+
+    Args:
+        name: the grid and the words of ``Layout.from_name``.
+    """
+    return Layout.from_name(name, **RUN_DEFAULTS)
 
 
-def check_run(
-    world_size: int,
-    data: int,
-    pipeline: int,
-    tensor: int,
-    global_batch: int,
-    microbatches: int,
-    n_layers: int,
-    d_model: int,
-    n_heads: int,
-    *,
-    context: int = 1,
-    seq_len: int = 32,
-    sequence_parallel: bool = False,
-    context_attention: str = "ring",
-) -> None:
-    """Everything that can be wrong, checked before any process waits on another."""
-    check_degrees(world_size, data=data, pipeline=pipeline, context=context, tensor=tensor)
-    tp.check_tensor_parallel_degree(d_model, n_heads, 4 * d_model, tensor)
-    context_layout = Layout(context=context, context_attention=context_attention)  # refuses an unknown method
-    context_chunks.check_context_split(seq_len, context, zigzag=context_attention == "ring")
-    if context_attention == "ulysses":  # a tensor rank's heads, traded over the context ranks
-        ulysses.check_heads(n_heads // tensor, context)
-    if sequence_parallel:  # each context rank's tokens cut again over the tensor ranks
-        chunks = context_layout.sequence_chunks(seq_len)
+COUNTS = ("steps", "global_batch", "microbatches", "seq_len", "d_model", "n_heads", "n_layers")
+"""``RunShape``'s fields that count something: each at least 1."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunShape:
+    """A 3-D run's model and training: everything but its layout.
+
+    Args:
+        steps: optimizer steps.
+        global_batch: windows per step over all replicas; must divide by D x ``microbatches``.
+        microbatches: m, the pieces each replica's batch is cut into for the pipeline.
+        lr: AdamW's learning rate.
+        seq_len: characters per window.
+        d_model: the transformer's width (a multiple of 4 x T).
+        n_heads: attention heads per block (a multiple of T).
+        n_layers: blocks (with the embedding and head, at least P pieces to cut).
+        seed: the seed of the weights and of the batches, the same on every rank.
+    """
+
+    steps: int = 20
+    global_batch: int = 16
+    microbatches: int = 2
+    lr: float = 3e-3
+    seq_len: int = 32
+    d_model: int = 64
+    n_heads: int = 4
+    n_layers: int = 4
+    seed: int = 0
+
+    def __post_init__(self):
+        check_fields(self, minimum={**dict.fromkeys(COUNTS, 1), "seed": 0}, above={"lr": 0})
+        check_int("seed", self.seed, minimum=0, maximum=MAX_SEED)
+        check_number("lr", self.lr, maximum=MAX_LEARNING_RATE)
+
+
+def check_run(layout: Layout, shape: RunShape, *, world_size: int) -> None:
+    """Everything that can be wrong, checked before any process waits on another.
+
+    Args:
+        layout: the run's layout (``run_layout``).
+        shape: its model and training.
+        world_size: the processes started.
+    """
+    _check_layout(layout)
+    degrees = {axis: layout.degree(axis) for axis in ("data", "pipeline", "context", "tensor")}
+    check_degrees(world_size, **degrees)
+    tensor, context, seq_len = layout.tensor, layout.context, shape.seq_len
+    tp.check_tensor_parallel_degree(shape.d_model, shape.n_heads, 4 * shape.d_model, tensor)
+    context_chunks.check_context_split(seq_len, context, zigzag=layout.context_attention == "ring")
+    if layout.context_attention == "ulysses":  # a tensor rank's heads, traded over the context ranks
+        ulysses.check_heads(shape.n_heads // tensor, context)
+    if layout.sequence_parallel and tensor > 1:  # each context rank's tokens cut again over the tensor ranks
+        chunks = layout.sequence_chunks(seq_len)
         uneven = sorted({chunks.tokens(c) for c in range(context) if chunks.tokens(c) % tensor})
         if uneven:
             raise UserError(
@@ -106,87 +128,76 @@ def check_run(
                 f"{seq_len} over {context} rank(s)) over the {tensor} tensor ranks: choose a sequence "
                 f"length whose chunks divide by {tensor}, or leave sequence parallelism off"
             )
-    if pipeline > n_layers + 2:
+    if layout.pipeline > shape.n_layers + 2:
         raise UserError(
-            f"cannot cut {n_layers + 2} layers (embedding, {n_layers} blocks, head) into {pipeline} stages"
+            f"cannot cut {shape.n_layers + 2} layers (embedding, {shape.n_layers} blocks, head) into "
+            f"{layout.pipeline} stages"
         )
-    if global_batch % (data * microbatches):
+    if shape.global_batch % (layout.data * shape.microbatches):
         raise UserError(
-            f"the global batch of {global_batch} must split into {data} data-parallel parts of "
-            f"{microbatches} micro-batches each: use a multiple of {data * microbatches}"
+            f"the global batch of {shape.global_batch} must split into {layout.data} data-parallel parts "
+            f"of {shape.microbatches} micro-batches each: use a multiple of "
+            f"{layout.data * shape.microbatches}"
+        )
+
+
+def _check_layout(layout: Layout) -> None:
+    """What of a layout a 3-D run cannot run, refused with the word to write instead."""
+    if not isinstance(layout, Layout):
+        raise UserError(
+            f"train_3d takes a plan.layout.Layout (run_layout('d2.p2.t2')), got {type(layout).__name__}"
+        )
+    wrong = {
+        f"sharding {layout.sharding!r}": layout.sharding != "ddp",  # its data axis: after the pipeline
+        f"precision {layout.precision!r}": layout.precision != "fp32",
+        f"schedule {layout.schedule!r} x{layout.virtual_stages}": (
+            layout.schedule not in ONE_STAGE_SCHEDULES or layout.virtual_stages > 1
+        ),
+        f"expert degree {layout.expert}": layout.expert > 1,
+        f"micro_batch {layout.micro_batch}": layout.micro_batch > 1,
+    }
+    refused = [what for what, bad in wrong.items() if bad]
+    if refused:
+        raise UserError(
+            f"a 3-D run cannot run {', '.join(refused)} (layout {layout.name()!r}): it trains ddp in fp32 "
+            f"with {' or '.join(ONE_STAGE_SCHEDULES)}, no experts, and cuts its batch with "
+            "RunShape.microbatches; write its layout with run_layout('d2.p2.t2 ...')"
         )
 
 
 def train_3d(
-    *,
-    data: int = 2,
-    pipeline: int = 2,
-    tensor: int = 2,
-    context: int = 1,
-    steps: int = 20,
-    global_batch: int = 16,
-    microbatches: int = 2,
-    schedule: str = "1f1b",
-    lr: float = 3e-3,
-    seq_len: int = 32,
-    d_model: int = 64,
-    n_heads: int = 4,
-    n_layers: int = 4,
-    seed: int = 0,
-    recomputation: str = "none",
-    sequence_parallel: bool = False,
-    context_attention: str = "ring",
-    profile: str | None = None,
+    layout: Layout, *, shape: RunShape | None = None, profile: str | None = None
 ) -> list[float] | None:
-    """Train on the current process group laid out as a mesh; return the loss of every step on rank 0.
+    """Train on the current process group laid out as ``layout``; return every step's loss on rank 0.
 
-    With 1 x 1 x 1 it is the single-process reference.
+    With ``run_layout("single")`` it is the one-process reference.
 
     Args:
-        data: D, the replicas that split the global batch.
-        pipeline: P, the stages the transformer is cut into.
-        tensor: T, the ranks each block's matrices are split over.
-        context: C, the ranks each sequence is split over (ring attention, zig-zag layout).
-        steps: optimizer steps.
-        global_batch: windows per step over all replicas; must divide by D x ``microbatches``.
-        microbatches: m, the pieces each replica's batch is cut into for the pipeline.
-        schedule: the pipeline schedule, ``"gpipe"`` or ``"1f1b"``.
-        lr: AdamW's learning rate.
-        seq_len: characters per window.
-        d_model: the transformer's width (a multiple of 4 x T).
-        n_heads: attention heads per block (a multiple of T).
-        n_layers: blocks (with the embedding and head, at least P pieces to cut).
-        seed: the seed of the weights and of the batches, the same on every rank.
-        recomputation: what each block keeps for backward: ``"none"``, ``"full"`` or ``"selective"``
-            (``course_lib.parallel.recompute``).
-        sequence_parallel: with T > 1, Megatron-LM's sequence parallelism: the norms run on
-            1/T of the tokens, and the stages send each other 1/T of the activations.
-        context_attention: with C > 1, ``"ring"`` (zig-zag chunks) or ``"ulysses"`` (contiguous
-            chunks; all-to-alls trade them for 1/C of each tensor rank's heads).
+        layout: the grid and its techniques (``run_layout``: ``"d2.p2.t2"``, ``"d2.c2.t2 ulysses sp"``,
+            ``"p2.t2 gpipe sac"``).
+        shape: the model and the training (None: ``RunShape()``'s defaults).
         profile: record the anatomy of 3 steps after 2 (``profiling.LoopProfiler``): each rank's
             trace and ``anatomy.json`` go into this folder.
     """
-    world = runtime.world_size()
-    check_run(
-        world, data, pipeline, tensor, global_batch, microbatches, n_layers, d_model, n_heads,
-        context=context, seq_len=seq_len, sequence_parallel=sequence_parallel,
-        context_attention=context_attention,
-    )  # fmt: skip
-    mesh = Mesh(data=data, pipeline=pipeline, context=context, tensor=tensor)
-    plan = local_layout(mesh, schedule=schedule, recomputation=recomputation,
-                        sequence_parallel=sequence_parallel, context_attention=context_attention)  # fmt: skip
-    inputs, targets, vocabulary = zen_windows(seq_len=seq_len)
-    torch.manual_seed(seed)
-    model = models.TinyTransformer(len(vocabulary), d_model=d_model, n_heads=n_heads, n_layers=n_layers,
-                                   max_seq_len=seq_len)  # fmt: skip
-    model = parallelize(model, mesh, plan, seq_len=seq_len, data_parallel=False)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    executor = model.executor(micro_batch=global_batch // data // microbatches, microbatches=microbatches)
+    shape = RunShape() if shape is None else shape
+    check_run(layout, shape, world_size=runtime.world_size())
+    mesh = Mesh.from_layout(layout)
+    inputs, targets, vocabulary = zen_windows(seq_len=shape.seq_len)
+    torch.manual_seed(shape.seed)
+    model = models.TinyTransformer(len(vocabulary), d_model=shape.d_model, n_heads=shape.n_heads,
+                                   n_layers=shape.n_layers, max_seq_len=shape.seq_len)  # fmt: skip
+    model = parallelize(model, mesh, layout, seq_len=shape.seq_len, data_parallel=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=shape.lr)
+    micro_batch = shape.global_batch // layout.data // shape.microbatches
+    executor = model.executor(micro_batch=micro_batch, microbatches=shape.microbatches)
     losses = []
-    reporter = rank_at(mesh.degrees, pipeline=pipeline - 1)  # a rank of the last stage
-    profiler = profiling.LoopProfiler(profile, grid=mesh.degrees, schedule=schedule) if profile else None
-    batches = _local_batches(inputs, targets, mesh, plan.sequence_chunks(seq_len), global_batch, seed)
-    for _, (x, y) in zip(range(steps), batches, strict=False):
+    reporter = rank_at(mesh.degrees, pipeline=layout.pipeline - 1)  # a rank of the last stage
+    profiler = (
+        profiling.LoopProfiler(profile, grid=mesh.degrees, schedule=layout.schedule) if profile else None
+    )
+    chunks = layout.sequence_chunks(shape.seq_len)
+    batches = _local_batches(inputs, targets, mesh, chunks, shape.global_batch, shape.seed)
+    for _, (x, y) in zip(range(shape.steps), batches, strict=False):
         with profiler.step() if profiler else contextlib.nullcontext():
             loss = _step(model, executor, optimizer, x, y)
         if profiler is not None and profiler.complete:

@@ -10,7 +10,10 @@ from course_lib.distributed import comm
 from course_lib.distributed.launch import launch
 from course_lib.errors import UserError
 from course_lib.parallel import mesh
-from course_lib.train.three_d import train_3d
+from course_lib.plan.layout import Layout
+from course_lib.train.three_d import RUN_DEFAULTS, RunShape, run_layout, train_3d
+
+SHORT = RunShape(steps=6)
 
 
 @pytest.mark.parametrize(
@@ -114,56 +117,48 @@ def test_the_process_groups_are_those_of_the_grid(degrees):
 
 @pytest.fixture(scope="module")
 def single_losses():
-    return launch(train_3d, 1, data=1, pipeline=1, tensor=1)[0]
+    return launch(train_3d, 1, run_layout("single"))[0]
 
 
 @pytest.mark.slow
 def test_a_2x2x2_run_on_8_processes_matches_one_process(single_losses):
-    losses = launch(train_3d, 8, data=2, pipeline=2, tensor=2, timeout_s=600)[0]
+    losses = launch(train_3d, 8, run_layout("d2.p2.t2"), timeout_s=600)[0]
     assert losses == pytest.approx(single_losses, rel=1e-5)
     assert losses[-1] < 0.65 * losses[0]  # it learns
 
 
 def test_other_grids_and_schedules_match_one_process(single_losses):
-    losses = launch(
-        train_3d,
-        4,
-        data=1,
-        pipeline=2,
-        tensor=2,
-        steps=20,
-        global_batch=16,
-        microbatches=4,
-        schedule="gpipe",
-    )[0]  # pipeline x tensor, 4 micro-batches
+    shape = RunShape(steps=20, global_batch=16, microbatches=4)  # pipeline x tensor, 4 micro-batches
+    losses = launch(train_3d, 4, run_layout("p2.t2 gpipe"), shape=shape)[0]
     assert losses == pytest.approx(single_losses, rel=1e-5)
 
 
 @pytest.fixture(scope="module")
 def short_single_losses():
-    return launch(train_3d, 1, data=1, pipeline=1, tensor=1, steps=6)[0]
+    return launch(train_3d, 1, run_layout("single"), shape=SHORT)[0]
 
 
 @pytest.mark.slow
 def test_a_4d_run_data_context_tensor_on_8_processes_matches_one_process(short_single_losses):
-    losses = launch(train_3d, 8, data=2, pipeline=1, context=2, tensor=2, steps=6, timeout_s=600)[0]
+    losses = launch(train_3d, 8, run_layout("d2.c2.t2"), shape=SHORT, timeout_s=600)[0]
     assert losses == pytest.approx(short_single_losses, rel=1e-5)
 
 
 def test_context_with_pipeline_stages_matches_one_process(short_single_losses):
-    losses = launch(train_3d, 4, data=1, pipeline=2, context=2, tensor=1, steps=6)[0]
+    losses = launch(train_3d, 4, run_layout("p2.c2"), shape=SHORT)[0]
     assert losses == pytest.approx(short_single_losses, rel=1e-5)
 
 
 @pytest.mark.parametrize("policy", ["full", "selective"])
 def test_recomputation_under_pipeline_and_tensor_parallelism_matches_one_process(policy, short_single_losses):
-    losses = launch(train_3d, 4, data=1, pipeline=2, tensor=2, steps=6, recomputation=policy)[0]
+    recomputed = {"full": "ac", "selective": "sac"}[policy]
+    losses = launch(train_3d, 4, run_layout(f"p2.t2 {recomputed}"), shape=SHORT)[0]
     assert losses == pytest.approx(short_single_losses, rel=1e-5)
 
 
 def _refused_context():
     try:
-        train_3d(data=1, pipeline=1, tensor=1, context=2, seq_len=3)
+        train_3d(run_layout("c2"), shape=RunShape(seq_len=3))
     except UserError as error:
         return str(error)
     return "no error"
@@ -174,22 +169,9 @@ def test_a_sequence_too_short_for_the_context_degree_is_refused_on_every_rank():
         assert "a sequence of 3 tokens does not split over context-parallel degree 2" in error
 
 
-def _refused(*arguments):
-    names = (
-        "data",
-        "pipeline",
-        "tensor",
-        "steps",
-        "global_batch",
-        "microbatches",
-        "schedule",
-        "lr",
-        "seq_len",
-        "d_model",
-        "n_heads",
-    )
+def _refused(name, shape):
     try:
-        train_3d(**dict(zip(names, arguments)))
+        train_3d(run_layout(name), shape=RunShape(**shape))
     except UserError as error:
         return str(error)
     return "no error"
@@ -198,15 +180,16 @@ def _refused(*arguments):
 @pytest.mark.parametrize(
     "arguments, message",
     [
-        ((2, 2, 2), "data 2 x pipeline 2 x tensor 2 = 8 ranks, but 4 were started"),
+        (("d2.p2.t2", {}), "data 2 x pipeline 2 x tensor 2 = 8 ranks, but 4 were started"),
         (
-            (1, 1, 4, 20, 16, 2, "1f1b", 3e-3, 32, 60, 6),
+            ("t4", {"d_model": 60, "n_heads": 6}),
             "tensor-parallel degree 4 does not divide the attention heads (6)",
         ),
         (
-            (4, 1, 1, 20, 18),
+            ("d4", {"global_batch": 18}),
             "the global batch of 18 must split into 4 data-parallel parts of 2 micro-batches",
         ),
+        (("d4 fsdp", {}), "a 3-D run cannot run sharding 'fsdp' (layout 'd4 fsdp fp32')"),
     ],
 )
 def test_bad_grids_are_refused_on_every_rank_before_waiting(arguments, message):
@@ -220,34 +203,22 @@ def test_the_3d_command_prints_both_curves_and_refuses_a_bad_grid(tmp_path):
 
     from conftest import run_tool
 
-    shown = run_tool(
-        "three_d",
-        "--data",
-        "1",
-        "--pipeline",
-        "2",
-        "--tensor",
-        "1",
-        "--steps",
-        "3",
-        "--plot",
-        str(tmp_path / "l.png"),
-    )
+    shown = run_tool("three_d", "--layout", "p2", "--steps", "3", "--plot", str(tmp_path / "l.png"))
     assert shown.returncode == 0, shown.stderr
     result = json.loads(shown.stdout)
     assert result["max_difference"] < 1e-4 and len(result["grid_loss"]) == 3
     assert "tensor groups:   [0] [1]" in shown.stderr and (tmp_path / "l.png").exists()
-    refused = run_tool("three_d", "--data", "3", "--pipeline", "1", "--tensor", "1")
+    refused = run_tool("three_d", "--layout", "d3")
     assert refused.returncode == 2
     assert "the global batch of 16 must split into 3 data-parallel parts of 2 micro-batches" in refused.stderr
 
 
-@pytest.mark.parametrize("grid", [dict(pipeline=2, context=1), dict(pipeline=1, context=2)])
+@pytest.mark.parametrize("grid", ["p2", "c2"])
 def test_sequence_parallel_tensor_ranks_with_pipeline_stages_or_context_match_one_process(
     grid, short_single_losses
 ):
     """Stages that take and send 1/T of the tokens; context chunks cut again over the tensor ranks."""
-    losses = launch(train_3d, 4, data=1, tensor=2, steps=6, sequence_parallel=True, **grid)[0]
+    losses = launch(train_3d, 4, run_layout(f"{grid}.t2 sp"), shape=SHORT)[0]
     assert losses == pytest.approx(short_single_losses, rel=1e-5)
 
 
@@ -256,17 +227,15 @@ def test_a_context_chunk_that_the_tensor_ranks_cannot_share_is_refused_with_the_
     from course_lib.train.three_d import check_run
 
     with pytest.raises(UserError, match="each context rank's tokens \\(15 of a sequence of 30 over 2"):
-        check_run(4, 1, 1, 2, 16, 2, 4, 64, 4, context=2, seq_len=30, sequence_parallel=True)
-    check_run(4, 1, 1, 2, 16, 2, 4, 64, 4, context=2, seq_len=30)  # without it, nothing to cut
+        check_run(run_layout("c2.t2 sp"), RunShape(seq_len=30), world_size=4)
+    check_run(run_layout("c2.t2"), RunShape(seq_len=30), world_size=4)  # without it, nothing to cut
 
 
-@pytest.mark.parametrize(
-    "grid", [dict(pipeline=1, tensor=1), dict(pipeline=2, tensor=1), dict(pipeline=1, tensor=2)]
-)
+@pytest.mark.parametrize("grid", ["c2", "p2.c2", "c2.t2"])
 def test_ulysses_over_the_context_ranks_matches_one_process(grid, short_single_losses):
     """Contiguous chunks, all-to-alls to a head split: with pipeline stages, or each tensor rank's heads."""
-    world = 2 * grid["pipeline"] * grid["tensor"]
-    losses = launch(train_3d, world, data=1, context=2, steps=6, context_attention="ulysses", **grid)[0]
+    layout = run_layout(f"{grid} ulysses")
+    losses = launch(train_3d, layout.gpus, layout, shape=SHORT)[0]
     assert losses == pytest.approx(short_single_losses, rel=1e-5)
 
 
@@ -275,9 +244,9 @@ def test_heads_that_the_context_ranks_cannot_share_are_refused_under_ulysses():
     from course_lib.train.three_d import check_run
 
     with pytest.raises(UserError, match="2 attention heads do not divide by the Ulysses degree 4"):
-        check_run(8, 1, 1, 2, 16, 2, 4, 64, 4, context=4, context_attention="ulysses")
+        check_run(run_layout("c4.t2 ulysses"), RunShape(), world_size=8)
     with pytest.raises(UserError, match="unknown Layout context_attention 'both'"):
-        check_run(2, 1, 1, 1, 16, 2, 4, 64, 4, context=2, context_attention="both")
+        check_run(Layout(context=2, context_attention="both", **RUN_DEFAULTS), RunShape(), world_size=2)
 
 
 def _overlapped_tensor_parallel_with_sharding(

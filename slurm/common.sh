@@ -73,7 +73,7 @@ fi
 export PYTHONPATH="$COURSE_ROOT${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$COURSE_RESULTS"
 
-# The flags every job passes to the training command (after its own --strategy).
+# The flags every job passes to the training command (after its own --sharding).
 # shellcheck disable=SC2206
 COURSE_TRAIN_ARGS=(--dataset "$COURSE_DATASET" --data-dir "$COURSE_DATA_DIR" --model "$COURSE_MODEL"
   --epochs "$COURSE_EPOCHS" --global-batch-size "$COURSE_GLOBAL_BATCH" --lr "$COURSE_LR"
@@ -105,7 +105,7 @@ course_check_resources() {  # GPUs, network plugin, CPU threads: every mistake f
   echo "CPU threads per process: OMP_NUM_THREADS=$OMP_NUM_THREADS ($cores core(s) a task, $per_task process(es) a task)"
 }
 
-course_check() {  # course_check NPROCS --strategy ...: every mistake found now, in one line, exit 2
+course_check() {  # course_check NPROCS --sharding ...: every mistake found now, in one line, exit 2
   local nprocs=$1
   shift
   course_check_resources

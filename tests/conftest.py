@@ -175,7 +175,7 @@ def run_bench(*args: str) -> dict:
 def quick_args() -> list[str]:
     """A few steps of the digits CNN: enough to exercise every code path in about a second."""
     return [
-        "--strategy",
+        "--sharding",
         "ddp",
         "--epochs",
         "1",

@@ -16,7 +16,7 @@ from course_lib.train import async_checkpoint, checkpoint
 from conftest import latest_weights
 
 WORLD = 4  # FSDP2's reduce-scatters add the ranks' values in the same order after a resume
-STEPS = dict(epochs=2, global_batch_size=64, checkpoint_every=8, progress=False, strategy="fsdp")
+STEPS = dict(epochs=2, global_batch_size=64, checkpoint_every=8, progress=False, sharding="fsdp")
 
 
 def _train(folder: str, mode: str, resume: str | None = None) -> None:

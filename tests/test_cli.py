@@ -31,12 +31,12 @@ def assert_user_error(outcomes, message: str) -> None:
 
 def test_train_single_process_writes_metrics(tmp_path, quick_args):
     metrics = tmp_path / "m.jsonl"
-    [outcome] = run_ranks([*quick_args, "--strategy", "single", "--metrics", str(metrics)])
+    [outcome] = run_ranks([*quick_args, "--sharding", "single", "--metrics", str(metrics)])
     assert outcome.returncode == 0, outcome.stderr
     [record] = [json.loads(line) for line in metrics.read_text().splitlines()]
     for key in (
         "epoch",
-        "strategy",
+        "sharding",
         "impl",
         "world_size",
         "global_batch_size",
@@ -52,8 +52,8 @@ def test_train_single_process_writes_metrics(tmp_path, quick_args):
     assert record["peak_mem_mb"] > 10 and record["world_size"] == 1 and record["steps"] == 3
 
 
-def test_unknown_strategy_is_reported_once(quick_args):
-    assert_user_error(run_ranks([*quick_args, "--strategy", "zero9"], nprocs=2), "invalid choice: 'zero9'")
+def test_unknown_sharding_is_reported_once(quick_args):
+    assert_user_error(run_ranks([*quick_args, "--sharding", "zero9"], nprocs=2), "invalid choice: 'zero9'")
 
 
 def test_unknown_dataset_and_model(quick_args, capsys):
@@ -73,7 +73,7 @@ def test_unknown_dataset_and_model(quick_args, capsys):
 
 
 def test_global_batch_not_divisible_by_world_size():
-    outcomes = run_ranks(["--strategy", "ddp", "--global-batch-size", "64", "--no-progress"], nprocs=3)
+    outcomes = run_ranks(["--sharding", "ddp", "--global-batch-size", "64", "--no-progress"], nprocs=3)
     assert_user_error(
         outcomes,
         "global batch size 64 does not divide into 3 rank(s) x 1 accumulation step(s): use a multiple of 3, "
@@ -198,7 +198,7 @@ def test_checkpoint_resume_through_the_command_line(cli_checkpoint, tmp_path):
             "--global-batch-size",
             "60",
             "--no-progress",
-            "--strategy",
+            "--sharding",
             "fsdp",
             "--checkpoint-dir",
             str(tmp_path / "ckpt"),
@@ -215,7 +215,7 @@ def test_checkpoint_resume_through_the_command_line(cli_checkpoint, tmp_path):
 def test_a_rank_that_dies_mid_epoch_does_not_leave_the_others_hanging(tmp_path):
     processes = start_ranks(
         [
-            "--strategy",
+            "--sharding",
             "ddp",
             "--dataset",
             "synthetic",
@@ -244,17 +244,17 @@ def test_a_rank_that_dies_mid_epoch_does_not_leave_the_others_hanging(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_a_finished_run_exits_0_without_an_abort(strategy, quick_args):
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_a_finished_run_exits_0_without_an_abort(sharding, quick_args):
     """Every finished rank exits with status 0, without gloo's 'terminate called...' abort at exit.
 
     The abort (SIGABRT while gloo's threads free objects at interpreter exit) was seen on this
     platform in about one run in five of scripts that left the model alive, and once in CI after
     runtime.shutdown() had freed everything before the process group went: so the command now ends
     with os._exit, skipping the interpreter's teardown where the abort happens. One pair of real
-    processes per strategy guards that exit path; every other multi-process test checks its exits too.
+    processes per sharding guards that exit path; every other multi-process test checks its exits too.
     """
-    outcomes = finish(start_ranks([*quick_args, "--strategy", strategy], nprocs=2), timeout=300)
+    outcomes = finish(start_ranks([*quick_args, "--sharding", sharding], nprocs=2), timeout=300)
     failures = [
         (outcome.rank, outcome.returncode, outcome.stderr[-300:])
         for outcome in outcomes
@@ -324,7 +324,7 @@ def test_console_script_is_installed():
     shown = subprocess.run(
         [str(script), "--help"], capture_output=True, text=True, env=clean_env(), timeout=60
     )
-    assert shown.returncode == 0 and "--strategy {single,ddp,zero1,zero2,fsdp}" in shown.stdout
+    assert shown.returncode == 0 and "--sharding {single,ddp,zero1,zero2,fsdp}" in shown.stdout
 
 
 def test_a_dataclass_makes_its_command_line_and_a_field_without_help_is_refused():

@@ -46,7 +46,7 @@ def a_file(tmp_path) -> Path:
 
 QUICK = ["--epochs", "1", "--max-steps", "1", "--no-progress"]
 
-HYBRID = ["--strategy", "fsdp", "--impl", "course", "--sharding-strategy", "HYBRID_SHARD"]
+HYBRID = ["--sharding", "fsdp", "--impl", "course", "--sharding-strategy", "HYBRID_SHARD"]
 
 # (flags, what the one line must say); {file}, {folder} and {tmp} are filled in per test.
 
@@ -98,7 +98,7 @@ TRAIN_MISTAKES = [
         [*HYBRID, "--hybrid-shard-size", "0"],
         "--hybrid-shard-size must be a whole number, from 1 to 1, got 0",
     ),
-    (["--strategy", "zero3"], "argument --strategy: invalid choice: 'zero3'"),
+    (["--sharding", "zero3"], "argument --sharding: invalid choice: 'zero3'"),
     (["--recomputation", "all"], "argument --recomputation: invalid choice: 'all'"),
     (["--precision", "fp8"], "argument --precision: invalid choice: 'fp8'"),
     (["--flight-recorder", "{file}"], "is a file, but a folder is expected"),
@@ -187,7 +187,7 @@ def test_a_bad_flag_under_torchrun_is_reported_once_before_the_ranks_meet(flags,
             "--nproc-per-node=2",
             "-m",
             "course_lib.train",
-            "--strategy",
+            "--sharding",
             "ddp",
             *QUICK,
             *_filled(flags, a_file, tmp_path),
@@ -216,7 +216,7 @@ def course_fsdp_checkpoint(tmp_path_factory) -> Path:
     """A checkpoint of the course's FSDP (flat shards), and a copy whose DCP index is missing."""
     folder = tmp_path_factory.mktemp("course_fsdp")
     [outcome] = run_ranks(
-        [*QUICK, "--strategy", "fsdp", "--impl", "course", "--checkpoint-dir", str(folder / "run")]
+        [*QUICK, "--sharding", "fsdp", "--impl", "course", "--checkpoint-dir", str(folder / "run")]
     )
     assert outcome.returncode == 0, outcome.stderr
     [saved] = (folder / "run").iterdir()
@@ -243,7 +243,7 @@ REFUSED_BEFORE_THE_RANKS_MEET = [
         ["--resume", "{ckpt}"],
         {"WORLD_SIZE": "2"},
         "holds FullyShardedDataParallel flat parameters 0.flat_param, 1.flat_param, 2.flat_param, "
-        "3.flat_param, but this run lays its model out as named parameters: resume with the --strategy",
+        "3.flat_param, but this run lays its model out as named parameters: resume with the --sharding",
     ),
     (["--resume", "{broken}"], {"WORLD_SIZE": "2"}, "is incomplete (.metadata is missing)"),
     (
@@ -274,7 +274,7 @@ def test_the_dry_run_refuses_what_the_run_refuses(
     launcher = {"RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())} | variables
     for name, value in launcher.items():
         monkeypatch.setenv(name, value)
-    argv = [*QUICK, "--strategy", "ddp", "--timeout", "5", *[f.format(**places) for f in flags]]
+    argv = [*QUICK, "--sharding", "ddp", "--timeout", "5", *[f.format(**places) for f in flags]]
     status, stderr = exit_and_stderr(train.main, argv + (["--dry-run"] if dry_run else []), capsys)
     assert status == EXIT_USER_ERROR, stderr
     assert stderr.strip().splitlines() == [f"error: {stderr.strip().removeprefix('error: ')}"]
@@ -407,7 +407,7 @@ def test_a_diverging_run_stops_every_rank_at_the_same_step_and_keeps_the_last_go
 ):
     args = [
         *DIVERGING,
-        "--strategy",
+        "--sharding",
         "ddp" if nprocs > 1 else "single",
         "--checkpoint-dir",
         str(tmp_path / "ck"),

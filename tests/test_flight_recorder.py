@@ -268,7 +268,7 @@ def test_the_training_command_records_and_the_diagnosis_names_the_hung_rank(tmp_
     from conftest import run_tool, start_ranks
 
     records = tmp_path / "records"
-    argv = ["--epochs", "1", "--max-steps", "4", "--no-progress", "--strategy", "ddp", "--impl", "course"]
+    argv = ["--epochs", "1", "--max-steps", "4", "--no-progress", "--sharding", "ddp", "--impl", "course"]
     argv += ["--timeout", "6", "--flight-recorder", str(records), "--metrics", str(tmp_path / "m.jsonl")]
     started = time.monotonic()
     rank_0, rank_1 = start_ranks(argv, 2, env={faults.VARIABLE: "hang:1:6"})
@@ -344,7 +344,7 @@ def test_the_training_command_reports_a_slow_rank_and_the_tool_plots_it(tmp_path
     from conftest import run_ranks, run_tool
 
     report, picture = tmp_path / "stragglers.jsonl", tmp_path / "stragglers.png"
-    argv = ["--epochs", "1", "--max-steps", "5", "--no-progress", "--strategy", "ddp", "--impl", "course"]
+    argv = ["--epochs", "1", "--max-steps", "5", "--no-progress", "--sharding", "ddp", "--impl", "course"]
     outcomes = run_ranks(
         [*argv, "--straggler-report", str(report)], nprocs=2, env={faults.VARIABLE: "slow:1:0.08"}
     )

@@ -58,7 +58,7 @@ def test_the_matmul_peak_is_measured_and_bad_sizes_are_refused():
 def test_the_trainer_reports_the_models_tflops_and_no_mfu_on_a_cpu():
     from course_lib.distributed.launch import launch
 
-    config = TrainConfig(strategy="single", global_batch_size=60, epochs=1, max_steps=2, progress=False)
+    config = TrainConfig(sharding="single", global_batch_size=60, epochs=1, max_steps=2, progress=False)
     (history,) = launch(_history, 1, dataclasses.replace(config))
     record = history[-1]
     expected = flops.training_flops_per_sample(models.build_model("digits_cnn"), (1, 8, 8))

@@ -86,7 +86,7 @@ def test_nccl_starts_for_a_world_of_one():
 def test_bf16_autocast_stays_close_to_fp32_on_the_gpu(tmp_path):
     runs = {}
     for precision in ("fp32", "bf16"):
-        flags = ["--strategy", "single", "--global-batch-size", "60", "--epochs", "1", "--max-steps", "4"]
+        flags = ["--sharding", "single", "--global-batch-size", "60", "--epochs", "1", "--max-steps", "4"]
         history = _train(
             tmp_path,
             precision,
@@ -119,7 +119,7 @@ def test_model_state_memory_on_the_cuda_allocator_matches_the_model_within_2_per
 
 @pytest.mark.parametrize("model", ["cifar_cnn", "resnet18"])
 def test_throughput_and_mfu_of_the_lab_models_on_one_gpu(tmp_path, model):
-    flags = ["--strategy", "single", "--dataset", "synthetic", "--model", model, "--global-batch-size", "256"]
+    flags = ["--sharding", "single", "--dataset", "synthetic", "--model", model, "--global-batch-size", "256"]
     history = _train(tmp_path, model, *flags, "--epochs", "2", "--precision", "bf16")
     record = history[-1]  # the second epoch: compiled kernels and the allocator have settled
     print(

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow  # runs trained, stopped by a signal and resumed: 
 TRAINING = [
     "-m",
     "course_lib.train",
-    "--strategy",
+    "--sharding",
     "ddp",
     "--dataset",
     "digits",
@@ -154,7 +154,7 @@ def test_sigterm_to_a_single_process_and_its_data_loaders_stops_cleanly(tmp_path
         sys.executable,
         *TRAINING,
         *longer,
-        "--strategy",
+        "--sharding",
         "single",
         *LOADERS,
         "--checkpoint-dir",

@@ -264,7 +264,7 @@ def _train_as(rank: int, port: int, *extra: str):
         "MASTER_PORT": str(port),
     }
     args = [
-        "--strategy",
+        "--sharding",
         "ddp",
         "--epochs",
         "1",
@@ -334,7 +334,7 @@ def test_a_master_addr_no_one_knows_is_named_by_the_rank_that_looks_for_it():
     from conftest import run_ranks
 
     env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "nowhere.invalid", "MASTER_PORT": "29400"}
-    args = ["--strategy", "ddp", "--epochs", "1", "--max-steps", "1", "--no-progress", "--timeout", "3"]
+    args = ["--sharding", "ddp", "--epochs", "1", "--max-steps", "1", "--no-progress", "--timeout", "3"]
     [outcome] = run_ranks(args, 1, env=env, timeout=60)
     assert outcome.returncode == 2, outcome.stderr
     [line] = outcome.stderr.strip().splitlines()
@@ -350,7 +350,7 @@ def test_slurms_task_count_without_srun_names_srun():
 
     env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "localhost",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}  # fmt: skip
-    args = ["--strategy", "ddp", "--epochs", "1", "--max-steps", "1", "--no-progress", "--timeout", "3"]
+    args = ["--sharding", "ddp", "--epochs", "1", "--max-steps", "1", "--no-progress", "--timeout", "3"]
     [outcome] = run_ranks(args, 1, env=env, timeout=60)
     assert outcome.returncode == 1, outcome.stderr
     [line] = outcome.stderr.strip().splitlines()

@@ -197,7 +197,7 @@ def test_a_study_takes_every_speedup_against_its_one_process_baseline(tmp_path):
     seconds = {"single-1": 1.0, "ddp-2": 0.8, "fsdp-2": 2.0}
     for run in runs:
         record = {
-            "strategy": run.strategy, "impl": "torch", "world_size": run.world_size, "global_batch_size": 64,
+            "sharding": run.sharding, "impl": "torch", "world_size": run.world_size, "global_batch_size": 64,
             "epoch_time_s": seconds[run.name], "samples_per_s": 64 / seconds[run.name], "val_acc": 0.9,
             "val_loss": 0.3, "peak_mem_mb": 500.0, "model_state_mb": 0.5,
         }  # fmt: skip
@@ -218,14 +218,14 @@ def test_a_study_takes_every_speedup_against_its_one_process_baseline(tmp_path):
     assert {row["baseline"] for row in written} == {"single-1 (one process, no wrapper)"}
 
 
-def test_the_study_figure_draws_the_baseline_as_one_point_and_each_strategy_from_its_own_runs():
-    """A strategy's line starts at its own one-process run, not at the baseline's: no vertical
+def test_the_study_figure_draws_the_baseline_as_one_point_and_each_sharding_from_its_own_runs():
+    """A sharding's line starts at its own one-process run, not at the baseline's: no vertical
     drop at N = 1; the baseline is one labelled point on every panel."""
     from course_lib.tools import plots
 
-    def row(strategy, world_size, seconds):
+    def row(sharding, world_size, seconds):
         return {
-            "strategy": strategy, "world_size": world_size, "time_per_epoch_s": seconds,
+            "sharding": sharding, "world_size": world_size, "time_per_epoch_s": seconds,
             "speedup": 1.0 / seconds, "efficiency": 1.0 / seconds / world_size,
         }  # fmt: skip
 

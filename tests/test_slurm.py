@@ -315,7 +315,7 @@ def test_the_scaling_study_runs_collects_a_failed_run_and_plots(cluster, tmp_pat
         "2",
         "4",
         "8",
-        "--strategies",
+        "--shardings",
         "ddp",
         "--gpus-per-node",
         "4",
@@ -347,7 +347,7 @@ def test_the_scaling_study_runs_collects_a_failed_run_and_plots(cluster, tmp_pat
     )
     rows = (results / "scaling.csv").read_text().splitlines()
     assert "speedup and efficiency against single-1 (one process, no wrapper)" in collected.stdout
-    assert rows[0].startswith("run,strategy,world_size") and [r.split(",")[0] for r in rows[1:]] == [
+    assert rows[0].startswith("run,sharding,world_size") and [r.split(",")[0] for r in rows[1:]] == [
         "single-1",
         "ddp-1",
         "ddp-2",

@@ -21,7 +21,7 @@ from course_lib import data, models
 from course_lib.distributed import runtime
 from course_lib.distributed.launch import launch
 from course_lib.errors import UserError
-from course_lib.train import checkpoint, strategies
+from course_lib.train import checkpoint, wrappers
 from course_lib.train.config import TrainConfig, validate_config
 from course_lib.train.loop import Trainer, train
 from course_lib.train.metrics import evaluate
@@ -47,15 +47,15 @@ def run_training(config: TrainConfig, nprocs: int):
 
 @pytest.fixture(scope="module")
 def single_reference():
-    return run_training(dataclasses.replace(BASE, strategy="single"), 1)
+    return run_training(dataclasses.replace(BASE, sharding="single"), 1)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_same_weights_on_any_world_size(strategy, world_size, single_reference):
+def test_same_weights_on_any_world_size(sharding, world_size, single_reference):
     """The strong-scaling invariant: same global batch and seed, same weights after k steps."""
     reference, reference_history = single_reference
-    weights, history = run_training(dataclasses.replace(BASE, strategy=strategy), world_size)
+    weights, history = run_training(dataclasses.replace(BASE, sharding=sharding), world_size)
     assert weights.numel() == 35_173
     torch.testing.assert_close(weights, reference, **TOLERANCE)
     assert history[-1]["world_size"] == world_size and history[-1]["steps"] == 4
@@ -63,7 +63,7 @@ def test_same_weights_on_any_world_size(strategy, world_size, single_reference):
     assert history[-1]["train_loss"] == pytest.approx(reference_history[-1]["train_loss"], rel=1e-5)
     # the model states a rank holds (the largest rank's): whole under DDP, about 1/N under FSDP
     held, whole = history[-1]["model_state_mb"], reference_history[-1]["model_state_mb"]
-    if strategy == "ddp":
+    if sharding == "ddp":
         assert held == whole
     else:  # uneven shards: the first ranks hold up to one row more of each parameter
         assert whole / world_size <= held < 1.25 * whole / world_size
@@ -74,22 +74,22 @@ def test_training_moves_the_weights_and_learns(single_reference):
     initial = models.flat_parameters(models.build_model("digits_cnn").state_dict())
     reference, _ = single_reference
     assert (reference - initial).abs().max() > 1e-3
-    _, history = run_training(dataclasses.replace(BASE, strategy="ddp", max_steps=None, epochs=3), 2)
+    _, history = run_training(dataclasses.replace(BASE, sharding="ddp", max_steps=None, epochs=3), 2)
     assert history[-1]["val_acc"] > 0.9 and history[-1]["train_loss"] < history[0]["train_loss"]
 
 
 def test_gradient_accumulation_equals_the_full_batch(single_reference):
     reference, _ = single_reference
-    weights, history = run_training(dataclasses.replace(BASE, strategy="ddp", grad_accum=3), 2)
+    weights, history = run_training(dataclasses.replace(BASE, sharding="ddp", grad_accum=3), 2)
     assert history[-1]["micro_batch_size"] == 10
     torch.testing.assert_close(weights, reference, **TOLERANCE)
-    weights, _ = run_training(dataclasses.replace(BASE, strategy="fsdp", grad_accum=2), 3)
+    weights, _ = run_training(dataclasses.replace(BASE, sharding="fsdp", grad_accum=2), 3)
     torch.testing.assert_close(weights, reference, **TOLERANCE)
 
 
 def test_bf16_autocast_stays_close_to_fp32(single_reference):
     reference, _ = single_reference
-    weights, history = run_training(dataclasses.replace(BASE, strategy="ddp", precision="bf16"), 2)
+    weights, history = run_training(dataclasses.replace(BASE, sharding="ddp", precision="bf16"), 2)
     assert history[-1]["precision"] == "bf16"
     # bfloat16 keeps 8 bits of mantissa: the update directions agree, the digits do not.
     assert (weights - reference).abs().max() < 5e-2
@@ -104,11 +104,11 @@ ODD_VALIDATION = TensorDataset(
 )
 
 
-def _evaluate_on_odd_dataset(strategy: str):
+def _evaluate_on_odd_dataset(sharding: str):
     process = runtime.process_info()
     torch.manual_seed(0)
-    model = strategies.wrap_model(
-        models.build_model("digits_cnn"), strategy=strategy, impl="torch", process=process
+    model = wrappers.wrap_model(
+        models.build_model("digits_cnn"), sharding=sharding, impl="torch", process=process
     )
     loader = data.validation_loader(
         ODD_VALIDATION, batch_size=4, rank=process.rank, world_size=process.world_size
@@ -117,11 +117,11 @@ def _evaluate_on_odd_dataset(strategy: str):
 
 
 @pytest.mark.parametrize(
-    "world_size, strategy", [(1, "single"), (2, "ddp"), (3, "fsdp"), (4, "ddp"), (4, "fsdp")]
+    "world_size, sharding", [(1, "single"), (2, "ddp"), (3, "fsdp"), (4, "ddp"), (4, "fsdp")]
 )
-def test_validation_counts_every_sample_exactly_once(world_size, strategy):
+def test_validation_counts_every_sample_exactly_once(world_size, sharding):
     reference = launch(_evaluate_on_odd_dataset, 1, "single")[0]
-    metrics = launch(_evaluate_on_odd_dataset, world_size, strategy)
+    metrics = launch(_evaluate_on_odd_dataset, world_size, sharding)
     assert all(m == metrics[0] for m in metrics), "every rank must report the same reduced metrics"
     assert metrics[0]["val_samples"] == reference["val_samples"] == 37  # no padded sample counted
     assert metrics[0]["val_acc"] == reference["val_acc"]  # exact: a count of correct predictions
@@ -132,8 +132,8 @@ def test_validation_counts_every_sample_exactly_once(world_size, strategy):
 
 
 def test_resume_gives_identical_weights(tmp_path):
-    straight, _ = run_training(dataclasses.replace(BASE, strategy="ddp", epochs=2, max_steps=None), 2)
-    first = dataclasses.replace(BASE, strategy="ddp", epochs=1, max_steps=None, checkpoint_dir=str(tmp_path))
+    straight, _ = run_training(dataclasses.replace(BASE, sharding="ddp", epochs=2, max_steps=None), 2)
+    first = dataclasses.replace(BASE, sharding="ddp", epochs=1, max_steps=None, checkpoint_dir=str(tmp_path))
     run_training(first, 2)
     assert [p.name for p in checkpoint.checkpoint_dirs(tmp_path)] == ["step-00000023"]
     resumed, history = run_training(dataclasses.replace(first, epochs=2, resume="latest"), 2)
@@ -142,9 +142,9 @@ def test_resume_gives_identical_weights(tmp_path):
 
 
 def test_resume_mid_epoch_gives_identical_weights_and_metrics_of_the_whole_epoch(tmp_path):
-    straight, straight_history = run_training(dataclasses.replace(BASE, strategy="fsdp", max_steps=None), 2)
+    straight, straight_history = run_training(dataclasses.replace(BASE, sharding="fsdp", max_steps=None), 2)
     interrupted = dataclasses.replace(
-        BASE, strategy="fsdp", max_steps=5, checkpoint_dir=str(tmp_path), checkpoint_every=2
+        BASE, sharding="fsdp", max_steps=5, checkpoint_dir=str(tmp_path), checkpoint_every=2
     )
     _, partial = run_training(interrupted, 2)
     assert [p.name for p in checkpoint.checkpoint_dirs(tmp_path)] == ["step-00000004", "step-00000005"]
@@ -161,15 +161,15 @@ def test_resume_mid_epoch_gives_identical_weights_and_metrics_of_the_whole_epoch
 
 
 def test_a_fresh_run_refuses_a_folder_that_holds_another_runs_checkpoints(saved_checkpoint):
-    fresh = dataclasses.replace(BASE, strategy="single", checkpoint_dir=str(saved_checkpoint.parent))
+    fresh = dataclasses.replace(BASE, sharding="single", checkpoint_dir=str(saved_checkpoint.parent))
     with pytest.raises(UserError, match="already holds another run's checkpoints .* continue that run with"):
         validate_config(fresh, 1)
-    validate_config(dataclasses.replace(fresh, strategy="ddp", resume="latest"), 2)  # continuing it is fine
+    validate_config(dataclasses.replace(fresh, sharding="ddp", resume="latest"), 2)  # continuing it is fine
 
 
 def test_an_older_checkpoint_resumes_only_into_a_folder_of_its_own_and_no_run_deletes_anothers(tmp_path):
     first = dataclasses.replace(
-        BASE, strategy="single", max_steps=3, checkpoint_every=1, checkpoint_dir=str(tmp_path / "first")
+        BASE, sharding="single", max_steps=3, checkpoint_every=1, checkpoint_dir=str(tmp_path / "first")
     )
     run_training(first, 1)
     older = tmp_path / "first" / "step-00000002"
@@ -196,8 +196,8 @@ def test_an_older_checkpoint_resumes_only_into_a_folder_of_its_own_and_no_run_de
 
 @pytest.mark.parametrize("new_world_size", [1, 3])
 def test_fsdp_checkpoint_from_two_ranks_resumes_on_another_world_size(tmp_path, new_world_size):
-    straight, _ = run_training(dataclasses.replace(BASE, strategy="fsdp", max_steps=8), 2)
-    saved = dataclasses.replace(BASE, strategy="fsdp", max_steps=4, checkpoint_dir=str(tmp_path))
+    straight, _ = run_training(dataclasses.replace(BASE, sharding="fsdp", max_steps=8), 2)
+    saved = dataclasses.replace(BASE, sharding="fsdp", max_steps=4, checkpoint_dir=str(tmp_path))
     run_training(saved, 2)
     resumed, history = run_training(dataclasses.replace(saved, max_steps=8, resume="latest"), new_world_size)
     assert history[-1]["world_size"] == new_world_size
@@ -205,17 +205,17 @@ def test_fsdp_checkpoint_from_two_ranks_resumes_on_another_world_size(tmp_path, 
 
 
 def test_ddp_checkpoint_resumes_under_fsdp(tmp_path):
-    straight, _ = run_training(dataclasses.replace(BASE, strategy="ddp", max_steps=6), 2)
-    saved = dataclasses.replace(BASE, strategy="ddp", max_steps=3, checkpoint_dir=str(tmp_path))
+    straight, _ = run_training(dataclasses.replace(BASE, sharding="ddp", max_steps=6), 2)
+    saved = dataclasses.replace(BASE, sharding="ddp", max_steps=3, checkpoint_dir=str(tmp_path))
     run_training(saved, 2)
-    resumed, _ = run_training(dataclasses.replace(saved, strategy="fsdp", max_steps=6, resume="latest"), 2)
+    resumed, _ = run_training(dataclasses.replace(saved, sharding="fsdp", max_steps=6, resume="latest"), 2)
     torch.testing.assert_close(resumed, straight, **TOLERANCE)
 
 
 def test_checkpoints_keep_the_last_two(tmp_path):
     run_training(
         dataclasses.replace(
-            BASE, strategy="single", max_steps=4, checkpoint_every=1, checkpoint_dir=str(tmp_path)
+            BASE, sharding="single", max_steps=4, checkpoint_every=1, checkpoint_dir=str(tmp_path)
         ),
         1,
     )
@@ -228,7 +228,7 @@ def _save_then_get_killed_while_saving(directory: str, ready_flag: str):
     torch.set_num_threads(1)
     os.environ.update(RANK="0", WORLD_SIZE="1")
     runtime.init(num_threads=1)
-    config = dataclasses.replace(BASE, strategy="single", max_steps=2, checkpoint_dir=directory)
+    config = dataclasses.replace(BASE, sharding="single", max_steps=2, checkpoint_dir=directory)
     trainer = Trainer(config)
     trainer.fit()  # writes step-00000002
     import torch.distributed.checkpoint as dcp  # what checkpoint.save calls
@@ -262,11 +262,11 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     assert checkpoint.latest_checkpoint(tmp_path / "ckpt").name == "step-00000002"
     resumed, history = run_training(
         dataclasses.replace(
-            BASE, strategy="single", max_steps=4, resume="latest", checkpoint_dir=str(tmp_path / "ckpt")
+            BASE, sharding="single", max_steps=4, resume="latest", checkpoint_dir=str(tmp_path / "ckpt")
         ),
         1,
     )
-    straight, _ = run_training(dataclasses.replace(BASE, strategy="single", max_steps=4), 1)
+    straight, _ = run_training(dataclasses.replace(BASE, sharding="single", max_steps=4), 1)
     assert torch.equal(resumed, straight)
     assert not half_written.exists()  # cleaned up by the next save of the run that wrote it
 
@@ -277,7 +277,7 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
 @pytest.fixture(scope="module")
 def saved_checkpoint(tmp_path_factory):
     directory = tmp_path_factory.mktemp("ckpt")
-    run_training(dataclasses.replace(BASE, strategy="ddp", max_steps=2, checkpoint_dir=str(directory)), 2)
+    run_training(dataclasses.replace(BASE, sharding="ddp", max_steps=2, checkpoint_dir=str(directory)), 2)
     return checkpoint.latest_checkpoint(directory)
 
 
@@ -287,7 +287,7 @@ def _resume(config):
 
 def test_refuses_a_checkpoint_from_another_model(saved_checkpoint):
     config = dataclasses.replace(
-        BASE, strategy="ddp", dataset="synthetic", model="cifar_cnn", resume=str(saved_checkpoint)
+        BASE, sharding="ddp", dataset="synthetic", model="cifar_cnn", resume=str(saved_checkpoint)
     )
     with pytest.raises(
         UserError,
@@ -298,7 +298,7 @@ def test_refuses_a_checkpoint_from_another_model(saved_checkpoint):
 
 
 def test_refuses_an_incompatible_config(saved_checkpoint):
-    config = dataclasses.replace(BASE, strategy="ddp", global_batch_size=120, resume=str(saved_checkpoint))
+    config = dataclasses.replace(BASE, sharding="ddp", global_batch_size=120, resume=str(saved_checkpoint))
     with pytest.raises(UserError, match="--global-batch-size 60 but this run uses --global-batch-size 120"):
         launch(_resume, 2, config)
 
@@ -327,7 +327,7 @@ def test_refuses_a_corrupt_checkpoint(saved_checkpoint, tmp_path):
     shutil.copytree(saved_checkpoint, broken_tensors)
     for shard in broken_tensors.glob("*.distcp"):
         shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
-    config = dataclasses.replace(BASE, strategy="ddp", resume=str(broken_tensors))
+    config = dataclasses.replace(BASE, sharding="ddp", resume=str(broken_tensors))
     with pytest.raises(UserError, match=r"cannot be loaded into this model .* corrupt or from another model"):
         launch(_resume, 2, config)
 
@@ -347,12 +347,12 @@ def test_refuses_a_corrupt_checkpoint(saved_checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "strategy, impl, policy",
+    "sharding, impl, policy",
     [("ddp", "torch", "selective"), ("fsdp", "torch", "full"), ("fsdp", "course", "selective")],
 )
-def test_recomputation_trains_like_one_process_under_every_wrapper(strategy, impl, policy, single_reference):
+def test_recomputation_trains_like_one_process_under_every_wrapper(sharding, impl, policy, single_reference):
     reference, _ = single_reference
-    config = dataclasses.replace(BASE, strategy=strategy, impl=impl, recomputation=policy)
+    config = dataclasses.replace(BASE, sharding=sharding, impl=impl, recomputation=policy)
     weights, history = run_training(config, 2)
     torch.testing.assert_close(weights, reference, **TOLERANCE)
 
@@ -360,11 +360,11 @@ def test_recomputation_trains_like_one_process_under_every_wrapper(strategy, imp
 # -- the course's sharded implementations in the harness --------------------------------------
 
 COURSE_SHARDED = {
-    "zero1": dict(strategy="zero1"),
-    "zero2": dict(strategy="zero2"),
-    "FULL_SHARD": dict(strategy="fsdp"),
+    "zero1": dict(sharding="zero1"),
+    "zero2": dict(sharding="zero2"),
+    "FULL_SHARD": dict(sharding="fsdp"),
     "SHARD_GRAD_OP": dict(
-        strategy="fsdp", sharding_strategy="SHARD_GRAD_OP", cpu_offload="full", recomputation="full"
+        sharding="fsdp", sharding_strategy="SHARD_GRAD_OP", cpu_offload="full", recomputation="full"
     ),
 }
 
@@ -375,16 +375,16 @@ def test_course_sharded_implementations_train_like_one_process(variant, single_r
     config = dataclasses.replace(BASE, impl="course", **COURSE_SHARDED[variant])
     weights, history = run_training(config, 3)
     torch.testing.assert_close(weights, reference, **TOLERANCE)
-    assert history[-1]["strategy"] == config.strategy
+    assert history[-1]["sharding"] == config.sharding
     assert history[-1]["sharding_strategy"] == (None if variant.startswith("zero") else variant)
     assert history[-1]["train_loss"] == pytest.approx(reference_history[-1]["train_loss"], rel=1e-5)
 
 
-@pytest.mark.parametrize("strategy", ["zero2", "fsdp"])
+@pytest.mark.parametrize("sharding", ["zero2", "fsdp"])
 def test_course_sharded_checkpoint_from_two_ranks_resumes_on_four_and_refuses_another_layout(
-    tmp_path, strategy
+    tmp_path, sharding
 ):
-    course = dataclasses.replace(BASE, strategy=strategy, impl="course", clip_grad_norm=0.5)
+    course = dataclasses.replace(BASE, sharding=sharding, impl="course", clip_grad_norm=0.5)
     straight, _ = run_training(dataclasses.replace(course, max_steps=8), 2)
     saved = dataclasses.replace(course, max_steps=4, checkpoint_dir=str(tmp_path))
     run_training(saved, 2)
@@ -394,10 +394,10 @@ def test_course_sharded_checkpoint_from_two_ranks_resumes_on_four_and_refuses_an
     torch.testing.assert_close(resumed, straight, **TOLERANCE)
     with pytest.raises(
         UserError,
-        match=r"resume with the --strategy, --impl and model of the run "
-        rf"that wrote it \(its flags: --strategy {strategy} --impl course\)",
+        match=r"resume with the --sharding, --impl and model of the run "
+        rf"that wrote it \(its flags: --sharding {sharding} --impl course\)",
     ):
-        other_layout = dict(strategy="fsdp") if strategy == "zero2" else dict(impl="torch")
+        other_layout = dict(sharding="fsdp") if sharding == "zero2" else dict(impl="torch")
         launch(_resume, 2, dataclasses.replace(saved, max_steps=9, resume="latest", **other_layout))
 
 
@@ -405,27 +405,27 @@ def test_course_sharded_checkpoint_from_two_ranks_resumes_on_four_and_refuses_an
     "changes, message",
     [
         (
-            dict(strategy="ddp", sharding_strategy="SHARD_GRAD_OP"),
-            "--sharding-strategy configure(s) the course's FSDP: use --strategy fsdp --impl course",
+            dict(sharding="ddp", sharding_strategy="SHARD_GRAD_OP"),
+            "--sharding-strategy configure(s) the course's FSDP: use --sharding fsdp --impl course",
         ),
         (
-            dict(strategy="fsdp", impl="torch", sharding_strategy="NO_SHARD"),
-            "use --strategy fsdp --impl course",
+            dict(sharding="fsdp", impl="torch", sharding_strategy="NO_SHARD"),
+            "use --sharding fsdp --impl course",
         ),
         (
-            dict(strategy="zero1", impl="course", cpu_offload="params"),
-            "--cpu-offload configure(s) the course's FSDP: use --strategy fsdp --impl course",
+            dict(sharding="zero1", impl="course", cpu_offload="params"),
+            "--cpu-offload configure(s) the course's FSDP: use --sharding fsdp --impl course",
         ),
         (
-            dict(strategy="fsdp", impl="course", hybrid_shard_size=2),
+            dict(sharding="fsdp", impl="course", hybrid_shard_size=2),
             "--hybrid-shard-size needs --sharding-strategy HYBRID_SHARD",
         ),
         (
-            dict(strategy="zero2", impl="torch"),
-            "--strategy zero2 runs the course's ZeroDataParallel: add --impl course",
+            dict(sharding="zero2", impl="torch"),
+            "--sharding zero2 runs the course's ZeroDataParallel: add --impl course",
         ),
         (
-            dict(strategy="fsdp", impl="course", clip_grad_norm=0.0),
+            dict(sharding="fsdp", impl="course", clip_grad_norm=0.0),
             "--clip-grad-norm must be a finite number above 0, got 0.0",
         ),
     ],
@@ -437,14 +437,14 @@ def test_sharding_flags_are_checked_before_any_rank_waits(changes, message):
         validate_config(dataclasses.replace(BASE, **changes), 2)
 
 
-# -- what one step costs beyond the strategy's own communication -------------------------------------
+# -- what one step costs beyond the sharding's own communication -------------------------------------
 
 
-def _one_step(strategy: str, impl: str, extra: dict) -> tuple[dict, int, int]:
-    """The collectives of one warm training step, and the strategy's units and buckets."""
+def _one_step(sharding: str, impl: str, extra: dict) -> tuple[dict, int, int]:
+    """The collectives of one warm training step, and the sharding's units and buckets."""
     from course_lib.distributed import comm
 
-    trainer = Trainer(dataclasses.replace(BASE, strategy=strategy, impl=impl, **extra))
+    trainer = Trainer(dataclasses.replace(BASE, sharding=sharding, impl=impl, **extra))
     batches = iter(trainer.train_loader)
     trainer._train_step(batches)  # the first step builds what is built once
     with comm.CommLog() as log:
@@ -455,7 +455,7 @@ def _one_step(strategy: str, impl: str, extra: dict) -> tuple[dict, int, int]:
 
 
 STEP_COLLECTIVES = {
-    # strategy, impl, flags -> what the course's communication adds to the trainer's one all-reduce
+    # sharding, impl, flags -> what the course's communication adds to the trainer's one all-reduce
     "torch DDP": ("ddp", "torch", {}, lambda units, buckets: {}),  # PyTorch's own calls are not logged
     "torch FSDP2": ("fsdp", "torch", {}, lambda units, buckets: {}),
     "course DDP": ("ddp", "course", {}, lambda units, buckets: {"all_reduce": buckets}),
@@ -475,11 +475,11 @@ STEP_COLLECTIVES = {
 
 
 @pytest.mark.parametrize("case", STEP_COLLECTIVES)
-def test_a_step_makes_one_collective_of_its_own_beside_the_strategys(case):
-    strategy, impl, extra, strategy_calls = STEP_COLLECTIVES[case]
-    counts, units, buckets = launch(_one_step, 2, strategy, impl, extra)[0]
+def test_a_step_makes_one_collective_of_its_own_beside_the_shardings(case):
+    sharding, impl, extra, wrapper_calls = STEP_COLLECTIVES[case]
+    counts, units, buckets = launch(_one_step, 2, sharding, impl, extra)[0]
     expected = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0, "broadcast": 0}
-    expected.update(strategy_calls(units, buckets))
+    expected.update(wrapper_calls(units, buckets))
     expected["all_reduce"] += 1  # the trainer's: loss, samples, finiteness and stop, together
     assert counts == expected
 
@@ -488,7 +488,7 @@ def _host_reads_per_step(grad_accum: int) -> int:
     """How often the trainer's own code reads a tensor back to the host during one step."""
     import inspect
 
-    trainer = Trainer(dataclasses.replace(BASE, strategy="single", grad_accum=grad_accum))
+    trainer = Trainer(dataclasses.replace(BASE, sharding="single", grad_accum=grad_accum))
     batches = iter(trainer.train_loader)
     reads = []
     originals = {name: getattr(torch.Tensor, name) for name in ("item", "tolist", "__bool__", "__float__")}

@@ -11,7 +11,7 @@ from conftest import run_ranks
 
 pytestmark = pytest.mark.slow  # each fault stops a real multi-process run: seconds each
 
-BASE = ["--epochs", "2", "--max-steps", "30", "--no-progress", "--strategy", "ddp", "--timeout", "20"]
+BASE = ["--epochs", "2", "--max-steps", "30", "--no-progress", "--sharding", "ddp", "--timeout", "20"]
 
 CASES = [
     # (fault, extra flags, exit status, what rank 0's error line says)

@@ -21,7 +21,7 @@ sharding    stage    bytes per rank                7.5B parameters, N = 64, K = 
 ==========  =======  ============================  ====================================
 
 The first column is the course's one name for each (``SHARDINGS``): the same word in a
-``Layout``, the trainer's ``--strategy``, the planner and the labs. ZeRO-3 goes by its
+``Layout``, the trainer's ``--sharding``, the planner and the labs. ZeRO-3 goes by its
 framework's name, FSDP, as in PyTorch and torchtitan.
 
 Traffic per step and rank, in parameter-sized messages: DDP all-reduces the gradients, about

@@ -86,7 +86,7 @@ def summarize(label: str, records: list[dict[str, Any]]) -> dict[str, Any]:
     seconds = time_per_epoch(records)
     return {
         "run": label,
-        "strategy": last["strategy"],
+        "sharding": last["sharding"],
         "impl": last["impl"],
         "world_size": last["world_size"],
         "global_batch_size": last["global_batch_size"],

@@ -47,8 +47,8 @@ QUICK_GLOBAL_BATCH = 480
 SAME_MODEL_TOLERANCE = 1e-2  # relative spread of the final validation losses
 
 
-def command_for(strategy: str, nprocs: int, train_args: list[str]) -> list[str]:
-    train = ["-m", "course_lib.train", "--strategy", strategy, *train_args]
+def command_for(sharding: str, nprocs: int, train_args: list[str]) -> list[str]:
+    train = ["-m", "course_lib.train", "--sharding", sharding, *train_args]
     if nprocs == 1:
         return [sys.executable, *train]
     return [
@@ -127,11 +127,11 @@ def main(argv: list[str] | None = None) -> int:
         train_args.append("--no-progress")
 
     rows = []
-    for strategy, nprocs in RUNS:
-        metrics = results / f"lab-{strategy}.jsonl"
+    for sharding, nprocs in RUNS:
+        metrics = results / f"lab-{sharding}.jsonl"
         metrics.unlink(missing_ok=True)
-        command = command_for(strategy, nprocs, [*train_args, "--metrics", str(metrics)])
-        print(f"\n=== {strategy} on {nprocs} process(es): {shlex.join(command)}", flush=True)
+        command = command_for(sharding, nprocs, [*train_args, "--metrics", str(metrics)])
+        print(f"\n=== {sharding} on {nprocs} process(es): {shlex.join(command)}", flush=True)
         # Set for every run, so that torchrun does not choose (and warn about it).
         threads = (
             max(1, environment.usable_cpus() // nprocs) if args.share_cores else args.threads_per_process
@@ -140,12 +140,12 @@ def main(argv: list[str] | None = None) -> int:
         finished = subprocess.run(command, env=env)
         if finished.returncode != 0:
             print(
-                f"\nlab: the {strategy} run failed with exit status {finished.returncode} (its error is "
+                f"\nlab: the {sharding} run failed with exit status {finished.returncode} (its error is "
                 "above); fix it and run `make lab` again",
                 file=sys.stderr,
             )
             return finished.returncode
-        rows.append(summarize(strategy, read_metrics(metrics)))
+        rows.append(summarize(sharding, read_metrics(metrics)))
 
     add_speedup(rows, rows[0]["time_per_epoch_s"], baseline=f"{rows[0]['run']} (one process, no wrapper)")
     print("\n" + format_table(rows))

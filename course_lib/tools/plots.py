@@ -145,12 +145,12 @@ def draw_study(
     panel_size: tuple[float, float] = (4.4, 4.0),
 ) -> Figure:
     """The study as a matplotlib figure: one panel per metric of ``panels`` against the number of
-    processes (log scale), one line per strategy from its own runs, and the ideal where there is
+    processes (log scale), one line per sharding from its own runs, and the ideal where there is
     one (time 1/N, speedup N, efficiency 1).
 
     A one-process ``single`` row, as the lab has, is the baseline every speedup is taken against:
     it is drawn as one labelled point (a star), not as the start of every line, so that a
-    strategy's own one-process run (its wrapper's cost) shows where it is.
+    sharding's own one-process run (its wrapper's cost) shows where it is.
     """
     columns = min(len(panels), STUDY_COLUMNS)  # wrapped into rows: five panels in a row are unreadable
     rows_of_panels = -(-len(panels) // columns)
@@ -160,16 +160,16 @@ def draw_study(
         unused.set_visible(False)
     axes = dict(zip(panels, grid))
     sizes = sorted({row["world_size"] for row in rows})
-    baseline = sorted((row for row in rows if row["strategy"] == "single"), key=lambda row: row["world_size"])
-    for strategy in sorted({row["strategy"] for row in rows} - {"single"}):
-        mine = sorted((row for row in rows if row["strategy"] == strategy), key=lambda row: row["world_size"])
+    baseline = sorted((row for row in rows if row["sharding"] == "single"), key=lambda row: row["world_size"])
+    for sharding in sorted({row["sharding"] for row in rows} - {"single"}):
+        mine = sorted((row for row in rows if row["sharding"] == sharding), key=lambda row: row["world_size"])
         ranks = [row["world_size"] for row in mine]
         for key, axis in axes.items():
-            (line,) = axis.plot(ranks, [row[key] for row in mine], "o-", label=strategy.upper())
+            (line,) = axis.plot(ranks, [row[key] for row in mine], "o-", label=sharding.upper())
         if "time_per_epoch_s" in axes and not baseline:  # without a baseline, each line its own ideal
             first = mine[0]
             ideal = [first["time_per_epoch_s"] * first["world_size"] / n for n in sizes]
-            label = f"ideal 1/N ({strategy.upper()})"
+            label = f"ideal 1/N ({sharding.upper()})"
             axes["time_per_epoch_s"].plot(sizes, ideal, ":", color=line.get_color(), lw=1.5, label=label)
     if baseline:
         for key, axis in axes.items():

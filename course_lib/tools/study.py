@@ -2,12 +2,12 @@
 
 ::
 
-    python -m course_lib.tools.study submit --gpus 1 2 4 8 16 --strategies ddp fsdp --wait   # Slurm
+    python -m course_lib.tools.study submit --gpus 1 2 4 8 16 --shardings ddp fsdp --wait   # Slurm
     python -m course_lib.tools.study submit --local --gpus 1 2                                # a laptop
     python -m course_lib.tools.study collect     # table + scaling.csv; says which runs failed
     python -m course_lib.tools.study plot        # scaling.png
 
-``submit`` writes ``study.json`` (the plan: one run per strategy and size, its job id, where its
+``submit`` writes ``study.json`` (the plan: one run per sharding and size, its job id, where its
 metrics go) into the results folder; with Slurm each run is ``slurm/scaling_run.sbatch`` with
 nodes = ceil(N / GPUs per node). ``collect`` reads every run's metrics, tolerating failed and
 missing runs (it lists them), and writes ``scaling.csv``; ``plot`` draws time per epoch (log-log,
@@ -48,7 +48,7 @@ STUDY_FILE, CSV_FILE, PLOT_FILE = "study.json", "scaling.csv", "scaling.png"
 @dataclass
 class PlannedRun:
     name: str
-    strategy: str
+    sharding: str
     world_size: int
     nodes: int
     tasks_per_node: int
@@ -63,11 +63,11 @@ BASELINE = "single-1"
 """The run every speedup is taken against: one process, no wrapper, the best serial run."""
 
 
-def plan_runs(gpus: list[int], strategies: list[str], gpus_per_node: int) -> list[PlannedRun]:
-    """The baseline (``single-1``), then one run per strategy and size; N GPUs fill
+def plan_runs(gpus: list[int], shardings: list[str], gpus_per_node: int) -> list[PlannedRun]:
+    """The baseline (``single-1``), then one run per sharding and size; N GPUs fill
     ceil(N / gpus_per_node) nodes."""
     runs = [PlannedRun(BASELINE, "single", 1, 1, 1)]
-    for strategy in strategies:
+    for sharding in shardings:
         for n in sorted(set(gpus)):
             nodes = math.ceil(n / gpus_per_node)
             if n > gpus_per_node and n % gpus_per_node:
@@ -75,7 +75,7 @@ def plan_runs(gpus: list[int], strategies: list[str], gpus_per_node: int) -> lis
                     f"{n} GPUs do not fill whole nodes of {gpus_per_node}: choose multiples of "
                     f"{gpus_per_node} above one node"
                 )
-            runs.append(PlannedRun(f"{strategy}-{n}", strategy, n, nodes, n // nodes))
+            runs.append(PlannedRun(f"{sharding}-{n}", sharding, n, nodes, n // nodes))
     return runs
 
 
@@ -105,7 +105,7 @@ def _training_environment(results: Path, run: PlannedRun, settings: dict[str, An
     env = dict(os.environ)
     env.update(
         {
-            "COURSE_STRATEGY": run.strategy,
+            "COURSE_SHARDING": run.sharding,
             "COURSE_RUN_NAME": run.name,
             "COURSE_RESULTS": str(results),
             "COURSE_DATASET": settings["dataset"],
@@ -169,7 +169,7 @@ def wait_for_jobs(runs: list[PlannedRun], poll_s: float = 2.0) -> None:
 def _training_config(run: PlannedRun, args: argparse.Namespace):
     """The ``TrainConfig`` a local run of the study trains with (what its command line says)."""
     return TrainConfig(
-        strategy=run.strategy,
+        sharding=run.sharding,
         dataset=args.dataset,
         model=args.model,
         epochs=args.epochs,
@@ -194,8 +194,8 @@ def run_locally(
     for run in runs:
         env = _training_environment(results, run, settings)
         flags = [
-            "--strategy",
-            run.strategy,
+            "--sharding",
+            run.sharding,
             "--dataset",
             settings["dataset"],
             "--model",
@@ -236,7 +236,7 @@ def run_locally(
 
 def collect(results: Path) -> tuple[list[dict[str, Any]], list[str]]:
     """Rows (with speedup and efficiency against the baseline run, ``single-1``; without it, against
-    each strategy's smallest run) and the failed runs.
+    each sharding's smallest run) and the failed runs.
 
     Args:
         results: the study's folder (where ``submit`` wrote ``study.json`` and the runs' metrics).
@@ -267,20 +267,20 @@ def collect(results: Path) -> tuple[list[dict[str, Any]], list[str]]:
     if baseline is not None:
         add_speedup(rows, baseline["time_per_epoch_s"], baseline=f"{BASELINE} (one process, no wrapper)")
     else:  # a study without its baseline (failed, or planned before it had one)
-        for strategy in sorted({row["strategy"] for row in rows}):
+        for sharding in sorted({row["sharding"] for row in rows}):
             mine = sorted(
-                (row for row in rows if row["strategy"] == strategy), key=lambda row: row["world_size"]
+                (row for row in rows if row["sharding"] == sharding), key=lambda row: row["world_size"]
             )
             base = mine[0]  # against the smallest run, scaled as if it had been perfect down to one process
             add_speedup(mine, base["time_per_epoch_s"] * base["world_size"])
-    rows.sort(key=lambda row: (row["run"] != BASELINE, row["strategy"], row["world_size"]))
+    rows.sort(key=lambda row: (row["run"] != BASELINE, row["sharding"], row["world_size"]))
     return rows, failed
 
 
 def write_csv(rows: list[dict[str, Any]], path: Path) -> Path:
     columns = [
         "run",
-        "strategy",
+        "sharding",
         "world_size",
         "global_batch_size",
         "epochs",
@@ -312,7 +312,7 @@ def read_csv(path: Path) -> list[dict[str, Any]]:
         rows = list(csv.DictReader(handle))
     for number, row in enumerate(rows, 2):  # line 1 holds the column names
         for key, value in row.items():
-            if key in ("run", "strategy", "peak_mem_kind", "baseline"):
+            if key in ("run", "sharding", "peak_mem_kind", "baseline"):
                 continue
             try:
                 row[key] = float(value)
@@ -370,7 +370,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
         default=[1, 2, 4, 8],
         help="sizes to run (and single-1, one process without a wrapper: every speedup's baseline)",
     )
-    submit.add_argument("--strategies", nargs="+", choices=("ddp", "fsdp"), default=["ddp", "fsdp"])
+    submit.add_argument("--shardings", nargs="+", choices=("ddp", "fsdp"), default=["ddp", "fsdp"])
     submit.add_argument("--gpus-per-node", type=checks.int_at_least(1), default=4)
     submit.add_argument("--local", action="store_true", help="no Slurm: run each size here with torchrun")
     submit.add_argument("--wait", action="store_true", help="return when every job has ended")
@@ -427,7 +427,7 @@ def _check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) 
 def _submit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Plan the runs, check them, start them (Slurm or here), and say which failed."""
     try:
-        runs = plan_runs(args.gpus, args.strategies, args.gpus_per_node)
+        runs = plan_runs(args.gpus, args.shardings, args.gpus_per_node)
     except ValueError as error:
         parser.error(f"argument --gpus: {error}")
     if args.local:  # every run checked as the training command will check it, before the first starts

@@ -2,7 +2,7 @@
 
 ::
 
-    python -m course_lib.tools.torchrun --standalone --nproc-per-node 2 -m course_lib.train --strategy ddp
+    python -m course_lib.tools.torchrun --standalone --nproc-per-node 2 -m course_lib.train --sharding ddp
 
 takes exactly torchrun's flags and runs torchrun's own launcher (``torch.distributed.run``), with
 SIGUSR1 added to the signals it passes on to its workers. What changes is the end. Plain

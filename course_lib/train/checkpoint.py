@@ -12,12 +12,12 @@ Two properties make that harmless:
    (DCP): each rank writes the pieces it holds, plus a global index of where every piece of
    every tensor lives. Loading reads, on each rank, exactly the pieces the *new* layout needs.
    So a checkpoint saved by FSDP on 2 ranks resumes on 1 or 3, and a DDP checkpoint can resume
-   under FSDP: ``get_state_dict`` gives every strategy the same parameter names.
+   under FSDP: ``get_state_dict`` gives every sharding the same parameter names.
 
 The course's own ZeRO and FSDP (``--impl course``) keep each unit as one flat parameter, not as
 the model's named tensors, so they save their *flat* shards (each a DTensor over the ranks; see
 ``course_lib.parallel.zero``). DCP reshards those just the same, to any number of ranks, but
-only the same layout (same strategy, stage and units) can read them; ``meta.pt`` records the
+only the same layout (same sharding, stage and units) can read them; ``meta.pt`` records the
 layout and a mismatch is refused with the flags to use.
 
 Beside the tensors, ``meta.pt`` (written last, read with ``torch.load(weights_only=True)``, which
@@ -55,7 +55,7 @@ import torch.distributed as dist
 
 from ..distributed import runtime
 from ..errors import UserError
-from .strategies import unwrap
+from .wrappers import unwrap
 
 FORMAT_VERSION = 1
 KEEP_LAST = 2
@@ -166,7 +166,7 @@ def _write_meta(path: Path, meta: dict[str, Any]) -> None:
 
 
 def _layout(model: torch.nn.Module) -> str:
-    """How the tensors are named: by parameter (every torch strategy, course DDP) or by flat shard."""
+    """How the tensors are named: by parameter (every torch wrapper, course DDP) or by flat shard."""
     return getattr(model, "state_layout", "named parameters")
 
 
@@ -401,9 +401,9 @@ def check_compatible(meta: dict[str, Any], config: dict[str, Any], path: str | P
 
 def layout_kind(config: dict[str, Any]) -> str:
     """How a run's checkpoint names its tensors, from its flags alone: the start of ``_layout``."""
-    if config.get("strategy") in ("zero1", "zero2"):
+    if config.get("sharding") in ("zero1", "zero2"):
         return "ZeroDataParallel"
-    if (config.get("strategy"), config.get("impl")) == ("fsdp", "course"):
+    if (config.get("sharding"), config.get("impl")) == ("fsdp", "course"):
         return "FullyShardedDataParallel"
     return "named parameters"
 
@@ -414,8 +414,8 @@ def check_layout(meta: dict[str, Any], layout: str, path: str | Path) -> None:
     if not saved.startswith(layout):
         raise UserError(
             f"checkpoint {path} holds {saved}, but this run lays its model out as {layout}: resume with the "
-            f"--strategy, --impl and model of the run that wrote it (its flags: --strategy "
-            f"{meta['config'].get('strategy')} --impl {meta['config'].get('impl')}), or start afresh with a "
+            f"--sharding, --impl and model of the run that wrote it (its flags: --sharding "
+            f"{meta['config'].get('sharding')} --impl {meta['config'].get('impl')}), or start afresh with a "
             "new --checkpoint-dir"
         )
 

@@ -6,12 +6,12 @@ One process::
 
 Two processes with DDP, then with FSDP, on this machine::
 
-    torchrun --standalone --nproc-per-node 2 -m course_lib.train --strategy ddp
-    torchrun --standalone --nproc-per-node 2 -m course_lib.train --strategy fsdp
+    torchrun --standalone --nproc-per-node 2 -m course_lib.train --sharding ddp
+    torchrun --standalone --nproc-per-node 2 -m course_lib.train --sharding fsdp
 
 On a Slurm cluster, one task per GPU (see ``slurm/``)::
 
-    srun python -m course_lib.train --strategy ddp --dataset cifar10 --model resnet18
+    srun python -m course_lib.train --sharding ddp --dataset cifar10 --model resnet18
 
 Exit status: 0 done, 2 a mistake in the input (one line says how to fix it), 1 a crash (on this
 rank, or on another rank that this one was waiting for), 3 stopped by SIGUSR1 or SIGTERM at a
@@ -55,8 +55,8 @@ from .loop import train
 from .preemption import Preempted
 
 FLAG_GROUPS = {
-    "what to train": "strategy",
-    "the course's FSDP (--strategy fsdp --impl course)": "sharding_strategy",
+    "what to train": "sharding",
+    "the course's FSDP (--sharding fsdp --impl course)": "sharding_strategy",
     "how to train": "epochs",
     "checkpoints and metrics": "checkpoint_dir",
 }

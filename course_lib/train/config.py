@@ -21,7 +21,7 @@ from ..observe import faults
 from ..parallel import recompute
 from ..parallel.fsdp_units import OFFLOAD_MODES, SHARDING_STRATEGIES, hybrid_shard_group_size
 from ..plan import layout
-from . import checkpoint, strategies
+from . import checkpoint, wrappers
 
 OPTIMIZERS = ("adamw", "sgd")
 TRAINER_PRECISIONS = tuple(
@@ -38,14 +38,14 @@ class TrainConfig:
     """Every knob of a run; the command-line flags map one to one onto these fields.
 
     Args:
-        strategy: ``"single"`` (one process), or what the ranks shard (``parallel.memory.SHARDINGS``):
+        sharding: ``"single"`` (one process), or what the ranks shard (``parallel.memory.SHARDINGS``):
             ``"ddp"`` (nothing), ``"zero1"`` (optimizer state), ``"zero2"`` (and gradients) or
             ``"fsdp"`` (and parameters); zero1 and zero2 with ``--impl course``.
         impl: ``"torch"`` (PyTorch's own DDP and FSDP2) or ``"course"`` (``course_lib.parallel``).
         dataset: ``"digits"``, ``"synthetic"`` or ``"cifar10"``.
         data_dir: where CIFAR-10's files are.
         model: ``"digits_cnn"``, ``"cifar_cnn"`` or ``"resnet18"``.
-        sharding_strategy: the course FSDP's, in PyTorch FSDP's names (``--strategy fsdp --impl
+        sharding_strategy: the course FSDP's, in PyTorch FSDP's names (``--sharding fsdp --impl
             course``): ``"FULL_SHARD"``, ``"SHARD_GRAD_OP"``, ``"HYBRID_SHARD"`` or ``"NO_SHARD"``.
         hybrid_shard_size: ranks per shard group for HYBRID_SHARD (None: the ranks of a node).
         cpu_offload: the course FSDP's offload: ``"none"``, ``"params"`` or ``"full"``.
@@ -59,7 +59,7 @@ class TrainConfig:
         precision: ``"fp32"`` or ``"bf16"`` (autocast).
         recomputation: what each unit keeps for backward (``recompute.POLICIES``): ``"none"``
             (everything), ``"full"`` (its input; the rest is recomputed) or ``"selective"``; with
-            any strategy.
+            any sharding.
         grad_accum: micro-batches each rank accumulates before a step.
         eval_batch_size: samples per forward when validating.
         max_steps: stop after this many optimizer steps in total (None: run every epoch).
@@ -79,14 +79,14 @@ class TrainConfig:
             each rank's trace and the budget (``anatomy.json``) go into this folder.
         profile_steps: how many steps to record with ``profile``.
         check_replicas: every this many steps, check that every rank holds the same weights
-            (``replicas.check_replicas``; 0: never); with ``--strategy ddp``.
+            (``replicas.check_replicas``; 0: never); with ``--sharding ddp``.
         straggler_report: a JSON-lines file that gets one line per step: every rank's lateness
             at the step's collectives, its time in them, the slowest rank and what it cost the
             others (``stragglers``); with the course's collectives (``--impl course``).
         progress: show a progress bar on rank 0.
     """
 
-    strategy: str = "single"
+    sharding: str = "single"
     impl: str = "torch"
     dataset: str = "digits"
     data_dir: str = "data"
@@ -128,8 +128,8 @@ CHECKPOINT_MODES = ("blocking", "async")
 (``async_checkpoint.AsyncSaves``)."""
 
 CHOICES = {
-    "strategy": strategies.STRATEGIES,
-    "impl": strategies.IMPLEMENTATIONS,
+    "sharding": wrappers.TRAINER_SHARDINGS,
+    "impl": wrappers.IMPLEMENTATIONS,
     "sharding_strategy": SHARDING_STRATEGIES,
     "cpu_offload": OFFLOAD_MODES,
     "recomputation": recompute.POLICIES,
@@ -221,7 +221,7 @@ def validate_config(config: TrainConfig, world_size: int, ranks_per_node: int | 
     _check_checkpoint_interval(config)
     if config.hybrid_shard_size is not None:
         checks.check_int("--hybrid-shard-size", config.hybrid_shard_size, minimum=1, maximum=world_size)
-    strategies.check_strategy(config.strategy, config.impl, world_size)
+    wrappers.check_sharding(config.sharding, config.impl, world_size)
     checks.check_folder_to_read("--data-dir", config.data_dir)
     data.check_data_available(config.dataset, config.data_dir)
     models.check_model_fits_data(config.model, config.dataset, data.INPUT_SHAPES[config.dataset])
@@ -231,7 +231,7 @@ def validate_config(config: TrainConfig, world_size: int, ranks_per_node: int | 
     checks.check_choice("precision", config.precision, TRAINER_PRECISIONS)
     checks.check_choice("optimizer", config.optimizer, OPTIMIZERS)
     _check_fsdp_flags(config)
-    if (config.strategy, config.impl, config.sharding_strategy) == ("fsdp", "course", "HYBRID_SHARD"):
+    if (config.sharding, config.impl, config.sharding_strategy) == ("fsdp", "course", "HYBRID_SHARD"):
         hybrid_shard_group_size(config.hybrid_shard_size, world_size, ranks_per_node or world_size)
     if config.checkpoint_every and not config.checkpoint_dir:
         raise UserError("--checkpoint-every needs --checkpoint-dir (where to write the checkpoints)")
@@ -287,15 +287,15 @@ def _check_observers(config: TrainConfig) -> None:
             "--profile-steps says how many steps --profile records: add --profile DIR, or leave it out"
         )
     checks.check_int("--check-replicas", config.check_replicas, minimum=0)
-    if config.check_replicas and config.strategy != "ddp":
+    if config.check_replicas and config.sharding != "ddp":
         raise UserError(
-            "--check-replicas compares whole replicas: use it with --strategy ddp (ZeRO and FSDP shard the "
+            "--check-replicas compares whole replicas: use it with --sharding ddp (ZeRO and FSDP shard the "
             "training state, so the ranks hold different pieces by design)"
         )
     if config.straggler_report is not None:
-        if config.strategy == "single" or config.impl != "course":
+        if config.sharding == "single" or config.impl != "course":
             raise UserError(
-                "--straggler-report times the collectives the course's own code makes: add --strategy ddp "
+                "--straggler-report times the collectives the course's own code makes: add --sharding ddp "
                 "(or zero1, zero2, fsdp) --impl course (PyTorch's DDP and FSDP call the transport directly)"
             )
         checks.check_file_to_write("--straggler-report", config.straggler_report)
@@ -306,9 +306,9 @@ def _check_fsdp_flags(config: TrainConfig) -> None:
     """FSDP's own flags configure the course's FSDP: refuse them anywhere else."""
     defaults = TrainConfig()
     changed = [name for name in FSDP_FLAGS if getattr(config, name) != getattr(defaults, name)]
-    if changed and (config.strategy, config.impl) != ("fsdp", "course"):
+    if changed and (config.sharding, config.impl) != ("fsdp", "course"):
         flags = ", ".join("--" + name.replace("_", "-") for name in changed)
-        raise UserError(f"{flags} configure(s) the course's FSDP: use --strategy fsdp --impl course")
+        raise UserError(f"{flags} configure(s) the course's FSDP: use --sharding fsdp --impl course")
     checks.check_choice("--sharding-strategy", config.sharding_strategy, SHARDING_STRATEGIES)
     checks.check_choice("--cpu-offload", config.cpu_offload, OFFLOAD_MODES)
     if config.hybrid_shard_size is not None and config.sharding_strategy != "HYBRID_SHARD":

@@ -1,8 +1,8 @@
-"""One training loop for every strategy: single process, DDP, FSDP.
+"""One training loop for every sharding: single process, DDP, FSDP.
 
 The loop is the one a student writes on a single GPU; distribution changes only three lines:
 
-1. the model is wrapped (``strategies.wrap_model``) before the optimizer is built;
+1. the model is wrapped (``wrappers.wrap_model``) before the optimizer is built;
 2. the data loader's ``DistributedSampler`` gives each rank its slice of every global batch,
    and ``set_epoch`` reshuffles it each epoch;
 3. metrics computed on a slice (loss, accuracy) are summed over ranks with one all-reduce.
@@ -34,7 +34,7 @@ from ..distributed import runtime
 from ..observe import faults, flight_recorder, profiling, replicas, stragglers
 from ..parallel import recompute
 from ..plan import flops
-from . import async_checkpoint, checkpoint, checkpoint_interval, divergence, strategies
+from . import async_checkpoint, checkpoint, checkpoint_interval, divergence, wrappers
 from .config import (
     AUTO_FIRST_SAVE_STEP,
     TrainConfig,
@@ -85,7 +85,7 @@ class Trainer:
                 config.profile,
                 steps=config.profile_steps,
                 warmup=PROFILE_WARMUP_STEPS,
-                strategy=config.strategy,
+                sharding=config.sharding,
                 impl=config.impl,
             )
             if config.profile
@@ -113,7 +113,7 @@ class Trainer:
         self.callbacks = StepCallbacks(check_replicas=config.check_replicas)
 
     def _build_model(self, config: TrainConfig) -> None:
-        """The model, the same on every rank, wrapped by the strategy; its optimizer."""
+        """The model, the same on every rank, wrapped for its sharding; its optimizer."""
         # The same seed on every rank gives every replica the same initial weights.
         torch.manual_seed(config.seed)
         random.seed(config.seed)
@@ -126,12 +126,12 @@ class Trainer:
         recompute.apply_recomputation(model, policy=config.recomputation)
         # FSDP's sharding strategy, for the metrics (PyTorch's fully_shard always shards fully).
         self.sharding_strategy = None
-        if config.strategy == "fsdp":
+        if config.sharding == "fsdp":
             self.sharding_strategy = config.sharding_strategy if config.impl == "course" else "FULL_SHARD"
-        # FSDP's flags are only ever set with --strategy fsdp --impl course (validate_config).
-        self.model = strategies.wrap_model(
+        # FSDP's flags are only ever set with --sharding fsdp --impl course (validate_config).
+        self.model = wrappers.wrap_model(
             model,
-            strategy=config.strategy,
+            sharding=config.sharding,
             impl=config.impl,
             process=self.process,
             sharding_strategy=config.sharding_strategy,
@@ -139,8 +139,8 @@ class Trainer:
             cpu_offload=config.cpu_offload,
         )
         self.optimizer = build_optimizer(self.model, config)
-        if config.strategy == "ddp":  # replicas: a flight record, if one is kept, holds their fingerprints
-            flight_recorder.watch_replicas(lambda: replicas.fingerprints(strategies.unwrap(self.model)))
+        if config.sharding == "ddp":  # replicas: a flight record, if one is kept, holds their fingerprints
+            flight_recorder.watch_replicas(lambda: replicas.fingerprints(wrappers.unwrap(self.model)))
 
     def _build_loaders(self, config: TrainConfig) -> None:
         """This rank's slice of every training batch, and its share of the validation set."""
@@ -186,7 +186,7 @@ class Trainer:
         rank) and whether any rank asked to stop. Raises ``Diverged`` on every rank, before the
         update, if any rank's loss or gradient is not finite.
 
-        What a step costs beyond the strategy's own communication: one all-reduce of four numbers
+        What a step costs beyond the sharding's own communication: one all-reduce of four numbers
         and one wait for the device (reading its result). The loss stays on the device during the
         micro-batches; reading it after each one would stall a GPU once per micro-batch.
         """
@@ -199,7 +199,7 @@ class Trainer:
                 inputs, targets = next(batches)
                 inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
             last = micro_step == config.grad_accum - 1
-            with contextlib.nullcontext() if last else strategies.gradient_sync_skipped(self.model):
+            with contextlib.nullcontext() if last else wrappers.gradient_sync_skipped(self.model):
                 with hooks.phase("forward"), autocast(device, config.precision):
                     loss = F.cross_entropy(self.model(inputs).float(), targets)
                     loss = hooks.loss(loss, self.position.global_step)
@@ -210,7 +210,7 @@ class Trainer:
         with hooks.phase("agree"):  # clipping, finiteness, and the step's one all-reduce
             grad_norm = None
             if config.clip_grad_norm is not None:
-                grad_norm = strategies.clip_grad_norm_(self.model, config.clip_grad_norm)
+                grad_norm = wrappers.clip_grad_norm_(self.model, config.clip_grad_norm)
             non_finite = ~divergence.gradients_finite(self.model, device)
             loss_total, samples_total, diverged, stop = self._agree_on_step(loss_sum, samples, non_finite)
         if diverged:
@@ -393,7 +393,7 @@ class Trainer:
     def fit(self, collect_state: bool = False) -> TrainResult:
         config, position = self.config, self.position
         runtime.print0(
-            f"training {config.model} on {config.dataset}: strategy {config.strategy} "
+            f"training {config.model} on {config.dataset}: sharding {config.sharding} "
             f"({config.impl}{', ' + self.sharding_strategy if self.sharding_strategy else ''}), "
             f"{self.process.world_size} rank(s) on {self.process.device.type}/{self.process.backend}, "
             f"global batch {config.global_batch_size} = {self.process.world_size} x {config.grad_accum} "
@@ -435,7 +435,7 @@ class Trainer:
                 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
                 options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-                result.state_dict = get_model_state_dict(strategies.unwrap(self.model), options=options)
+                result.state_dict = get_model_state_dict(wrappers.unwrap(self.model), options=options)
         return result
 
 

@@ -149,7 +149,7 @@ def epoch_record(
     peak_mb, peak_kind = peak_memory_mb(trainer.process.device)
     record = {
         "epoch": epoch + 1,
-        "strategy": trainer.config.strategy,
+        "sharding": trainer.config.sharding,
         "impl": trainer.config.impl,
         "sharding_strategy": trainer.sharding_strategy,
         "world_size": trainer.process.world_size,

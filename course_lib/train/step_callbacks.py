@@ -20,7 +20,7 @@ from torch import nn
 
 from ..checks import check_int
 from ..observe import anatomy, faults, replicas
-from . import strategies
+from . import wrappers
 
 
 class StepCallbacks:
@@ -47,4 +47,4 @@ class StepCallbacks:
         faults.corrupt_after(model, step)
         done = step + 1
         if self.check_replicas and done % self.check_replicas == 0:
-            replicas.check_replicas(strategies.unwrap(model), step=done)
+            replicas.check_replicas(wrappers.unwrap(model), step=done)

@@ -83,7 +83,7 @@ def fit_with_communication_scale(
     )
 
 
-def _measured(csv_path: str, allreduce_path: str, model: str, strategy: str, cores: int | None) -> dict:
+def _measured(csv_path: str, allreduce_path: str, model: str, sharding: str, cores: int | None) -> dict:
     """Your measurements, as the ``[measured]`` block of answers.toml holds them."""
     import json
     from pathlib import Path
@@ -101,16 +101,16 @@ def _measured(csv_path: str, allreduce_path: str, model: str, strategy: str, cor
         raise SystemExit(
             f"error: --model {model} is not one of the course's models: {', '.join(models.IMAGE_MODELS)}"
         )
-    rows = [row for row in read_csv(csv_path) if row["strategy"] == strategy]
+    rows = [row for row in read_csv(csv_path) if row["sharding"] == sharding]
     if not rows:
-        raise SystemExit(f"{csv_path} has no {strategy} run: run the study with --strategies {strategy}")
+        raise SystemExit(f"{csv_path} has no {sharding} run: run the study with --shardings {sharding}")
     sweep = json.loads(open(allreduce_path).read())
     fit = sweep.get("fit_by_regime") or sweep["fit"]
     parameters = sum(p.numel() for p in models.build_model(model).parameters())
     first = rows[0]
     steps = round(first["samples_per_s"] * first["time_per_epoch_s"] / first["global_batch_size"])
     return {
-        "strategy": strategy,
+        "sharding": sharding,
         **({} if cores is None else {"cores": cores}),
         "seconds_per_epoch": {str(int(row["world_size"])): row["time_per_epoch_s"] for row in rows},
         "alpha_us": fit["latency_us"],
@@ -163,7 +163,7 @@ if __name__ == "__main__":
     parser.add_argument("scaling_csv", help="results/scaling/scaling.csv, written by `study collect`")
     parser.add_argument("allreduce_json", help="the JSON `bench allreduce` printed (or the network check's)")
     parser.add_argument("--model", default="resnet18", help="the model the study trained")
-    parser.add_argument("--strategy", default="ddp", help="which strategy's runs to fit")
+    parser.add_argument("--sharding", default="ddp", help="which sharding's runs to fit")
     parser.add_argument(
         "--cores",
         type=int,
@@ -174,12 +174,12 @@ if __name__ == "__main__":
     args = parser.parse_args(sys.argv[1:])
     if args.cores is not None and args.cores < 1:
         parser.error(f"--cores must be 1 or more, got {args.cores}")
-    measured = _measured(args.scaling_csv, args.allreduce_json, args.model, args.strategy, args.cores)
+    measured = _measured(args.scaling_csv, args.allreduce_json, args.model, args.sharding, args.cores)
     model = explain(measured)
     table = speedup_and_efficiency(model["seconds"])
     karp_flatt = karp_flatt_metric({n: s for n, (s, _) in table.items()}) if 1 in table else {}
     print(
-        f"speedup and efficiency against {args.strategy}-1, this strategy's own one-process run (the study's "
+        f"speedup and efficiency against {args.sharding}-1, this sharding's own one-process run (the study's "
         "table takes them against single-1, one process without a wrapper)"
     )
     for n, seconds in sorted(model["seconds"].items()):

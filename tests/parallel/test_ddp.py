@@ -307,7 +307,7 @@ def test_harness_course_impl_gives_the_same_metrics_as_torch(tmp_path, quick_arg
     for impl in ("torch", "course"):
         path = tmp_path / f"{impl}.jsonl"
         outcomes = run_ranks(
-            [*quick_args, "--strategy", "ddp", "--impl", impl, "--max-steps", "5", "--metrics", str(path)],
+            [*quick_args, "--sharding", "ddp", "--impl", impl, "--max-steps", "5", "--metrics", str(path)],
             nprocs=2,
         )
         assert [o.returncode for o in outcomes] == [0, 0], outcomes[0].stderr

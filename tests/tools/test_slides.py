@@ -218,10 +218,10 @@ def test_a_command_line_the_tool_refuses_is_named_with_slide_and_line(tmp_path):
         # two
 
         ```bash
-        torchrun --nproc-per-node 2 -m course_lib.train --strategy ddp \\
+        torchrun --nproc-per-node 2 -m course_lib.train --sharding ddp \\
             --global-batch-sise 64
         sbatch slurm/no_such_job.sbatch
-        python -m course_lib.tools.study submit --gpus 1 2 --strategies ddp
+        python -m course_lib.tools.study submit --gpus 1 2 --shardings ddp
         ```
         """,
     )

@@ -33,7 +33,7 @@ def _outcome(main, argv: list[str], capsys) -> tuple[int, list[str]]:
 def _record(epoch: int) -> dict:
     return {
         "epoch": epoch,
-        "strategy": "ddp",
+        "sharding": "ddp",
         "impl": "torch",
         "world_size": 1,
         "global_batch_size": 64,
@@ -47,7 +47,7 @@ def _record(epoch: int) -> dict:
 
 
 def _study(folder: Path, metrics_text: str, epochs: int = 2) -> Path:
-    runs = [{"name": "ddp-1", "strategy": "ddp", "world_size": 1, "nodes": 1, "tasks_per_node": 1}]
+    runs = [{"name": "ddp-1", "sharding": "ddp", "world_size": 1, "nodes": 1, "tasks_per_node": 1}]
     (folder / "study.json").write_text(json.dumps({"settings": {"epochs": epochs}, "runs": runs}))
     (folder / "ddp-1.jsonl").write_text(metrics_text)
     return folder
@@ -71,7 +71,7 @@ def test_collect_names_a_file_that_is_not_metrics(tmp_path, capsys):
 
 def test_plot_refuses_a_csv_with_an_empty_cell_in_one_line(tmp_path, capsys):
     _study(tmp_path, "")
-    header = "run,strategy,world_size,time_per_epoch_s,speedup\n"
+    header = "run,sharding,world_size,time_per_epoch_s,speedup\n"
     (tmp_path / "scaling.csv").write_text(header + "ddp-1,ddp,1,,1.0\n")
     status, lines = _outcome(study.main, ["plot", "--results", str(tmp_path)], capsys)
     assert status == EXIT_USER_ERROR

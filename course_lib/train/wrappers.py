@@ -1,7 +1,9 @@
-"""Where the model lives: one process, replicated (DDP), or sharded (ZeRO, FSDP).
+"""The trainer's wrappers: the model on one process, replicated (DDP), or sharded (ZeRO, FSDP).
+
+``--sharding`` chooses:
 
 ==========  =================================  ===============================================
-strategy    each rank holds                    communication per step (Ψ = parameters)
+sharding    each rank holds                    communication per step (Ψ = parameters)
 ==========  =================================  ===============================================
 single      everything, one process            none
 ddp         a full replica + its gradients     all-reduce of the gradients: ~2Ψ values sent
@@ -20,9 +22,9 @@ planner and the labs use for the same thing. ``zero1`` and ``zero2`` are the cou
 ``ddp`` and ``fsdp`` have two implementations behind the same flags: ``torch`` (PyTorch's own
 ``DistributedDataParallel`` and FSDP2 ``fully_shard``, the production path and the default)
 and ``course`` (the readable versions in ``course_lib.parallel``, applied by the same verb that
-lays out a transformer's data axis, ``parallel.data_parallel.apply_data_parallel``: this CNN has no other
-axis). The trainer only ever calls
-``wrap_model`` and ``gradient_sync_skipped``, so both are held to the same numbers.
+lays out a transformer's data axis, ``parallel.data_parallel.apply_data_parallel``: this CNN has
+no other axis). The trainer only ever calls ``wrap_model`` and ``gradient_sync_skipped``, so both
+are held to the same numbers.
 
 Gradient accumulation. With ``--grad-accum K`` a rank runs K micro-batches before one
 optimizer step. Synchronising gradients after each micro-batch would send K times the bytes for
@@ -47,25 +49,26 @@ from ..parallel.data_parallel import apply_data_parallel
 from ..parallel.ddp import DataParallel
 from ..parallel.memory import SHARDINGS
 
-STRATEGIES = ("single", *SHARDINGS)
+TRAINER_SHARDINGS = ("single", *SHARDINGS)
+"""What ``--sharding`` takes: one process, or a data axis's sharding (``memory.SHARDINGS``)."""
 IMPLEMENTATIONS = ("torch", "course")
 COURSE_ONLY = ("zero1", "zero2")
-"""Strategies only the course implements here (PyTorch's nearest: ``ZeroRedundancyOptimizer``,
+"""Shardings only the course implements here (PyTorch's nearest: ``ZeroRedundancyOptimizer``,
 FSDP's ``SHARD_GRAD_OP``)."""
 
 
-def check_strategy(strategy: str, impl: str, world_size: int) -> None:
+def check_sharding(sharding: str, impl: str, world_size: int) -> None:
     """Reject impossible combinations before any process waits for another."""
-    check_choice("strategy", strategy, STRATEGIES)
+    check_choice("sharding", sharding, TRAINER_SHARDINGS)
     check_choice("implementation", impl, IMPLEMENTATIONS)
-    if strategy == "single" and world_size > 1:
+    if sharding == "single" and world_size > 1:
         raise UserError(
-            f"strategy single runs one process, but {world_size} were started: use --strategy "
+            f"sharding single runs one process, but {world_size} were started: use --sharding "
             f"{', '.join(SHARDINGS)}, or run without torchrun/srun"
         )
-    if strategy in COURSE_ONLY and impl != "course":
+    if sharding in COURSE_ONLY and impl != "course":
         raise UserError(
-            f"--strategy {strategy} runs the course's ZeroDataParallel: add --impl course (PyTorch's "
+            f"--sharding {sharding} runs the course's ZeroDataParallel: add --impl course (PyTorch's "
             "nearest are ZeroRedundancyOptimizer and FSDP's SHARD_GRAD_OP)"
         )
 
@@ -73,18 +76,18 @@ def check_strategy(strategy: str, impl: str, world_size: int) -> None:
 def wrap_model(
     model: nn.Module,
     *,
-    strategy: str,
+    sharding: str,
     impl: str,
     process: ProcessInfo,
     sharding_strategy: str = "FULL_SHARD",
     hybrid_shard_size: int | None = None,
     cpu_offload: str = "none",
 ) -> nn.Module:
-    """Return the model as this strategy trains it (the optimizer must be built *after* this).
+    """Return the model wrapped for this sharding (the optimizer must be built *after* this).
 
     Args:
         model: the model, on ``process.device``, the same on every rank.
-        strategy: one of ``STRATEGIES``: ``single``, or what the ranks shard (``ddp``, ``zero1``,
+        sharding: one of ``TRAINER_SHARDINGS``: ``single``, or what the ranks shard (``ddp``, ``zero1``,
             ``zero2``, ``fsdp``).
         impl: ``torch`` (PyTorch's DDP or FSDP2) or ``course`` (``course_lib.parallel``).
         process: this process's ``runtime.ProcessInfo`` (its device and world size).
@@ -93,16 +96,16 @@ def wrap_model(
         hybrid_shard_size: ranks per shard group under ``HYBRID_SHARD``.
         cpu_offload: the course FSDP's offload mode: ``none``, ``params`` or ``full``.
     """
-    check_strategy(strategy, impl, process.world_size)
-    if strategy == "single":
+    check_sharding(sharding, impl, process.world_size)
+    if sharding == "single":
         return model
     if impl == "course":  # the data axis's one verb, as plan.parallelize applies it to a transformer
         options = {}
-        if strategy == "fsdp":
+        if sharding == "fsdp":
             options = {"sharding_strategy": sharding_strategy, "hybrid_shard_size": hybrid_shard_size,
                        "cpu_offload": cpu_offload}  # fmt: skip
-        return apply_data_parallel(model, sharding=strategy, units=sharding_units(model), **options)
-    if strategy == "ddp":
+        return apply_data_parallel(model, sharding=sharding, units=sharding_units(model), **options)
+    if sharding == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [process.device.index] if process.device.type == "cuda" else None

@@ -88,11 +88,11 @@ format: setup
 # fp8, attention and memory-bound work, and the gpu-marked tests, written to
 # slides/recorded/gpu/<gpu>.json for the planner. Commit what it records.
 gpu-record: setup
-	$(PY) -m course_lib.tools.gpu_record
+	$(PY) -m course_lib.tools.evidence.gpu_record
 
 # Single-GPU training steps of the course's Llama module beside the planner's predictions (under 8 minutes)
 gpu-check: setup
-	$(PY) -m course_lib.tools.gpu_check
+	$(PY) -m course_lib.tools.evidence.gpu_check
 
 test: system-deps setup lint
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)

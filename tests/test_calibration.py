@@ -236,7 +236,7 @@ def test_a_profile_fitted_on_k_noisy_runs_predicts_the_others_better_than_none(k
 
 
 def _h200_runs(recipe: str) -> list[calibration.MeasuredRun]:
-    from course_lib.tools import gpu_runs
+    from course_lib.tools.evidence import gpu_runs
 
     return [
         calibration.MeasuredRun(run.model, run.layout, run.seq_len, run.global_batch, run.tokens_per_s,

@@ -22,7 +22,7 @@ COMMANDS = {
     "bench": "course_lib.tools.bench.cli",
     "diagnose": "course_lib.tools.diagnose",
     "figures": "course_lib.tools.figures",
-    "gpu_record": "course_lib.tools.gpu_record",
+    "gpu_record": "course_lib.tools.evidence.gpu_record",
     "jobcheck": "course_lib.tools.jobcheck",
     "lab": "course_lib.tools.lab",
     "labs": "course_lib.tools.labs",

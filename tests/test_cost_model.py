@@ -352,7 +352,7 @@ def test_run_is_refused_for_a_model_this_machine_cannot_train(capsys):
     ],
 )  # fmt: skip
 def test_flags_that_cannot_combine_are_refused_before_anything_runs(argv, message, capsys, monkeypatch):
-    from course_lib.tools import plan_validation
+    from course_lib.tools.evidence import plan_validation
 
     def calibrated(*args, **kwargs):  # calibrating started before the refusal
         raise AssertionError("the machine was calibrated before the flags were checked")

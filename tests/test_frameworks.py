@@ -21,7 +21,7 @@ from course_lib.plan.frameworks import (
 )
 from course_lib.plan.layout import Layout
 from course_lib.plan.specs import CLUSTERS, MODELS, ModelSpec, StepShape
-from course_lib.tools import published
+from course_lib.tools.evidence import published
 
 LLAMA_8B = MODELS["llama3-8b"]
 GPT_1T = ModelSpec(

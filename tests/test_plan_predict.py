@@ -142,7 +142,7 @@ def test_the_h200_runs_predicted_each_with_its_own_stack_all_fit(tmp_path, capsy
     """``plan predict`` on the committed H200 runs: each row's ``framework`` and ``compiled``, each
     model's config.json read from the CSV's folder; every run that ran fits, and each row's
     reserved peak is the one ``plan check-gpu-runs`` holds against the measurement."""
-    from course_lib.tools import gpu_runs
+    from course_lib.tools.evidence import gpu_runs
 
     source = gpu_runs.RUNS_CSV
     argv = [

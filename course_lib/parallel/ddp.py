@@ -189,7 +189,8 @@ class EndOfBackward:
 
 
 class GradientSyncSwitch:
-    """``no_sync()`` for the course's data-parallel wrappers (DDP here, ZeRO and FSDP in ``zero.py``).
+    """``no_sync()`` for the course's data-parallel wrappers: DDP here, ZeRO (``zero.py``) and FSDP
+    (``fsdp.py``) through ``flat_sharded.FlatShardedMixin``.
 
     Backward passes inside the block keep their (full, local) gradients without communicating;
     the next backward outside it reduces their sum: gradient accumulation without extra traffic.

@@ -273,7 +273,7 @@ class live_tensor_bytes(TorchDispatchMode):
         timeline: also keep every allocation and free as ``events``, ``(operation, "alloc" or
             "free", address, bytes)`` with ``operation`` the number of operations run so far, and
             ``mark(label)``'s labels in ``marks``: the CPU's stand-in for
-            ``torch.cuda.memory._record_memory_history`` (what ``tools.gpu_check`` draws).
+            ``torch.cuda.memory._record_memory_history`` (what ``tools.evidence.gpu_check`` draws).
     """
 
     def __init__(self, *, timeline: bool = False):

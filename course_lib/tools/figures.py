@@ -28,9 +28,10 @@ from ..parallel import context_chunks, expert, memory, mesh, pipeline
 from ..parallel.fsdp import FullyShardedDataParallel
 from ..plan import attention_time, cost_model, specs
 from ..plan.layout import Layout
-from . import RECORDED, bench, gpu_runs, plots
+from . import RECORDED, bench, plots
 from .bench import MLP_BATCH, MLP_LAYERS, MLP_WIDTH, mlp, training_step
-from .plan_validation import validate
+from .evidence import gpu_runs
+from .evidence.plan_validation import validate
 from .study import read_csv
 
 PNG_METADATA = {"Software": None}  # no version string in the file: the same drawing gives the same bytes

@@ -41,8 +41,8 @@ from ..plan.frameworks import FRAMEWORKS, Framework
 from ..plan.layout import CONTEXT_ATTENTION, Layout
 from ..plan.planner import check_job_size, plan
 from ..plan.specs import CLUSTERS, GB, GIB, MODELS, ClusterSpec, ModelSpec
-from . import gpu_runs, published
-from .plan_validation import (
+from .evidence import gpu_runs, published
+from .evidence.plan_validation import (
     SWEEP,
     calibrate,
     course_layout,
@@ -379,7 +379,7 @@ def check_published(argv: list[str]) -> int:
         nargs="?",
         type=checks.file_to_read,
         default=published.PUBLISHED_RUNS,
-        help="a CSV of published runs, with the columns of course_lib/tools/published_gpu_runs.csv",
+        help="a CSV of published runs, with the columns of course_lib/tools/evidence/published_gpu_runs.csv",
     )
     parser.add_argument(
         "--json", type=checks.json_to_write, default=None, help="write every row and the summary here"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from course_lib.plan.specs import CLUSTERS, GIB
-from course_lib.tools import gpu_check, gpu_runs
+from course_lib.tools.evidence import gpu_check, gpu_runs
 
 from conftest import REPO, call_main, clean_env
 
@@ -23,7 +23,7 @@ MEASURED_PHASE = {"backward end": "backward end (allocated)"}
 def cpu_check(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
     done = subprocess.run(
-        [sys.executable, "-m", "course_lib.tools.gpu_check", "--device", "cpu", "--steps", "2",
+        [sys.executable, "-m", "course_lib.tools.evidence.gpu_check", "--device", "cpu", "--steps", "2",
          "--warmup", "1", "--out", str(out)],
         cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600,
     )  # fmt: skip

@@ -12,7 +12,7 @@ import torch
 
 from course_lib.plan.flops import PEAK_TFLOPS
 from course_lib.plan.specs import MODELS
-from course_lib.tools import gpu_record
+from course_lib.tools.evidence import gpu_record
 
 from conftest import REPO, clean_env
 
@@ -46,8 +46,8 @@ def test_a_linear_layers_three_products_have_the_same_flops():
 def cpu_record(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_record")
     done = subprocess.run(
-        [sys.executable, "-m", "course_lib.tools.gpu_record", "--device", "cpu", "--models", "llama3-8b",
-         "--tokens", "16", "--no-tests", "--out", str(out)],
+        [sys.executable, "-m", "course_lib.tools.evidence.gpu_record", "--device", "cpu",
+         "--models", "llama3-8b", "--tokens", "16", "--no-tests", "--out", str(out)],
         cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -74,7 +74,7 @@ def test_asking_for_a_gpu_where_there_is_none_says_so_in_one_line():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     done = subprocess.run(
-        [sys.executable, "-m", "course_lib.tools.gpu_record", "--no-tests"],
+        [sys.executable, "-m", "course_lib.tools.evidence.gpu_record", "--no-tests"],
         cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 2

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from course_lib.plan.specs import CLUSTERS
-from course_lib.tools import gpu_runs
 from course_lib.tools import plan as plan_tool
+from course_lib.tools.evidence import gpu_runs
 
 from conftest import call_main
 

@@ -16,7 +16,7 @@ import pytest
 
 from course_lib.distributed.launch import launch
 from course_lib.plan.layout import Layout
-from course_lib.tools import plan_validation as pv
+from course_lib.tools.evidence import plan_validation as pv
 
 SMALL = pv.Sweep(d_model=32, n_heads=4, n_layers=2, seq_len=16, global_batch=8, steps=3, warmup=1)
 LAYOUTS = [

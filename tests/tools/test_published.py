@@ -11,7 +11,7 @@ import pytest
 
 from course_lib.plan.specs import MODELS
 from course_lib.tools import plan as plan_tool
-from course_lib.tools import published
+from course_lib.tools.evidence import published
 
 from conftest import call_main
 

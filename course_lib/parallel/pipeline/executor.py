@@ -115,7 +115,8 @@ class PipelineExecutor:
     Args:
         stages: {stage index: module} for the stages this rank holds (see ``rank_of_stage``).
         num_stages: the stages of the whole pipeline (ranks x virtual stages).
-        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
+        schedule: one of ``actions.SCHEDULES`` (GPipe, 1F1B, interleaved, and the split backward's
+            ZB-H1, ZB-V and DualPipeV).
         microbatches: m, the pieces each batch is cut into.
         loss_fn: ``loss_fn(outputs, targets)`` on the last stage; each micro-batch's loss is
             divided by m, so the gradients are those of the whole batch.

@@ -45,13 +45,13 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..checks import check_choice, check_int, check_number, read_csv_rows
-from ..errors import UserError
-from ..plan import calibration, cost_model
-from ..plan.cost_model import Prediction, predict
-from ..plan.frameworks import FRAMEWORKS, MEGATRON_PROFILE, TORCHTITAN_PROFILE, Framework
-from ..plan.layout import PRECISIONS, Layout
-from ..plan.specs import CLUSTERS, GIB, MODELS, ModelSpec
+from ...checks import check_choice, check_int, check_number, read_csv_rows
+from ...errors import UserError
+from ...plan import calibration, cost_model
+from ...plan.cost_model import Prediction, predict
+from ...plan.frameworks import FRAMEWORKS, MEGATRON_PROFILE, TORCHTITAN_PROFILE, Framework
+from ...plan.layout import PRECISIONS, Layout
+from ...plan.specs import CLUSTERS, GIB, MODELS, ModelSpec
 
 PUBLISHED_RUNS = Path(__file__).with_name("published_gpu_runs.csv")
 """The published runs the planner is checked against, each with its source."""

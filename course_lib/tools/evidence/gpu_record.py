@@ -1,4 +1,4 @@
-"""``python -m course_lib.tools.gpu_record``: what one GPU really does, recorded for the planner.
+"""``python -m course_lib.tools.evidence.gpu_record``: what one GPU really does, recorded for the planner.
 
 The planner's compute model needs rates, not a datasheet: how fast this GPU multiplies the very
 matrices of a transformer block (the products of Llama 3 8B, 70B and Mixtral's blocks, split by
@@ -14,8 +14,8 @@ for a product, 4·s²·d per head for causal attention's forward (half of the sq
 for its backward; bytes are those the operation must move at least once.
 
 Usage: ``make gpu-record`` (2.7 minutes on an H100, its tests included), or ``python -m
-course_lib.tools.gpu_record --out DIR``. On a CPU, ``--device cpu`` records the same fields in fp32 at
-small sizes, to check the command itself.
+course_lib.tools.evidence.gpu_record --out DIR``. On a CPU, ``--device cpu`` records the same
+fields in fp32 at small sizes, to check the command itself.
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .. import checks
-from ..errors import EXIT_USER_ERROR, UserError
-from ..llama import LlamaBlock
-from ..plan.kernels import slug
-from ..plan.specs import MODELS, ModelSpec
-from . import RECORDED, REPOSITORY
+from ... import checks
+from ...errors import EXIT_USER_ERROR, UserError
+from ...llama import LlamaBlock
+from ...plan.kernels import slug
+from ...plan.specs import MODELS, ModelSpec
+from .. import RECORDED, REPOSITORY
 
 RECORDED_GPU = RECORDED / "gpu"
 TOKENS = (2048, 8192)
@@ -485,7 +485,7 @@ def run_gpu_tests(report, *, timeout_s: float) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = checks.CommandParser(
-        prog="python -m course_lib.tools.gpu_record", description=__doc__.split("\n\n")[0]
+        prog="python -m course_lib.tools.evidence.gpu_record", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument(
         "--out", type=checks.folder_to_write, default=RECORDED_GPU, help="folder of the JSON file"

@@ -1,6 +1,6 @@
 """One GPU, measured against the planner: ``make gpu-check``.
 
-``python -m course_lib.tools.gpu_check`` trains single-GPU steps of the course's own Llama module
+``python -m course_lib.tools.evidence.gpu_check`` trains single-GPU steps of the course's own Llama module
 (``llama.Llama``, the model a ``ModelSpec`` describes) over a grid chosen to exercise the planner's
 terms, and prints the planner's prediction beside every measurement:
 
@@ -41,15 +41,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .. import checks
-from ..llama import Llama
-from ..parallel import memory, recompute
-from ..plan import kernels, memory_phases
-from ..plan.cost_model import Prediction, predict
-from ..plan.frameworks import FRAMEWORKS
-from ..plan.layout import Layout
-from ..plan.specs import CLUSTERS, CUDA_CONTEXT, GIB, ClusterSpec, Link, ModelSpec
-from . import plots
+from ... import checks
+from ...llama import Llama
+from ...parallel import memory, recompute
+from ...plan import kernels, memory_phases
+from ...plan.cost_model import Prediction, predict
+from ...plan.frameworks import FRAMEWORKS
+from ...plan.layout import Layout
+from ...plan.specs import CLUSTERS, CUDA_CONTEXT, GIB, ClusterSpec, Link, ModelSpec
+from .. import plots
 from .gpu_record import Timer
 
 STACKS = ("course", "fp32-master", "torchtitan")
@@ -611,7 +611,7 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = checks.CommandParser(
-        prog="python -m course_lib.tools.gpu_check", description=__doc__.split("\n\n")[0]
+        prog="python -m course_lib.tools.evidence.gpu_check", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument(
         "--device", choices=("cuda", "cpu"), default="cuda", help="cpu: check the command at tiny sizes"

@@ -36,15 +36,15 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .. import models
-from ..data import zen_windows
-from ..distributed import comm, environment, runtime
-from ..errors import UserError
-from ..parallel import memory
-from ..parallel.mesh import Mesh
-from ..plan import cost_model, flops, scaling, specs
-from ..plan.layout import Layout
-from ..plan.parallelize import parallelize
+from ... import models
+from ...data import zen_windows
+from ...distributed import comm, environment, runtime
+from ...errors import UserError
+from ...parallel import memory
+from ...parallel.mesh import Mesh
+from ...plan import cost_model, flops, scaling, specs
+from ...plan.layout import Layout
+from ...plan.parallelize import parallelize
 
 
 @dataclass(frozen=True, kw_only=True)

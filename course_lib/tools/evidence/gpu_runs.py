@@ -25,14 +25,14 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import checks
-from ..errors import UserError
-from ..plan.cost_model import Prediction, predict
-from ..plan.frameworks import FRAMEWORKS, Framework
-from ..plan.from_files import cluster_named, model_named
-from ..plan.kernels import GPU_RECORDS
-from ..plan.layout import Layout
-from ..plan.specs import GIB, ClusterSpec, ModelSpec
+from ... import checks
+from ...errors import UserError
+from ...plan.cost_model import Prediction, predict
+from ...plan.frameworks import FRAMEWORKS, Framework
+from ...plan.from_files import cluster_named, model_named
+from ...plan.kernels import GPU_RECORDS
+from ...plan.layout import Layout
+from ...plan.specs import GIB, ClusterSpec, ModelSpec
 
 RUNS_CSV = GPU_RECORDS / "h200-runs.csv"
 """The runs measured on one H200 (``plan check-gpu-runs``' default)."""

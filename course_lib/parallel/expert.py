@@ -52,7 +52,9 @@ from ..distributed import comm, runtime
 from ..errors import UserError
 from ..llama import GatedMLP, Llama
 from ..models import MLP, Block, TinyTransformer
+from .all_to_all import exchange_rows
 from .claims import claim_module
+from .dropless import DroplessMoE
 
 
 @dataclass
@@ -140,35 +142,6 @@ def all_to_all_bytes(kept_experts: list[torch.Tensor], rank: int, *, num_experts
     mine_away = int((owners[rank] != rank).sum())
     theirs_here = sum(int((owners[r] == rank).sum()) for r in range(size) if r != rank)
     return 2 * (mine_away + theirs_here) * row_bytes + (num_experts - num_experts // size) * 8
-
-
-class _AllToAll(torch.autograd.Function):
-    """Rows dealt out to the ranks; backward deals their gradients back the same way reversed."""
-
-    @staticmethod
-    def forward(ctx, rows, send_counts, receive_counts, group):
-        ctx.group, ctx.send_counts, ctx.receive_counts = group, send_counts, receive_counts
-        out = rows.new_empty((sum(receive_counts), *rows.shape[1:]))
-        comm.all_to_all_single(
-            out,
-            rows.contiguous(),
-            output_split_sizes=receive_counts,
-            input_split_sizes=send_counts,
-            group=group,
-        )
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        back = grad.new_empty((sum(ctx.send_counts), *grad.shape[1:]))
-        comm.all_to_all_single(
-            back,
-            grad.contiguous(),
-            output_split_sizes=ctx.send_counts,
-            input_split_sizes=ctx.receive_counts,
-            group=ctx.group,
-        )
-        return back, None, None, None
 
 
 def check_experts(num_experts: int, degree: int, *, top_k: int, capacity_factor: float) -> None:
@@ -272,7 +245,7 @@ class MoE(nn.Module):
         receive = [sum(row) for row in incoming]
         self.rows_computed += sum(receive)
         # 2. Dispatch. What arrives is ordered by source rank, then by expert.
-        arrived = _AllToAll.apply(rows, send, receive, self.group)
+        arrived = exchange_rows(rows, send, receive, group=self.group)
         pieces = arrived.split([n for row in incoming for n in row])
         # 3. Each local expert on its rows from every source.
         done = [None] * len(pieces)
@@ -282,28 +255,33 @@ class MoE(nn.Module):
             for i, output in zip(mine, outputs, strict=True):
                 done[i] = output
         # 4. Combine: the results go back where their rows came from.
-        return _AllToAll.apply(torch.cat(done), receive, send, self.group)
+        return exchange_rows(torch.cat(done), receive, send, group=self.group)
 
 
 # #endregion experts
 
 
 def apply_expert_parallel(model: nn.Module, group=None) -> nn.Module:
-    """Keep only this rank's experts (its E/N consecutive ones) in every ``MoE`` layer of ``model``.
+    """Keep only this rank's experts in every mixture-of-experts layer of ``model``.
 
     Every rank must start from the same weights (same seed). The routers and everything outside
-    the experts stay replicated, so their gradients are averaged as in data parallelism.
+    the experts stay replicated, so their gradients are averaged as in data parallelism. An
+    ``MoE`` keeps its E/N consecutive experts (E must divide by N); a ``dropless.DroplessMoE``
+    keeps ``dropless.expert_range``'s, any E of at least N.
 
     Args:
-        model: a module holding ``MoE`` layers (``moe_transformer``'s), or one ``MoE``; changed
-            in place and returned.
+        model: a module holding ``MoE`` or ``DroplessMoE`` layers (``moe_transformer``'s), or one
+            layer; changed in place and returned.
         group: the expert-parallel process group (None: every rank).
     """
     check_module("model", model)
     check_group("group", group)
+    dropless = [m for m in model.modules() if isinstance(m, DroplessMoE)]
     layers = moe_layers(model)
-    if not layers:
-        raise UserError(f"apply_expert_parallel: this {type(model).__name__} holds no expert.MoE layer")
+    if not layers and not dropless:
+        raise UserError(
+            f"apply_expert_parallel: this {type(model).__name__} holds no mixture-of-experts layer"
+        )
     size, rank = runtime.world_size(group=group), runtime.rank(group=group)
     for moe in layers:
         check_experts(moe.num_experts, size, top_k=moe.top_k, capacity_factor=moe.capacity_factor)
@@ -315,6 +293,8 @@ def apply_expert_parallel(model: nn.Module, group=None) -> nn.Module:
         local = moe.num_experts // size
         moe.first_expert, moe.group, moe.sharded = rank * local, group, True
         moe.experts = nn.ModuleList(list(moe.experts)[rank * local : (rank + 1) * local])
+    for layer in dropless:
+        layer.shard(group)
     return model
 
 

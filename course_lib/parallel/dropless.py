@@ -155,6 +155,26 @@ def route_dropless(
 # #endregion dropless-routing
 
 
+def all_to_all_bytes(loads: list[list[int]], rank: int, *, num_experts: int, row_bytes: int) -> int:
+    """What rank ``rank`` sends in one dropless expert-parallel layer, forward and backward (the theory).
+
+    Each of its rows bound for another rank's expert leaves twice (dispatch, then the backward of
+    combine), each row another rank sent here twice (combine, then the backward of dispatch):
+    the splits are as uneven as the router made them. Plus its E counts, once to each other rank.
+
+    Args:
+        loads: for every rank, in order, its assignments to each expert (``routing.load``).
+        rank: the rank that sends.
+        num_experts: E, held as ``expert_range`` places them.
+        row_bytes: one token's bytes (d_model x element size).
+    """
+    size = len(loads)
+    held = [expert_range(num_experts, size, r) for r in range(size)]
+    away = sum(loads[rank][e] for r in range(size) if r != rank for e in held[r])
+    here = sum(loads[r][e] for r in range(size) if r != rank for e in held[rank])
+    return 2 * (away + here) * row_bytes + (size - 1) * num_experts * 8
+
+
 def check_dropless(
     num_experts: int, *, top_k: int, shared_experts: int, bias_update_rate: float, nodes: int, node_limit
 ) -> None:

@@ -80,7 +80,17 @@ def _dropless_against_one_process(shared: int, nodes: int, node_limit):
     held_grad = reference.experts.up.grad[held.start : held.stop]
     torch.testing.assert_close(parallel.experts.up.grad, held_grad, **TOLERANCE)
     assert parallel.experts.up.shape[0] == len(held)
+    loads = [reference_load(reference, x) for x in inputs]  # every rank's routing, as one process sees it
+    theory = dropless.all_to_all_bytes(loads, rank, num_experts=layer.num_experts, row_bytes=D_MODEL * 4)
+    sent = log.bytes_per_rank("all_to_all") + log.bytes_per_rank("all_gather")
+    assert sent == theory, (sent, theory)
     return [record.op for record in log.records]
+
+
+def reference_load(layer: dropless.DroplessMoE, x: torch.Tensor) -> list[int]:
+    with torch.no_grad():
+        layer(x)
+    return layer.last_routing.load.tolist()
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

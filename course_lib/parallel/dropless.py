@@ -40,7 +40,7 @@ from torch import nn
 from ..checks import check_group, check_int, check_module, check_number
 from ..distributed import comm, runtime
 from ..errors import UserError
-from ..models import MLP
+from ..models import MLP, Block, TinyTransformer
 from .all_to_all import exchange_rows
 from .claims import claim_module
 
@@ -107,12 +107,15 @@ class GroupedExperts(nn.Module):
 @dataclass
 class DroplessRouting:
     """Where every token goes: ``token``, ``expert`` and ``gate`` per assignment (tokens x k,
-    choice by choice), and ``load``, the assignments each expert took (none dropped)."""
+    choice by choice); ``load``, the assignments each expert took (none dropped); ``aux_loss``,
+    Switch's balancing loss E · Σ f_e P_e on the scores (P_e: expert e's mean share of a token's
+    scores), for training with a loss instead of, or beside, the bias."""
 
     token: torch.Tensor
     expert: torch.Tensor
     gate: torch.Tensor
     load: torch.Tensor
+    aux_loss: torch.Tensor
 
 
 # #region dropless-routing
@@ -149,7 +152,9 @@ def route_dropless(
     expert = experts.t().reshape(-1)
     token = torch.arange(tokens, device=logits.device).repeat(top_k)
     load = torch.bincount(expert, minlength=num_experts)
-    return DroplessRouting(token, expert, gates.t().reshape(-1), load)
+    share = (scores / scores.sum(dim=-1, keepdim=True)).mean(dim=0)
+    aux_loss = num_experts * (load.to(share.dtype) / expert.numel() * share).sum()
+    return DroplessRouting(token, expert, gates.t().reshape(-1), load, aux_loss)
 
 
 # #endregion dropless-routing
@@ -337,3 +342,60 @@ def balance(model: nn.Module, *, group=None) -> torch.Tensor | None:
         comm.all_reduce(load, op="sum", group=group)
         layer.expert_bias += layer.bias_update_rate * torch.sign(load.mean() - load)
     return load
+
+
+def dropless_layers(model: nn.Module) -> list[DroplessMoE]:
+    """Every ``DroplessMoE`` layer inside ``model``, in order.
+
+    Args:
+        model: any module.
+    """
+    return [m for m in model.modules() if isinstance(m, DroplessMoE)]
+
+
+def load_imbalance(model: nn.Module) -> float:
+    """The busiest expert's load over the mean load, averaged over ``model``'s dropless layers, in
+    their last forward: 1 is even; the step waits for the busiest expert, so this is its slowdown.
+
+    Args:
+        model: a module holding ``DroplessMoE`` layers, after a forward.
+    """
+    loads = [layer.last_routing.load.float() for layer in dropless_layers(model)]
+    if not loads:
+        raise UserError(f"this {type(model).__name__} holds no DroplessMoE layer to read a load from")
+    return float(torch.stack([load.max() / load.mean() for load in loads]).mean())
+
+
+def dropless_transformer(
+    vocab_size: int,
+    *,
+    d_model: int = 32,
+    n_heads: int = 4,
+    n_layers: int = 2,
+    max_seq_len: int = 32,
+    num_experts: int = 8,
+    top_k: int = 2,
+    shared_experts: int = 0,
+    bias_update_rate: float = 0.0,
+) -> nn.Module:
+    """``models.TinyTransformer`` whose blocks' MLPs are ``DroplessMoE`` layers (hidden d_model each).
+
+    Args:
+        vocab_size: distinct tokens.
+        d_model: the width of every token's vector.
+        n_heads: attention heads per block.
+        n_layers: transformer blocks.
+        max_seq_len: the longest sequence.
+        num_experts: routed experts per layer.
+        top_k: routed experts per token.
+        shared_experts: experts every token goes through.
+        bias_update_rate: γ of ``balance`` (0: no bias).
+    """
+    model = TinyTransformer(
+        vocab_size, d_model=d_model, n_heads=n_heads, n_layers=n_layers, max_seq_len=max_seq_len
+    )
+    routing = dict(num_experts=num_experts, top_k=top_k, shared_experts=shared_experts)
+    for block in model:
+        if isinstance(block, Block):
+            block.mlp = DroplessMoE(d_model, d_model, **routing, bias_update_rate=bias_update_rate)
+    return model

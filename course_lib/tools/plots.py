@@ -259,6 +259,35 @@ def plot_loss_curves(curves: dict[str, list[float]], *, path: str | Path | None 
     return save(figure, path)
 
 
+def plot_load_balancing(result: dict[str, Any], *, path: str | Path | None = None) -> Figure:
+    """A mixture of experts' load imbalance step by step, one line per balancing (``bench balance``),
+    and beside it the tokens the capacity design drops at each capacity factor against dropless.
+
+    Args:
+        result: what ``bench balance`` prints.
+        path: save the chart as a PNG here (None: only return it).
+    """
+    figure = Figure(figsize=(10, 3.6))
+    load, drops = figure.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
+    names = {"none": "no balancing", "aux_loss": "Switch's auxiliary loss", "bias": "DeepSeek-V3's bias"}
+    for method, values in result["load_imbalance"].items():
+        load.plot(range(1, len(values) + 1), values, label=names.get(method, method))
+    load.axhline(1.0, color="grey", linestyle=":", label="even (1)")
+    load.set_xlabel("optimizer step")
+    load.set_ylabel("busiest expert's load / mean load")
+    load.set_title(f"{result['experts']} experts, top-{result['top_k']}")
+    load.legend()
+    labels = list(result["dropped"])
+    drops.bar(
+        labels, [result["dropped"][label] for label in labels], color=["C3"] * (len(labels) - 1) + ["C2"]
+    )
+    drops.set_xlabel("capacity factor (dropless: none)")
+    drops.set_ylabel(f"assignments dropped of {result['assignments_last_batch']}")
+    drops.set_title("the last batch, unbalanced run")
+    figure.tight_layout()
+    return save(figure, path)
+
+
 # -- the network ----------------------------------------------------------------------------------
 
 

@@ -140,3 +140,22 @@ def _world_that_does_not_split_into_nodes():
 
 def test_a_world_that_does_not_split_into_the_nodes_is_refused_on_every_rank():
     launch(_world_that_does_not_split_into_nodes, 3)
+
+
+def test_the_balance_benchmark_measures_loads_drops_and_the_grouped_call(tmp_path):
+    """The three runs' loads step by step (the bias evens them most), the capacity design's drops
+    falling as its capacity grows against none dropless, and the grouped call beside the loop."""
+    from conftest import run_bench
+
+    picture = tmp_path / "balance.png"
+    result = run_bench("balance", "--steps", "12", "--timed-steps", "2", "--plot", str(picture))
+    assert {len(values) for values in result["load_imbalance"].values()} == {12}
+    final = result["final_imbalance"]
+    assert final["bias"] < final["none"] and min(final.values()) >= 1.0
+    dropped = result["dropped"]
+    by_capacity = [dropped[factor] for factor in ("1.0", "1.25", "1.5", "2.0")]
+    assert (
+        by_capacity == sorted(by_capacity, reverse=True) and by_capacity[0] > 0 and dropped["dropless"] == 0
+    )
+    assert sum(result["rows_per_expert"]) <= result["assignments_last_batch"]
+    assert result["grouped_ms"] > 0 and result["loop_ms"] > 0 and picture.stat().st_size > 10_000

@@ -14,8 +14,8 @@ from ... import checks, data
 from ...distributed import environment, hierarchical, runtime
 from ...distributed.launch import launch, max_processes
 from ...errors import EXIT_USER_ERROR, UserError
-from ...parallel import compiled
-from ..plots import image_to_write, plot_allreduce
+from ...parallel import compiled, dropless
+from ..plots import image_to_write, plot_allreduce, plot_load_balancing
 from . import sequence
 from .allreduce import (
     ALLREDUCE_MAX_MB,
@@ -24,6 +24,7 @@ from .allreduce import (
     allreduce_sizes,
     network_verdict,
 )
+from .balance import balance_benchmark
 from .checkpointing import checkpoint_benchmark
 from .common import MLP_BATCH, MLP_LAYERS, MLP_WIDTH, TIMED_STEPS, WARMUP_STEPS
 from .compiled import compile_benchmark
@@ -86,6 +87,9 @@ BENCHMARKS = (  # (the subcommand, the name its options are added under, its --h
     ("attention", "attention",
      "ring, zig-zag ring, Ulysses and the USP hybrid side by side: time, bytes, memory"),
     ("ep", "experts", "a mixture-of-experts layer spread over the ranks (all-to-all)"),
+    ("balance", "balancing",
+     "a dropless mixture of experts' load, trained unbalanced, with Switch's loss and with DeepSeek-V3's "
+     "bias; what capacity would drop; grouped experts against a loop"),
     ("recompute", "recomputation",
      "memory saved and time paid by each recomputation policy (none, full, selective)"),
     ("compile", "compiling",
@@ -113,8 +117,8 @@ STEP_BENCHMARKS = (
 """The benchmarks of a training step: each records its variants' anatomies (``--profile``)."""
 
 
-def _add_options(*, ddp, fsdp, mem, pipe, tensor, sequence, context, attention, experts, recomputation,
-                 compiling, low_precision, saving, nodes, reduce) -> None:  # fmt: skip
+def _add_options(*, ddp, fsdp, mem, pipe, tensor, sequence, context, attention, experts, balancing,
+                 recomputation, compiling, low_precision, saving, nodes, reduce) -> None:  # fmt: skip
     """Each benchmark's sizes and counts, with their defaults."""
     given = locals()
     for name in STEP_BENCHMARKS:
@@ -129,6 +133,7 @@ def _add_options(*, ddp, fsdp, mem, pipe, tensor, sequence, context, attention, 
     _add_model_parallel_options(pipe, tensor, sequence, context, attention, experts, recomputation)
     _add_compile_options(compiling)
     _add_float8_options(low_precision)
+    _add_balance_options(balancing)
     _add_checkpoint_options(saving)
     _add_hierarchy_options(nodes)
 
@@ -161,6 +166,29 @@ def _add_checkpoint_options(saving) -> None:
     saving.add_argument("--batch", type=positive, default=64, help="samples per rank per step")
     saving.add_argument("--steps", type=positive, default=10, help="timed steps without a save")
     saving.add_argument("--saves", type=positive, default=3, help="saves of each kind")
+
+
+def _add_balance_options(balancing) -> None:
+    """The three runs' length and model, the balancing's strengths, the timed rounds (one process)."""
+    positive, rate = (
+        checks.int_at_least(1),
+        checks.argument_type(checks.check_number, float, above=0, maximum=1.0),
+    )
+    balancing.add_argument("--steps", type=positive, default=60, help="optimizer steps of each run")
+    balancing.add_argument(
+        "--experts", type=checks.int_at_least(2), default=8, help="routed experts per layer"
+    )
+    balancing.add_argument("--top-k", type=positive, default=2, help="experts per token (at most --experts)")
+    balancing.add_argument("--bias-rate", type=rate, default=0.02, help="the bias's step per optimizer step")
+    balancing.add_argument("--aux-weight", type=rate, default=0.01, help="the auxiliary loss's weight")
+    balancing.add_argument("--d-model", type=positive, default=32)
+    balancing.add_argument("--seq", type=positive, default=16)
+    balancing.add_argument("--batch", type=positive, default=16)
+    balancing.add_argument("--timed-steps", type=positive, default=20, help="timed rounds of the experts")
+    balancing.add_argument("--warmup", type=checks.int_at_least(0), default=3)
+    balancing.add_argument(
+        "--plot", type=image_to_write, default=None, help="draw the loads and the drops into this PNG"
+    )
 
 
 def _add_float8_options(low_precision) -> None:
@@ -320,7 +348,7 @@ def _add_model_parallel_options(pipe, tensor, sequence, context, attention, expe
         command.add_argument("--warmup", type=checks.int_at_least(0), default=2)
 
 
-TRAINED_ON_TEXT = ("recompute", "float8", "pipeline")
+TRAINED_ON_TEXT = ("recompute", "float8", "pipeline", "balance")
 """The benchmarks whose transformer trains on the course's text (``data.zen_windows``)."""
 
 
@@ -370,6 +398,14 @@ def _check_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
             parser.error(
                 f"argument --seq: must be at least 2 x --world-size ({2 * args.world_size}), got {args.seq}"
             )
+    if args.benchmark == "balance":
+        try:  # the layer's own refusals, as argparse's
+            dropless.check_dropless(args.experts, top_k=args.top_k, shared_experts=0,
+                                    bias_update_rate=args.bias_rate, nodes=1, node_limit=None)  # fmt: skip
+        except UserError as error:
+            parser.error(f"argument --top-k: {error}")
+        if args.d_model % 4:
+            parser.error(f"argument --d-model: must be a multiple of the 4 heads, got {args.d_model}")
     if args.benchmark == "ep" and (args.experts % args.world_size or args.top_k > args.experts):
         parser.error(
             f"argument --experts: must be a multiple of --world-size {args.world_size} and at least --top-k "
@@ -446,6 +482,10 @@ def memory_needed(args: argparse.Namespace) -> tuple[float, int]:
             PROCESS_BASE_BYTES + 5 * 4 * params + 3 * word * args.batch * args.width * args.layers,
             args.world_size,
         )
+    if args.benchmark == "balance":  # one small transformer of experts at a time, as float8's
+        params = 2 * (4 + 2 * args.experts) * args.d_model**2 + 200 * args.d_model
+        activations = word * 20 * args.top_k * args.batch * args.seq * args.d_model
+        return PROCESS_BASE_BYTES + 4 * word * params + activations, 1
     if args.benchmark == "float8":  # one small transformer at a time, with AdamW and its activations
         params = 2 * 12 * args.d_model**2 + 200 * args.d_model
         activations = (
@@ -555,6 +595,12 @@ def _run_benchmark(args: argparse.Namespace) -> int:
     elif args.benchmark == "checkpoint":
         options = given("width", "layers", "batch", "steps", "saves")
         result = _on_local_processes("checkpoint", args.world_size, checkpoint_benchmark, options)
+    elif args.benchmark == "balance":
+        options = given("steps", "experts", "top_k", "bias_rate", "aux_weight", "d_model", "seq", "batch")
+        options |= {"timed_steps": args.timed_steps, "warmup": args.warmup}
+        result = _on_local_processes("balance", 1, balance_benchmark, options)
+        if args.plot is not None:
+            plot_load_balancing(result, path=args.plot)
     elif args.benchmark == "float8":
         options = given("steps", "d_model", "seq", "batch", "lr")
         result = _on_local_processes("float8", 1, float8_training_benchmark, options)

@@ -180,6 +180,18 @@ def all_to_all_bytes(loads: list[list[int]], rank: int, *, num_experts: int, row
     return 2 * (away + here) * row_bytes + (size - 1) * num_experts * 8
 
 
+@dataclass
+class Splits:
+    """One rank's rows in an expert-parallel layer: ``send[j]`` rows to rank j and ``receive[j]``
+    from it; ``gather`` puts what arrives (by source, then expert) in expert order, ``per_expert``
+    rows for each local expert."""
+
+    send: list[int]
+    receive: list[int]
+    gather: torch.Tensor
+    per_expert: list[int]
+
+
 def check_dropless(
     num_experts: int, *, top_k: int, shared_experts: int, bias_update_rate: float, nodes: int, node_limit
 ) -> None:
@@ -256,50 +268,61 @@ class DroplessMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
+        routing, order = self.route(tokens)
+        rows, counts = tokens[routing.token[order]], routing.load.tolist()
+        if self.sharded:
+            results = self._experts_across_ranks(rows, counts)
+        else:
+            self.rows_computed = len(order)
+            results = self.experts(rows, counts)
+        return self.mix(tokens, routing, order, results).reshape(x.shape)
+
+    def route(self, tokens: torch.Tensor) -> tuple[DroplessRouting, torch.Tensor]:
+        """Where ``tokens`` (tokens, d_model) go, and their assignments sorted by expert (hence by
+        the rank that holds it)."""
         bias = self.expert_bias if self.bias_update_rate else None
         routing = route_dropless(self.router(tokens), top_k=self.top_k, bias=bias, nodes=self.nodes,
                                  node_limit=self.node_limit)  # fmt: skip
         self.last_routing = routing
-        order = routing.expert.argsort(stable=True)  # by expert, hence by the rank that holds it
-        counts = routing.load.tolist()
-        if self.sharded:
-            results = self._experts_across_ranks(tokens[routing.token[order]], counts)
-        else:
-            self.rows_computed = len(order)
-            results = self.experts(tokens[routing.token[order]], counts)
-        mixed = torch.zeros_like(tokens).index_add(
-            0, routing.token[order], results * routing.gate[order, None]
-        )
-        if self.shared is not None:
-            mixed = mixed + self.shared(tokens)
-        return mixed.reshape(x.shape)
+        return routing, routing.expert.argsort(stable=True)
 
-    def _experts_across_ranks(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def mix(self, tokens, routing: DroplessRouting, order, results: torch.Tensor) -> torch.Tensor:
+        """Every assignment's expert output weighted by its gate and added to its token, and the
+        shared experts' output on every token."""
+        weighted = results * routing.gate[order, None]
+        mixed = torch.zeros_like(tokens).index_add(0, routing.token[order], weighted)
+        return mixed + self.shared(tokens) if self.shared is not None else mixed
+
+    def splits(self, counts: list[int], device: torch.device) -> Splits:
+        """How rows sorted by expert leave this rank and arrive (``Splits``): every rank's count of
+        every expert, E integers each, gathered first."""
         size = runtime.world_size(group=self.group)
-        # 1. Every rank's count for every expert (E integers each): the uneven splits' sizes.
-        mine = torch.tensor(counts, device=rows.device)
-        everyone = torch.empty(size * len(counts), dtype=mine.dtype, device=rows.device)
+        mine = torch.tensor(counts, device=device)
+        everyone = torch.empty(size * len(counts), dtype=mine.dtype, device=device)
         comm.all_gather_into_tensor(everyone, mine, group=self.group)
         table = everyone.view(size, -1).tolist()  # [source rank][expert]
-        ranges = [expert_range(self.num_experts, size, r) for r in range(size)]
-        send = [sum(counts[e] for e in held) for held in ranges]
+        send = [sum(counts[e] for e in expert_range(self.num_experts, size, r)) for r in range(size)]
         incoming = [[table[source][e] for e in self.local] for source in range(size)]
         receive = [sum(row) for row in incoming]
-        # 2. Dispatch: what arrives is ordered by source rank, then by expert.
-        arrived = exchange_rows(rows, send, receive, group=self.group)
-        # 3. Expert-major for the grouped matmul: each local expert's rows from every source.
-        starts = torch.tensor([0, *receive], device=rows.device).cumsum(0)
-        by_expert = []
-        for e in range(len(self.local)):
-            for source in range(size):
-                begin = int(starts[source]) + sum(incoming[source][:e])
-                by_expert.append(torch.arange(begin, begin + incoming[source][e], device=rows.device))
-        gather = torch.cat(by_expert)
+        starts = [sum(receive[:source]) for source in range(size)]
+        gather = torch.tensor(
+            [starts[source] + sum(incoming[source][:e]) + i
+             for e in range(len(self.local)) for source in range(size) for i in range(incoming[source][e])],
+            dtype=torch.long, device=device,
+        )  # fmt: skip
         per_expert = [sum(incoming[source][e] for source in range(size)) for e in range(len(self.local))]
-        self.rows_computed = len(gather)
-        done = torch.empty_like(arrived).index_copy(0, gather, self.experts(arrived[gather], per_expert))
+        return Splits(send, receive, gather, per_expert)
+
+    def _experts_across_ranks(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        splits = self.splits(counts, rows.device)  # 1. the uneven splits' sizes
+        # 2. Dispatch: what arrives is ordered by source rank, then by expert.
+        arrived = exchange_rows(rows, splits.send, splits.receive, group=self.group)
+        # 3. Each local expert's rows from every source, expert by expert, in one grouped call.
+        self.rows_computed = len(splits.gather)
+        results = self.experts(arrived[splits.gather], splits.per_expert)
+        done = torch.empty_like(arrived).index_copy(0, splits.gather, results)
         # 4. Combine: the results go back where their rows came from.
-        return exchange_rows(done, receive, send, group=self.group)
+        return exchange_rows(done, splits.receive, splits.send, group=self.group)
 
     def shard(self, group) -> None:
         """Keep only this rank's experts (``expert_range``); the router and shared experts stay whole."""

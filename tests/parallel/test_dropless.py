@@ -159,3 +159,31 @@ def test_the_balance_benchmark_measures_loads_drops_and_the_grouped_call(tmp_pat
     )
     assert sum(result["rows_per_expert"]) <= result["assignments_last_batch"]
     assert result["grouped_ms"] > 0 and result["loop_ms"] > 0 and picture.stat().st_size > 10_000
+
+
+def _overlapped_against_plain_order():
+    from course_lib.parallel import moe_overlap
+
+    rank = runtime.rank()
+    torch.manual_seed(0)
+    layer = ep.apply_expert_parallel(
+        dropless.DroplessMoE(D_MODEL, HIDDEN, num_experts=EXPERTS, shared_experts=1)
+    )
+    batches = [torch.randn(TOKENS + i + rank, D_MODEL, generator=torch.Generator().manual_seed(10 * rank + i))
+               for i in range(2)]  # fmt: skip
+    with torch.no_grad():
+        plain = [layer(x) for x in batches]
+    with comm.CommLog() as log:
+        overlapped, events = moe_overlap.overlapped_forward(layer, batches)
+    for mine, expected in zip(overlapped, plain, strict=True):
+        torch.testing.assert_close(mine, expected, rtol=0, atol=0)
+    return [record.op for record in log.records], [(i, phase) for i, phase, *_ in events]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_two_micro_batches_interleaved_compute_what_the_plain_order_does(world):
+    ops, phases = launch(_overlapped_against_plain_order, world)[0]
+    # both dispatches are posted before either combine: each travels while the other computes
+    assert ops == ["all_gather", "all_to_all", "all_gather", "all_to_all", "all_to_all", "all_to_all"]
+    assert phases.index((1, "route")) < phases.index((0, "experts")) < phases.index((1, "experts"))
+    assert phases.index((0, "combine")) < phases.index((1, "experts")) < phases.index((0, "mix"))

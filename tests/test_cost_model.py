@@ -468,3 +468,23 @@ def test_the_last_stage_keeps_one_micro_batch_of_the_head_unless_gpipe_keeps_the
         * (8 * blocks + boundary),
         in_flight * stage + heads * (head + 8),
     ))  # fmt: skip
+
+
+def test_the_busiest_expert_sets_the_pace_of_a_mixture_of_experts():
+    """``Framework.expert_imbalance``: the busiest rank's all-to-all rows and its experts' matmuls
+    grow with the load's skew; a dense model has no expert to wait for."""
+    from course_lib.plan.frameworks import COURSE_PROFILE
+
+    def predicted(model, imbalance, layout):
+        framework = COURSE_PROFILE.with_(expert_imbalance=imbalance)
+        return cm.predict(model, ALPS, layout, seq_len=4096, global_batch=256, framework=framework)
+
+    mixtral, layout = specs.MODELS["mixtral-8x7b"], Layout(data=8, expert=8, pipeline=4, tensor=4)
+    even, skewed = predicted(mixtral, 1.0, layout), predicted(mixtral, 1.5, layout)
+    assert skewed.traffic["expert"] == pytest.approx(1.5 * even.traffic["expert"])
+    assert skewed.time["expert (exposed)"] > even.time["expert (exposed)"]
+    assert skewed.time["compute"] > even.time["compute"]
+    dense = Layout(data=8, pipeline=4, tensor=4)
+    assert predicted(LLAMA_8B, 1.5, dense).time == predicted(LLAMA_8B, 1.0, dense).time
+    with pytest.raises(UserError, match="expert_imbalance"):
+        COURSE_PROFILE.with_(expert_imbalance=0.5)

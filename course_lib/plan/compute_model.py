@@ -137,7 +137,8 @@ def products(step: StepShape) -> Products:
     fit = kernels.kernel_fit(gpu.record)
     blocks = step.layers * step.microbatches
     linear = "fp8" if layout.precision == "fp8" else "bf16"  # the blocks' linear layers; the head stays bf16
-    passes = [_matmul_passes(gpu, shape, linear) for shape in _block_products(model, layout, step.tokens)]
+    shapes = _block_products(model, layout, step.tokens, imbalance=step.framework.expert_imbalance)
+    passes = [_matmul_passes(gpu, shape, linear) for shape in shapes]
     vocabulary = model.vocab / t if layout.loss_parallel else model.vocab
     head = _matmul_passes(gpu, (step.tokens, vocabulary, model.d_model, 1))
     causal_forward = attention_flops / 2 / 3  # a causal kernel computes half the square
@@ -167,16 +168,19 @@ def attention_shape(model, layout, seq_len: int) -> dict:
     return {"head_dim": model.head_dim, "heads": heads, "seq_len": length}
 
 
-def _block_products(model, layout, tokens: float) -> list[tuple[float, float, float, float]]:
+def _block_products(
+    model, layout, tokens: float, *, imbalance: float = 1.0
+) -> list[tuple[float, float, float, float]]:
     """(m, n, k, count) of each matmul of one block for one micro-batch of ``tokens`` on this GPU:
     a column-parallel layer's outputs and a row-parallel layer's inputs split over T; an MoE
-    layer's MLP as its experts/E local experts, each fed top_k·E/experts of the tokens."""
+    layer's MLP as its experts/E local experts, each fed top_k·E/experts of the tokens, times
+    ``imbalance`` on the busiest rank (``Framework.expert_imbalance``), whose experts the step waits for."""
     t, shapes = layout.tensor, []
     for inputs, outputs, rows, row_parallel in block_matmuls(model):
         m, count = tokens, 1
         if rows > 1:  # an expert's MLP
             count = model.experts / layout.expert
-            m = tokens * rows * layout.expert / model.experts
+            m = tokens * rows * layout.expert / model.experts * imbalance
         n, k = (outputs, inputs / t) if row_parallel else (outputs / t, inputs)
         shapes.append((m, n, k, count))
     return shapes
@@ -231,7 +235,7 @@ def memory_bound(step: StepShape) -> tuple[float, float, float]:
     if layout.precision == "fp8":
         # each cast to fp8 reads its bf16 input twice (amax, cast) and writes 1 byte: forward x and
         # W, backward dy and the transposed x and W; written once, not the three passes below
-        shapes = _block_products(model, layout, step.tokens)
+        shapes = _block_products(model, layout, step.tokens, imbalance=framework.expert_imbalance)
         cast = sum(count * (2 * m * k + 2 * k * n + m * n) for m, n, k, count in shapes)
         block_bytes += 5 * cast / 3
     return (

@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..checks import check_choice, check_fields
+from ..checks import check_choice, check_fields, check_number
 
 SELECTIVE_POLICIES = ("course", "op_sac", "attention_core")
 """What ``recomputation="selective"`` keeps, by stack: ``course`` (``parallel.recompute``: the
@@ -110,6 +110,10 @@ class Framework:
             buffers and the sharded gradients come from pools the default stream cannot reuse
             (reserved though freed), and the root module's parameters (the embedding, the final
             norm and the head) stay gathered from its forward to its backward.
+        expert_imbalance: the busiest expert's load over the mean load, as the stack's routing
+            leaves it (``parallel.dropless.load_imbalance``): a step waits for the busiest
+            expert's matmuls and for the busiest rank's all-to-all rows. 1 (the default, the
+            best case, stated as an assumption): even; measure it with ``bench balance``.
         sources: where each convention is made, ``(field, "repository@commit:path (what)")``.
     """
 
@@ -134,6 +138,7 @@ class Framework:
     autocast: bool = False
     logits_upcast: bool = False
     fsdp_side_streams: bool = False
+    expert_imbalance: float = 1.0
     sources: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
@@ -141,6 +146,7 @@ class Framework:
         check_fields(self, minimum=dict.fromkeys((*byte_fields, "loss_bytes_per_logit"), 0))
         check_choice("selective", self.selective, SELECTIVE_POLICIES)
         check_choice("gradients", self.gradients, GRADIENT_CONVENTIONS)
+        check_number("expert_imbalance", self.expert_imbalance, minimum=1.0)
 
     def with_(self, **changes) -> Framework:
         """This profile with some fields changed (a stack's flags)."""

@@ -403,11 +403,13 @@ def pipeline_axis(step: StepShape) -> tuple[float, float]:
 
 def expert_axis(step: StepShape) -> tuple[float, float]:
     """Seconds and bytes per rank of the experts' all-to-alls: dispatch and combine, forward and
-    backward, on every block; nothing hides them."""
+    backward, on every block; nothing hides them. The busiest rank's rows: ``expert_imbalance``
+    times the mean (every token routed, none dropped)."""
     layout = step.layout
     if layout.expert == 1:
         return 0.0, 0.0
-    rows_bytes = layout.element_bytes * step.tokens * step.model.top_k * step.model.d_model
+    tokens = step.tokens * step.framework.expert_imbalance
+    rows_bytes = layout.element_bytes * tokens * step.model.top_k * step.model.d_model
     each = collective_seconds("all_to_all", rows_bytes, layout.expert, link_of("data", layout, step.cluster))
     calls = 4 * step.layers * step.microbatches
     return calls * each, calls * ring_bytes("all_to_all", rows_bytes, layout.expert)

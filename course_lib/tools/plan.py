@@ -223,8 +223,8 @@ def main(argv: list[str] | None = None) -> int:
             cluster = cluster_named(args.cluster)
         fitting, rejected = plan(
             model, cluster, gpus=args.gpus, seq_len=args.seq_len, global_batch=global_batch,
-            template=template, context_attention=methods, framework=FRAMEWORKS[args.framework],
-            profile=_profile_for(args.profile, cluster, FRAMEWORKS[args.framework]),
+            template=template, context_attention=methods, framework=_stack(args),
+            profile=_profile_for(args.profile, cluster, _stack(args)),
         )  # fmt: skip
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -269,6 +269,23 @@ def _add_stack_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--profile", type=checks.json_to_read, default=None, help="a calibration profile (plan calibrate)"
     )
+    parser.add_argument(
+        "--expert-imbalance",
+        type=checks.argument_type(checks.check_number, float, minimum=1.0, maximum=MAX_EXPERT_IMBALANCE),
+        default=1.0,
+        help="the busiest expert's load over the mean (1: even, the best case; bench balance measures it): "
+        "a mixture of experts' step waits for its busiest expert and rank",
+    )
+
+
+MAX_EXPERT_IMBALANCE = 1024.0
+"""No expert takes more than all the tokens: the busiest load over the mean is at most E, and no
+model has 1024 experts a layer."""
+
+
+def _stack(args) -> Framework:
+    """The stack ``--framework`` names, with ``--expert-imbalance``."""
+    return FRAMEWORKS[args.framework].with_(expert_imbalance=args.expert_imbalance)
 
 
 LAYOUT_COLUMNS = ("layout", "seq_len", "global_batch")
@@ -292,7 +309,7 @@ def predict_layouts(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         cluster = cluster_named(args.cluster)
-        framework = FRAMEWORKS[args.framework]
+        framework = _stack(args)
         profile = _profile_for(args.profile, cluster, framework)
         rows = [
             _predicted_row(row, number, args.model, cluster, framework, profile, folder=args.layouts.parent)

@@ -195,7 +195,16 @@ class Splits:
 def check_dropless(
     num_experts: int, *, top_k: int, shared_experts: int, bias_update_rate: float, nodes: int, node_limit
 ) -> None:
-    """Refuse, in one line naming the fix, a routing that cannot work."""
+    """Refuse, in one line naming the fix, a routing that cannot work (``DroplessMoE``'s arguments).
+
+    Args:
+        num_experts: E, the routed experts (at least one, even beside shared ones).
+        top_k: routed experts per token, at most E.
+        shared_experts: experts every token goes through.
+        bias_update_rate: γ, at least 0 and finite.
+        nodes: the groups of ranks the experts are spread over; E must divide by it.
+        node_limit: the most nodes a token's experts may be on (None: any), at most ``nodes``.
+    """
     check_int("num_experts", num_experts, minimum=1)
     check_int("top_k", top_k, minimum=1)
     if top_k > num_experts:

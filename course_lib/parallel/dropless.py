@@ -108,8 +108,10 @@ class GroupedExperts(nn.Module):
 class DroplessRouting:
     """Where every token goes: ``token``, ``expert`` and ``gate`` per assignment (tokens x k,
     choice by choice); ``load``, the assignments each expert took (none dropped); ``aux_loss``,
-    Switch's balancing loss E · Σ f_e P_e on the scores (P_e: expert e's mean share of a token's
-    scores), for training with a loss instead of, or beside, the bias."""
+    the balancing loss E · Σ f_e P_e (f_e: the share of the assignments that chose e, P_e: e's
+    mean share of a token's scores), taken over each sequence and averaged: Switch's over the
+    whole batch (one sequence), DeepSeek-V3's "complementary sequence-wise" loss, kept tiny beside
+    the bias (section 2.1.2), over each sequence. Even routing makes it 1."""
 
     token: torch.Tensor
     expert: torch.Tensor
@@ -126,6 +128,7 @@ def route_dropless(
     bias: torch.Tensor | None = None,
     nodes: int = 1,
     node_limit: int | None = None,
+    sequences: int = 1,
 ) -> DroplessRouting:
     """Top-k of sigmoid scores, every assignment kept; the bias chooses, the scores weigh.
 
@@ -135,6 +138,7 @@ def route_dropless(
         bias: (E,), added to the scores to choose the experts only (None: none).
         nodes: the groups of ranks the experts are spread over, in order (E must divide by it).
         node_limit: M, the most nodes one token's experts may be on (None: any).
+        sequences: how many sequences the tokens are, one after the other, for ``aux_loss``.
     """
     tokens, num_experts = logits.shape
     scores = logits.sigmoid()  # DeepSeek-V3's affinities: each expert scored on its own
@@ -152,8 +156,10 @@ def route_dropless(
     expert = experts.t().reshape(-1)
     token = torch.arange(tokens, device=logits.device).repeat(top_k)
     load = torch.bincount(expert, minlength=num_experts)
-    share = (scores / scores.sum(dim=-1, keepdim=True)).mean(dim=0)
-    aux_loss = num_experts * (load.to(share.dtype) / expert.numel() * share).sum()
+    share = (scores / scores.sum(dim=-1, keepdim=True)).view(sequences, -1, num_experts).mean(dim=1)
+    chose = torch.zeros(tokens, num_experts, device=logits.device).scatter_(1, experts, 1.0)
+    fraction = chose.view(sequences, -1, num_experts).mean(dim=1) / top_k  # each sequence's f_e
+    aux_loss = (num_experts * (fraction * share).sum(dim=-1)).mean()
     return DroplessRouting(token, expert, gates.t().reshape(-1), load, aux_loss)
 
 
@@ -277,7 +283,7 @@ class DroplessMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
-        routing, order = self.route(tokens)
+        routing, order = self.route(tokens, sequences=x.shape[0] if x.dim() == 3 else 1)
         rows, counts = tokens[routing.token[order]], routing.load.tolist()
         if self.sharded:
             results = self._experts_across_ranks(rows, counts)
@@ -286,12 +292,12 @@ class DroplessMoE(nn.Module):
             results = self.experts(rows, counts)
         return self.mix(tokens, routing, order, results).reshape(x.shape)
 
-    def route(self, tokens: torch.Tensor) -> tuple[DroplessRouting, torch.Tensor]:
-        """Where ``tokens`` (tokens, d_model) go, and their assignments sorted by expert (hence by
-        the rank that holds it)."""
+    def route(self, tokens: torch.Tensor, *, sequences: int = 1) -> tuple[DroplessRouting, torch.Tensor]:
+        """Where ``tokens`` (tokens, d_model; ``sequences`` of them one after the other) go, and
+        their assignments sorted by expert (hence by the rank that holds it)."""
         bias = self.expert_bias if self.bias_update_rate else None
         routing = route_dropless(self.router(tokens), top_k=self.top_k, bias=bias, nodes=self.nodes,
-                                 node_limit=self.node_limit)  # fmt: skip
+                                 node_limit=self.node_limit, sequences=sequences)  # fmt: skip
         self.last_routing = routing
         return routing, routing.expert.argsort(stable=True)
 

@@ -187,3 +187,12 @@ def test_two_micro_batches_interleaved_compute_what_the_plain_order_does(world):
     assert ops == ["all_gather", "all_to_all", "all_gather", "all_to_all", "all_to_all", "all_to_all"]
     assert phases.index((1, "route")) < phases.index((0, "experts")) < phases.index((1, "experts"))
     assert phases.index((0, "combine")) < phases.index((1, "experts")) < phases.index((0, "mix"))
+
+
+def test_the_sequence_wise_loss_sees_what_a_batch_wise_loss_averages_away():
+    """Two sequences, each sending every token to its own expert: balanced over the batch (Switch's
+    loss is 1), lopsided in each sequence (DeepSeek-V3's sequence-wise loss is not)."""
+    logits = torch.tensor([[2.0, -2.0], [2.0, -2.0], [-2.0, 2.0], [-2.0, 2.0]])
+    assert float(dropless.route_dropless(logits, top_k=1).aux_loss) == pytest.approx(1.0)
+    lopsided = dropless.route_dropless(logits, top_k=1, sequences=2).aux_loss
+    assert float(lopsided) == pytest.approx(2 * float(torch.sigmoid(torch.tensor(2.0))))  # E · f · P, f = 1

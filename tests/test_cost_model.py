@@ -488,3 +488,25 @@ def test_the_busiest_expert_sets_the_pace_of_a_mixture_of_experts():
     assert predicted(LLAMA_8B, 1.5, dense).time == predicted(LLAMA_8B, 1.0, dense).time
     with pytest.raises(UserError, match="expert_imbalance"):
         COURSE_PROFILE.with_(expert_imbalance=0.5)
+
+
+def test_shared_experts_are_priced_as_a_dense_mlp_beside_the_routed_ones():
+    """Every token goes through them: their parameters are active, their products dense (split over
+    T, whole on every expert rank), their hidden activations kept for backward."""
+    import dataclasses
+
+    mixtral = specs.MODELS["mixtral-8x7b"]
+    shared = dataclasses.replace(mixtral, shared_experts=1)
+    assert (
+        shared.active_parameters() - mixtral.active_parameters()
+        == mixtral.layers * mixtral.expert_parameters()
+    )
+    assert memory_model.block_matmuls(shared)[-1] == (mixtral.ffn_hidden, mixtral.d_model, 1, True)
+    layout = Layout(data=8, expert=8, pipeline=4, tensor=4)
+    plain, more = (
+        cm.predict(model, ALPS, layout, seq_len=4096, global_batch=256) for model in (mixtral, shared)
+    )
+    assert more.memory["activations"] > plain.memory["activations"]
+    assert more.time["compute"] > plain.time["compute"]
+    with pytest.raises(UserError, match="shared experts beside no routed ones"):
+        dataclasses.replace(LLAMA_8B, shared_experts=1)

@@ -4,6 +4,7 @@ cluster file gives the built-in cluster's predictions; a missing field is named.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -214,8 +215,9 @@ DEEPSEEK_V2_LITE = LLAMA3_8B | {  # deepseek-ai/DeepSeek-V2-Lite config.json: 15
 @pytest.mark.parametrize(
     "changes, named",
     [
-        ({}, ["n_shared_experts = 2", "kv_lora_rank = 512", "first_k_dense_replace = 1"]),
+        ({}, ["kv_lora_rank = 512", "first_k_dense_replace = 1"]),
         ({"n_shared_experts": 0, "first_k_dense_replace": 0, "kv_lora_rank": None}, []),  # a plain MoE
+        ({"first_k_dense_replace": 0, "kv_lora_rank": None}, []),  # and with its 2 shared experts
         ({"n_shared_experts": 0, "first_k_dense_replace": 0, "kv_lora_rank": None, "moe_layer_freq": 2},
          ["moe_layer_freq = 2"]),
         ({"n_shared_experts": 0, "first_k_dense_replace": 0, "kv_lora_rank": None,
@@ -227,6 +229,14 @@ def test_a_key_the_planner_does_not_model_is_refused_by_name(tmp_path, changes, 
     if not named:
         moe = from_files.model_from_config(path)
         assert (moe.experts, moe.top_k, moe.ffn_hidden) == (64, 6, 1408)  # n_routed_experts read
+        shared = (DEEPSEEK_V2_LITE | changes)["n_shared_experts"]
+        assert moe.shared_experts == shared  # each a routed expert's width, every token through them
+        routed_only = dataclasses.replace(moe, shared_experts=0)
+        assert moe.parameters() - routed_only.parameters() == moe.layers * shared * moe.expert_parameters()
+        assert (
+            moe.active_parameters() - routed_only.active_parameters()
+            == moe.layers * shared * moe.expert_parameters()
+        )
         return
     with pytest.raises(UserError, match="the planner does not model") as raised:
         from_files.model_from_config(path)

@@ -350,6 +350,11 @@ def moe_llama(spec, *, capacity_factor: float = 1.25) -> Llama:
     """
     if getattr(spec, "experts", 1) < 2:
         raise UserError(f"{getattr(spec, 'name', 'this spec')} has no experts: build it with llama.Llama")
+    if getattr(spec, "shared_experts", 0):
+        raise UserError(
+            f"{spec.name} has shared experts, which moe_llama's capacity MoE does not build: plan it, or "
+            "build its layers with dropless.DroplessMoE(shared_experts=...)"
+        )
     model = Llama(dataclasses.replace(spec, experts=1, top_k=1))
     for block in model:
         if isinstance(block, Block):

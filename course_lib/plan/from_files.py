@@ -19,6 +19,7 @@ num_local_experts /        experts (absent: a dense MLP)
 num_experts /
 n_routed_experts
 num_experts_per_tok        top_k
+n_shared_experts           shared_experts (DeepSeek's: each ``moe_intermediate_size`` wide)
 rms_norm_eps /             norm: RMSNorm where the config has ``rms_norm_eps``, else LayerNorm
 layer_norm_eps
 model_type, hidden_act     gated_mlp: three matrices in the families that gate their MLP
@@ -31,9 +32,9 @@ use_sliding_window,        on, where a window is given); no window where ``use_s
 max_window_layers          is false (Qwen's configs give a window they switch off)
 =========================  =====================================================================
 
-A key that changes the model's shape in a way the planner does not model (``UNMODELLED``: shared
-experts, latent attention, dense layers among the MoE ones) is refused by name: planned without
-it, a DeepSeek-V2-Lite (15.7B, an MoE with shared experts) would be priced as a dense 2.7B.
+A key that changes the model's shape in a way the planner does not model (``UNMODELLED``: a
+shared expert of its own width (Qwen's), latent attention, dense layers among the MoE ones) is
+refused by name: planned without them, a DeepSeek-V2-Lite (15.7B) would be priced as a smaller model.
 
 ``cluster_from_file`` reads a ``ClusterSpec``'s fields from TOML or JSON, its two links as tables::
 
@@ -99,7 +100,6 @@ UNGATED_FAMILIES = frozenset(
 )
 """``model_type``s whose MLP is two matrices with an activation between."""
 UNMODELLED = {
-    "n_shared_experts": "shared experts, which every token uses beside its routed ones",
     "num_shared_experts": "shared experts, which every token uses beside its routed ones",
     "shared_expert_intermediate_size": "a shared expert, which every token uses beside its routed ones",
     "kv_lora_rank": "multi-head latent attention (keys and values through a low-rank latent)",
@@ -194,6 +194,9 @@ def model_from_config(path: Path) -> ModelSpec:
         source=f"{path} ({config.get('model_type', 'a config.json')})",
         head_dim=head_dim,
         tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        shared_experts=check_int(f"{path}: n_shared_experts", config.get("n_shared_experts") or 0, minimum=0)
+        if experts > 1
+        else 0,
         **_sliding_window(config, path),
     )
 

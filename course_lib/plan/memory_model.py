@@ -129,7 +129,7 @@ def block_activation_elements(
     heads_out = tokens * model.attention_width  # q, and the attention's output (sbh for most models)
     kv = tokens * model.kv_heads * model.head_dim  # k, and v
     rows = model.top_k if model.experts > 1 else 1  # an MoE layer computes k rows per token
-    mlp_hidden = tokens * rows * model.ffn_hidden
+    mlp_hidden = tokens * (rows + model.shared_experts) * model.ffn_hidden  # and each shared expert's
     lse = a * tokens * 4 / layout.element_bytes  # one fp32 log-sum-exp per head and token
     residual = 2 if fp32_residual else 1  # bf16 elements a value of the residual stream takes
     block_input = residual * sbh / sp
@@ -159,13 +159,19 @@ def block_activation_elements(
 
 def block_matmuls(model: ModelSpec) -> list[tuple[float, float, float, bool]]:
     """A block's matmuls in the order its forward runs them (wq, wk, wv, wo, then the MLP's up,
-    gate and down): (input features, output features, rows per token, row-parallel). Rows per
+    gate and down, then the shared experts'): (input features, output features, rows per token,
+    row-parallel). Rows per
     token: an MoE layer's MLP runs top-k rows a token; row-parallel: under tensor parallelism the
     output is a full-width partial sum, not 1/T of the features."""
     h, q, kv, f = model.d_model, model.attention_width, model.kv_heads * model.head_dim, model.ffn_hidden
     k = model.top_k if model.experts > 1 else 1
     up = [(h, f, k, False)] * (2 if model.gated_mlp else 1)
-    return [(h, q, 1, False), (h, kv, 1, False), (h, kv, 1, False), (q, h, 1, True), *up, (f, h, k, True)]
+    shared = []
+    if model.shared_experts:  # one dense MLP of their combined width, every token through it
+        width = model.shared_experts * f
+        shared = [*[(h, width, 1, False)] * (2 if model.gated_mlp else 1), (width, h, 1, True)]
+    attention = [(h, q, 1, False), (h, kv, 1, False), (h, kv, 1, False), (q, h, 1, True)]
+    return [*attention, *up, (f, h, k, True), *shared]
 
 
 def _saved_matmuls(model: ModelSpec, layout: Layout, *, tokens: float) -> float:

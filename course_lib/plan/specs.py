@@ -32,8 +32,8 @@ class ModelSpec:
         ffn_hidden: the MLP's hidden width (per expert for a mixture of experts).
         vocab: V, the vocabulary.
         gated_mlp: SwiGLU (three matrices) rather than two.
-        experts: experts per MoE layer (1: a dense MLP).
-        top_k: experts per token.
+        experts: routed experts per MoE layer (1: a dense MLP).
+        top_k: routed experts per token.
         norm: ``"rms"`` (RMSNorm: a weight, one statistic per token) or ``"layer"`` (LayerNorm: a
             weight and a bias, a mean and 1/std per token).
         bias: the linear layers have biases.
@@ -47,6 +47,9 @@ class ModelSpec:
             to the whole causal prefix).
         sliding_layers: how many of the ``layers`` attend through that window (GPT-OSS and
             Gemma alternate windowed and full layers); the rest attend to the whole prefix.
+        shared_experts: experts of an MoE layer that every token goes through beside its routed
+            ones, each ``ffn_hidden`` wide (DeepSeek-MoE's; ``parallel.dropless.DroplessMoE``'s):
+            one dense MLP of their combined width, replicated over the expert ranks.
     """
 
     name: str
@@ -67,6 +70,7 @@ class ModelSpec:
     tied_embeddings: bool = False
     sliding_window: int = 0
     sliding_layers: int = 0
+    shared_experts: int = 0
 
     def __post_init__(self):
         check_fields(
@@ -74,12 +78,19 @@ class ModelSpec:
             minimum={
                 **dict.fromkeys(("layers", "d_model", "heads", "kv_heads", "ffn_hidden", "vocab"), 1),
                 **dict.fromkeys(("experts", "top_k"), 1),
-                **dict.fromkeys(("position_embeddings", "head_dim", "sliding_window", "sliding_layers"), 0),
+                **dict.fromkeys(
+                    ("position_embeddings", "head_dim", "sliding_window", "sliding_layers", "shared_experts"),
+                    0,
+                ),
             },
         )
         check_choice("ModelSpec norm", self.norm, ("rms", "layer"))
         if self.top_k > self.experts:
             raise UserError(f"{self.name}: top_k ({self.top_k}) cannot exceed the experts ({self.experts})")
+        if self.shared_experts and self.experts == 1:
+            raise UserError(
+                f"{self.name}: shared experts beside no routed ones: give experts > 1, or none shared"
+            )
         if not self.head_dim:  # the usual choice, filled in so that every formula reads one field
             object.__setattr__(self, "head_dim", self.d_model // self.heads)
         if self.sliding_layers > self.layers or (self.sliding_layers > 0) != (self.sliding_window > 0):
@@ -138,7 +149,8 @@ class ModelSpec:
 
     def block_parameters(self) -> int:
         router = self.d_model * self.experts if self.experts > 1 else 0
-        return self.attention_parameters() + self.experts * self.expert_parameters() + router
+        mlps = self.experts + self.shared_experts
+        return self.attention_parameters() + mlps * self.expert_parameters() + router
 
     def embedding_parameters(self) -> int:
         """The token (and position) embeddings: looked up, not multiplied, so they cost no FLOPs."""

@@ -174,7 +174,10 @@ def _block_products(
     """(m, n, k, count) of each matmul of one block for one micro-batch of ``tokens`` on this GPU:
     a column-parallel layer's outputs and a row-parallel layer's inputs split over T; an MoE
     layer's MLP as its experts/E local experts, each fed top_k·E/experts of the tokens, times
-    ``imbalance`` on the busiest rank (``Framework.expert_imbalance``), whose experts the step waits for."""
+    ``imbalance`` on the busiest rank (``Framework.expert_imbalance``), whose experts the step waits for.
+    The experts' products are priced at the dense matmuls' fitted rate, each expert's as one matmul
+    of its rows: an assumption until a GPU record measures grouped products (``torch._grouped_mm``
+    runs them as one kernel, faster for small experts than one launch each)."""
     t, shapes = layout.tensor, []
     for inputs, outputs, rows, row_parallel in block_matmuls(model):
         m, count = tokens, 1

@@ -59,8 +59,9 @@ def test_the_command_records_every_part_on_a_cpu(cpu_record):
     record, summary = cpu_record
     assert record["device"]["device"] == "cpu"
     assert len(record["matmuls"]) == 5 * 3  # five products, three passes, one precision, one degree
-    for part in ("matmuls", "attention", "pointwise", "blocks"):
+    for part in ("matmuls", "attention", "pointwise", "grouped", "blocks"):
         assert record[part], part
+    assert all(row["grouped_tflops"] > 0 and row["loop_tflops"] > 0 for row in record["grouped"])
     assert all(row["tflops"] > 0 for row in record["matmuls"])
     assert all(row["forward_tflops"] > 0 and row["backward_tflops"] > 0 for row in record["attention"])
     assert all(row["gbps"] > 0 for row in record["pointwise"])

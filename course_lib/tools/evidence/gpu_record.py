@@ -3,7 +3,8 @@
 The planner's compute model needs rates, not a datasheet: how fast this GPU multiplies the very
 matrices of a transformer block (the products of Llama 3 8B, 70B and Mixtral's blocks, split by
 tensor parallelism, at the token counts of a micro-batch), in bf16 and in fp8 with tensorwise and
-rowwise scales; how fast its fused attention runs; and what bandwidth its memory-bound operations
+rowwise scales; how fast a mixture of experts' products run grouped in one call against one
+expert at a time; how fast its fused attention runs; and what bandwidth its memory-bound operations
 reach, eager and compiled. Small hidden sizes lose to tile and wave quantization, attention runs
 at its own rate, a norm is bound by memory: each of these is measured here, one JSON file per GPU
 (``slides/recorded/gpu/<gpu>.json``), beside the ``gpu``-marked tests' verdict.
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 from ... import checks
 from ...errors import EXIT_USER_ERROR, UserError
 from ...llama import LlamaBlock
+from ...parallel import dropless
 from ...plan.kernels import slug
 from ...plan.specs import MODELS, ModelSpec
 from .. import RECORDED, REPOSITORY
@@ -213,6 +215,42 @@ def _time_product(shape, precision: str, which: str, timer: Timer, device) -> fl
     except (RuntimeError, NotImplementedError) as error:
         print(f"{precision} {which} {shape}: not run here ({str(error).splitlines()[0]})", file=sys.stderr)
         return None
+
+
+GROUPED_SHAPES = (
+    (8, 4096, 14336, "Mixtral 8x7B's experts"),
+    (64, 2048, 1408, "DeepSeek-V2-Lite's 64 experts"),
+)
+"""(experts on the GPU, d_model, each expert's hidden width, whose): coarse and fine-grained experts."""
+
+
+def record_grouped(*, tokens: tuple[int, ...], timer: Timer, device, report) -> list[dict]:
+    """Experts' up-projections on their rows (top-2, the rows dealt out evenly), two ways: one
+    grouped call (``dropless.grouped_mm``: ``torch._grouped_mm`` on a Hopper GPU in bf16, else
+    a loop) and one product per expert; the rate of each, in TFLOP/s."""
+    on_gpu, rows_of = device.type == "cuda", []
+    shapes = GROUPED_SHAPES if on_gpu else ((4, 64, 128, "small, to check the command"),)
+    for experts, d_model, hidden, whose in shapes:
+        for count in tokens:
+            rows = 2 * count
+            counts = [rows // experts + (e < rows % experts) for e in range(experts)]
+            x = torch.randn(rows, d_model, device=device, dtype=_dtype(device))
+            weights = torch.randn(experts, d_model, hidden, device=device, dtype=_dtype(device))
+            grouped = timer(lambda x=x, w=weights, c=counts: dropless.grouped_mm(x, w, c))
+            loop = timer(
+                lambda x=x, w=weights, c=counts: [p @ wi for p, wi in zip(x.split(c), w, strict=True)]
+            )
+            flops = 2 * rows * d_model * hidden
+            fused = hasattr(torch, "_grouped_mm") and on_gpu and x.dtype == torch.bfloat16
+            rows_of.append({
+                "experts": experts, "d_model": d_model, "hidden": hidden, "rows": rows, "whose": whose,
+                "one_kernel": fused and torch.cuda.get_device_capability(device)[0] >= 9,
+                "grouped_s": grouped, "loop_s": loop,
+                "grouped_tflops": flops / grouped / 1e12, "loop_tflops": flops / loop / 1e12,
+            })  # fmt: skip
+            report(f"grouped {experts} x ({d_model} x {hidden}), {rows} rows: {flops / grouped / 1e12:.1f} "
+                   f"TFLOP/s in one call, {flops / loop / 1e12:.1f} one expert at a time")  # fmt: skip
+    return rows_of
 
 
 def record_attention(
@@ -546,6 +584,8 @@ def main(argv: list[str] | None = None) -> int:
             compile_too=compile_too,
             **shared,
         )
+        _write(out, record)
+        record["grouped"] = record_grouped(tokens=tokens, **shared)
         _write(out, record)
         record["blocks"] = record_blocks(models, tokens=max(tokens), compile_too=compile_too, **shared)
         record["seconds"] = time.perf_counter() - begin

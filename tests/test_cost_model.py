@@ -471,8 +471,8 @@ def test_the_last_stage_keeps_one_micro_batch_of_the_head_unless_gpipe_keeps_the
 
 
 def test_the_busiest_expert_sets_the_pace_of_a_mixture_of_experts():
-    """``Framework.expert_imbalance``: the busiest rank's all-to-all rows and its experts' matmuls
-    grow with the load's skew; a dense model has no expert to wait for."""
+    """``Framework.expert_imbalance``: the busiest expert rank's all-to-all rows and its experts'
+    matmuls grow with the load's skew; without expert parallelism there is no rank to wait for."""
     from course_lib.plan.frameworks import COURSE_PROFILE
 
     def predicted(model, imbalance, layout):
@@ -486,6 +486,8 @@ def test_the_busiest_expert_sets_the_pace_of_a_mixture_of_experts():
     assert skewed.time["compute"] > even.time["compute"]
     dense = Layout(data=8, pipeline=4, tensor=4)
     assert predicted(LLAMA_8B, 1.5, dense).time == predicted(LLAMA_8B, 1.0, dense).time
+    # every expert on every rank: each rank computes its own tokens' rows, however they spread
+    assert predicted(mixtral, 1.5, dense).time == predicted(mixtral, 1.0, dense).time
     with pytest.raises(UserError, match="expert_imbalance"):
         COURSE_PROFILE.with_(expert_imbalance=0.5)
 

@@ -174,7 +174,8 @@ def _block_products(
     """(m, n, k, count) of each matmul of one block for one micro-batch of ``tokens`` on this GPU:
     a column-parallel layer's outputs and a row-parallel layer's inputs split over T; an MoE
     layer's MLP as its experts/E local experts, each fed top_k·E/experts of the tokens, times
-    ``imbalance`` on the busiest rank (``Framework.expert_imbalance``), whose experts the step waits for.
+    ``imbalance`` on the busiest expert rank (``Framework.expert_imbalance``), whose experts the
+    step waits for (on one rank every expert's rows are its own, whatever their spread).
     The experts' products are priced at the dense matmuls' fitted rate, each expert's as one matmul
     of its rows: an assumption until a GPU record measures grouped products (``torch._grouped_mm``
     runs them as one kernel, faster for small experts than one launch each)."""
@@ -183,7 +184,7 @@ def _block_products(
         m, count = tokens, 1
         if rows > 1:  # an expert's MLP
             count = model.experts / layout.expert
-            m = tokens * rows * layout.expert / model.experts * imbalance
+            m = tokens * rows * layout.expert / model.experts * (imbalance if layout.expert > 1 else 1)
         n, k = (outputs, inputs / t) if row_parallel else (outputs / t, inputs)
         shapes.append((m, n, k, count))
     return shapes

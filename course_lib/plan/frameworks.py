@@ -110,10 +110,11 @@ class Framework:
             buffers and the sharded gradients come from pools the default stream cannot reuse
             (reserved though freed), and the root module's parameters (the embedding, the final
             norm and the head) stay gathered from its forward to its backward.
-        expert_imbalance: the busiest expert's load over the mean load, as the stack's routing
-            leaves it (``parallel.dropless.load_imbalance``): a step waits for the busiest
-            expert's matmuls and for the busiest rank's all-to-all rows. 1 (the default, the
-            best case, stated as an assumption): even; measure it with ``bench balance``.
+        expert_imbalance: under expert parallelism, the busiest expert rank's load over the mean,
+            as the stack's routing leaves it: a step waits for that rank's experts' matmuls and
+            all-to-all rows. The busiest expert's load over the mean
+            (``parallel.dropless.load_imbalance``, ``bench balance``) bounds it, and equals it at
+            one expert a rank. 1 (the default, the best case, stated as an assumption): even.
         sources: where each convention is made, ``(field, "repository@commit:path (what)")``.
     """
 

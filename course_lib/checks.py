@@ -325,6 +325,11 @@ def argument_type(
     return parse
 
 
+def learning_rate(text: str) -> float:
+    """argparse type: a learning rate, finite, above 0 and at most ``MAX_LEARNING_RATE``."""
+    return argument_type(check_number, float, above=0, maximum=MAX_LEARNING_RATE)(text)
+
+
 def int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
     """argparse type: a whole number in ``minimum .. maximum``."""
     return argument_type(check_int, int, minimum=minimum, maximum=maximum)

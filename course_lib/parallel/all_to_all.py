@@ -14,32 +14,40 @@ import torch
 from ..distributed import comm
 
 
+def post_rows(rows: torch.Tensor, send: list[int], receive: list[int], *, group=None, async_op: bool = False):
+    """The all-to-all itself, outside autograd: where the received rows land, and the work handle
+    (None unless ``async_op``; wait on it before reading them).
+
+    Args:
+        rows: (sum(send), ...), the rows for rank 0 first.
+        send: rows for each rank of ``group``.
+        receive: rows from each rank of ``group``.
+        group: the expert-parallel group (None: every rank).
+        async_op: return at once, the rows still travelling.
+    """
+    out = rows.new_empty((sum(receive), *rows.shape[1:]))
+    work = comm.all_to_all_single(
+        out,
+        rows.contiguous(),
+        output_split_sizes=receive,
+        input_split_sizes=send,
+        group=group,
+        async_op=async_op,
+    )
+    return out, work
+
+
 class _RowsToRanks(torch.autograd.Function):
     """Rows dealt out to the ranks; backward deals their gradients back the same way reversed."""
 
     @staticmethod
     def forward(ctx, rows, send_counts, receive_counts, group):
         ctx.group, ctx.send_counts, ctx.receive_counts = group, send_counts, receive_counts
-        out = rows.new_empty((sum(receive_counts), *rows.shape[1:]))
-        comm.all_to_all_single(
-            out,
-            rows.contiguous(),
-            output_split_sizes=receive_counts,
-            input_split_sizes=send_counts,
-            group=group,
-        )
-        return out
+        return post_rows(rows, send_counts, receive_counts, group=group)[0]
 
     @staticmethod
     def backward(ctx, grad):
-        back = grad.new_empty((sum(ctx.send_counts), *grad.shape[1:]))
-        comm.all_to_all_single(
-            back,
-            grad.contiguous(),
-            output_split_sizes=ctx.send_counts,
-            input_split_sizes=ctx.receive_counts,
-            group=ctx.group,
-        )
+        back = post_rows(grad, ctx.receive_counts, ctx.send_counts, group=ctx.group)[0]
         return back, None, None, None
 
 

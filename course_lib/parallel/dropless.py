@@ -72,16 +72,26 @@ def grouped_mm(rows: torch.Tensor, weights: torch.Tensor, counts: list[int]) -> 
             f"grouped_mm: {len(counts)} counts adding up to {sum(counts)} for {weights.shape[0]} experts and "
             f"{rows.shape[0]} rows: give one count per expert, adding up to the rows"
         )
-    fused = getattr(torch, "_grouped_mm", None)
-    if fused is not None and rows.is_cuda and rows.dtype == torch.bfloat16 and _hopper(rows.device):
+    if one_kernel(rows):
         ends = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
-        return fused(rows, weights, offs=ends)
+        return torch._grouped_mm(rows, weights, offs=ends)
     pieces = rows.split(counts)
     return torch.cat([piece @ weight for piece, weight in zip(pieces, weights, strict=True)])
 
 
-def _hopper(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device)[0] >= 9
+def one_kernel(rows: torch.Tensor) -> bool:
+    """Whether ``grouped_mm`` runs these rows as one kernel: ``torch._grouped_mm`` exists, and the
+    rows are bf16 on a Hopper GPU or newer (compute capability 9), the kernel's requirements.
+
+    Args:
+        rows: the rows ``grouped_mm`` would multiply.
+    """
+    return (
+        hasattr(torch, "_grouped_mm")
+        and rows.is_cuda
+        and rows.dtype == torch.bfloat16
+        and torch.cuda.get_device_capability(rows.device)[0] >= 9
+    )
 
 
 class GroupedExperts(nn.Module):
@@ -320,11 +330,11 @@ class DroplessMoE(nn.Module):
         incoming = [[table[source][e] for e in self.local] for source in range(size)]
         receive = [sum(row) for row in incoming]
         starts = [sum(receive[:source]) for source in range(size)]
-        gather = torch.tensor(
-            [starts[source] + sum(incoming[source][:e]) + i
-             for e in range(len(self.local)) for source in range(size) for i in range(incoming[source][e])],
-            dtype=torch.long, device=device,
-        )  # fmt: skip
+        first = [[starts[s] + sum(incoming[s][:e]) for s in range(size)] for e in range(len(self.local))]
+        gather = torch.cat([  # each local expert's rows from every source, in expert order
+            torch.arange(first[e][s], first[e][s] + incoming[s][e], device=device)
+            for e in range(len(self.local)) for s in range(size)
+        ])  # fmt: skip
         per_expert = [sum(incoming[source][e] for source in range(size)) for e in range(len(self.local))]
         return Splits(send, receive, gather, per_expert)
 

@@ -25,18 +25,9 @@ import time
 import torch
 
 from ..checks import check_instance, check_module
-from ..distributed import comm
 from ..errors import UserError
+from .all_to_all import post_rows
 from .dropless import DroplessMoE
-
-
-def _post(rows: torch.Tensor, send: list[int], receive: list[int], group):
-    """Start an all-to-all of rows with uneven splits; return where they land and its handle."""
-    out = rows.new_empty((sum(receive), *rows.shape[1:]))
-    work = comm.all_to_all_single(
-        out, rows.contiguous(), output_split_sizes=receive, input_split_sizes=send, group=group, async_op=True
-    )
-    return out, work
 
 
 @torch.no_grad()
@@ -74,7 +65,9 @@ def overlapped_forward(
         splits = layer.splits(routing.load.tolist(), x.device)
         rows = tokens[routing.token[order]]
         arrived, work = timed(
-            i, "dispatch", lambda r=rows, s=splits: _post(r, s.send, s.receive, layer.group)
+            i,
+            "dispatch",
+            lambda r=rows, s=splits: post_rows(r, s.send, s.receive, group=layer.group, async_op=True),
         )
         state.append([tokens, routing, order, splits, arrived, work])
     for i, entry in enumerate(state):  # each one's experts while the others' rows travel
@@ -82,7 +75,11 @@ def overlapped_forward(
         timed(i, "dispatch", work.wait)
         results = timed(i, "experts", lambda a=arrived, s=splits: layer.experts(a[s.gather], s.per_expert))
         done = torch.empty_like(arrived).index_copy(0, splits.gather, results)
-        entry[4:] = timed(i, "combine", lambda d=done, s=splits: _post(d, s.receive, s.send, layer.group))
+        entry[4:] = timed(
+            i,
+            "combine",
+            lambda d=done, s=splits: post_rows(d, s.receive, s.send, group=layer.group, async_op=True),
+        )
     outputs = []
     for i, (tokens, routing, order, _, back, work) in enumerate(state):
         timed(i, "combine", work.wait)

@@ -34,7 +34,6 @@ import subprocess
 import sys
 
 from .. import checks
-from ..checks import MAX_LEARNING_RATE
 from ..data import DATASETS
 from ..distributed import environment
 from ..models import IMAGE_MODELS
@@ -78,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--lr",
-        type=checks.argument_type(checks.check_number, float, above=0, maximum=MAX_LEARNING_RATE),
+        type=checks.learning_rate,
         default=0.01,
     )
     threads = parser.add_mutually_exclusive_group()

@@ -20,11 +20,10 @@ from ..parallel.mesh import describe_grid
 from ..train.three_d import COUNTS, RunShape, check_run, run_layout, train_3d
 from .plots import image_to_write, plot_loss_curves
 
-LEARNING_RATE = checks.argument_type(checks.check_number, float, above=0, maximum=checks.MAX_LEARNING_RATE)
 BOUNDS = {
     **dict.fromkeys(COUNTS, {"type": checks.int_at_least(1)}),
     "seed": {"type": checks.int_at_least(0, checks.MAX_SEED)},
-    "lr": {"type": LEARNING_RATE},
+    "lr": {"type": checks.learning_rate},
 }
 """``RunShape``'s limits as argparse types, so that a flag out of them is refused in argparse's words."""
 

@@ -44,7 +44,7 @@ from ..errors import UserError
 from ..observe import anatomy, profiling
 from ..parallel import context_chunks, ulysses
 from ..parallel import tensor as tp
-from ..parallel.mesh import Mesh, check_degrees, rank_at
+from ..parallel.mesh import AXES, Mesh, check_degrees, rank_at
 from ..plan.layout import Layout
 from ..plan.parallelize import parallelize
 
@@ -112,8 +112,7 @@ def check_run(layout: Layout, shape: RunShape, *, world_size: int) -> None:
         world_size: the processes started.
     """
     _check_layout(layout)
-    degrees = {axis: layout.degree(axis) for axis in ("data", "pipeline", "context", "tensor")}
-    check_degrees(world_size, **degrees)
+    check_degrees(world_size, **{axis: layout.degree(axis) for axis in AXES})
     tensor, context, seq_len = layout.tensor, layout.context, shape.seq_len
     tp.check_tensor_parallel_degree(shape.d_model, shape.n_heads, 4 * shape.d_model, tensor)
     context_chunks.check_context_split(seq_len, context, zigzag=layout.context_attention == "ring")

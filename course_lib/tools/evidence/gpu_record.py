@@ -241,10 +241,9 @@ def record_grouped(*, tokens: tuple[int, ...], timer: Timer, device, report) -> 
                 lambda x=x, w=weights, c=counts: [p @ wi for p, wi in zip(x.split(c), w, strict=True)]
             )
             flops = 2 * rows * d_model * hidden
-            fused = hasattr(torch, "_grouped_mm") and on_gpu and x.dtype == torch.bfloat16
             rows_of.append({
                 "experts": experts, "d_model": d_model, "hidden": hidden, "rows": rows, "whose": whose,
-                "one_kernel": fused and torch.cuda.get_device_capability(device)[0] >= 9,
+                "one_kernel": dropless.one_kernel(x),
                 "grouped_s": grouped, "loop_s": loop,
                 "grouped_tflops": flops / grouped / 1e12, "loop_tflops": flops / loop / 1e12,
             })  # fmt: skip

@@ -417,33 +417,28 @@ def load_imbalance(model: nn.Module) -> float:
 def dropless_transformer(
     vocab_size: int,
     *,
-    d_model: int = 32,
-    n_heads: int = 4,
-    n_layers: int = 2,
-    max_seq_len: int = 32,
     num_experts: int = 8,
     top_k: int = 2,
     shared_experts: int = 0,
     bias_update_rate: float = 0.0,
+    **shape,
 ) -> nn.Module:
     """``models.TinyTransformer`` whose blocks' MLPs are ``DroplessMoE`` layers (hidden d_model each).
 
     Args:
         vocab_size: distinct tokens.
-        d_model: the width of every token's vector.
-        n_heads: attention heads per block.
-        n_layers: transformer blocks.
-        max_seq_len: the longest sequence.
         num_experts: routed experts per layer.
         top_k: routed experts per token.
         shared_experts: experts every token goes through.
         bias_update_rate: γ of ``balance`` (0: no bias).
+        shape: ``models.TinyTransformer``'s own keywords (``d_model``, ``n_heads``, ``n_layers``,
+            ``max_seq_len``).
     """
-    model = TinyTransformer(
-        vocab_size, d_model=d_model, n_heads=n_heads, n_layers=n_layers, max_seq_len=max_seq_len
-    )
+    model = TinyTransformer(vocab_size, **shape)
     routing = dict(num_experts=num_experts, top_k=top_k, shared_experts=shared_experts)
     for block in model:
         if isinstance(block, Block):
-            block.mlp = DroplessMoE(d_model, d_model, **routing, bias_update_rate=bias_update_rate)
+            block.mlp = DroplessMoE(
+                model.d_model, model.d_model, **routing, bias_update_rate=bias_update_rate
+            )
     return model

@@ -492,6 +492,23 @@ def test_the_busiest_expert_sets_the_pace_of_a_mixture_of_experts():
         COURSE_PROFILE.with_(expert_imbalance=0.5)
 
 
+def test_a_stack_that_groups_its_experts_matmuls_runs_many_small_experts_faster():
+    """``Framework.grouped_experts``: a rank's experts in one grouped kernel (``kernels.grouped_matmul_
+    seconds``) against one launch each; with one expert a rank there is nothing to group."""
+    from course_lib.plan.frameworks import COURSE_PROFILE
+
+    def compute(model, grouped, layout):
+        framework = COURSE_PROFILE.with_(grouped_experts=grouped)
+        return cm.predict(model, ALPS, layout, seq_len=4096, global_batch=256, framework=framework).time[
+            "compute"
+        ]
+
+    gpt_oss, sixteen_a_rank = specs.MODELS["gpt-oss-120b"], Layout(data=16, expert=8, pipeline=4)
+    assert compute(gpt_oss, True, sixteen_a_rank) < compute(gpt_oss, False, sixteen_a_rank)
+    mixtral, one_a_rank = specs.MODELS["mixtral-8x7b"], Layout(data=8, expert=8, pipeline=4, tensor=4)
+    assert compute(mixtral, True, one_a_rank) == compute(mixtral, False, one_a_rank)
+
+
 def test_shared_experts_are_priced_as_a_dense_mlp_beside_the_routed_ones():
     """Every token goes through them: their parameters are active, their products dense (split over
     T, whole on every expert rank), their hidden activations kept for backward."""

@@ -155,7 +155,14 @@ def test_the_published_runs_are_read_with_their_stacks_profiles():
     assert not published.framework_of("megatron2021-a100", "fp16 published").grad_reduce_overlap
     mcore = published.framework_of("mcore2024-h100", "distributed optimizer; comm overlap")
     assert mcore.tensor_overlap and mcore.param_gather_overlap and mcore.equal_stage_blocks
+    # the routing a row states: how a rank's experts multiply, how even the router dealt the tokens
+    assert not published.framework_of("mcore2024-h100", "EP 8; expert loop").grouped_experts
+    assert published.framework_of("torchtitan-h100", "EP 8; grouped GEMM").grouped_experts
+    assert published.framework_of("mcore2024-h100", "EP 8; expert imbalance 1.35").expert_imbalance == 1.35
     runs = published.read_runs()
+    gpt_oss = next(run for run in runs if run.id == "nx-mbridge-gptoss-120b")
+    assert gpt_oss.framework.grouped_experts and gpt_oss.framework.expert_imbalance == 1
+    assert gpt_oss.layout.expert == 8 and not gpt_oss.not_expressible
     assert {run.framework.name for run in runs} == {"torchtitan", "megatron"}
     assert {run.framework.name for run in published.read_runs(framework="course")} == {"course"}
 

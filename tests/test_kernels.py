@@ -64,6 +64,33 @@ def test_a_product_pays_for_every_wave_it_starts():
     assert kernels.matmul_seconds(H100, 0, 10, 10) == 0
 
 
+def test_a_grouped_kernel_fills_the_waves_that_one_launch_per_expert_leaves_idle():
+    fit = kernels.kernel_fit(H100.record)
+    assert fit.grouped_products == 0 and fit.grouped_ratio == 1  # no grouped product recorded: assumed
+    rows, columns = fit.tile
+    # experts of 132 tiles each fill whole waves: grouping saves nothing
+    whole = kernels.matmul_seconds(H100, rows * 12, columns * 11, 4096)
+    assert kernels.grouped_matmul_seconds(H100, rows * 12, columns * 11, 4096, 8) == pytest.approx(8 * whole)
+    # 16 fine-grained experts of 4 tiles: one wave each alone, one wave for all of them grouped
+    small = kernels.matmul_seconds(H100, rows * 2, columns * 2, 2048)
+    assert kernels.grouped_matmul_seconds(H100, rows * 2, columns * 2, 2048, 16) == pytest.approx(small)
+    assert kernels.grouped_matmul_seconds(H100, 0, 10, 10, 4) == 0
+
+
+def test_the_grouped_products_a_record_measured_set_the_grouped_rate():
+    record = json.loads(json.dumps(RECORD))
+    fit = kernels.fit_record(record, H100)
+    modelled = kernels._grouped_model_seconds(fit, H100, 512, 1408, 2048, 64, "bf16")
+    record["grouped"] = [
+        {"experts": 64, "d_model": 2048, "hidden": 1408, "rows": 64 * 512, "one_kernel": True,
+         "grouped_s": 1.3 * modelled},
+        {"experts": 64, "d_model": 2048, "hidden": 1408, "rows": 64 * 512, "one_kernel": False,
+         "grouped_s": 9 * modelled},  # a loop standing in for the kernel: not the kernel's rate
+    ]  # fmt: skip
+    measured = kernels.fit_record(record, H100)
+    assert measured.grouped_products == 1 and measured.grouped_ratio == pytest.approx(1.3)
+
+
 def test_a_missing_record_names_the_command_that_makes_it(monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "GPU_RECORDS", tmp_path)
     kernels.kernel_fit.cache_clear()

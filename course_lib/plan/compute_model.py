@@ -138,7 +138,8 @@ def products(step: StepShape) -> Products:
     blocks = step.layers * step.microbatches
     linear = "fp8" if layout.precision == "fp8" else "bf16"  # the blocks' linear layers; the head stays bf16
     shapes = _block_products(model, layout, step.tokens, imbalance=step.framework.expert_imbalance)
-    passes = [_matmul_passes(gpu, shape, linear) for shape in shapes]
+    grouped = step.framework.grouped_experts
+    passes = [_matmul_passes(gpu, shape, linear, grouped=grouped) for shape in shapes]
     vocabulary = model.vocab / t if layout.loss_parallel else model.vocab
     head = _matmul_passes(gpu, (step.tokens, vocabulary, model.d_model, 1))
     causal_forward = attention_flops / 2 / 3  # a causal kernel computes half the square
@@ -176,9 +177,9 @@ def _block_products(
     layer's MLP as its experts/E local experts, each fed top_k·E/experts of the tokens, times
     ``imbalance`` on the busiest expert rank (``Framework.expert_imbalance``), whose experts the
     step waits for (on one rank every expert's rows are its own, whatever their spread).
-    The experts' products are priced at the dense matmuls' fitted rate, each expert's as one matmul
-    of its rows: an assumption until a GPU record measures grouped products (``torch._grouped_mm``
-    runs them as one kernel, faster for small experts than one launch each)."""
+    ``count`` is how many such products run (a rank's experts), priced one launch each or, where
+    the stack groups them (``Framework.grouped_experts``), as one kernel
+    (``kernels.grouped_matmul_seconds``)."""
     t, shapes = layout.tensor, []
     for inputs, outputs, rows, row_parallel in block_matmuls(model):
         m, count = tokens, 1
@@ -190,14 +191,20 @@ def _block_products(
     return shapes
 
 
-def _matmul_passes(gpu, shape, precision: str = "bf16") -> tuple[float, float]:
-    """Seconds of a layer's forward product and of its backward's two (input and weight gradients)."""
+def _matmul_passes(gpu, shape, precision: str = "bf16", *, grouped: bool = False) -> tuple[float, float]:
+    """Seconds of a layer's forward product and of its backward's two (input and weight gradients):
+    ``count`` products one after the other, or (``grouped``, more than one) as one grouped kernel."""
     m, n, k, count = shape
-    forward = kernels.matmul_seconds(gpu, m, n, k, precision)
-    backward = kernels.matmul_seconds(gpu, m, k, n, precision) + kernels.matmul_seconds(
-        gpu, k, n, m, precision
-    )
-    return count * forward, count * backward
+    if grouped and count > 1:
+
+        def seconds(a, b, c):
+            return kernels.grouped_matmul_seconds(gpu, a, b, c, count, precision)
+    else:
+
+        def seconds(a, b, c):
+            return count * kernels.matmul_seconds(gpu, a, b, c, precision)
+
+    return seconds(m, n, k), seconds(m, k, n) + seconds(k, n, m)
 
 
 def memory_bound(step: StepShape) -> tuple[float, float, float]:

@@ -115,6 +115,8 @@ class Framework:
             all-to-all rows. The busiest expert's load over the mean
             (``parallel.dropless.load_imbalance``, ``bench balance``) bounds it, and equals it at
             one expert a rank. 1 (the default, the best case, stated as an assumption): even.
+        grouped_experts: a rank's experts multiply their rows in one grouped kernel
+            (``torch._grouped_mm``, CUTLASS's grouped GEMM); False: one product per expert.
         sources: where each convention is made, ``(field, "repository@commit:path (what)")``.
     """
 
@@ -140,6 +142,7 @@ class Framework:
     logits_upcast: bool = False
     fsdp_side_streams: bool = False
     expert_imbalance: float = 1.0
+    grouped_experts: bool = False
     sources: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
@@ -193,9 +196,17 @@ TORCHTITAN = "pytorch/torchtitan@004b3148a92b565ef0ce7a7bcc61e0159c7ec930"
 TORCHTITAN_LOSS = "pytorch/torchtitan@f90c845c0ef9dbaf29d4d577e926c974e1630163:torchtitan/components/loss.py"
 MEGATRON = "NVIDIA/Megatron-LM@f2e5db402c44ae309aa6448bcb4ae87e8ae0f5f4"
 
+MIXTRAL_RECIPE = "NVIDIA-NeMo/Megatron-Bridge@556b474d34f88ccf7f4521bb6142c5c2a7ca809a"
+GPT_OSS_RECIPE = "NVIDIA-NeMo/Megatron-Bridge@a9497c6b1cad42f11d875f72317d404140b003fb"
+
 COURSE_PROFILE = Framework(
     "course",
+    grouped_experts=True,
     sources=(
+        (
+            "grouped_experts",
+            "course_lib/parallel/dropless.py (GroupedExperts: one grouped_mm for a rank's experts)",
+        ),
         ("bytes", "Rajbhandari et al., ZeRO (arXiv:1910.02054) section 3: 2 + 2 + 12 bytes a parameter"),
         ("selective", "course_lib/parallel/recompute.py (the selective policy's saved operations)"),
         ("stages", "course_lib/parallel/pipeline (split_model)"),
@@ -214,7 +225,13 @@ TORCHTITAN_PROFILE = Framework(
     gradients="regrown",
     logits_upcast=True,
     fsdp_side_streams=True,
+    grouped_experts=True,
     sources=(
+        (
+            "grouped_experts",
+            "pytorch/torchtitan@b4a1b8882da64a81e49f0d1067619c3babb8eb62:torchtitan/models/moe.py "
+            "(GroupedExperts: torch._grouped_mm over a rank's experts)",
+        ),
         (
             "gradients",
             f"{TORCHTITAN}:torchtitan/train.py (optimizers.zero_grad() before each step, "
@@ -263,7 +280,14 @@ MEGATRON_PROFILE = Framework(
     equal_stage_blocks=True,
     compiled=True,
     blocking_pipeline_sends=("1f1b",),
+    grouped_experts=True,
     sources=(
+        (
+            "grouped_experts",
+            f"{MIXTRAL_RECIPE}:src/megatron/bridge/models/mixtral/mixtral_provider.py and {GPT_OSS_RECIPE}:"
+            "scripts/performance/dryrun_configs/gpt_oss/gpt_oss_120b_pretrain_h100_fp8_mx_v1.yaml "
+            "(moe_grouped_gemm: true, moe_token_dispatcher_type: alltoall, no capacity: dropless)",
+        ),
         (
             "grad_bytes",
             f"{MEGATRON}:megatron/training/arguments.py ('bfloat16 requires gradient accumulation and "

@@ -32,6 +32,7 @@ runs instead.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -121,6 +122,10 @@ class KernelFit:
         copy: a tensor copied (or cast) from one buffer to another, a fraction of the bandwidth.
         attention_rows: each recorded attention shape, ``(head_dim, heads, seq_len, forward,
             backward)`` with the two as fractions of the peak (``attention_fractions`` reads them).
+        grouped_ratio: measured over modelled time of the record's grouped expert products run as
+            one kernel (``grouped_matmul_seconds``), their geometric mean: fitted, 1 where the
+            record has none (the tile model taken as it is, an assumption).
+        grouped_products: how many grouped products measured ``grouped_ratio`` (0: assumed).
         rms_log_error: the fit's root-mean-square error in log time over the record's products.
         flat_rms_log_error: the same for one flat 70 % of the peak, for comparison.
         products: how many products the fit saw.
@@ -140,6 +145,8 @@ class KernelFit:
     products: int
     copy: float = 0.0
     attention_rows: tuple[tuple[int, int, int, float, float], ...] = ()
+    grouped_ratio: float = 1.0
+    grouped_products: int = 0
 
 
 def _waves(m: float, n: float, tile: tuple[int, int], multiprocessors: int) -> int:
@@ -190,7 +197,7 @@ def fit_record(record: dict, gpu: GPU, precision: str = "bf16") -> KernelFit:
     eager = [rates[(op, "eager")] for op in ("silu_mul", "norm_add")]
     compiled = [rates[(op, "compiled")] for op in ("silu_mul", "norm_add")]
     bandwidth = gpu.memory_bandwidth
-    return KernelFit(
+    fit = KernelFit(
         tile=tile,
         sustained=sustained,
         wave_latency_s=latency,
@@ -210,6 +217,21 @@ def fit_record(record: dict, gpu: GPU, precision: str = "bf16") -> KernelFit:
             for row in record["attention"]
         ),
     )  # fmt: skip
+    return _with_grouped_ratio(fit, record, gpu, precision)
+
+
+def _with_grouped_ratio(fit: KernelFit, record: dict, gpu: GPU, precision: str) -> KernelFit:
+    """``fit`` with the record's grouped products' measured over modelled time (``gpu_record``'s
+    ``grouped`` rows that ran as one kernel: each expert's rows times its up-projection)."""
+    rows = [row for row in record.get("grouped", []) if row.get("one_kernel")]
+    if not rows or precision != "bf16":
+        return fit
+    logs = [
+        math.log(row["grouped_s"] / _grouped_model_seconds(
+            fit, gpu, row["rows"] / row["experts"], row["hidden"], row["d_model"], row["experts"], precision))
+        for row in rows
+    ]  # fmt: skip
+    return dataclasses.replace(fit, grouped_ratio=math.exp(sum(logs) / len(logs)), grouped_products=len(rows))
 
 
 def _interpolated(points: list[tuple[float, float, float]], at: float) -> tuple[float, float]:
@@ -311,3 +333,32 @@ def matmul_seconds(gpu: GPU, m: float, n: float, k: float, precision: str = "bf1
     per_sm = fit.sustained * _peak(gpu, precision) / gpu.multiprocessors
     tile_seconds = 2 * fit.tile[0] * fit.tile[1] * k / per_sm
     return waves * (tile_seconds + fit.wave_latency_s)
+
+
+def _grouped_model_seconds(fit: KernelFit, gpu: GPU, m, n, k, groups, precision) -> float:
+    waves = math.ceil(groups * math.ceil(m / fit.tile[0]) * math.ceil(n / fit.tile[1]) / gpu.multiprocessors)
+    per_sm = fit.sustained * _peak(gpu, precision) / gpu.multiprocessors
+    return waves * (2 * fit.tile[0] * fit.tile[1] * k / per_sm + fit.wave_latency_s)
+
+
+def grouped_matmul_seconds(
+    gpu: GPU, m: float, n: float, k: float, groups: float, precision: str = "bf16"
+) -> float:
+    """Seconds of ``groups`` (m x k) by (k x n) products run as one grouped kernel (a rank's experts
+    in ``torch._grouped_mm`` or CUTLASS's grouped GEMM): one launch whose waves hold every group's
+    tiles, so small experts fill the multiprocessors that one launch each would leave idle. The
+    tile model of ``matmul_seconds`` over all the tiles together, times the record's
+    ``grouped_ratio`` (measured where the record has grouped products; else 1, an assumption).
+
+    Args:
+        gpu: the GPU.
+        m: each group's rows (an expert's tokens).
+        n: the result's columns.
+        k: the dimension summed over.
+        groups: the products (the experts on this GPU).
+        precision: ``"bf16"`` or ``"fp8"``.
+    """
+    if m <= 0 or n <= 0 or k <= 0 or groups <= 0:
+        return 0.0
+    fit = kernel_fit(gpu.record, precision)
+    return fit.grouped_ratio * _grouped_model_seconds(fit, gpu, m, n, k, math.ceil(groups), precision)

@@ -201,7 +201,11 @@ MODELS = {
         ),
         ModelSpec(
             "mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, experts=8, top_k=2,
-            source="Mixtral 8x7B (Jiang et al., 2024, table 1; mistralai/Mixtral-8x7B-v0.1 config.json)",
+            source=(
+                "Mixtral 8x7B (Jiang et al., 2024, table 1; mistralai/Mixtral-8x7B-v0.1 config.json); "
+                "routed as Megatron-Bridge's Mixtral recipe does: dropless, softmax top-2, all-to-all, "
+                "grouped GEMM (Framework.grouped_experts); its load skew is Framework.expert_imbalance"
+            ),
         ),
         ModelSpec(
             "gpt-oss-120b", 36, 2880, 64, 8, 2880, 201088, experts=128, top_k=4, bias=True, head_dim=64,
@@ -209,7 +213,8 @@ MODELS = {
             source=(
                 "GPT-OSS 120B (OpenAI, 2025, gpt-oss model card table 1; openai/gpt-oss-120b config.json): "
                 "64 heads of 64 (4096 wide, not d_model), every second layer a 128-token window; its "
-                "attention sinks (one learned logit per head) cost no FLOPs worth counting"
+                "attention sinks (one learned logit per head) cost no FLOPs worth counting; routed as "
+                "Megatron-Bridge's recipe does: dropless, softmax top-4, all-to-all, grouped GEMM"
             ),
         ),
     )

@@ -120,27 +120,49 @@ sets ``use_distributed_optimizer=True``."""
 
 
 def framework_of(group: str, extras: str) -> Framework:
-    """The profile of the stack that made a run, from its ``group`` and ``extras`` columns.
+    """The profile of the stack that made a run, from its ``group`` and ``extras`` columns, with
+    the routing its MoE layers used where the row states it (``_routing``).
 
     Args:
         group: the run's group (``torchtitan-h100``, ``megatron2021-a100``, ``mcore2024-h100``...).
-        extras: what else the row says of the run (``async TP``, ``comm overlap``...).
+        extras: what else the row says of the run (``async TP``, ``comm overlap``, ``grouped GEMM``...).
     """
     said = [piece.strip().lower() for piece in extras.replace("+", ";").split(";")]
     if group.startswith("torchtitan"):  # "async TP", "torch.compile" as a row's own items ("unstated" is not)
-        return TORCHTITAN_PROFILE.with_(
+        profile = TORCHTITAN_PROFILE.with_(
             tensor_overlap=any(piece.startswith(("async tp", "asynctp")) for piece in said),
             compiled=any(piece.startswith(("torch.compile", "compile")) for piece in said),
             fp8_all_gather=any("float8 all-gather" in piece for piece in said),
         )
-    if group.startswith(("megatron2021", "korthikanti2022")):
-        return MEGATRON_PROFILE.with_(grad_reduce_overlap=False)
-    if group.startswith(tuple(DISTRIBUTED_OPTIMIZER)):  # the recipe's DDP config overlaps both
-        return MEGATRON_PROFILE.with_(param_gather_overlap=True, grad_reduce_overlap=True)
-    overlap = any("comm overlap" in piece for piece in said)
-    return MEGATRON_PROFILE.with_(
-        tensor_overlap=overlap, param_gather_overlap=overlap, grad_reduce_overlap=overlap
-    )
+    elif group.startswith(("megatron2021", "korthikanti2022")):
+        profile = MEGATRON_PROFILE.with_(grad_reduce_overlap=False)
+    elif group.startswith(tuple(DISTRIBUTED_OPTIMIZER)):  # the recipe's DDP config overlaps both
+        profile = MEGATRON_PROFILE.with_(param_gather_overlap=True, grad_reduce_overlap=True)
+    else:
+        overlap = any("comm overlap" in piece for piece in said)
+        profile = MEGATRON_PROFILE.with_(
+            tensor_overlap=overlap, param_gather_overlap=overlap, grad_reduce_overlap=overlap
+        )
+    return profile.with_(**_routing(said))
+
+
+def _routing(said: list[str]) -> dict:
+    """The MoE routing a row states: ``grouped GEMM`` or ``expert loop`` (how a rank's experts
+    multiply), ``routing forced even`` (a benchmark's router made to deal the tokens out evenly:
+    imbalance 1, stated, not assumed) or ``expert imbalance X`` (a measured one)."""
+    routing = {}
+    if any("grouped gemm" in piece for piece in said):
+        routing["grouped_experts"] = True
+    if any("expert loop" in piece for piece in said):
+        routing["grouped_experts"] = False
+    if any("routing forced even" in piece for piece in said):
+        routing["expert_imbalance"] = 1.0
+    stated = [IMBALANCE.search(piece) for piece in said]
+    routing.update({"expert_imbalance": float(found[1]) for found in stated if found})
+    return routing
+
+
+IMBALANCE = re.compile(r"expert imbalance (\d+(?:\.\d+)?)")
 
 
 def _flops_per_token(kind: str, model: ModelSpec, seq_len: int) -> float:

@@ -157,8 +157,9 @@ def _routing(said: list[str]) -> dict:
         routing["grouped_experts"] = False
     if any("routing forced even" in piece for piece in said):
         routing["expert_imbalance"] = 1.0
-    stated = [IMBALANCE.search(piece) for piece in said]
-    routing.update({"expert_imbalance": float(found[1]) for found in stated if found})
+    for found in (IMBALANCE.search(piece) for piece in said):
+        if found:
+            routing["expert_imbalance"] = float(found[1])
     return routing
 
 

@@ -388,8 +388,20 @@ def balance(model: nn.Module, *, group=None) -> torch.Tensor | None:
             raise UserError("balance reads the last forward's routing: call it after a forward and backward")
         load = layer.last_routing.load.to(layer.expert_bias.dtype)
         comm.all_reduce(load, op="sum", group=group)
-        layer.expert_bias += layer.bias_update_rate * torch.sign(load.mean() - load)
+        layer.expert_bias.copy_(bias_step(layer.expert_bias, load, rate=layer.bias_update_rate))
     return load
+
+
+def bias_step(bias: torch.Tensor, load: torch.Tensor, *, rate: float) -> torch.Tensor:
+    """DeepSeek-V3's rule: each expert's bias moved by ``rate``, down above the mean load, up below it.
+
+    Args:
+        bias: (E,), the biases now.
+        load: (E,), each expert's assignments in the step (over every rank's tokens).
+        rate: γ, the step.
+    """
+    load = load.to(bias.dtype)
+    return bias + rate * torch.sign(load.mean() - load)
 
 
 def dropless_layers(model: nn.Module) -> list[DroplessMoE]:

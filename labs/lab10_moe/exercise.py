@@ -13,6 +13,12 @@ are added, weighted by the router's probabilities (the gates). Three pieces:
   different sizes on every rank and step (so the counts travel first), and the results come
   back the same way, reversed.
 
+Part 2, the design of 2024-2026 (DeepSeek-V3, Megatron-Core, torchtitan): **dropless** routing
+keeps every assignment (sigmoid scores, top-k, no capacity), each expert's **bias** steers the
+choice toward an even load without a loss (moved after each step by the loads summed over the
+ranks), and a rank's experts multiply their rows in one **grouped** call. E need not divide by N:
+rank r holds experts [⌊rE/N⌋, ⌊(r+1)E/N⌋) (``expert_range``).
+
 Check your work (every property, at 2 and 4 processes):
 
     python -m course_lib.tools.labs check lab10_moe
@@ -26,6 +32,7 @@ import torch
 from torch import nn
 
 from course_lib.distributed import comm, runtime
+from course_lib.parallel.dropless import expert_range, grouped_mm  # part 2's placement and grouped call
 from course_lib.parallel.expert import expert_capacity  # ceil(factor x tokens x k / E)
 
 
@@ -102,4 +109,71 @@ class ExpertParallelMoE(nn.Module):
         # TODO: each rank must learn how many rows it will receive before it can receive them, then the rows travel to the ranks that own their experts and come back the same way, to be weighted by their gates and added to their tokens. Pitfall: a dropped assignment is not sent at all, and rows arrive grouped by the rank that sent them
         raise NotImplementedError(
             "TODO: each rank must learn how many rows it will receive before it can receive them, then the rows travel to the ranks that own their experts and come back the same way, to be weighted by their gates and added to their tokens. Pitfall: a dropped assignment is not sent at all, and rows arrive grouped by the rank that sent them"
+        )
+
+
+# -- part 2: dropless routing, the bias that balances it, and its uneven dispatch -------------------
+
+
+@dataclass
+class DroplessRouting:
+    """One entry per assignment (tokens x k, choice by choice), none dropped; ``load``: each expert's count."""
+
+    token: torch.Tensor
+    expert: torch.Tensor
+    gate: torch.Tensor
+    load: torch.Tensor
+
+
+def route_dropless(logits: torch.Tensor, *, top_k: int, bias: torch.Tensor | None = None) -> DroplessRouting:
+    """Top-k of the (tokens, E) scores' sigmoids, every assignment kept; ``bias`` (E,) chooses, never weighs."""
+    tokens, num_experts = logits.shape
+    # TODO: each expert is scored on its own (a sigmoid, not a softmax over the experts); the bias is added to the detached scores to choose the top k, and the gates are the chosen experts' scores without it, normalized to sum to 1 over a token's choices. Order the assignments choice-major, as in part 1. Pitfall: a bias inside the gates would pull on the router's gradient
+    raise NotImplementedError(
+        "TODO: each expert is scored on its own (a sigmoid, not a softmax over the experts); the bias is added to the detached scores to choose the top k, and the gates are the chosen experts' scores without it, normalized to sum to 1 over a token's choices. Order the assignments choice-major, as in part 1. Pitfall: a bias inside the gates would pull on the router's gradient"
+    )
+
+
+def update_bias(bias: torch.Tensor, load: torch.Tensor, *, rate: float) -> torch.Tensor:
+    """The biases after one step: each moved by ``rate`` toward an even load (DeepSeek-V3, section 2.1.2)."""
+    # TODO: every rank routed its own tokens, so sum the loads over the ranks first (one all-reduce): then every rank moves its copy alike. An expert above the mean load goes down by rate, one below goes up (the sign of the difference, not its size). Pitfall: the load is an integer count; the biases are floats
+    raise NotImplementedError(
+        "TODO: every rank routed its own tokens, so sum the loads over the ranks first (one all-reduce): then every rank moves its copy alike. An expert above the mean load goes down by rate, one below goes up (the sign of the difference, not its size). Pitfall: the load is an integer count; the biases are floats"
+    )
+
+
+class DroplessExpertParallel(nn.Module):
+    """A dropless mixture-of-experts layer holding this rank's experts (``expert_range``).
+
+    Args:
+        router: ``nn.Linear(d_model, E, bias=False)``, the same on every rank.
+        up: (E, d_model, hidden), every expert's first matrix (the same on every rank).
+        down: (E, hidden, d_model), every expert's second matrix.
+        top_k: experts per token.
+        bias: (E,), the routing bias (the same on every rank).
+    """
+
+    def __init__(
+        self, router: nn.Linear, up: torch.Tensor, down: torch.Tensor, *, top_k: int, bias: torch.Tensor
+    ):
+        super().__init__()
+        size, rank = runtime.world_size(), runtime.rank()
+        self.num_experts, self.top_k, self.bias = up.shape[0], top_k, bias
+        self.local = expert_range(self.num_experts, size, rank)
+        self.router = router
+        self.up = nn.Parameter(up[self.local.start : self.local.stop].clone())
+        self.down = nn.Parameter(down[self.local.start : self.local.stop].clone())
+        self.routing = None
+
+    def experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """This rank's experts on their rows, sorted by expert (``counts[e]`` rows for local expert e)."""
+        return grouped_mm(nn.functional.gelu(grouped_mm(rows, self.up, counts)), self.down, counts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(tokens, d_model) -> (tokens, d_model): every assignment computed, weighted and added."""
+        routing = self.routing = route_dropless(self.router(x), top_k=self.top_k, bias=self.bias)
+        size = runtime.world_size()
+        # TODO: sort the assignments by expert (stable); gather every rank's E counts (one all-gather) to size what each rank sends and receives; send the rows with your AllToAll, put what arrives (by source rank, then expert) in expert order for one grouped call, put the results back in arrival order, and return them the same way. Pitfall: the placement is expert_range, not E/N each, and a rank may get no rows for an expert
+        raise NotImplementedError(
+            "TODO: sort the assignments by expert (stable); gather every rank's E counts (one all-gather) to size what each rank sends and receives; send the rows with your AllToAll, put what arrives (by source rank, then expert) in expert order for one grouped call, put the results back in arrival order, and return them the same way. Pitfall: the placement is expert_range, not E/N each, and a rank may get no rows for an expert"
         )

@@ -5,6 +5,13 @@ uneven pieces, forward and backward; your layer at 2 and 4 processes, top-1 and 
 capacity that drops tokens and one that drops none, against one process holding every expert
 (``expert.MoE`` routing each rank's tokens as its own group): outputs, the input's, the
 router's and every expert's gradients, the bytes sent against the routing.
+
+Part 2: your dropless routing against the course's ``dropless.route_dropless``; your bias update
+on 2 and 4 ranks against DeepSeek-V3's rule on the summed loads, and the load spread it leaves
+over 40 steps; your dropless layer with 5 experts (no world here divides them) at 2 and 4
+processes against ``dropless.DroplessMoE`` holding every expert: outputs and gradients, and the
+messages (one all-gather of the counts, two all-to-alls forward, two backward, their bytes equal
+to ``dropless.all_to_all_bytes``).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import copy
 import torch
 
 from course_lib.distributed import comm, runtime
+from course_lib.parallel import dropless
 from course_lib.parallel import expert as ep
 from course_lib.tools.labs import Property, Question, case_seed, in_sandbox, on_ranks
 
@@ -229,6 +237,200 @@ def check_traffic(lab) -> None:
             )
 
 
+# -- part 2: dropless ----------------------------------------------------------------------------------
+
+DROPLESS_EXPERTS, DROPLESS_TOP_K = 5, (1, 2)  # 5 experts: 2 and 4 ranks hold uneven shares
+BIAS_RATE, BALANCE_STEPS = 0.05, 40
+
+
+def _dropless_scores(seed: int, tokens: int = 23) -> torch.Tensor:
+    skew = torch.linspace(1.5, -1.5, DROPLESS_EXPERTS)  # experts 0 and 1 popular
+    return (
+        torch.randn(tokens, DROPLESS_EXPERTS, generator=torch.Generator().manual_seed(case_seed(seed))) + skew
+    )
+
+
+def _your_dropless_routing(lab, logits, top_k, bias) -> dict:
+    logits = logits.clone().requires_grad_()
+    routing = lab.route_dropless(logits, top_k=top_k, bias=bias)
+    (gradient,) = torch.autograd.grad(routing.gate.pow(2).sum(), logits)
+    fields = {field: getattr(routing, field).detach() for field in ("token", "expert", "gate", "load")}
+    return fields | {"gradient": gradient}
+
+
+def check_route_dropless(lab) -> None:
+    for seed, top_k in enumerate(DROPLESS_TOP_K):
+        logits = _dropless_scores(20 + seed)
+        bias = torch.randn(DROPLESS_EXPERTS, generator=torch.Generator().manual_seed(case_seed(30 + seed)))
+        for with_bias in (None, bias):
+            yours = in_sandbox(_your_dropless_routing, lab, logits, top_k, with_bias)
+            wanted_logits = logits.clone().requires_grad_()
+            course = dropless.route_dropless(wanted_logits, top_k=top_k, bias=with_bias)
+            (wanted_gradient,) = torch.autograd.grad(course.gate.pow(2).sum(), wanted_logits)
+            where = f"top-{top_k}, {'with' if with_bias is not None else 'without'} a bias"
+            for field in ("token", "expert", "load"):
+                got, wanted = yours[field], getattr(course, field)
+                assert torch.equal(got, wanted), (
+                    f"{where}: your {field} starts {got[:8].tolist()}, the course's {wanted[:8].tolist()}"
+                )
+            assert torch.allclose(yours["gate"], course.gate, atol=1e-6), (
+                f"{where}: your gates differ from the course's (the bias chooses; the scores alone weigh)"
+            )
+            assert torch.allclose(yours["gradient"], wanted_gradient, atol=1e-6), (
+                f"{where}: the router's gradient through your gates differs (is the bias inside them?)"
+            )
+
+
+def _dropless_inputs(world: int):
+    """One process holding every expert (the course's layer, a bias set), every rank's tokens, the
+    weights of the sum that stands in for a loss."""
+    torch.manual_seed(case_seed(40))
+    reference = dropless.DroplessMoE(
+        D_MODEL, HIDDEN, num_experts=DROPLESS_EXPERTS, top_k=1, bias_update_rate=1.0
+    )
+    generator = torch.Generator().manual_seed(case_seed(41))
+    reference.expert_bias.copy_(torch.randn(DROPLESS_EXPERTS, generator=generator))
+    everyone = torch.randn(world, TOKENS, D_MODEL, generator=generator)
+    weights = torch.randn(world, TOKENS, D_MODEL, generator=generator)
+    return reference, everyone, weights
+
+
+def _dropless_layer(lab):
+    """On a rank: your dropless layer at top-1 and top-2, forward and backward, and its messages."""
+    rank, size = runtime.rank(), runtime.world_size()
+    reference, everyone, weights = _dropless_inputs(size)
+    cases = []
+    for top_k in DROPLESS_TOP_K:
+        layer = lab.DroplessExpertParallel(
+            copy.deepcopy(reference.router), reference.experts.up.detach(), reference.experts.down.detach(),
+            top_k=top_k, bias=reference.expert_bias.clone(),
+        )  # fmt: skip
+        x = everyone[rank].clone().requires_grad_()
+        with comm.CommLog() as log:
+            out = layer(x)
+            (out * weights[rank]).sum().backward()
+        router_gradient = layer.router.weight.grad
+        if router_gradient is None:
+            router_gradient = torch.zeros_like(layer.router.weight)
+        comm.all_reduce(router_gradient, op="sum")  # replicated: its gradient is the sum
+        cases.append({
+            "output": out.detach(), "input gradient": x.grad, "router gradient": router_gradient,
+            "expert gradients": [layer.up.grad, layer.down.grad],
+            "sent": log.bytes_per_rank("all_to_all") + log.bytes_per_rank("all_gather"),
+            "calls": {op: log.count(op) for op in ("all_gather", "all_to_all", "all_reduce")},
+        })  # fmt: skip
+    return cases
+
+
+def _balance(lab) -> list[torch.Tensor]:
+    """On a rank: 40 steps of your routing of this rank's tokens, each followed by your bias update."""
+    logits = _dropless_scores(50 + runtime.rank())
+    bias, biases = torch.zeros(DROPLESS_EXPERTS), []
+    for _ in range(BALANCE_STEPS):
+        bias = lab.update_bias(bias, lab.route_dropless(logits, top_k=2, bias=bias).load, rate=BIAS_RATE)
+        biases.append(bias.clone())
+    return biases
+
+
+def _dropless_one_process(world: int) -> list[dict]:
+    """In the judge: what every rank should give back at top-1 and top-2, and the bytes it should send."""
+    reference, everyone, weights = _dropless_inputs(world)
+    wanted = []
+    for top_k in DROPLESS_TOP_K:
+        layer = copy.deepcopy(reference)
+        layer.top_k = top_k
+        whole = everyone.clone().requires_grad_()
+        with torch.no_grad():  # each rank's tokens, routed as that rank routes them
+            loads = [
+                dropless.route_dropless(
+                    layer.router(everyone[r]), top_k=top_k, bias=layer.expert_bias
+                ).load.tolist()
+                for r in range(world)
+            ]
+        output = layer(whole.view(-1, D_MODEL)).view(world, TOKENS, D_MODEL)
+        (output * weights).sum().backward()
+        wanted.append({
+            "output": output.detach(), "input gradient": whole.grad, "router gradient": layer.router.weight.grad,
+            "up": layer.experts.up.grad, "down": layer.experts.down.grad,
+            "theory": [dropless.all_to_all_bytes(loads, r, num_experts=DROPLESS_EXPERTS, row_bytes=D_MODEL * 4)
+                       for r in range(world)],
+        })  # fmt: skip
+    return wanted
+
+
+def _course_biases(world: int) -> list[torch.Tensor]:
+    """DeepSeek-V3's rule on the loads summed over ``world`` ranks' tokens, step by step."""
+    logits = [_dropless_scores(50 + rank) for rank in range(world)]
+    bias, biases = torch.zeros(DROPLESS_EXPERTS), []
+    for _ in range(BALANCE_STEPS):
+        load = sum(dropless.route_dropless(rank_logits, top_k=2, bias=bias).load for rank_logits in logits)
+        bias = dropless.bias_step(bias, load, rate=BIAS_RATE)
+        biases.append(bias.clone())
+    return biases
+
+
+def _imbalance(world: int, bias: torch.Tensor) -> float:
+    """The busiest expert's load over the mean, over ``world`` ranks' tokens routed with ``bias``."""
+    load = sum(
+        dropless.route_dropless(_dropless_scores(50 + r), top_k=2, bias=bias).load for r in range(world)
+    )
+    return float(load.max() / load.float().mean())
+
+
+def check_bias_update(lab) -> None:
+    for world in WORLD_SIZES:
+        results = on_ranks(world, _balance, lab)
+        wanted = _course_biases(world)
+        for rank, biases in enumerate(results):
+            for step, (got, bias) in enumerate(zip(biases, wanted, strict=True)):
+                assert torch.allclose(got, bias, atol=1e-6), (
+                    f"on {world} ranks rank {rank}'s biases after step {step + 1} are {got.tolist()}, "
+                    f"DeepSeek-V3's rule on the loads summed over the ranks gives {bias.tolist()}"
+                )
+        start, end = _imbalance(world, torch.zeros(DROPLESS_EXPERTS)), _imbalance(world, results[0][-1])
+        assert end < start, (
+            f"on {world} ranks the load spread went from {start:.2f} to {end:.2f}: it should fall"
+        )
+
+
+def check_dropless_layer(lab) -> None:
+    for world in WORLD_SIZES:
+        results, wanted = on_ranks(world, _dropless_layer, lab), _dropless_one_process(world)
+        for case, (top_k, whole) in enumerate(zip(DROPLESS_TOP_K, wanted, strict=True)):
+            where = f"dropless top-{top_k}, {DROPLESS_EXPERTS} experts on {world} ranks"
+            for rank, result in enumerate(results):
+                got, held = result[case], dropless.expert_range(DROPLESS_EXPERTS, world, rank)
+                expected = {
+                    "output": whole["output"][rank], "input gradient": whole["input gradient"][rank],
+                    "router gradient": whole["router gradient"],
+                    "expert gradients": [whole["up"][held.start : held.stop], whole["down"][held.start : held.stop]],
+                }  # fmt: skip
+                for what, value in expected.items():
+                    error = _largest_difference(got[what], value)
+                    assert error < 1e-5, (
+                        f"{where}: rank {rank}'s {what} differs from one process's by {error:.2e}"
+                    )
+
+
+def check_dropless_messages(lab) -> None:
+    for world in WORLD_SIZES:
+        results, wanted = on_ranks(world, _dropless_layer, lab), _dropless_one_process(world)
+        for case, (top_k, whole) in enumerate(zip(DROPLESS_TOP_K, wanted, strict=True)):
+            for rank, result in enumerate(results):
+                got = result[case]
+                where = f"dropless top-{top_k} on {world} ranks, rank {rank}"
+                calls = got["calls"]
+                assert calls["all_gather"] == 1 and calls["all_to_all"] == 4, (
+                    f"{where} made {calls['all_gather']} all-gather(s) and {calls['all_to_all']} all-to-all(s) in a "
+                    "forward and backward: one all-gather of the counts, dispatch and combine, and their mirrors"
+                )
+                assert got["sent"] == whole["theory"][rank], (
+                    f"{where} sent {got['sent']:.0f} bytes, dropless.all_to_all_bytes says {whole['theory'][rank]}: "
+                    "every row bound for another rank's expert, there and back, forward and backward, and the E "
+                    "counts once to each other rank"
+                )
+
+
 PROPERTIES = [
     Property(
         "the routing picks the top-k experts and drops what exceeds an expert's capacity, as GShard does",
@@ -258,6 +460,31 @@ PROPERTIES = [
         check_traffic,
         "Exchange the per-expert counts once, as one (E,) tensor; send only kept assignments.",
     ),
+    Property(
+        "part 2: dropless routing keeps every assignment; the bias chooses, the scores alone weigh",
+        check_route_dropless,
+        "sigmoid scores; topk of (scores.detach() + bias); gates gathered from the scores and normalized; "
+        "load = torch.bincount(expert, minlength=E).",
+    ),
+    Property(
+        "part 2: the bias update moves every rank's biases alike toward an even load, and the spread falls "
+        "(2, 4 ranks)",
+        check_bias_update,
+        "all_reduce the load (a float copy) first, then bias + rate x sign(mean load - load).",
+    ),
+    Property(
+        "part 2: the dropless layer equals one process holding every expert, 5 experts on 2 and 4 ranks",
+        check_dropless_layer,
+        "expert_range places the experts; the all-gathered (N, E) counts give send (your experts' columns "
+        "summed per destination) and receive (the sources' counts for your experts); what arrives is by "
+        "source then expert: reorder it for grouped_mm, and back.",
+    ),
+    Property(
+        "part 2: its messages: one all-gather of the counts and the uneven all-to-alls, as many bytes as the "
+        "formula",
+        check_dropless_messages,
+        "gather the E counts once (all_gather_into_tensor); send each row once each way; nothing else.",
+    ),
 ]
 
 
@@ -282,6 +509,20 @@ def _aux_loss_collapsed() -> float:
     return float(ep.route(logits, top_k=1, capacity_factor=1.0).aux_loss)
 
 
+def _bias_after_overloaded_steps() -> float:
+    """An expert above the mean load in each of 10 steps, γ = 0.001: its bias after them."""
+    bias, load = torch.zeros(Q_EXPERTS), torch.ones(Q_EXPERTS)
+    load[0] = 2.0
+    for _ in range(10):
+        bias = dropless.bias_step(bias, load, rate=0.001)
+    return float(bias[0])
+
+
+def _counts_bytes() -> float:
+    """What one rank sends to gather every rank's E counts (int64), with no rows to send."""
+    return dropless.all_to_all_bytes([[0] * Q_EXPERTS] * Q_RANKS, 0, num_experts=Q_EXPERTS, row_bytes=0)
+
+
 QUESTIONS = [
     Question(
         "capacity_tokens4096_e64_top2_factor1p25",
@@ -298,5 +539,17 @@ QUESTIONS = [
         "aux_loss_every_token_to_one_expert_e8",
         _aux_loss_collapsed,
         "f and P are both 1 for that expert and 0 for the others: E x Σ f_e P_e",
+    ),
+    Question(
+        "bias_of_an_expert_overloaded_10_steps_rate0p001",
+        _bias_after_overloaded_steps,
+        "each step moves the bias by γ against the sign of (load - mean load), whatever the size of the gap",
+        rel_tol=1e-6,
+    ),
+    Question(
+        "counts_bytes_per_rank_e64_n8_int64",
+        _counts_bytes,
+        "every rank's E counts, 8 bytes each, go to each of the other N-1 ranks once a layer "
+        "(course_lib/parallel/dropless.py, all_to_all_bytes)",
     ),
 ]

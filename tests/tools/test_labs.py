@@ -429,6 +429,22 @@ def test_lab10_a_combine_that_forgets_the_gates_and_counts_sent_twice_are_each_n
     assert "the routing says" in _outcome("lab10_moe", "check_traffic", chatty)
 
 
+def test_lab10_part_2_a_bias_in_the_gates_an_update_on_one_ranks_load_and_counts_gathered_twice_are_named(
+    tmp_path,
+):
+    for name in ("weighed", "alone", "twice"):
+        (tmp_path / name).mkdir()
+    weighed = _mutant("lab10_moe", "    chosen = scores.gather(1, experts)\n",
+                      "    chosen = (scores + (bias if bias is not None else 0)).gather(1, experts)\n",
+                      tmp_path / "weighed")  # fmt: skip
+    assert "the bias chooses; the scores alone weigh" in _outcome("lab10_moe", "check_route_dropless", weighed)
+    alone = _mutant("lab10_moe", '    comm.all_reduce(total, op="sum")\n', "", tmp_path / "alone")
+    assert "summed over the ranks gives" in _outcome("lab10_moe", "check_bias_update", alone)
+    gather = "        comm.all_gather_into_tensor(everyone, routing.load)\n"
+    twice = _mutant("lab10_moe", gather, gather + gather, tmp_path / "twice")
+    assert "one all-gather of the counts" in _outcome("lab10_moe", "check_dropless_messages", twice)
+
+
 def test_lab11_a_ring_that_waits_before_it_multiplies_and_a_wrong_slot_are_each_named(tmp_path):
     """A loop that waits for each exchange before its matmul computes the right numbers and sends the
     right bytes, but hides nothing: only the overlap property fails. Chunks filed as if they went the

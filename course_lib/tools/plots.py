@@ -472,6 +472,45 @@ def plot_expert_load(loads: dict[str, tuple[list[int], int]], *, path=None) -> F
     return save(figure, path)
 
 
+MOE_PHASES = {
+    "route": ("#8c8c8c", "route (router, top-k, counts)"),
+    "dispatch": ("#c44e52", "dispatch: post, then wait for the rows"),
+    "experts": ("#4c72b0", "experts (grouped matmul)"),
+    "combine": ("#dd8452", "combine: post, then wait for the results"),
+    "mix": ("#55a868", "mix (gates, add to the tokens)"),
+}
+
+
+def plot_moe_overlap(events: dict[int, list[tuple[int, str, float, float]]], *, path=None) -> Figure:
+    """Two or more micro-batches through an expert-parallel layer, their phases over time: one row
+    per rank and micro-batch, so one micro-batch's all-to-all shows beside another's work.
+
+    Args:
+        events: per rank, ``(micro-batch, phase, start, end)`` in seconds
+            (``parallel.moe_overlap.overlapped_forward``'s events).
+        path: save the chart as a PNG here (None: only return it).
+    """
+    rows = [(rank, batch) for rank in sorted(events) for batch in sorted({e[0] for e in events[rank]})]
+    figure = Figure(figsize=(10, 0.45 * len(rows) + 1.8))
+    axis = figure.subplots()
+    for row, (rank, batch) in enumerate(rows):
+        for index, phase, start, end in events[rank]:
+            if index == batch:
+                axis.barh(row, (end - start) * 1e3, left=start * 1e3, color=MOE_PHASES[phase][0],
+                          edgecolor="black", linewidth=0.4)  # fmt: skip
+    axis.set_yticks(range(len(rows)), [f"rank {rank}, micro-batch {batch}" for rank, batch in rows])
+    axis.invert_yaxis()
+    axis.set_xlim(left=0)
+    axis.set_xlabel("time since the layer started (ms)")
+    axis.set_title("one micro-batch's all-to-all in flight while the other routes or computes")
+    handles = [
+        Patch(facecolor=colour, edgecolor="black", label=label) for colour, label in MOE_PHASES.values()
+    ]
+    axis.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3, fontsize=8)
+    figure.tight_layout()
+    return save(figure, path)
+
+
 # -- the anatomy of a step ------------------------------------------------------------------------
 
 ANATOMY_COLOURS = {

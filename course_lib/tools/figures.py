@@ -26,7 +26,7 @@ from ..distributed.ring import ring_all_reduce_counts
 from ..observe import profiling
 from ..parallel import context_chunks, expert, memory, mesh, pipeline
 from ..parallel.fsdp import FullyShardedDataParallel
-from ..plan import attention_time, cost_model, specs
+from ..plan import attention_time, cost_model, kernels, specs
 from ..plan.layout import Layout
 from . import RECORDED, bench, plots
 from .bench import MLP_BATCH, MLP_LAYERS, MLP_WIDTH, mlp, training_step
@@ -273,6 +273,28 @@ def expert_load():
     )
 
 
+def grouped_experts():
+    """One grouped kernel against one launch per expert, the kernel model of the H100's record:
+    a rank's 16,384 rows (up-projections of DeepSeek-V2-Lite's experts, 2048 x 1408) split evenly
+    among 1 to 64 experts."""
+    gpu, rows, d_model, hidden = kernels.GPUS["h100-sxm"], 16384, 2048, 1408
+    counts = [1, 2, 4, 8, 16, 32, 64]
+    flops = 2 * rows * d_model * hidden / 1e12
+    one_each = [flops / (e * kernels.matmul_seconds(gpu, rows / e, hidden, d_model)) for e in counts]
+    grouped = [flops / kernels.grouped_matmul_seconds(gpu, rows / e, hidden, d_model, e) for e in counts]
+    measured = kernels.kernel_fit(gpu.record).grouped_products
+    return plots.plot_grouped_experts(
+        {"one launch per expert": one_each, "one grouped kernel": grouped},
+        counts,
+        title=f"H100, {rows} rows, experts {d_model} x {hidden}: the tile model\n"
+        + (
+            f"({measured} grouped products measured)"
+            if measured
+            else "(no grouped product measured yet: an assumption)"
+        ),
+    )
+
+
 def strong_scaling():
     """The strong-scaling plot of slides/recorded/scaling.csv, as ``study plot`` draws it."""
     rows = read_csv(RECORDED_SCALING)
@@ -416,6 +438,7 @@ FIGURES: dict[str, Callable] = {
     "ring_attention": ring_attention,
     "sequence_methods": sequence_methods,
     "expert_load": expert_load,
+    "grouped_experts": grouped_experts,
     "layout_memory": layout_memory,
     "prediction_check": prediction_check,
     "allreduce_algorithms": allreduce_algorithms,

@@ -511,6 +511,33 @@ def plot_moe_overlap(events: dict[int, list[tuple[int, str, float, float]]], *, 
     return save(figure, path)
 
 
+def plot_grouped_experts(
+    rates: dict[str, list[float]], experts: list[int], *, title: str, path=None
+) -> Figure:
+    """The rate a rank's experts reach as their count grows with the rows fixed: one launch each
+    against one grouped kernel (``plan.kernels``' model of the GPU's record).
+
+    Args:
+        rates: a line's label -> its TFLOP/s at each count of ``experts``.
+        experts: the experts on the rank, the x axis.
+        title: what is fixed (the GPU, the rows, the experts' shape, whether measured).
+        path: save the chart as a PNG here (None: only return it).
+    """
+    figure = Figure(figsize=(5.2, 3.4))
+    axis = figure.subplots()
+    for label, values in rates.items():
+        axis.plot(experts, values, marker="o", label=label)
+    axis.set_xscale("log", base=2)
+    axis.set_xticks(experts, [str(count) for count in experts])
+    axis.set_ylim(bottom=0)
+    axis.set_xlabel("experts on the rank (the same rows split among them)")
+    axis.set_ylabel("TFLOP/s")
+    axis.set_title(title, fontsize=9)
+    axis.legend(fontsize="small")
+    figure.tight_layout()
+    return save(figure, path)
+
+
 # -- the anatomy of a step ------------------------------------------------------------------------
 
 ANATOMY_COLOURS = {

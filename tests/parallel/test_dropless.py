@@ -49,11 +49,13 @@ def test_every_assignment_is_kept_and_the_bias_chooses_without_weighing():
     assert max(len(set(row.tolist())) for row in nodes_used) <= 2
 
 
-def _dropless_against_one_process(shared: int, nodes: int, node_limit):
+def _dropless_against_one_process(shared: int, nodes: int, node_limit, fine: bool = False):
+    """``fine``: DeepSeek-MoE's fine-grained experts, twice as many at half the width, with k = 4."""
     rank, size = runtime.rank(), runtime.world_size()
     torch.manual_seed(0)
-    layer = dropless.DroplessMoE(D_MODEL, HIDDEN, num_experts=EXPERTS * nodes, top_k=2, shared_experts=shared,
-                                 nodes=nodes, node_limit=node_limit)  # fmt: skip
+    experts, hidden, top_k = (2 * EXPERTS, HIDDEN // 2, 4) if fine else (EXPERTS, HIDDEN, 2)
+    layer = dropless.DroplessMoE(D_MODEL, hidden, num_experts=experts * nodes, top_k=top_k,
+                                 shared_experts=shared, nodes=nodes, node_limit=node_limit)  # fmt: skip
     inputs = [
         torch.randn(TOKENS + r, D_MODEL, generator=torch.Generator().manual_seed(r)) for r in range(size)
     ]
@@ -101,6 +103,10 @@ def test_dropless_experts_over_ranks_equal_one_process_holding_them_all(world):
 
 def test_node_limited_routing_over_two_nodes_equals_one_process():
     launch(_dropless_against_one_process, 4, 0, 2, 1)
+
+
+def test_fine_grained_experts_with_a_larger_k_over_three_ranks_equal_one_process():
+    launch(_dropless_against_one_process, 3, 1, 1, None, True)  # 10 experts of width 2, top-4, one shared
 
 
 def _balanced_alike():

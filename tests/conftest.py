@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -131,6 +134,61 @@ def run_ranks(
     module: str = "course_lib.train",
 ) -> list[RankOutcome]:
     return finish(start_ranks(args, nprocs, env, module), timeout)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process under ``pid``, children first (from /proc)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = [int(child) for child in (task / "children").read_text().split()]
+        except OSError:  # the task ended meanwhile
+            continue
+        for child in children:
+            found += [child, *descendants(child)]
+    return found
+
+
+def where_they_wait(pid: int) -> str:
+    """What ``pid`` and every process under it are doing: each one's command line, then its Python
+    threads' stacks (py-spy) or, without py-spy, the kernel function each thread sleeps in. A test
+    whose processes hang appends this to its failure, so that the hang names its own cause."""
+    spy = shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    lines = []
+    for process in [pid, *descendants(pid)]:
+        try:
+            command = Path(f"/proc/{process}/cmdline").read_text().replace("\0", " ").strip()
+        except OSError:
+            continue
+        lines.append(f"--- process {process}: {command[:200]}")
+        if spy:
+            dump = subprocess.run(
+                [spy, "dump", "--pid", str(process)], capture_output=True, text=True, timeout=60
+            )
+            lines.append((dump.stdout or dump.stderr).strip())
+        else:
+            for task in sorted(Path(f"/proc/{process}/task").glob("*")):
+                try:
+                    lines.append(f"thread {task.name}: {(task / 'wchan').read_text() or 'running'}")
+                except OSError:
+                    pass
+    return "\n".join(lines)
+
+
+def communicate_or_explain(process: subprocess.Popen, timeout: float) -> str:
+    """``process.communicate(timeout)``'s output; on a timeout, fail with where every process of the
+    tree waits (``where_they_wait``), then kill them all."""
+    try:
+        return process.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        explained = where_they_wait(process.pid)
+        for child in [process.pid, *descendants(process.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+        output = process.communicate()[0]
+        raise AssertionError(
+            f"still running after {timeout:g} s:\n{output[-4000:]}\nwhere each process waits:\n{explained}"
+        ) from None
 
 
 def run_tool(tool: str, *args: str) -> subprocess.CompletedProcess:

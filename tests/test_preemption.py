@@ -17,7 +17,7 @@ from course_lib.errors import EXIT_CRASH, EXIT_DIVERGED, EXIT_REQUEUE, EXIT_USER
 from course_lib.observe import faults
 from course_lib.tools.torchrun import verdict
 
-from conftest import REPO, clean_env, latest_weights
+from conftest import REPO, clean_env, communicate_or_explain, descendants, latest_weights
 
 pytestmark = pytest.mark.slow  # runs trained, stopped by a signal and resumed: seconds each
 
@@ -81,7 +81,7 @@ def _start(checkpoint_dir: Path, *extra: str) -> subprocess.Popen:
 def uninterrupted(tmp_path_factory):
     directory = tmp_path_factory.mktemp("straight")
     process = _start(directory)
-    output, _ = process.communicate(timeout=300)
+    output = communicate_or_explain(process, 300)
     assert process.returncode == 0, output
     return latest_weights(directory)
 
@@ -93,7 +93,7 @@ def test_a_stop_signal_checkpoints_exits_3_and_the_rerun_ends_identical(tmp_path
     workers = _children(process.pid)
     for worker in workers:  # as `scancel --signal=USR1` does: every training process hears it
         os.kill(worker, signal.SIGUSR1)
-    output, _ = process.communicate(timeout=120)
+    output = communicate_or_explain(process, 120)
     assert "stopped by SIGUSR1 after step" in output and "rerun with --resume latest" in output
     # "requeue me"
     assert process.returncode != 0 and re.search(rf"exitcode\s*:\s*{EXIT_REQUEUE}\b", output), output
@@ -101,7 +101,7 @@ def test_a_stop_signal_checkpoints_exits_3_and_the_rerun_ends_identical(tmp_path
     assert stopped_at not in (FIRST_CHECKPOINT, uninterrupted[0])  # a checkpoint of the step it stopped at
 
     rerun = _start(tmp_path)
-    output, _ = rerun.communicate(timeout=300)
+    output = communicate_or_explain(rerun, 300)
     assert rerun.returncode == 0, output
     assert "resumed from" in output
     name, weights = latest_weights(tmp_path)
@@ -115,7 +115,7 @@ def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint(tmp_path, unin
     process = _start(tmp_path, "--max-restarts", "1")
     _wait_for(lambda: (tmp_path / FIRST_CHECKPOINT).is_dir(), what="the first checkpoint")
     os.kill(_children(process.pid)[-1], signal.SIGKILL)  # one rank dies without warning
-    output, _ = process.communicate(timeout=300)
+    output = communicate_or_explain(process, 300)
     assert process.returncode == 0, output
     assert output.count("resumed from") >= 1, output  # the restarted workers picked up the checkpoint
     name, weights = latest_weights(tmp_path)
@@ -129,16 +129,9 @@ COURSE_TORCHRUN = [sys.executable, "-m", "course_lib.tools.torchrun", "--standal
 LOADERS = ["--workers", "2"]
 
 
-def _descendants(pid: int) -> list[int]:
-    found = []
-    for child in _children(pid):
-        found += [child, *_descendants(child)]
-    return found
-
-
 def _terminate_everything(process: subprocess.Popen) -> None:
     """SIGTERM to the launcher and every process under it, as Slurm does to a job's processes."""
-    for pid in [process.pid, *_descendants(process.pid)]:
+    for pid in [process.pid, *descendants(process.pid)]:
         try:
             os.kill(pid, signal.SIGTERM)
         except ProcessLookupError:
@@ -164,9 +157,9 @@ def test_sigterm_to_a_single_process_and_its_data_loaders_stops_cleanly(tmp_path
         command, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     _wait_for(lambda: (tmp_path / FIRST_CHECKPOINT).is_dir(), what="the first checkpoint")
-    assert len(_descendants(process.pid)) >= 2  # the loaders are running
+    assert len(descendants(process.pid)) >= 2  # the loaders are running
     _terminate_everything(process)
-    output, _ = process.communicate(timeout=120)
+    output = communicate_or_explain(process, 120)
     assert process.returncode == EXIT_REQUEUE, output
     assert "stopped by SIGTERM after step" in output and "Traceback" not in output, output
     stopped_at, _ = latest_weights(tmp_path)
@@ -185,19 +178,20 @@ def test_sigterm_to_every_process_under_torchrun_stops_cleanly_with_status_3(tmp
     )
     _wait_for(lambda: (tmp_path / FIRST_CHECKPOINT).is_dir(), what="the first checkpoint")
     _terminate_everything(process)
-    output, _ = process.communicate(timeout=120)
+    output = communicate_or_explain(process, 120)
     assert process.returncode == EXIT_REQUEUE, output
     assert "Traceback" not in output, output
     assert output.count("torchrun: stopped by SIGTERM: every rank stopped at the same step") == 1, output
-    rerun = subprocess.run(
+    rerun = subprocess.Popen(
         [*COURSE_TORCHRUN, *TRAINING, *LOADERS, "--checkpoint-dir", str(tmp_path)],
         cwd=REPO,
         env=clean_env(),
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
-        timeout=300,
     )
-    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    output = communicate_or_explain(rerun, 300)
+    assert rerun.returncode == 0, output
     name, weights = latest_weights(tmp_path)
     assert name == uninterrupted[0]
     for key, tensor in uninterrupted[1].items():
@@ -234,3 +228,17 @@ def test_the_run_exits_with_the_status_that_describes_it(statuses, workers, stat
     got_status, got_line = verdict(statuses, workers)
     assert got_status == status
     assert (got_line is None) if line is None else (line in got_line)
+
+
+def test_a_run_that_hangs_fails_saying_where_each_of_its_processes_waits():
+    """What these tests print when a run never ends: every process of its tree and its stacks."""
+    child = "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])"
+    waiting = f"import subprocess, sys, time; {child}; time.sleep(60)"
+    process = subprocess.Popen(
+        [sys.executable, "-c", waiting], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    time.sleep(1)
+    with pytest.raises(AssertionError, match="where each process waits") as failed:
+        communicate_or_explain(process, 1)
+    assert str(failed.value).count("--- process ") == 2 and "sleep" in str(failed.value), failed.value
+    assert process.returncode == -signal.SIGKILL

@@ -28,6 +28,7 @@ Two details keep that invariant exact:
 
 from __future__ import annotations
 
+import multiprocessing
 import signal
 import sys
 from dataclasses import dataclass
@@ -290,6 +291,45 @@ def _by_rank(values: list) -> str:
     return ", ".join(f"rank {rank}: {value}" for rank, value in enumerate(values))
 
 
+LOADER_START = "forkserver"
+"""How the data-loading processes start: forked from a small server process, never from the
+training process itself. A rank runs threads (the process group's, the loaders' queue feeders),
+and Python 3.11 can deadlock a child forked while one of them is being created or deleted: the
+child waits forever in ``PyOS_AfterFork_Child`` for a lock that thread held (measured here: a
+validation loader's process stuck so, its rank waiting for its batch, the other rank timing out).
+Python 3.12 warns of fork in a threaded process; 3.14 makes forkserver the default on Linux."""
+
+LOADER_SERVER_PRELOAD = "course_lib.loader_server"
+"""What the loaders' server process imports before it forks any loader process (torch, and stop
+signals ignored from the first instruction: see ``loader_server``)."""
+
+
+def loader_processes():
+    """The multiprocessing context every loader here starts its processes in (``LOADER_START``)."""
+    context = multiprocessing.get_context(LOADER_START)
+    context.set_forkserver_preload([LOADER_SERVER_PRELOAD])  # read when the server starts, once
+    return context
+
+
+def close_loaders(*loaders: DataLoader) -> None:
+    """Stop the loaders' processes now, whatever stopped training (the end, a signal, an error).
+
+    A persistent loader keeps its processes between epochs, and they ignore stop signals
+    (``leave_stop_signals_to_the_trainer``); left running at the interpreter's exit, the exit
+    would wait for them forever (multiprocessing terminates them with SIGTERM, then joins them).
+    So the trainer closes them itself, through the iterator's own shutdown (PyTorch's, private:
+    the DataLoader has no public close).
+
+    Args:
+        loaders: the run's loaders (those without processes are left alone).
+    """
+    for loader in loaders:
+        iterator = getattr(loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+        loader._iterator = None
+
+
 def leave_stop_signals_to_the_trainer(_worker_id: int) -> None:
     """A data-loading process ignores SIGTERM and SIGUSR1 (``worker_init_fn`` of every loader here).
 
@@ -323,6 +363,7 @@ def train_loader(
         pin_memory=pin_memory,
         persistent_workers=workers > 0,
         worker_init_fn=leave_stop_signals_to_the_trainer,
+        multiprocessing_context=loader_processes() if workers > 0 else None,
     )
 
 
@@ -355,7 +396,9 @@ def validation_loader(
         sampler=sampler,
         num_workers=workers,
         pin_memory=pin_memory,
+        persistent_workers=workers > 0,  # started once, not at every evaluation; closed by close_loaders
         worker_init_fn=leave_stop_signals_to_the_trainer,
+        multiprocessing_context=loader_processes() if workers > 0 else None,
     )
 
 

@@ -7,7 +7,8 @@ import only from its own layer or a layer below:
 rank  layer                                           what it holds
 ====  ==============================================  ============================================
 0     ``errors``, ``checks``, ``flags``,            the leaves everything uses
-      ``data``, ``models``, ``llama``
+      ``data``, ``loader_server``, ``models``,
+      ``llama``
 1     ``distributed``                                 processes, collectives, the ledger, the ring
 2     ``parallel``  |  ``observe``                    the techniques  |  the instruments; siblings
                                                       that never import each other (hooks join them)
@@ -34,6 +35,7 @@ LEAVES = (
     "course_lib.checks",
     "course_lib.flags",
     "course_lib.data",
+    "course_lib.loader_server",
     "course_lib.models",
     "course_lib.llama",
 )

@@ -134,3 +134,31 @@ def test_model_that_does_not_fit_the_data():
 @pytest.mark.parametrize("name", ["digits", "synthetic"])
 def test_the_training_split_size_known_before_loading_is_the_loaded_one(name):
     assert data.train_samples(name) == len(data.load_dataset(name).train)
+
+
+def _ignored_signals(pid: int) -> int:
+    status = open(f"/proc/{pid}/status").read()
+    return int(next(line for line in status.splitlines() if line.startswith("SigIgn:")).split()[1], 16)
+
+
+def test_loader_processes_come_from_the_server_ignore_stop_signals_and_end_when_closed():
+    """Never forked from the training process (its threads could hold a lock the child then waits
+    for: ``data.LOADER_START``), deaf to SIGTERM and SIGUSR1 from their first instruction, and
+    stopped by ``close_loaders`` (the trainer's, whatever ended the run)."""
+    import os
+    import signal
+
+    dataset = TensorDataset(torch.randn(64, 3), torch.arange(64))
+    loader = data.train_loader(dataset, 8, 0, 1, seed=0, workers=2)
+    iterator = iter(loader)
+    next(iterator)
+    processes = iterator._workers
+    for process in processes:
+        assert (
+            process.is_alive()
+            and open(f"/proc/{process.pid}/status").read().count(f"PPid:\t{os.getpid()}\n") == 0
+        )
+        ignored = _ignored_signals(process.pid)
+        assert all(ignored & (1 << (number - 1)) for number in (signal.SIGTERM, signal.SIGUSR1))
+    data.close_loaders(loader)
+    assert not any(process.is_alive() for process in processes) and loader._iterator is None

@@ -451,9 +451,12 @@ def train(config: TrainConfig, *, collect_state: bool = False, stop_on_signals: 
         collect_state: also return the full trained weights (on rank 0), for comparisons.
         stop_on_signals: stop at a step boundary, checkpointed, on SIGUSR1 or SIGTERM.
     """
-    stop_requests = StopRequests() if stop_on_signals else None
+    stop_requests, trainer = StopRequests() if stop_on_signals else None, None
     try:
-        return Trainer(config, stop_requests).fit(collect_state=collect_state)
+        trainer = Trainer(config, stop_requests)
+        return trainer.fit(collect_state=collect_state)
     finally:
+        if trainer is not None:  # whatever ended the run: its loaders' processes end with it
+            data.close_loaders(trainer.train_loader, trainer.val_loader)
         if stop_requests is not None:
             stop_requests.restore()

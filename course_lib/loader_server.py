@@ -1,0 +1,25 @@
+"""The server the data loaders' processes are forked from (``data.LOADER_START``): what it imports.
+
+The loaders start their processes in multiprocessing's *forkserver*: one small process, started
+once per training process, forks every loader process, so that none is forked from a training
+process with threads running (the deadlock ``data.LOADER_START`` describes). The server imports
+this module before it forks anything. Two things follow for every loader process:
+
+- it ignores SIGTERM and SIGUSR1 from its first instruction: ``scancel``, a preemption and the
+  time limit signal every process of a job, and the training process must be the one that stops
+  (at a step boundary, with a checkpoint); a loader process still starting when the signal came
+  would otherwise die of it (``data.leave_stop_signals_to_the_trainer`` keeps them ignored);
+- torch is already imported, so a loader process starts in milliseconds, not seconds.
+
+Importing this module anywhere else would make that process deaf to stop signals: only the
+server imports it.
+"""
+
+import signal
+
+import torch.utils.data  # noqa: F401 (imported once in the server, inherited by every loader process)
+
+from .errors import STOP_SIGNALS
+
+for _number in STOP_SIGNALS:
+    signal.signal(_number, signal.SIG_IGN)

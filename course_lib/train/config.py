@@ -63,7 +63,8 @@ class TrainConfig:
         grad_accum: micro-batches each rank accumulates before a step.
         eval_batch_size: samples per forward when validating.
         max_steps: stop after this many optimizer steps in total (None: run every epoch).
-        workers: data-loading processes per rank.
+        workers: data-loading processes per rank (started from a forkserver, ``data.LOADER_START``:
+            a script that trains with them needs the ``if __name__ == "__main__":`` guard).
         checkpoint_dir: where checkpoints are written (None: none are).
         checkpoint_every: also save every N steps (0: only at the end of each epoch), or ``auto``:
             at Daly's interval (``checkpoint_interval``), from a first save after

@@ -201,6 +201,13 @@ def _largest_difference(got, wanted) -> float:
     return max((_largest_difference(a, b) for a, b in zip(got, wanted)), default=0.0)
 
 
+def _assert_as_one_process(got: dict, wanted: dict, *, where: str) -> None:
+    """Each of a rank's results within 1e-5 of what one process holding every expert computed."""
+    for what, value in wanted.items():
+        error = _largest_difference(got[what], value)
+        assert error < 1e-5, f"{where} {what} differs from one process's by {error:.2e}"
+
+
 def check_layer(lab) -> None:
     for top_k, factor in CASES:
         for world in WORLD_SIZES:
@@ -219,11 +226,7 @@ def check_layer(lab) -> None:
                     "router gradient": whole["router gradient"],
                     "expert gradients": whole["experts"][rank * local : (rank + 1) * local],
                 }
-                for what, value in wanted.items():
-                    error = _largest_difference(result[what], value)
-                    assert error < 1e-5, (
-                        f"{where}: rank {rank}'s {what} differs from one process's by {error:.2e}"
-                    )
+                _assert_as_one_process(result, wanted, where=f"{where}: rank {rank}'s")
 
 
 def check_traffic(lab) -> None:
@@ -405,11 +408,7 @@ def check_dropless_layer(lab) -> None:
                     "router gradient": whole["router gradient"],
                     "expert gradients": [whole["up"][held.start : held.stop], whole["down"][held.start : held.stop]],
                 }  # fmt: skip
-                for what, value in expected.items():
-                    error = _largest_difference(got[what], value)
-                    assert error < 1e-5, (
-                        f"{where}: rank {rank}'s {what} differs from one process's by {error:.2e}"
-                    )
+                _assert_as_one_process(got, expected, where=f"{where}: rank {rank}'s")
 
 
 def check_dropless_messages(lab) -> None:

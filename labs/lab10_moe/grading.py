@@ -46,19 +46,27 @@ def _your_gate_gradient(lab, logits: torch.Tensor) -> torch.Tensor | None:
     return logits.grad
 
 
+def _assert_same_routing(
+    yours: dict, course, fields: tuple[str, ...], *, where: str, gates: str = ""
+) -> None:
+    """Your routing's integer fields equal the course's, and its gates within 1e-6 (``gates``: why not)."""
+    for field in fields:
+        got, wanted = yours[field], getattr(course, field)
+        assert torch.equal(got, wanted), (
+            f"{where}: your {field} starts {got[:8].tolist()}, the course's {wanted[:8].tolist()}"
+        )
+    assert torch.allclose(yours["gate"], course.gate, atol=1e-6), (
+        f"{where}: your gates differ from the course's" + (f" ({gates})" if gates else "")
+    )
+
+
 def check_route(lab) -> None:
     for seed, (top_k, factor) in enumerate(CASES):
         logits = _scores(seed)
         yours = in_sandbox(_your_routing, lab, logits, top_k, factor)
         course = ep.route(logits, top_k=top_k, capacity_factor=factor)
-        where = f"top-{top_k}, capacity factor {factor:g}"
-        for field in ("token", "expert", "kept"):
-            got, wanted = yours[field], getattr(course, field)
-            assert torch.equal(got, wanted), (
-                f"{where}: your {field} starts {got[:8].tolist()}, the course's {wanted[:8].tolist()}"
-            )
-        assert torch.allclose(yours["gate"], course.gate, atol=1e-6), (
-            f"{where}: your gates differ from the course's"
+        _assert_same_routing(
+            yours, course, ("token", "expert", "kept"), where=f"top-{top_k}, capacity factor {factor:g}"
         )
     gradient = in_sandbox(_your_gate_gradient, lab, _scores(9))
     assert gradient is not None and gradient.abs().sum() > 0, "the gates must stay differentiable"
@@ -271,14 +279,8 @@ def check_route_dropless(lab) -> None:
             course = dropless.route_dropless(wanted_logits, top_k=top_k, bias=with_bias)
             (wanted_gradient,) = torch.autograd.grad(course.gate.pow(2).sum(), wanted_logits)
             where = f"top-{top_k}, {'with' if with_bias is not None else 'without'} a bias"
-            for field in ("token", "expert", "load"):
-                got, wanted = yours[field], getattr(course, field)
-                assert torch.equal(got, wanted), (
-                    f"{where}: your {field} starts {got[:8].tolist()}, the course's {wanted[:8].tolist()}"
-                )
-            assert torch.allclose(yours["gate"], course.gate, atol=1e-6), (
-                f"{where}: your gates differ from the course's (the bias chooses; the scores alone weigh)"
-            )
+            _assert_same_routing(yours, course, ("token", "expert", "load"), where=where,
+                                 gates="the bias chooses; the scores alone weigh")  # fmt: skip
             assert torch.allclose(yours["gradient"], wanted_gradient, atol=1e-6), (
                 f"{where}: the router's gradient through your gates differs (is the bias inside them?)"
             )

@@ -80,7 +80,7 @@ def test_a_grouped_kernel_fills_the_waves_that_one_launch_per_expert_leaves_idle
 def test_the_grouped_products_a_record_measured_set_the_grouped_rate():
     record = json.loads(json.dumps(RECORD))
     fit = kernels.fit_record(record, H100)
-    modelled = kernels._grouped_model_seconds(fit, H100, 512, 1408, 2048, 64, "bf16")
+    modelled = kernels._tile_model_seconds(fit, H100, 512, 1408, 2048, 64, "bf16")
     record["grouped"] = [
         {"experts": 64, "d_model": 2048, "hidden": 1408, "rows": 64 * 512, "one_kernel": True,
          "grouped_s": 1.3 * modelled},

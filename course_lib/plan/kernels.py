@@ -149,8 +149,9 @@ class KernelFit:
     grouped_products: int = 0
 
 
-def _waves(m: float, n: float, tile: tuple[int, int], multiprocessors: int) -> int:
-    return math.ceil(math.ceil(m / tile[0]) * math.ceil(n / tile[1]) / multiprocessors)
+def _waves(m: float, n: float, tile: tuple[int, int], multiprocessors: int, groups: int = 1) -> int:
+    """Waves of tiles of ``groups`` (m x n) results launched together."""
+    return math.ceil(groups * math.ceil(m / tile[0]) * math.ceil(n / tile[1]) / multiprocessors)
 
 
 def _fit_tile(products: list[dict], tile, peak: float, sms: int) -> tuple[float, float, float]:
@@ -227,7 +228,7 @@ def _with_grouped_ratio(fit: KernelFit, record: dict, gpu: GPU, precision: str) 
     if not rows or precision != "bf16":
         return fit
     logs = [
-        math.log(row["grouped_s"] / _grouped_model_seconds(
+        math.log(row["grouped_s"] / _tile_model_seconds(
             fit, gpu, row["rows"] / row["experts"], row["hidden"], row["d_model"], row["experts"], precision))
         for row in rows
     ]  # fmt: skip
@@ -328,17 +329,15 @@ def matmul_seconds(gpu: GPU, m: float, n: float, k: float, precision: str = "bf1
     """
     if m <= 0 or n <= 0 or k <= 0:
         return 0.0
-    fit = kernel_fit(gpu.record, precision)
-    waves = _waves(m, n, fit.tile, gpu.multiprocessors)
+    return _tile_model_seconds(kernel_fit(gpu.record, precision), gpu, m, n, k, 1, precision)
+
+
+def _tile_model_seconds(fit: KernelFit, gpu: GPU, m, n, k, groups: int, precision: str) -> float:
+    """The fitted tile model for ``groups`` (m x k) by (k x n) products in one launch: its waves,
+    each a tile's arithmetic at the sustained rate plus the wave's latency."""
     per_sm = fit.sustained * _peak(gpu, precision) / gpu.multiprocessors
     tile_seconds = 2 * fit.tile[0] * fit.tile[1] * k / per_sm
-    return waves * (tile_seconds + fit.wave_latency_s)
-
-
-def _grouped_model_seconds(fit: KernelFit, gpu: GPU, m, n, k, groups, precision) -> float:
-    waves = math.ceil(groups * math.ceil(m / fit.tile[0]) * math.ceil(n / fit.tile[1]) / gpu.multiprocessors)
-    per_sm = fit.sustained * _peak(gpu, precision) / gpu.multiprocessors
-    return waves * (2 * fit.tile[0] * fit.tile[1] * k / per_sm + fit.wave_latency_s)
+    return _waves(m, n, fit.tile, gpu.multiprocessors, groups) * (tile_seconds + fit.wave_latency_s)
 
 
 def grouped_matmul_seconds(
@@ -361,4 +360,4 @@ def grouped_matmul_seconds(
     if m <= 0 or n <= 0 or k <= 0 or groups <= 0:
         return 0.0
     fit = kernel_fit(gpu.record, precision)
-    return fit.grouped_ratio * _grouped_model_seconds(fit, gpu, m, n, k, math.ceil(groups), precision)
+    return fit.grouped_ratio * _tile_model_seconds(fit, gpu, m, n, k, math.ceil(groups), precision)

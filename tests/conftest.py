@@ -136,16 +136,22 @@ def run_ranks(
     return finish(start_ranks(args, nprocs, env, module), timeout)
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process under ``pid``, children first (from /proc)."""
+def children(pid: int) -> list[int]:
+    """The processes ``pid`` started (from /proc), in the order it started them."""
     found = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
         try:
-            children = [int(child) for child in (task / "children").read_text().split()]
+            found += [int(child) for child in (task / "children").read_text().split()]
         except OSError:  # the task ended meanwhile
             continue
-        for child in children:
-            found += [child, *descendants(child)]
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process under ``pid``, each followed by its own (from /proc)."""
+    found = []
+    for child in children(pid):
+        found += [child, *descendants(child)]
     return found
 
 

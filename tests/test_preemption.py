@@ -17,7 +17,7 @@ from course_lib.errors import EXIT_CRASH, EXIT_DIVERGED, EXIT_REQUEUE, EXIT_USER
 from course_lib.observe import faults
 from course_lib.tools.torchrun import verdict
 
-from conftest import REPO, clean_env, communicate_or_explain, descendants, latest_weights
+from conftest import REPO, children, clean_env, communicate_or_explain, descendants, latest_weights
 
 pytestmark = pytest.mark.slow  # runs trained, stopped by a signal and resumed: seconds each
 
@@ -48,14 +48,6 @@ PACED = {faults.VARIABLE: "slow:1:0.1"}
 lasts seconds after its first checkpoint, time to signal it mid-run, at a fraction of the cores
 a CIFAR-sized model would take."""
 TORCHRUN = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2"]
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        children = (task / "children").read_text().split()
-        found += [int(child) for child in children]
-    return found
 
 
 def _wait_for(predicate, timeout: float = 120, what: str = "") -> None:
@@ -90,7 +82,7 @@ def uninterrupted(tmp_path_factory):
 def test_a_stop_signal_checkpoints_exits_3_and_the_rerun_ends_identical(tmp_path, uninterrupted):
     process = _start(tmp_path)
     _wait_for(lambda: (tmp_path / FIRST_CHECKPOINT).is_dir(), what="the first checkpoint")
-    workers = _children(process.pid)
+    workers = children(process.pid)
     for worker in workers:  # as `scancel --signal=USR1` does: every training process hears it
         os.kill(worker, signal.SIGUSR1)
     output = communicate_or_explain(process, 120)
@@ -114,7 +106,7 @@ def test_a_stop_signal_checkpoints_exits_3_and_the_rerun_ends_identical(tmp_path
 def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint(tmp_path, uninterrupted):
     process = _start(tmp_path, "--max-restarts", "1")
     _wait_for(lambda: (tmp_path / FIRST_CHECKPOINT).is_dir(), what="the first checkpoint")
-    os.kill(_children(process.pid)[-1], signal.SIGKILL)  # one rank dies without warning
+    os.kill(children(process.pid)[-1], signal.SIGKILL)  # one rank dies without warning
     output = communicate_or_explain(process, 300)
     assert process.returncode == 0, output
     assert output.count("resumed from") >= 1, output  # the restarted workers picked up the checkpoint

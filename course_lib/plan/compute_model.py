@@ -195,14 +195,11 @@ def _matmul_passes(gpu, shape, precision: str = "bf16", *, grouped: bool = False
     """Seconds of a layer's forward product and of its backward's two (input and weight gradients):
     ``count`` products one after the other, or (``grouped``, more than one) as one grouped kernel."""
     m, n, k, count = shape
-    if grouped and count > 1:
 
-        def seconds(a, b, c):
+    def seconds(a, b, c):
+        if grouped and count > 1:
             return kernels.grouped_matmul_seconds(gpu, a, b, c, count, precision)
-    else:
-
-        def seconds(a, b, c):
-            return count * kernels.matmul_seconds(gpu, a, b, c, precision)
+        return count * kernels.matmul_seconds(gpu, a, b, c, precision)
 
     return seconds(m, n, k), seconds(m, k, n) + seconds(k, n, m)
 

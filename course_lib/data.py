@@ -301,7 +301,7 @@ Python 3.12 warns of fork in a threaded process; 3.14 makes forkserver the defau
 
 LOADER_SERVER_PRELOAD = "course_lib.loader_server"
 """What the loaders' server process imports before it forks any loader process (torch, and stop
-signals ignored from the first instruction: see ``loader_server``)."""
+signals ignored while a loader process starts: see ``loader_server``)."""
 
 
 def loader_processes():

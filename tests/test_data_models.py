@@ -143,16 +143,19 @@ def _ignored_signals(pid: int) -> int:
 
 def test_loader_processes_come_from_the_server_ignore_stop_signals_and_end_when_closed():
     """Never forked from the training process (its threads could hold a lock the child then waits
-    for: ``data.LOADER_START``), deaf to SIGTERM and SIGUSR1 from their first instruction, and
-    stopped by ``close_loaders`` (the trainer's, whatever ended the run)."""
+    for: ``data.LOADER_START``), deaf to SIGTERM and SIGUSR1 once started, and stopped by
+    ``close_loaders`` (the trainer's, whatever ended the run). Each process is read after it has
+    made a batch: its start ends in ``worker_init_fn``, after torch's ``_worker_loop`` has set a
+    SIGTERM handler of its own."""
     import os
     import signal
 
     dataset = TensorDataset(torch.randn(64, 3), torch.arange(64))
     loader = data.train_loader(dataset, 8, 0, 1, seed=0, workers=2)
     iterator = iter(loader)
-    next(iterator)
     processes = iterator._workers
+    for _ in processes:  # the batches come from the processes in turn: one from each
+        next(iterator)
     for process in processes:
         assert (
             process.is_alive()
